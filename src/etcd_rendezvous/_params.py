@@ -1,0 +1,106 @@
+"""Parsing of the backend options shared by the ``etcd`` and ``etcd-v2`` backends.
+
+Values may arrive as strings (torchrun's ``--rdzv-conf key=value``) or as Python
+values; every bad value raises :class:`ValueError` naming the option at fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+from ._client import EtcdConnection
+from .api import RendezvousParameters
+from .utils import parse_rendezvous_endpoints
+
+__all__ = ["DEFAULT_PORT", "create_etcd_connection", "existing_file", "seconds"]
+
+logger = logging.getLogger(__name__)
+
+#: The etcd client port used for endpoints that do not give one.
+DEFAULT_PORT = 2379
+
+
+def seconds(
+    params: RendezvousParameters, key: str, default: float, *, allow_zero: bool = False
+) -> float:
+    """The option ``key`` as a number of seconds (``default`` if absent).
+
+    Raises:
+        ValueError: the value is not a number, is negative, or is zero and
+            ``allow_zero`` is false; the message names ``key``.
+    """
+    value = params.get(key, default)
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected a number of seconds, got {value!r}.") from None
+    if math.isnan(result) or result < 0 or (result == 0 and not allow_zero):
+        raise ValueError(f"{key}: must be positive, got {value!r}.")
+    return result
+
+
+def existing_file(params: RendezvousParameters, key: str) -> str | None:
+    """The option ``key`` as the path of an existing file, or ``None`` if absent or empty.
+
+    Raises:
+        ValueError: the path does not name an existing file; the message names ``key``.
+    """
+    path = params.get(key)
+    if path is None or path == "":
+        return None
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise ValueError(f"{key}: {path!r} is not an existing file.")
+    return path
+
+
+def create_etcd_connection(
+    params: RendezvousParameters,
+    *,
+    cert_option: str = "cert",
+    key_option: str = "key",
+    cacert_option: str = "cacert",
+) -> EtcdConnection:
+    """Open the etcd connection described by ``params``.
+
+    ``params.endpoint`` may list several endpoints, comma-separated. The options read
+    are ``protocol``, ``username``, ``password``, ``read_timeout``, ``connect_timeout``
+    and the TLS files, whose option names differ between backends (``cert``/``key``/
+    ``cacert`` for ``etcd``, ``ssl_cert``/``ssl_cert_key``/``ca_cert`` for ``etcd-v2``)
+    and are given by the ``*_option`` arguments.
+
+    Raises:
+        ValueError: an option or the endpoint list is invalid; the message names it.
+    """
+    endpoints = parse_rendezvous_endpoints(params.endpoint, DEFAULT_PORT)
+    protocol = str(params.get("protocol") or "http").strip().lower()
+    if protocol not in ("http", "https"):
+        raise ValueError(f"protocol: the etcd protocol must be http or https, got {protocol!r}.")
+    cert = existing_file(params, cert_option)
+    key = existing_file(params, key_option)
+    cacert = existing_file(params, cacert_option)
+    if key is not None and cert is None:
+        raise ValueError(f"{key_option}: a client key needs a client certificate ({cert_option}).")
+    if protocol == "http" and (cert or cacert):
+        logger.warning(
+            "%s/%s are ignored with protocol=http; did you mean https?", cert_option, cacert_option
+        )
+    username = params.get("username")
+    password = params.get("password")
+    if (username is None) != (password is None):
+        missing = "password" if password is None else "username"
+        raise ValueError(f"{missing}: username and password must be given together.")
+    read_timeout = seconds(params, "read_timeout", 60.0)
+    connect_timeout = seconds(params, "connect_timeout", 5.0)
+    return EtcdConnection(
+        endpoints,
+        protocol=protocol,
+        cert=cert,
+        key=key,
+        cacert=cacert,
+        username=None if username is None else str(username),
+        password=None if password is None else str(password),
+        read_timeout=read_timeout,
+        connect_timeout=connect_timeout,
+    )

@@ -1,0 +1,67 @@
+"""Lookup of rendezvous handlers by backend name.
+
+Importing this module registers the built-in ``etcd`` and ``etcd-v2`` backends in
+:data:`~etcd_rendezvous.api.rendezvous_handler_registry`, as torch's rendezvous package
+does on import. Backends are imported only when a handler is created, so importing
+this module does not import python-etcd.
+"""
+
+from __future__ import annotations
+
+from .api import RendezvousHandler, RendezvousParameters
+from .api import rendezvous_handler_registry as handler_registry
+
+__all__ = ["get_rendezvous_handler"]
+
+
+def _create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Create the ``etcd`` backend's handler, importing its module on first use."""
+    # Imported here so that importing the registry does not import python-etcd.
+    from .etcd_rendezvous import create_rdzv_handler  # noqa: PLC0415
+
+    return create_rdzv_handler(params)
+
+
+def _create_etcd_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Create the dynamic rendezvous handler over the ``etcd-v2`` backend, lazily."""
+    from .dynamic_rendezvous import create_handler  # noqa: PLC0415
+    from .etcd_rendezvous_backend import create_backend  # noqa: PLC0415
+
+    backend, store = create_backend(params)
+    try:
+        return create_handler(store, backend, params)
+    except BaseException:
+        backend.connection.close()
+        raise
+
+
+def _register_default_handlers() -> None:
+    """Register the built-in backends; safe to call more than once."""
+    handler_registry.register("etcd", _create_etcd_handler)
+    handler_registry.register("etcd-v2", _create_etcd_v2_handler)
+
+
+def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Create the :class:`~etcd_rendezvous.api.RendezvousHandler` for ``params.backend``.
+
+    Custom backends are registered in the global registry first::
+
+        from etcd_rendezvous.api import rendezvous_handler_registry
+        from etcd_rendezvous.registry import get_rendezvous_handler
+
+
+        def create_my_rdzv(params: RendezvousParameters) -> RendezvousHandler:
+            return MyCustomRdzv(params)
+
+
+        rendezvous_handler_registry.register("my_rdzv_backend_name", create_my_rdzv)
+        my_rdzv_handler = get_rendezvous_handler(params)
+
+    Raises:
+        ValueError: ``params.backend`` is not registered.
+        RuntimeError: The created handler reports a different backend name.
+    """
+    return handler_registry.create_handler(params)
+
+
+_register_default_handlers()
