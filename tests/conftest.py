@@ -1,0 +1,128 @@
+"""Fixtures shared by the etcd tests: fault-injection proxies, private servers, TLS files.
+
+The session-wide ``etcd_server``, ``etcd_prefix`` and ``etcd_client`` fixtures come from
+the package's pytest plugin (:mod:`etcd_rendezvous.pytest_plugin`). This file adds:
+
+* ``etcd_proxy``: a :class:`~faultproxy.FaultProxy` in front of ``etcd_server``.
+* ``fault_proxy_factory``: ``make(host, port, **kwargs)`` returns a started proxy in
+  front of any server; all of them are stopped after the test.
+* ``private_etcd_server``: an etcd of the test's own (same binary as ``etcd_server``),
+  for tests that stop, kill or suspend it; always resumed and stopped afterwards, and
+  its log is added to the report of a failed test.
+* ``tls_certs``: a CA and a server/client certificate for ``127.0.0.1`` (needs the
+  ``openssl`` command).
+* ``run_id``: a fresh run id; ``conn``: an :class:`EtcdConnection` to ``etcd_server``;
+  ``workers``: the worker processes a test started, stopped after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import uuid
+from collections.abc import Callable, Generator, Iterator
+from typing import Any
+
+import pytest
+
+from etcd_rendezvous._client import EtcdConnection
+from etcd_rendezvous.etcd_server import EtcdServer
+from faultproxy import FaultProxy
+from rdzv_helpers import Worker
+from tls_certs import make_certs
+
+_LOG_TAIL_LINES = 60
+_private_servers_key = pytest.StashKey[list[EtcdServer]]()
+
+
+@pytest.fixture
+def fault_proxy_factory(request: pytest.FixtureRequest) -> Iterator[Callable[..., FaultProxy]]:
+    """``make(host, port, **kwargs)``: a started :class:`FaultProxy`, stopped after the test."""
+    proxies: list[FaultProxy] = []
+
+    def make(host: str, port: int, **kwargs: Any) -> FaultProxy:
+        kwargs.setdefault("name", f"faultproxy{len(proxies) + 1}")
+        proxy = FaultProxy(host, port, **kwargs)
+        proxies.append(proxy)
+        return proxy.start()
+
+    try:
+        yield make
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+
+
+@pytest.fixture
+def etcd_proxy(
+    etcd_server: EtcdServer, fault_proxy_factory: Callable[..., FaultProxy]
+) -> FaultProxy:
+    """A :class:`FaultProxy` forwarding to the session's ``etcd_server``."""
+    proxy: FaultProxy = fault_proxy_factory(etcd_server.get_host(), etcd_server.get_port())
+    return proxy
+
+
+@pytest.fixture
+def private_etcd_server(
+    etcd_server: EtcdServer, request: pytest.FixtureRequest
+) -> Iterator[EtcdServer]:
+    """An etcd server for this test alone, free to be stopped, killed or suspended."""
+    server = EtcdServer(etcd_binary=etcd_server.binary)
+    server.start()
+    request.node.stash.setdefault(_private_servers_key, []).append(server)
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(Exception):
+            if server.suspended:
+                server.resume()
+        server.stop()
+
+
+@pytest.fixture
+def run_id(request: pytest.FixtureRequest) -> str:
+    """A run id no other test uses, named after the test module."""
+    module = request.module.__name__.rsplit(".", 1)[-1].removeprefix("test_")
+    return f"{module}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def conn(etcd_server: EtcdServer) -> Iterator[EtcdConnection]:
+    """An :class:`EtcdConnection` to the session's etcd (read timeout 10 s)."""
+    connection = EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
+    yield connection
+    connection.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    """Worker processes a test started (append to it); all stopped afterwards."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture(scope="session")
+def tls_certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Files ``ca.crt``, ``node.crt`` and ``node.key`` (see :func:`tls_certs.make_certs`):
+    a CA and a certificate it signed for ``127.0.0.1``/``localhost``."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    return make_certs(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, None]:
+    """Append the log tail of each private etcd server to the report of a failed test."""
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not report.failed:
+        return
+    for server in item.stash.get(_private_servers_key, []):
+        log = server.read_log(_LOG_TAIL_LINES)
+        if log:
+            title = f"private etcd server log ({server.client_url}, last {_LOG_TAIL_LINES} lines)"
+            report.sections.append((title, log))

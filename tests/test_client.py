@@ -1,0 +1,694 @@
+"""Real-failure tests for the etcd client layer (:class:`EtcdConnection`).
+
+Everything runs against real etcd processes. Faults are injected for real: lost
+responses and refused or reset connections through :class:`faultproxy.FaultProxy`,
+closed ports, SIGKILL/SIGSTOP of a private etcd, TLS mismatches, wrong-type keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import etcd
+import pytest
+
+from etcd_rendezvous._client import (
+    CompareFailedError,
+    EtcdConnection,
+    KeyExistsError,
+    OperationRefusedError,
+)
+from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from etcd_rendezvous.etcd_server import EtcdServer
+from faultproxy import FaultProxy, Mode
+
+Connect = Callable[..., EtcdConnection]
+
+# etcd v2 keeps the last 1000 events; a watch from an older index is refused.
+_EVENT_HISTORY = 1000
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll ``predicate`` until it holds, failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while not predicate():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state from /proc (``T`` = stopped)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+def closed_ports(count: int) -> list[int]:
+    """Distinct loopback ports that nothing listens on (connections are refused)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def url(endpoint: tuple[str, int], protocol: str = "http") -> str:
+    return f"{protocol}://{endpoint[0]}:{endpoint[1]}"
+
+
+def history(conn: EtcdConnection, key: str, after: int) -> list[tuple[str, str | None]]:
+    """``(action, value)`` of every change of ``key`` after etcd index ``after``, read
+    from etcd's event history up to the key's current state."""
+    final = conn.get(key).modified_index
+    changes: list[tuple[str, str | None]] = []
+    index = after
+    while index < final:
+        change = conn.watch(key, index + 1, timeout=5)
+        assert change is not None, f"no change of {key} after index {index}"
+        changes.append((change.action, change.value))
+        index = change.modified_index
+    return changes
+
+
+def message_without(exc: BaseException, key: str) -> str:
+    """The error message with ``key`` cut out (keys contain test names, which contain
+    words such as "protocol" that a test looks for)."""
+    return str(exc).replace(key, "<key>")
+
+
+def puts(proxy: FaultProxy) -> int:
+    return sum(1 for r in proxy.requests if r.method == "PUT")
+
+
+@pytest.fixture
+def connect() -> Iterator[Connect]:
+    """``connect(*endpoints, **kwargs)``: an :class:`EtcdConnection`, closed afterwards.
+
+    Short timeouts by default (read 2 s, connect 1 s) so that failures are quick.
+    """
+    conns: list[EtcdConnection] = []
+
+    def make(*endpoints: tuple[str, int], **kwargs: Any) -> EtcdConnection:
+        kwargs.setdefault("read_timeout", 2.0)
+        kwargs.setdefault("connect_timeout", 1.0)
+        conn = EtcdConnection(list(endpoints), **kwargs)
+        conns.append(conn)
+        return conn
+
+    yield make
+    for conn in conns:
+        conn.close()
+
+
+@pytest.fixture
+def direct(etcd_server: EtcdServer, connect: Connect) -> EtcdConnection:
+    """A connection straight to ``etcd_server``: "another writer", and the test's eyes."""
+    return connect((etcd_server.get_host(), etcd_server.get_port()))
+
+
+@pytest.fixture
+def key(etcd_prefix: str) -> str:
+    return f"{etcd_prefix}/key"
+
+
+@pytest.fixture(scope="module")
+def cleared_history(etcd_server: EtcdServer) -> None:
+    """Make the session's etcd forget its first events (index 1 is out of its history)."""
+    conn = EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
+    try:
+        index = conn.set("/test/history-filler/0", "0").etcd_index
+        missing = _EVENT_HISTORY + 100 - index
+        if missing > 0:
+            with ThreadPoolExecutor(8, thread_name_prefix="history-filler") as pool:
+                list(pool.map(lambda i: conn.set(f"/test/history-filler/{i % 8}", str(i)),
+                              range(missing)))  # fmt: skip
+    finally:
+        conn.close()
+
+
+# -- the fault proxy itself --------------------------------------------------------------
+
+
+def test_proxy_forwards_and_counts_requests(
+    etcd_proxy: FaultProxy, connect: Connect, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)
+    conn.set(key, "v")
+    assert conn.get(key).value == "v"
+    requests = etcd_proxy.wait_for_requests(2, timeout=5)
+    assert [(r.method, r.path) for r in requests] == [
+        ("PUT", f"/v2/keys{key}"),
+        ("GET", f"/v2/keys{key}"),
+    ]
+    assert etcd_proxy.mode is Mode.FORWARD
+
+
+def http_get(endpoint: tuple[str, int], path: str) -> bytes:
+    """A raw one-shot HTTP GET; returns everything the server sent."""
+    with socket.create_connection(endpoint, timeout=5) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_proxy_refuse_closes_the_port_and_forward_reopens_it(etcd_proxy: FaultProxy) -> None:
+    port = etcd_proxy.port
+    etcd_proxy.refuse()
+    assert etcd_proxy.mode is Mode.REFUSE
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(etcd_proxy.endpoint, timeout=5).close()
+    etcd_proxy.forward()
+    assert etcd_proxy.port == port
+    assert b"etcdserver" in http_get(etcd_proxy.endpoint, "/version")
+
+
+def test_proxy_reset_resets_open_and_new_connections(etcd_proxy: FaultProxy) -> None:
+    with socket.create_connection(etcd_proxy.endpoint, timeout=5) as sock:
+        sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"etcdserver" in sock.recv(65536)  # the connection is established
+        etcd_proxy.reset()
+        with pytest.raises(ConnectionResetError):
+            sock.recv(65536)
+    # A new connection is reset as soon as it is accepted: at connect() or first read.
+    with (
+        pytest.raises(ConnectionResetError),
+        socket.create_connection(etcd_proxy.endpoint, timeout=5) as sock,
+    ):
+        sock.recv(65536)
+
+
+def test_proxy_drop_responses_holds_the_client(etcd_proxy: FaultProxy) -> None:
+    etcd_proxy.drop_responses(count=1)
+    with socket.create_connection(etcd_proxy.endpoint, timeout=0.3) as sock:
+        sock.sendall(b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        etcd_proxy.wait_for_dropped(1, timeout=5)
+        with pytest.raises(socket.timeout):
+            sock.recv(65536)
+    # One response only: the next connection is served again.
+    assert etcd_proxy.mode is Mode.FORWARD
+    assert b"etcdserver" in http_get(etcd_proxy.endpoint, "/version")
+
+
+# -- 1. an ambiguous conditional write is recognised as ours ------------------------------
+
+
+def test_cas_whose_response_was_lost_is_recognised_as_ours(
+    etcd_proxy: FaultProxy, connect: Connect, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)
+    prev = conn.set(key, "v0")
+    etcd_proxy.clear_stats()
+    # etcd applies the swap; the client sees the connection close without an answer,
+    # sends the swap again and gets "compare failed" from the copy.
+    etcd_proxy.drop_responses(count=1, close_client=True)
+
+    node = conn.compare_and_swap(key, "ours", prev)
+
+    assert node.value == "ours"
+    assert etcd_proxy.dropped_responses == 1
+    assert puts(etcd_proxy) == 2  # the lost one and our re-send
+    assert history(conn, key, prev.modified_index) == [("compareAndSwap", "ours")]
+    assert node.modified_index == conn.get(key).modified_index
+
+
+def test_cas_whose_response_timed_out_is_recognised_as_ours(
+    etcd_proxy: FaultProxy, connect: Connect, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint, read_timeout=0.5)
+    prev = conn.set(key, "v0")
+    # The client socket is held open: the client sees a read timeout after etcd
+    # applied the swap.
+    etcd_proxy.drop_responses(count=1)
+
+    node = conn.compare_and_swap(key, "ours", prev)
+
+    assert node.value == "ours"
+    assert history(conn, key, prev.modified_index) == [("compareAndSwap", "ours")]
+
+
+def test_cas_applied_then_overwritten_before_the_resend_is_still_ours(
+    etcd_proxy: FaultProxy, connect: Connect, direct: EtcdConnection, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)
+    prev = conn.set(key, "v0")
+    # While the client is in the dark, another writer builds on our swap.
+    etcd_proxy.drop_responses(count=1, close_client=True, on_drop=lambda: direct.set(key, "theirs"))
+
+    node = conn.compare_and_swap(key, "ours", prev)
+
+    assert etcd_proxy.hook_errors == []
+    assert node.value == "ours"
+    assert history(conn, key, prev.modified_index) == [
+        ("compareAndSwap", "ours"),
+        ("set", "theirs"),
+    ]
+
+
+def test_cas_lost_after_another_writer_won_raises_compare_failed(
+    etcd_proxy: FaultProxy, connect: Connect, direct: EtcdConnection, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)
+    prev = conn.set(key, "v0")
+    direct.set(key, "theirs")  # the first change after prev is not ours
+    etcd_proxy.clear_stats()
+    etcd_proxy.drop_responses(count=1, close_client=True)
+
+    with pytest.raises(CompareFailedError) as excinfo:
+        conn.compare_and_swap(key, "ours", prev)
+
+    assert excinfo.value.key == key
+    assert etcd_proxy.dropped_responses == 1  # so the outcome was ambiguous
+    assert puts(etcd_proxy) == 2
+    assert history(conn, key, prev.modified_index) == [("set", "theirs")]
+
+
+def test_cas_with_a_value_that_is_not_unique_is_not_claimed(
+    etcd_proxy: FaultProxy, connect: Connect, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)
+    prev = conn.set(key, "v0")
+    etcd_proxy.drop_responses(count=1, close_client=True)
+
+    # Applied, but another writer could have stored the same value: not claimed.
+    with pytest.raises(CompareFailedError):
+        conn.compare_and_swap(key, "common", prev, value_is_unique=False)
+
+    assert history(conn, key, prev.modified_index) == [("compareAndSwap", "common")]
+
+
+def test_create_whose_response_was_lost_is_recognised_as_ours(
+    etcd_proxy: FaultProxy, connect: Connect, etcd_prefix: str, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)
+    before = conn.set(f"{etcd_prefix}/marker", "m")
+    etcd_proxy.clear_stats()
+    etcd_proxy.drop_responses(count=1, close_client=True)
+
+    node = conn.create(key, "ours")
+
+    assert node.value == "ours"
+    assert puts(etcd_proxy) == 2
+    assert history(conn, key, before.modified_index) == [("create", "ours")]
+
+
+def test_create_lost_after_another_writer_created_the_key_raises_key_exists(
+    etcd_proxy: FaultProxy, connect: Connect, direct: EtcdConnection, etcd_prefix: str, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)
+    before = conn.set(f"{etcd_prefix}/marker", "m")
+    direct.create(key, "theirs")
+    etcd_proxy.drop_responses(count=1, close_client=True)
+
+    with pytest.raises(KeyExistsError):
+        conn.create(key, "ours")
+
+    assert etcd_proxy.dropped_responses == 1
+    assert history(conn, key, before.modified_index) == [("create", "theirs")]
+
+
+@pytest.mark.usefixtures("cleared_history")
+def test_create_on_a_fresh_connection_is_recognised_after_history_was_cleared(
+    etcd_proxy: FaultProxy, connect: Connect, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)  # has not read anything: last_index == 0
+    etcd_proxy.drop_responses(count=1, close_client=True)
+
+    node = conn.create(key, "ours")
+
+    assert node.value == "ours"
+
+
+def test_compare_and_delete_whose_response_was_lost_returns_true(
+    etcd_proxy: FaultProxy, connect: Connect, direct: EtcdConnection, key: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)
+    prev = conn.set(key, "v0")
+    etcd_proxy.drop_responses(count=1, close_client=True)
+
+    assert conn.compare_and_delete(key, prev) is True
+
+    assert etcd_proxy.dropped_responses == 1
+    assert direct.try_get(key) is None
+
+
+# -- 2. no silent re-sends ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("close_client", [False, True], ids=["read-timeout", "connection-closed"])
+def test_every_send_of_a_cas_is_one_our_code_decided(
+    etcd_proxy: FaultProxy,
+    connect: Connect,
+    direct: EtcdConnection,
+    key: str,
+    caplog: pytest.LogCaptureFixture,
+    close_client: bool,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._client")
+    conn = connect(etcd_proxy.endpoint, read_timeout=0.5)
+    prev = conn.set(key, "v0")
+    etcd_proxy.clear_stats()
+    caplog.clear()
+    etcd_proxy.drop_responses(close_client=close_client)  # every answer is lost
+
+    with pytest.raises(RendezvousConnectionError, match=re.escape(url(etcd_proxy.endpoint))):
+        conn.compare_and_swap(key, "ours", prev)
+
+    # Each re-send is one our retry loop logged; urllib3 added none.
+    retries = sum(
+        r.getMessage().endswith("; retrying")
+        for r in caplog.records
+        if r.name == "etcd_rendezvous._client"
+    )
+    assert puts(etcd_proxy) == 1 + retries
+    if close_client:
+        assert retries >= 1  # a fast failure is re-sent within the budget
+    assert direct.get(key).value == "ours"  # the first copy was applied
+
+
+def test_control_plain_python_etcd_resends_and_misreports(
+    etcd_proxy: FaultProxy, direct: EtcdConnection, key: str
+) -> None:
+    """What the above guards against: urllib3's default retries re-send the swap, and
+    the copy's "compare failed" hides that the swap was applied."""
+    client = etcd.Client(host=etcd_proxy.host, port=etcd_proxy.port, read_timeout=2)
+    try:
+        direct.set(key, "v0")
+        etcd_proxy.clear_stats()
+        etcd_proxy.drop_responses(count=1, close_client=True)
+        with pytest.raises(etcd.EtcdCompareFailed):
+            client.write(key, "ours", prevValue="v0")
+        assert puts(etcd_proxy) == 2
+        assert direct.get(key).value == "ours"
+    finally:
+        client.http.clear()
+
+
+# -- 3. failover -------------------------------------------------------------------------
+
+
+def test_failover_past_a_closed_port(etcd_server: EtcdServer, connect: Connect, key: str) -> None:
+    (dead,) = closed_ports(1)
+    conn = connect(("127.0.0.1", dead), (etcd_server.get_host(), etcd_server.get_port()))
+    started = time.monotonic()
+    conn.set(key, "v")
+    assert conn.get(key).value == "v"
+    assert time.monotonic() - started < 1.0
+
+
+def test_all_endpoints_down_names_each_endpoint(connect: Connect, key: str) -> None:
+    endpoints = [("127.0.0.1", port) for port in closed_ports(2)]
+    conn = connect(*endpoints, read_timeout=0.5)
+    operations: list[Callable[[], object]] = [lambda: conn.get(key), lambda: conn.set(key, "v")]
+    for operation in operations:
+        started = time.monotonic()
+        with pytest.raises(RendezvousConnectionError) as excinfo:
+            operation()
+        elapsed = time.monotonic() - started
+        assert 0.4 <= elapsed < 1.5
+        message = str(excinfo.value)
+        assert repr(key) in message
+        for endpoint in endpoints:
+            assert url(endpoint) in message
+
+
+def test_failover_past_a_hung_endpoint(
+    etcd_server: EtcdServer, etcd_proxy: FaultProxy, connect: Connect, key: str
+) -> None:
+    etcd_proxy.drop_responses()  # accepts and reads requests, never answers
+    healthy = (etcd_server.get_host(), etcd_server.get_port())
+    conn = connect(etcd_proxy.endpoint, healthy, read_timeout=0.5)
+    assert conn.set(key, "v").value == "v"
+
+
+# -- 4. recovery after every endpoint was down -------------------------------------------
+
+
+def test_round_robin_failover_recovers_after_all_endpoints_were_down(
+    etcd_server: EtcdServer,
+    fault_proxy_factory: Callable[..., FaultProxy],
+    connect: Connect,
+    key: str,
+) -> None:
+    a = fault_proxy_factory(etcd_server.get_host(), etcd_server.get_port())
+    b = fault_proxy_factory(etcd_server.get_host(), etcd_server.get_port())
+    conn = connect(a.endpoint, b.endpoint, read_timeout=0.5)
+    conn.set(key, "1")
+
+    a.refuse()
+    b.refuse()
+    with pytest.raises(RendezvousConnectionError) as excinfo:
+        conn.get(key)
+    assert url(a.endpoint) in str(excinfo.value)
+    assert url(b.endpoint) in str(excinfo.value)
+
+    b.forward()
+    assert conn.get(key).value == "1"
+    assert b.request_count >= 1
+
+    b.refuse()
+    a.forward()
+    a.clear_stats()
+    assert conn.set(key, "2").value == "2"
+    assert puts(a) == 1
+
+
+def test_same_connection_works_after_etcd_was_killed_and_restarted(
+    private_etcd_server: EtcdServer, connect: Connect, key: str
+) -> None:
+    server = private_etcd_server
+    port = server.get_port()
+    conn = connect((server.get_host(), port), read_timeout=0.5)
+    conn.set(key, "v")
+
+    server.kill()
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=re.escape(server.client_url)):
+        conn.get(key)
+    assert time.monotonic() - started < 1.5
+
+    server.restart()
+    assert server.get_port() == port
+    assert conn.get(key).value == "v"
+    assert conn.set(key, "w").value == "w"
+
+
+# -- 5. a hung (SIGSTOPped) etcd ---------------------------------------------------------
+
+
+def test_suspended_etcd_times_out_in_bounded_time_then_recovers(
+    private_etcd_server: EtcdServer, connect: Connect, key: str
+) -> None:
+    server = private_etcd_server
+    conn = connect((server.get_host(), server.get_port()), read_timeout=0.5, connect_timeout=0.5)
+    conn.set(key, "v")
+
+    server.suspend()
+    try:
+        wait_until(lambda: process_state(server.pid) == "T", what="etcd to be stopped")
+        started = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match=re.escape(server.client_url)):
+            conn.get(key)
+        assert time.monotonic() - started < 1.5
+    finally:
+        server.resume()
+
+    assert conn.get(key).value == "v"
+
+
+# -- 6. TLS ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tls_server(etcd_server: EtcdServer, tls_certs: dict[str, str]) -> Iterator[EtcdServer]:
+    with EtcdServer(
+        etcd_binary=etcd_server.binary,
+        cert_file=tls_certs["node.crt"],
+        key_file=tls_certs["node.key"],
+    ) as server:
+        yield server
+
+
+def tls_endpoint(server: EtcdServer) -> tuple[str, int]:
+    return (server.get_host(), server.get_port())
+
+
+def test_https_with_the_right_ca_works(
+    tls_server: EtcdServer, tls_certs: dict[str, str], connect: Connect, key: str
+) -> None:
+    conn = connect(tls_endpoint(tls_server), protocol="https", cacert=tls_certs["ca.crt"])
+    assert conn.set(key, "v").value == "v"
+    assert conn.get(key).value == "v"
+
+
+def test_https_without_the_ca_fails_fast_naming_endpoint_and_cacert(
+    tls_server: EtcdServer, connect: Connect, key: str
+) -> None:
+    conn = connect(tls_endpoint(tls_server), protocol="https", read_timeout=5)
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as excinfo:
+        conn.get(key)
+    assert time.monotonic() - started < 2  # not retried: retrying cannot help
+    message = message_without(excinfo.value, key)
+    assert url(tls_endpoint(tls_server), "https") in message
+    assert "cacert" in message
+    assert "CERTIFICATE_VERIFY_FAILED" in message
+
+
+def test_https_to_a_plain_http_endpoint_fails_fast_hinting_at_protocol(
+    etcd_server: EtcdServer, tls_certs: dict[str, str], connect: Connect, key: str
+) -> None:
+    endpoint = (etcd_server.get_host(), etcd_server.get_port())
+    conn = connect(endpoint, protocol="https", cacert=tls_certs["ca.crt"], read_timeout=5)
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as excinfo:
+        conn.set(key, "v")
+    assert time.monotonic() - started < 2
+    message = message_without(excinfo.value, key)
+    assert url(endpoint, "https") in message
+    assert re.search(r"\bprotocol\b", message, re.IGNORECASE)
+
+
+def test_plain_http_to_an_https_endpoint_names_the_endpoint(
+    tls_server: EtcdServer, connect: Connect, key: str
+) -> None:
+    conn = connect(tls_endpoint(tls_server), read_timeout=0.5)
+    with pytest.raises(RendezvousConnectionError, match=re.escape(url(tls_endpoint(tls_server)))):
+        conn.get(key)
+
+
+def test_plain_http_to_an_https_endpoint_hints_at_protocol(
+    tls_server: EtcdServer, connect: Connect, key: str
+) -> None:
+    conn = connect(tls_endpoint(tls_server), read_timeout=0.5)
+    with pytest.raises(RendezvousConnectionError) as excinfo:
+        conn.get(key)
+    assert re.search(r"\bprotocol\b", message_without(excinfo.value, key), re.IGNORECASE)
+
+
+# -- 7. TTL refresh of a directory: etcd 3.4 vs 3.5 --------------------------------------
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:2])
+
+
+def test_directory_ttl_refresh_works_on_34_and_is_refused_on_35(
+    etcd_proxy: FaultProxy, connect: Connect, etcd_prefix: str
+) -> None:
+    conn = connect(etcd_proxy.endpoint)
+    directory = f"{etcd_prefix}/dir"
+    assert conn.mkdir(directory, ttl=30)
+    etcd_proxy.clear_stats()
+
+    if version_tuple(conn.server_version()) >= (3, 5):
+        with pytest.raises(OperationRefusedError, match=re.escape(repr(directory))):
+            conn.refresh(directory, 60)
+        assert puts(etcd_proxy) == 1  # a permanent refusal is not retried
+    else:
+        node = conn.refresh(directory, 60)
+        assert node.is_dir
+        assert node.ttl is not None
+        assert 50 < node.ttl <= 60
+
+
+def test_file_ttl_refresh_keeps_the_value(direct: EtcdConnection, key: str) -> None:
+    written = direct.set(key, "v", ttl=30)
+    node = direct.refresh(key, 60)
+    assert node.value == "v"
+    assert node.ttl is not None
+    assert 50 < node.ttl <= 60
+    assert node.created_index == written.created_index
+
+
+# -- 8. watches --------------------------------------------------------------------------
+
+
+def test_watch_returns_none_promptly_on_timeout(direct: EtcdConnection, key: str) -> None:
+    node = direct.set(key, "v")
+    started = time.monotonic()
+    assert direct.watch(key, node.modified_index + 1, timeout=0.3) is None
+    assert 0.25 <= time.monotonic() - started < 1.3
+
+
+def test_watch_returns_a_change_made_by_another_thread(
+    direct: EtcdConnection, connect: Connect, etcd_server: EtcdServer, key: str
+) -> None:
+    node = direct.set(key, "before")
+    writer_conn = connect((etcd_server.get_host(), etcd_server.get_port()))
+    # Watching from the next index catches the write whether it lands before or
+    # after the watch request reaches etcd.
+    writer = threading.Thread(
+        target=writer_conn.set, args=(key, "after"), name="test-writer", daemon=True
+    )
+    writer.start()
+    change = direct.watch(key, node.modified_index + 1, timeout=10)
+    writer.join(10)
+    assert change is not None
+    assert (change.action, change.value) == ("set", "after")
+    assert change.modified_index > node.modified_index
+
+
+def test_recursive_watch_sees_a_child_change(
+    direct: EtcdConnection, etcd_prefix: str, key: str
+) -> None:
+    marker = direct.set(f"{etcd_prefix}/marker", "m")
+    child = f"{etcd_prefix}/dir/child"
+    direct.set(child, "c")
+    change = direct.watch(f"{etcd_prefix}/dir", marker.modified_index + 1, 10, recursive=True)
+    assert change is not None
+    assert (change.key, change.value) == (child, "c")
+
+
+@pytest.mark.usefixtures("cleared_history")
+def test_watch_from_a_cleared_index_returns_none_promptly(direct: EtcdConnection, key: str) -> None:
+    direct.set(key, "v")
+    started = time.monotonic()
+    assert direct.watch(key, 1, timeout=5) is None
+    assert time.monotonic() - started < 1.0
+
+
+# -- 9. wrong-type keys ------------------------------------------------------------------
+
+
+def test_writing_below_a_file_is_a_state_error_naming_the_key(
+    direct: EtcdConnection, etcd_prefix: str
+) -> None:
+    file_key = f"{etcd_prefix}/file"
+    direct.set(file_key, "x")
+    child = f"{file_key}/child"
+    writes: list[Callable[[], object]] = [
+        lambda: direct.set(child, "y"),
+        lambda: direct.create(child, "y"),
+        lambda: direct.mkdir(child),
+    ]
+    for write in writes:
+        with pytest.raises(RendezvousStateError, match=re.escape(repr(child))):
+            write()
+    assert direct.get(file_key).value == "x"
+
+
+def test_writing_a_value_to_a_directory_is_a_state_error_naming_the_key(
+    direct: EtcdConnection, etcd_prefix: str
+) -> None:
+    directory = f"{etcd_prefix}/dir"
+    direct.mkdir(directory)
+    with pytest.raises(RendezvousStateError, match=re.escape(repr(directory))):
+        direct.set(directory, "x")
+    assert direct.get(directory).is_dir

