@@ -1,0 +1,1098 @@
+"""The legacy ``etcd`` rendezvous backend, ported from PyTorch Elastic.
+
+Every worker of a job runs the same state machine over one etcd key,
+``<prefix>/run_<run_id>/rdzv/active_version``, changed only by compare-and-swap::
+
+    (absent) -> setup -> joinable -> frozen -> final      (any state) -> closed
+
+* **setup** (TTL 5 s): one worker holds the right to open the next version; it
+  increments ``rdzv/version_counter`` and publishes ``joinable``.
+* **joinable**: workers append themselves to ``participants``; the list position is the
+  rank. Once ``min_workers`` joined, the key gets a 10 s TTL kept alive by the "last
+  call" worker (rank ``min_workers - 1``), which freezes the set after
+  ``last_call_timeout``; reaching ``max_workers`` freezes it at once.
+* **frozen** (TTL 10 s): each participant creates its keep-alive key
+  ``rdzv/v_<version>/rank_<rank>`` (TTL 10 s, refreshed every 5 s) and adds it to
+  ``keep_alives``; the last one to do so makes the state **final** (no TTL).
+* **final**: the rendezvous is complete. Late workers increment
+  ``num_workers_waiting`` and wait; if a member's keep-alive key expires they delete the
+  state so that the next version starts.
+* **closed**: the job is over; every ``next_rendezvous`` fails with
+  :class:`~etcd_rendezvous.api.RendezvousClosedError`.
+
+The key layout, the JSON encoding and the TTLs are PyTorch's, so workers using this
+module and workers using ``torch.distributed.elastic.rendezvous.etcd_rendezvous`` join
+the same rendezvous. What differs is how the states are driven:
+
+* waiting is done with etcd watches, and failed attempts back off with jitter instead
+  of sleeping a fixed second, so a rendezvous completes in milliseconds;
+* compare-and-swap compares the modification index as well as the value, and a write
+  whose answer was lost is recognised as applied (see :mod:`etcd_rendezvous._client`);
+* a corrupt state key raises :class:`~etcd_rendezvous.api.RendezvousStateError` naming
+  the key, and is left as it is for an operator to inspect;
+* keep-alive threads survive etcd outages, stop on :meth:`EtcdRendezvousHandler.shutdown`,
+  and on etcd 3.5, which cannot refresh a directory's TTL, the run directory is created
+  without one instead of silently expiring after two hours;
+* importing the module does not configure logging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from ._client import (
+    CompareFailedError,
+    EtcdConnection,
+    KeyExistsError,
+    KeyNotFoundError,
+    Node,
+    OperationRefusedError,
+)
+from ._params import create_etcd_connection as _create_etcd_connection
+from ._params import seconds as _seconds
+from ._retry import Backoff, Deadline
+from .api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+from .etcd_store import EtcdStore
+
+__all__ = [
+    "EtcdRendezvous",
+    "EtcdRendezvousHandler",
+    "EtcdRendezvousRetryImmediately",
+    "EtcdRendezvousRetryableFailure",
+    "create_rdzv_handler",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class EtcdRendezvousRetryableFailure(Exception):  # noqa: N818 (PyTorch's name)
+    """We were too late for a state transition and must start again, after a short delay."""
+
+
+class EtcdRendezvousRetryImmediately(Exception):  # noqa: N818 (PyTorch's name)
+    """The state we observed allows starting again at once, without a delay."""
+
+
+#: Default time for :meth:`EtcdRendezvous.rendezvous_barrier` to succeed, in seconds.
+_DEFAULT_TIMEOUT: int = 600
+#: Default extra wait for more workers once ``min_workers`` joined, in seconds.
+_DEFAULT_LAST_CALL_TIMEOUT: int = 30
+#: Default key prefix, as in PyTorch.
+_DEFAULT_PREFIX = "/torchelastic/p2p"
+
+# TTLs, in seconds. They are part of the protocol: PyTorch workers use the same ones.
+CONST_ETCD_SETUP_TTL = 5
+CONST_ETCD_FROZEN_TTL = 10
+CONST_ETCD_JOINABLE_EPHEMERAL_TTL = 10
+CONST_WORKER_KEEPALIVE_TTL = 10
+#: TTL of the run directory, which only serves to clean up after old runs.
+CONST_RUNID_SUBROOT_TTL = 7200
+
+#: Watch actions after which the event's node holds the key's new value.
+_WRITES = frozenset({"set", "create", "update", "compareAndSwap"})
+_STATUSES = frozenset({"setup", "joinable", "frozen", "final", "closed"})
+
+
+# -- state validation --------------------------------------------------------------------
+
+
+def _preview(value: str | None, limit: int = 200) -> str:
+    if value is None:
+        return "<no value>"
+    return repr(value if len(value) <= limit else value[:limit] + "...")
+
+
+def _state_problem(state: Any) -> str | None:
+    """Describe what is wrong with a decoded state, or return ``None`` if it is valid."""
+    if not isinstance(state, dict):
+        return "it is not a JSON object"
+    status = state.get("status")
+    if status not in _STATUSES:
+        return f"unknown status {status!r} (expected one of {sorted(_STATUSES)})"
+    if status in ("setup", "closed"):
+        return None
+    if not isinstance(state.get("version"), str):
+        return f"'version' must be a string in a {status!r} state"
+    participants = state.get("participants")
+    if not isinstance(participants, list) or not all(
+        isinstance(p, int) and not isinstance(p, bool) for p in participants
+    ):
+        return "'participants' must be a list of integers"
+    if status in ("frozen", "final"):
+        keep_alives = state.get("keep_alives")
+        if not isinstance(keep_alives, list) or not all(isinstance(k, str) for k in keep_alives):
+            return "'keep_alives' must be a list of strings"
+    if status == "final":
+        waiting = state.get("num_workers_waiting")
+        if not isinstance(waiting, int) or isinstance(waiting, bool) or waiting < 0:
+            return "'num_workers_waiting' must be a non-negative integer"
+    return None
+
+
+def _parse_state(node: Node) -> dict[str, Any]:
+    """Decode and validate the rendezvous state stored in ``node``.
+
+    Raises:
+        RendezvousStateError: the value is not a valid state. The key is not modified.
+    """
+    try:
+        state = json.loads(node.value) if node.value is not None else None
+    except ValueError as exc:
+        problem: str | None = f"it is not valid JSON ({exc})"
+    else:
+        problem = _state_problem(state)
+    if problem is not None:
+        raise RendezvousStateError(
+            f"The rendezvous state in etcd key {node.key!r} is invalid: {problem}. "
+            f"Stored value: {_preview(node.value)}. The key was left untouched; inspect "
+            "it, then delete it to let the workers start a new rendezvous version."
+        )
+    assert isinstance(state, dict)  # checked by _state_problem
+    return state
+
+
+def _normalize_key(key: str) -> str:
+    """Canonical form of an etcd key, for comparing keys written by different clients."""
+    return "/" + "/".join(part for part in key.split("/") if part)
+
+
+def _dir_ttl_refreshable(version: str) -> bool:
+    """Whether an etcd server of ``version`` can refresh a directory's TTL (etcd < 3.5)."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return True
+    return (major, minor) < (3, 5)
+
+
+def _contention_backoff() -> Backoff:
+    """Back-off after losing a compare-and-swap race on a shared key.
+
+    Full jitter over a window that doubles from 10 ms up to 250 ms spreads tens of
+    contending workers over time, so that most attempts succeed instead of colliding.
+    """
+    return Backoff(initial=0.01, cap=0.25)
+
+
+# -- keep-alive threads ------------------------------------------------------------------
+
+
+class _LeaseKeeper:
+    """Keeps an etcd key alive by refreshing its TTL every ``ttl / 2`` seconds.
+
+    The thread survives connection failures (retrying every second until the key
+    expires), and stops when ``stop_event`` is set, when the key is gone, or when etcd
+    refuses to refresh it.
+    """
+
+    def __init__(self, conn: EtcdConnection, key: str, ttl: int) -> None:
+        self.key = key
+        self.ttl = ttl
+        self.stop_event = threading.Event()
+        self._conn = conn
+        self._thread = threading.Thread(
+            target=self._run, name=f"etcd-rendezvous-lease:{key}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the refresh thread is still running."""
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop refreshing; wait up to ``timeout`` seconds for the thread to end."""
+        self.stop_event.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        interval = self.ttl / 2
+        while not self.stop_event.is_set():
+            wait = interval
+            try:
+                self._conn.refresh(self.key, self.ttl, timeout=interval)
+            except KeyNotFoundError:
+                logger.info("Keep-alive key %s is gone; no longer refreshing it", self.key)
+                return
+            except OperationRefusedError as exc:
+                logger.warning(
+                    "etcd refuses to refresh the TTL of %s (%s); giving up", self.key, exc
+                )
+                return
+            except RendezvousConnectionError as exc:
+                logger.warning("Could not refresh the TTL of %s, will retry: %s", self.key, exc)
+                wait = min(1.0, interval)
+            except Exception:
+                logger.exception("Unexpected error refreshing the TTL of %s; will retry", self.key)
+            if self.stop_event.wait(wait):
+                return
+
+
+def _stop_keepers(keepers: list[_LeaseKeeper]) -> None:
+    for keeper in keepers:
+        keeper.stop_event.set()
+
+
+# -- the state machine -------------------------------------------------------------------
+
+
+class EtcdRendezvous:
+    """A rendezvous that uses `etcd <https://etcd.io/>`__ (v2 API) as the backend store.
+
+    Args:
+        client: an :class:`~etcd_rendezvous._client.EtcdConnection`, or a python-etcd
+            ``etcd.Client`` (its endpoints and credentials are used to open a hardened
+            connection; the client itself is kept as :attr:`client` but not used).
+        prefix: etcd key prefix under which the run's keys live.
+        run_id: identifies the job; workers with the same ``run_id`` meet.
+        num_min_workers: the rendezvous completes once this many workers joined (and
+            the last call ended).
+        num_max_workers: at most this many workers are admitted.
+        timeout: seconds :meth:`rendezvous_barrier` may take.
+        last_call_timeout: seconds to wait for more workers once ``num_min_workers``
+            joined.
+
+    Raises:
+        ValueError: a parameter is invalid (the message names it).
+        RendezvousConnectionError: etcd cannot be reached.
+        RendezvousStateError: the prefix exists in etcd as a value, not a directory.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        run_id: str,
+        num_min_workers: int,
+        num_max_workers: int,
+        timeout: float,
+        last_call_timeout: float,
+    ) -> None:
+        if not isinstance(run_id, str) or not run_id or "/" in run_id:
+            raise ValueError(f"run_id: must be a non-empty string without '/', got {run_id!r}.")
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: must be a string, got {prefix!r}.")
+        if num_min_workers < 1:
+            raise ValueError(f"num_min_workers: must be at least 1, got {num_min_workers}.")
+        if num_max_workers < num_min_workers:
+            raise ValueError(
+                f"num_max_workers: must be at least num_min_workers ({num_min_workers}), "
+                f"got {num_max_workers}."
+            )
+        if timeout <= 0:
+            raise ValueError(f"timeout: must be positive, got {timeout}.")
+        if last_call_timeout < 0:
+            raise ValueError(f"last_call_timeout: must not be negative, got {last_call_timeout}.")
+
+        self.client = client
+        self._conn = EtcdConnection.from_client(client, param="client")
+        self._owns_conn = self._conn is not client
+        self._prefix = _normalize_key(prefix).rstrip("/") + "/"
+        self._run_id = run_id
+        self._num_min_workers = num_min_workers
+        self._num_max_workers = num_max_workers
+        self._timeout = float(timeout)
+        self._last_call_timeout = float(last_call_timeout)
+        self._rendezvous_deadline = Deadline(self._timeout)
+        self._keepers: list[_LeaseKeeper] = []
+        self._lease_this_rank: _LeaseKeeper | None = None
+        self._last_state: dict[str, Any] | None = None
+        self._finalizer = weakref.finalize(self, _stop_keepers, self._keepers)
+        logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
+
+        if self._prefix != "/":
+            self.create_path_if_not_exists(self._prefix)
+        self._setup_run_dir()
+        self.create_path_if_not_exists(self.get_path("/rdzv"))
+        with contextlib.suppress(KeyExistsError):
+            self._conn.create(self.get_path("/rdzv/version_counter"), "0", value_is_unique=False)
+
+    # -- set-up and tear-down ---------------------------------------------------------
+
+    def _setup_run_dir(self) -> None:
+        run_dir = self.get_path("")
+        version = self._conn.server_version()
+        if _dir_ttl_refreshable(version):
+            self.create_path_if_not_exists(run_dir, ttl=CONST_RUNID_SUBROOT_TTL)
+            self.setup_lease_renewal(run_dir, ttl=CONST_RUNID_SUBROOT_TTL)
+            return
+        # etcd >= 3.5 cannot refresh a directory's TTL: a TTL would delete the whole run
+        # (state and store) after two hours, whatever the workers do.
+        if self._conn.mkdir(run_dir):
+            logger.info(
+                "etcd %s cannot refresh directory TTLs; created %s without a TTL "
+                "(delete it once the job is over)",
+                version,
+                run_dir,
+            )
+            return
+        existing = self._conn.get(run_dir)
+        if existing.ttl is not None:
+            logger.warning(
+                "The run directory %s was created with a TTL (by a PyTorch worker?) and "
+                "this etcd (%s) cannot refresh it: the run's rendezvous state and store "
+                "will be deleted in %d s, when the TTL expires",
+                run_dir,
+                version,
+                existing.ttl,
+            )
+
+    def setup_lease_renewal(self, full_path: str, ttl: int) -> threading.Event:
+        """Keep ``full_path`` alive by refreshing its TTL in a daemon thread.
+
+        Returns:
+            An event that stops the refreshing when set.
+        """
+        keeper = _LeaseKeeper(self._conn, full_path, ttl)
+        self._keepers.append(keeper)
+        return keeper.stop_event
+
+    def stop_lease_renewals(self) -> None:
+        """Stop every keep-alive thread of this rendezvous and wait briefly for them."""
+        for keeper in self._keepers:
+            keeper.stop()
+        self._keepers.clear()
+        self._lease_this_rank = None
+
+    def close(self) -> None:
+        """Stop the keep-alive threads and release the etcd connection. Idempotent."""
+        self.stop_lease_renewals()
+        if self._owns_conn:
+            self._conn.close()
+
+    @property
+    def connection(self) -> EtcdConnection:
+        """The etcd connection this rendezvous uses."""
+        return self._conn
+
+    # -- the barrier ------------------------------------------------------------------
+
+    def rendezvous_barrier(self) -> tuple[str, int, int]:
+        """Join the next rendezvous; block until it completes.
+
+        Returns:
+            ``(rdzv_version, rank, world_size)``.
+
+        Raises:
+            RendezvousTimeoutError: the rendezvous did not complete within ``timeout``.
+            RendezvousClosedError: the rendezvous is or was closed while waiting.
+            RendezvousStateError: the state in etcd is corrupt.
+            RendezvousError: other non-retryable errors.
+        """
+        self._rendezvous_deadline = Deadline(self._timeout)
+        backoff = Backoff(initial=0.05, cap=1.0)
+        last_error: Exception | None = None
+        while True:
+            if self._rendezvous_deadline.expired():
+                raise RendezvousTimeoutError(self._timeout_message(last_error))
+            logger.info("Attempting to join next rendezvous")
+            try:
+                if self._lease_this_rank is not None:
+                    # Disown our keep-alive in the previous rendezvous.
+                    self._lease_this_rank.stop()
+                    self._keepers.remove(self._lease_this_rank)
+                    self._lease_this_rank = None
+                return self.init_phase()
+            except EtcdRendezvousRetryImmediately:
+                pass
+            except (EtcdRendezvousRetryableFailure, CompareFailedError, KeyNotFoundError) as exc:
+                logger.debug("Rendezvous attempt must be retried: %r", exc)
+                last_error = exc
+                backoff.wait(self._rendezvous_deadline)
+            except RendezvousConnectionError as exc:
+                logger.warning("Rendezvous attempt failed, will retry: %s", exc)
+                last_error = exc
+                backoff.wait(self._rendezvous_deadline)
+            except RendezvousTimeoutError:
+                logger.info("Rendezvous timeout occurred in EtcdRendezvousHandler")
+                raise
+            except RendezvousClosedError:
+                logger.info("Rendezvous for run_id=%s was observed to be closed", self._run_id)
+                raise
+
+    def _timeout_message(self, last_error: Exception | None = None) -> str:
+        message = (
+            f"The rendezvous of run {self._run_id!r} did not complete within "
+            f"{self._timeout:g} s (min_workers={self._num_min_workers}, "
+            f"max_workers={self._num_max_workers}); last state seen: {self._last_state}."
+        )
+        if isinstance(last_error, RendezvousConnectionError):
+            message += f" Last error: {last_error}"
+        return message
+
+    def _check_deadline(self) -> None:
+        if self._rendezvous_deadline.expired():
+            raise RendezvousTimeoutError(self._timeout_message())
+
+    def init_phase(self) -> tuple[str, int, int]:
+        """Create a new rendezvous state, or join/observe the existing one.
+
+        Returns:
+            ``(rdzv_version, rank, world_size)``.
+
+        Raises:
+            RendezvousClosedError: the rendezvous is closed.
+            EtcdRendezvousRetryableFailure: an intermediate state was observed.
+            EtcdRendezvousRetryImmediately: the state changed in a way that allows an
+                immediate retry.
+        """
+        try:
+            active_version = self.try_create_rendezvous()
+            state = _parse_state(active_version)
+            logger.info("New rendezvous state created: %s", state)
+        except KeyExistsError:
+            active_version, state = self.get_rdzv_state()
+            logger.info("Observed existing rendezvous state: %s", state)
+
+        if state["status"] == "closed":
+            raise RendezvousClosedError(f"The rendezvous of run {self._run_id!r} is closed.")
+        if state["status"] == "joinable":
+            return self.join_phase(state["version"])
+        if state["status"] == "final":
+            self.handle_existing_rendezvous(state["version"])
+            raise EtcdRendezvousRetryImmediately
+        self.try_wait_for_state_change(etcd_index=active_version.etcd_index + 1)
+        raise EtcdRendezvousRetryableFailure
+
+    def join_phase(self, expected_version: str) -> tuple[str, int, int]:
+        """Join the joinable rendezvous ``expected_version`` and wait for the others."""
+        active_version, this_rank = self.join_rendezvous(expected_version)
+        state = _parse_state(active_version)
+        logger.info(
+            "Joined rendezvous version %s as rank %s. Full state: %s",
+            state["version"],
+            this_rank,
+            state,
+        )
+        # The worker that reached num_min_workers waits out the last call, then freezes
+        # the rendezvous. Should it die meanwhile, the state (now with a TTL) expires
+        # and everyone starts over.
+        if this_rank == self._num_min_workers - 1 and state["status"] == "joinable":
+            logger.info("Rank %s is responsible for join last call.", this_rank)
+            self.handle_join_last_call(expected_version, Deadline(self._last_call_timeout))
+            logger.info("Rank %s finished join last call.", this_rank)
+
+        logger.info("Waiting for remaining peers.")
+        active_version = self.wait_for_peers(expected_version)
+        state = _parse_state(active_version)
+        if state["version"] != expected_version:
+            raise EtcdRendezvousRetryableFailure("Rendezvous version changed while waiting.")
+        return self.confirm_phase(expected_version, this_rank)
+
+    def confirm_phase(self, expected_version: str, this_rank: int) -> tuple[str, int, int]:
+        """Confirm membership with a keep-alive key and wait until every member did."""
+        logger.info("All peers arrived. Confirming membership.")
+        self.confirm_membership(expected_version, this_rank)
+        logger.info("Waiting for confirmations from all peers.")
+        active_version = self.wait_for_final(expected_version)
+        state = _parse_state(active_version)
+        logger.info("Rendezvous version %s is complete. Final state: %s", state["version"], state)
+        return state["version"], this_rank, len(state["participants"])
+
+    def handle_existing_rendezvous(self, expected_version: str) -> None:
+        """Announce ourselves as waiting on a final rendezvous, then wait for it to end."""
+        active_state = self.announce_self_waiting(expected_version)
+        logger.info("Added self to waiting list. Rendezvous full state: %s", active_state.value)
+        self.wait_for_rendezvous_to_free(expected_version)
+        logger.info("Previously existing rendezvous state changed. Will re-try joining.")
+
+    def try_create_rendezvous(self) -> Node:
+        """Create a new joinable rendezvous version.
+
+        Raises:
+            KeyExistsError: a rendezvous state already exists.
+            RendezvousStateError: the version counter is missing or corrupt.
+        """
+        # The state is ephemeral until joinable, in case we die half-way through.
+        active_version = self._conn.create(
+            self.get_path("/rdzv/active_version"),
+            json.dumps({"status": "setup"}),
+            ttl=CONST_ETCD_SETUP_TTL,
+            value_is_unique=False,
+        )
+        counter_key = self.get_path("/rdzv/version_counter")
+        try:
+            counter = self._conn.get(counter_key)
+        except KeyNotFoundError:
+            raise RendezvousStateError(
+                f"The rendezvous version counter {counter_key!r} is missing: the run's etcd "
+                "directory was deleted or expired while workers were using it."
+            ) from None
+        try:
+            version = str(int(counter.value or "") + 1)
+        except ValueError:
+            raise RendezvousStateError(
+                f"The rendezvous version counter {counter_key!r} holds "
+                f"{_preview(counter.value)}, not an integer. The key was left untouched."
+            ) from None
+        try:
+            self._conn.compare_and_swap(counter_key, version, counter, value_is_unique=False)
+        except (CompareFailedError, KeyNotFoundError):
+            # Our setup state expired and another worker took over.
+            raise EtcdRendezvousRetryableFailure("Lost the right to set up a rendezvous.") from None
+
+        version_dir = self.get_path(f"/rdzv/v_{version}")
+        if not self._conn.mkdir(version_dir):
+            raise RendezvousStateError(
+                f"{version_dir!r} already exists although the version counter "
+                f"{counter_key!r} just handed out {version}: the counter went backwards. "
+                f"Delete {self.get_path('')!r} once no worker uses it."
+            )
+        return self._conn.compare_and_swap(
+            self.get_path("/rdzv/active_version"),
+            json.dumps({"status": "joinable", "version": version, "participants": []}),
+            active_version,
+        )
+
+    def join_rendezvous(self, expected_version: str) -> tuple[Node, int]:
+        """Add ourselves to the participants of ``expected_version``.
+
+        Returns:
+            The new state node and our rank.
+        """
+        backoff = _contention_backoff()
+        while True:
+            self._check_deadline()
+            active_version, state = self.get_rdzv_state()
+            if state["status"] != "joinable":
+                raise EtcdRendezvousRetryableFailure(
+                    "Rendezvous state became non-joinable before we could join. Must join next one."
+                )
+            if state["version"] != expected_version:
+                raise EtcdRendezvousRetryImmediately(
+                    "Rendezvous version changed. Must try join the new one."
+                )
+            if len(state["participants"]) >= self._num_max_workers:
+                raise RendezvousStateError(
+                    f"The joinable rendezvous in {active_version.key!r} already has "
+                    f"{len(state['participants'])} participants, the maximum for this worker "
+                    f"is {self._num_max_workers}: do all workers use the same max_workers?"
+                )
+            this_rank = len(state["participants"])
+            state["participants"].append(this_rank)
+            set_ttl: int | None = None
+            if len(state["participants"]) == self._num_max_workers:
+                state["status"] = "frozen"
+                state["keep_alives"] = []
+                set_ttl = CONST_ETCD_FROZEN_TTL
+            elif len(state["participants"]) >= self._num_min_workers:
+                set_ttl = CONST_ETCD_JOINABLE_EPHEMERAL_TTL
+            try:
+                # Another worker computing the same rank writes the same value, so a
+                # lost answer can't be told apart: it is then assumed not applied (a
+                # phantom participant is healed by the TTL; a duplicate rank would not be).
+                active_version = self._conn.compare_and_swap(
+                    active_version.key,
+                    json.dumps(state),
+                    active_version,
+                    ttl=set_ttl,
+                    value_is_unique=False,
+                )
+            except CompareFailedError:
+                logger.debug("Join rendezvous CAS unsuccessful, retrying")
+                backoff.wait(self._rendezvous_deadline)
+                continue
+            return active_version, this_rank
+
+    def wait_for_peers(self, expected_version: str) -> Node:
+        """Wait until ``expected_version`` is frozen (all peers arrived)."""
+        return self._wait_for_status(expected_version, waiting="joinable", target="frozen")
+
+    def _wait_for_status(self, expected_version: str, *, waiting: str, target: str) -> Node:
+        """Watch the state while it is ``waiting``; return it once it is ``target``.
+
+        Raises:
+            EtcdRendezvousRetryableFailure: the state left ``expected_version``.
+        """
+        active_version, state = self.get_rdzv_state()
+        while state.get("version") == expected_version:
+            if state["status"] == target:
+                return active_version
+            if state["status"] != waiting:
+                break
+            active_version, state = self.try_wait_for_state_change(
+                etcd_index=active_version.etcd_index + 1
+            )
+        raise EtcdRendezvousRetryableFailure(
+            "Rendezvous state transition no longer possible. Must re-enter."
+        )
+
+    def confirm_membership(self, expected_version: str, this_rank: int) -> Node:
+        """Create our keep-alive key and add it to the frozen state's ``keep_alives``."""
+        backoff = _contention_backoff()
+        this_lease_key = self.get_path(f"/rdzv/v_{expected_version}/rank_{this_rank}")
+        lease_set_at: Deadline | None = None
+        while True:
+            self._check_deadline()
+            active_version, state = self.get_rdzv_state()
+            if state["status"] != "frozen":
+                raise EtcdRendezvousRetryImmediately(
+                    "Rendezvous no longer frozen, before we confirmed. Must join next one"
+                )
+            if state["version"] != expected_version:
+                raise EtcdRendezvousRetryImmediately(
+                    "Rendezvous version changed. Must try join the new one."
+                )
+            if lease_set_at is None or lease_set_at.expired():
+                # Written once, and again only if contention made this loop outlast
+                # half its TTL (the keeper thread takes over once we are confirmed).
+                self._conn.set(this_lease_key, None, ttl=CONST_WORKER_KEEPALIVE_TTL)
+                lease_set_at = Deadline(CONST_WORKER_KEEPALIVE_TTL / 2)
+            if this_lease_key not in state["keep_alives"]:
+                state["keep_alives"].append(this_lease_key)
+            finalize = len(state["keep_alives"]) == len(state["participants"])
+            if finalize:
+                state["status"] = "final"
+                state["num_workers_waiting"] = 0
+            try:
+                active_version = self._conn.compare_and_swap(
+                    active_version.key,
+                    json.dumps(state),
+                    active_version,
+                    ttl=None if finalize else CONST_ETCD_FROZEN_TTL,
+                )
+            except CompareFailedError:
+                logger.debug("Confirm membership CAS unsuccessful, retrying")
+                backoff.wait(self._rendezvous_deadline)
+                continue
+            self._lease_this_rank = _LeaseKeeper(
+                self._conn, this_lease_key, CONST_WORKER_KEEPALIVE_TTL
+            )
+            self._keepers.append(self._lease_this_rank)
+            return active_version
+
+    def wait_for_final(self, expected_version: str) -> Node:
+        """Wait until every member of ``expected_version`` confirmed."""
+        return self._wait_for_status(expected_version, waiting="frozen", target="final")
+
+    def announce_self_waiting(self, expected_version: str) -> Node:
+        """Increment ``num_workers_waiting`` of the final rendezvous ``expected_version``."""
+        backoff = _contention_backoff()
+        while True:
+            self._check_deadline()
+            active_version, state = self.get_rdzv_state()
+            if state["status"] != "final" or state["version"] != expected_version:
+                raise EtcdRendezvousRetryImmediately
+            state["num_workers_waiting"] += 1
+            try:
+                # Identical values from concurrent announcers can't be told apart; if
+                # unsure, announce again (over-counting only triggers a re-rendezvous).
+                return self._conn.compare_and_swap(
+                    active_version.key, json.dumps(state), active_version, value_is_unique=False
+                )
+            except CompareFailedError:
+                logger.debug("Announce self as waiting CAS unsuccessful, retrying")
+                backoff.wait(self._rendezvous_deadline)
+
+    def wait_for_rendezvous_to_free(self, expected_version: str) -> None:
+        """Wait until the final rendezvous ``expected_version`` ends.
+
+        It ends when its state changes, or when a member stops renewing its keep-alive
+        key; in that case we delete the state (if it has not changed) so that a new
+        version can start.
+        """
+        active_version, state = self.get_rdzv_state()
+        while True:
+            if state["status"] != "final" or state["version"] != expected_version:
+                return
+            try:
+                members = self._conn.get(self.get_path(f"/rdzv/v_{expected_version}"))
+                alive = {_normalize_key(child.key) for child in members.children}
+            except KeyNotFoundError:
+                alive = set()
+            for key in state["keep_alives"]:
+                if _normalize_key(key) not in alive:
+                    logger.info("Keep-alive key %s is not renewed.", key)
+                    logger.info("Rendezvous version %s is incomplete. ", expected_version)
+                    logger.info("Attempting to destroy it.")
+                    if self._conn.compare_and_delete(active_version.key, active_version):
+                        logger.info(
+                            "Destroyed rendezvous version %s successfully.", expected_version
+                        )
+                    return
+            # The rendezvous is healthy: wait for any change below rdzv/.
+            self._conn.watch(
+                self.get_path("/rdzv"),
+                active_version.etcd_index + 1,
+                self._rendezvous_deadline.remaining() + 1.0,
+                recursive=True,
+            )
+            self._check_deadline()
+            active_version, state = self.get_rdzv_state()
+
+    def handle_join_last_call(self, expected_version: str, deadline: Deadline) -> None:
+        """Keep the joinable state alive until ``deadline``, then freeze it.
+
+        Returns when the state is frozen (by us at the deadline, or by a worker that
+        reached ``max_workers`` earlier).
+
+        Raises:
+            EtcdRendezvousRetryableFailure: the state changed in any other way.
+        """
+        backoff = _contention_backoff()
+        active_version, state = self.get_rdzv_state()
+        while True:
+            if state["status"] == "frozen" and state["version"] == expected_version:
+                return
+            if state["status"] != "joinable" or state["version"] != expected_version:
+                raise EtcdRendezvousRetryableFailure(
+                    "Rendezvous state transition no longer possible. Must re-enter."
+                )
+            if deadline.expired():
+                state["status"] = "frozen"
+                state["keep_alives"] = []
+                try:
+                    self._conn.compare_and_swap(
+                        active_version.key,
+                        json.dumps(state),
+                        active_version,
+                        ttl=CONST_ETCD_FROZEN_TTL,
+                    )
+                    return
+                except CompareFailedError:
+                    logger.debug("Join last-call transition CAS unsuccessful. Will retry")
+                    backoff.wait(self._rendezvous_deadline)
+                    active_version, state = self.get_rdzv_state()
+                    continue
+            # Refresh the TTL, but only while the state is still the one we saw: hence a
+            # compare-and-swap that writes the same value.
+            try:
+                active_version = self._conn.compare_and_swap(
+                    active_version.key,
+                    active_version.value or "",
+                    active_version,
+                    ttl=CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
+                    value_is_unique=False,
+                )
+            except CompareFailedError:
+                logger.debug("Join last-call TTL refresh CAS unsuccessful, will retry")
+                backoff.wait(self._rendezvous_deadline)
+                active_version, state = self.get_rdzv_state()
+                continue
+            timeout = min(CONST_ETCD_JOINABLE_EPHEMERAL_TTL / 2, deadline.remaining() + 0.01)
+            active_version, state = self.try_wait_for_state_change(
+                etcd_index=active_version.etcd_index + 1, timeout=timeout
+            )
+
+    def set_closed(self) -> None:
+        """Mark the rendezvous of this run closed; workers then stop re-rendezvousing."""
+        backoff = _contention_backoff()
+        key = self.get_path("/rdzv/active_version")
+        while True:
+            try:
+                active_version, state = self.get_rdzv_state()
+            except KeyNotFoundError:
+                try:
+                    self._conn.create(key, json.dumps({"status": "closed"}), value_is_unique=False)
+                    return
+                except KeyExistsError:
+                    continue
+            if state["status"] == "closed":
+                return
+            state["status"] = "closed"
+            try:
+                self._conn.compare_and_swap(
+                    key, json.dumps(state), active_version, value_is_unique=False
+                )
+                return
+            except (CompareFailedError, KeyNotFoundError):
+                logger.debug("Set closed CAS unsuccessful, retrying")
+                backoff.wait()
+
+    def get_rdzv_state(self) -> tuple[Node, dict[str, Any]]:
+        """Read and validate the current state.
+
+        Raises:
+            KeyNotFoundError: there is no rendezvous state.
+            RendezvousStateError: the state is corrupt.
+        """
+        active_version = self._conn.get(self.get_path("/rdzv/active_version"))
+        state = _parse_state(active_version)
+        self._last_state = state
+        return active_version, state
+
+    def try_wait_for_state_change(
+        self, etcd_index: int, timeout: float | None = None
+    ) -> tuple[Node, dict[str, Any]]:
+        """Wait for the state to change at or after ``etcd_index``, then read it.
+
+        Waits at most ``timeout`` seconds, and never much past the rendezvous deadline.
+
+        Raises:
+            RendezvousTimeoutError: the rendezvous deadline passed.
+        """
+        overall = self._rendezvous_deadline.remaining() + 1.0
+        wait = overall if timeout is None else min(timeout, overall)
+        change = self._conn.watch(self.get_path("/rdzv/active_version"), etcd_index, wait)
+        self._check_deadline()
+        if change is not None and change.value is not None and change.action in _WRITES:
+            # The event carries the new state: no need to read it again. Callers watch
+            # on from the event's own index, so no later change is missed.
+            node = dataclasses.replace(change, etcd_index=change.modified_index)
+            state = _parse_state(node)
+            self._last_state = state
+            return node, state
+        return self.get_rdzv_state()
+
+    def get_path(self, path: str) -> str:
+        """Return the etcd key of ``path`` inside this run's directory."""
+        if not path.startswith("/"):
+            path = "/" + path
+        return f"{self._prefix}run_{self._run_id}{path}"
+
+    def create_path_if_not_exists(self, full_path: str, ttl: int | None = None) -> None:
+        """Create directory ``full_path`` (with ``ttl``) unless it exists."""
+        self._conn.mkdir(full_path, ttl=ttl)
+
+    def store_extra_data(self, rdzv_version: str, key: str, value: Any) -> None:
+        """Store ``key: value`` (JSON-serialisable) in the version's ``extra_data`` key."""
+        node = self.get_path(f"/rdzv/v_{rdzv_version}/extra_data")
+        encoded = json.dumps({key: value})
+        try:
+            self._conn.create(node, encoded, value_is_unique=False)
+            return
+        except KeyExistsError:
+            pass
+        backoff = _contention_backoff()
+        while True:
+            extra_data = self._conn.get(node)
+            data = self._decode_extra_data(extra_data)
+            data[key] = value
+            try:
+                self._conn.compare_and_swap(
+                    node, json.dumps(data), extra_data, value_is_unique=False
+                )
+                return
+            except CompareFailedError:
+                logger.debug("Store extra_data CAS unsuccessful, retrying")
+                backoff.wait()
+
+    def load_extra_data(self, rdzv_version: str, key: str, timeout: float | None = None) -> Any:
+        """Return ``key`` from the version's ``extra_data``, waiting until it is stored.
+
+        Raises:
+            RendezvousTimeoutError: ``key`` was not stored within ``timeout`` seconds.
+        """
+        node = self.get_path(f"/rdzv/v_{rdzv_version}/extra_data")
+        deadline = Deadline.never() if timeout is None else Deadline(timeout)
+        while True:
+            try:
+                extra_data = self._conn.get(node)
+            except KeyNotFoundError as exc:
+                index = (exc.etcd_index or self._conn.last_index) + 1
+            else:
+                data = self._decode_extra_data(extra_data)
+                if key in data:
+                    return data[key]
+                index = extra_data.etcd_index + 1
+            if deadline.expired():
+                raise RendezvousTimeoutError(
+                    f"Key {key!r} was not stored in {node!r} within {timeout} s."
+                )
+            self._conn.watch(node, index, min(deadline.remaining(), 60.0))
+
+    @staticmethod
+    def _decode_extra_data(node: Node) -> dict[str, Any]:
+        try:
+            data = json.loads(node.value or "")
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise RendezvousStateError(
+                f"etcd key {node.key!r} should hold a JSON object, but holds "
+                f"{_preview(node.value)}. The key was left untouched."
+            )
+        return data
+
+    def setup_kv_store(self, rdzv_version: str) -> EtcdStore:
+        """Return the key-value store of rendezvous version ``rdzv_version``."""
+        store_path = self.get_path(f"/rdzv/v_{rdzv_version}/kv")
+        self.create_path_if_not_exists(store_path)
+        return EtcdStore(etcd_client=self._conn, etcd_store_prefix=store_path)
+
+
+# -- the handler -------------------------------------------------------------------------
+
+
+class EtcdRendezvousHandler(RendezvousHandler):
+    """A :class:`~etcd_rendezvous.api.RendezvousHandler` backed by :class:`EtcdRendezvous`.
+
+    Usually created by :func:`create_rdzv_handler` (the ``etcd`` backend) from a URL or
+    :class:`~etcd_rendezvous.api.RendezvousParameters`, e.g.
+    ``etcd://localhost:2379/1234?min_workers=1&max_workers=3``: the etcd endpoint(s),
+    the job id (any string unique among the jobs sharing the etcd) and the range of
+    workers.
+
+    The handler is a context manager: leaving the block calls :meth:`close`.
+
+    Args:
+        rdzv_impl: the rendezvous implementation.
+        local_addr: the address other nodes reach this node at (published by rank 0 as
+            ``MASTER_ADDR``); the host's FQDN if ``None``.
+    """
+
+    def __init__(self, rdzv_impl: EtcdRendezvous, local_addr: str | None) -> None:
+        self._rdzv_impl = rdzv_impl
+        self._local_addr = local_addr
+
+    def __enter__(self) -> EtcdRendezvousHandler:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def get_backend(self) -> str:
+        """Return ``"etcd"``."""
+        return "etcd"
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """Join the next rendezvous and return its store, our rank and the world size."""
+        rdzv_version, rank, world_size = self._rdzv_impl.rendezvous_barrier()
+        logger.info("Creating EtcdStore as the c10d::Store implementation")
+        store = self._rdzv_impl.setup_kv_store(rdzv_version)
+        bootstrap_store_info = RendezvousStoreInfo.build(rank, store, local_addr=self._local_addr)
+        return RendezvousInfo(store, rank, world_size, bootstrap_store_info)
+
+    def is_closed(self) -> bool:
+        """Whether the rendezvous of this run is closed."""
+        try:
+            _, state = self._rdzv_impl.get_rdzv_state()
+        except KeyNotFoundError:
+            return False
+        return bool(state["status"] == "closed")
+
+    def set_closed(self) -> None:
+        """Close the rendezvous of this run."""
+        self._rdzv_impl.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        """Number of workers waiting to join while the current rendezvous is final."""
+        try:
+            _, state = self._rdzv_impl.get_rdzv_state()
+        except KeyNotFoundError:
+            return 0
+        if state["status"] == "final":
+            return int(state["num_workers_waiting"])
+        return 0
+
+    def get_run_id(self) -> str:
+        """Return the run id."""
+        return self._rdzv_impl._run_id
+
+    def shutdown(self) -> bool:
+        """Close the rendezvous and stop this worker's keep-alive threads.
+
+        Returns:
+            Whether the rendezvous could be marked closed. The threads are stopped
+            either way.
+        """
+        try:
+            self.set_closed()
+            return True
+        except Exception:
+            logger.warning("Shutdown failed", exc_info=True)
+            return False
+        finally:
+            self._rdzv_impl.stop_lease_renewals()
+
+    def close(self) -> None:
+        """Stop the keep-alive threads and release the connection, without closing the
+        rendezvous for the other workers. Idempotent."""
+        self._rdzv_impl.close()
+
+
+# -- construction from parameters --------------------------------------------------------
+
+
+def _params_from_url(url: str) -> RendezvousParameters:
+    """Parse ``etcd://host:port[,host:port...]/run_id?min_workers=N&max_workers=M&...``."""
+    parts = urlsplit(url)
+    if parts.scheme != "etcd":
+        raise ValueError(f"url: expected an etcd:// URL, got {url!r}.")
+    run_id = parts.path.strip("/")
+    query: Mapping[str, str] = dict(parse_qsl(parts.query, keep_blank_values=True))
+    config: dict[str, Any] = dict(query)
+    try:
+        min_nodes = int(config.pop("min_workers"))
+        max_nodes = int(config.pop("max_workers", min_nodes))
+    except KeyError:
+        raise ValueError(f"url: {url!r} does not give min_workers.") from None
+    except ValueError:
+        raise ValueError(f"url: min_workers/max_workers in {url!r} must be integers.") from None
+    return RendezvousParameters(
+        backend="etcd",
+        endpoint=parts.netloc,
+        run_id=run_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        local_addr=config.pop("local_addr", None),
+        **config,
+    )
+
+
+def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHandler:
+    """Create the handler of the ``etcd`` backend.
+
+    ``params`` is a :class:`~etcd_rendezvous.api.RendezvousParameters` or an
+    ``etcd://`` URL (``etcd://h1:2379,h2:2379/run_id?min_workers=2&max_workers=4``).
+    ``endpoint`` may list several etcd endpoints, comma-separated. Configuration keys:
+
+    ===================  ===================================================  ==================
+    key                  meaning                                              default
+    ===================  ===================================================  ==================
+    timeout              seconds for ``next_rendezvous`` to succeed           600
+    last_call_timeout    extra wait once ``min_nodes`` joined, seconds        30
+    etcd_prefix          key prefix inside etcd                               /torchelastic/p2p
+    protocol             ``http`` or ``https``                                http
+    cacert               CA bundle that verifies the server (https)
+    cert, key            client certificate and its key (https)
+    username, password   etcd authentication
+    read_timeout         seconds per etcd request; also the retry budget      60
+    connect_timeout      seconds to connect to one endpoint                   5
+    ===================  ===================================================  ==================
+
+    Raises:
+        ValueError: a parameter is invalid; the message names it.
+        RendezvousConnectionError: etcd cannot be reached at any endpoint.
+    """
+    if isinstance(params, str):
+        params = _params_from_url(params)
+    timeout = _seconds(params, "timeout", _DEFAULT_TIMEOUT)
+    last_call_timeout = _seconds(
+        params, "last_call_timeout", _DEFAULT_LAST_CALL_TIMEOUT, allow_zero=True
+    )
+    prefix = params.get("etcd_prefix", _DEFAULT_PREFIX)
+    conn = _create_etcd_connection(params)
+    try:
+        rdzv = EtcdRendezvous(
+            client=conn,
+            prefix=str(prefix),
+            run_id=params.run_id,
+            num_min_workers=params.min_nodes,
+            num_max_workers=params.max_nodes,
+            timeout=timeout,
+            last_call_timeout=last_call_timeout,
+        )
+    except BaseException:
+        conn.close()
+        raise
+    rdzv._owns_conn = True
+    return EtcdRendezvousHandler(rdzv_impl=rdzv, local_addr=params.local_addr)

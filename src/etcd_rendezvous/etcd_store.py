@@ -1,0 +1,554 @@
+"""A c10d-style key-value store on etcd (v2 API), wire-compatible with PyTorch's ``EtcdStore``.
+
+:class:`EtcdStore` is what :class:`~etcd_rendezvous.etcd_rendezvous.EtcdRendezvousHandler`
+hands to the workers once a rendezvous completes. It stores every key and value exactly
+as ``torch.distributed.elastic.rendezvous.etcd_store.EtcdStore`` does (base64 of the
+UTF-8 or raw bytes, under ``<prefix>/<base64 key>``; counters as base64 of a decimal
+string), so a torch worker and one using this module share a store.
+
+What differs from the reference is how it waits and how it fails:
+
+* ``get``/``wait``/``check`` read only the keys asked for, never the whole store
+  directory, and wait for a missing key with an etcd watch starting right after the
+  index at which it was seen missing: no polling, no sleeps, cost independent of the
+  number of keys in the store.
+* ``add`` and the other read-modify-write operations compare on value *and* index and
+  use :class:`~etcd_rendezvous._client.EtcdConnection`, which recognises its own write
+  when a connection failure hides the answer (see :meth:`EtcdStore.add` for the exact
+  guarantee).
+* A value someone else wrote that is not base64 raises
+  :class:`~etcd_rendezvous.api.RendezvousStateError` naming the key, a counter that is
+  not an integer raises :class:`ValueError`; neither touches the key.
+"""
+
+from __future__ import annotations
+
+import binascii
+import logging
+import operator
+import posixpath
+import random
+import time
+from base64 import b64decode, b64encode
+from collections.abc import Callable, Iterable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Union
+
+from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
+from ._retry import Backoff, Deadline
+from .api import RendezvousStateError
+
+if TYPE_CHECKING:
+    from .api import Store
+
+__all__ = ["DEFAULT_TIMEOUT", "EtcdStore", "cas_delay"]
+
+logger = logging.getLogger(__name__)
+
+#: Default for :attr:`EtcdStore.timeout`, the same as c10d's ``Store`` (``kDefaultTimeout``).
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+KeyLike = Union[str, bytes]
+"""Keys and values may be ``str`` (stored as UTF-8) or ``bytes``."""
+
+# Watch events that leave a value under the key (as opposed to delete/expire).
+_VALUE_ACTIONS = frozenset({"set", "create", "compareAndSwap", "update"})
+# How much of a bad value to quote in an error message.
+_PREVIEW_CHARS = 60
+# How many missing keys a timeout message lists.
+_LISTED_KEYS = 5
+
+
+def cas_delay() -> None:
+    """Sleep for a random 0 to 0.1 s, like PyTorch's helper of the same name.
+
+    Kept for code that imports it from the reference module. :class:`EtcdStore` itself
+    backs off after a failed compare-and-swap with a capped, jittered
+    :class:`~etcd_rendezvous._retry.Backoff` that starts at a few milliseconds.
+    """
+    time.sleep(random.uniform(0, 0.1))
+
+
+class EtcdStore:
+    """A c10d ``Store`` on etcd, readable and writable by PyTorch's ``EtcdStore``.
+
+    Keys live under ``etcd_store_prefix``; a rendezvous uses one prefix per rendezvous
+    version. The store satisfies :class:`~etcd_rendezvous.api.Store` and adds the
+    extended c10d methods (:meth:`compare_set`, :meth:`delete_key`, :meth:`num_keys`,
+    :meth:`multi_get`, :meth:`multi_set`, :meth:`append`). It is not a subclass of
+    ``torch.distributed.Store``, so it cannot be passed to torch's C++ APIs (e.g.
+    ``init_process_group(store=...)``); bootstrap a ``TCPStore`` for that, as
+    :class:`~etcd_rendezvous.api.RendezvousStoreInfo` does. It is safe to share
+    between threads.
+
+    Args:
+        etcd_client: an :class:`~etcd_rendezvous._client.EtcdConnection`, or a
+            python-etcd ``etcd.Client`` (converted with
+            :meth:`~etcd_rendezvous._client.EtcdConnection.from_client`; the original is
+            kept on :attr:`client` and not used for requests).
+        etcd_store_prefix: the etcd directory holding the keys; a trailing ``/`` is
+            added if missing (as in PyTorch).
+        timeout: how long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for a
+            key; defaults to :data:`DEFAULT_TIMEOUT` (300 s).
+
+    Raises:
+        TypeError: ``etcd_client`` is neither kind of client, ``etcd_store_prefix`` is
+            not a string or ``timeout`` not a ``timedelta``.
+    """
+
+    def __init__(
+        self,
+        etcd_client: Any,
+        etcd_store_prefix: str,
+        timeout: timedelta | None = None,
+    ) -> None:
+        if not isinstance(etcd_store_prefix, str):
+            raise TypeError(
+                "etcd_store_prefix: expected a str, got "
+                f"{type(etcd_store_prefix).__name__}: {etcd_store_prefix!r}."
+            )
+        #: The client given to the constructor (an ``etcd.Client`` or an
+        #: :class:`~etcd_rendezvous._client.EtcdConnection`).
+        self.client = etcd_client
+        self._conn = EtcdConnection.from_client(etcd_client, param="etcd_client")
+        #: The store directory, always ending in ``/``; keys are ``prefix + base64(key)``.
+        self.prefix = (
+            etcd_store_prefix if etcd_store_prefix.endswith("/") else etcd_store_prefix + "/"
+        )
+        self._dir = _clean(self.prefix)
+        self._timeout = DEFAULT_TIMEOUT
+        if timeout is not None:
+            self.set_timeout(timeout)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(prefix={self.prefix!r}, endpoints={self._conn.endpoints!r})"
+
+    # -- configuration -----------------------------------------------------------------
+
+    @property
+    def connection(self) -> EtcdConnection:
+        """The connection the store sends its requests through."""
+        return self._conn
+
+    @property
+    def timeout(self) -> timedelta:
+        """How long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for missing keys."""
+        return self._timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Set the default :attr:`timeout`.
+
+        Raises:
+            TypeError: ``timeout`` is not a ``datetime.timedelta``.
+        """
+        self._timeout = _check_timedelta(timeout, "timeout")
+
+    # -- c10d Store interface -----------------------------------------------------------
+
+    def set(self, key: KeyLike, value: KeyLike) -> None:
+        """Write ``value`` under ``key``, replacing any previous value.
+
+        Raises:
+            TypeError: ``key`` or ``value`` is not ``str`` or ``bytes``.
+            ValueError: ``key`` is empty.
+        """
+        path = self._path(key)
+        self._conn.set(path, _encode(value, "value"))
+
+    def get(self, key: KeyLike) -> bytes:
+        """Return the value under ``key``, waiting up to :attr:`timeout` for it to be set.
+
+        Reads the one key; if it is missing, watches it from the index at which it was
+        found missing, so the call returns as soon as the key is written.
+
+        Raises:
+            LookupError: the key was not set within :attr:`timeout` (the exception type
+                PyTorch's ``EtcdStore`` raises); the message names the key.
+            RendezvousStateError: the key holds something that is not base64.
+            RendezvousConnectionError: etcd could not be reached.
+        """
+        path = self._path(key)
+        found, missing = self._await({path: key}, self._timeout)
+        if missing:
+            raise LookupError(
+                f"Key {key!r} not found in EtcdStore {self.prefix!r} "
+                f"within {self._timeout.total_seconds():g} s."
+            )
+        return self._decode(found[path], key)
+
+    def add(self, key: KeyLike, num: int) -> int:
+        """Atomically add ``num`` to the counter under ``key`` and return the new value.
+
+        A missing key counts as ``0``. The counter is stored as the base64 of its decimal
+        string, like PyTorch's, and both implementations can update the same counter.
+
+        Guarantee: when ``add`` returns, its increment was applied exactly once, with one
+        exception. When the connection fails while a create or compare-and-swap is in
+        flight, the write is sent again (it is conditional, so at most one copy applies)
+        and, if that is refused, the key's history decides: the first change after the
+        state the write compared against is the write's own if it holds the value the
+        write would have stored. Counter values are not unique to a writer, so if at
+        that very moment another caller advanced the counter from the same value by the
+        same ``num``, the two writes cannot be told apart; this call then takes the
+        other's write for its own (its increment is lost and both callers get the same
+        result) rather than risk applying it twice. Short of that exact collision during
+        a connection failure, callers adding non-zero amounts of one sign get distinct
+        results. If ``add`` raises :class:`~etcd_rendezvous.api.RendezvousConnectionError`,
+        the increment may or may not have been applied.
+
+        Raises:
+            TypeError: ``key`` is not ``str``/``bytes`` or ``num`` not an integer.
+            ValueError: the key holds something that is not a decimal integer (the
+                key is left untouched).
+            RendezvousStateError: the key holds something that is not base64.
+            RendezvousConnectionError: etcd could not be reached for longer than the
+                connection's read timeout (the increment may or may not be applied).
+        """
+        path = self._path(key)
+        try:
+            amount = operator.index(num)
+        except TypeError:
+            raise TypeError(f"num: expected an int, got {type(num).__name__}: {num!r}.") from None
+
+        def update(current: bytes | None) -> tuple[bytes, bool]:
+            if current is None:
+                return str(amount).encode(), True
+            try:
+                return str(int(current) + amount).encode(), True
+            except ValueError:
+                raise ValueError(
+                    f"Cannot add to key {key!r} in EtcdStore {self.prefix!r}: its value "
+                    f"{_preview(current)} is not an integer. The key was left untouched."
+                ) from None
+
+        return int(self._read_modify_write(path, key, update))
+
+    def wait(self, keys: Sequence[KeyLike], override_timeout: timedelta | None = None) -> None:
+        """Wait until every key in ``keys`` has been set, or raise after the timeout.
+
+        Keys found missing are awaited with one watch (the key's own, or a recursive
+        watch on the store directory when several are missing), re-checking only the
+        keys still missing. A key counts as set once it has been seen with a value
+        during the call.
+
+        Args:
+            keys: the keys to wait for.
+            override_timeout: used instead of :attr:`timeout` if given.
+
+        Raises:
+            LookupError: some keys were still missing at the timeout; the message
+                names them.
+            TypeError: ``keys`` is a single string rather than a list of keys.
+        """
+        wanted = self._paths(keys)
+        timeout = (
+            self._timeout
+            if override_timeout is None
+            else _check_timedelta(override_timeout, "override_timeout")
+        )
+        _, missing = self._await(dict(wanted), timeout)
+        if missing:
+            raise LookupError(
+                f"Timeout while waiting for keys in EtcdStore {self.prefix!r}: "
+                f"{_list_keys(missing.values())} not set within {timeout.total_seconds():g} s."
+            )
+
+    def check(self, keys: Sequence[KeyLike]) -> bool:
+        """Return whether every key in ``keys`` is set, without waiting.
+
+        Reads each key (stopping at the first missing one), never the whole directory.
+        """
+        return all(self._read(path, key) is not None for path, key in self._paths(keys))
+
+    # -- extended c10d interface --------------------------------------------------------
+
+    def compare_set(self, key: KeyLike, expected_value: KeyLike, desired_value: KeyLike) -> bytes:
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value``; return its value.
+
+        Follows c10d: a missing key is created when ``expected_value`` is empty. The
+        result is the value the key holds afterwards (``desired_value`` on success, the
+        current value otherwise), except that for a missing key and a non-empty
+        ``expected_value`` nothing is written and ``expected_value`` is returned, as
+        c10d's stores do.
+
+        Raises:
+            TypeError: an argument is not ``str`` or ``bytes``.
+            RendezvousStateError: the key holds something that is not base64.
+        """
+        path = self._path(key)
+        expected = _as_bytes(expected_value, "expected_value")
+        desired = _as_bytes(desired_value, "desired_value")
+
+        def decide(current: bytes | None) -> tuple[bytes, bool]:
+            if current is None:
+                return (desired, True) if not expected else (expected, False)
+            return (desired, True) if current == expected else (current, False)
+
+        # A lost answer resolved from history is right even if another caller wrote the
+        # same value: either way the key now holds ``desired``.
+        return self._read_modify_write(path, key, decide)
+
+    def append(self, key: KeyLike, value: KeyLike) -> None:
+        """Atomically append ``value`` to the value under ``key``, creating it if missing.
+
+        Same exactly-once guarantee as :meth:`add` (the value after appending plays the
+        part of the counter value).
+
+        Raises:
+            TypeError: ``key`` or ``value`` is not ``str`` or ``bytes``.
+            RendezvousStateError: the key holds something that is not base64.
+        """
+        path = self._path(key)
+        suffix = _as_bytes(value, "value")
+        self._read_modify_write(path, key, lambda current: ((current or b"") + suffix, True))
+
+    def multi_get(self, keys: Sequence[KeyLike]) -> list[bytes]:
+        """Return the values of ``keys``, in order, waiting up to :attr:`timeout` for all.
+
+        Raises:
+            LookupError: some keys were still missing at the timeout; the message
+                names them.
+        """
+        wanted = self._paths(keys)
+        found, missing = self._await(dict(wanted), self._timeout)
+        if missing:
+            raise LookupError(
+                f"Keys {_list_keys(missing.values())} not found in EtcdStore "
+                f"{self.prefix!r} within {self._timeout.total_seconds():g} s."
+            )
+        return [self._decode(found[path], key) for path, key in wanted]
+
+    def multi_set(self, keys: Sequence[KeyLike], values: Sequence[KeyLike]) -> None:
+        """Write ``values[i]`` under ``keys[i]`` for every ``i``.
+
+        All arguments are checked before anything is written. The writes are
+        individual (etcd v2 has no transactions): a reader may see some before others.
+
+        Raises:
+            ValueError: ``keys`` and ``values`` differ in length.
+            TypeError: a key or value is not ``str`` or ``bytes``.
+        """
+        paths = self._paths(keys)
+        if isinstance(values, (str, bytes)):
+            raise TypeError("values: expected a sequence of values, got a single value.")
+        if len(paths) != len(values):
+            raise ValueError(
+                f"keys/values: got {len(paths)} keys but {len(values)} values; they must match."
+            )
+        encoded = [_encode(value, "values") for value in values]
+        for (path, _), data in zip(paths, encoded):
+            self._conn.set(path, data)
+
+    def delete_key(self, key: KeyLike) -> bool:
+        """Delete ``key``. Returns whether it existed."""
+        return self._conn.delete(self._path(key))
+
+    def num_keys(self) -> int:
+        """Return the number of keys in the store.
+
+        Unlike the key lookups this reads the whole store directory, so its cost grows
+        with the number of keys.
+
+        Raises:
+            RendezvousStateError: the store prefix is a key, not a directory.
+        """
+        try:
+            node = self._conn.get(self._dir, recursive=True)
+        except KeyNotFoundError:
+            return 0
+        if not node.is_dir:
+            raise RendezvousStateError(
+                f"EtcdStore prefix {self.prefix!r} is an etcd key, not a directory."
+            )
+        return _count_values(node)
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _path(self, key: object, param: str = "key") -> str:
+        """The etcd key of store key ``key``, normalised the way etcd stores it."""
+        encoded = _encode(key, param)
+        if not encoded:
+            raise ValueError(f"{param}: the empty key is not allowed (it names the store itself).")
+        return _clean(self.prefix + encoded)
+
+    def _paths(self, keys: Sequence[KeyLike], param: str = "keys") -> list[tuple[str, KeyLike]]:
+        if isinstance(keys, (str, bytes)):
+            raise TypeError(f"{param}: expected a list of keys, got the single key {keys!r}.")
+        return [(self._path(key, param), key) for key in keys]
+
+    def _read(self, path: str, key: KeyLike) -> Node | None:
+        """Read one key; ``None`` if missing."""
+        node = self._conn.try_get(path)
+        if node is not None:
+            self._require_value(node, key)
+        return node
+
+    def _require_value(self, node: Node, key: KeyLike) -> None:
+        if node.is_dir or node.value is None:
+            raise RendezvousStateError(
+                f"Key {key!r} of EtcdStore {self.prefix!r} is an etcd directory "
+                f"({node.key!r}), not a value; another program wrote keys below it."
+            )
+
+    def _decode(self, node: Node, key: KeyLike) -> bytes:
+        self._require_value(node, key)
+        raw = node.value or ""
+        try:
+            return b64decode(raw, validate=True)
+        except (binascii.Error, ValueError):
+            raise RendezvousStateError(
+                f"Key {key!r} of EtcdStore {self.prefix!r} (etcd key {node.key!r}) holds "
+                f"{_preview(raw)}, which is not base64: it was not written by an EtcdStore. "
+                "The key was left untouched."
+            ) from None
+
+    def _await(
+        self, wanted: dict[str, KeyLike], timeout: timedelta
+    ) -> tuple[dict[str, Node], dict[str, KeyLike]]:
+        """Wait until every etcd key in ``wanted`` holds a value, or the timeout passes.
+
+        Returns the nodes found and the keys still missing (empty unless timed out).
+        """
+        deadline = Deadline(timeout.total_seconds())
+        found: dict[str, Node] = {}
+        missing: dict[str, KeyLike] = {}
+        since = self._read_into(wanted, found, missing)
+        # Only for a watch that ends early without an event (etcd dropped the history we
+        # asked for, or an anomaly): re-reading is the fix, the back-off stops a spin.
+        backoff = Backoff(initial=0.01, cap=0.5)
+        while missing:
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                break
+            if len(missing) == 1:
+                watched, recursive = next(iter(missing)), False
+            else:
+                watched, recursive = self._dir, True
+            change = self._conn.watch(watched, since + 1, remaining, recursive=recursive)
+            if change is None:
+                if deadline.expired():
+                    break
+                backoff.wait(deadline)
+                retry = dict(missing)
+                missing.clear()
+                since = self._read_into(retry, found, missing)
+                continue
+            backoff.reset()
+            since = max(since, change.modified_index)
+            path = _clean(change.key)
+            if path in missing and change.action in _VALUE_ACTIONS:
+                self._require_value(change, missing[path])
+                found[path] = change
+                del missing[path]
+        return found, missing
+
+    def _read_into(
+        self, wanted: dict[str, KeyLike], found: dict[str, Node], missing: dict[str, KeyLike]
+    ) -> int:
+        """Read each key of ``wanted`` into ``found`` or ``missing``.
+
+        Returns the lowest etcd index at which a key was seen missing: watching from
+        the next index sees every later write to any of them.
+        """
+        since: int | None = None
+        for path, key in wanted.items():
+            try:
+                node = self._conn.get(path)
+            except KeyNotFoundError as exc:
+                missing[path] = key
+                index = exc.etcd_index if exc.etcd_index is not None else self._conn.last_index
+                since = index if since is None else min(since, index)
+            else:
+                self._require_value(node, key)
+                found[path] = node
+        return since if since is not None else self._conn.last_index
+
+    def _read_modify_write(
+        self, path: str, key: KeyLike, update: Callable[[bytes | None], tuple[bytes, bool]]
+    ) -> bytes:
+        """Replace the value of ``key`` by ``update(current)`` atomically; return it.
+
+        ``update`` receives ``None`` for a missing key and returns ``(value, write)``:
+        with ``write`` false nothing is written and ``value`` is returned as it is.
+        Creates with ``prevExist=false`` and swaps comparing value and index, retrying
+        with jittered back-off on contention. See :meth:`add` for what a connection failure can do.
+        """
+        node = self._read(path, key)
+        backoff = Backoff()
+        while True:
+            if node is None:
+                new, write = update(None)
+                if not write:
+                    return new
+                try:
+                    self._conn.create(path, _b64(new))
+                except KeyExistsError:
+                    node = self._read(path, key)
+                    continue
+                return bytes(new)
+            new, write = update(self._decode(node, key))
+            if not write:
+                return new
+            try:
+                self._conn.compare_and_swap(path, _b64(new), node)
+            except CompareFailedError:
+                backoff.wait()
+                node = self._read(path, key)
+            except KeyNotFoundError:
+                node = None
+            else:
+                return bytes(new)
+
+
+def _check_timedelta(value: object, param: str) -> timedelta:
+    if not isinstance(value, timedelta):
+        raise TypeError(f"{param}: expected a datetime.timedelta, got {type(value).__name__}.")
+    return value
+
+
+def _as_bytes(data: object, param: str) -> bytes:
+    if isinstance(data, str):
+        return data.encode()
+    if isinstance(data, (bytes, bytearray)):
+        return bytes(data)
+    raise TypeError(f"{param}: expected str or bytes, got {type(data).__name__}: {data!r:.80}.")
+
+
+def _b64(data: bytes) -> str:
+    return b64encode(data).decode()
+
+
+def _encode(data: object, param: str) -> str:
+    """base64 of ``data`` (``str`` as UTF-8), exactly as PyTorch's ``EtcdStore`` writes it."""
+    return _b64(_as_bytes(data, param))
+
+
+def _clean(path: str) -> str:
+    """Normalise an etcd key as etcd does (``path.Clean``): ``/a//b/`` becomes ``/a/b``.
+
+    base64 may contain ``/``, so an encoded key can end in ``/`` (e.g. ``"a??"``); etcd
+    stores and reports such keys without it, and watch events must match either form.
+    """
+    return "/" + posixpath.normpath("/" + path).lstrip("/")
+
+
+def _count_values(node: Node) -> int:
+    return sum(_count_values(child) if child.is_dir else 1 for child in node.children)
+
+
+def _preview(value: str | bytes) -> str:
+    text = repr(value)
+    return text if len(text) <= _PREVIEW_CHARS else text[:_PREVIEW_CHARS] + "..."
+
+
+def _list_keys(keys: Iterable[KeyLike]) -> str:
+    names = [repr(key) for key in keys]
+    shown = ", ".join(names[:_LISTED_KEYS])
+    more = len(names) - _LISTED_KEYS
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+if TYPE_CHECKING:
+
+    def _satisfies_store_protocol(store: EtcdStore) -> Store:
+        return store
