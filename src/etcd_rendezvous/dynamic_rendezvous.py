@@ -1,0 +1,1867 @@
+"""The dynamic rendezvous, ported from ``torch.distributed.elastic.rendezvous.dynamic_rendezvous``.
+
+:class:`DynamicRendezvousHandler` is PyTorch's recommended rendezvous. All nodes share one
+:class:`_RendezvousState` kept by a :class:`RendezvousBackend` (for instance the
+``etcd-v2`` backend) and changed only by fenced writes: a node reads the state, decides
+what to do with a pure function of it (an *operation* such as :class:`_RendezvousJoinOp`
+returns an :class:`_Action`), applies the action locally and writes the state back with
+the fencing token it read. If another node wrote first, the write fails, the node gets
+the newer state and decides again. The protocol, step by step:
+
+* **join**: nodes add themselves to ``participants``. Once ``min_nodes`` joined, a
+  *last call* deadline is set; the round completes when ``max_nodes`` joined or the
+  deadline passed, and ranks are assigned in :class:`_NodeDesc` order.
+* **late nodes** go to the ``wait_list`` (the agents of the running group see them in
+  :meth:`DynamicRendezvousHandler.num_nodes_waiting` and start a new round), or, if the
+  group is already at ``max_nodes``, to the ``redundancy_list``.
+* **heartbeats**: every node refreshes its entry in ``last_heartbeats`` every
+  ``keep_alive_interval``; a node missing ``keep_alive_max_attempt`` of them is dead and
+  removed by whoever reads the state next.
+* **close**: ``closed`` is set once and never cleared; joining a closed rendezvous
+  raises :class:`~etcd_rendezvous.api.RendezvousClosedError`, or
+  :class:`~etcd_rendezvous.api.RendezvousGracefulExitError` for a redundant node.
+
+**Wire format.** PyTorch stores ``pickle.dumps(state)`` of its own classes. This module
+writes the same bytes: its :class:`_RendezvousState` and :class:`_NodeDesc` pickle under
+PyTorch's module path (``torch.distributed.elastic.rendezvous.dynamic_rendezvous``) with
+the same attributes, without PyTorch installed, so PyTorch 2.13 workers and ours share
+one rendezvous. It does **not** decode with ``pickle.loads``: a restricted unpickler
+resolves only the handful of globals such a state contains, the result is checked
+attribute by attribute, and anything else raises
+:class:`~etcd_rendezvous.api.RendezvousStateError` naming the backend's key, before any
+code could run.
+
+What else differs from the reference, none of it visible on the wire:
+
+* While waiting for other nodes, a backend that can watch (see
+  :meth:`RendezvousBackend.wait_for_change`) wakes the node as soon as the state
+  changes, or when a deadline, a heartbeat or a node expiry falls due, instead of
+  polling every second; other backends are polled every second, as in PyTorch.
+* A lost write race backs off with jitter before the next attempt.
+* The keep-alive thread survives any error (logging it) and stops on :meth:`shutdown`.
+* PyTorch's event recording (``torch.distributed.elastic.events``) is replaced by
+  logging.
+* PyTorch is never imported at import time; it is used only if installed, to share the
+  agent's ``TCPStore`` and to wrap PyTorch stores in its ``PrefixStore``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import io
+import logging
+import os
+import pickle
+import random
+import socket
+import sys
+import threading
+import time
+import weakref
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from enum import Enum
+from typing import Any, ClassVar
+
+from ._retry import Backoff
+from .api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+    Store,
+)
+
+__all__ = [
+    "DynamicRendezvousHandler",
+    "RendezvousBackend",
+    "RendezvousSettings",
+    "RendezvousTimeout",
+    "Token",
+    "create_handler",
+]
+
+logger = logging.getLogger(__name__)
+
+Token = Any
+"""An opaque fencing token used by the rendezvous backend."""
+
+#: Environment variable with which PyTorch opts out of sharing the agent's TCPStore.
+_DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+#: Longest a node waits for a state change before reading the state anyway, in seconds,
+#: when the backend cannot watch (PyTorch's fixed poll interval).
+_POLL_INTERVAL = 1.0
+
+#: Margin added to a wake-up time so that a strict comparison (``deadline < now``) holds
+#: when the node wakes up, instead of waking it a few microseconds too early.
+_WAKE_UP_MARGIN = 0.01
+
+
+def _now() -> datetime:
+    """Return the current UTC time (aware), the clock of deadlines and heartbeats."""
+    return datetime.now(timezone.utc)
+
+
+def _delay(seconds: float | tuple[float, float]) -> None:
+    """Suspend the current thread for ``seconds``, or a random time in a ``(low, high)`` range.
+
+    Delays under 10 ms are skipped, as in PyTorch.
+    """
+    if isinstance(seconds, tuple):
+        seconds = random.uniform(*seconds)
+    if seconds >= 0.01:
+        time.sleep(seconds)
+
+
+# -- the backend interface ----------------------------------------------------------------
+
+
+class RendezvousBackend(ABC):
+    """Represent a backend that holds the rendezvous state.
+
+    The state is an opaque byte string (the encoded :class:`_RendezvousState`), stored
+    together with a fencing token that changes with every write. The abstract methods
+    are PyTorch's; :attr:`state_key` and :meth:`wait_for_change` are optional
+    additions with defaults that keep PyTorch's behaviour.
+    """
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """Get the name of the backend."""
+
+    @property
+    def state_key(self) -> str | None:
+        """Where the backend keeps the state (e.g. an etcd key), for error messages.
+
+        ``None`` (the default) if the backend has no such notion.
+        """
+        return None
+
+    @abstractmethod
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """Get the rendezvous state.
+
+        Returns:
+            A tuple of the encoded rendezvous state and its fencing token or ``None`` if
+            no state is found in the backend.
+
+        Raises:
+            RendezvousConnectionError: The connection to the backend has failed.
+            RendezvousStateError: The rendezvous state is corrupt.
+        """
+
+    @abstractmethod
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """Set the rendezvous state.
+
+        The new rendezvous state is set conditionally:
+
+        - If ``token`` matches the fencing token stored in the backend, the state is
+          updated, and the new state is returned with its fencing token.
+        - If ``token`` does not match, the state is not updated; the existing state is
+          returned with its fencing token.
+        - If ``token`` is ``None``, the new state is set only if there is no existing
+          state. Either the new or the existing state is returned with its token.
+
+        Args:
+            state: The encoded rendezvous state.
+            token: An optional fencing token that was retrieved by a previous call to
+                :meth:`get_state` or ``set_state()``.
+
+        Returns:
+            A tuple of the serialized rendezvous state, its fencing token, and a
+            boolean value indicating whether our set attempt succeeded.
+
+        Raises:
+            RendezvousConnectionError: The connection to the backend has failed.
+            RendezvousStateError: The rendezvous state is corrupt.
+        """
+
+    def wait_for_change(self, token: Token | None, timeout: float) -> None:
+        """Block until the state is no longer the one identified by ``token``, or ``timeout``.
+
+        Called by a node that has nothing to do until another node writes the state
+        (or until ``timeout``, which the caller computes from its next deadline); the
+        caller reads the state with :meth:`get_state` afterwards. A backend that can
+        watch (such as etcd) overrides this to return as soon as a write after
+        ``token`` happens, or at once if one already did; ``token=None`` means "no
+        state yet", so the creation of the state counts as a change. It must not
+        write anything; returning early is harmless.
+
+        The default implementation cannot watch: it sleeps ``min(timeout, 1 s)``, i.e.
+        PyTorch's polling once per second.
+
+        Args:
+            token: The fencing token of the state the caller holds, or ``None``.
+            timeout: The longest to block, in seconds (may be 0).
+
+        Raises:
+            RendezvousConnectionError: The connection to the backend has failed.
+        """
+        _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
+
+
+# -- settings -------------------------------------------------------------------------------
+
+
+class RendezvousTimeout:
+    """Hold the timeout configuration of a rendezvous.
+
+    Args:
+        join: The time within which the rendezvous is expected to complete.
+        last_call: An additional wait amount before completing the rendezvous once the
+            rendezvous has the minimum number of required participants.
+        close: The time within which the rendezvous is expected to close after a call
+            to :meth:`RendezvousHandler.set_closed` or
+            :meth:`RendezvousHandler.shutdown`.
+        heartbeat: The time within which a keep-alive heartbeat is expected to
+            complete.
+
+    Raises:
+        ValueError: A timeout is not positive; the message names it.
+    """
+
+    _ZERO = timedelta(0)
+
+    _DEFAULT_TIMEOUTS: ClassVar[dict[str, timedelta]] = {
+        "join": timedelta(seconds=600),
+        "last_call": timedelta(seconds=30),
+        "close": timedelta(seconds=30),
+        "heartbeat": timedelta(seconds=5),
+    }
+
+    _join: timedelta
+    _last_call: timedelta
+    _close: timedelta
+    _heartbeat: timedelta
+
+    def __init__(
+        self,
+        join: timedelta | None = None,
+        last_call: timedelta | None = None,
+        close: timedelta | None = None,
+        heartbeat: timedelta | None = None,
+    ) -> None:
+        self._set_timeouts(join=join, last_call=last_call, close=close, heartbeat=heartbeat)
+
+    @property
+    def join(self) -> timedelta:
+        """Get the join timeout."""
+        return self._join
+
+    @property
+    def last_call(self) -> timedelta:
+        """Get the last call timeout."""
+        return self._last_call
+
+    @property
+    def close(self) -> timedelta:
+        """Get the close timeout."""
+        return self._close
+
+    @property
+    def heartbeat(self) -> timedelta:
+        """Get the keep-alive heartbeat timeout."""
+        return self._heartbeat
+
+    def _set_timeouts(self, **timeouts: timedelta | None) -> None:
+        for name, timeout in timeouts.items():
+            value = self._DEFAULT_TIMEOUTS[name] if timeout is None else timeout
+            if value <= self._ZERO:
+                raise ValueError(f"The {name} timeout ({value}) must be positive.")
+            setattr(self, "_" + name, value)
+
+
+@dataclass(repr=False, eq=False, frozen=True)
+class RendezvousSettings:
+    """Hold the settings of the rendezvous.
+
+    Attributes:
+        run_id: The run id of the rendezvous.
+        min_nodes: The minimum number of nodes to admit to the rendezvous.
+        max_nodes: The maximum number of nodes to admit to the rendezvous.
+        timeout: The timeout configuration of the rendezvous.
+        keep_alive_interval: The amount of time a node waits before sending a
+            heartbeat to keep it alive in the rendezvous.
+        keep_alive_max_attempt: The maximum number of failed heartbeat attempts after
+            which a node is considered dead.
+    """
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    timeout: RendezvousTimeout
+    keep_alive_interval: timedelta
+    keep_alive_max_attempt: int
+
+
+# -- the shared state -----------------------------------------------------------------------
+
+
+@dataclass(eq=True, order=True, frozen=True)
+class _NodeDesc:
+    """Describe a node in the rendezvous.
+
+    Its order is the rank order. Pickles as PyTorch's class of the same name.
+
+    Attributes:
+        addr: The FQDN of the node or user specified local node address.
+        pid: The id of the process in which the rendezvous handler runs.
+        local_id: A process-wide unique id.
+    """
+
+    addr: str
+    pid: int
+    local_id: int
+
+    def __repr__(self) -> str:
+        return f"{self.addr}_{self.pid}_{self.local_id}"
+
+
+class _NodeDescGenerator:
+    """Generate node descriptors.
+
+    A node descriptor is a combination of an FQDN, a process id, and an auto-incremented
+    integer that uniquely identifies a node in the rendezvous.
+    """
+
+    _lock: threading.Lock
+    _local_id: int
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # An integer that is incremented with each call to generate().
+        self._local_id = 0
+
+    def generate(self, local_addr: str | None = None) -> _NodeDesc:
+        """Return a descriptor unique to this process and call (thread-safe)."""
+        with self._lock:
+            local_id = self._local_id
+            self._local_id += 1
+
+        return _NodeDesc(local_addr or socket.getfqdn(), os.getpid(), local_id)
+
+
+class _RendezvousState:
+    """Hold the state of a rendezvous.
+
+    The attributes, their order and their types are PyTorch's wire format.
+
+    Attributes:
+        round: The current round of the rendezvous.
+        complete: Whether the current round of the rendezvous is complete.
+        deadline: The time at which the current round of the rendezvous will be
+            considered complete if it is still waiting for nodes to join.
+        closed: Whether the rendezvous is closed.
+        participants: The participants and their corresponding ranks.
+        wait_list: The nodes waiting to participate in the next round.
+        redundancy_list: The nodes that are redundant in the current round and can join
+            the next rendezvous without triggering re-rendezvous.
+        last_heartbeats: Each node's last heartbeat time.
+    """
+
+    round: int
+    complete: bool
+    deadline: datetime | None
+    closed: bool
+    participants: dict[_NodeDesc, int]
+    wait_list: set[_NodeDesc]
+    redundancy_list: set[_NodeDesc]
+    last_heartbeats: dict[_NodeDesc, datetime]
+
+    def __init__(self) -> None:
+        self.round = 0
+        self.complete = False
+        self.deadline = None
+        self.closed = False
+        self.participants = {}
+        self.wait_list = set()
+        self.redundancy_list = set()
+        self.last_heartbeats = {}
+
+
+# -- the state codec --------------------------------------------------------------------------
+
+#: The module under which PyTorch's state classes live; our classes pickle as if they were
+#: defined there.
+_TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+
+_WIRE_NAMES: dict[type, tuple[str, str]] = {
+    _RendezvousState: (_TORCH_MODULE, "_RendezvousState"),
+    _NodeDesc: (_TORCH_MODULE, "_NodeDesc"),
+}
+
+#: Every global a rendezvous state pickle may name (protocols 3 to 5), mapped to what it
+#: is resolved to. Instances are created only through these; nothing else is importable.
+_ALLOWED_GLOBALS: dict[tuple[str, str], type] = {
+    (_TORCH_MODULE, "_RendezvousState"): _RendezvousState,
+    (_TORCH_MODULE, "_NodeDesc"): _NodeDesc,
+    ("datetime", "datetime"): datetime,
+    ("datetime", "timezone"): timezone,
+    ("datetime", "timedelta"): timedelta,
+    # Protocol 3 pickles a set as set([...]); protocols 4 and 5 have opcodes for it.
+    ("builtins", "set"): set,
+}
+
+_STATE_FIELDS = (
+    "round",
+    "complete",
+    "deadline",
+    "closed",
+    "participants",
+    "wait_list",
+    "redundancy_list",
+    "last_heartbeats",
+)
+_NODE_FIELDS = ("addr", "pid", "local_id")
+
+#: How much of a bad payload an error message quotes.
+_PREVIEW_BYTES = 80
+
+
+class _StatePickler(pickle._Pickler):
+    """A pickler that writes our state classes under PyTorch's names.
+
+    PyTorch's workers load the result with ``pickle.loads`` into their own classes. The
+    pure-Python pickler is used because it lets :meth:`save_global` be overridden; the C
+    one would import ``torch`` to check the class. Everything else is pickled by the
+    standard machinery, so the bytes are those of ``pickle.dumps`` in PyTorch.
+    """
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        """Write a reference to PyTorch's class for our state classes, else the default."""
+        wire_name = _WIRE_NAMES.get(obj) if isinstance(obj, type) else None
+        if wire_name is None or self.proto < 4:  # type: ignore[attr-defined]
+            # Protocols < 4 are never used for the state (see _encode_state).
+            super().save_global(obj, name)  # type: ignore[misc]
+            return
+        module, qualname = wire_name
+        # What pickle.Pickler does for a global with protocol 4 and later.
+        self.save(module)  # type: ignore[attr-defined]
+        self.save(qualname)  # type: ignore[attr-defined]
+        self.write(pickle.STACK_GLOBAL)  # type: ignore[attr-defined]
+        self.memoize(obj)  # type: ignore[attr-defined]
+
+
+def _encode_state(state: _RendezvousState) -> bytes:
+    """Encode ``state`` exactly as PyTorch's ``pickle.dumps(state)`` would.
+
+    The protocol is this interpreter's default, as in PyTorch (4 up to Python 3.13),
+    at least 4, which every supported Python reads.
+    """
+    buffer = io.BytesIO()
+    _StatePickler(buffer, protocol=max(4, pickle.DEFAULT_PROTOCOL)).dump(state)
+    return buffer.getvalue()
+
+
+class _ForbiddenGlobalError(pickle.UnpicklingError):
+    """A state pickle named a global outside the allow-list."""
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """An unpickler that can only create the types a rendezvous state is made of.
+
+    ``find_class`` is the only way a pickle reaches callables; here it resolves the few
+    globals in :data:`_ALLOWED_GLOBALS` and refuses everything else, so a hostile pickle
+    fails before anything runs. Persistent ids and out-of-band buffers are refused by
+    the base class since neither hook is provided.
+    """
+
+    def find_class(self, module: str, name: str, /) -> Any:
+        """Resolve ``module.name`` if it is in the allow-list, else raise."""
+        try:
+            return _ALLOWED_GLOBALS[(module, name)]
+        except KeyError:
+            raise _ForbiddenGlobalError(
+                f"it refers to {module}.{name}, which is not part of a rendezvous state"
+            ) from None
+
+
+def _describe(value: object) -> str:
+    return type(value).__name__
+
+
+def _check_int(value: object, what: str) -> int:
+    if type(value) is not int:
+        raise RendezvousStateError(f"{what} must be an int, not {_describe(value)}")
+    return value
+
+
+def _check_time(value: object, what: str) -> datetime:
+    if type(value) is not datetime or value.utcoffset() is None:
+        raise RendezvousStateError(f"{what} must be a timezone-aware datetime, not {value!r}")
+    return value
+
+
+def _check_fields(obj: object, fields: Sequence[str], what: str) -> dict[str, Any]:
+    attributes = vars(obj)
+    if set(attributes) != set(fields):
+        missing = sorted(set(fields) - set(attributes), key=str)
+        extra = sorted(set(attributes) - set(fields), key=str)
+        raise RendezvousStateError(
+            f"{what} has missing attributes {missing} or unexpected attributes {extra}"
+        )
+    return attributes
+
+
+class _NodeInterner:
+    """Rebuilds decoded node descriptors as fresh, validated, shared instances."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[tuple[str, int, int], _NodeDesc] = {}
+
+    def node(self, value: object, where: str) -> _NodeDesc:
+        if type(value) is not _NodeDesc:
+            raise RendezvousStateError(f"{where} must hold nodes, not {_describe(value)}")
+        fields = _check_fields(value, _NODE_FIELDS, f"a node in {where}")
+        addr = fields["addr"]
+        if type(addr) is not str:
+            raise RendezvousStateError(f"a node address in {where} must be a str, not {addr!r}")
+        key = (
+            addr,
+            _check_int(fields["pid"], f"a node pid in {where}"),
+            _check_int(fields["local_id"], f"a node local_id in {where}"),
+        )
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._nodes[key] = _NodeDesc(*key)
+        return node
+
+
+def _validated_state(obj: object) -> _RendezvousState:
+    """Return a fresh :class:`_RendezvousState` equal to the decoded ``obj``, or raise.
+
+    Rebuilding every container and node means no object made by the unpickler survives,
+    so hashes computed before a node was fully built cannot haunt a set or a dict.
+
+    Raises:
+        RendezvousStateError: ``obj`` is not a well-formed state (without the key name).
+    """
+    if type(obj) is not _RendezvousState:
+        raise RendezvousStateError(f"it holds a {_describe(obj)}, not a rendezvous state")
+    fields = _check_fields(obj, _STATE_FIELDS, "the state")
+    nodes = _NodeInterner()
+    state = _RendezvousState()
+
+    state.round = _check_int(fields["round"], "'round'")
+    for flag in ("complete", "closed"):
+        if type(fields[flag]) is not bool:
+            raise RendezvousStateError(f"'{flag}' must be a bool, not {fields[flag]!r}")
+    state.complete = fields["complete"]
+    state.closed = fields["closed"]
+    deadline = fields["deadline"]
+    state.deadline = None if deadline is None else _check_time(deadline, "'deadline'")
+
+    participants = fields["participants"]
+    if type(participants) is not dict:
+        raise RendezvousStateError(f"'participants' must be a dict, not {_describe(participants)}")
+    state.participants = {
+        nodes.node(node, "'participants'"): _check_int(rank, "a rank in 'participants'")
+        for node, rank in participants.items()
+    }
+    for name in ("wait_list", "redundancy_list"):
+        members = fields[name]
+        if type(members) is not set:
+            raise RendezvousStateError(f"'{name}' must be a set, not {_describe(members)}")
+        setattr(state, name, {nodes.node(node, f"'{name}'") for node in members})
+    heartbeats = fields["last_heartbeats"]
+    if type(heartbeats) is not dict:
+        raise RendezvousStateError(f"'last_heartbeats' must be a dict, not {_describe(heartbeats)}")
+    state.last_heartbeats = {
+        nodes.node(node, "'last_heartbeats'"): _check_time(at, "a time in 'last_heartbeats'")
+        for node, at in heartbeats.items()
+    }
+    return state
+
+
+def _preview(data: bytes) -> str:
+    return repr(data if len(data) <= _PREVIEW_BYTES else data[:_PREVIEW_BYTES] + b"...")
+
+
+def _decode_state(data: bytes, source: str) -> _RendezvousState:
+    """Decode a state written by :func:`_encode_state` or by PyTorch, without ``pickle.loads``.
+
+    Args:
+        data: The encoded state (a pickle).
+        source: Where it was read, for the error message (e.g. ``"etcd key '/a/b'"``).
+
+    Raises:
+        RendezvousStateError: ``data`` is not a rendezvous state, or names a type a
+            state does not contain; the message names ``source``. No code from ``data``
+            is run.
+    """
+    try:
+        obj = _StateUnpickler(io.BytesIO(data)).load()
+        return _validated_state(obj)
+    except RendezvousStateError as exc:
+        problem = str(exc)
+        cause: BaseException = exc
+    except _ForbiddenGlobalError as exc:
+        problem = str(exc)
+        cause = exc
+    except Exception as exc:  # Whatever a malformed pickle makes the unpickler raise.
+        problem = f"it is not a valid pickle ({type(exc).__name__}: {exc})"
+        cause = exc
+    raise RendezvousStateError(
+        f"The rendezvous state in {source} is corrupt: {problem}. Stored value "
+        f"({len(data)} bytes): {_preview(data)}. Nothing in it was executed."
+    ) from cause
+
+
+# -- keeping the state in sync ------------------------------------------------------------
+
+
+def _remove_participant_epilogue(state: _RendezvousState, settings: RendezvousSettings) -> None:
+    """Fix up the round after participants left (shared by sanitizing and exiting)."""
+    if state.complete:
+        # If we do not have any participants left, move to the next round.
+        if not state.participants:
+            logger.debug("No participants left in the rendezvous, marking rendezvous as incomplete")
+            state.complete = False
+            state.round += 1
+    elif len(state.participants) < settings.min_nodes:
+        logger.debug(
+            "Number of participants %d less than min_nodes %d, clearing deadline in state",
+            len(state.participants),
+            settings.min_nodes,
+        )
+        state.deadline = None
+
+
+class _RendezvousStateHolder(ABC):
+    """Hold the shared rendezvous state synced with other nodes."""
+
+    @property
+    @abstractmethod
+    def state(self) -> _RendezvousState:
+        """Get the local state."""
+
+    @abstractmethod
+    def sync(self) -> bool | None:
+        """Read or write the latest state.
+
+        Returns:
+            Whether the local state, if marked dirty, was successfully synced with
+            other nodes; ``None`` if it was not dirty.
+        """
+
+    @abstractmethod
+    def mark_dirty(self) -> None:
+        """Mark the local state as dirty."""
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for another node to change the state.
+
+        The next :meth:`sync` then returns the newest state. The default sleeps
+        ``min(timeout, 1 s)``, PyTorch's poll interval.
+        """
+        _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
+
+
+class _BackendRendezvousStateHolder(_RendezvousStateHolder):
+    """Hold the rendezvous state synced with other nodes via a backend.
+
+    Args:
+        backend: The rendezvous backend to use.
+        settings: The rendezvous settings.
+        cache_duration: The amount of time, in seconds, to cache the last rendezvous
+            state before requesting it from the backend again.
+    """
+
+    _backend: RendezvousBackend
+    _state: _RendezvousState
+    _settings: RendezvousSettings
+    _cache_duration: int
+    _token: Token
+    _dirty: bool
+    _last_sync_time: float
+    _dead_nodes: list[_NodeDesc]
+
+    def __init__(
+        self,
+        backend: RendezvousBackend,
+        settings: RendezvousSettings,
+        cache_duration: int = 1,
+    ) -> None:
+        self._backend = backend
+        self._state = _RendezvousState()
+        self._settings = settings
+        self._cache_duration = cache_duration
+        self._token = None
+        self._dirty = False
+        self._last_sync_time = -1
+        self._dead_nodes = []
+
+    @property
+    def state(self) -> _RendezvousState:
+        """See base class."""
+        return self._state
+
+    def _source(self) -> str:
+        # Backends that do not derive from RendezvousBackend may lack the property.
+        key = getattr(self._backend, "state_key", None)
+        if key is None:
+            return f"the '{self._backend.name}' backend"
+        return f"{self._backend.name} key '{key}'"
+
+    def sync(self) -> bool | None:
+        """See base class."""
+        state_bits: bytes | None = None
+        token = None
+        has_set: bool | None
+
+        if self._dirty:
+            has_set = False
+            state_bits = _encode_state(self._state)
+            set_response = self._backend.set_state(state_bits, self._token)
+            if set_response is not None:
+                state_bits, token, has_set = set_response
+        else:
+            has_set = None
+            if self._cache_duration > 0 and self._last_sync_time >= max(
+                time.monotonic() - self._cache_duration, 0
+            ):
+                # Avoid overloading the backend if we are asked to retrieve the state
+                # repeatedly. Serve the cached state.
+                return None
+            get_response = self._backend.get_state()
+            if get_response is not None:
+                state_bits, token = get_response
+
+        if has_set and self._dead_nodes:
+            logger.debug(
+                "As part of the sync operation the node(s) %s have been removed from the "
+                "rendezvous '%s' since they had no heartbeat.",
+                ", ".join(f"'{node}'" for node in self._dead_nodes),
+                self._settings.run_id,
+            )
+
+        self._adopt(state_bits, token)
+        return has_set
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Wait through the backend's :meth:`RendezvousBackend.wait_for_change`.
+
+        Afterwards the cache is invalidated, so that the next :meth:`sync` reads the
+        backend. A backend without the method is polled every second, as in PyTorch.
+        """
+        if self._dirty:
+            return
+        wait = getattr(self._backend, "wait_for_change", None)
+        if wait is None:
+            super().wait_for_change(timeout)
+        else:
+            wait(self._token, max(timeout, 0.0))
+        self._last_sync_time = -1
+
+    def _adopt(self, state_bits: bytes | None, token: Token) -> None:
+        """Make the decoded ``state_bits`` (or a new state if ``None``) the local state."""
+        if state_bits is not None:
+            self._state = _decode_state(state_bits, self._source())
+        else:
+            self._state = _RendezvousState()
+        self._token = token
+        self._dirty = False
+        self._last_sync_time = time.monotonic()
+        self._sanitize()
+
+    def _sanitize(self) -> None:
+        """Remove the nodes whose heartbeats lapsed (locally; written with the next change)."""
+        state = self._state
+        expire_time = _now() - (
+            self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        )
+
+        self._dead_nodes = [
+            node
+            for node, last_heartbeat in state.last_heartbeats.items()
+            if last_heartbeat < expire_time
+        ]
+
+        participant_removed = False
+        for dead_node in self._dead_nodes:
+            logger.debug("Detected dead node '%s', removing it from the rendezvous", dead_node)
+            del state.last_heartbeats[dead_node]
+            if state.participants.pop(dead_node, None) is not None:
+                participant_removed = True
+            state.wait_list.discard(dead_node)
+            state.redundancy_list.discard(dead_node)
+
+        if participant_removed:
+            # Common epilogue shared with _DistributedRendezvousOpExecutor.
+            _remove_participant_epilogue(state, self._settings)
+
+    def mark_dirty(self) -> None:
+        """See base class.
+
+        If the local rendezvous state is dirty, the next sync call will try to write the
+        changes back to the backend. However this attempt might fail if another node,
+        which had the same state, also made changes and wrote them before us.
+        """
+        self._dirty = True
+
+
+# -- deciding and acting ------------------------------------------------------------------
+
+
+class _Action(Enum):
+    """Specifies the possible actions based on the state of the rendezvous."""
+
+    KEEP_ALIVE = 1
+    ADD_TO_PARTICIPANTS = 2
+    ADD_TO_WAIT_LIST = 3
+    ADD_TO_REDUNDANCY_LIST = 4
+    REMOVE_FROM_PARTICIPANTS = 5
+    REMOVE_FROM_WAIT_LIST = 6
+    REMOVE_FROM_REDUNDANCY_LIST = 7
+    MARK_RENDEZVOUS_COMPLETE = 8
+    MARK_RENDEZVOUS_CLOSED = 9
+    SYNC = 10
+    ERROR_CLOSED = 11
+    ERROR_TIMEOUT = 12
+    FINISH = 13
+
+
+class _RendezvousContext:
+    """Holds the context of the rendezvous.
+
+    Attributes:
+        node: The node descriptor associated with the current rendezvous handler
+            instance.
+        state: The current state of the rendezvous.
+        settings: The rendezvous settings.
+    """
+
+    node: _NodeDesc
+    state: _RendezvousState
+    settings: RendezvousSettings
+
+    def __init__(
+        self, node: _NodeDesc, state: _RendezvousState, settings: RendezvousSettings
+    ) -> None:
+        self.node = node
+        self.state = state
+        self.settings = settings
+
+
+_StateHandler = Callable[[_RendezvousContext, float], _Action]
+
+
+class _RendezvousOpExecutor(ABC):
+    """Execute rendezvous operations."""
+
+    @abstractmethod
+    def run(
+        self,
+        state_handler: _StateHandler,
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        """Execute a rendezvous operation.
+
+        An operation is run inside a state machine and is expected to transition the
+        rendezvous from one state to another.
+
+        Args:
+            state_handler: A callable that returns the next state transition action
+                based on the current state of the rendezvous.
+            deadline: The time, in seconds (``time.monotonic()``), at which the
+                operation will be considered timed-out.
+            update_deadline: Function to generate a new operation deadline if the
+                current node may participate in the next rendezvous.
+        """
+
+
+class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
+    """Execute rendezvous operations using a shared state.
+
+    Args:
+        node: The node descriptor associated with the current rendezvous handler
+            instance.
+        state_holder: The ``RendezvousStateHolder`` to use to sync the rendezvous state
+            with other nodes.
+        settings: The rendezvous settings.
+    """
+
+    _node: _NodeDesc
+    _state: _RendezvousState
+    _state_holder: _RendezvousStateHolder
+    _settings: RendezvousSettings
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        state_holder: _RendezvousStateHolder,
+        settings: RendezvousSettings,
+    ) -> None:
+        self._node = node
+        self._state_holder = state_holder
+        self._settings = settings
+
+    def run(
+        self,
+        state_handler: _StateHandler,
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        """See base class."""
+        # Losers of a write race retry at once with the newer state in PyTorch; a short
+        # jittered back-off spreads many contending nodes out instead.
+        backoff = Backoff(initial=0.005, cap=0.1)
+        action = None
+        while action != _Action.FINISH:
+            # Reads or writes the latest rendezvous state shared by all nodes in the
+            # rendezvous. Our local changes might get overridden by another node if that
+            # node synced its changes before us.
+            has_set = self._state_holder.sync()
+            if has_set is not None:
+                if has_set:
+                    backoff.reset()
+                    logger.debug(
+                        "The node '%s' has successfully synced its local changes with other "
+                        "nodes in the rendezvous '%s'.",
+                        self._node,
+                        self._settings.run_id,
+                    )
+                else:
+                    logger.debug(
+                        "The node '%s' has a stale state and failed to sync its local changes "
+                        "with other nodes in the rendezvous '%s'.",
+                        self._node,
+                        self._settings.run_id,
+                    )
+                    _delay(min(backoff.next_delay(), max(deadline - time.monotonic(), 0.0)))
+
+            self._state = self._state_holder.state
+
+            ctx = _RendezvousContext(self._node, self._state, self._settings)
+
+            # Determine the next action to take based on the current state.
+            action = state_handler(ctx, deadline)
+
+            if action == _Action.FINISH:
+                continue
+
+            if action == _Action.ERROR_CLOSED:
+                raise RendezvousClosedError
+
+            if action == _Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError
+
+            if action == _Action.SYNC:
+                # Nothing to do until another node changes the state or one of our
+                # deadlines falls due.
+                self._state_holder.wait_for_change(self._time_to_next_event(deadline))
+                continue
+
+            if action == _Action.KEEP_ALIVE:
+                self._keep_alive()
+            elif action == _Action.ADD_TO_PARTICIPANTS:
+                self._add_to_participants()
+            elif action == _Action.ADD_TO_WAIT_LIST:
+                self._add_to_wait_list()
+            elif action == _Action.ADD_TO_REDUNDANCY_LIST:
+                self._add_to_redundancy_list()
+            elif action == _Action.REMOVE_FROM_PARTICIPANTS:
+                self._remove_from_participants()
+            elif action == _Action.REMOVE_FROM_WAIT_LIST:
+                self._remove_from_wait_list()
+            elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
+                self._remove_from_redundancy_list()
+                # Update the deadline since the node may participate in the rendezvous.
+                if update_deadline:
+                    deadline = update_deadline(self._settings.timeout.join)
+            elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
+                self._mark_rendezvous_complete()
+            elif action == _Action.MARK_RENDEZVOUS_CLOSED:
+                self._mark_rendezvous_closed()
+
+            # Attempt to sync our changes back to other nodes.
+            self._state_holder.mark_dirty()
+
+    def _time_to_next_event(self, deadline: float) -> float:
+        """Seconds until something may change the decision without a write by another node.
+
+        That is the operation deadline, the last-call deadline, our own next heartbeat,
+        or the expiry of another node's heartbeat. Events already past are ignored (they
+        were acted upon), and the wait is capped by the keep-alive interval.
+        """
+        state = self._state
+        settings = self._settings
+        now = _now()
+        waits = [settings.keep_alive_interval.total_seconds(), deadline - time.monotonic()]
+        if state.deadline is not None:
+            waits.append((state.deadline - now).total_seconds())
+        lifetime = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        for node, last_heartbeat in state.last_heartbeats.items():
+            due = last_heartbeat + (
+                settings.keep_alive_interval if node == self._node else lifetime
+            )
+            waits.append((due - now).total_seconds())
+        return min((wait for wait in waits if wait > 0), default=_POLL_INTERVAL) + _WAKE_UP_MARGIN
+
+    def _keep_alive(self) -> None:
+        logger.debug(
+            "The node '%s' updated its keep-alive heartbeat time for the rendezvous '%s'. "
+            "Pending sync.",
+            self._node,
+            self._settings.run_id,
+        )
+        self._state.last_heartbeats[self._node] = _now()
+
+    def _add_to_participants(self) -> None:
+        logger.debug(
+            "The node '%s' added itself to the participants of round %d of the rendezvous "
+            "'%s'. Pending sync.",
+            self._node,
+            self._state.round,
+            self._settings.run_id,
+        )
+        state = self._state
+        state.wait_list.discard(self._node)
+
+        # The ranks of the participants will be set once the rendezvous is complete.
+        state.participants[self._node] = 0
+
+        self._keep_alive()
+
+        if len(state.participants) == self._settings.min_nodes:
+            state.deadline = _now() + self._settings.timeout.last_call
+
+        if len(state.participants) == self._settings.max_nodes:
+            self._mark_rendezvous_complete()
+
+    def _add_to_wait_list(self) -> None:
+        logger.debug(
+            "The node '%s' added itself to the wait list of round %d of the rendezvous '%s'. "
+            "Pending sync.",
+            self._node,
+            self._state.round + 1,
+            self._settings.run_id,
+        )
+        self._state.redundancy_list.discard(self._node)
+        self._state.wait_list.add(self._node)
+        self._keep_alive()
+
+    def _add_to_redundancy_list(self) -> None:
+        logger.debug(
+            "The node '%s' added itself to the redundancy list of round %d of the rendezvous "
+            "'%s'. Pending sync.",
+            self._node,
+            self._state.round + 1,
+            self._settings.run_id,
+        )
+        self._state.redundancy_list.add(self._node)
+        self._keep_alive()
+
+    def _remove_from_participants(self) -> None:
+        logger.debug(
+            "The node '%s' removed itself from the participants of round %d of the "
+            "rendezvous '%s'. Pending sync.",
+            self._node,
+            self._state.round,
+            self._settings.run_id,
+        )
+        state = self._state
+        del state.participants[self._node]
+        del state.last_heartbeats[self._node]
+
+        # Common epilogue shared with _BackendRendezvousStateHolder._sanitize().
+        _remove_participant_epilogue(state, self._settings)
+
+    def _remove_from_wait_list(self) -> None:
+        logger.debug(
+            "The node '%s' removed itself from the wait list of round %d of the rendezvous "
+            "'%s'. Pending sync.",
+            self._node,
+            self._state.round + 1,
+            self._settings.run_id,
+        )
+        self._state.wait_list.remove(self._node)
+        del self._state.last_heartbeats[self._node]
+
+    def _remove_from_redundancy_list(self) -> None:
+        logger.debug(
+            "The node '%s' removed itself from the redundant list of round %d of the "
+            "rendezvous '%s'. Pending sync.",
+            self._node,
+            self._state.round + 1,
+            self._settings.run_id,
+        )
+        self._state.redundancy_list.remove(self._node)
+        del self._state.last_heartbeats[self._node]
+
+    def _mark_rendezvous_complete(self) -> None:
+        logger.debug(
+            "The node '%s' marked round %d of the rendezvous '%s' as complete. Pending sync.",
+            self._node,
+            self._state.round,
+            self._settings.run_id,
+        )
+        state = self._state
+        state.complete = True
+        state.deadline = None
+
+        # Assign the ranks.
+        for rank, node in enumerate(sorted(state.participants)):
+            state.participants[node] = rank
+
+    def _mark_rendezvous_closed(self) -> None:
+        logger.debug(
+            "The node '%s' marked the rendezvous '%s' as closed. Pending sync.",
+            self._node,
+            self._settings.run_id,
+        )
+        self._state.closed = True
+
+
+def _should_keep_alive(ctx: _RendezvousContext) -> bool:
+    """Determine whether a keep-alive heartbeat should be sent."""
+    try:
+        last_heartbeat = ctx.state.last_heartbeats[ctx.node]
+    except KeyError:
+        return False
+
+    return last_heartbeat <= _now() - ctx.settings.keep_alive_interval
+
+
+class _RendezvousExitOp:
+    """Represent a rendezvous exit operation."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if ctx.node in ctx.state.participants:
+            if time.monotonic() > deadline:
+                return _Action.ERROR_TIMEOUT
+            return _Action.REMOVE_FROM_PARTICIPANTS
+        return _Action.FINISH
+
+
+class _RendezvousJoinOp:
+    """Represent a rendezvous join operation."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        state = ctx.state
+
+        # A closed rendezvous means that it no longer accepts new nodes.
+        if state.closed:
+            if ctx.node in state.redundancy_list:
+                raise RendezvousGracefulExitError(
+                    f"The rendezvous '{ctx.settings.run_id}' is closed, terminating pending "
+                    "rendezvous."
+                )
+            return _Action.ERROR_CLOSED
+
+        if ctx.node in state.redundancy_list:
+            logger.debug("The node %s is in redundancy list", ctx.node)
+            # Do not apply the timeout logic here, to allow the node to rejoin.
+            if len(state.participants) == ctx.settings.max_nodes:
+                if _should_keep_alive(ctx):
+                    return _Action.KEEP_ALIVE
+                return _Action.SYNC
+            # Transition to the waiting state that respects timeouts.
+            logger.debug("The node %s is removed from redundancy list", ctx.node)
+            return _Action.REMOVE_FROM_REDUNDANCY_LIST
+
+        is_participant = ctx.node in state.participants
+
+        # If we are part of the rendezvous and it is already complete there is no
+        # further action to take.
+        if state.complete and is_participant:
+            return _Action.FINISH
+
+        now = time.monotonic()
+        if now > deadline:
+            rollback_period = 5  # seconds
+
+            # If we still have time to roll back (a short period on top of the operation
+            # deadline), try to remove ourselves from the rendezvous. It is okay if we
+            # cannot, as our keep-alive will eventually expire.
+            if now <= deadline + rollback_period:
+                # A participant could not find enough participants to complete on time.
+                if is_participant:
+                    return _Action.REMOVE_FROM_PARTICIPANTS
+                # A waiting node could not wait till the next round.
+                if ctx.node in state.wait_list:
+                    return _Action.REMOVE_FROM_WAIT_LIST
+            return _Action.ERROR_TIMEOUT
+
+        if state.complete:
+            # We are not part of the rendezvous. If it has capacity for additional
+            # participants, add ourselves to the wait list for the next round.
+            if len(state.participants) < ctx.settings.max_nodes:
+                if ctx.node not in state.wait_list:
+                    return _Action.ADD_TO_WAIT_LIST
+            elif ctx.node not in state.redundancy_list and ctx.node not in state.wait_list:
+                return _Action.ADD_TO_REDUNDANCY_LIST
+        elif is_participant:
+            # If the rendezvous has enough participants including us, check whether we
+            # have passed the last-call deadline. If yes, complete it.
+            if (
+                ctx.settings.min_nodes <= len(state.participants) <= ctx.settings.max_nodes
+                and state.deadline is not None
+            ):
+                if state.deadline < _now():
+                    logger.debug(
+                        "The node '%s' marking the rendezvous complete, quorum established "
+                        "within deadline",
+                        ctx.node,
+                    )
+                    return _Action.MARK_RENDEZVOUS_COMPLETE
+                logger.debug("The node '%s' can't complete rendezvous: deadline reached", ctx.node)
+            else:
+                logger.debug(
+                    "The node '%s' can't complete rendezvous: not enough participants", ctx.node
+                )
+        else:
+            # The rendezvous is not complete yet and we are not part of it. Try to join.
+            return _Action.ADD_TO_PARTICIPANTS
+
+        if _should_keep_alive(ctx):
+            return _Action.KEEP_ALIVE
+
+        # Either the rendezvous is not complete but we are part of it, so we wait for
+        # other participants to join; or it is complete but we are not part of it, so we
+        # wait for the next round.
+        return _Action.SYNC
+
+
+class _RendezvousCloseOp:
+    """Represent a rendezvous close operation."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if ctx.state.closed:
+            return _Action.FINISH
+        if time.monotonic() > deadline:
+            return _Action.ERROR_TIMEOUT
+        return _Action.MARK_RENDEZVOUS_CLOSED
+
+
+class _RendezvousKeepAliveOp:
+    """Represent a rendezvous keep-alive update operation."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if _should_keep_alive(ctx):
+            if time.monotonic() > deadline:
+                return _Action.ERROR_TIMEOUT
+            return _Action.KEEP_ALIVE
+        return _Action.FINISH
+
+
+# -- the keep-alive timer ----------------------------------------------------------------
+
+
+class _PeriodicTimer:
+    """Run a function every ``interval`` on a named daemon thread until cancelled.
+
+    As in PyTorch, the thread shares only a context object with the timer, so the timer
+    can be garbage collected (which stops the thread through ``weakref.finalize``). Unlike
+    PyTorch's, an exception raised by the function is logged and the timer keeps going.
+
+    Args:
+        interval: The interval between runs.
+        function: The function to run.
+        *args: Positional arguments for ``function``.
+        **kwargs: Keyword arguments for ``function``.
+    """
+
+    class _Context:
+        interval: float
+        function: Callable[..., None]
+        args: tuple[Any, ...]
+        kwargs: dict[str, Any]
+        stop_event: threading.Event
+
+    _name: str | None
+    _thread: threading.Thread | None
+    _finalizer: weakref.finalize[Any, Any] | None
+    _ctx: _Context
+
+    def __init__(
+        self, interval: timedelta, function: Callable[..., None], *args: Any, **kwargs: Any
+    ) -> None:
+        self._name = None
+        self._ctx = self._Context()
+        self._ctx.interval = interval.total_seconds()
+        self._ctx.function = function
+        self._ctx.args = args
+        self._ctx.kwargs = kwargs
+        self._ctx.stop_event = threading.Event()
+        self._thread = None
+        self._finalizer = None
+
+    @property
+    def name(self) -> str | None:
+        """Get the name of the timer (and of its thread)."""
+        return self._name
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The background thread, once started."""
+        return self._thread
+
+    def set_name(self, name: str) -> None:
+        """Set the name of the timer; must be called before :meth:`start`.
+
+        Raises:
+            RuntimeError: The timer has already started.
+        """
+        if self._thread:
+            raise RuntimeError("The timer has already started.")
+        self._name = name
+
+    def start(self) -> None:
+        """Start the timer.
+
+        Raises:
+            RuntimeError: The timer has already started.
+        """
+        if self._thread:
+            raise RuntimeError("The timer has already started.")
+
+        self._thread = threading.Thread(
+            target=self._run, name=self._name or "PeriodicTimer", args=(self._ctx,), daemon=True
+        )
+        # weakref.finalize rather than __del__: joining a daemon thread during interpreter
+        # shutdown can deadlock, and finalize behaves the same under any GC.
+        self._finalizer = weakref.finalize(
+            self, self._stop_thread, self._thread, self._ctx.stop_event
+        )
+        # Do not try to stop the thread at interpreter shutdown; it may be gone.
+        self._finalizer.atexit = False
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Stop the timer and wait for a run in progress to end. Idempotent."""
+        if self._finalizer:
+            self._finalizer()
+
+    @staticmethod
+    def _run(ctx: _PeriodicTimer._Context) -> None:
+        while not ctx.stop_event.wait(ctx.interval):
+            try:
+                ctx.function(*ctx.args, **ctx.kwargs)
+            except Exception:
+                logger.exception("The periodic function %r failed; will run it again", ctx.function)
+
+    @staticmethod
+    def _stop_thread(thread: threading.Thread, stop_event: threading.Event) -> None:
+        stop_event.set()
+        if thread is not threading.current_thread():
+            thread.join()
+
+
+# -- stores ---------------------------------------------------------------------------------
+
+
+class _PrefixStore:
+    """A c10d ``PrefixStore`` without torch: every key becomes ``prefix + "/" + key``.
+
+    Wraps any :class:`~etcd_rendezvous.api.Store`. The extended c10d methods are passed
+    through when the underlying store has them.
+
+    Args:
+        prefix: The prefix, e.g. ``torch.rendezvous.<run_id>.<round>``.
+        store: The store that holds the keys.
+    """
+
+    def __init__(self, prefix: str, store: Store) -> None:
+        self._prefix = prefix
+        self._store = store
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._prefix!r}, {self._store!r})"
+
+    @property
+    def prefix(self) -> str:
+        """The prefix prepended to every key (without the ``/``)."""
+        return self._prefix
+
+    @property
+    def underlying_store(self) -> Store:
+        """The wrapped store."""
+        return self._store
+
+    @property
+    def timeout(self) -> Any:
+        """The wrapped store's default timeout."""
+        return getattr(self._store, "timeout", None)
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}/{key}"
+
+    def set(self, key: str, value: bytes | str, /) -> None:
+        """Write ``value`` under the prefixed ``key``."""
+        self._store.set(self._key(key), value)
+
+    def get(self, key: str, /) -> bytes:
+        """Return the value under the prefixed ``key``, waiting for it if necessary."""
+        return self._store.get(self._key(key))
+
+    def add(self, key: str, value: int, /) -> int:
+        """Atomically add ``value`` to the counter under the prefixed ``key``."""
+        return self._store.add(self._key(key), value)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None, /) -> None:
+        """Block until every prefixed key in ``keys`` is set, or ``timeout`` elapses."""
+        prefixed = [self._key(key) for key in keys]
+        if timeout is None:
+            self._store.wait(prefixed)
+        else:
+            self._store.wait(prefixed, timeout)
+
+    def check(self, keys: list[str], /) -> bool:
+        """Return whether every prefixed key in ``keys`` is set."""
+        return self._store.check([self._key(key) for key in keys])
+
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> Any:
+        """Compare-and-set the prefixed ``key`` (needs the underlying store's support)."""
+        store: Any = self._store
+        return store.compare_set(self._key(key), expected_value, desired_value)
+
+    def delete_key(self, key: str) -> bool:
+        """Delete the prefixed ``key`` (needs the underlying store's support)."""
+        store: Any = self._store
+        return bool(store.delete_key(self._key(key)))
+
+    def append(self, key: str, value: bytes | str) -> None:
+        """Append to the prefixed ``key`` (needs the underlying store's support)."""
+        store: Any = self._store
+        store.append(self._key(key), value)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Return the values of the prefixed ``keys`` (needs the underlying store's support)."""
+        store: Any = self._store
+        return list(store.multi_get([self._key(key) for key in keys]))
+
+    def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
+        """Set the prefixed ``keys`` (needs the underlying store's support)."""
+        store: Any = self._store
+        store.multi_set([self._key(key) for key in keys], values)
+
+    def num_keys(self) -> int:
+        """The underlying store's number of keys, as c10d's ``PrefixStore`` reports it."""
+        store: Any = self._store
+        return int(store.num_keys())
+
+
+def _prefix_store(prefix: str, store: Store) -> Store:
+    """Wrap ``store`` in torch's ``PrefixStore`` if it is a torch store, else ours."""
+    # A torch store exists only if torch.distributed was imported; never import it here.
+    dist = sys.modules.get("torch.distributed")
+    torch_store_type = getattr(dist, "Store", None)
+    if torch_store_type is not None and isinstance(store, torch_store_type):
+        wrapped: Store = dist.PrefixStore(prefix, store)  # type: ignore[union-attr]
+        return wrapped
+    return _PrefixStore(prefix, store)
+
+
+def _torch_available() -> bool:
+    """Whether PyTorch can be imported (checked without importing it)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+# -- the handler ----------------------------------------------------------------------------
+
+
+class DynamicRendezvousHandler(RendezvousHandler):
+    """Represent a handler that sets up a rendezvous among a set of nodes.
+
+    Created with :meth:`from_backend` or :func:`create_handler`. Use one handler per
+    agent, and call :meth:`shutdown` when done: it closes the rendezvous and stops the
+    keep-alive thread.
+    """
+
+    # Static
+    _node_desc_generator = _NodeDescGenerator()
+
+    _this_node: _NodeDesc
+    _settings: RendezvousSettings
+    _backend_name: str
+    _store: Store
+    _state_holder: _RendezvousStateHolder
+    _op_executor: _RendezvousOpExecutor
+    _heartbeat_lock: threading.Lock
+    _keep_alive_timer: _PeriodicTimer | None
+
+    @classmethod
+    def from_backend(
+        cls,
+        run_id: str,
+        store: Store,
+        backend: RendezvousBackend,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        timeout: RendezvousTimeout | None = None,
+        keep_alive_interval: int = 5,
+        keep_alive_max_attempt: int = 3,
+    ) -> DynamicRendezvousHandler:
+        """Create a new :class:`DynamicRendezvousHandler`.
+
+        Args:
+            run_id: The run id of the rendezvous.
+            store: The c10d store to return as part of the rendezvous.
+            backend: The backend to use to hold the rendezvous state.
+            min_nodes: The minimum number of nodes to admit to the rendezvous.
+            max_nodes: The maximum number of nodes to admit to the rendezvous.
+            local_addr: The local node address.
+            timeout: The timeout configuration of the rendezvous.
+            keep_alive_interval: The amount of time, in seconds, a node waits before
+                sending a heartbeat to keep it alive in the rendezvous.
+            keep_alive_max_attempt: The maximum number of failed heartbeat attempts after
+                which a node is considered dead.
+
+        Raises:
+            ValueError: A setting is invalid; the message names it.
+        """
+        # We associate each handler instance with a unique node descriptor.
+        node = cls._node_desc_generator.generate(local_addr)
+
+        settings = RendezvousSettings(
+            run_id,
+            min_nodes,
+            max_nodes,
+            timeout or RendezvousTimeout(),
+            keep_alive_interval=timedelta(seconds=keep_alive_interval),
+            keep_alive_max_attempt=keep_alive_max_attempt,
+        )
+
+        state_holder = _BackendRendezvousStateHolder(backend, settings)
+
+        return cls(node, settings, backend.name, store, state_holder)
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        settings: RendezvousSettings,
+        backend_name: str,
+        store: Store,
+        state_holder: _RendezvousStateHolder,
+    ) -> None:
+        if not settings.run_id:
+            raise ValueError("The run id must be a non-empty string.")
+
+        if settings.min_nodes < 1:
+            raise ValueError(
+                f"The minimum number of nodes ({settings.min_nodes}) must be greater than zero."
+            )
+
+        if settings.max_nodes < settings.min_nodes:
+            raise ValueError(
+                f"The maximum number of nodes ({settings.max_nodes}) must be greater than or "
+                f"equal to the minimum number of nodes ({settings.min_nodes})."
+            )
+
+        self._this_node = node
+        self._settings = settings
+        self._backend_name = backend_name
+        self._store = store
+        self._state_holder = state_holder
+        self._op_executor = _DistributedRendezvousOpExecutor(
+            self._this_node, self._state_holder, self._settings
+        )
+        self._heartbeat_lock = threading.Lock()
+        # Guards starting and stopping the keep-alive timer.
+        self._timer_lock = threading.Lock()
+        self._keep_alive_timer = None
+        # The shared TCPStore server, when this node hosts it (rank 0, torch installed).
+        self._shared_tcp_store_server: Any = None
+        self._bootstrap_store_info: RendezvousStoreInfo | None = None
+
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
+        """Start the agent's shared ``TCPStore`` server (needs PyTorch)."""
+        # Imported by name: PyTorch is optional and must not be imported at import time.
+        dist = importlib.import_module("torch.distributed")
+        return dist.TCPStore(
+            host_name=master_addr, port=master_port, is_master=True, multi_tenant=True
+        )
+
+    @property
+    def settings(self) -> RendezvousSettings:
+        """Get the settings of the rendezvous."""
+        return self._settings
+
+    def get_backend(self) -> str:
+        """See base class."""
+        return self._backend_name
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Whether rank 0 hosts a ``TCPStore`` shared with the trainers.
+
+        As in PyTorch, true unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; but a
+        ``TCPStore`` needs PyTorch, so without it installed this is always false.
+        """
+        return os.getenv(_DISABLE_SHARED_STORE_ENV, "0") != "1" and _torch_available()
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class."""
+        logger.info(
+            "The node '%s' attempts to join the next round of the rendezvous '%s'.",
+            self._this_node,
+            self._settings.run_id,
+        )
+
+        self._stop_heartbeats()
+
+        # Delay the execution for a small random amount of time if this is our first
+        # run. This slightly skews the rendezvous attempts across the nodes and reduces
+        # the load on the backend.
+        if self._state_holder.state.round == 0:
+            _delay(seconds=(0, 0.3))
+
+        exit_op = _RendezvousExitOp()
+        join_op = _RendezvousJoinOp()
+
+        deadline = self._get_deadline(self._settings.timeout.join)
+        self._op_executor.run(exit_op, deadline)
+        self._op_executor.run(join_op, deadline, self._get_deadline)
+
+        self._start_heartbeats()
+
+        rank, world_size = self._get_world()
+        store = self._get_store()
+
+        logger.info(
+            "The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of "
+            "size %d.",
+            self._this_node,
+            self._state_holder.state.round,
+            self._settings.run_id,
+            rank,
+            world_size,
+        )
+
+        if not self.use_agent_store:
+            # Opted out of TCPStore sharing (or no PyTorch): rank 0 publishes a free port.
+            bootstrap_store_info = RendezvousStoreInfo.build(
+                rank, store, local_addr=self._this_node.addr
+            )
+            return RendezvousInfo(store, rank, world_size, bootstrap_store_info)
+
+        # PyTorch builds the bootstrap info only in a node's first round, so a node
+        # admitted in a later round waits for a MASTER_ADDR that rank 0 never publishes
+        # under the new round's prefix (until the store times out). Here rank 0 hosts
+        # the shared TCPStore (starting it when it first becomes rank 0) and publishes
+        # its address every round, and the other ranks read it every round.
+        if rank == 0:
+            if self._shared_tcp_store_server is None:
+                self._shared_tcp_store_server = self._create_tcp_store_server(
+                    self._this_node.addr, 0
+                )
+            self._bootstrap_store_info = RendezvousStoreInfo.build(
+                rank,
+                store,
+                local_addr=self._this_node.addr,
+                server_port=self._shared_tcp_store_server.port,
+            )
+        else:
+            self._bootstrap_store_info = RendezvousStoreInfo.build(
+                rank, store, local_addr=self._this_node.addr
+            )
+
+        return RendezvousInfo(store, rank, world_size, self._bootstrap_store_info)
+
+    def is_closed(self) -> bool:
+        """See base class."""
+        with self._heartbeat_lock:
+            self._state_holder.sync()
+            return self._state_holder.state.closed
+
+    def set_closed(self) -> None:
+        """See base class."""
+        with self._heartbeat_lock:
+            self._close()
+
+    def num_nodes_waiting(self) -> int:
+        """See base class."""
+        with self._heartbeat_lock:
+            self._state_holder.sync()
+            return len(self._state_holder.state.wait_list)
+
+    def get_run_id(self) -> str:
+        """See base class."""
+        return self._settings.run_id
+
+    def shutdown(self) -> bool:
+        """Stop the keep-alive thread and close the rendezvous.
+
+        Returns:
+            Whether the rendezvous could be closed; the thread is stopped either way.
+        """
+        self._stop_heartbeats()
+
+        try:
+            self._close()
+        except RendezvousError as ex:
+            logger.warning(
+                "The node '%s' has failed to shutdown the rendezvous '%s' due to an error of "
+                "type %s.",
+                self._this_node,
+                self._settings.run_id,
+                type(ex).__name__,
+            )
+            return False
+        return True
+
+    def _close(self) -> None:
+        op = _RendezvousCloseOp()
+        deadline = self._get_deadline(self._settings.timeout.close)
+        self._op_executor.run(op, deadline)
+        logger.info(
+            "The node '%s' has closed the rendezvous '%s'.", self._this_node, self._settings.run_id
+        )
+
+    @staticmethod
+    def _keep_alive_weak(weak_self: weakref.ref[DynamicRendezvousHandler]) -> None:
+        self = weak_self()
+        if self is not None:
+            self._keep_alive()
+
+    def _keep_alive(self) -> None:
+        with self._heartbeat_lock:
+            op = _RendezvousKeepAliveOp()
+            deadline = self._get_deadline(self._settings.timeout.heartbeat)
+            try:
+                self._op_executor.run(op, deadline)
+            except (RendezvousConnectionError, RendezvousTimeoutError) as ex:
+                # Transient: the next heartbeat tries again.
+                logger.warning(
+                    "The node '%s' has failed to send a keep-alive heartbeat to the rendezvous "
+                    "'%s' due to an error of type %s (%s); will retry.",
+                    self._this_node,
+                    self._settings.run_id,
+                    type(ex).__name__,
+                    ex,
+                )
+            except Exception:
+                logger.exception(
+                    "The node '%s' has failed to send a keep-alive heartbeat to the rendezvous "
+                    "'%s'; will retry.",
+                    self._this_node,
+                    self._settings.run_id,
+                )
+            else:
+                logger.debug(
+                    "The node '%s' has sent a keep-alive heartbeat to the rendezvous '%s'.",
+                    self._this_node,
+                    self._settings.run_id,
+                )
+
+    def _start_heartbeats(self) -> None:
+        with self._timer_lock:
+            if self._keep_alive_timer is not None:
+                self._keep_alive_timer.cancel()
+            self._keep_alive_timer = _PeriodicTimer(
+                self._settings.keep_alive_interval, self._keep_alive_weak, weakref.ref(self)
+            )
+            self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
+            self._keep_alive_timer.start()
+
+    def _stop_heartbeats(self) -> None:
+        with self._timer_lock:
+            if self._keep_alive_timer is None:
+                return
+            self._keep_alive_timer.cancel()
+            self._keep_alive_timer = None
+
+    def _get_world(self) -> tuple[int, int]:
+        state = self._state_holder.state
+        return state.participants[self._this_node], len(state.participants)
+
+    def _wrap_store(self, store: Store) -> Store:
+        key_prefix = f"torch.rendezvous.{self._settings.run_id}.{self._state_holder.state.round}"
+        return _prefix_store(key_prefix, store)
+
+    def _get_store(self) -> Store:
+        return self._wrap_store(self._store)
+
+    def _get_deadline(self, timeout: timedelta) -> float:
+        return time.monotonic() + timeout.total_seconds()
+
+
+def _get_timeout(params: RendezvousParameters, key: str) -> timedelta | None:
+    timeout = params.get_as_int(key + "_timeout")
+    if timeout is None:
+        return None
+    return timedelta(seconds=timeout)
+
+
+def create_handler(
+    store: Store, backend: RendezvousBackend, params: RendezvousParameters
+) -> DynamicRendezvousHandler:
+    """Create a new :class:`DynamicRendezvousHandler` from the specified parameters.
+
+    Args:
+        store: The c10d store to return as part of the rendezvous.
+        backend: The backend to use to hold the rendezvous state.
+        params: The rendezvous parameters; these options are read from its config:
+
+    +--------------------------+--------------------------------------------------------+
+    | Parameter                | Description                                            |
+    +==========================+========================================================+
+    | join_timeout             | The total time, in seconds, within which the           |
+    |                          | rendezvous is expected to complete. Defaults to 600.   |
+    +--------------------------+--------------------------------------------------------+
+    | last_call_timeout        | An additional wait amount, in seconds, before          |
+    |                          | completing the rendezvous once the minimum number of   |
+    |                          | nodes has been reached. Defaults to 30.                |
+    +--------------------------+--------------------------------------------------------+
+    | close_timeout            | The time, in seconds, within which the rendezvous is   |
+    |                          | expected to close after a call to ``set_closed`` or    |
+    |                          | ``shutdown``. Defaults to 30.                          |
+    +--------------------------+--------------------------------------------------------+
+    | heartbeat_timeout        | The time, in seconds, within which a keep-alive        |
+    |                          | heartbeat is expected to complete. Defaults to 5.      |
+    +--------------------------+--------------------------------------------------------+
+    | keep_alive_interval      | Seconds between heartbeats. Defaults to 5.             |
+    +--------------------------+--------------------------------------------------------+
+    | keep_alive_max_attempt   | Missed heartbeats after which a node is dead.          |
+    |                          | Defaults to 3.                                         |
+    +--------------------------+--------------------------------------------------------+
+
+    Raises:
+        ValueError: An option is invalid; the message names it.
+        TypeError: ``keep_alive_interval`` or ``keep_alive_max_attempt`` is ``None``.
+    """
+    timeout = RendezvousTimeout(
+        _get_timeout(params, "join"),
+        _get_timeout(params, "last_call"),
+        _get_timeout(params, "close"),
+        _get_timeout(params, "heartbeat"),
+    )
+    keep_alive_interval = params.get_as_int("keep_alive_interval", 5)
+    if keep_alive_interval is None:
+        raise TypeError(
+            "You passed 'keep_alive_interval=None' as a rendezvous configuration option"
+        )
+    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
+    if keep_alive_max_attempt is None:
+        raise TypeError(
+            "You passed 'keep_alive_max_attempt=None' as a rendezvous configuration option"
+        )
+
+    return DynamicRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=keep_alive_interval,
+        keep_alive_max_attempt=keep_alive_max_attempt,
+    )

@@ -1,0 +1,1328 @@
+"""The dynamic rendezvous state machine, with in-memory backends and stores.
+
+Ports the relevant cases of PyTorch's ``dynamic_rendezvous_test.py`` (state holder,
+operation executor, the operations) and adds handler-level scenarios run with threads:
+several nodes, late and redundant nodes, close, dead-node removal, heartbeats.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from etcd_rendezvous import dynamic_rendezvous as dr
+from etcd_rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousGracefulExitError,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+from etcd_rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousBackend,
+    RendezvousSettings,
+    RendezvousTimeout,
+    _Action,
+    _NodeDesc,
+    _RendezvousContext,
+    _RendezvousState,
+)
+
+NOW = datetime(2000, 1, 1, tzinfo=timezone.utc)
+ME = _NodeDesc("this_node", 1, 1)
+
+
+# -- fakes ------------------------------------------------------------------------------------
+
+
+class MemoryBackend(RendezvousBackend):
+    """A thread-safe in-memory backend with integer tokens and a watch.
+
+    ``failures`` holds exceptions raised by the next calls to get/set_state.
+    """
+
+    def __init__(self, key: str | None = None) -> None:
+        self._cond = threading.Condition()
+        self._state: bytes | None = None
+        self._token = 0
+        self._key = key
+        self.failures: list[Exception] = []
+        self.calls: dict[str, int] = {"get": 0, "set": 0, "wait": 0}
+        self.writes: list[tuple[float, dr._RendezvousState]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def state_key(self) -> str | None:
+        return self._key
+
+    def _maybe_fail(self) -> None:
+        if self.failures:
+            raise self.failures.pop(0)
+
+    def get_state(self) -> tuple[bytes, Any] | None:
+        with self._cond:
+            self.calls["get"] += 1
+            self._maybe_fail()
+            if self._state is None:
+                return None
+            return self._state, self._token
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        with self._cond:
+            self.calls["set"] += 1
+            self._maybe_fail()
+            if (token or 0) != self._token:
+                assert self._state is not None
+                return self._state, self._token, False
+            self._state = state
+            self._token += 1
+            self.writes.append((time.monotonic(), dr._decode_state(state, "memory")))
+            self._cond.notify_all()
+            return state, self._token, True
+
+    def wait_for_change(self, token: Any, timeout: float) -> None:
+        with self._cond:
+            self.calls["wait"] += 1
+            self._cond.wait_for(lambda: self._token != (token or 0), timeout)
+
+    # Test helpers.
+    def load(self) -> _RendezvousState:
+        with self._cond:
+            assert self._state is not None
+            return dr._decode_state(self._state, "memory")
+
+    def store(self, state: _RendezvousState) -> None:
+        with self._cond:
+            self._state = dr._encode_state(state)
+            self._token += 1
+            self._cond.notify_all()
+
+    def corrupt(self, data: bytes = b"corrupt_state") -> None:
+        with self._cond:
+            self._state = data
+            self._token += 1
+
+
+class PollingBackend(MemoryBackend):
+    """A backend without a watch: uses :class:`RendezvousBackend`'s default wait."""
+
+    def wait_for_change(self, token: Any, timeout: float) -> None:
+        self.calls["wait"] += 1
+        RendezvousBackend.wait_for_change(self, token, timeout)
+
+
+class DictStore:
+    """In-memory c10d-like store shared by all the nodes of a test; ``get`` waits."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes | str) -> None:
+        with self._cond:
+            self.data[key] = value.encode() if isinstance(value, str) else value
+            self._cond.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self.data, 10):
+                raise TimeoutError(key)
+            return self.data[key]
+
+    def add(self, key: str, value: int) -> int:
+        with self._cond:
+            total = int(self.data.get(key, b"0")) + value
+            self.data[key] = str(total).encode()
+            self._cond.notify_all()
+            return total
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: all(k in self.data for k in keys), 10):
+                raise TimeoutError(keys)
+
+    def check(self, keys: list[str]) -> bool:
+        with self._cond:
+            return all(k in self.data for k in keys)
+
+
+def make_settings(
+    min_nodes: int = 1,
+    max_nodes: int = 1,
+    *,
+    interval: timedelta = timedelta(seconds=30),
+    attempts: int = 3,
+    timeout: RendezvousTimeout | None = None,
+    run_id: str = "dummy_run_id",
+) -> RendezvousSettings:
+    return RendezvousSettings(
+        run_id=run_id,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        timeout=timeout or RendezvousTimeout(),
+        keep_alive_interval=interval,
+        keep_alive_max_attempt=attempts,
+    )
+
+
+@pytest.fixture
+def frozen_now(monkeypatch: pytest.MonkeyPatch) -> datetime:
+    monkeypatch.setattr(dr, "_now", lambda: NOW)
+    return NOW
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most handler tests exercise the torch-free bootstrap (no TCPStore server)."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+# -- settings and node descriptors ----------------------------------------------------------
+
+
+def test_timeout_keeps_given_values() -> None:
+    timeout = RendezvousTimeout(
+        timedelta(seconds=50), timedelta(seconds=60), timedelta(seconds=70), timedelta(seconds=80)
+    )
+    assert (timeout.join, timeout.last_call, timeout.close, timeout.heartbeat) == (
+        timedelta(seconds=50),
+        timedelta(seconds=60),
+        timedelta(seconds=70),
+        timedelta(seconds=80),
+    )
+
+
+def test_timeout_defaults() -> None:
+    timeout = RendezvousTimeout()
+    assert (timeout.join, timeout.last_call, timeout.close, timeout.heartbeat) == (
+        timedelta(seconds=600),
+        timedelta(seconds=30),
+        timedelta(seconds=30),
+        timedelta(seconds=5),
+    )
+
+
+@pytest.mark.parametrize("join", [timedelta(seconds=0), timedelta(seconds=-1)])
+def test_timeout_must_be_positive(join: timedelta) -> None:
+    with pytest.raises(ValueError, match=rf"^The join timeout \({join}\) must be positive.$"):
+        RendezvousTimeout(join)
+
+
+def test_node_desc_repr_hash_and_order() -> None:
+    a, b = _NodeDesc("dummy_fqdn", 2, 4), _NodeDesc("dummy_fqdn", 3, 5)
+    assert repr(b) == "dummy_fqdn_3_5"
+    assert {a, b} == {_NodeDesc("dummy_fqdn", 2, 4), _NodeDesc("dummy_fqdn", 3, 5)}
+    assert sorted([b, a]) == [a, b]
+
+
+def test_node_desc_generator_counts_per_process() -> None:
+    import socket
+
+    generator = dr._NodeDescGenerator()
+    for local_id in range(4):
+        assert repr(generator.generate()) == f"{socket.getfqdn()}_{os.getpid()}_{local_id}"
+    assert generator.generate("given-addr").addr == "given-addr"
+
+
+# -- _BackendRendezvousStateHolder ------------------------------------------------------------
+
+
+def full_state() -> _RendezvousState:
+    state = _RendezvousState()
+    state.round = 999
+    state.complete = True
+    state.deadline = NOW
+    state.closed = True
+    state.participants = {
+        _NodeDesc("dummy1", 1, 1): 0,
+        _NodeDesc("dummy2", 1, 1): 1,
+        _NodeDesc("dummy3", 1, 1): 2,
+    }
+    state.wait_list = {_NodeDesc("dummy4", 1, 1), _NodeDesc("dummy5", 1, 1)}
+    state.last_heartbeats = {
+        _NodeDesc("dummy1", 1, 1): NOW,
+        _NodeDesc("dummy2", 1, 1): NOW - timedelta(seconds=15),
+        _NodeDesc("dummy3", 1, 1): NOW - timedelta(seconds=30),
+        _NodeDesc("dummy4", 1, 1): NOW - timedelta(seconds=60),
+        _NodeDesc("dummy5", 1, 1): NOW - timedelta(seconds=90),
+    }
+    return state
+
+
+def make_holder(
+    backend: RendezvousBackend, cache_duration: int = 0
+) -> dr._BackendRendezvousStateHolder:
+    return dr._BackendRendezvousStateHolder(backend, make_settings(), cache_duration)
+
+
+def test_holder_starts_empty_without_calling_the_backend() -> None:
+    backend = MemoryBackend()
+    holder = make_holder(backend)
+    assert vars(holder.state) == vars(_RendezvousState())
+    assert backend.calls == {"get": 0, "set": 0, "wait": 0}
+
+
+def test_sync_gets_empty_state_if_backend_has_none(frozen_now: datetime) -> None:
+    backend = MemoryBackend()
+    holder = make_holder(backend)
+    assert holder.sync() is None
+    assert vars(holder.state) == vars(_RendezvousState())
+    assert backend.calls["get"] == 1
+
+
+def test_sync_gets_backend_state_if_local_state_is_clean(frozen_now: datetime) -> None:
+    backend = MemoryBackend()
+    holder = make_holder(backend)
+    expected = full_state()
+    for attempt in range(1, 4):
+        expected.round = attempt
+        backend.store(expected)
+        assert holder.sync() is None
+        assert vars(holder.state) == vars(expected)
+    assert backend.calls == {"get": 3, "set": 0, "wait": 0}
+
+
+def test_sync_gets_backend_state_if_local_state_is_old_and_dirty(frozen_now: datetime) -> None:
+    backend = MemoryBackend()
+    holder = make_holder(backend)
+    expected = full_state()
+    for attempt in range(1, 4):
+        backend.store(expected)  # Moves the token on.
+        holder.state.round = attempt
+        holder.mark_dirty()
+        assert holder.sync() is False
+        assert vars(holder.state) == vars(expected)
+    assert backend.calls == {"get": 0, "set": 3, "wait": 0}
+
+
+def test_sync_sets_backend_state_if_local_state_is_new_and_dirty(frozen_now: datetime) -> None:
+    backend = MemoryBackend()
+    holder = make_holder(backend)
+    for attempt in range(1, 4):
+        holder.state.round = attempt
+        holder.mark_dirty()
+        assert holder.sync() is True
+        assert vars(holder.state) == vars(backend.load())
+        assert backend.load().round == attempt
+    assert backend.calls == {"get": 0, "set": 3, "wait": 0}
+
+
+def test_sync_serves_the_cache_until_it_expires_or_a_wait_ends(frozen_now: datetime) -> None:
+    backend = MemoryBackend()
+    backend.store(full_state())
+    holder = make_holder(backend, cache_duration=60)
+    holder.sync()
+    assert holder.sync() is None
+    assert backend.calls["get"] == 1
+    holder.wait_for_change(0)
+    holder.sync()
+    assert backend.calls["get"] == 2
+    assert backend.calls["wait"] == 1
+
+
+def test_wait_for_change_returns_when_another_node_writes(frozen_now: datetime) -> None:
+    backend = MemoryBackend()
+    holder = make_holder(backend)
+    holder.sync()
+    threading.Timer(0.2, backend.store, args=(full_state(),)).start()
+    started = time.monotonic()
+    holder.wait_for_change(30)
+    assert time.monotonic() - started < 5
+    holder.sync()
+    assert holder.state.round == 999
+
+
+def test_holder_polls_a_backend_without_wait_for_change(frozen_now: datetime) -> None:
+    class Bare:
+        """Duck-typed backend, like one written before the hook existed."""
+
+        name = "bare"
+
+        def get_state(self) -> None:
+            return None
+
+        def set_state(self, state: bytes, token: Any = None) -> None:
+            return None
+
+    holder = dr._BackendRendezvousStateHolder(Bare(), make_settings())  # type: ignore[arg-type]
+    started = time.monotonic()
+    holder.wait_for_change(0.05)
+    assert 0.04 <= time.monotonic() - started < 1
+
+
+def test_sync_removes_nodes_whose_heartbeats_lapsed(frozen_now: datetime) -> None:
+    state = full_state()
+    expected = full_state()
+    dead = [_NodeDesc(f"dead{i}", 1, 1) for i in range(1, 7)]
+    for i, node in enumerate(dead):
+        state.last_heartbeats[node] = NOW - timedelta(seconds=91 + 10 * i)
+    for node in dead[:3]:
+        state.participants[node] = 0
+    state.wait_list.update(dead[3:5])
+    state.redundancy_list.add(dead[5])
+    backend = MemoryBackend()
+    backend.store(state)
+    holder = make_holder(backend)
+    holder.sync()
+    assert vars(holder.state) == vars(expected)
+
+
+def test_sync_moves_to_next_round_if_no_participant_is_left(frozen_now: datetime) -> None:
+    state = full_state()
+    for node in state.last_heartbeats:
+        state.last_heartbeats[node] = NOW - timedelta(seconds=100)
+    backend = MemoryBackend()
+    backend.store(state)
+    holder = make_holder(backend)
+    holder.sync()
+    assert holder.state.complete is False
+    assert holder.state.round == 1000
+    assert holder.state.participants == {}
+    assert holder.state.wait_list == set()
+    assert holder.state.last_heartbeats == {}
+
+
+def test_sync_raises_state_error_naming_the_key() -> None:
+    backend = MemoryBackend(key="/torch/elastic/rendezvous/r1")
+    backend.corrupt()
+    with pytest.raises(
+        RendezvousStateError,
+        match=r"^The rendezvous state in memory key '/torch/elastic/rendezvous/r1' is corrupt",
+    ):
+        make_holder(backend).sync()
+
+
+def test_sync_raises_state_error_naming_a_keyless_backend() -> None:
+    backend = MemoryBackend()
+    backend.corrupt(b"\x80\x04N.")  # A pickled None.
+    with pytest.raises(RendezvousStateError, match="in the 'memory' backend is corrupt"):
+        make_holder(backend).sync()
+
+
+# -- _DistributedRendezvousOpExecutor ---------------------------------------------------------
+
+
+class FakeStateHolder(dr._RendezvousStateHolder):
+    """Records calls; ``sync`` reports the dirty flag like a backend that always accepts."""
+
+    def __init__(self, state: _RendezvousState | None = None) -> None:
+        self._state = state or _RendezvousState()
+        self._dirty: bool | None = None
+        self.calls: list[Any] = []
+
+    @property
+    def state(self) -> _RendezvousState:
+        return self._state
+
+    def sync(self) -> bool | None:
+        self.calls.append("sync")
+        self._dirty, dirty = None, self._dirty
+        return dirty
+
+    def mark_dirty(self) -> None:
+        self.calls.append("mark")
+        self._dirty = True
+
+    def wait_for_change(self, timeout: float) -> None:
+        self.calls.append(("wait", timeout))
+
+
+def run_action(
+    action: _Action,
+    state: _RendezvousState,
+    settings: RendezvousSettings | None = None,
+    deadline: float | None = None,
+    update_deadline: Callable[[timedelta], float] | None = None,
+) -> FakeStateHolder:
+    holder = FakeStateHolder(state)
+    executor = dr._DistributedRendezvousOpExecutor(ME, holder, settings or make_settings())
+    actions = iter([action, _Action.FINISH])
+    executor.run(
+        lambda ctx, dl: next(actions),
+        time.monotonic() + 100 if deadline is None else deadline,
+        update_deadline,
+    )
+    return holder
+
+
+def add_participants(state: _RendezvousState, count: int, *, ranked: bool = False) -> None:
+    for i in range(count):
+        if ranked:
+            node, rank = _NodeDesc(f"dummy{i}", 1, 1), i
+        else:
+            node, rank = _NodeDesc(f"dummy{count - i - 1}", 1, 1), 0  # Added in reverse.
+        state.participants[node] = rank
+        state.last_heartbeats[node] = NOW
+
+
+def test_run_passes_context_and_deadline_to_the_operation() -> None:
+    settings = make_settings()
+    holder = FakeStateHolder()
+    seen: list[tuple[_RendezvousContext, float]] = []
+
+    def op(ctx: _RendezvousContext, deadline: float) -> _Action:
+        seen.append((ctx, deadline))
+        return _Action.FINISH
+
+    dr._DistributedRendezvousOpExecutor(ME, holder, settings).run(op, 3)
+    ((ctx, deadline),) = seen
+    assert ctx.node is ME
+    assert ctx.state is holder.state
+    assert ctx.settings is settings
+    assert deadline == 3
+
+
+def test_run_keeps_alive(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    holder = run_action(_Action.KEEP_ALIVE, state)
+    assert state.last_heartbeats == {ME: NOW}
+    assert holder.calls == ["sync", "mark", "sync"]
+
+
+@pytest.mark.parametrize("was_waiting", [False, True])
+def test_run_adds_to_participants(frozen_now: datetime, was_waiting: bool) -> None:
+    state = _RendezvousState()
+    if was_waiting:
+        state.wait_list.add(ME)
+    run_action(_Action.ADD_TO_PARTICIPANTS, state, make_settings(2, 2))
+    assert state.participants == {ME: 0}
+    assert state.wait_list == set()
+    assert state.last_heartbeats == {ME: NOW}
+    assert state.deadline is None
+
+
+@pytest.mark.parametrize("count", range(3))
+def test_run_adds_to_participants_and_starts_last_call(frozen_now: datetime, count: int) -> None:
+    state = _RendezvousState()
+    add_participants(state, count)
+    run_action(_Action.ADD_TO_PARTICIPANTS, state, make_settings(count + 1, count + 2))
+    assert state.deadline == NOW + RendezvousTimeout().last_call
+    assert state.complete is False
+
+
+@pytest.mark.parametrize("count", range(3))
+def test_run_adds_to_participants_and_completes_at_max_nodes(
+    frozen_now: datetime, count: int
+) -> None:
+    state = _RendezvousState()
+    add_participants(state, count)
+    state.deadline = NOW
+    run_action(_Action.ADD_TO_PARTICIPANTS, state, make_settings(1, count + 1))
+    expected = _RendezvousState()
+    add_participants(expected, count, ranked=True)
+    expected.participants[ME] = count  # "this_node" sorts after "dummy*".
+    expected.last_heartbeats[ME] = NOW
+    expected.complete = True
+    assert vars(state) == vars(expected)
+
+
+def test_run_adds_to_wait_list(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    state.redundancy_list.add(ME)
+    run_action(_Action.ADD_TO_WAIT_LIST, state)
+    assert state.wait_list == {ME}
+    assert state.redundancy_list == set()
+    assert state.last_heartbeats == {ME: NOW}
+
+
+def test_run_adds_to_redundancy_list(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    run_action(_Action.ADD_TO_REDUNDANCY_LIST, state)
+    assert state.redundancy_list == {ME}
+    assert state.last_heartbeats == {ME: NOW}
+
+
+@pytest.mark.parametrize(("complete", "deadline"), [(False, NOW), (True, None)])
+def test_run_removes_from_participants(
+    frozen_now: datetime, complete: bool, deadline: datetime | None
+) -> None:
+    state = _RendezvousState()
+    add_participants(state, 2)
+    state.participants[ME] = 0
+    state.last_heartbeats[ME] = NOW
+    state.complete, state.deadline, state.round = complete, deadline, 1
+    run_action(_Action.REMOVE_FROM_PARTICIPANTS, state)
+    expected = _RendezvousState()
+    add_participants(expected, 2)
+    expected.complete, expected.deadline, expected.round = complete, deadline, 1
+    assert vars(state) == vars(expected)
+
+
+def test_run_removes_last_participant_and_moves_to_next_round(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    state.participants[ME] = 0
+    state.last_heartbeats[ME] = NOW
+    state.complete, state.round = True, 1
+    run_action(_Action.REMOVE_FROM_PARTICIPANTS, state)
+    expected = _RendezvousState()
+    expected.round = 2
+    assert vars(state) == vars(expected)
+
+
+def test_run_removes_from_participants_and_clears_last_call(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    add_participants(state, 2)
+    state.participants[ME] = 0
+    state.last_heartbeats[ME] = NOW
+    state.deadline = NOW
+    run_action(_Action.REMOVE_FROM_PARTICIPANTS, state, make_settings(3, 4))
+    assert state.deadline is None
+    assert ME not in state.participants
+
+
+def test_run_removes_from_wait_list(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    state.wait_list.add(ME)
+    state.last_heartbeats[ME] = NOW
+    run_action(_Action.REMOVE_FROM_WAIT_LIST, state)
+    assert vars(state) == vars(_RendezvousState())
+
+
+def test_run_removes_from_redundancy_list_and_renews_the_deadline(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    state.redundancy_list.add(ME)
+    state.last_heartbeats[ME] = NOW
+    renewed: list[timedelta] = []
+
+    def update_deadline(timeout: timedelta) -> float:
+        renewed.append(timeout)
+        return time.monotonic() + 100
+
+    run_action(_Action.REMOVE_FROM_REDUNDANCY_LIST, state, update_deadline=update_deadline)
+    assert vars(state) == vars(_RendezvousState())
+    assert renewed == [RendezvousTimeout().join]
+
+
+def test_run_marks_rendezvous_complete_and_assigns_ranks_in_node_order() -> None:
+    state = _RendezvousState()
+    add_participants(state, 3)
+    state.deadline = NOW
+    run_action(_Action.MARK_RENDEZVOUS_COMPLETE, state)
+    assert state.complete is True
+    assert state.deadline is None
+    assert state.participants == {_NodeDesc(f"dummy{i}", 1, 1): i for i in range(3)}
+
+
+def test_run_marks_rendezvous_closed() -> None:
+    state = _RendezvousState()
+    run_action(_Action.MARK_RENDEZVOUS_CLOSED, state)
+    expected = _RendezvousState()
+    expected.closed = True
+    assert vars(state) == vars(expected)
+
+
+@pytest.mark.parametrize(
+    ("action", "error"),
+    [
+        (_Action.ERROR_CLOSED, RendezvousClosedError),
+        (_Action.ERROR_TIMEOUT, RendezvousTimeoutError),
+    ],
+)
+def test_run_raises_on_error_actions(action: _Action, error: type[Exception]) -> None:
+    holder = FakeStateHolder()
+    executor = dr._DistributedRendezvousOpExecutor(ME, holder, make_settings())
+    with pytest.raises(error):
+        executor.run(lambda ctx, dl: action, time.monotonic() + 100)
+    assert holder.calls == ["sync"]
+
+
+def test_run_waits_for_a_change_on_sync() -> None:
+    holder = run_action(_Action.SYNC, _RendezvousState())
+    assert holder.calls[0] == "sync"
+    assert holder.calls[1][0] == "wait"
+    assert holder.calls[2:] == ["sync"]
+    # Nothing is due: the wait is capped by the keep-alive interval (30 s here).
+    assert holder.calls[1][1] == pytest.approx(30, abs=0.1)
+
+
+# -- when a waiting node wakes up ----------------------------------------------------------
+
+
+def wait_time(state: _RendezvousState, deadline_in: float = 100.0, **settings: Any) -> float:
+    holder = FakeStateHolder(state)
+    executor = dr._DistributedRendezvousOpExecutor(ME, holder, make_settings(**settings))
+    executor._state = state
+    return executor._time_to_next_event(time.monotonic() + deadline_in)
+
+
+def test_wake_up_at_the_last_call_deadline(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    state.deadline = NOW + timedelta(seconds=2)
+    assert wait_time(state) == pytest.approx(2.01, abs=0.01)
+
+
+def test_wake_up_for_our_own_heartbeat(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    state.last_heartbeats[ME] = NOW - timedelta(seconds=4)
+    assert wait_time(state, interval=timedelta(seconds=5)) == pytest.approx(1.01, abs=0.01)
+
+
+def test_wake_up_when_another_nodes_heartbeat_expires(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    state.last_heartbeats[_NodeDesc("other", 1, 1)] = NOW - timedelta(seconds=13)
+    # 3 attempts of 5 s: expires 15 s after its last heartbeat, capped at 5 s.
+    assert wait_time(state, interval=timedelta(seconds=5)) == pytest.approx(2.01, abs=0.01)
+
+
+def test_wake_up_at_the_operation_deadline(frozen_now: datetime) -> None:
+    assert wait_time(_RendezvousState(), deadline_in=0.5) == pytest.approx(0.51, abs=0.01)
+
+
+def test_events_in_the_past_do_not_cause_busy_waiting(frozen_now: datetime) -> None:
+    state = _RendezvousState()
+    state.deadline = NOW - timedelta(seconds=1)
+    state.last_heartbeats[ME] = NOW - timedelta(seconds=60)
+    assert wait_time(state, deadline_in=-1, interval=timedelta(seconds=5)) == pytest.approx(
+        5.01, abs=0.01
+    )
+
+
+# -- the operations -------------------------------------------------------------------------
+
+
+def next_action(
+    op: Callable[[_RendezvousContext, float], _Action],
+    state: _RendezvousState,
+    *,
+    min_nodes: int = 1,
+    max_nodes: int = 2,
+    deadline_in: float = 100.0,
+) -> _Action:
+    settings = make_settings(min_nodes, max_nodes)
+    return op(_RendezvousContext(ME, state, settings), time.monotonic() + deadline_in)
+
+
+def base_state() -> _RendezvousState:
+    state = _RendezvousState()
+    state.participants[_NodeDesc("dummy1", 1, 1)] = 1
+    return state
+
+
+def test_exit_op(frozen_now: datetime) -> None:
+    state = base_state()
+    assert next_action(dr._RendezvousExitOp(), state) == _Action.FINISH
+    state.participants[ME] = 1
+    assert next_action(dr._RendezvousExitOp(), state) == _Action.REMOVE_FROM_PARTICIPANTS
+    assert next_action(dr._RendezvousExitOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+
+
+def join(state: _RendezvousState, **kwargs: Any) -> _Action:
+    return next_action(dr._RendezvousJoinOp(), state, **kwargs)
+
+
+def test_join_raises_closed_if_rendezvous_is_closed(frozen_now: datetime) -> None:
+    state = base_state()
+    state.closed = True
+    assert join(state) == _Action.ERROR_CLOSED
+
+
+def test_join_exits_gracefully_if_closed_while_redundant(frozen_now: datetime) -> None:
+    state = base_state()
+    state.closed = True
+    state.redundancy_list.add(ME)
+    with pytest.raises(RendezvousGracefulExitError, match="is closed, terminating pending"):
+        join(state)
+
+
+def test_join_finishes_if_complete_and_participant(frozen_now: datetime) -> None:
+    state = base_state()
+    state.participants[ME] = 0
+    state.complete = True
+    assert join(state) == _Action.FINISH
+
+
+def assert_waits(state: _RendezvousState, **kwargs: Any) -> None:
+    """Keep-alive once the interval (30 s) passed, else wait for a change."""
+    for age, expected in ((30, _Action.KEEP_ALIVE), (29, _Action.SYNC)):
+        state.last_heartbeats[ME] = NOW - timedelta(seconds=age)
+        assert join(state, **kwargs) == expected
+
+
+def test_join_adds_to_redundancy_list_if_complete_and_full(frozen_now: datetime) -> None:
+    state = base_state()
+    state.complete = True
+    assert join(state, max_nodes=1) == _Action.ADD_TO_REDUNDANCY_LIST
+
+
+def test_join_waits_while_redundant_and_full_even_past_deadline(frozen_now: datetime) -> None:
+    state = base_state()
+    state.complete = True
+    state.redundancy_list.add(ME)
+    assert_waits(state, max_nodes=1)
+    assert_waits(state, max_nodes=1, deadline_in=-100)
+
+
+def test_join_leaves_redundancy_list_once_there_is_room(frozen_now: datetime) -> None:
+    state = base_state()
+    state.complete = True
+    state.redundancy_list.add(ME)
+    assert join(state, max_nodes=2) == _Action.REMOVE_FROM_REDUNDANCY_LIST
+
+
+def test_join_waits_for_next_round_if_in_wait_list(frozen_now: datetime) -> None:
+    state = base_state()
+    state.complete = True
+    state.wait_list.add(ME)
+    assert_waits(state)
+
+
+def test_join_adds_to_wait_list_if_complete_with_room(frozen_now: datetime) -> None:
+    state = base_state()
+    state.complete = True
+    assert join(state) == _Action.ADD_TO_WAIT_LIST
+
+
+def test_join_adds_to_participants_if_not_complete(frozen_now: datetime) -> None:
+    assert join(base_state()) == _Action.ADD_TO_PARTICIPANTS
+
+
+def test_join_completes_after_last_call(frozen_now: datetime) -> None:
+    state = base_state()
+    state.participants[ME] = 0
+    state.deadline = NOW - timedelta(seconds=1)
+    assert join(state) == _Action.MARK_RENDEZVOUS_COMPLETE
+
+
+def test_join_waits_during_last_call(frozen_now: datetime) -> None:
+    state = base_state()
+    state.participants[ME] = 0
+    state.deadline = NOW + timedelta(seconds=1)
+    assert_waits(state)
+
+
+def test_join_waits_for_min_nodes(frozen_now: datetime) -> None:
+    state = base_state()
+    state.participants[ME] = 0
+    assert_waits(state, min_nodes=3, max_nodes=4)
+
+
+def test_join_rolls_back_after_deadline(frozen_now: datetime) -> None:
+    state = base_state()
+    state.participants[ME] = 0
+    assert join(state, deadline_in=-1) == _Action.REMOVE_FROM_PARTICIPANTS
+    del state.participants[ME]
+    state.complete = True
+    state.wait_list.add(ME)
+    assert join(state, deadline_in=-1) == _Action.REMOVE_FROM_WAIT_LIST
+
+
+def test_join_times_out_after_rollback_period(frozen_now: datetime) -> None:
+    state = base_state()
+    state.participants[ME] = 0
+    assert join(state, deadline_in=-6) == _Action.ERROR_TIMEOUT
+    assert join(base_state(), deadline_in=-1) == _Action.ERROR_TIMEOUT
+
+
+def test_close_op(frozen_now: datetime) -> None:
+    state = base_state()
+    assert next_action(dr._RendezvousCloseOp(), state) == _Action.MARK_RENDEZVOUS_CLOSED
+    assert next_action(dr._RendezvousCloseOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+    state.closed = True
+    assert next_action(dr._RendezvousCloseOp(), state) == _Action.FINISH
+
+
+def test_keep_alive_op(frozen_now: datetime) -> None:
+    state = base_state()
+    op = dr._RendezvousKeepAliveOp()
+    assert next_action(op, state) == _Action.FINISH  # No heartbeat of ours yet.
+    state.last_heartbeats[ME] = NOW - timedelta(seconds=30)
+    assert next_action(op, state) == _Action.KEEP_ALIVE
+    assert next_action(op, state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+    state.last_heartbeats[ME] = NOW - timedelta(seconds=29)
+    assert next_action(op, state) == _Action.FINISH
+
+
+# -- handlers, several nodes in threads -----------------------------------------------------
+
+
+def make_handler(
+    backend: RendezvousBackend,
+    store: DictStore,
+    min_nodes: int,
+    max_nodes: int,
+    *,
+    run_id: str = "run",
+    interval: timedelta = timedelta(seconds=5),
+    attempts: int = 3,
+    join_timeout: float = 10.0,
+    last_call: float = 0.2,
+    addr: str = "127.0.0.1",
+) -> DynamicRendezvousHandler:
+    settings = make_settings(
+        min_nodes,
+        max_nodes,
+        interval=interval,
+        attempts=attempts,
+        run_id=run_id,
+        timeout=RendezvousTimeout(
+            join=timedelta(seconds=join_timeout),
+            last_call=timedelta(seconds=last_call),
+            close=timedelta(seconds=5),
+            heartbeat=timedelta(seconds=5),
+        ),
+    )
+    node = DynamicRendezvousHandler._node_desc_generator.generate(addr)
+    holder = dr._BackendRendezvousStateHolder(backend, settings)
+    return DynamicRendezvousHandler(node, settings, backend.name, store, holder)
+
+
+class Joiner:
+    """Runs ``handler.next_rendezvous()`` in a thread and keeps the outcome."""
+
+    def __init__(self, handler: DynamicRendezvousHandler, delay: float = 0.0) -> None:
+        self.handler = handler
+        self.result: RendezvousInfo | None = None
+        self.error: BaseException | None = None
+        self.finished_at: float | None = None
+        self._delay = delay
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        time.sleep(self._delay)
+        try:
+            self.result = self.handler.next_rendezvous()
+        except BaseException as exc:
+            self.error = exc
+        self.finished_at = time.monotonic()
+
+    def join(self, timeout: float = 15.0) -> RendezvousInfo:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "next_rendezvous did not return"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
+    """Handlers to stop at the end of the test (heartbeat threads only; no closing)."""
+    created: list[DynamicRendezvousHandler] = []
+    yield created
+    for handler in created:
+        handler._stop_heartbeats()
+
+
+@pytest.mark.parametrize("backend_type", [MemoryBackend, PollingBackend])
+def test_four_nodes_rendezvous(
+    backend_type: type[MemoryBackend], handlers: list[DynamicRendezvousHandler]
+) -> None:
+    backend, store = backend_type(), DictStore()
+    handlers.extend(make_handler(backend, store, 4, 4) for _ in range(4))
+    started = time.monotonic()
+    infos = [joiner.join() for joiner in [Joiner(h) for h in handlers]]
+    assert time.monotonic() - started < 3
+    assert sorted(info.rank for info in infos) == [0, 1, 2, 3]
+    assert {info.world_size for info in infos} == {4}
+    # Ranks follow the node order, as in PyTorch.
+    by_node = sorted(zip(handlers, infos), key=lambda pair: pair[0]._this_node)
+    assert [info.rank for _, info in by_node] == [0, 1, 2, 3]
+    # The store is round-scoped; rank 0 published the bootstrap address there.
+    assert store.data["torch.rendezvous.run.0/MASTER_ADDR"] == b"127.0.0.1"
+    port = int(store.data["torch.rendezvous.run.0/MASTER_PORT"])
+    for info in infos:
+        assert info.bootstrap_store_info is not None
+        assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == (
+            "127.0.0.1",
+            port,
+        )
+    state = backend.load()
+    assert state.complete
+    assert state.round == 0
+    assert state.deadline is None
+
+
+def test_waiting_node_wakes_up_on_the_write_not_on_a_poll(
+    handlers: list[DynamicRendezvousHandler],
+) -> None:
+    backend, store = MemoryBackend(), DictStore()
+    handlers.extend(make_handler(backend, store, 2, 2) for _ in range(2))
+    first = Joiner(handlers[0])
+    wait_until(lambda: len(backend.writes) >= 1)
+    time.sleep(0.3)  # The first node is now waiting for the second.
+    second = Joiner(handlers[1])
+    first.join()
+    second.join()
+    completed_at = next(at for at, state in backend.writes if state.complete)
+    assert first.finished_at is not None
+    assert first.finished_at - completed_at < 0.3  # A poll would take up to 1 s.
+
+
+def test_last_call_completes_with_min_nodes(handlers: list[DynamicRendezvousHandler]) -> None:
+    backend, store = MemoryBackend(), DictStore()
+    handlers.extend(make_handler(backend, store, 2, 3, last_call=0.3) for _ in range(2))
+    started = time.monotonic()
+    infos = [joiner.join() for joiner in [Joiner(h) for h in handlers]]
+    elapsed = time.monotonic() - started
+    assert {info.world_size for info in infos} == {2}
+    assert 0.3 <= elapsed < 2
+
+
+def test_late_node_waits_and_joins_the_next_round(
+    handlers: list[DynamicRendezvousHandler],
+) -> None:
+    backend, store = MemoryBackend(), DictStore()
+    handlers.extend(make_handler(backend, store, 2, 3, last_call=0.5) for _ in range(3))
+    first = [Joiner(h) for h in handlers[:2]]
+    assert {j.join().world_size for j in first} == {2}
+    late = Joiner(handlers[2])
+    wait_until(lambda: handlers[0].num_nodes_waiting() == 1)
+    assert not late.done()
+    # The agents of the running group see the waiting node and re-rendezvous.
+    again = [Joiner(h) for h in handlers[:2]]
+    infos = [j.join() for j in [*again, late]]
+    assert {info.world_size for info in infos} == {3}
+    assert sorted(info.rank for info in infos) == [0, 1, 2]
+    assert backend.load().round == 1
+    assert handlers[0].num_nodes_waiting() == 0
+    assert "torch.rendezvous.run.1/MASTER_ADDR" in store.data
+
+
+def test_redundant_node_exits_gracefully_on_close(
+    handlers: list[DynamicRendezvousHandler],
+) -> None:
+    backend, store = MemoryBackend(), DictStore()
+    handlers.extend(make_handler(backend, store, 2, 2) for _ in range(3))
+    for joiner in [Joiner(h) for h in handlers[:2]]:
+        joiner.join()
+    spare = Joiner(handlers[2])
+    wait_until(lambda: handlers[2]._this_node in backend.load().redundancy_list)
+    assert handlers[0].num_nodes_waiting() == 0  # Redundant nodes do not trigger a round.
+    handlers[0].set_closed()
+    with pytest.raises(RendezvousGracefulExitError):
+        spare.join()
+
+
+def test_closed_rendezvous_refuses_joins(handlers: list[DynamicRendezvousHandler]) -> None:
+    backend, store = MemoryBackend(), DictStore()
+    handlers.extend(make_handler(backend, store, 1, 2, last_call=0.1) for _ in range(2))
+    Joiner(handlers[0]).join()
+    assert handlers[0].is_closed() is False
+    assert handlers[0].shutdown() is True
+    assert handlers[1].is_closed() is True
+    with pytest.raises(RendezvousClosedError):
+        Joiner(handlers[1]).join()
+
+
+def test_join_times_out(handlers: list[DynamicRendezvousHandler]) -> None:
+    backend, store = MemoryBackend(), DictStore()
+    handlers.append(make_handler(backend, store, 2, 2, join_timeout=0.5))
+    started = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError):
+        Joiner(handlers[0]).join()
+    assert time.monotonic() - started < 3
+    # It rolled back: it is no longer a participant.
+    assert backend.load().participants == {}
+
+
+def test_dead_node_is_removed_after_its_heartbeats_lapse(
+    handlers: list[DynamicRendezvousHandler],
+) -> None:
+    backend, store = MemoryBackend(), DictStore()
+    interval = timedelta(milliseconds=100)
+    handlers.extend(
+        make_handler(backend, store, 1, 2, interval=interval, attempts=2, last_call=1.0)
+        for _ in range(2)
+    )
+    for joiner in [Joiner(h) for h in handlers]:
+        joiner.join()
+    dead, survivor = handlers
+    dead._stop_heartbeats()  # As if its process was killed.
+    time.sleep(0.3)
+    # Without removal the dead node would stay a participant and the survivor would
+    # wait for it; with it, the survivor forms a round of its own.
+    info = Joiner(survivor).join()
+    assert info.world_size == 1
+    state = backend.load()
+    assert dead._this_node not in state.participants
+    assert dead._this_node not in state.last_heartbeats
+    assert state.round == 1
+
+
+# -- heartbeats ------------------------------------------------------------------------------
+
+
+def keep_alive_threads(handler: DynamicRendezvousHandler) -> list[threading.Thread]:
+    name = f"RendezvousKeepAliveTimer_{handler._this_node.local_id}"
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def last_heartbeat(backend: MemoryBackend, handler: DynamicRendezvousHandler) -> datetime:
+    return backend.load().last_heartbeats[handler._this_node]
+
+
+def test_heartbeats_run_and_stop_on_shutdown(handlers: list[DynamicRendezvousHandler]) -> None:
+    backend, store = MemoryBackend(), DictStore()
+    handler = make_handler(backend, store, 1, 1, interval=timedelta(milliseconds=50))
+    handlers.append(handler)
+    assert keep_alive_threads(handler) == []
+    Joiner(handler).join()
+    (thread,) = keep_alive_threads(handler)
+    assert thread.daemon
+    first = last_heartbeat(backend, handler)
+    wait_until(lambda: last_heartbeat(backend, handler) > first)
+    assert handler.shutdown() is True
+    assert not thread.is_alive()
+    assert keep_alive_threads(handler) == []
+    writes = len(backend.writes)
+    time.sleep(0.2)
+    assert len(backend.writes) == writes
+    handler._stop_heartbeats()  # Idempotent.
+
+
+def test_heartbeats_survive_transient_errors(handlers: list[DynamicRendezvousHandler]) -> None:
+    backend, store = MemoryBackend(), DictStore()
+    handler = make_handler(backend, store, 1, 1, interval=timedelta(milliseconds=50))
+    handlers.append(handler)
+    Joiner(handler).join()
+    (thread,) = keep_alive_threads(handler)
+    backend.failures.extend(
+        [
+            RendezvousConnectionError("etcd is down"),
+            RuntimeError("unexpected"),
+            RendezvousConnectionError("still down"),
+        ]
+    )
+    wait_until(lambda: not backend.failures)
+    before = last_heartbeat(backend, handler)
+    wait_until(lambda: last_heartbeat(backend, handler) > before)
+    assert thread.is_alive()
+
+
+def test_garbage_collected_handler_stops_its_heartbeats() -> None:
+    import gc
+
+    backend, store = MemoryBackend(), DictStore()
+    handler = make_handler(backend, store, 1, 1, interval=timedelta(milliseconds=50))
+    Joiner(handler).join()
+    (thread,) = keep_alive_threads(handler)
+    del handler
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+# -- stores and bootstrap ----------------------------------------------------------------------
+
+
+def test_prefix_store_joins_keys_like_c10d() -> None:
+    store = DictStore()
+    prefixed = dr._PrefixStore("torch.rendezvous.run.3", store)
+    prefixed.set("a", "1")
+    assert store.data == {"torch.rendezvous.run.3/a": b"1"}
+    assert prefixed.get("a") == b"1"
+    assert prefixed.add("n", 2) == 2
+    assert store.data["torch.rendezvous.run.3/n"] == b"2"
+    assert prefixed.check(["a", "n"]) is True
+    assert prefixed.check(["b"]) is False
+    prefixed.wait(["a"])
+    prefixed.wait(["a"], timedelta(seconds=1))
+    assert prefixed.underlying_store is store
+    assert dr._prefix_store("p", store).__class__ is dr._PrefixStore
+
+
+@pytest.mark.torch
+def test_prefix_store_matches_torchs() -> None:
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    hash_store = dist.HashStore()
+    dist.PrefixStore("torch.rendezvous.run.0", hash_store).set("k", "theirs")
+    wrapped = dr._prefix_store("torch.rendezvous.run.0", hash_store)
+    assert isinstance(wrapped, dist.PrefixStore)  # A torch store gets torch's wrapper.
+    assert wrapped.get("k") == b"theirs"
+    # Ours writes the same key torch's reads.
+    dr._PrefixStore("torch.rendezvous.run.0", hash_store).set("j", "ours")  # type: ignore[arg-type]
+    assert dist.PrefixStore("torch.rendezvous.run.0", hash_store).get("j") == b"ours"
+    assert hash_store.get("torch.rendezvous.run.0/j") == b"ours"
+
+
+def test_use_agent_store_follows_pytorchs_env_var(
+    monkeypatch: pytest.MonkeyPatch, handlers: list[DynamicRendezvousHandler]
+) -> None:
+    handler = make_handler(MemoryBackend(), DictStore(), 1, 1)
+    assert handler.use_agent_store is False  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    monkeypatch.setattr(dr, "_torch_available", lambda: True)
+    assert handler.use_agent_store is True
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    assert handler.use_agent_store is True
+    monkeypatch.setattr(dr, "_torch_available", lambda: False)
+    assert handler.use_agent_store is False  # No TCPStore without PyTorch.
+
+
+def test_shared_tcp_store_port_is_published_by_rank_0(
+    monkeypatch: pytest.MonkeyPatch, handlers: list[DynamicRendezvousHandler]
+) -> None:
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    monkeypatch.setattr(dr, "_torch_available", lambda: True)
+    created: list[tuple[str, int]] = []
+
+    class FakeServer:
+        port = 29555
+
+    def create(self: DynamicRendezvousHandler, addr: str, port: int) -> FakeServer:
+        created.append((addr, port))
+        return FakeServer()
+
+    monkeypatch.setattr(DynamicRendezvousHandler, "_create_tcp_store_server", create)
+    backend, store = MemoryBackend(), DictStore()
+    handlers.extend(make_handler(backend, store, 2, 2) for _ in range(2))
+    infos = [j.join() for j in [Joiner(h) for h in handlers]]
+    assert created == [("127.0.0.1", 0)]  # Only rank 0 hosts it.
+    for info in infos:
+        assert info.bootstrap_store_info is not None
+        assert info.bootstrap_store_info.master_port == 29555
+
+
+def test_importing_the_module_does_not_import_torch() -> None:
+    code = (
+        "import sys, etcd_rendezvous.dynamic_rendezvous\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
+def test_use_agent_store_with_torch_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    assert make_handler(MemoryBackend(), DictStore(), 1, 1).use_agent_store is True
+
+
+# -- construction --------------------------------------------------------------------------
+
+
+def params(**config: Any) -> RendezvousParameters:
+    return RendezvousParameters("memory", "localhost", "run-9", 2, 4, "10.0.0.1", **config)
+
+
+def test_create_handler_reads_the_options() -> None:
+    handler = dr.create_handler(
+        DictStore(),
+        MemoryBackend(),
+        params(
+            join_timeout="11",
+            last_call_timeout="12",
+            close_timeout=13,
+            heartbeat_timeout="14",
+            keep_alive_interval="6",
+            keep_alive_max_attempt="7",
+        ),
+    )
+    settings = handler.settings
+    assert (settings.run_id, settings.min_nodes, settings.max_nodes) == ("run-9", 2, 4)
+    assert settings.timeout.join == timedelta(seconds=11)
+    assert settings.timeout.last_call == timedelta(seconds=12)
+    assert settings.timeout.close == timedelta(seconds=13)
+    assert settings.timeout.heartbeat == timedelta(seconds=14)
+    assert settings.keep_alive_interval == timedelta(seconds=6)
+    assert settings.keep_alive_max_attempt == 7
+    assert handler._this_node.addr == "10.0.0.1"
+    assert handler.get_backend() == "memory"
+    assert handler.get_run_id() == "run-9"
+
+
+def test_create_handler_defaults() -> None:
+    settings = dr.create_handler(DictStore(), MemoryBackend(), params()).settings
+    assert settings.timeout.join == timedelta(seconds=600)
+    assert settings.keep_alive_interval == timedelta(seconds=5)
+    assert settings.keep_alive_max_attempt == 3
+
+
+@pytest.mark.parametrize(
+    ("config", "error", "message"),
+    [
+        ({"keep_alive_interval": None}, TypeError, "keep_alive_interval=None"),
+        ({"keep_alive_max_attempt": None}, TypeError, "keep_alive_max_attempt=None"),
+        ({"join_timeout": "0"}, ValueError, r"The join timeout \(0:00:00\) must be positive"),
+        ({"close_timeout": "x"}, ValueError, "'close_timeout' does not represent a valid integer"),
+    ],
+)
+def test_create_handler_rejects_bad_options(
+    config: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        dr.create_handler(DictStore(), MemoryBackend(), params(**config))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (make_settings(run_id=""), "The run id must be a non-empty string."),
+        (make_settings(0, 1), r"The minimum number of nodes \(0\) must be greater than zero."),
+        (make_settings(3, 2), r"The maximum number of nodes \(2\) must be greater than or equal"),
+    ],
+)
+def test_handler_validates_settings(settings: RendezvousSettings, message: str) -> None:
+    holder = dr._BackendRendezvousStateHolder(MemoryBackend(), settings)
+    with pytest.raises(ValueError, match=message):
+        DynamicRendezvousHandler(ME, settings, "memory", DictStore(), holder)
+
+
+# -- a mixed fleet in one process ----------------------------------------------------------
+
+
+@pytest.mark.torch
+def test_mixed_fleet_with_pytorchs_handler(handlers: list[DynamicRendezvousHandler]) -> None:
+    """Two PyTorch 2.13 handlers and two of ours share one state and one store."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as torch_dr
+
+    backend, store = MemoryBackend(), dist.HashStore()
+    timeout = torch_dr.RendezvousTimeout(join=timedelta(seconds=20))
+    theirs = [
+        torch_dr.DynamicRendezvousHandler.from_backend(
+            "mixed", store, backend, 4, 4, "127.0.0.1", timeout
+        )
+        for _ in range(2)
+    ]
+    # Another address: in one process, their node ids and ours would collide.
+    handlers.extend(
+        make_handler(backend, store, 4, 4, run_id="mixed", addr="localhost")  # type: ignore[arg-type]
+        for _ in range(2)
+    )
+    joiners = [Joiner(h) for h in [*theirs, *handlers]]
+    try:
+        infos = [joiner.join(30) for joiner in joiners]
+    finally:
+        for handler in theirs:
+            handler._stop_heartbeats()
+    assert sorted(info.rank for info in infos) == [0, 1, 2, 3]
+    assert {info.world_size for info in infos} == {4}
+    addresses = {
+        (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port)
+        for info in infos
+        if info.bootstrap_store_info is not None
+    }
+    assert len(addresses) == 1
+    # One round-scoped store: a key set through ours is read through theirs.
+    infos[2].store.set("from-ours", b"1")
+    assert infos[0].store.get("from-ours") == b"1"
+    assert store.get("torch.rendezvous.mixed.0/from-ours") == b"1"
