@@ -54,14 +54,24 @@ def test_mixed_static_fleet_rendezvous_and_share_a_store(etcd_server, run_id, wo
     assert totals == [5, 10, 15, 20]
 
 
+# PyTorch's worker sleeps 1 s after a lost race (for example when another worker destroyed
+# the lapsed rendezvous first), so a 1 s last call can close the next rendezvous before it
+# is back; 4 s leaves it a margin without making the test slow.
+LATE_JOINER_LAST_CALL = 4
+
+
 def test_late_torch_worker_makes_our_members_rerendezvous(etcd_server, run_id, workers, conn):
-    members = _spawn(workers, ["ours", "torch"], etcd_server, run_id, 2, 3, last_call=1)
+    members = _spawn(
+        workers, ["ours", "torch"], etcd_server, run_id, 2, 3, last_call=LATE_JOINER_LAST_CALL
+    )
     for worker in members:
         worker.send("join")
     first = [expect_joined(w.next_event(), w) for w in members]
     assert {j["world_size"] for j in first} == {2}
 
-    (late,) = _spawn(workers, ["torch"], etcd_server, run_id, 2, 3, last_call=1)
+    (late,) = _spawn(
+        workers, ["torch"], etcd_server, run_id, 2, 3, last_call=LATE_JOINER_LAST_CALL
+    )
     late.send("join")
     key = f"/torchelastic/p2p/run_{run_id}/rdzv/active_version"
     wait_for_state(conn, key, lambda s: s is not None and s.get("num_workers_waiting") == 1)
