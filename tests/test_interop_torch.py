@@ -69,9 +69,7 @@ def test_late_torch_worker_makes_our_members_rerendezvous(etcd_server, run_id, w
     first = [expect_joined(w.next_event(), w) for w in members]
     assert {j["world_size"] for j in first} == {2}
 
-    (late,) = _spawn(
-        workers, ["torch"], etcd_server, run_id, 2, 3, last_call=LATE_JOINER_LAST_CALL
-    )
+    (late,) = _spawn(workers, ["torch"], etcd_server, run_id, 2, 3, last_call=LATE_JOINER_LAST_CALL)
     late.send("join")
     key = f"/torchelastic/p2p/run_{run_id}/rdzv/active_version"
     wait_for_state(conn, key, lambda s: s is not None and s.get("num_workers_waiting") == 1)
