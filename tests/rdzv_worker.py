@@ -75,6 +75,7 @@ def _make_dynamic_handler(args: argparse.Namespace) -> Any:
     from etcd_rendezvous.api import RendezvousParameters as OurParameters
     from etcd_rendezvous.registry import get_rendezvous_handler
 
+    config["torch_store"] = args.torch_store
     return get_rendezvous_handler(_parameters(OurParameters, "etcd-v2", args, config))
 
 
@@ -103,6 +104,7 @@ def _make_handler(args: argparse.Namespace) -> Any:
         from etcd_rendezvous.etcd_rendezvous import create_rdzv_handler
 
         config["read_timeout"] = 10
+        config["torch_store"] = args.torch_store
     return create_rdzv_handler(_parameters(RendezvousParameters, "etcd", args, config))
 
 
@@ -119,6 +121,9 @@ def main() -> None:
     parser.add_argument("--backend", choices=("etcd", "etcd-v2"), default="etcd")
     parser.add_argument("--keep-alive-interval", type=int, default=5)
     parser.add_argument("--keep-alive-max-attempt", type=int, default=3)
+    # Ours hands out a torch Store when PyTorch is installed ("auto"), which means
+    # importing PyTorch (seconds per process); most tests do not need it.
+    parser.add_argument("--torch-store", choices=("auto", "true", "false"), default="false")
     args = parser.parse_args()
 
     handler = _make_handler(args)
@@ -145,6 +150,7 @@ def main() -> None:
                     master_addr=info.bootstrap_store_info.master_addr,
                     master_port=info.bootstrap_store_info.master_port,
                     elapsed=time.monotonic() - started,
+                    store_type=type(store).__name__,
                 )
             elif cmd == "waiting":
                 _emit(event="waiting", n=handler.num_nodes_waiting())

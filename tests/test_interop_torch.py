@@ -31,7 +31,16 @@ def _spawn(workers: list[Worker], impls: list[str], etcd_server: EtcdServer, *ar
 @pytest.mark.parametrize("first", ["ours", "torch"])
 def test_mixed_static_fleet_rendezvous_and_share_a_store(etcd_server, run_id, workers, first):
     other = "torch" if first == "ours" else "ours"
-    group = _spawn(workers, [first, other, first, other], etcd_server, run_id, 4, 4)
+    # Our workers hand out their TorchEtcdStore, as they do by default with PyTorch installed.
+    group = _spawn(
+        workers,
+        [first, other, first, other],
+        etcd_server,
+        run_id,
+        4,
+        4,
+        extra_args=["--torch-store=auto"],
+    )
     # The first worker creates the rendezvous state alone, then the rest join.
     group[0].send("join")
     for worker in group[1:]:
@@ -42,6 +51,9 @@ def test_mixed_static_fleet_rendezvous_and_share_a_store(etcd_server, run_id, wo
     assert {j["world_size"] for j in joined} == {4}
     assert {j["version"] for j in joined} == {"1"}
     assert len({(j["master_addr"], j["master_port"]) for j in joined}) == 1
+    assert {j["store_type"] for w, j in zip(group, joined) if w.impl == "ours"} == {
+        "TorchEtcdStore"
+    }
 
     # One store: values set by either implementation are read by the other.
     for worker, info in zip(group, joined):

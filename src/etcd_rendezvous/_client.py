@@ -342,6 +342,11 @@ class EtcdConnection:
         return self._read_timeout
 
     @property
+    def connect_timeout(self) -> float:
+        """Timeout for connecting to one endpoint, in seconds."""
+        return self._connect_timeout
+
+    @property
     def last_index(self) -> int:
         """The highest ``X-Etcd-Index`` seen so far on this connection."""
         return self._last_index

@@ -455,6 +455,9 @@ def _run_demo(args: argparse.Namespace, progress: _Progress) -> int:
             "max_nodes": args.nodes,
             "local_addr": "127.0.0.1",
             **_connection_config(args),
+            # The demo's workers use the store directly; importing PyTorch (if it is
+            # installed) would only slow every worker down by seconds.
+            "torch_store": False,
         }
         # The parent's own handler checks the parameters and that etcd answers before
         # any process starts, and reads the state for the progress line. It never joins.

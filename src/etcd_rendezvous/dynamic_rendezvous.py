@@ -48,7 +48,6 @@ What else differs from the reference, none of it visible on the wire:
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import io
 import logging
 import os
@@ -67,6 +66,7 @@ from enum import Enum
 from typing import Any, ClassVar
 
 from ._retry import Backoff
+from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -1468,11 +1468,6 @@ def _prefix_store(prefix: str, store: Store) -> Store:
     return _PrefixStore(prefix, store)
 
 
-def _torch_available() -> bool:
-    """Whether PyTorch can be imported (checked without importing it)."""
-    return importlib.util.find_spec("torch") is not None
-
-
 # -- the handler ----------------------------------------------------------------------------
 
 
@@ -1508,6 +1503,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         timeout: RendezvousTimeout | None = None,
         keep_alive_interval: int = 5,
         keep_alive_max_attempt: int = 3,
+        *,
+        backend_name: str | None = None,
     ) -> DynamicRendezvousHandler:
         """Create a new :class:`DynamicRendezvousHandler`.
 
@@ -1523,6 +1520,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 sending a heartbeat to keep it alive in the rendezvous.
             keep_alive_max_attempt: The maximum number of failed heartbeat attempts after
                 which a node is considered dead.
+            backend_name: What :meth:`get_backend` reports; ``backend.name`` if ``None``.
 
         Raises:
             ValueError: A setting is invalid; the message names it.
@@ -1541,7 +1539,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         state_holder = _BackendRendezvousStateHolder(backend, settings)
 
-        return cls(node, settings, backend.name, store, state_holder)
+        return cls(node, settings, backend_name or backend.name, store, state_holder)
 
     def __init__(
         self,
@@ -1605,7 +1603,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         As in PyTorch, true unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; but a
         ``TCPStore`` needs PyTorch, so without it installed this is always false.
         """
-        return os.getenv(_DISABLE_SHARED_STORE_ENV, "0") != "1" and _torch_available()
+        return os.getenv(_DISABLE_SHARED_STORE_ENV, "0") != "1" and torch_available()
 
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
@@ -1801,13 +1799,22 @@ def _get_timeout(params: RendezvousParameters, key: str) -> timedelta | None:
 
 
 def create_handler(
-    store: Store, backend: RendezvousBackend, params: RendezvousParameters
+    store: Store,
+    backend: RendezvousBackend,
+    params: RendezvousParameters,
+    *,
+    backend_name: str | None = None,
 ) -> DynamicRendezvousHandler:
     """Create a new :class:`DynamicRendezvousHandler` from the specified parameters.
 
     Args:
-        store: The c10d store to return as part of the rendezvous.
+        store: The c10d store to return as part of the rendezvous. An
+            :class:`~etcd_rendezvous.etcd_store.EtcdStore` is handed out as a
+            :class:`~etcd_rendezvous.torch_store.TorchEtcdStore` when PyTorch is
+            installed (see ``torch_store`` below).
         backend: The backend to use to hold the rendezvous state.
+        backend_name: What the handler's ``get_backend()`` reports; ``backend.name``
+            if ``None``.
         params: The rendezvous parameters; these options are read from its config:
 
     +--------------------------+--------------------------------------------------------+
@@ -1832,6 +1839,11 @@ def create_handler(
     | keep_alive_max_attempt   | Missed heartbeats after which a node is dead.          |
     |                          | Defaults to 3.                                         |
     +--------------------------+--------------------------------------------------------+
+    | torch_store              | ``auto``, ``true`` or ``false``: whether an            |
+    |                          | ``EtcdStore`` is handed out as a                       |
+    |                          | ``torch.distributed.Store``. ``auto`` (the default)    |
+    |                          | does so when PyTorch is installed.                     |
+    +--------------------------+--------------------------------------------------------+
 
     Raises:
         ValueError: An option is invalid; the message names it.
@@ -1854,6 +1866,8 @@ def create_handler(
             "You passed 'keep_alive_max_attempt=None' as a rendezvous configuration option"
         )
 
+    store = adapt_store(store, torch_store_wanted(params))
+
     return DynamicRendezvousHandler.from_backend(
         params.run_id,
         store,
@@ -1864,4 +1878,5 @@ def create_handler(
         timeout,
         keep_alive_interval=keep_alive_interval,
         keep_alive_max_attempt=keep_alive_max_attempt,
+        backend_name=backend_name,
     )

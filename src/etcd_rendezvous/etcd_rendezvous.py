@@ -59,6 +59,7 @@ from ._client import (
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
 from ._retry import Backoff, Deadline
+from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -947,11 +948,25 @@ class EtcdRendezvousHandler(RendezvousHandler):
         rdzv_impl: the rendezvous implementation.
         local_addr: the address other nodes reach this node at (published by rank 0 as
             ``MASTER_ADDR``); the host's FQDN if ``None``.
+        backend_name: what :meth:`get_backend` reports: the name the handler was
+            registered under (``etcd``, or ``etcd-rendezvous`` for torchrun's plugin).
+        torch_store: whether ``next_rendezvous()`` returns the store as a
+            :class:`~etcd_rendezvous.torch_store.TorchEtcdStore` (a real
+            ``torch.distributed.Store``); ``None`` means "if PyTorch is installed".
     """
 
-    def __init__(self, rdzv_impl: EtcdRendezvous, local_addr: str | None) -> None:
+    def __init__(
+        self,
+        rdzv_impl: EtcdRendezvous,
+        local_addr: str | None,
+        *,
+        backend_name: str = "etcd",
+        torch_store: bool | None = None,
+    ) -> None:
         self._rdzv_impl = rdzv_impl
         self._local_addr = local_addr
+        self._backend_name = backend_name
+        self._torch_store = torch_available() if torch_store is None else torch_store
 
     def __enter__(self) -> EtcdRendezvousHandler:
         return self
@@ -960,16 +975,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.close()
 
     def get_backend(self) -> str:
-        """Return ``"etcd"``."""
-        return "etcd"
+        """Return the backend name: ``"etcd"`` unless created under another name."""
+        return self._backend_name
 
     def next_rendezvous(self) -> RendezvousInfo:
-        """Join the next rendezvous and return its store, our rank and the world size."""
+        """Join the next rendezvous and return its store, our rank and the world size.
+
+        The store is the rendezvous version's :class:`EtcdStore`, as a
+        :class:`~etcd_rendezvous.torch_store.TorchEtcdStore` when PyTorch is installed
+        (see ``torch_store``).
+        """
         rdzv_version, rank, world_size = self._rdzv_impl.rendezvous_barrier()
         logger.info("Creating EtcdStore as the c10d::Store implementation")
         store = self._rdzv_impl.setup_kv_store(rdzv_version)
         bootstrap_store_info = RendezvousStoreInfo.build(rank, store, local_addr=self._local_addr)
-        return RendezvousInfo(store, rank, world_size, bootstrap_store_info)
+        return RendezvousInfo(
+            adapt_store(store, self._torch_store), rank, world_size, bootstrap_store_info
+        )
 
     def is_closed(self) -> bool:
         """Whether the rendezvous of this run is closed."""
@@ -1067,7 +1089,12 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     username, password   etcd authentication
     read_timeout         seconds per etcd request; also the retry budget      60
     connect_timeout      seconds to connect to one endpoint                   5
+    torch_store          hand out a ``torch.distributed.Store``: auto,        auto
+                         true or false (auto: if PyTorch is installed)
     ===================  ===================================================  ==================
+
+    The handler's :meth:`~EtcdRendezvousHandler.get_backend` reports
+    ``params.backend`` (``etcd`` for a URL).
 
     Raises:
         ValueError: a parameter is invalid; the message names it.
@@ -1080,6 +1107,7 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
         params, "last_call_timeout", _DEFAULT_LAST_CALL_TIMEOUT, allow_zero=True
     )
     prefix = params.get("etcd_prefix", _DEFAULT_PREFIX)
+    torch_store = torch_store_wanted(params)
     conn = _create_etcd_connection(params)
     try:
         rdzv = EtcdRendezvous(
@@ -1095,4 +1123,9 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
         conn.close()
         raise
     rdzv._owns_conn = True
-    return EtcdRendezvousHandler(rdzv_impl=rdzv, local_addr=params.local_addr)
+    return EtcdRendezvousHandler(
+        rdzv_impl=rdzv,
+        local_addr=params.local_addr,
+        backend_name=params.backend or "etcd",
+        torch_store=torch_store,
+    )

@@ -75,11 +75,11 @@ class EtcdStore:
     Keys live under ``etcd_store_prefix``; a rendezvous uses one prefix per rendezvous
     version. The store satisfies :class:`~etcd_rendezvous.api.Store` and adds the
     extended c10d methods (:meth:`compare_set`, :meth:`delete_key`, :meth:`num_keys`,
-    :meth:`multi_get`, :meth:`multi_set`, :meth:`append`). It is not a subclass of
-    ``torch.distributed.Store``, so it cannot be passed to torch's C++ APIs (e.g.
-    ``init_process_group(store=...)``); bootstrap a ``TCPStore`` for that, as
-    :class:`~etcd_rendezvous.api.RendezvousStoreInfo` does. It is safe to share
-    between threads.
+    :meth:`multi_get`, :meth:`multi_set`, :meth:`append`). It does not need PyTorch and
+    is not a ``torch.distributed.Store`` itself; wrap it in
+    :class:`~etcd_rendezvous.torch_store.TorchEtcdStore` to pass it to PyTorch (e.g.
+    ``init_process_group(store=...)``). The handlers do that for you when PyTorch is
+    installed. It is safe to share between threads.
 
     Args:
         etcd_client: an :class:`~etcd_rendezvous._client.EtcdConnection`, or a

@@ -1169,11 +1169,11 @@ def test_use_agent_store_follows_pytorchs_env_var(
     handler = make_handler(MemoryBackend(), DictStore(), 1, 1)
     assert handler.use_agent_store is False  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    monkeypatch.setattr(dr, "_torch_available", lambda: True)
+    monkeypatch.setattr(dr, "torch_available", lambda: True)
     assert handler.use_agent_store is True
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     assert handler.use_agent_store is True
-    monkeypatch.setattr(dr, "_torch_available", lambda: False)
+    monkeypatch.setattr(dr, "torch_available", lambda: False)
     assert handler.use_agent_store is False  # No TCPStore without PyTorch.
 
 
@@ -1181,7 +1181,7 @@ def test_shared_tcp_store_port_is_published_by_rank_0(
     monkeypatch: pytest.MonkeyPatch, handlers: list[DynamicRendezvousHandler]
 ) -> None:
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    monkeypatch.setattr(dr, "_torch_available", lambda: True)
+    monkeypatch.setattr(dr, "torch_available", lambda: True)
     created: list[tuple[str, int]] = []
 
     class FakeServer:

@@ -1,0 +1,85 @@
+"""Optional PyTorch integration, decided without importing PyTorch.
+
+PyTorch is optional. When it is installed, the handlers hand out a
+:class:`~etcd_rendezvous.torch_store.TorchEtcdStore` (a real
+``torch.distributed.Store``) instead of the plain :class:`~etcd_rendezvous.etcd_store.EtcdStore`,
+so that the result of ``next_rendezvous()`` can go straight into torch's elastic agent or
+``torch.distributed.init_process_group(store=...)``. The rendezvous option ``torch_store``
+controls this:
+
+* ``auto`` (the default): adapt when PyTorch is installed;
+* ``true``: always adapt; creating the handler fails if PyTorch is missing;
+* ``false``: never adapt, and never import PyTorch (PyTorch takes seconds to import).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import RendezvousParameters, Store
+
+__all__ = ["TORCH_STORE_OPTION", "adapt_store", "torch_available", "torch_store_wanted"]
+
+logger = logging.getLogger(__name__)
+
+#: The rendezvous option that chooses between the plain and the torch-compatible store.
+TORCH_STORE_OPTION = "torch_store"
+
+_TRUE = ("1", "true", "t", "yes", "y", "on")
+_FALSE = ("0", "false", "f", "no", "n", "off")
+
+
+@functools.lru_cache(maxsize=1)
+def torch_available() -> bool:
+    """Whether PyTorch can be imported (checked without importing it)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+def torch_store_wanted(params: RendezvousParameters) -> bool:
+    """Whether handlers built from ``params`` should hand out a torch ``Store``.
+
+    Reads the ``torch_store`` option (``auto``, a boolean, or a boolean-like string).
+
+    Raises:
+        ValueError: the option has another value, or is true while PyTorch is not
+            installed; the message names ``torch_store``.
+    """
+    value: Any = params.get(TORCH_STORE_OPTION, "auto")
+    if isinstance(value, bool):
+        wanted: bool | None = value
+    elif isinstance(value, str) and value.strip().lower() in _TRUE:
+        wanted = True
+    elif isinstance(value, str) and value.strip().lower() in _FALSE:
+        wanted = False
+    elif isinstance(value, str) and value.strip().lower() == "auto":
+        wanted = None
+    else:
+        raise ValueError(f"{TORCH_STORE_OPTION}: expected auto, true or false, got {value!r}.")
+    if wanted is None:
+        return torch_available()
+    if wanted and not torch_available():
+        raise ValueError(
+            f"{TORCH_STORE_OPTION}: true needs PyTorch, which is not installed "
+            "(use auto or false, or install torch)."
+        )
+    return wanted
+
+
+def adapt_store(store: Store, wanted: bool) -> Store:
+    """``store`` as a ``torch.distributed.Store`` if ``wanted`` and it is an ``EtcdStore``.
+
+    Other stores (a torch store already, or a custom one) are returned unchanged.
+    """
+    from .etcd_store import EtcdStore  # noqa: PLC0415  (python-etcd is imported lazily)
+
+    if not wanted or not isinstance(store, EtcdStore):
+        return store
+    # Imported by name so that this module, and mypy, never load PyTorch eagerly.
+    module = importlib.import_module(".torch_store", __package__)
+    adapted: Store = module.TorchEtcdStore(store)
+    return adapted
