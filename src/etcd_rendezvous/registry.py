@@ -1,6 +1,7 @@
 """Lookup of rendezvous handlers by backend name.
 
-Importing this module registers the built-in ``etcd`` and ``etcd-v2`` backends in
+Importing this module registers the built-in ``etcd`` and ``etcd-v2`` backends (also
+under their torchrun plugin names ``etcd-rendezvous`` and ``etcd-rendezvous-v2``) in
 :data:`~etcd_rendezvous.api.rendezvous_handler_registry`, as torch's rendezvous package
 does on import. Backends are imported only when a handler is created, so importing
 this module does not import python-etcd.
@@ -29,16 +30,23 @@ def _create_etcd_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     backend, store = create_backend(params)
     try:
-        return create_handler(store, backend, params)
+        return create_handler(store, backend, params, backend_name=params.backend)
     except BaseException:
         backend.connection.close()
         raise
 
 
 def _register_default_handlers() -> None:
-    """Register the built-in backends; safe to call more than once."""
+    """Register the built-in backends; safe to call more than once.
+
+    Each backend is registered under PyTorch's name and under the name of this
+    package's ``torchrun`` plugin (:mod:`etcd_rendezvous.torchrun`), so a configuration
+    written for either works here; handlers report the name they were created under.
+    """
     handler_registry.register("etcd", _create_etcd_handler)
     handler_registry.register("etcd-v2", _create_etcd_v2_handler)
+    handler_registry.register("etcd-rendezvous", _create_etcd_handler)
+    handler_registry.register("etcd-rendezvous-v2", _create_etcd_v2_handler)
 
 
 def get_rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:

@@ -59,6 +59,12 @@ def test_etcd_is_registered_with_lazy_creator() -> None:
     assert rendezvous_handler_registry._registry["etcd"] is registry._create_etcd_handler
 
 
+def test_backends_are_also_registered_under_their_torchrun_names() -> None:
+    entries = rendezvous_handler_registry._registry
+    assert entries["etcd-rendezvous"] is registry._create_etcd_handler
+    assert entries["etcd-rendezvous-v2"] is registry._create_etcd_v2_handler
+
+
 def test_register_default_handlers_is_idempotent() -> None:
     registry._register_default_handlers()
     registry._register_default_handlers()
@@ -102,9 +108,11 @@ def test_etcd_v2_creator_builds_backend_then_dynamic_handler(
         calls.append(("create_backend", params))
         return backend, store
 
-    def create_handler(s: object, b: object, params: RendezvousParameters) -> FakeHandler:
-        calls.append(("create_handler", (s, b, params)))
-        return FakeHandler("etcd-v2")
+    def create_handler(
+        s: object, b: object, params: RendezvousParameters, *, backend_name: str
+    ) -> FakeHandler:
+        calls.append(("create_handler", (s, b, params, backend_name)))
+        return FakeHandler(backend_name)
 
     fake_backend = types.ModuleType("etcd_rendezvous.etcd_rendezvous_backend")
     fake_backend.create_backend = create_backend  # type: ignore[attr-defined]
@@ -117,7 +125,10 @@ def test_etcd_v2_creator_builds_backend_then_dynamic_handler(
     handler = get_rendezvous_handler(params)
 
     assert isinstance(handler, FakeHandler)
-    assert calls == [("create_backend", params), ("create_handler", (store, backend, params))]
+    assert calls == [
+        ("create_backend", params),
+        ("create_handler", (store, backend, params, "etcd-v2")),
+    ]
 
 
 def test_importing_the_registry_imports_no_backend() -> None:

@@ -1,0 +1,154 @@
+"""PyTorch ``torchrun`` plugin: this package's backends as ``etcd-rendezvous`` and
+``etcd-rendezvous-v2``.
+
+Installing the package registers two entry points in the ``torchrun.handlers`` group,
+which PyTorch loads when ``torch.distributed.elastic.rendezvous`` is imported::
+
+    torchrun --nnodes=2 --nproc-per-node=8 \\
+        --rdzv-backend=etcd-rendezvous-v2 --rdzv-endpoint=etcd1:2379,etcd2:2379 \\
+        --rdzv-id=job-42 --rdzv-conf=last_call_timeout=10 train.py
+
+* ``etcd-rendezvous`` is the legacy state machine (PyTorch's ``etcd`` backend);
+* ``etcd-rendezvous-v2`` is the dynamic rendezvous over etcd (PyTorch's ``etcd-v2``).
+
+PyTorch already owns the names ``etcd`` and ``etcd-v2`` and checks that a handler's
+``get_backend()`` equals the requested name, so these handlers report the name they
+were created under. To run this package's handlers under PyTorch's names instead, call
+:func:`replace_torch_etcd_backends` in the launcher process before the agent starts.
+
+Nothing here imports PyTorch at import time; :func:`replace_torch_etcd_backends` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from .api import RendezvousHandler, RendezvousParameters
+
+__all__ = [
+    "BACKEND_NAME",
+    "V2_BACKEND_NAME",
+    "as_rendezvous_parameters",
+    "create_etcd_rendezvous_handler",
+    "create_etcd_rendezvous_v2_handler",
+    "etcd_rendezvous_handler",
+    "etcd_rendezvous_v2_handler",
+    "replace_torch_etcd_backends",
+]
+
+#: The torchrun name of the legacy ``etcd`` backend.
+BACKEND_NAME = "etcd-rendezvous"
+#: The torchrun name of the dynamic rendezvous over etcd (PyTorch's ``etcd-v2``).
+V2_BACKEND_NAME = "etcd-rendezvous-v2"
+
+HandlerCreator = Callable[[Any], RendezvousHandler]
+
+
+def as_rendezvous_parameters(params: Any) -> RendezvousParameters:
+    """This package's :class:`~etcd_rendezvous.api.RendezvousParameters` for ``params``.
+
+    ``params`` is ours (returned as is) or PyTorch's ``RendezvousParameters``, which has
+    the same attributes; its ``config`` values are kept as given (torchrun passes
+    ``--rdzv-conf`` values as strings, which every option parses).
+
+    Raises:
+        TypeError: ``params`` lacks the attributes of ``RendezvousParameters``.
+    """
+    if isinstance(params, RendezvousParameters):
+        return params
+    try:
+        fields = (params.backend, params.endpoint, params.run_id)
+        nodes = (params.min_nodes, params.max_nodes)
+        local_addr = params.local_addr
+        config = dict(params.config)
+    except (AttributeError, TypeError):
+        raise TypeError(
+            f"params: expected RendezvousParameters (ours or PyTorch's), got "
+            f"{type(params).__name__}."
+        ) from None
+    return RendezvousParameters(*fields, *nodes, local_addr=local_addr, **config)
+
+
+def create_etcd_rendezvous_handler(params: Any) -> RendezvousHandler:
+    """Create the legacy ``etcd`` backend's handler from ``params`` (ours or PyTorch's).
+
+    The handler reports ``params.backend`` from ``get_backend()``. See
+    :func:`etcd_rendezvous.etcd_rendezvous.create_rdzv_handler` for the options.
+    """
+    from .etcd_rendezvous import create_rdzv_handler  # noqa: PLC0415  (lazy: python-etcd)
+
+    return create_rdzv_handler(as_rendezvous_parameters(params))
+
+
+def create_etcd_rendezvous_v2_handler(params: Any) -> RendezvousHandler:
+    """Create the dynamic rendezvous handler over etcd from ``params`` (ours or PyTorch's).
+
+    The handler reports ``params.backend`` from ``get_backend()``. See
+    :func:`etcd_rendezvous.etcd_rendezvous_backend.create_backend` and
+    :func:`etcd_rendezvous.dynamic_rendezvous.create_handler` for the options.
+    """
+    from .dynamic_rendezvous import create_handler  # noqa: PLC0415
+    from .etcd_rendezvous_backend import create_backend  # noqa: PLC0415
+
+    ours = as_rendezvous_parameters(params)
+    backend, store = create_backend(ours)
+    try:
+        return create_handler(store, backend, ours, backend_name=ours.backend)
+    except BaseException:
+        backend.connection.close()
+        raise
+
+
+def etcd_rendezvous_handler() -> HandlerCreator:
+    """Entry point ``torchrun.handlers: etcd-rendezvous``.
+
+    PyTorch calls an entry point with no arguments and registers what it returns as the
+    backend's handler creator.
+    """
+    return create_etcd_rendezvous_handler
+
+
+def etcd_rendezvous_v2_handler() -> HandlerCreator:
+    """Entry point ``torchrun.handlers: etcd-rendezvous-v2``.
+
+    See :func:`etcd_rendezvous_handler`.
+    """
+    return create_etcd_rendezvous_v2_handler
+
+
+def replace_torch_etcd_backends(registry: Any = None) -> None:
+    """Make PyTorch's ``etcd`` and ``etcd-v2`` backend names create this package's handlers.
+
+    Call it in the launcher process (the one running the elastic agent) before the
+    handler is created, e.g. in a wrapper around ``torch.distributed.run.main()``.
+
+    PyTorch's registry refuses to re-register a taken name, so the built-in entries are
+    removed first through the registry's private ``_registry`` dict (checked against
+    PyTorch 2.13).
+
+    Args:
+        registry: the ``RendezvousHandlerRegistry`` to change; PyTorch's global
+            ``rendezvous_handler_registry`` if ``None``.
+
+    Raises:
+        TypeError: the registry does not have the layout this relies on (a PyTorch
+            version that changed it); use ``etcd-rendezvous`` instead.
+    """
+    if registry is None:
+        # Imported by name: PyTorch is optional, and mypy must not analyse it.
+        rendezvous = importlib.import_module("torch.distributed.elastic.rendezvous")
+        registry = rendezvous.rendezvous_handler_registry
+    entries = getattr(registry, "_registry", None)
+    if not isinstance(entries, dict) or not callable(getattr(registry, "register", None)):
+        raise TypeError(
+            f"registry: {type(registry).__name__} has no private _registry dict to replace "
+            f"backends in; use --rdzv-backend={BACKEND_NAME} or {V2_BACKEND_NAME} instead."
+        )
+    for name, creator in (
+        ("etcd", create_etcd_rendezvous_handler),
+        ("etcd-v2", create_etcd_rendezvous_v2_handler),
+    ):
+        entries.pop(name, None)
+        registry.register(name, creator)
