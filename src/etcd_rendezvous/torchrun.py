@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .api import RendezvousHandler, RendezvousParameters
+from .registry import _create_etcd_handler, _create_etcd_v2_handler
 
 __all__ = [
     "BACKEND_NAME",
@@ -77,9 +78,7 @@ def create_etcd_rendezvous_handler(params: Any) -> RendezvousHandler:
     The handler reports ``params.backend`` from ``get_backend()``. See
     :func:`etcd_rendezvous.etcd_rendezvous.create_rdzv_handler` for the options.
     """
-    from .etcd_rendezvous import create_rdzv_handler  # noqa: PLC0415  (lazy: python-etcd)
-
-    return create_rdzv_handler(as_rendezvous_parameters(params))
+    return _create_etcd_handler(as_rendezvous_parameters(params))
 
 
 def create_etcd_rendezvous_v2_handler(params: Any) -> RendezvousHandler:
@@ -89,16 +88,7 @@ def create_etcd_rendezvous_v2_handler(params: Any) -> RendezvousHandler:
     :func:`etcd_rendezvous.etcd_rendezvous_backend.create_backend` and
     :func:`etcd_rendezvous.dynamic_rendezvous.create_handler` for the options.
     """
-    from .dynamic_rendezvous import create_handler  # noqa: PLC0415
-    from .etcd_rendezvous_backend import create_backend  # noqa: PLC0415
-
-    ours = as_rendezvous_parameters(params)
-    backend, store = create_backend(ours)
-    try:
-        return create_handler(store, backend, ours, backend_name=ours.backend)
-    except BaseException:
-        backend.connection.close()
-        raise
+    return _create_etcd_v2_handler(as_rendezvous_parameters(params))
 
 
 def etcd_rendezvous_handler() -> HandlerCreator:
