@@ -30,9 +30,6 @@ logger = logging.getLogger(__name__)
 #: The rendezvous option that chooses between the plain and the torch-compatible store.
 TORCH_STORE_OPTION = "torch_store"
 
-_TRUE = ("1", "true", "t", "yes", "y", "on")
-_FALSE = ("0", "false", "f", "no", "n", "off")
-
 
 @functools.lru_cache(maxsize=1)
 def torch_available() -> bool:
@@ -43,23 +40,22 @@ def torch_available() -> bool:
 def torch_store_wanted(params: RendezvousParameters) -> bool:
     """Whether handlers built from ``params`` should hand out a torch ``Store``.
 
-    Reads the ``torch_store`` option (``auto``, a boolean, or a boolean-like string).
+    Reads the ``torch_store`` option: ``auto``, or a boolean as
+    :meth:`~etcd_rendezvous.api.RendezvousParameters.get_as_bool` reads it.
 
     Raises:
         ValueError: the option has another value, or is true while PyTorch is not
             installed; the message names ``torch_store``.
     """
     value: Any = params.get(TORCH_STORE_OPTION, "auto")
-    if isinstance(value, bool):
-        wanted: bool | None = value
-    elif isinstance(value, str) and value.strip().lower() in _TRUE:
-        wanted = True
-    elif isinstance(value, str) and value.strip().lower() in _FALSE:
-        wanted = False
-    elif isinstance(value, str) and value.strip().lower() == "auto":
-        wanted = None
-    else:
-        raise ValueError(f"{TORCH_STORE_OPTION}: expected auto, true or false, got {value!r}.")
+    wanted: bool | None = None
+    if not (isinstance(value, str) and value.strip().lower() == "auto"):
+        try:
+            wanted = params.get_as_bool(TORCH_STORE_OPTION)
+        except ValueError:
+            raise ValueError(
+                f"{TORCH_STORE_OPTION}: expected auto, true or false, got {value!r}."
+            ) from None
     if wanted is None:
         return torch_available()
     if wanted and not torch_available():
