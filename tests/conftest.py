@@ -10,7 +10,7 @@ the package's pytest plugin (:mod:`etcd_rendezvous.pytest_plugin`). This file ad
   for tests that stop, kill or suspend it; always resumed and stopped afterwards, and
   its log is added to the report of a failed test.
 * ``tls_certs``: a CA and a server/client certificate for ``127.0.0.1`` (needs the
-  ``openssl`` command).
+  ``openssl`` command); ``tls_etcd_server``: an etcd requiring those client certificates.
 * ``run_id``: a fresh run id; ``conn``: an :class:`EtcdConnection` to ``etcd_server``;
   ``workers``: the worker processes a test started, stopped after it.
 """
@@ -110,6 +110,20 @@ def tls_certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
     return make_certs(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture
+def tls_etcd_server(etcd_server: EtcdServer, tls_certs: dict[str, str]) -> Iterator[EtcdServer]:
+    """An etcd of the test's own (same binary as ``etcd_server``) serving https only and
+    requiring client certificates signed by the ``tls_certs`` CA."""
+    with EtcdServer(
+        etcd_binary=etcd_server.binary,
+        cert_file=tls_certs["node.crt"],
+        key_file=tls_certs["node.key"],
+        trusted_ca_file=tls_certs["ca.crt"],
+        client_cert_auth=True,
+    ) as server:
+        yield server
 
 
 @pytest.hookimpl(hookwrapper=True)

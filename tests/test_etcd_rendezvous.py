@@ -446,31 +446,26 @@ def test_import_configures_no_logging():
     assert out.stdout.strip() == "clean"
 
 
-def test_rendezvous_over_tls_with_client_certificates(run_id, tls_certs):
-    with EtcdServer(
-        cert_file=tls_certs["node.crt"],
-        key_file=tls_certs["node.key"],
-        trusted_ca_file=tls_certs["ca.crt"],
-        client_cert_auth=True,
-    ) as server:
-        params = _params(
-            server,
-            run_id,
-            protocol="https",
-            cacert=tls_certs["ca.crt"],
-            cert=tls_certs["node.crt"],
-            key=tls_certs["node.key"],
-        )
-        with create_rdzv_handler(params) as handler:
-            info = handler.next_rendezvous()
-            assert (info.rank, info.world_size) == (0, 1)
-            info.store.set("secret", b"\x00\xff")
-            assert info.store.get("secret") == b"\x00\xff"
+def test_rendezvous_over_tls_with_client_certificates(run_id, tls_certs, tls_etcd_server):
+    server = tls_etcd_server
+    params = _params(
+        server,
+        run_id,
+        protocol="https",
+        cacert=tls_certs["ca.crt"],
+        cert=tls_certs["node.crt"],
+        key=tls_certs["node.key"],
+    )
+    with create_rdzv_handler(params) as handler:
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1)
+        info.store.set("secret", b"\x00\xff")
+        assert info.store.get("secret") == b"\x00\xff"
 
-        # Without the CA bundle the server's certificate is rejected, with a clear error.
-        params = _params(server, run_id, protocol="https", read_timeout=2)
-        with pytest.raises(RendezvousConnectionError, match=server.get_endpoint()):
-            create_rdzv_handler(params)
+    # Without the CA bundle the server's certificate is rejected, with a clear error.
+    params = _params(server, run_id, protocol="https", read_timeout=2)
+    with pytest.raises(RendezvousConnectionError, match=server.get_endpoint()):
+        create_rdzv_handler(params)
 
 
 def test_lost_answer_to_the_final_confirmation_is_recognised(

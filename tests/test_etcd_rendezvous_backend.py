@@ -24,7 +24,6 @@ from etcd_rendezvous.api import (
     _get_free_port,
 )
 from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, create_backend
-from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 from faultproxy import FaultProxy
 
@@ -360,32 +359,27 @@ def test_several_endpoints_with_the_first_closed(etcd_server, run_id):
     assert backend.get_state() == (b"x", token)
 
 
-def test_create_backend_over_tls_with_client_certificates(run_id, tls_certs):
-    with EtcdServer(
-        cert_file=tls_certs["node.crt"],
-        key_file=tls_certs["node.key"],
-        trusted_ca_file=tls_certs["ca.crt"],
-        client_cert_auth=True,
-    ) as server:
-        params = _params(
-            server.get_endpoint(),
-            run_id,
-            protocol="https",
-            ssl_cert=tls_certs["node.crt"],
-            ssl_cert_key=tls_certs["node.key"],
-            ca_cert=tls_certs["ca.crt"],
-            read_timeout=5,
-        )
-        backend, store = create_backend(params)
-        _, token, _ = _set(backend, b"\x00secret\xff")
-        assert backend.get_state() == (b"\x00secret\xff", token)
-        store.set("k", b"v")
-        assert store.get("k") == b"v"
+def test_create_backend_over_tls_with_client_certificates(run_id, tls_certs, tls_etcd_server):
+    server = tls_etcd_server
+    params = _params(
+        server.get_endpoint(),
+        run_id,
+        protocol="https",
+        ssl_cert=tls_certs["node.crt"],
+        ssl_cert_key=tls_certs["node.key"],
+        ca_cert=tls_certs["ca.crt"],
+        read_timeout=5,
+    )
+    backend, store = create_backend(params)
+    _, token, _ = _set(backend, b"\x00secret\xff")
+    assert backend.get_state() == (b"\x00secret\xff", token)
+    store.set("k", b"v")
+    assert store.get("k") == b"v"
 
-        # Without the CA bundle the server's certificate is rejected, naming the endpoint.
-        params = _params(server.get_endpoint(), run_id, protocol="https", read_timeout=2)
-        with pytest.raises(RendezvousConnectionError, match=server.get_endpoint()):
-            create_backend(params)
+    # Without the CA bundle the server's certificate is rejected, naming the endpoint.
+    params = _params(server.get_endpoint(), run_id, protocol="https", read_timeout=2)
+    with pytest.raises(RendezvousConnectionError, match=server.get_endpoint()):
+        create_backend(params)
 
 
 # -- interoperability with PyTorch 2.13 ---------------------------------------------------------

@@ -78,6 +78,24 @@ def _expect_success(group: list[Agent]) -> None:
         assert code == 0, f"agent {agent.name} exited with {code}\n{agent.log()}"
 
 
+def _train_on_two_agents(
+    agents: list[Agent], out: Path, backend: str, endpoint: str, run_id: str, **kwargs: Any
+) -> list[dict[str, Any]]:
+    """Run two agents (``--nnodes=2``) to success; the results their workers wrote."""
+    group = _start(
+        agents,
+        ["a", "b"],
+        out,
+        backend=backend,
+        endpoint=endpoint,
+        run_id=run_id,
+        nnodes="2",
+        **kwargs,
+    )
+    _expect_success(group)
+    return _results(out)
+
+
 @pytest.mark.parametrize(
     ("backend", "share_agent_store"),
     [(LEGACY, False), (V2, True), (V2, False)],
@@ -93,21 +111,16 @@ def test_two_agents_train_with_world_size_four(
     share_agent_store: bool,
 ) -> None:
     env = {} if share_agent_store else {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    group = _start(
+    results = _train_on_two_agents(
         agents,
-        ["a", "b"],
         tmp_path,
-        backend=backend,
-        endpoint=etcd_server.get_endpoint(),
-        run_id=run_id,
-        nnodes="2",
+        backend,
+        etcd_server.get_endpoint(),
+        run_id,
         nproc_per_node=2,
         rdzv_conf=CONF[backend],
         env=env,
     )
-    _expect_success(group)
-
-    results = _results(tmp_path)
     assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
     assert {r["world_size"] for r in results} == {4}
     assert {r["env_world_size"] for r in results} == {4}
@@ -191,7 +204,7 @@ TLS_CONF = {
 
 @pytest.mark.parametrize("backend", [LEGACY, V2])
 def test_two_agents_over_tls_with_client_certificates(
-    etcd_server: EtcdServer,
+    tls_etcd_server: EtcdServer,
     tls_certs: dict[str, str],
     run_id: str,
     tmp_path: Path,
@@ -203,25 +216,14 @@ def test_two_agents_over_tls_with_client_certificates(
         option: value if option == "protocol" else tls_certs[value]
         for option, value in TLS_CONF[backend].items()
     }
-    with EtcdServer(
-        etcd_binary=etcd_server.binary,
-        cert_file=tls_certs["node.crt"],
-        key_file=tls_certs["node.key"],
-        trusted_ca_file=tls_certs["ca.crt"],
-        client_cert_auth=True,
-    ) as server:
-        group = _start(
-            agents,
-            ["a", "b"],
-            tmp_path,
-            backend=backend,
-            endpoint=server.get_endpoint(),
-            run_id=run_id,
-            nnodes="2",
-            nproc_per_node=1,
-            rdzv_conf={**CONF[backend], **tls},
-        )
-        _expect_success(group)
-    results = _results(tmp_path)
+    results = _train_on_two_agents(
+        agents,
+        tmp_path,
+        backend,
+        tls_etcd_server.get_endpoint(),
+        run_id,
+        nproc_per_node=1,
+        rdzv_conf={**CONF[backend], **tls},
+    )
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert {r["sum"] for r in results} == {3.0}
