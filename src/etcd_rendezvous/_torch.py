@@ -17,15 +17,12 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .api import RendezvousParameters, Store
 
 __all__ = ["TORCH_STORE_OPTION", "adapt_store", "torch_available", "torch_store_wanted"]
-
-logger = logging.getLogger(__name__)
 
 #: The rendezvous option that chooses between the plain and the torch-compatible store.
 TORCH_STORE_OPTION = "torch_store"
