@@ -360,7 +360,7 @@ def test_every_send_of_a_cas_is_one_our_code_decided(
     caplog: pytest.LogCaptureFixture,
     close_client: bool,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._client")
+    caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._transport")
     conn = connect(etcd_proxy.endpoint, read_timeout=0.5)
     prev = conn.set(key, "v0")
     etcd_proxy.clear_stats()
@@ -374,7 +374,7 @@ def test_every_send_of_a_cas_is_one_our_code_decided(
     retries = sum(
         r.getMessage().endswith("; retrying")
         for r in caplog.records
-        if r.name == "etcd_rendezvous._client"
+        if r.name == "etcd_rendezvous._transport"
     )
     assert puts(etcd_proxy) == 1 + retries
     if close_client:

@@ -361,7 +361,7 @@ def test_keepalive_survives_a_frozen_etcd(run_id):
                         failed.set()
 
             # The connection reports each failed attempt at DEBUG level.
-            client_logger = logging.getLogger("etcd_rendezvous._client")
+            client_logger = logging.getLogger("etcd_rendezvous._transport")
             spy = Spy(logging.DEBUG)
             old_level = client_logger.level
             client_logger.setLevel(logging.DEBUG)

@@ -1,10 +1,8 @@
-"""The one layer that talks to etcd.
+"""The v2 transport: etcd's v2 API through python-etcd.
 
-Everything above this module speaks the library's vocabulary: :class:`Node` values,
-the condition errors below (:class:`KeyNotFoundError`, :class:`KeyExistsError`,
-:class:`CompareFailedError`), and :class:`~etcd_rendezvous.api.RendezvousConnectionError` /
-:class:`~etcd_rendezvous.api.RendezvousStateError`. python-etcd and urllib3 exceptions
-never leave this module.
+:class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.Transport`; its
+sibling over the v3 API is :class:`~etcd_rendezvous._v3.EtcdV3Connection`. python-etcd
+and urllib3 exceptions never leave this module.
 
 What this layer adds over a bare ``etcd.Client``:
 
@@ -12,15 +10,15 @@ What this layer adds over a bare ``etcd.Client``:
   compare-and-swap that means a "compare failed" can hide a swap that was applied. Our
   pool manager never retries; this module decides what may be sent again.
 * **Recognising our own applied write.** When a conditional write fails on the
-  connection (or the server answers "request timed out"), it may still have been
-  applied. We send it again (it is conditional, so at most one copy can apply) and, if
-  the answer is then "compare failed" / "already exists", read the key's history: if
-  the first change after the state we compared against carries our value, the write
-  was ours.
+  connection (or the server answers "request timed out" during an election), it may
+  still have been applied. We send it again (it is conditional, so at most one copy can
+  apply) and, if the answer is then "compare failed" / "already exists", read the key's
+  history: if the first change after the state we compared against carries our value,
+  the write was ours.
 * **Failover that recovers.** One python-etcd client per endpoint; a request that could
   not reach an endpoint moves on to the next, round-robin, for as long as the
-  operation's time budget lasts (python-etcd's own failover never recovers once all
-  hosts were down).
+  operation's deadline lasts (python-etcd's own failover never recovers once all hosts
+  were down).
 * **Connect timeouts** separate from read/watch timeouts, so a dead host costs seconds,
   not the whole read timeout.
 """
@@ -32,15 +30,29 @@ import ssl
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar, Union
 
 import etcd
 import urllib3
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
 
-from ._retry import Backoff, Deadline
-from .api import RendezvousConnectionError, RendezvousError, RendezvousStateError
+from ._retry import Deadline
+from ._transport import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
+    CompareFailedError,
+    KeyExistsError,
+    KeyNotFoundError,
+    Node,
+    OperationRefusedError,
+    Transport,
+    _AmbiguousError,
+    _UnsentError,
+    check_credentials,
+    check_tls_options,
+    format_host,
+)
+from .api import RendezvousConnectionError, RendezvousStateError
 
 __all__ = [
     "CompareFailedError",
@@ -55,65 +67,22 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-DEFAULT_READ_TIMEOUT = 60.0
-DEFAULT_CONNECT_TIMEOUT = 5.0
 
-
-class _ConditionError(Exception):
-    """A request was refused because of the state of a key (not a failure)."""
-
-    def __init__(self, key: str, etcd_index: int | None) -> None:
-        super().__init__(key)
-        self.key = key
-        #: The store index at the time of the refusal, when etcd reported it.
-        self.etcd_index = etcd_index
-
-
-class KeyNotFoundError(_ConditionError):
-    """The key does not exist."""
-
-
-class KeyExistsError(_ConditionError):
-    """A create (``prevExist=false``) found the key already there."""
-
-
-class CompareFailedError(_ConditionError):
-    """A compare-and-swap or compare-and-delete found a different value or index."""
-
-
-@dataclass(frozen=True)
-class Node:
-    """One etcd v2 node as returned by a read, write or watch."""
-
-    key: str
-    value: str | None
-    modified_index: int
-    created_index: int
-    #: ``X-Etcd-Index`` of the response: the store index when it was served.
-    etcd_index: int
-    ttl: int | None
-    is_dir: bool
-    #: Immediate children, for directory reads (empty otherwise).
-    children: tuple[Node, ...]
-    #: The etcd action that produced this node (``get``, ``set``, ``compareAndSwap``,
-    #: ``create``, ``expire``, ``delete`` ...).
-    action: str
-
-    @classmethod
-    def _from_result(cls, result: Any) -> Node:
-        etcd_index = int(getattr(result, "etcd_index", 0) or 0)
-        raw_children = getattr(result, "_children", None) or []
-        return cls(
-            key=result.key,
-            value=result.value,
-            modified_index=int(result.modifiedIndex or 0),
-            created_index=int(result.createdIndex or 0),
-            etcd_index=etcd_index,
-            ttl=result.ttl,
-            is_dir=bool(result.dir),
-            children=tuple(_node_from_dict(child, etcd_index) for child in raw_children),
-            action=str(result.action or ""),
-        )
+def _node(result: Any) -> Node:
+    """A :class:`Node` from a python-etcd ``EtcdResult``."""
+    etcd_index = int(getattr(result, "etcd_index", 0) or 0)
+    raw_children = getattr(result, "_children", None) or []
+    return Node(
+        key=result.key,
+        value=result.value,
+        modified_index=int(result.modifiedIndex or 0),
+        created_index=int(result.createdIndex or 0),
+        etcd_index=etcd_index,
+        ttl=result.ttl,
+        is_dir=bool(result.dir),
+        children=tuple(_node_from_dict(child, etcd_index) for child in raw_children),
+        action=str(result.action or ""),
+    )
 
 
 def _node_from_dict(raw: dict[str, Any], etcd_index: int) -> Node:
@@ -173,6 +142,11 @@ def _was_not_sent(cause: BaseException) -> bool:
     return isinstance(cause, (NewConnectionError, ConnectTimeoutError, ConnectionRefusedError))
 
 
+#: Causes of v2 error code 300 ("Raft Internal Error") that an election produces: the
+#: proposal timed out or was dropped, so its outcome is unknown and it may still commit.
+_ELECTION_CAUSES = ("request timed out", "leader changed", "no leader", "not leader")
+
+
 def _is_transient_server_error(exc: etcd.EtcdException) -> bool:
     """Server-side failures worth retrying: leader election, raft request timeouts."""
     if isinstance(exc, (etcd.EtcdLeaderElectionInProgress, etcd.EtcdWatcherCleared)):
@@ -180,34 +154,23 @@ def _is_transient_server_error(exc: etcd.EtcdException) -> bool:
     if type(exc) is not etcd.EtcdException:
         return False
     payload = exc.payload if isinstance(exc.payload, dict) else {}
-    # errorCode 300 is "Raft Internal Error": a permanent refusal such as updating a
-    # directory's TTL on etcd 3.5 ("Not a file"). Plain 5xx answers without a code are
-    # "etcdserver: request timed out" and friends, seen during leader elections.
+    # errorCode 300 ("Raft Internal Error") is a permanent refusal such as updating a
+    # directory's TTL on etcd 3.5 ("Not a file") -- or a proposal that timed out during
+    # a leader election, whose outcome is unknown. Plain 5xx answers without a code
+    # are "etcdserver: request timed out" and friends, also seen during elections.
     if payload.get("errorCode") == 300:
-        return False
+        cause = f"{payload.get('cause', '')} {payload.get('message', '')} {exc}".lower()
+        return any(marker in cause for marker in _ELECTION_CAUSES)
     status = payload.get("status")
     return isinstance(status, int) and status >= 500
-
-
-class OperationRefusedError(RendezvousError):
-    """etcd permanently refused an operation (for example, changing a directory's TTL
-    on etcd 3.5, which answers "Not a file")."""
-
-
-class _AmbiguousError(Exception):
-    """A request was sent but its outcome is unknown."""
-
-
-class _UnsentError(Exception):
-    """A request never reached the server."""
 
 
 Endpoint = tuple[str, int]
 _Cert = Union[str, tuple[str, str], None]
 
 
-class EtcdConnection:
-    """A connection to an etcd cluster (v2 API) over one or more endpoints.
+class EtcdConnection(Transport):
+    """A connection to an etcd cluster over the v2 API, on one or more endpoints.
 
     Args:
         endpoints: ``(host, port)`` pairs, tried in order and round-robin on failure.
@@ -219,9 +182,12 @@ class EtcdConnection:
         password: password for ``username``.
         read_timeout: seconds one request may wait for an answer, and the time budget
             for retrying a failed operation across endpoints before giving up with
-            :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
+            :class:`~etcd_rendezvous.api.RendezvousConnectionError` (unless the caller
+            set a deadline with :meth:`~etcd_rendezvous._transport.Transport.bounded_by`).
         connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
     """
+
+    api = "v2"
 
     def __init__(
         self,
@@ -237,31 +203,20 @@ class EtcdConnection:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        if not endpoints:
-            raise ValueError("endpoints: at least one etcd endpoint is required.")
-        if protocol not in ("http", "https"):
-            raise ValueError(f"protocol: must be 'http' or 'https', got {protocol!r}.")
-        if read_timeout <= 0:
-            raise ValueError(f"read_timeout: must be positive, got {read_timeout!r}.")
-        if connect_timeout <= 0:
-            raise ValueError(f"connect_timeout: must be positive, got {connect_timeout!r}.")
-        if (username is None) != (password is None):
-            raise ValueError("username/password: give both or neither.")
-        if key is not None and cert is None:
-            raise ValueError("key: a client key needs a client certificate ('cert').")
+        check_tls_options(protocol, cert, key)
+        check_credentials(username, password)
+        super().__init__(
+            [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints],
+            read_timeout=read_timeout,
+            connect_timeout=connect_timeout,
+            sleep=sleep,
+        )
         self._protocol = protocol
-        self._read_timeout = float(read_timeout)
-        self._connect_timeout = float(connect_timeout)
-        self._sleep = sleep
         client_cert: _Cert = (cert, key) if cert and key else cert
-        self._endpoints = [f"{protocol}://{_format_host(h)}:{p}" for h, p in endpoints]
         self._clients = [
             self._make_client(h, p, client_cert, cacert, username, password) for h, p in endpoints
         ]
-        self._lock = threading.Lock()
-        self._current = 0
-        self._last_index = 0
-        self._closed = False
+        self._version: str | None = None
 
     # -- construction ---------------------------------------------------------------
 
@@ -291,21 +246,21 @@ class EtcdConnection:
         return client
 
     @classmethod
-    def from_client(cls, client: Any, *, param: str = "etcd_client") -> EtcdConnection:
+    def from_client(cls, client: Any, *, param: str = "etcd_client") -> Transport:
         """Build a hardened connection with the same endpoints and credentials as ``client``.
 
-        ``client`` is a python-etcd ``etcd.Client`` (not modified) or an
-        :class:`EtcdConnection` (returned as it is).
+        ``client`` is a python-etcd ``etcd.Client`` (not modified) or a
+        :class:`~etcd_rendezvous._transport.Transport` (returned as it is).
 
         Raises:
             TypeError: ``client`` is neither; the message names ``param``, the caller's
                 name for it.
         """
-        if isinstance(client, EtcdConnection):
+        if isinstance(client, Transport):
             return client
         if not isinstance(client, etcd.Client):
             raise TypeError(
-                f"{param}: expected an etcd.Client or an EtcdConnection, got "
+                f"{param}: expected an etcd.Client or an etcd-rendezvous connection, got "
                 f"{type(client).__name__}."
             )
         uris = [client.base_uri, *getattr(client, "_machines_cache", [])]
@@ -329,65 +284,41 @@ class EtcdConnection:
             read_timeout=float(read_timeout),
         )
 
-    # -- properties -----------------------------------------------------------------
-
-    @property
-    def endpoints(self) -> list[str]:
-        """The endpoint URLs, in configuration order."""
-        return list(self._endpoints)
-
-    @property
-    def read_timeout(self) -> float:
-        """Per-request read timeout and per-operation retry budget, in seconds."""
-        return self._read_timeout
-
-    @property
-    def connect_timeout(self) -> float:
-        """Timeout for connecting to one endpoint, in seconds."""
-        return self._connect_timeout
-
-    @property
-    def last_index(self) -> int:
-        """The highest ``X-Etcd-Index`` seen so far on this connection."""
-        return self._last_index
-
-    def close(self) -> None:
-        """Release pooled connections. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+    def _release(self) -> None:
         for client in self._clients:
             client.http.clear()
 
     # -- the request loop -----------------------------------------------------------
 
-    def _pick(self) -> tuple[int, Any]:
-        with self._lock:
-            return self._current, self._clients[self._current]
+    def _v2(
+        self,
+        what: str,
+        key: str,
+        call: Callable[[Any], _T],
+        *,
+        on_ambiguous: Callable[[], None] | None = None,
+        budget: Deadline | None = None,
+        cap_requests: bool = True,
+    ) -> _T:
+        """Run ``call(client)`` through the retry loop, on the current endpoint."""
+        return self._retrying(
+            what,
+            key,
+            lambda cap: self._once(what, key, call, cap),
+            on_ambiguous=on_ambiguous,
+            budget=budget,
+            cap_requests=cap_requests,
+        )
 
-    def _rotate(self, failed: int) -> None:
-        with self._lock:
-            if self._current == failed and len(self._clients) > 1:
-                self._current = (failed + 1) % len(self._clients)
-                logger.info(
-                    "etcd endpoint %s failed; switching to %s",
-                    self._endpoints[failed],
-                    self._endpoints[self._current],
-                )
-
-    def _note_index(self, node: Node) -> Node:
-        self._last_index = max(self._last_index, node.etcd_index)
-        return node
-
-    def _once(self, what: str, key: str, call: Callable[[Any], _T], cap: float | None = None) -> _T:
+    def _once(self, what: str, key: str, call: Callable[[Any], _T], cap: float | None) -> _T:
         """Send one request to the current endpoint and classify any failure.
 
         Returns the result, or raises: a condition error, :class:`_UnsentError` (safe to
         send again anywhere), :class:`_AmbiguousError` (may have been applied), or a
         library error for permanent failures.
         """
-        idx, client = self._pick()
+        idx = self._pick()
+        client = self._clients[idx]
         endpoint = self._endpoints[idx]
         client.http.read_cap.value = cap
         try:
@@ -398,9 +329,7 @@ class EtcdConnection:
             raise KeyExistsError(key, _payload_index(exc)) from None
         except etcd.EtcdCompareFailed as exc:
             raise CompareFailedError(key, _payload_index(exc)) from None
-        except etcd.EtcdWatchTimedOut:
-            raise
-        except etcd.EtcdEventIndexCleared:
+        except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
             raise
         except etcd.EtcdConnectionFailed as exc:
             cause = _transport_cause(exc)
@@ -430,11 +359,14 @@ class EtcdConnection:
             ) from None
         except etcd.EtcdException as exc:
             if _is_transient_server_error(exc):
+                # An election: try the next member too, it may already have a leader.
+                self._rotate(idx)
                 raise _AmbiguousError(f"{endpoint}: {exc}") from None
             if "404 page not found" in str(exc):
                 raise RendezvousConnectionError(
                     f"etcd endpoint {endpoint} does not serve the v2 API (it answered 404 "
-                    f"when asked to {what} {key!r}). Start etcd with --enable-v2."
+                    f"when asked to {what} {key!r}). Start etcd with --enable-v2, or use "
+                    "etcd_api=v3 (or auto)."
                 ) from None
             raise OperationRefusedError(
                 f"etcd endpoint {endpoint} failed to {what} {key!r}: {exc}"
@@ -447,52 +379,8 @@ class EtcdConnection:
         finally:
             client.http.read_cap.value = None
 
-    def _retrying(
-        self,
-        what: str,
-        key: str,
-        call: Callable[[Any], _T],
-        *,
-        on_ambiguous: Callable[[], None] | None = None,
-        budget: Deadline | None = None,
-        cap_requests: bool = True,
-    ) -> _T:
-        """Run ``call`` until it succeeds or the time budget for failures runs out.
-
-        ``on_ambiguous`` is invoked after a failure whose outcome is unknown (used by
-        writes to remember that a later "compare failed" needs checking). Each request
-        waits at most the remaining budget (at least ``min(1 s, read_timeout)``) unless
-        ``cap_requests`` is false (watches, which set their own timeout). However short
-        the budget, every endpoint gets one attempt, and one more attempt follows the
-        last failure: a hung endpoint cannot hide a healthy one, and a write whose
-        answer timed out is re-sent once so that its fate can be found out. So against
-        endpoints that all hang, an operation takes at most the budget plus
-        ``len(endpoints)`` times the minimum attempt time.
-        """
-        deadline = budget if budget is not None else Deadline(self._read_timeout)
-        backoff = Backoff(initial=0.05, cap=1.0, sleep=self._sleep)
-        floor = min(1.0, self._read_timeout)
-        failures: list[str] = []
-        while True:
-            cap = max(deadline.remaining(), floor) if cap_requests else None
-            try:
-                return self._once(what, key, call, cap)
-            except _UnsentError as exc:
-                failures.append(str(exc))
-            except _AmbiguousError as exc:
-                failures.append(str(exc))
-                if on_ambiguous is not None:
-                    on_ambiguous()
-            if deadline.expired() and len(failures) > len(self._clients):
-                raise RendezvousConnectionError(self._unreachable_message(what, key, failures))
-            logger.debug("Could not %s %r (%s); retrying", what, key, failures[-1])
-            backoff.wait(deadline)
-
     def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
-        tried = ", ".join(dict.fromkeys(f.split(": ", 1)[0] for f in failures))
-        message = (
-            f"Could not {what} {key!r}: etcd unreachable at {tried} (last error: {failures[-1]})."
-        )
+        message = super()._unreachable_message(what, key, failures)
         dropped = ("RemoteDisconnected", "Connection aborted", "without response")
         if self._protocol == "http" and any(d in f for f in failures for d in dropped):
             message += (
@@ -510,19 +398,8 @@ class EtcdConnection:
             KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
         """
         return self._note_index(
-            self._retrying(
-                "read",
-                key,
-                lambda c: Node._from_result(c.read(key, recursive=recursive)),
-            )
+            self._v2("read", key, lambda c: _node(c.read(key, recursive=recursive)))
         )
-
-    def try_get(self, key: str) -> Node | None:
-        """Like :meth:`get`, but ``None`` for a missing key."""
-        try:
-            return self.get(key)
-        except KeyNotFoundError:
-            return None
 
     def watch(
         self, key: str, index: int, timeout: float, *, recursive: bool = False
@@ -534,7 +411,7 @@ class EtcdConnection:
         retried until the watch's own deadline; if etcd stays unreachable for longer
         than the read timeout, :class:`RendezvousConnectionError` is raised.
         """
-        deadline = Deadline(timeout)
+        deadline = self._budget(Deadline(timeout))
         while True:
             remaining = deadline.remaining()
             if remaining <= 0:
@@ -549,11 +426,11 @@ class EtcdConnection:
                     recursive=recursive,
                     timeout=max(wait, 0.001),
                 )
-                return Node._from_result(result)
+                return _node(result)
 
             try:
                 return self._note_index(
-                    self._retrying(
+                    self._v2(
                         "watch",
                         key,
                         call,
@@ -561,9 +438,7 @@ class EtcdConnection:
                         cap_requests=False,
                     )
                 )
-            except etcd.EtcdWatchTimedOut:
-                return None
-            except etcd.EtcdEventIndexCleared:
+            except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
                 return None
             except KeyNotFoundError:
                 # Watching a missing key works in etcd; this only happens for a
@@ -574,24 +449,30 @@ class EtcdConnection:
                     return None
                 raise
 
-    def first_change_after(self, key: str, index: int) -> Node | None:
-        """The first recorded change of ``key`` after ``index``, if etcd still has it."""
-        return self.watch(key, index + 1, timeout=0.5)
-
     def server_version(self) -> str:
         """The etcd server version (``etcdserver`` field of ``/version``)."""
-        return self._retrying("query the version of", "/version", lambda c: str(c.version))
+        if self._version is None:
+            self._version = self._v2("query the version of", "/version", lambda c: str(c.version))
+        return self._version
+
+    def can_refresh_directory_ttl(self) -> bool:
+        """etcd 3.5 and later answer "Not a file" to refreshing a directory's TTL."""
+        try:
+            major, minor = (int(part) for part in self.server_version().split(".")[:2])
+        except ValueError:
+            return True
+        return (major, minor) < (3, 5)
+
+    def time_to_live(self, node: Node) -> int | None:
+        """The TTL v2 reported with ``node``."""
+        return node.ttl
 
     # -- writes -----------------------------------------------------------------------
 
     def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
         """Unconditionally write ``key`` (idempotent, so re-sent freely)."""
         return self._note_index(
-            self._retrying(
-                "write",
-                key,
-                lambda c: Node._from_result(c.write(key, value, ttl=ttl)),
-            )
+            self._v2("write", key, lambda c: _node(c.write(key, value, ttl=ttl)))
         )
 
     def refresh(self, key: str, ttl: int, *, timeout: float | None = None) -> Node:
@@ -601,12 +482,10 @@ class EtcdConnection:
         read timeout).
         """
         return self._note_index(
-            self._retrying(
+            self._v2(
                 "refresh the TTL of",
                 key,
-                lambda c: Node._from_result(
-                    c.write(key, None, ttl=ttl, refresh=True, prevExist=True)
-                ),
+                lambda c: _node(c.write(key, None, ttl=ttl, refresh=True, prevExist=True)),
                 budget=None if timeout is None else Deadline(timeout),
             )
         )
@@ -614,7 +493,7 @@ class EtcdConnection:
     def mkdir(self, key: str, *, ttl: int | None = None) -> bool:
         """Create directory ``key`` unless it exists. Returns whether it was created."""
         try:
-            self._retrying(
+            self._v2(
                 "create the directory",
                 key,
                 lambda c: c.write(key, None, dir=True, prevExist=False, ttl=ttl),
@@ -643,7 +522,12 @@ class EtcdConnection:
             value,
             None,
             value_is_unique,
-            lambda c: c.write(key, value, ttl=ttl, prevExist=False),
+            lambda note: self._v2(
+                "create",
+                key,
+                lambda c: _node(c.write(key, value, ttl=ttl, prevExist=False)),
+                on_ambiguous=note,
+            ),
         )
 
     def compare_and_swap(
@@ -670,17 +554,19 @@ class EtcdConnection:
         """
         if prev.value is None:
             raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
-        conditions: dict[str, Any] = {"prevIndex": prev.modified_index}
-        if prev.value:
-            # etcd refuses an empty prevValue; the index alone is the stronger check.
-            conditions["prevValue"] = prev.value
+        conditions = _prev_conditions(prev)
         return self._conditional(
             "compare-and-swap",
             key,
             value,
             prev.modified_index,
             value_is_unique,
-            lambda c: c.write(key, value, ttl=ttl, **conditions),
+            lambda note: self._v2(
+                "compare-and-swap",
+                key,
+                lambda c: _node(c.write(key, value, ttl=ttl, **conditions)),
+                on_ambiguous=note,
+            ),
         )
 
     def compare_and_delete(self, key: str, prev: Node) -> bool:
@@ -690,10 +576,7 @@ class EtcdConnection:
         as failed is checked against the key's history, so an applied delete still
         returns ``True``.
         """
-        conditions: dict[str, Any] = {"prevIndex": prev.modified_index}
-        if prev.value:
-            # etcd refuses an empty prevValue; the index alone is the stronger check.
-            conditions["prevValue"] = prev.value
+        conditions = _prev_conditions(prev)
         ambiguous = False
 
         def note() -> None:
@@ -701,7 +584,7 @@ class EtcdConnection:
             ambiguous = True
 
         try:
-            self._retrying(
+            self._v2(
                 "compare-and-delete",
                 key,
                 lambda c: c.delete(key, **conditions),
@@ -718,7 +601,7 @@ class EtcdConnection:
     def delete(self, key: str, *, recursive: bool = False) -> bool:
         """Delete ``key`` (a directory with ``recursive``). Returns whether it existed."""
         try:
-            self._retrying(
+            self._v2(
                 "delete",
                 key,
                 lambda c: c.delete(key, recursive=recursive, dir=recursive or None),
@@ -727,70 +610,16 @@ class EtcdConnection:
             return False
         return True
 
-    def _conditional(
-        self,
-        what: str,
-        key: str,
-        value: str,
-        since: int | None,
-        value_is_unique: bool,
-        send: Callable[[Any], Any],
-    ) -> Node:
-        """Send a conditional write; after an ambiguous failure, find out if it applied.
 
-        ``since`` is the modification index the write compared against, or ``None`` for
-        a create (which compared against the key's absence): then the creation of the
-        key's current version is examined.
-        """
-        ambiguous = False
-
-        def note() -> None:
-            nonlocal ambiguous
-            ambiguous = True
-
-        try:
-            return self._note_index(
-                self._retrying(what, key, lambda c: Node._from_result(send(c)), on_ambiguous=note)
-            )
-        except (CompareFailedError, KeyExistsError, KeyNotFoundError):
-            if not ambiguous:
-                raise
-            # An earlier attempt may have been applied, making this one fail. The first
-            # change after the state we compared against is decisive: every copy we
-            # sent compared against the same state, so at most one copy can be it.
-            change = self._change_to_examine(key, since)
-            if change is not None and change.value == value and change.action != "expire":
-                if value_is_unique:
-                    logger.info("%s of %s was applied by an earlier attempt", what, key)
-                    return self._note_index(change)
-                logger.warning(
-                    "%s of %s failed on the connection and an identical value is now "
-                    "stored; another writer may have written it, so assuming ours was "
-                    "not applied",
-                    what,
-                    key,
-                )
-            raise
-
-    def _change_to_examine(self, key: str, since: int | None) -> Node | None:
-        if since is not None:
-            return self.first_change_after(key, since)
-        # A create: look at how the key's current version came to be.
-        current = self.try_get(key)
-        if current is None:
-            return None
-        change = self.first_change_after(key, current.created_index - 1)
-        if change is None and current.created_index == current.modified_index:
-            # etcd no longer holds that history, but the key was not changed since.
-            return current
-        return change
+def _prev_conditions(prev: Node) -> dict[str, Any]:
+    conditions: dict[str, Any] = {"prevIndex": prev.modified_index}
+    if prev.value:
+        # etcd refuses an empty prevValue; the index alone is the stronger check.
+        conditions["prevValue"] = prev.value
+    return conditions
 
 
 def _payload_index(exc: etcd.EtcdException) -> int | None:
     payload = exc.payload if isinstance(exc.payload, dict) else {}
     index = payload.get("index")
     return int(index) if isinstance(index, int) else None
-
-
-def _format_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

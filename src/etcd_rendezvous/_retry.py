@@ -66,6 +66,10 @@ class Deadline:
         """Whether the deadline has passed."""
         return time.monotonic() >= self._at
 
+    def earlier(self, other: Deadline) -> Deadline:
+        """The earlier of this deadline and ``other``."""
+        return self if self._at <= other._at else other
+
     def earliest(self, seconds: float) -> Deadline:
         """The earlier of this deadline and ``seconds`` from now."""
         other = Deadline(seconds)

@@ -60,6 +60,7 @@ from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
 from ._retry import Backoff, Deadline
 from ._torch import adapt_store, torch_available, torch_store_wanted
+from ._transport import Transport
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -174,15 +175,6 @@ def _normalize_key(key: str) -> str:
     return "/" + "/".join(part for part in key.split("/") if part)
 
 
-def _dir_ttl_refreshable(version: str) -> bool:
-    """Whether an etcd server of ``version`` can refresh a directory's TTL (etcd < 3.5)."""
-    try:
-        major, minor = (int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return True
-    return (major, minor) < (3, 5)
-
-
 def _contention_backoff() -> Backoff:
     """Back-off after losing a compare-and-swap race on a shared key.
 
@@ -203,7 +195,7 @@ class _LeaseKeeper:
     refuses to refresh it.
     """
 
-    def __init__(self, conn: EtcdConnection, key: str, ttl: int) -> None:
+    def __init__(self, conn: Transport, key: str, ttl: int) -> None:
         self.key = key
         self.ttl = ttl
         self.stop_event = threading.Event()
@@ -330,8 +322,7 @@ class EtcdRendezvous:
 
     def _setup_run_dir(self) -> None:
         run_dir = self.get_path("")
-        version = self._conn.server_version()
-        if _dir_ttl_refreshable(version):
+        if self._conn.can_refresh_directory_ttl():
             self.create_path_if_not_exists(run_dir, ttl=CONST_RUNID_SUBROOT_TTL)
             self.setup_lease_renewal(run_dir, ttl=CONST_RUNID_SUBROOT_TTL)
             return
@@ -341,7 +332,7 @@ class EtcdRendezvous:
             logger.info(
                 "etcd %s cannot refresh directory TTLs; created %s without a TTL "
                 "(delete it once the job is over)",
-                version,
+                self._conn.server_version(),
                 run_dir,
             )
             return
@@ -352,7 +343,7 @@ class EtcdRendezvous:
                 "this etcd (%s) cannot refresh it: the run's rendezvous state and store "
                 "will be deleted in %d s, when the TTL expires",
                 run_dir,
-                version,
+                self._conn.server_version(),
                 existing.ttl,
             )
 
@@ -380,7 +371,7 @@ class EtcdRendezvous:
             self._conn.close()
 
     @property
-    def connection(self) -> EtcdConnection:
+    def connection(self) -> Transport:
         """The etcd connection this rendezvous uses."""
         return self._conn
 

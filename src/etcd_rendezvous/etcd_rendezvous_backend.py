@@ -47,6 +47,7 @@ from ._client import (
 )
 from ._params import create_etcd_connection
 from ._retry import Backoff, Deadline
+from ._transport import Transport
 from .api import RendezvousParameters, RendezvousStateError
 from .dynamic_rendezvous import RendezvousBackend, Token
 from .etcd_store import EtcdStore
@@ -125,7 +126,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return self._ttl
 
     @property
-    def connection(self) -> EtcdConnection:
+    def connection(self) -> Transport:
         """The connection the backend sends its requests through."""
         return self._conn
 

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
 from ._retry import Backoff, Deadline
+from ._transport import Transport
 from .api import RendezvousStateError
 
 if TYPE_CHECKING:
@@ -126,7 +127,7 @@ class EtcdStore:
     # -- configuration -----------------------------------------------------------------
 
     @property
-    def connection(self) -> EtcdConnection:
+    def connection(self) -> Transport:
         """The connection the store sends its requests through."""
         return self._conn
 

@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ._client import EtcdConnection
+from ._transport import Transport
 from .etcd_store import EtcdStore, KeyLike
 
 __all__ = ["StoreTimeoutError", "TorchEtcdStore"]
@@ -85,7 +85,7 @@ class TorchEtcdStore(dist.Store):  # type: ignore[misc]  # torch is not type-che
         return self._store.prefix
 
     @property
-    def connection(self) -> EtcdConnection:
+    def connection(self) -> Transport:
         """The etcd connection (:attr:`EtcdStore.connection`)."""
         return self._store.connection
 

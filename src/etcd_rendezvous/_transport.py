@@ -1,0 +1,500 @@
+"""The transport interface: what the rendezvous backends and the store need from etcd.
+
+Two implementations speak it: :class:`~etcd_rendezvous._client.EtcdConnection` over
+etcd's v2 API (through python-etcd) and :class:`~etcd_rendezvous._v3.EtcdV3Connection`
+over the v3 API's JSON gateway. :func:`~etcd_rendezvous._connect.open_transport` chooses
+one. Everything above this interface is written in v2's vocabulary, which maps onto v3
+as follows:
+
+========================  ==============================  =================================
+v2                        v3                              :class:`Node` field
+========================  ==============================  =================================
+etcd index                store revision                  ``etcd_index``
+``modifiedIndex``         ``mod_revision``                ``modified_index``
+``createdIndex``          ``create_revision``             ``created_index``
+key with a TTL            key attached to a lease         ``ttl`` (v2 only; see
+                                                          :meth:`Transport.time_to_live`)
+directory                 key prefix (plus a marker key)  ``is_dir``, ``children``
+watch ``waitIndex=N``     watch ``start_revision=N``
+========================  ==============================  =================================
+
+This module also holds what both implementations share: the condition errors, the
+classification of failures into "never sent" and "outcome unknown", the retry loop with
+its deadline, and the resolution of a conditional write whose answer was lost.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Callable, TypeVar
+
+from ._retry import Backoff, Deadline
+from .api import RendezvousConnectionError, RendezvousError
+
+__all__ = [
+    "CompareFailedError",
+    "KeyExistsError",
+    "KeyNotFoundError",
+    "Node",
+    "OperationRefusedError",
+    "Transport",
+]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+DEFAULT_READ_TIMEOUT = 60.0
+DEFAULT_CONNECT_TIMEOUT = 5.0
+
+#: The etcd APIs a transport can speak, and the ``etcd_api`` option's values.
+ETCD_APIS = ("auto", "v2", "v3")
+
+
+class _ConditionError(Exception):
+    """A request was refused because of the state of a key (not a failure)."""
+
+    def __init__(self, key: str, etcd_index: int | None) -> None:
+        super().__init__(key)
+        self.key = key
+        #: The store index (revision) at the time of the refusal, when etcd reported it.
+        self.etcd_index = etcd_index
+
+
+class KeyNotFoundError(_ConditionError):
+    """The key does not exist."""
+
+
+class KeyExistsError(_ConditionError):
+    """A create found the key already there."""
+
+
+class CompareFailedError(_ConditionError):
+    """A compare-and-swap or compare-and-delete found a different value or index."""
+
+
+class OperationRefusedError(RendezvousError):
+    """etcd permanently refused an operation (for example, changing a directory's TTL
+    on etcd 3.5, which answers "Not a file")."""
+
+
+class _AmbiguousError(Exception):
+    """A request was sent but its outcome is unknown (lost answer, election timeout)."""
+
+
+class _UnsentError(Exception):
+    """A request never reached the server (or was refused before being processed)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One key as returned by a read, write or watch (in v2's vocabulary)."""
+
+    key: str
+    value: str | None
+    modified_index: int
+    created_index: int
+    #: The store index (revision) when the answer was served.
+    etcd_index: int
+    #: Remaining TTL in seconds where v2 reports it; ``None`` otherwise.
+    ttl: int | None
+    is_dir: bool
+    #: Immediate children, for directory reads (empty otherwise).
+    children: tuple[Node, ...]
+    #: What produced this node: ``get``, ``set``, ``create``, ``compareAndSwap``,
+    #: ``expire``, ``delete`` ... (v2's action names; v3 watch events give ``create``,
+    #: ``set`` or ``delete``).
+    action: str
+    #: The v3 lease the key is attached to (0: none, and always 0 on v2).
+    lease: int = 0
+
+
+class Transport(abc.ABC):
+    """A connection to an etcd cluster over one or more endpoints.
+
+    Every operation retries failures that are worth retrying (unreachable endpoint,
+    leader election, a lost answer) on the same or the next endpoint until its deadline:
+    the innermost :meth:`bounded_by` deadline of the calling thread, or else
+    ``read_timeout`` seconds. ``read_timeout`` also bounds each single request. A
+    transport is closed by its owner with :meth:`close` (or by using it as a context
+    manager).
+    """
+
+    #: ``"v2"`` or ``"v3"``: the etcd API this transport speaks.
+    api: str = ""
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        read_timeout: float,
+        connect_timeout: float,
+        sleep: Callable[[float], None],
+    ) -> None:
+        if not endpoints:
+            raise ValueError("endpoints: at least one etcd endpoint is required.")
+        if read_timeout <= 0:
+            raise ValueError(f"read_timeout: must be positive, got {read_timeout!r}.")
+        if connect_timeout <= 0:
+            raise ValueError(f"connect_timeout: must be positive, got {connect_timeout!r}.")
+        self._endpoints = list(endpoints)
+        self._read_timeout = float(read_timeout)
+        self._connect_timeout = float(connect_timeout)
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._current = 0
+        self._last_index = 0
+        self._closed = False
+        self._scope = threading.local()
+
+    # -- properties and lifetime --------------------------------------------------
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The endpoint URLs, in configuration order."""
+        return list(self._endpoints)
+
+    @property
+    def read_timeout(self) -> float:
+        """Per-request read timeout, and the retry budget outside :meth:`bounded_by`."""
+        return self._read_timeout
+
+    @property
+    def connect_timeout(self) -> float:
+        """Timeout for connecting to one endpoint, in seconds."""
+        return self._connect_timeout
+
+    @property
+    def last_index(self) -> int:
+        """The highest store index (revision) seen so far on this connection."""
+        return self._last_index
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Release pooled connections. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._release()
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Release the implementation's network resources (called once)."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(endpoints={self._endpoints!r})"
+
+    @contextlib.contextmanager
+    def bounded_by(self, deadline: Deadline) -> Iterator[None]:
+        """Bound every operation this thread starts inside the block by ``deadline``.
+
+        Blocks nest; the earliest deadline wins. Used by the handlers so that an etcd
+        call made on behalf of ``next_rendezvous()`` (or a store call) never outlives
+        the caller's timeout, whatever ``read_timeout`` says.
+        """
+        outer: Deadline | None = getattr(self._scope, "deadline", None)
+        self._scope.deadline = deadline if outer is None else outer.earlier(deadline)
+        try:
+            yield
+        finally:
+            self._scope.deadline = outer
+
+    def _budget(self, budget: Deadline | None = None) -> Deadline:
+        """The deadline of one operation: its own budget, capped by the thread's scope."""
+        scope: Deadline | None = getattr(self._scope, "deadline", None)
+        own = budget if budget is not None else Deadline(self._read_timeout)
+        return own if scope is None else scope.earlier(own)
+
+    # -- the interface --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def server_version(self) -> str:
+        """The etcd server version (``etcdserver`` field of ``/version``)."""
+
+    @abc.abstractmethod
+    def can_refresh_directory_ttl(self) -> bool:
+        """Whether a directory created with a TTL can have that TTL refreshed."""
+
+    @abc.abstractmethod
+    def get(self, key: str, *, recursive: bool = False) -> Node:
+        """Read ``key`` (a directory with its immediate children, or all if ``recursive``).
+
+        Raises:
+            KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
+        """
+
+    def try_get(self, key: str) -> Node | None:
+        """Like :meth:`get`, but ``None`` for a missing key."""
+        try:
+            return self.get(key)
+        except KeyNotFoundError:
+            return None
+
+    @abc.abstractmethod
+    def watch(
+        self, key: str, index: int, timeout: float, *, recursive: bool = False
+    ) -> Node | None:
+        """Wait for the first change of ``key`` (or below it) at or after ``index``.
+
+        Returns the change, or ``None`` when ``timeout`` passed or etcd no longer holds
+        history that old (callers re-read in both cases).
+
+        Raises:
+            RendezvousConnectionError: etcd stayed unreachable for longer than the
+                operation's retry budget, and ``timeout`` has not passed yet.
+        """
+
+    def first_change_after(self, key: str, index: int) -> Node | None:
+        """The first recorded change of ``key`` after ``index``, if etcd still has it."""
+        return self.watch(key, index + 1, timeout=0.5)
+
+    @abc.abstractmethod
+    def time_to_live(self, node: Node) -> int | None:
+        """Seconds until ``node`` expires, or ``None`` if it has no TTL (or is gone)."""
+
+    @abc.abstractmethod
+    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
+        """Unconditionally write ``key`` (with a TTL, or none)."""
+
+    @abc.abstractmethod
+    def refresh(self, key: str, ttl: int, *, timeout: float | None = None) -> Node:
+        """Reset the TTL of an existing key without changing its value or waking watchers.
+
+        ``timeout`` bounds the time spent retrying failures (default: the read timeout).
+
+        Raises:
+            KeyNotFoundError: the key (or its TTL) is gone.
+        """
+
+    @abc.abstractmethod
+    def mkdir(self, key: str, *, ttl: int | None = None) -> bool:
+        """Create directory ``key`` unless it exists. Returns whether it was created."""
+
+    @abc.abstractmethod
+    def create(
+        self,
+        key: str,
+        value: str,
+        *,
+        ttl: int | None = None,
+        value_is_unique: bool = True,
+    ) -> Node:
+        """Create ``key`` with ``value``; fails with :class:`KeyExistsError` if it exists.
+
+        ``value_is_unique`` says whether no other writer could create the key with the
+        same value; only then can a create whose first attempt failed on the connection
+        recognise the key's presence as its own success.
+        """
+
+    @abc.abstractmethod
+    def compare_and_swap(
+        self,
+        key: str,
+        value: str,
+        prev: Node,
+        *,
+        ttl: int | None = None,
+        value_is_unique: bool = True,
+    ) -> Node:
+        """Replace ``prev`` (as read) with ``value``, only if ``key`` is still ``prev``.
+
+        Compares the modification index (and, on v2, the value too, as PyTorch's
+        workers do). After a failure of unknown outcome, the key's history from
+        ``prev.modified_index`` tells whether the swap was in fact applied.
+
+        Raises:
+            CompareFailedError: the key changed since ``prev`` was read.
+            KeyNotFoundError: the key no longer exists.
+        """
+
+    @abc.abstractmethod
+    def compare_and_delete(self, key: str, prev: Node) -> bool:
+        """Delete ``key`` only if it is still ``prev``. Returns whether it did."""
+
+    @abc.abstractmethod
+    def delete(self, key: str, *, recursive: bool = False) -> bool:
+        """Delete ``key`` (a directory and all below it with ``recursive``).
+
+        Returns whether anything existed.
+        """
+
+    # -- shared machinery -------------------------------------------------------------
+
+    def _note_index(self, node: Node) -> Node:
+        self._last_index = max(self._last_index, node.etcd_index)
+        return node
+
+    def _note_revision(self, revision: int) -> None:
+        self._last_index = max(self._last_index, revision)
+
+    def _pick(self) -> int:
+        with self._lock:
+            return self._current
+
+    def _rotate(self, failed: int) -> None:
+        with self._lock:
+            if self._current == failed and len(self._endpoints) > 1:
+                self._current = (failed + 1) % len(self._endpoints)
+                logger.info(
+                    "etcd endpoint %s failed; switching to %s",
+                    self._endpoints[failed],
+                    self._endpoints[self._current],
+                )
+
+    def _retrying(
+        self,
+        what: str,
+        key: str,
+        attempt: Callable[[float | None], _T],
+        *,
+        on_ambiguous: Callable[[], None] | None = None,
+        budget: Deadline | None = None,
+        cap_requests: bool = True,
+    ) -> _T:
+        """Run ``attempt`` until it succeeds or the operation's deadline passes.
+
+        ``attempt(cap)`` sends one request to the current endpoint with its read
+        timeout capped at ``cap`` seconds (``None``: no cap) and raises
+        :class:`_UnsentError` or :class:`_AmbiguousError` for failures worth retrying.
+        ``on_ambiguous`` is called after a failure of unknown outcome (writes use it to
+        know that a later "compare failed" needs checking). However short the deadline,
+        every endpoint gets one attempt and one more follows the last failure: a hung
+        endpoint cannot hide a healthy one, and a write whose answer was lost is sent
+        once more so that its fate can be found out.
+        """
+        if self._closed:
+            raise RendezvousConnectionError(
+                f"Could not {what} {key!r}: the etcd connection to "
+                f"{', '.join(self._endpoints)} is closed."
+            )
+        deadline = self._budget(budget)
+        backoff = Backoff(initial=0.05, cap=1.0, sleep=self._sleep)
+        floor = min(1.0, self._read_timeout)
+        failures: list[str] = []
+        while True:
+            cap = min(self._read_timeout, max(deadline.remaining(), floor))
+            try:
+                return attempt(cap if cap_requests else None)
+            except _UnsentError as exc:
+                failures.append(str(exc))
+            except _AmbiguousError as exc:
+                failures.append(str(exc))
+                if on_ambiguous is not None:
+                    on_ambiguous()
+            if deadline.expired() and len(failures) > len(self._endpoints):
+                raise RendezvousConnectionError(self._unreachable_message(what, key, failures))
+            logger.debug("Could not %s %r (%s); retrying", what, key, failures[-1])
+            backoff.wait(deadline)
+
+    def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
+        tried = ", ".join(dict.fromkeys(f.split(": ", 1)[0] for f in failures))
+        return (
+            f"Could not {what} {key!r}: etcd unreachable or unavailable at {tried} "
+            f"(last error: {failures[-1]})."
+        )
+
+    def _conditional(
+        self,
+        what: str,
+        key: str,
+        value: str,
+        since: int | None,
+        value_is_unique: bool,
+        send: Callable[[Callable[[], None]], Node],
+    ) -> Node:
+        """Send a conditional write; after a failure of unknown outcome, find out if it
+        applied.
+
+        ``send(note_ambiguous)`` runs the write through :meth:`_retrying`. ``since`` is
+        the modification index the write compared against, or ``None`` for a create
+        (which compared against the key's absence): then the creation of the key's
+        current version is examined.
+        """
+        ambiguous = False
+
+        def note() -> None:
+            nonlocal ambiguous
+            ambiguous = True
+
+        try:
+            return self._note_index(send(note))
+        except (CompareFailedError, KeyExistsError, KeyNotFoundError):
+            if not ambiguous:
+                raise
+            # An earlier attempt may have been applied, making this one fail. The first
+            # change after the state we compared against is decisive: every copy we
+            # sent compared against the same state, so at most one copy can be it.
+            change = self._change_to_examine(key, since)
+            if change is not None and change.value == value and change.action != "expire":
+                if value_is_unique:
+                    logger.info("%s of %s was applied by an earlier attempt", what, key)
+                    return self._note_index(change)
+                logger.warning(
+                    "%s of %s failed on the connection and an identical value is now "
+                    "stored; another writer may have written it, so assuming ours was "
+                    "not applied",
+                    what,
+                    key,
+                )
+            raise
+
+    def _change_to_examine(self, key: str, since: int | None) -> Node | None:
+        if since is not None:
+            return self.first_change_after(key, since)
+        # A create: look at how the key's current version came to be.
+        current = self.try_get(key)
+        if current is None:
+            return None
+        change = self.first_change_after(key, current.created_index - 1)
+        if change is None and current.created_index == current.modified_index:
+            # etcd no longer holds that history, but the key was not changed since.
+            return current
+        return change
+
+
+def format_host(host: str) -> str:
+    """``host`` as it goes into a URL (IPv6 addresses in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def check_tls_options(protocol: str, cert: str | None, key: str | None) -> None:
+    """Validate the protocol and client-certificate options shared by both transports."""
+    if protocol not in ("http", "https"):
+        raise ValueError(f"protocol: must be 'http' or 'https', got {protocol!r}.")
+    if key is not None and cert is None:
+        raise ValueError("key: a client key needs a client certificate ('cert').")
+
+
+def check_credentials(username: str | None, password: str | None) -> None:
+    """Validate that ``username`` and ``password`` come together."""
+    if (username is None) != (password is None):
+        raise ValueError("username/password: give both or neither.")
+
+
+def ttl_seconds(value: Any, what: str) -> int:
+    """A TTL as a positive whole number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what}: a TTL must be a positive whole number of seconds.")
+    return value
