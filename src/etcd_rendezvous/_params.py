@@ -10,7 +10,8 @@ import logging
 import math
 import os
 
-from ._client import EtcdConnection
+from ._connect import check_etcd_api, open_transport
+from ._transport import Transport
 from .api import RendezvousParameters
 from .utils import parse_rendezvous_endpoints
 
@@ -61,18 +62,22 @@ def create_etcd_connection(
     cert_option: str = "cert",
     key_option: str = "key",
     cacert_option: str = "cacert",
-) -> EtcdConnection:
-    """Open the etcd connection described by ``params``.
+) -> Transport:
+    """Open the etcd connection described by ``params``, over the API it chooses.
 
     ``params.endpoint`` may list several endpoints, comma-separated. The options read
-    are ``protocol``, ``username``, ``password``, ``read_timeout``, ``connect_timeout``
+    are ``etcd_api`` (``auto``, ``v2`` or ``v3``; see :mod:`etcd_rendezvous._connect`),
+    ``protocol``, ``username``, ``password``, ``read_timeout``, ``connect_timeout``
     and the TLS files, whose option names differ between backends (``cert``/``key``/
     ``cacert`` for ``etcd``, ``ssl_cert``/``ssl_cert_key``/``ca_cert`` for ``etcd-v2``)
     and are given by the ``*_option`` arguments.
 
     Raises:
         ValueError: an option or the endpoint list is invalid; the message names it.
+        RendezvousConnectionError: etcd cannot be reached, or does not serve the API
+            ``etcd_api`` insists on.
     """
+    etcd_api = check_etcd_api(params.get("etcd_api", "auto"))
     endpoints = parse_rendezvous_endpoints(params.endpoint, DEFAULT_PORT)
     protocol = str(params.get("protocol") or "http").strip().lower()
     if protocol not in ("http", "https"):
@@ -93,8 +98,9 @@ def create_etcd_connection(
         raise ValueError(f"{missing}: username and password must be given together.")
     read_timeout = seconds(params, "read_timeout", 60.0)
     connect_timeout = seconds(params, "connect_timeout", 5.0)
-    return EtcdConnection(
+    return open_transport(
         endpoints,
+        etcd_api=etcd_api,
         protocol=protocol,
         cert=cert,
         key=key,

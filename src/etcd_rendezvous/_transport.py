@@ -403,6 +403,10 @@ class Transport(abc.ABC):
                 failures.append(str(exc))
                 if on_ambiguous is not None:
                     on_ambiguous()
+            if self._closed:
+                raise RendezvousConnectionError(
+                    f"Could not {what} {key!r}: the etcd connection was closed."
+                )
             if deadline.expired() and len(failures) > len(self._endpoints):
                 raise RendezvousConnectionError(self._unreachable_message(what, key, failures))
             logger.debug("Could not %s %r (%s); retrying", what, key, failures[-1])

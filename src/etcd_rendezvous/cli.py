@@ -37,8 +37,9 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol, TextIO
 
 from . import __version__
-from ._client import EtcdConnection, KeyNotFoundError, Node
+from ._client import KeyNotFoundError, Node
 from ._params import create_etcd_connection
+from ._transport import Transport
 from .api import (
     RendezvousConnectionError,
     RendezvousError,
@@ -655,7 +656,7 @@ def _run_dir_key(prefix: str, run_id: str) -> str:
     return f"{_normalize_key(prefix).rstrip('/')}/run_{run_id}"
 
 
-def _open_connection(args: argparse.Namespace) -> EtcdConnection:
+def _open_connection(args: argparse.Namespace) -> Transport:
     """The etcd connection described by the command's connection options."""
     if not args.run_id or "/" in args.run_id:
         raise _UsageError(f"--run-id must be a non-empty string without '/', got {args.run_id!r}")

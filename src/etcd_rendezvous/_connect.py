@@ -1,0 +1,128 @@
+"""Choosing the etcd API: the one place that decides between the v2 and v3 transports.
+
+``etcd_api`` is ``auto`` (the default), ``v2`` or ``v3``:
+
+* ``auto`` asks the server once, when the connection is opened: v2 where the server
+  serves the v2 API (etcd 3.4/3.5 started with ``--enable-v2``), so a fleet mixing
+  PyTorch's workers and ours keeps meeting on the same keys; v3 where it does not
+  (etcd 3.6, or 3.4/3.5 without ``--enable-v2``). The choice is logged.
+* ``v2`` / ``v3`` insist, and fail at once with an error naming the option and the
+  server's version if the server does not serve that API.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ._client import EtcdConnection
+from ._retry import Deadline
+from ._transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, ETCD_APIS, Transport
+from ._v3 import EtcdV3Connection
+from .api import RendezvousConnectionError
+
+__all__ = ["ETCD_APIS", "as_transport", "check_etcd_api", "open_transport"]
+
+logger = logging.getLogger(__name__)
+
+Endpoint = tuple[str, int]
+
+
+def check_etcd_api(value: Any, option: str = "etcd_api") -> str:
+    """``value`` as one of ``auto``, ``v2``, ``v3``.
+
+    Raises:
+        ValueError: anything else; the message names ``option``.
+    """
+    text = str(value).strip().lower() if value is not None else "auto"
+    if text not in ETCD_APIS:
+        raise ValueError(f"{option}: must be one of auto, v2, v3; got {value!r}.")
+    return text
+
+
+def open_transport(
+    endpoints: Sequence[Endpoint],
+    *,
+    etcd_api: str = "auto",
+    protocol: str = "http",
+    cert: str | None = None,
+    key: str | None = None,
+    cacert: str | None = None,
+    username: str | None = None,
+    password: str | None = None,
+    read_timeout: float = DEFAULT_READ_TIMEOUT,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    deadline: Deadline | None = None,
+) -> Transport:
+    """Open a connection to the etcd cluster at ``endpoints`` over the chosen API.
+
+    The server is asked which APIs it serves (one ``GET /version`` and one
+    ``GET /v2/keys/``) within ``deadline`` (default: ``connect_timeout`` plus one
+    attempt per endpoint). The caller owns the returned transport and closes it.
+
+    Raises:
+        ValueError: an option is invalid; the message names it.
+        RendezvousConnectionError: no endpoint answered, or the server does not serve
+            the API that ``etcd_api`` insists on.
+    """
+    api = check_etcd_api(etcd_api)
+    options: dict[str, Any] = {
+        "protocol": protocol,
+        "cert": cert,
+        "key": key,
+        "cacert": cacert,
+        "username": username,
+        "password": password,
+        "read_timeout": read_timeout,
+        "connect_timeout": connect_timeout,
+    }
+    probe = EtcdV3Connection(endpoints, **options)
+    try:
+        budget = deadline if deadline is not None else Deadline(connect_timeout)
+        version, serves_v2 = probe.probe(budget)
+        _check_served(probe, api, version, serves_v2, budget)
+        chosen = api if api != "auto" else "v2" if serves_v2 else "v3"
+    except BaseException:
+        probe.close()
+        raise
+    logger.info(
+        "etcd %s at %s: using the %s API%s",
+        version,
+        ", ".join(probe.endpoints),
+        chosen,
+        " (etcd_api=auto)" if api == "auto" else "",
+    )
+    if chosen == "v3":
+        return probe
+    probe.close()
+    return EtcdConnection(endpoints, **options)
+
+
+def _check_served(
+    probe: EtcdV3Connection, api: str, version: str, serves_v2: bool, budget: Deadline
+) -> None:
+    """Refuse an ``etcd_api`` the server does not serve, naming the option and version."""
+    endpoint = ", ".join(probe.endpoints)
+    if api == "v2" and not serves_v2:
+        raise RendezvousConnectionError(
+            f"etcd_api=v2, but etcd {version} at {endpoint} does not serve the v2 API "
+            "(etcd 3.6 removed it; 3.4/3.5 serve it only with --enable-v2). Use "
+            "etcd_api=v3 or auto."
+        )
+    if api == "v3" and not probe.gateway_available(budget):
+        raise RendezvousConnectionError(
+            f"etcd_api=v3, but etcd {version} at {endpoint} does not serve the v3 API's "
+            "JSON gateway (etcd 3.4 or later does, unless started with "
+            "--enable-grpc-gateway=false). Use etcd_api=v2 or auto."
+        )
+
+
+def as_transport(client: Any, *, param: str = "etcd_client") -> Transport:
+    """``client`` as a transport: a :class:`Transport` as it is, a python-etcd
+    ``etcd.Client`` as a hardened v2 connection with the same endpoints and credentials.
+
+    Raises:
+        TypeError: ``client`` is neither; the message names ``param``.
+    """
+    return EtcdConnection.from_client(client, param=param)

@@ -1,0 +1,837 @@
+"""The v3 transport: etcd's v3 API as JSON over HTTP (the gRPC gateway), with urllib3.
+
+:class:`EtcdV3Connection` implements :class:`~etcd_rendezvous._transport.Transport` with
+the same contract as the v2 :class:`~etcd_rendezvous._client.EtcdConnection`, so the
+backends and the store run unchanged on etcd 3.6, which has no v2 API. How v2's notions
+map onto v3:
+
+* **index -> revision.** ``modified_index``/``created_index`` are a key's
+  ``mod_revision``/``create_revision``; ``etcd_index`` is the store revision of the
+  answer. A compare-and-swap compares the ``mod_revision`` it read.
+* **TTL -> lease.** A write with a TTL first grants a lease and attaches the key to it;
+  refreshing the TTL is a lease keep-alive; a lease that is gone reads as a key that
+  expired. Leases of TTLs under a minute ("is this worker alive?") are one per write;
+  longer ones (clean-up after a job) are shared by the writes of one connection for a
+  tenth of their TTL, so frequent writes do not grant a lease each.
+* **directory -> prefix.** Keys below ``d`` are ``d/...``. :meth:`~EtcdV3Connection.mkdir`
+  writes an empty marker key ``d`` (create-if-absent, which the legacy backend relies
+  on). A directory made with a TTL holds a lease that every key written below it
+  through this connection is attached to, so the whole run disappears when its lease
+  lapses, as a v2 directory with a TTL does -- and, unlike on etcd 3.5's v2 API, that
+  lease can be refreshed.
+* **watch -> streaming watch** from ``start_revision`` (one HTTP stream per wait, closed
+  after the first event); a compacted start revision reads as "no change seen" and the
+  caller re-reads, as after v2's "event index cleared".
+
+Failures are classified as on v2: a request that never reached a member is sent again
+anywhere; one whose outcome is unknown (lost answer, "request timed out" or "leader
+changed" during an election) is retried and, for conditional writes, resolved from the
+key's history. An expired auth token is renewed and the request sent once more.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Callable
+
+import urllib3
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    HTTPError,
+    NewConnectionError,
+    SSLError,
+)
+
+from . import _v3_http as wire
+from ._retry import Deadline
+from ._transport import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
+    CompareFailedError,
+    KeyExistsError,
+    KeyNotFoundError,
+    Node,
+    OperationRefusedError,
+    Transport,
+    _AmbiguousError,
+    _UnsentError,
+    check_credentials,
+    check_tls_options,
+    format_host,
+)
+from .api import RendezvousConnectionError
+
+__all__ = ["EtcdV3Connection"]
+
+logger = logging.getLogger(__name__)
+
+Endpoint = tuple[str, int]
+
+#: TTLs at least this long only serve to clean up after a job: their leases are shared.
+_SHARED_LEASE_MIN_TTL = 60
+#: A shared lease is reused while at least this fraction of its TTL remains.
+_SHARED_LEASE_FRESHNESS = 0.9
+
+
+class _ReauthError(Exception):
+    """The request was refused for want of a valid auth token."""
+
+
+class _LeaseGoneError(Exception):
+    """The lease named in a write does not exist any more."""
+
+
+class _CompactedError(Exception):
+    """A watch's start revision was compacted."""
+
+
+class EtcdV3Connection(Transport):
+    """A connection to an etcd cluster over the v3 API's JSON gateway.
+
+    Args:
+        endpoints: ``(host, port)`` pairs, tried in order and round-robin on failure.
+        protocol: ``"http"`` or ``"https"``.
+        cert: client certificate file (with ``key``, or a combined PEM file).
+        key: private key of ``cert``.
+        cacert: CA bundle used to verify the server.
+        username: etcd user (needs ``password``); authenticated through
+            ``/v3/auth/authenticate``, and again whenever the token expires.
+        password: password for ``username``.
+        read_timeout: seconds one request may wait for an answer, and the retry budget
+            of an operation outside :meth:`~etcd_rendezvous._transport.Transport.bounded_by`.
+        connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
+    """
+
+    api = "v3"
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        *,
+        protocol: str = "http",
+        cert: str | None = None,
+        key: str | None = None,
+        cacert: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        check_tls_options(protocol, cert, key)
+        check_credentials(username, password)
+        super().__init__(
+            [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints],
+            read_timeout=read_timeout,
+            connect_timeout=connect_timeout,
+            sleep=sleep,
+        )
+        self._protocol = protocol
+        pool_kw: dict[str, Any] = {"retries": False, "maxsize": 8}
+        if protocol == "https":
+            pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=cacert)
+            if cert:
+                pool_kw.update(cert_file=cert, key_file=key)
+        self._pool = urllib3.PoolManager(num_pools=max(4, len(endpoints)), **pool_kw)
+        self._username = username
+        self._password = password
+        self._token: str | None = None
+        self._auth_lock = threading.Lock()
+        self._version: str | None = None
+        # Leases this connection attached keys to: key -> lease, directory -> lease,
+        # and the shared clean-up leases: ttl -> (lease, monotonic time of the grant).
+        self._key_leases: dict[str, int] = {}
+        self._dir_leases: dict[str, int] = {}
+        self._shared_leases: dict[int, tuple[int, float]] = {}
+        self._lease_lock = threading.Lock()
+        self._streams: set[Any] = set()
+
+    def _release(self) -> None:
+        from ._v3_watch import shutdown_stream  # noqa: PLC0415
+
+        with self._lease_lock:
+            streams = list(self._streams)
+        for response in streams:
+            shutdown_stream(response)
+        self._pool.clear()
+
+    def _track_stream(self, response: Any, active: bool) -> None:
+        """Remember the watch streams in progress, so that :meth:`close` can end them."""
+        with self._lease_lock:
+            if active:
+                self._streams.add(response)
+            else:
+                self._streams.discard(response)
+        if active and self._closed:
+            from ._v3_watch import shutdown_stream  # noqa: PLC0415
+
+            shutdown_stream(response)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        token = self._token
+        if token is not None:
+            headers["Authorization"] = token
+        return headers
+
+    def _ensure_token(self, idx: int, renew: bool) -> None:
+        """Authenticate on endpoint ``idx`` if a user is configured and there is no token
+        yet (or ``renew``)."""
+        if self._username is None:
+            return
+        with self._auth_lock:
+            if renew or self._token is None:
+                self._authenticate(idx, None)
+
+    # -- one request ------------------------------------------------------------------
+
+    def _request(
+        self, idx: int, path: str, body: dict[str, Any] | None, cap: float | None, where: str
+    ) -> dict[str, Any]:
+        """POST ``body`` (GET without one) to ``path`` on endpoint ``idx``; classify failures.
+
+        ``where`` says what the request was for, for error messages ("read '/k'").
+        """
+        endpoint = self._endpoints[idx]
+        read = self._read_timeout if cap is None else cap
+        timeout = urllib3.Timeout(connect=min(self._connect_timeout, read), read=read)
+        headers = self._headers()
+        try:
+            response = self._pool.request(
+                "GET" if body is None else "POST",
+                endpoint + path,
+                body=None if body is None else json.dumps(body).encode(),
+                headers=headers,
+                timeout=timeout,
+                retries=False,
+            )
+        except BaseException as exc:
+            raise self._transport_failure(idx, exc, where) from None
+        if response.status == 200:
+            try:
+                data = json.loads(response.data)
+            except ValueError:
+                data = None
+            if not isinstance(data, dict):
+                raise RendezvousConnectionError(
+                    f"etcd endpoint {endpoint} answered {path} with something other than a "
+                    f"JSON object ({response.data[:100]!r}); is it an etcd v3 gateway?"
+                )
+            return data
+        raise self._server_failure(
+            idx, path, wire.parse_error(response.status, response.data), where
+        )
+
+    def _transport_failure(self, idx: int, exc: BaseException, where: str) -> BaseException:
+        """The library error for a request that failed on the connection."""
+        endpoint = self._endpoints[idx]
+        if not isinstance(exc, (HTTPError, OSError)):
+            return exc
+        self._rotate(idx)
+        if isinstance(exc, (SSLError, ssl.SSLError)):
+            return RendezvousConnectionError(
+                f"TLS connection to etcd endpoint {endpoint} failed while trying to {where}: "
+                f"{exc}. Check protocol, cacert, cert and key."
+            )
+        if isinstance(exc, (NewConnectionError, ConnectTimeoutError, ConnectionRefusedError)):
+            return _UnsentError(f"{endpoint}: {exc}")
+        return _AmbiguousError(f"{endpoint}: {exc}")
+
+    def _server_failure(
+        self, idx: int, path: str, error: wire.GrpcError, where: str
+    ) -> BaseException:
+        """The library error for an error answer of the gateway."""
+        endpoint = self._endpoints[idx]
+        if error.needs_reauth and self._username is not None:
+            return _ReauthError(f"{endpoint}: {error}")
+        if error.transient:
+            # An election or overload: the next member may already serve us.
+            self._rotate(idx)
+            return _AmbiguousError(f"{endpoint}: {error}")
+        if error.lease_not_found:
+            return _LeaseGoneError(f"{endpoint}: {error}")
+        if error.code == 0 and error.http_status == 404:
+            return RendezvousConnectionError(
+                f"etcd endpoint {endpoint} does not serve the v3 API's JSON gateway ({path} "
+                f"answered 404) while trying to {where}. etcd 3.4 or later serves it; use "
+                "etcd_api=v2 for older servers."
+            )
+        if error.code in (wire.PERMISSION_DENIED, wire.UNAUTHENTICATED) or error.needs_reauth:
+            return RendezvousConnectionError(
+                f"etcd endpoint {endpoint} refused to {where}: {error}. Check username, "
+                "password and the user's roles."
+            )
+        return OperationRefusedError(f"etcd endpoint {endpoint} refused to {where}: {error}")
+
+    def _authenticate(self, idx: int, cap: float | None) -> None:
+        """Get a fresh auth token from endpoint ``idx``."""
+        body = {"name": self._username, "password": self._password}
+        where = f"authenticate as {self._username!r}"
+        try:
+            data = self._request(idx, "/v3/auth/authenticate", body, cap, where)
+        except OperationRefusedError as exc:
+            if "not enabled" in str(exc):
+                logger.info("etcd auth is not enabled; sending requests without a token")
+                self._username = None
+                return
+            raise RendezvousConnectionError(
+                f"etcd endpoint {self._endpoints[idx]} refused to authenticate user "
+                f"{self._username!r}: {str(exc).split(': ', 1)[-1]}. Check username and password."
+            ) from None
+        token = data.get("token")
+        if not isinstance(token, str) or not token:
+            raise RendezvousConnectionError(
+                f"etcd endpoint {self._endpoints[idx]} answered authentication without a token."
+            )
+        self._token = token
+
+    def _attempt(
+        self, path: str, body: dict[str, Any] | None, where: str, cap: float | None
+    ) -> Any:
+        """One request to the current endpoint, authenticating first where needed."""
+        idx = self._pick()
+        for renewal in (False, True):
+            self._ensure_token(idx, renewal)
+            try:
+                return self._request(idx, path, body, cap, where)
+            except _ReauthError:
+                if renewal:
+                    raise RendezvousConnectionError(
+                        f"etcd endpoint {self._endpoints[idx]} refused the auth token it had "
+                        f"just issued while trying to {where}."
+                    ) from None
+                logger.info("etcd auth token expired; authenticating again")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _call(
+        self,
+        what: str,
+        key: str,
+        path: str,
+        body: dict[str, Any] | None,
+        *,
+        on_ambiguous: Callable[[], None] | None = None,
+        budget: Deadline | None = None,
+    ) -> dict[str, Any]:
+        """One operation: the request, retried within the deadline."""
+        where = f"{what} {key!r}"
+        data: dict[str, Any] = self._retrying(
+            what,
+            key,
+            lambda cap: self._attempt(path, body, where, cap),
+            on_ambiguous=on_ambiguous,
+            budget=budget,
+        )
+        self._note_revision(_revision(data))
+        return data
+
+    # -- leases -----------------------------------------------------------------------
+
+    def _grant(self, ttl: int, key: str) -> int:
+        if ttl >= _SHARED_LEASE_MIN_TTL:
+            with self._lease_lock:
+                shared = self._shared_leases.get(ttl)
+            fresh_until = ttl * (1 - _SHARED_LEASE_FRESHNESS)
+            if shared is not None and time.monotonic() - shared[1] < fresh_until:
+                return shared[0]
+        data = self._call("grant a lease for", key, "/v3/lease/grant", {"TTL": int(ttl)})
+        lease = int(data.get("ID", 0))
+        if not lease:
+            raise OperationRefusedError(f"etcd granted no lease for {key!r}: {data!r:.200}")
+        if ttl >= _SHARED_LEASE_MIN_TTL:
+            with self._lease_lock:
+                self._shared_leases[ttl] = (lease, time.monotonic())
+        return lease
+
+    def _forget_lease(self, lease: int) -> None:
+        with self._lease_lock:
+            for table in (self._key_leases, self._dir_leases):
+                for name in [k for k, v in table.items() if v == lease]:
+                    del table[name]
+            for ttl in [t for t, (v, _) in self._shared_leases.items() if v == lease]:
+                del self._shared_leases[ttl]
+
+    def _inherited_lease(self, key: str) -> int:
+        """The lease of the closest directory above ``key`` made with a TTL (0: none)."""
+        with self._lease_lock:
+            best, lease = "", 0
+            for directory, dir_lease in self._dir_leases.items():
+                if key.startswith(directory + "/") and len(directory) > len(best):
+                    best, lease = directory, dir_lease
+            return lease
+
+    def _lease_for(self, key: str, ttl: int | None) -> int:
+        return self._grant(ttl, key) if ttl else self._inherited_lease(key)
+
+    def _with_lease(self, key: str, ttl: int | None, write: Callable[[int], Node]) -> Node:
+        """Run ``write(lease)``; if the lease vanished meanwhile, take a fresh one once."""
+        lease = self._lease_for(key, ttl)
+        try:
+            node = write(lease)
+        except _LeaseGoneError:
+            self._forget_lease(lease)
+            if not ttl:
+                logger.warning(
+                    "The lease of the directory above %s is gone (its TTL lapsed or it was "
+                    "deleted); writing the key without it",
+                    key,
+                )
+            node = write(self._lease_for(key, ttl))
+        with self._lease_lock:
+            if ttl:
+                self._key_leases[key] = node.lease
+            else:
+                self._key_leases.pop(key, None)
+        return node
+
+    # -- reads ------------------------------------------------------------------------
+
+    def server_version(self) -> str:
+        """The etcd server version (``etcdserver`` field of ``/version``)."""
+        if self._version is None:
+            data = self._call("query the version of", "/version", "/version", None)
+            self._version = str(data.get("etcdserver", ""))
+        return self._version
+
+    def can_refresh_directory_ttl(self) -> bool:
+        """Always: a directory's TTL is a lease, and leases are kept alive."""
+        return True
+
+    def get(self, key: str, *, recursive: bool = False) -> Node:
+        """Read ``key``: the key itself and, in the same transaction, the keys below it.
+
+        Raises:
+            KeyNotFoundError: neither ``key`` nor any key below it exists.
+        """
+        body = {
+            "success": [
+                {"request_range": {"key": wire.b64(key)}},
+                {
+                    "request_range": {
+                        "key": wire.b64(key + "/"),
+                        "range_end": wire.prefix_end(key + "/"),
+                    }
+                },
+            ]
+        }
+        data = self._call("read", key, "/v3/kv/txn", body)
+        revision = _revision(data)
+        responses = data.get("responses") or []
+        own = _kvs(responses[0]) if responses else []
+        below = _kvs(responses[1]) if len(responses) > 1 else []
+        if not own and not below:
+            raise KeyNotFoundError(key, revision)
+        node = _kv_node(own[0], revision) if own else None
+        if not below:
+            if node is None:  # pragma: no cover - ruled out above
+                raise KeyNotFoundError(key, revision)
+            return node
+        return _directory(key, node, below, revision, recursive)
+
+    def time_to_live(self, node: Node) -> int | None:
+        """Seconds left on ``node``'s lease (``None``: no lease, or the lease is gone)."""
+        if not node.lease:
+            return None
+        data = self._call("read the lease of", node.key, "/v3/lease/timetolive", {"ID": node.lease})
+        ttl = int(data.get("TTL", -1))
+        return ttl if ttl >= 0 else None
+
+    def watch(
+        self, key: str, index: int, timeout: float, *, recursive: bool = False
+    ) -> Node | None:
+        """Wait for the first change of ``key`` (or below it) at or after revision ``index``.
+
+        Returns the change, or ``None`` when ``timeout`` passed or the revision was
+        compacted (callers re-read in both cases).
+        """
+        from ._v3_watch import watch_once  # noqa: PLC0415 (keeps this module's size down)
+
+        deadline = self._budget(Deadline(timeout))
+        request: dict[str, Any] = {"key": wire.b64(key), "start_revision": str(max(index, 1))}
+        if recursive:
+            request["range_end"] = wire.prefix_end(key)
+        body = {"create_request": request}
+        while True:
+            if deadline.expired():
+                return None
+            try:
+                node = self._retrying(
+                    "watch",
+                    key,
+                    lambda _cap: watch_once(self, body, deadline, key),
+                    budget=deadline.earliest(self._read_timeout),
+                    cap_requests=False,
+                )
+            except _CompactedError:
+                return None
+            except RendezvousConnectionError:
+                if deadline.expired():
+                    return None
+                raise
+            if node is None:
+                return None
+            self._note_index(node)
+            return node
+
+    # -- writes -----------------------------------------------------------------------
+
+    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
+        """Write ``key`` (idempotent, so re-sent freely); ``ttl`` attaches a new lease."""
+        text = "" if value is None else value
+
+        def write(lease: int) -> Node:
+            body: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(text)}
+            if lease:
+                body["lease"] = str(lease)
+            data = self._call("write", key, "/v3/kv/put", body)
+            revision = _revision(data)
+            return _written(key, text, revision, revision, "set", lease)
+
+        return self._with_lease(key, ttl, write)
+
+    def refresh(self, key: str, ttl: int, *, timeout: float | None = None) -> Node:
+        """Keep ``key``'s lease alive (its TTL starts again), without waking watchers.
+
+        Raises:
+            KeyNotFoundError: the key is gone, or its lease lapsed.
+        """
+        budget = None if timeout is None else Deadline(timeout)
+        with self._lease_lock:
+            lease = self._key_leases.get(key) or self._dir_leases.get(key, 0)
+        node: Node | None = None
+        if not lease:
+            node = self.get(key)
+            lease = node.lease
+        if not lease:
+            # The key has no TTL: give it one, keeping its value (a v2 refresh would).
+            return self._attach_new_lease(key, ttl, budget)
+        data = self._call(
+            "refresh the TTL of", key, "/v3/lease/keepalive", {"ID": str(lease)}, budget=budget
+        )
+        result = data.get("result", data)
+        if "TTL" not in result or int(result.get("TTL", 0)) <= 0:
+            self._forget_lease(lease)
+            raise KeyNotFoundError(key, _revision(data) or None)
+        if node is not None:
+            return node
+        return _written(key, None, self._last_index, 0, "refresh", lease)
+
+    def _attach_new_lease(self, key: str, ttl: int, budget: Deadline | None) -> Node:
+        lease = self._grant(ttl, key)
+        body = {"key": wire.b64(key), "lease": str(lease), "ignore_value": True}
+        data = self._call("refresh the TTL of", key, "/v3/kv/put", body, budget=budget)
+        with self._lease_lock:
+            self._key_leases[key] = lease
+        revision = _revision(data)
+        return _written(key, None, revision, 0, "refresh", lease)
+
+    def mkdir(self, key: str, *, ttl: int | None = None) -> bool:
+        """Create the marker key of directory ``key`` unless it exists.
+
+        With ``ttl``, the directory gets a lease that every key written below it through
+        this connection shares. If the directory exists, its lease (if any) is adopted.
+        """
+        existing: list[dict[str, Any]] = []
+
+        def write(lease: int) -> Node:
+            body = _create_txn(key, "", lease)
+            data = self._call("create the directory", key, "/v3/kv/txn", body)
+            revision = _revision(data)
+            if not data.get("succeeded"):
+                existing.extend(_kvs((data.get("responses") or [{}])[0]))
+                return _written(key, "", revision, 0, "get", 0)
+            return _written(key, "", revision, revision, "create", lease)
+
+        node = self._with_lease(key, ttl, write)
+        created = node.action == "create"
+        lease = node.lease if created else int(existing[0].get("lease", 0)) if existing else 0
+        with self._lease_lock:
+            self._key_leases.pop(key, None)
+            if lease:
+                self._dir_leases[key] = lease
+        return created
+
+    def create(
+        self,
+        key: str,
+        value: str,
+        *,
+        ttl: int | None = None,
+        value_is_unique: bool = True,
+    ) -> Node:
+        """Create ``key`` with ``value`` (a transaction on ``create_revision == 0``).
+
+        Raises:
+            KeyExistsError: the key exists.
+        """
+
+        def send(note: Callable[[], None]) -> Node:
+            def write(lease: int) -> Node:
+                body = _create_txn(key, value, lease)
+                data = self._call("create", key, "/v3/kv/txn", body, on_ambiguous=note)
+                revision = _revision(data)
+                if not data.get("succeeded"):
+                    raise KeyExistsError(key, revision)
+                return _written(key, value, revision, revision, "create", lease)
+
+            return self._with_lease(key, ttl, write)
+
+        return self._conditional("create", key, value, None, value_is_unique, send)
+
+    def compare_and_swap(
+        self,
+        key: str,
+        value: str,
+        prev: Node,
+        *,
+        ttl: int | None = None,
+        value_is_unique: bool = True,
+    ) -> Node:
+        """Replace ``prev`` with ``value`` if ``key``'s ``mod_revision`` is still ``prev``'s.
+
+        Raises:
+            CompareFailedError: the key changed since ``prev`` was read.
+            KeyNotFoundError: the key no longer exists.
+        """
+        if prev.value is None:
+            raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
+
+        def send(note: Callable[[], None]) -> Node:
+            def write(lease: int) -> Node:
+                put: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(value)}
+                if lease:
+                    put["lease"] = str(lease)
+                body = _guarded_txn(key, prev.modified_index, {"request_put": put})
+                data = self._call("compare-and-swap", key, "/v3/kv/txn", body, on_ambiguous=note)
+                revision = _revision(data)
+                if not data.get("succeeded"):
+                    raise _compare_failure(key, data, revision)
+                return _written(key, value, revision, prev.created_index, "compareAndSwap", lease)
+
+            return self._with_lease(key, ttl, write)
+
+        return self._conditional(
+            "compare-and-swap", key, value, prev.modified_index, value_is_unique, send
+        )
+
+    def compare_and_delete(self, key: str, prev: Node) -> bool:
+        """Delete ``key`` if its ``mod_revision`` is still ``prev``'s. Returns whether it did.
+
+        After a failure of unknown outcome, a delete that is then refused counts as ours
+        if the key's next change after ``prev`` was a deletion (v3 cannot tell whose).
+        """
+        ambiguous = False
+
+        def note() -> None:
+            nonlocal ambiguous
+            ambiguous = True
+
+        delete = {"request_delete_range": {"key": wire.b64(key)}}
+        body = _guarded_txn(key, prev.modified_index, delete)
+        data = self._call("compare-and-delete", key, "/v3/kv/txn", body, on_ambiguous=note)
+        if data.get("succeeded"):
+            return True
+        if ambiguous:
+            change = self.first_change_after(key, prev.modified_index)
+            return change is not None and change.action == "delete"
+        return False
+
+    def delete(self, key: str, *, recursive: bool = False) -> bool:
+        """Delete ``key`` (and every key below it with ``recursive``). Returns whether any
+        existed."""
+        ops: list[dict[str, Any]] = [{"request_delete_range": {"key": wire.b64(key)}}]
+        if recursive:
+            below = {"key": wire.b64(key + "/"), "range_end": wire.prefix_end(key + "/")}
+            ops.append({"request_delete_range": below})
+        data = self._call("delete", key, "/v3/kv/txn", {"success": ops})
+        with self._lease_lock:
+            for table in (self._key_leases, self._dir_leases):
+                for name in [k for k in table if k == key or k.startswith(key + "/")]:
+                    del table[name]
+        deleted = sum(
+            int(response.get("response_delete_range", {}).get("deleted", 0))
+            for response in data.get("responses") or []
+        )
+        return deleted > 0
+
+    # -- discovery --------------------------------------------------------------------
+
+    def probe(self, budget: Deadline) -> tuple[str, bool]:
+        """The server's version, and whether it serves the v2 API (``GET /v2/keys``).
+
+        Raises:
+            RendezvousConnectionError: no endpoint answered before ``budget`` passed.
+        """
+        version = self._retrying(
+            "query the version of",
+            "/version",
+            lambda cap: self._request(self._pick(), "/version", None, cap, "query the version"),
+            budget=budget,
+        )
+        self._version = str(version.get("etcdserver", ""))
+        idx = self._pick()
+        try:
+            response = self._pool.request(
+                "GET",
+                self._endpoints[idx] + "/v2/keys/",
+                timeout=urllib3.Timeout(
+                    connect=self._connect_timeout, read=max(budget.remaining(), 1.0)
+                ),
+                retries=False,
+            )
+        except (HTTPError, OSError) as exc:
+            raise RendezvousConnectionError(
+                f"etcd endpoint {self._endpoints[idx]} did not answer GET /v2/keys/: {exc}"
+            ) from None
+        # 404 "page not found": no v2 API. 200, or 401 with auth enabled: v2 is served.
+        return self._version, response.status != 404
+
+    def gateway_available(self, budget: Deadline) -> bool:
+        """Whether the current endpoint serves the v3 JSON gateway."""
+        try:
+            self._retrying(
+                "query the status of",
+                "/v3/maintenance/status",
+                lambda cap: self._attempt("/v3/maintenance/status", {}, "query the status", cap),
+                budget=budget,
+            )
+        except RendezvousConnectionError as exc:
+            if "JSON gateway" in str(exc):
+                return False
+            raise
+        return True
+
+
+# -- building requests and reading answers ----------------------------------------------
+
+
+def _create_txn(key: str, value: str, lease: int) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    return {
+        "compare": [
+            {"target": "CREATE", "result": "EQUAL", "key": wire.b64(key), "create_revision": "0"}
+        ],
+        "success": [{"request_put": put}],
+        "failure": [{"request_range": {"key": wire.b64(key)}}],
+    }
+
+
+def _guarded_txn(key: str, mod_revision: int, op: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "compare": [
+            {
+                "target": "MOD",
+                "result": "EQUAL",
+                "key": wire.b64(key),
+                "mod_revision": str(mod_revision),
+            }
+        ],
+        "success": [op],
+        "failure": [{"request_range": {"key": wire.b64(key)}}],
+    }
+
+
+def _compare_failure(key: str, data: dict[str, Any], revision: int) -> Exception:
+    current = _kvs((data.get("responses") or [{}])[0])
+    if not current:
+        return KeyNotFoundError(key, revision)
+    return CompareFailedError(key, revision)
+
+
+def _revision(data: dict[str, Any]) -> int:
+    header = data.get("header")
+    if not isinstance(header, dict):
+        result = data.get("result")
+        header = result.get("header") if isinstance(result, dict) else None
+    return int(header.get("revision", 0)) if isinstance(header, dict) else 0
+
+
+def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
+    kvs = response.get("response_range", response).get("kvs")
+    return kvs if isinstance(kvs, list) else []
+
+
+def _kv_node(kv: dict[str, Any], revision: int, action: str = "get") -> Node:
+    return Node(
+        key=wire.unb64(kv.get("key")),
+        value=wire.unb64(kv.get("value")),
+        modified_index=int(kv.get("mod_revision", 0)),
+        created_index=int(kv.get("create_revision", 0)),
+        etcd_index=revision,
+        ttl=None,
+        is_dir=False,
+        children=(),
+        action=action,
+        lease=int(kv.get("lease", 0)),
+    )
+
+
+def _written(
+    key: str, value: str | None, revision: int, created: int, action: str, lease: int
+) -> Node:
+    return Node(
+        key=key,
+        value=value,
+        modified_index=revision,
+        created_index=created,
+        etcd_index=revision,
+        ttl=None,
+        is_dir=False,
+        children=(),
+        action=action,
+        lease=lease,
+    )
+
+
+def _directory(
+    key: str, marker: Node | None, below: list[dict[str, Any]], revision: int, recursive: bool
+) -> Node:
+    """Directory ``key`` as v2 shows it, from the keys below it (and its marker, if any)."""
+    # name -> Node (a value) or dict (a directory); a directory wins over its marker.
+    root: dict[str, Any] = {}
+    for kv in below:
+        node = _kv_node(kv, revision)
+        parts = node.key[len(key) + 1 :].split("/")
+        level = root
+        for part in parts[:-1]:
+            entry = level.get(part)
+            if not isinstance(entry, dict):
+                entry = level[part] = {}
+            level = entry
+        if not isinstance(level.get(parts[-1]), dict):
+            level[parts[-1]] = node
+
+    def build(path: str, tree: dict[str, Any], depth: int) -> tuple[Node, ...]:
+        children: list[Node] = []
+        for name, entry in sorted(tree.items()):
+            child_key = f"{path}/{name}"
+            if isinstance(entry, Node):
+                children.append(entry)
+                continue
+            grandchildren = build(child_key, entry, depth + 1) if recursive else ()
+            children.append(_dir_node(child_key, None, grandchildren, revision))
+        return tuple(children)
+
+    return _dir_node(key, marker, build(key, root, 0), revision)
+
+
+def _dir_node(key: str, marker: Node | None, children: tuple[Node, ...], revision: int) -> Node:
+    return Node(
+        key=key,
+        value=None,
+        modified_index=marker.modified_index if marker else 0,
+        created_index=marker.created_index if marker else 0,
+        etcd_index=revision,
+        ttl=None,
+        is_dir=True,
+        children=children,
+        action="get",
+        lease=marker.lease if marker else 0,
+    )

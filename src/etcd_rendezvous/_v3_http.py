@@ -1,0 +1,189 @@
+"""The wire level of the v3 transport: JSON over HTTP to etcd's gRPC gateway.
+
+What etcd's gateway does that this module absorbs (see ``docs/etcd-v3.rst``):
+
+* keys and values are base64; int64 fields arrive as JSON strings; fields holding their
+  default value are omitted (a failed txn has no ``succeeded``, an empty range no
+  ``kvs``, a PUT watch event no ``type``);
+* errors come as ``{"error", "message", "code"}`` (3.4, 3.5) or ``{"code", "message",
+  "details"}`` (3.6), with an HTTP status that follows the gRPC code, and inside a watch
+  stream as ``{"error": {"grpc_code", "http_code", "message"}}``;
+* a watch answers with a chunked stream of JSON objects, where a chunk may hold several
+  objects or part of one.
+
+Nothing here retries or knows about keys' meaning; :mod:`etcd_rendezvous._v3` does.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "GrpcError",
+    "b64",
+    "iter_objects",
+    "parse_error",
+    "prefix_end",
+    "unb64",
+]
+
+# gRPC status codes the transport acts on.
+INVALID_ARGUMENT = 3
+DEADLINE_EXCEEDED = 4
+NOT_FOUND = 5
+PERMISSION_DENIED = 7
+RESOURCE_EXHAUSTED = 8
+FAILED_PRECONDITION = 9
+OUT_OF_RANGE = 11
+UNAVAILABLE = 14
+UNAUTHENTICATED = 16
+
+#: Codes of failures worth retrying (elections, overload, a proposal that timed out):
+#: the request may or may not have been applied.
+TRANSIENT_CODES = frozenset({DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNAVAILABLE})
+
+#: Messages that mean "authenticate again", whatever the code (etcd's
+#: ``ErrInvalidAuthToken``, ``ErrUserEmpty``, ``ErrAuthOldRevision``).
+_REAUTH_MESSAGES = ("invalid auth token", "user name is empty", "auth revision is old")
+#: Messages of transient failures, for answers without a usable code.
+_TRANSIENT_MESSAGES = (
+    "request timed out",
+    "leader changed",
+    "no leader",
+    "not leader",
+    "too many requests",
+    "server is unavailable",
+)
+
+
+@dataclass(frozen=True)
+class GrpcError:
+    """An error answer of the gateway, in either of its shapes."""
+
+    #: The gRPC status code (0 when the answer had none).
+    code: int
+    message: str
+    #: The HTTP status of the answer (0 inside a watch stream when not reported).
+    http_status: int
+
+    @property
+    def needs_reauth(self) -> bool:
+        """The auth token is missing, expired or stale: authenticate again and retry."""
+        lowered = self.message.lower()
+        return self.code == UNAUTHENTICATED or any(m in lowered for m in _REAUTH_MESSAGES)
+
+    @property
+    def transient(self) -> bool:
+        """A failure worth retrying, of unknown outcome."""
+        if self.code in TRANSIENT_CODES:
+            return True
+        lowered = self.message.lower()
+        if any(m in lowered for m in _TRANSIENT_MESSAGES):
+            return True
+        return self.code == 0 and self.http_status >= 500
+
+    @property
+    def lease_not_found(self) -> bool:
+        """The lease named in the request does not exist (expired or revoked)."""
+        return self.code == NOT_FOUND and "lease" in self.message.lower()
+
+    def __str__(self) -> str:
+        return f"{self.message} (gRPC code {self.code}, HTTP {self.http_status})"
+
+
+def parse_error(status: int, body: bytes) -> GrpcError:
+    """Read an error answer of either shape; a body that is not JSON is kept as text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        text = body.decode("utf-8", errors="replace").strip()
+        return GrpcError(0, text[:300] or f"HTTP {status}", status)
+    return _error_from_dict(data, status)
+
+
+def stream_error(message: dict[str, Any]) -> GrpcError | None:
+    """The error carried by one watch-stream object, if it is one."""
+    error = message.get("error")
+    if not isinstance(error, dict):
+        return None
+    status = _int(error.get("http_code"))
+    code = _int(error.get("grpc_code", error.get("code")))
+    return GrpcError(code, str(error.get("message") or error.get("error") or ""), status)
+
+
+def _error_from_dict(data: dict[str, Any], status: int) -> GrpcError:
+    code = _int(data.get("code"))
+    message = data.get("message") or data.get("error") or ""
+    return GrpcError(code, str(message), status)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def b64(text: str) -> str:
+    """``text`` (UTF-8) in base64, as the gateway wants keys and values."""
+    return base64.b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def unb64(data: str | None) -> str:
+    """The text behind a base64 field (``""`` for an omitted one)."""
+    if not data:
+        return ""
+    return base64.b64decode(data).decode("utf-8", errors="replace")
+
+
+def prefix_end(prefix: str) -> str:
+    """The ``range_end`` (base64) that selects every key starting with ``prefix``."""
+    raw = bytearray(prefix.encode("utf-8"))
+    while raw:
+        if raw[-1] < 0xFF:
+            raw[-1] += 1
+            return base64.b64encode(bytes(raw)).decode("ascii")
+        raw.pop()
+    # Only 0xff bytes: every key from the prefix on.
+    return base64.b64encode(b"\0").decode("ascii")
+
+
+def iter_objects(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a watch stream, however its chunks split them.
+
+    A chunk may hold several objects, part of one, or whitespace between them.
+
+    Raises:
+        TypeError: the stream holds JSON that is not an object.
+    """
+    decoder = json.JSONDecoder()
+    buffer = ""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        try:
+            buffer += pending.decode("utf-8")
+        except UnicodeDecodeError:
+            # A multi-byte character split across chunks: wait for the rest.
+            continue
+        pending = b""
+        while True:
+            buffer = buffer.lstrip()
+            if not buffer:
+                break
+            try:
+                obj, end = decoder.raw_decode(buffer)
+            except ValueError:
+                if len(buffer) > 64 * 1024 * 1024:
+                    raise
+                break  # an incomplete object: wait for more
+            if not isinstance(obj, dict):
+                raise TypeError(f"watch stream: expected a JSON object, got {obj!r:.100}")
+            yield obj
+            buffer = buffer[end:]

@@ -1,0 +1,161 @@
+"""One wait on a v3 watch stream: open it, return its first event, close it.
+
+A watch is an HTTP request whose answer is a chunked stream of JSON objects: first
+``created``, then batches of ``events``; a compacted start revision or a refused auth
+token arrive as ``canceled``. One stream per wait keeps the connection's pool simple;
+closing the response closes its socket. :meth:`EtcdV3Connection.close` shuts down the
+sockets of waits still blocked, so that they return at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from typing import TYPE_CHECKING, Any
+
+import urllib3
+from urllib3.exceptions import ProtocolError, ReadTimeoutError
+
+from . import _v3_http as wire
+from ._retry import Deadline
+from ._transport import Node, _AmbiguousError
+from .api import RendezvousConnectionError
+
+if TYPE_CHECKING:
+    from ._v3 import EtcdV3Connection
+
+__all__ = ["shutdown_stream", "watch_once"]
+
+
+def watch_once(
+    conn: EtcdV3Connection, body: dict[str, Any], deadline: Deadline, key: str
+) -> Node | None:
+    """The first event of a watch created with ``body``, or ``None`` at ``deadline``.
+
+    Raises:
+        _CompactedError: the start revision was compacted.
+        _AmbiguousError, _UnsentError: the stream failed; worth retrying.
+        RendezvousConnectionError: a permanent failure (TLS, permissions).
+    """
+    from ._v3 import _ReauthError  # noqa: PLC0415
+
+    where = f"watch {key!r}"
+    idx = conn._pick()
+    for renewal in (False, True):
+        conn._ensure_token(idx, renewal)
+        try:
+            return _stream(conn, idx, body, deadline, where)
+        except _ReauthError:
+            if renewal:
+                raise RendezvousConnectionError(
+                    f"etcd endpoint {conn.endpoints[idx]} refused the auth token it had just "
+                    f"issued while trying to {where}."
+                ) from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _stream(
+    conn: EtcdV3Connection, idx: int, body: dict[str, Any], deadline: Deadline, where: str
+) -> Node | None:
+    remaining = deadline.remaining()
+    if remaining <= 0:
+        return None
+    endpoint = conn.endpoints[idx]
+    timeout = urllib3.Timeout(connect=min(conn.connect_timeout, remaining), read=remaining)
+    try:
+        response = conn._pool.urlopen(
+            "POST",
+            endpoint + "/v3/watch",
+            body=json.dumps(body).encode(),
+            headers=conn._headers(),
+            timeout=timeout,
+            retries=False,
+            preload_content=False,
+        )
+    except BaseException as exc:
+        raise conn._transport_failure(idx, exc, where) from None
+    conn._track_stream(response, True)
+    try:
+        if response.status != 200:
+            error = wire.parse_error(response.status, response.read())
+            raise conn._server_failure(idx, "/v3/watch", error, where)
+        for message in wire.iter_objects(response.stream(64 * 1024)):
+            node = _handle(conn, idx, message, where)
+            if node is not None:
+                return node
+        raise _AmbiguousError(f"{endpoint}: the watch stream ended")
+    except ReadTimeoutError:
+        return None
+    except (ProtocolError, OSError, ValueError, TypeError) as exc:
+        if conn.closed:
+            raise RendezvousConnectionError(
+                f"Could not {where}: the etcd connection was closed."
+            ) from None
+        if deadline.expired():
+            return None
+        raise _AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
+    finally:
+        conn._track_stream(response, False)
+        response.close()
+
+
+def _handle(conn: EtcdV3Connection, idx: int, message: dict[str, Any], where: str) -> Node | None:
+    """The node of the first event in ``message``; ``None`` for other messages."""
+    from ._v3 import _CompactedError, _ReauthError  # noqa: PLC0415
+
+    error = wire.stream_error(message)
+    if error is not None:
+        raise conn._server_failure(idx, "/v3/watch", error, where)
+    result = message.get("result")
+    if not isinstance(result, dict):
+        return None
+    if result.get("canceled"):
+        if int(result.get("compact_revision", 0) or 0) > 0:
+            raise _CompactedError(where)
+        reason = str(result.get("cancel_reason", ""))
+        cancel = wire.GrpcError(0, reason or "watch canceled", 200)
+        if cancel.needs_reauth and conn._username is not None:
+            raise _ReauthError(f"{conn.endpoints[idx]}: {reason}")
+        if "permission denied" in reason.lower() or str(result.get("watch_id")) == "-1":
+            raise RendezvousConnectionError(
+                f"etcd endpoint {conn.endpoints[idx]} refused to {where}: {reason}. Check "
+                "username, password and the user's roles."
+            )
+        raise _AmbiguousError(f"{conn.endpoints[idx]}: watch canceled: {reason}")
+    events = result.get("events")
+    if not isinstance(events, list) or not events:
+        return None
+    header = result.get("header")
+    if not isinstance(header, dict):
+        header = {}
+    return _event_node(events[0], int(header.get("revision", 0)))
+
+
+def _event_node(event: dict[str, Any], revision: int) -> Node:
+    kv = event.get("kv")
+    if not isinstance(kv, dict):
+        kv = {}
+    deleted = event.get("type") == "DELETE"
+    modified = int(kv.get("mod_revision", 0))
+    return Node(
+        key=wire.unb64(kv.get("key")),
+        value=None if deleted else wire.unb64(kv.get("value")),
+        modified_index=modified,
+        created_index=int(kv.get("create_revision", 0)),
+        etcd_index=max(revision, modified),
+        ttl=None,
+        is_dir=False,
+        children=(),
+        action="delete" if deleted else "create" if int(kv.get("version", 0)) == 1 else "set",
+        lease=int(kv.get("lease", 0)),
+    )
+
+
+def shutdown_stream(response: Any) -> None:
+    """Wake a thread blocked reading ``response`` by shutting down its socket."""
+    connection = getattr(response, "connection", None) or getattr(response, "_connection", None)
+    sock = getattr(connection, "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
