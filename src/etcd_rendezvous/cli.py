@@ -722,7 +722,7 @@ def _named_version(state: Node | None) -> str | None:
     return None
 
 
-def _read_etcd_run(conn: EtcdConnection, prefix: str, run_id: str) -> _EtcdRun:
+def _read_etcd_run(conn: Transport, prefix: str, run_id: str) -> _EtcdRun:
     """Read, without changing anything, what describes the run in etcd."""
     run_dir = _run_dir_key(prefix, run_id)
     state = conn.try_get(run_dir + _STATE_PATH)
@@ -855,7 +855,7 @@ def _format_etcd_status(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _status_etcd(args: argparse.Namespace, conn: EtcdConnection) -> dict[str, Any]:
+def _status_etcd(args: argparse.Namespace, conn: Transport) -> dict[str, Any]:
     prefix = args.prefix or _DEFAULT_PREFIX
     return _describe_etcd_run(_read_etcd_run(conn, prefix, args.run_id))
 
@@ -882,7 +882,7 @@ def _run_status(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
-def _close_etcd(args: argparse.Namespace, conn: EtcdConnection) -> str:
+def _close_etcd(args: argparse.Namespace, conn: Transport) -> str:
     """``EtcdRendezvous.set_closed`` on the run; returns what was done, for the user."""
     prefix = args.prefix or _DEFAULT_PREFIX
     run_dir = _run_dir_key(prefix, args.run_id)
@@ -935,7 +935,7 @@ def _run_close(args: argparse.Namespace, out: TextIO) -> int:
 # -- the etcd-v2 backend ------------------------------------------------------------------
 
 
-def _v2_backend(args: argparse.Namespace, conn: EtcdConnection) -> EtcdRendezvousBackend:
+def _v2_backend(args: argparse.Namespace, conn: Transport) -> EtcdRendezvousBackend:
     prefix = _normalize_key(args.prefix or _V2_STATE_PREFIX).rstrip("/")
     return EtcdRendezvousBackend(conn, args.run_id, key_prefix=prefix or None)
 
@@ -998,7 +998,7 @@ def _describe_v2_state(
     }
 
 
-def _status_etcd_v2(args: argparse.Namespace, conn: EtcdConnection) -> dict[str, Any]:
+def _status_etcd_v2(args: argparse.Namespace, conn: Transport) -> dict[str, Any]:
     backend = _v2_backend(args, conn)
     node = conn.try_get(backend.key)
     if node is None:
@@ -1061,7 +1061,7 @@ def _format_etcd_v2_status(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _close_etcd_v2(args: argparse.Namespace, conn: EtcdConnection) -> str:
+def _close_etcd_v2(args: argparse.Namespace, conn: Transport) -> str:
     """``DynamicRendezvousHandler.set_closed`` through the ``etcd-v2`` backend."""
     backend = _v2_backend(args, conn)
     before = _v2_state(backend)
