@@ -408,6 +408,7 @@ class EtcdV3Connection(Transport):
         Raises:
             KeyNotFoundError: neither ``key`` nor any key below it exists.
         """
+        key = _norm(key)
         body = {
             "success": [
                 {"request_range": {"key": wire.b64(key)}},
@@ -451,6 +452,7 @@ class EtcdV3Connection(Transport):
         """
         from ._v3_watch import watch_once  # noqa: PLC0415 (keeps this module's size down)
 
+        key = _norm(key)
         deadline = self._budget(Deadline(timeout))
         request: dict[str, Any] = {"key": wire.b64(key), "start_revision": str(max(index, 1))}
         if recursive:
@@ -500,6 +502,7 @@ class EtcdV3Connection(Transport):
         Raises:
             KeyNotFoundError: the key is gone, or its lease lapsed.
         """
+        key = _norm(key)
         budget = None if timeout is None else Deadline(timeout)
         with self._lease_lock:
             lease = self._key_leases.get(key) or self._dir_leases.get(key, 0)
@@ -536,6 +539,7 @@ class EtcdV3Connection(Transport):
         With ``ttl``, the directory gets a lease that every key written below it through
         this connection shares. If the directory exists, its lease (if any) is adopted.
         """
+        key = _norm(key)
         existing: list[dict[str, Any]] = []
 
         def write(lease: int) -> Node:
@@ -644,6 +648,7 @@ class EtcdV3Connection(Transport):
     def delete(self, key: str, *, recursive: bool = False) -> bool:
         """Delete ``key`` (and every key below it with ``recursive``). Returns whether any
         existed."""
+        key = _norm(key)
         ops: list[dict[str, Any]] = [{"request_delete_range": {"key": wire.b64(key)}}]
         if recursive:
             below = {"key": wire.b64(key + "/"), "range_end": wire.prefix_end(key + "/")}
@@ -708,6 +713,12 @@ class EtcdV3Connection(Transport):
 
 
 # -- building requests and reading answers ----------------------------------------------
+
+
+def _norm(key: str) -> str:
+    """``key`` without a trailing ``/``: v2 ignores it, and v3 directories are prefixes."""
+    stripped = key.rstrip("/")
+    return stripped or key
 
 
 def _create_txn(key: str, value: str, lease: int) -> dict[str, Any]:
