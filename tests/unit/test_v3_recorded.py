@@ -1,0 +1,403 @@
+"""The v3 transport against recorded gateway answers, replayed by a loopback HTTP server.
+
+The answers are what etcd 3.4/3.5/3.6 send (see ``shared/ETCD_V3.md`` and the real-server
+tests in ``tests/test_transport_v3.py``): the 3.6 error body without ``error``, fields
+left out when they hold their default (``succeeded``, ``kvs``, ``count``, ``TTL``, an
+event's ``type``), watch streams whose chunks hold several objects or part of one, and a
+watch refused for an expired auth token. Real HTTP goes over the socket (urllib3, chunked
+transfer encoding); only the server is a recording.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from etcd_rendezvous import _v3_http as wire
+from etcd_rendezvous._transport import CompareFailedError, KeyExistsError, KeyNotFoundError, Node
+from etcd_rendezvous._v3 import EtcdV3Connection
+from etcd_rendezvous._v3_watch import _event_node
+from etcd_rendezvous.api import RendezvousConnectionError
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+HEADER = {"cluster_id": "1", "member_id": "2", "revision": "7", "raft_term": "3"}
+
+
+@dataclass
+class Answer:
+    """One recorded answer: a status and a body, or chunks of a streamed body."""
+
+    status: int = 200
+    body: Any = None
+    chunks: list[bytes] = field(default_factory=list)
+    #: Keep a streamed answer open after its chunks (as a watch does).
+    hold: bool = False
+
+
+class Replay:
+    """Answers queued per path; requests recorded as ``(path, body, headers)``."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, list[Answer]] = {}
+        self.requests: list[tuple[str, Any, dict[str, str]]] = []
+        self.release = threading.Event()
+
+    def queue(self, path: str, *answers: Answer) -> None:
+        self.answers.setdefault(path, []).extend(answers)
+
+    def paths(self) -> list[str]:
+        return [path for path, _, _ in self.requests]
+
+
+@pytest.fixture
+def replay() -> Iterator[tuple[Replay, tuple[str, int]]]:
+    state = Replay()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.do_POST()
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            body = json.loads(raw) if raw else None
+            state.requests.append((self.path, body, dict(self.headers)))
+            queue = state.answers.get(self.path) or []
+            if not queue:
+                self._send(404, b"404 page not found\n", "text/plain")
+                return
+            answer = queue.pop(0)
+            if answer.chunks:
+                self.send_response(answer.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for chunk in answer.chunks:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.flush()
+                if answer.hold:
+                    state.release.wait(10)
+                self.wfile.write(b"0\r\n\r\n")
+                self.close_connection = True
+                return
+            self._send(answer.status, json.dumps(answer.body).encode(), "application/json")
+
+        def _send(self, status: int, data: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), name="replay", daemon=True)
+    thread.start()
+    try:
+        yield state, ("127.0.0.1", server.server_address[1])
+    finally:
+        state.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def connect(endpoint: tuple[str, int], **kwargs: Any) -> EtcdV3Connection:
+    kwargs.setdefault("read_timeout", 2.0)
+    kwargs.setdefault("connect_timeout", 1.0)
+    return EtcdV3Connection([endpoint], **kwargs)
+
+
+# -- the error bodies ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"code": 9, "message": "etcdserver: some refusal", "details": []},  # 3.6
+        {
+            "error": "etcdserver: some refusal",
+            "code": 9,
+            "message": "etcdserver: some refusal",
+        },  # 3.4 / 3.5
+    ],
+    ids=["etcd-3.6", "etcd-3.4-3.5"],
+)
+def test_both_error_body_shapes_are_parsed(body: dict[str, Any]) -> None:
+    error = wire.parse_error(400, json.dumps(body).encode())
+    assert error.code == 9
+    assert error.message == "etcdserver: some refusal"
+    assert not error.transient
+
+
+def test_unavailable_in_the_36_shape_is_retried_on_the_same_endpoint(replay: Any) -> None:
+    state, endpoint = replay
+    unavailable = {"code": 14, "message": "etcdserver: leader changed", "details": []}
+    state.queue("/v3/kv/put", Answer(503, unavailable), Answer(200, {"header": HEADER}))
+    with connect(endpoint) as conn:
+        node = conn.set("/k", "v")
+    assert node.modified_index == 7
+    assert state.paths().count("/v3/kv/put") == 2
+
+
+def test_a_refusal_names_the_endpoint_the_key_and_the_message(replay: Any) -> None:
+    state, endpoint = replay
+    refusal = {"code": 3, "message": "etcdserver: key is not provided", "details": []}
+    state.queue("/v3/kv/put", Answer(400, refusal))
+    with connect(endpoint) as conn, pytest.raises(Exception, match="key is not provided") as info:
+        conn.set("/the/key", "v")
+    assert f"{endpoint[0]}:{endpoint[1]}" in str(info.value)
+    assert "/the/key" in str(info.value)
+
+
+def test_a_server_without_the_gateway_is_named(replay: Any) -> None:
+    _, endpoint = replay  # nothing queued: every path answers "404 page not found"
+    with connect(endpoint) as conn, pytest.raises(RendezvousConnectionError, match="gateway"):
+        conn.get("/k")
+
+
+# -- omitted default fields ------------------------------------------------------------------
+
+
+def test_a_failed_txn_without_succeeded_is_a_failed_create(replay: Any) -> None:
+    state, endpoint = replay
+    kv = {"key": b64("/k"), "create_revision": "3", "mod_revision": "5", "version": "2"}
+    failed = {"header": HEADER, "responses": [{"response_range": {"header": {}, "kvs": [kv]}}]}
+    state.queue("/v3/kv/txn", Answer(200, failed))
+    with connect(endpoint) as conn, pytest.raises(KeyExistsError) as info:
+        conn.create("/k", "v")
+    assert info.value.etcd_index == 7
+
+
+def test_a_failed_cas_on_a_missing_key_reads_as_not_found(replay: Any) -> None:
+    state, endpoint = replay
+    # failure branch's range found nothing: no kvs, no count
+    failed = {"header": HEADER, "responses": [{"response_range": {"header": {"revision": "7"}}}]}
+    state.queue("/v3/kv/txn", Answer(200, failed))
+    with connect(endpoint) as conn:
+        prev = Node("/k", "old", 4, 4, 4, None, False, (), "get")
+        with pytest.raises(KeyNotFoundError):
+            conn.compare_and_swap("/k", "new", prev)
+        state.queue(
+            "/v3/kv/txn",
+            Answer(
+                200,
+                {
+                    "header": HEADER,
+                    "responses": [
+                        {
+                            "response_range": {
+                                "kvs": [{"key": b64("/k"), "mod_revision": "6", "value": b64("x")}]
+                            }
+                        }
+                    ],
+                },
+            ),
+        )
+        with pytest.raises(CompareFailedError):
+            conn.compare_and_swap("/k", "new", prev)
+
+
+def test_an_empty_range_without_kvs_or_count_is_not_found(replay: Any) -> None:
+    state, endpoint = replay
+    empty = {
+        "header": HEADER,
+        "succeeded": True,
+        "responses": [{"response_range": {}}, {"response_range": {}}],
+    }
+    state.queue("/v3/kv/txn", Answer(200, empty))
+    with connect(endpoint) as conn, pytest.raises(KeyNotFoundError) as info:
+        conn.get("/k")
+    assert info.value.etcd_index == 7
+
+
+def test_a_value_left_out_reads_as_empty(replay: Any) -> None:
+    state, endpoint = replay
+    kv = {"key": b64("/k"), "create_revision": "3", "mod_revision": "3", "version": "1"}
+    found = {
+        "header": HEADER,
+        "succeeded": True,
+        "responses": [{"response_range": {"kvs": [kv], "count": "1"}}, {"response_range": {}}],
+    }
+    state.queue("/v3/kv/txn", Answer(200, found))
+    with connect(endpoint) as conn:
+        node = conn.get("/k")
+    assert node.value == ""
+    assert node.lease == 0
+
+
+def test_a_keepalive_without_ttl_means_the_key_expired(replay: Any) -> None:
+    state, endpoint = replay
+    kv = {"key": b64("/k"), "mod_revision": "3", "lease": "99", "value": b64("v")}
+    found = {
+        "header": HEADER,
+        "responses": [{"response_range": {"kvs": [kv]}}, {"response_range": {}}],
+    }
+    state.queue("/v3/kv/txn", Answer(200, found))
+    state.queue("/v3/lease/keepalive", Answer(200, {"result": {"header": HEADER, "ID": "99"}}))
+    with connect(endpoint) as conn, pytest.raises(KeyNotFoundError):
+        conn.refresh("/k", 10)
+    keepalive = next(body for path, body, _ in state.requests if path == "/v3/lease/keepalive")
+    assert int(keepalive["ID"]) == 99
+
+
+# -- watch streams ---------------------------------------------------------------------------
+
+
+def _message(result: dict[str, Any]) -> bytes:
+    return json.dumps({"result": {"header": HEADER, **result}}).encode() + b"\n"
+
+
+def _put_event(value: str, revision: int) -> dict[str, Any]:
+    kv = {
+        "key": b64("/k"),
+        "create_revision": "2",
+        "mod_revision": str(revision),
+        "version": "2",
+        "value": b64(value),
+    }
+    return {"events": [{"kv": kv}]}  # a PUT event has no "type"
+
+
+def test_created_and_an_event_in_one_chunk(replay: Any) -> None:
+    state, endpoint = replay
+    chunk = _message({"created": True}) + _message(_put_event("v1", 8))
+    state.queue("/v3/watch", Answer(chunks=[chunk], hold=True))
+    with connect(endpoint) as conn:
+        node = conn.watch("/k", 8, timeout=5)
+    assert node is not None
+    assert (node.value, node.modified_index, node.action) == ("v1", 8, "set")
+
+
+def test_an_event_split_across_chunks(replay: Any) -> None:
+    state, endpoint = replay
+    event = _message(_put_event("split value", 9))
+    chunks = [_message({"created": True}), event[:10], event[10:25], event[25:]]
+    state.queue("/v3/watch", Answer(chunks=chunks, hold=True))
+    with connect(endpoint) as conn:
+        node = conn.watch("/k", 9, timeout=5)
+    assert node is not None
+    assert node.value == "split value"
+
+
+def test_a_delete_event_has_no_value() -> None:
+    kv = {"key": b64("/k"), "mod_revision": "10"}
+    message = {"result": {"header": HEADER, "events": [{"type": "DELETE", "kv": kv}]}}
+    objects = list(wire.iter_objects([json.dumps(message).encode()]))
+    node = _event_node(objects[0]["result"]["events"][0], 10)
+    assert (node.action, node.value, node.modified_index) == ("delete", None, 10)
+
+
+def test_a_compacted_start_revision_returns_none_at_once(replay: Any) -> None:
+    state, endpoint = replay
+    canceled = _message({"created": True}) + _message({"canceled": True, "compact_revision": "5"})
+    state.queue("/v3/watch", Answer(chunks=[canceled], hold=True))  # etcd keeps it open
+    with connect(endpoint) as conn:
+        assert conn.watch("/k", 2, timeout=5) is None
+    assert state.paths().count("/v3/watch") == 1
+
+
+def test_an_expired_token_on_a_watch_is_renewed(replay: Any) -> None:
+    state, endpoint = replay
+    token = {"header": HEADER, "token": "tok"}
+    state.queue("/v3/auth/authenticate", Answer(200, token), Answer(200, token))
+    refused = _message(
+        {
+            "created": True,
+            "canceled": True,
+            "watch_id": "-1",
+            "cancel_reason": "etcdserver: invalid auth token",
+        }
+    )
+    state.queue("/v3/watch", Answer(chunks=[refused], hold=True))
+    state.queue(
+        "/v3/watch",
+        Answer(chunks=[_message({"created": True}), _message(_put_event("v", 8))], hold=True),
+    )
+    with connect(endpoint, username="u", password="p") as conn:
+        node = conn.watch("/k", 8, timeout=5)
+    assert node is not None
+    assert state.paths().count("/v3/auth/authenticate") == 2
+    watches = [headers for path, _, headers in state.requests if path == "/v3/watch"]
+    assert all(headers.get("Authorization") == "tok" for headers in watches)
+
+
+def test_an_error_object_inside_a_watch_stream_is_retried(replay: Any) -> None:
+    state, endpoint = replay
+    error = json.dumps({"error": {"grpc_code": 14, "http_code": 503, "message": "no leader"}})
+    state.queue("/v3/watch", Answer(chunks=[error.encode() + b"\n"]))
+    state.queue(
+        "/v3/watch",
+        Answer(chunks=[_message({"created": True}), _message(_put_event("v", 8))], hold=True),
+    )
+    with connect(endpoint) as conn:
+        node = conn.watch("/k", 8, timeout=5)
+    assert node is not None
+    assert state.paths().count("/v3/watch") == 2
+
+
+# -- auth ------------------------------------------------------------------------------------
+
+
+def test_a_wrong_password_is_a_clear_error(replay: Any) -> None:
+    state, endpoint = replay
+    wrong = {
+        "code": 3,
+        "message": "etcdserver: authentication failed, invalid user ID or password",
+        "details": [],
+    }
+    state.queue("/v3/auth/authenticate", Answer(400, wrong))
+    with (
+        connect(endpoint, username="alice", password="nope") as conn,
+        pytest.raises(RendezvousConnectionError, match="alice") as info,
+    ):
+        conn.get("/k")
+    assert "password" in str(info.value)
+
+
+def test_an_expired_token_is_renewed_and_the_request_sent_again(replay: Any) -> None:
+    state, endpoint = replay
+    state.queue(
+        "/v3/auth/authenticate",
+        Answer(200, {"header": HEADER, "token": "t1"}),
+        Answer(200, {"header": HEADER, "token": "t2"}),
+    )
+    expired = {"code": 16, "message": "etcdserver: invalid auth token", "details": []}
+    state.queue("/v3/kv/put", Answer(401, expired), Answer(200, {"header": HEADER}))
+    with connect(endpoint, username="u", password="p") as conn:
+        conn.set("/k", "v")
+    tokens = [h.get("Authorization") for p, _, h in state.requests if p == "/v3/kv/put"]
+    assert tokens == ["t1", "t2"]
+
+
+# -- wire helpers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prefix", "end"),
+    [("/a/", b"/a0"), ("a", b"b"), ("a\xff", b"a\xc3\xc0")],  # "\xff" is c3 bf in UTF-8
+)
+def test_prefix_end(prefix: str, end: bytes) -> None:
+    assert base64.b64decode(wire.prefix_end(prefix)) == end
+
+
+def test_iter_objects_handles_whitespace_and_multibyte_splits() -> None:
+    text = json.dumps({"result": {"v": "é"}}, ensure_ascii=False).encode()
+    cut = text.index("é".encode()) + 1  # inside the two-byte character
+    chunks = [b"  ", text[:cut], text[cut:] + b"\n", b'{"a": 1}{"b"', b": 2}"]
+    assert list(wire.iter_objects(chunks)) == [{"result": {"v": "é"}}, {"a": 1}, {"b": 2}]
