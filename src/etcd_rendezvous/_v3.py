@@ -438,8 +438,11 @@ class EtcdV3Connection(Transport):
         """Seconds left on ``node``'s lease (``None``: no lease, or the lease is gone)."""
         if not node.lease:
             return None
-        data = self._call("read the lease of", node.key, "/v3/lease/timetolive", {"ID": node.lease})
-        ttl = int(data.get("TTL", -1))
+        data = self._call(
+            "read the lease of", node.key, "/v3/lease/timetolive", {"ID": str(node.lease)}
+        )
+        # An expired lease answers TTL -1; 0 seconds left is a default, so left out.
+        ttl = int(data.get("TTL", 0))
         return ttl if ttl >= 0 else None
 
     def watch(

@@ -46,11 +46,11 @@ def watch_once(
         conn._ensure_token(idx, renewal)
         try:
             return _stream(conn, idx, body, deadline, where)
-        except _ReauthError:
+        except _ReauthError as exc:
             if renewal:
                 raise RendezvousConnectionError(
-                    f"etcd endpoint {conn.endpoints[idx]} refused the auth token it had just "
-                    f"issued while trying to {where}."
+                    f"etcd endpoint {conn.endpoints[idx]} refused to {where} with a fresh auth "
+                    f"token ({str(exc).split(': ', 1)[-1]}). Check the user's roles."
                 ) from None
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -115,9 +115,12 @@ def _handle(conn: EtcdV3Connection, idx: int, message: dict[str, Any], where: st
             raise _CompactedError(where)
         reason = str(result.get("cancel_reason", ""))
         cancel = wire.GrpcError(0, reason or "watch canceled", 200)
-        if cancel.needs_reauth and conn._username is not None:
+        denied = "permission denied" in reason.lower() or str(result.get("watch_id")) == "-1"
+        if conn._username is not None and (cancel.needs_reauth or denied):
+            # A watch refused for an expired token says "permission denied": renew the
+            # token once; a second refusal is a real one.
             raise _ReauthError(f"{conn.endpoints[idx]}: {reason}")
-        if "permission denied" in reason.lower() or str(result.get("watch_id")) == "-1":
+        if denied:
             raise RendezvousConnectionError(
                 f"etcd endpoint {conn.endpoints[idx]} refused to {where}: {reason}. Check "
                 "username, password and the user's roles."
