@@ -104,7 +104,7 @@ def test_a_directory_lease_reaches_every_key_written_below_it(
     other.create(f"{run}store/k", "v")
     lease = v3.get(run).lease
     assert lease != 0
-    tree = v3.get(run, recursive=True)
+    tree = v3.list_dir(run, recursive=True)
     leaves = [c for c in tree.children if not c.is_dir]
     leaves += [g for c in tree.children if c.is_dir for g in c.children]
     assert {leaf.key for leaf in leaves} == {f"{run}state", f"{run}store/k"}
@@ -137,7 +137,7 @@ def test_mkdir_and_create_are_create_if_absent(v3: EtcdV3Connection, etcd_prefix
     v3.create(f"{etcd_prefix}/d/k", "1")
     with pytest.raises(KeyExistsError):
         v3.create(f"{etcd_prefix}/d/k", "2")
-    node = v3.get(f"{etcd_prefix}/d")
+    node = v3.list_dir(f"{etcd_prefix}/d")
     assert node.is_dir
     assert [(c.key, c.value) for c in node.children] == [(f"{etcd_prefix}/d/k", "1")]
 
@@ -150,12 +150,12 @@ def test_a_directory_read_shows_subdirectories_as_v2_does(
     v3.set(f"{etcd_prefix}/a/sub/x", "1")
     v3.set(f"{etcd_prefix}/a/y", "2")
     v3.set(f"{etcd_prefix}/a-sibling", "not below a")
-    flat = v3.get(f"{etcd_prefix}/a")
+    flat = v3.list_dir(f"{etcd_prefix}/a")
     assert [(c.key.rsplit("/", 1)[1], c.is_dir, c.children) for c in flat.children] == [
         ("sub", True, ()),
         ("y", False, ()),
     ]
-    deep = v3.get(f"{etcd_prefix}/a", recursive=True)
+    deep = v3.list_dir(f"{etcd_prefix}/a", recursive=True)
     assert [g.value for g in deep.children[0].children] == ["1"]
 
 

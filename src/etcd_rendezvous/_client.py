@@ -401,6 +401,10 @@ class EtcdConnection(Transport):
             self._v2("read", key, lambda c: _node(c.read(key, recursive=recursive)))
         )
 
+    def list_dir(self, key: str, *, recursive: bool = False) -> Node:
+        """Read directory ``key`` with its immediate children (all levels if ``recursive``)."""
+        return self.get(key, recursive=recursive)
+
     def watch(
         self, key: str, index: int, timeout: float, *, recursive: bool = False
     ) -> Node | None:

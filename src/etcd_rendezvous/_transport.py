@@ -238,11 +238,20 @@ class Transport(abc.ABC):
         """Whether a directory created with a TTL can have that TTL refreshed."""
 
     @abc.abstractmethod
-    def get(self, key: str, *, recursive: bool = False) -> Node:
-        """Read ``key`` (a directory with its immediate children, or all if ``recursive``).
+    def get(self, key: str) -> Node:
+        """Read the value of ``key``.
 
         Raises:
             KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
+        """
+
+    @abc.abstractmethod
+    def list_dir(self, key: str, *, recursive: bool = False) -> Node:
+        """Read directory ``key``: a node with ``is_dir`` and its immediate children (all
+        levels with ``recursive``; subdirectories are nodes with ``is_dir``).
+
+        Raises:
+            KeyNotFoundError: nothing exists at or below ``key``.
         """
 
     def try_get(self, key: str) -> Node | None:

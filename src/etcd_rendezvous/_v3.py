@@ -402,8 +402,22 @@ class EtcdV3Connection(Transport):
         """Always: a directory's TTL is a lease, and leases are kept alive."""
         return True
 
-    def get(self, key: str, *, recursive: bool = False) -> Node:
-        """Read ``key``: the key itself and, in the same transaction, the keys below it.
+    def get(self, key: str) -> Node:
+        """Read ``key`` (one range request).
+
+        Raises:
+            KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
+        """
+        key = _norm(key)
+        data = self._call("read", key, "/v3/kv/range", {"key": wire.b64(key)})
+        revision = _revision(data)
+        kvs = _kvs(data)
+        if not kvs:
+            raise KeyNotFoundError(key, revision)
+        return _kv_node(kvs[0], revision)
+
+    def list_dir(self, key: str, *, recursive: bool = False) -> Node:
+        """Read directory ``key``: its marker and, in the same transaction, the keys below.
 
         Raises:
             KeyNotFoundError: neither ``key`` nor any key below it exists.
@@ -420,19 +434,15 @@ class EtcdV3Connection(Transport):
                 },
             ]
         }
-        data = self._call("read", key, "/v3/kv/txn", body)
+        data = self._call("list", key, "/v3/kv/txn", body)
         revision = _revision(data)
         responses = data.get("responses") or []
         own = _kvs(responses[0]) if responses else []
         below = _kvs(responses[1]) if len(responses) > 1 else []
         if not own and not below:
             raise KeyNotFoundError(key, revision)
-        node = _kv_node(own[0], revision) if own else None
-        if not below:
-            if node is None:  # pragma: no cover - ruled out above
-                raise KeyNotFoundError(key, revision)
-            return node
-        return _directory(key, node, below, revision, recursive)
+        marker = _kv_node(own[0], revision) if own else None
+        return _directory(key, marker, below, revision, recursive)
 
     def time_to_live(self, node: Node) -> int | None:
         """Seconds left on ``node``'s lease (``None``: no lease, or the lease is gone)."""

@@ -706,7 +706,7 @@ class EtcdRendezvous:
             if state["status"] != "final" or state["version"] != expected_version:
                 return
             try:
-                members = self._conn.get(self.get_path(f"/rdzv/v_{expected_version}"))
+                members = self._conn.list_dir(self.get_path(f"/rdzv/v_{expected_version}"))
                 alive = {_normalize_key(child.key) for child in members.children}
             except KeyNotFoundError:
                 alive = set()

@@ -354,7 +354,7 @@ class EtcdStore:
             RendezvousStateError: the store prefix is a key, not a directory.
         """
         try:
-            node = self._conn.get(self._dir, recursive=True)
+            node = self._conn.list_dir(self._dir, recursive=True)
         except KeyNotFoundError:
             return 0
         if not node.is_dir:

@@ -215,12 +215,7 @@ def test_a_failed_cas_on_a_missing_key_reads_as_not_found(replay: Any) -> None:
 
 def test_an_empty_range_without_kvs_or_count_is_not_found(replay: Any) -> None:
     state, endpoint = replay
-    empty = {
-        "header": HEADER,
-        "succeeded": True,
-        "responses": [{"response_range": {}}, {"response_range": {}}],
-    }
-    state.queue("/v3/kv/txn", Answer(200, empty))
+    state.queue("/v3/kv/range", Answer(200, {"header": HEADER}))
     with connect(endpoint) as conn, pytest.raises(KeyNotFoundError) as info:
         conn.get("/k")
     assert info.value.etcd_index == 7
@@ -229,12 +224,7 @@ def test_an_empty_range_without_kvs_or_count_is_not_found(replay: Any) -> None:
 def test_a_value_left_out_reads_as_empty(replay: Any) -> None:
     state, endpoint = replay
     kv = {"key": b64("/k"), "create_revision": "3", "mod_revision": "3", "version": "1"}
-    found = {
-        "header": HEADER,
-        "succeeded": True,
-        "responses": [{"response_range": {"kvs": [kv], "count": "1"}}, {"response_range": {}}],
-    }
-    state.queue("/v3/kv/txn", Answer(200, found))
+    state.queue("/v3/kv/range", Answer(200, {"header": HEADER, "kvs": [kv], "count": "1"}))
     with connect(endpoint) as conn:
         node = conn.get("/k")
     assert node.value == ""
@@ -244,11 +234,7 @@ def test_a_value_left_out_reads_as_empty(replay: Any) -> None:
 def test_a_keepalive_without_ttl_means_the_key_expired(replay: Any) -> None:
     state, endpoint = replay
     kv = {"key": b64("/k"), "mod_revision": "3", "lease": "99", "value": b64("v")}
-    found = {
-        "header": HEADER,
-        "responses": [{"response_range": {"kvs": [kv]}}, {"response_range": {}}],
-    }
-    state.queue("/v3/kv/txn", Answer(200, found))
+    state.queue("/v3/kv/range", Answer(200, {"header": HEADER, "kvs": [kv]}))
     state.queue("/v3/lease/keepalive", Answer(200, {"result": {"header": HEADER, "ID": "99"}}))
     with connect(endpoint) as conn, pytest.raises(KeyNotFoundError):
         conn.refresh("/k", 10)
