@@ -224,16 +224,17 @@ def test_corrupt_state_fails_promptly_and_is_left_untouched(etcd_server, run_id,
     conn.set(key, "{not json")
     handler = create_rdzv_handler(_params(etcd_server, run_id, timeout=60))
     started = time.monotonic()
-    with handler, pytest.raises(RendezvousStateError, match=key):
-        handler.next_rendezvous()
-    assert time.monotonic() - started < 5
-    assert conn.get(key).value == "{not json"
+    with handler:
+        with pytest.raises(RendezvousStateError, match=key):
+            handler.next_rendezvous()
+        assert time.monotonic() - started < 5
+        assert conn.get(key).value == "{not json"
 
-    conn.set(key, json.dumps({"status": "joinable", "version": "3"}))
-    with handler, pytest.raises(RendezvousStateError, match="participants"):
-        handler.next_rendezvous()
-    with pytest.raises(RendezvousStateError, match=key):
-        handler.is_closed()
+        conn.set(key, json.dumps({"status": "joinable", "version": "3"}))
+        with pytest.raises(RendezvousStateError, match="participants"):
+            handler.next_rendezvous()
+        with pytest.raises(RendezvousStateError, match=key):
+            handler.is_closed()
     assert json.loads(conn.get(key).value) == {"status": "joinable", "version": "3"}
 
 
@@ -406,7 +407,9 @@ def test_close_stops_keepalive_threads(etcd_server, run_id):
     for keeper in keepers:
         keeper._thread.join(5)
         assert not keeper.alive
-    assert not handler.is_closed()
+    # close() released this worker only: the rendezvous is not closed for the others.
+    with create_rdzv_handler(_params(etcd_server, run_id)) as other:
+        assert not other.is_closed()
 
 
 def test_set_closed_before_any_rendezvous(etcd_server, run_id):

@@ -18,7 +18,7 @@ import pytest
 import urllib3
 
 from etcd_rendezvous._retry import Deadline
-from etcd_rendezvous._transport import KeyExistsError, KeyNotFoundError
+from etcd_rendezvous._transport import KeyExistsError, KeyNotFoundError, TransportClosedError
 from etcd_rendezvous._v3 import EtcdV3Connection
 from etcd_rendezvous._v3_http import b64
 from etcd_rendezvous.api import RendezvousConnectionError
@@ -206,7 +206,7 @@ def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> 
             result.append(
                 v3.watch(f"{etcd_prefix}/never", v3.set(f"{etcd_prefix}/x", "1").etcd_index + 1, 30)
             )
-        except RendezvousConnectionError as exc:
+        except TransportClosedError as exc:
             result.append(exc)
 
     thread = threading.Thread(target=wait)
@@ -217,7 +217,7 @@ def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> 
     thread.join(5)
     assert not thread.is_alive()
     assert time.monotonic() - started < 2
-    assert isinstance(result[0], RendezvousConnectionError)
+    assert isinstance(result[0], TransportClosedError)
 
 
 # -- auth and TLS ------------------------------------------------------------------------

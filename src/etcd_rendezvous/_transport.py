@@ -44,6 +44,7 @@ __all__ = [
     "Node",
     "OperationRefusedError",
     "Transport",
+    "TransportClosedError",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ class CompareFailedError(_ConditionError):
 class OperationRefusedError(RendezvousError):
     """etcd permanently refused an operation (for example, changing a directory's TTL
     on etcd 3.5, which answers "Not a file")."""
+
+
+class TransportClosedError(RendezvousError):
+    """The etcd connection was closed by its owner and cannot be used any more."""
 
 
 class _AmbiguousError(Exception):
@@ -394,7 +399,7 @@ class Transport(abc.ABC):
         once more so that its fate can be found out.
         """
         if self._closed:
-            raise RendezvousConnectionError(
+            raise TransportClosedError(
                 f"Could not {what} {key!r}: the etcd connection to "
                 f"{', '.join(self._endpoints)} is closed."
             )
@@ -413,7 +418,7 @@ class Transport(abc.ABC):
                 if on_ambiguous is not None:
                     on_ambiguous()
             if self._closed:
-                raise RendezvousConnectionError(
+                raise TransportClosedError(
                     f"Could not {what} {key!r}: the etcd connection was closed."
                 )
             if deadline.expired() and len(failures) > len(self._endpoints):

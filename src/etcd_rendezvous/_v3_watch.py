@@ -19,7 +19,7 @@ from urllib3.exceptions import ProtocolError, ReadTimeoutError
 
 from . import _v3_http as wire
 from ._retry import Deadline
-from ._transport import Node, _AmbiguousError
+from ._transport import Node, TransportClosedError, _AmbiguousError
 from .api import RendezvousConnectionError
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def _stream(
         return None
     except (ProtocolError, OSError, ValueError, TypeError) as exc:
         if conn.closed:
-            raise RendezvousConnectionError(
+            raise TransportClosedError(
                 f"Could not {where}: the etcd connection was closed."
             ) from None
         if deadline.expired():
