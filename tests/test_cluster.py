@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import re
+import socket
 import threading
 import time
 import uuid
@@ -12,6 +14,7 @@ import pytest
 import urllib3
 
 import v3_gateway
+from etcd_rendezvous import etcd_cluster as etcd_cluster_module
 from etcd_rendezvous._client import EtcdConnection
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_cluster import EtcdCluster, EtcdClusterMember
@@ -149,6 +152,29 @@ def test_forgotten_cluster_is_killed_and_cleaned_up() -> None:
     gc.collect()
     assert not pid_alive(pid)
     assert not os.path.exists(base)
+
+
+def test_port_race_starts_over_on_new_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hold a port so that a member's bind fails, as if another process had taken it
+    # between our probe and etcd's bind: the cluster starts again on new ports.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+        thief.bind(("127.0.0.1", 0))
+        busy = thief.getsockname()[1]
+        real_free_ports = etcd_cluster_module.free_ports
+        calls: list[int] = []
+
+        def free_ports(count: int) -> list[int]:
+            calls.append(count)
+            ports = real_free_ports(count)
+            return [busy, *ports[1:]] if len(calls) == 1 else ports
+
+        monkeypatch.setattr(etcd_cluster_module, "free_ports", free_ports)
+        with EtcdCluster(size=1, enable_v2=False) as cluster:
+            assert calls == [2, 2]
+            assert cluster.members[0].port != busy
+            log = cluster.read_logs()
+            assert "attempt 2" in log
+            assert re.search("address already in use", log, re.IGNORECASE)
 
 
 def test_bad_size_is_refused() -> None:

@@ -116,6 +116,8 @@ class EtcdClusterMember:
         self._suspended = False
         self._version: str | None = None
         self._log_snapshot: str | None = None
+        # Set once the cluster has stopped or replaced this member.
+        self._retired = False
 
     # -- where it is -----------------------------------------------------------------
 
@@ -258,9 +260,10 @@ class EtcdClusterMember:
                 process is left running (:meth:`EtcdCluster.stop` stops it).
         """
         with self._lock:
-            if self._state.base_dir is None:
+            if self._retired or self._state.base_dir is None:
                 raise EtcdServerError(
-                    f"etcd member {self._name} belongs to a stopped cluster; start the cluster"
+                    f"etcd member {self._name} belongs to a stopped cluster; start the "
+                    "cluster again and use its new members"
                 )
             self.stop()
             if not wait:
@@ -364,6 +367,7 @@ class EtcdClusterMember:
             self._log_snapshot = log[-_LOG_SNAPSHOT_BYTES:]
         self._proc = None
         self._suspended = False
+        self._retired = True
 
 
 class EtcdCluster:
@@ -671,6 +675,7 @@ class EtcdCluster:
             return True
         for member in self._members:
             member.stop(grace=2.0)
+            member._forget()
         return False
 
     def _discard(self) -> None:
