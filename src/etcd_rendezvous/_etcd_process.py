@@ -1,0 +1,235 @@
+"""Running etcd processes: what :mod:`.etcd_server` and :mod:`.etcd_cluster` share.
+
+Free loopback ports, stopping a process, reading its log, and the readiness probe. The
+probe speaks only what every etcd since 3.4 serves with or without the v2 API (the
+v3 JSON gateway, ``/health`` and ``/version``), so it works on etcd 3.6, which has no
+v2 API at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import urllib3
+
+logger = logging.getLogger(__name__)
+
+#: The only address the local servers listen on.
+HOST = "127.0.0.1"
+#: What etcd logs when another process holds one of its ports.
+ADDRESS_IN_USE = re.compile(r"address already in use", re.IGNORECASE)
+
+
+class ProcessExitedError(Exception):
+    """etcd exited while we waited for it to answer."""
+
+
+class NotReadyError(Exception):
+    """One readiness probe failed; the message says how."""
+
+
+class ProbeTimeoutError(Exception):
+    """The deadline passed before a probe succeeded; the message is the last problem."""
+
+
+def free_ports(count: int) -> list[int]:
+    """Return ``count`` distinct loopback TCP ports that were free a moment ago.
+
+    All sockets are bound before any is released, so the ports differ from each other.
+    Another process may still take one before etcd binds it: callers look for
+    :data:`ADDRESS_IN_USE` in etcd's log and try again with new ports.
+    """
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((HOST, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def v2_flags(enable_v2: bool) -> list[str]:
+    """etcd's arguments for serving the v2 API or not.
+
+    Without v2 the flag is left out rather than set to false: v2 is off by default
+    since etcd 3.4, and etcd 3.6 no longer knows the flag (it refuses to start).
+    """
+    return ["--enable-v2=true"] if enable_v2 else []
+
+
+def last_lines(text: str, lines: int) -> str:
+    """The last ``lines`` lines of ``text``."""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def read_log_from(path: str, offset: int = 0) -> str:
+    """The text of the log file ``path`` from byte ``offset``; ``""`` if it is gone."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM ``proc`` (waking it if stopped), SIGKILL it after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        # A SIGSTOPped process only acts on SIGTERM once continued.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            logger.warning("etcd (pid %d) ignored SIGTERM for %.1fs; killing it", proc.pid, grace)
+            proc.kill()
+    proc.wait()
+
+
+def wait_ready(
+    proc: subprocess.Popen[bytes],
+    deadline: float,
+    probe: Callable[[urllib3.Timeout], str],
+) -> str:
+    """Call ``probe`` until it succeeds; return what it returns.
+
+    Raises:
+        ProcessExitedError: if ``proc`` exits first.
+        ProbeTimeoutError: if the monotonic ``deadline`` passes first.
+    """
+    delay = 0.005
+    last_problem = "no answer yet"
+    while True:
+        if proc.poll() is not None:
+            raise ProcessExitedError
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ProbeTimeoutError(last_problem)
+        # Short: a port thief that accepts but never answers must not stall us; a
+        # slow etcd just gets asked again.
+        request_timeout = urllib3.Timeout(connect=min(0.5, remaining), read=min(1.0, remaining))
+        try:
+            return probe(request_timeout)
+        except NotReadyError as exc:
+            last_problem = str(exc)
+        # Wait for the process to exit or for the next poll, whichever is first.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, 0.1)
+
+
+def request_json(
+    pool: urllib3.PoolManager,
+    method: str,
+    url: str,
+    timeout: urllib3.Timeout,
+    body: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Send one probe request; return the JSON object of a 200 answer.
+
+    Raises:
+        NotReadyError: on a connection error, any other status, or a body that is not
+            a JSON object; the message names the request.
+    """
+    what = f"{method} {url}"
+    encoded = None if body is None else json.dumps(body).encode()
+    try:
+        with warnings.catch_warnings():
+            # Without a CA a probe cannot verify the server; the warning is noise here.
+            warnings.simplefilter("ignore", urllib3.exceptions.InsecureRequestWarning)
+            response = pool.request(method, url, body=encoded, timeout=timeout)
+    except urllib3.exceptions.HTTPError as exc:
+        raise NotReadyError(f"{what}: {exc}") from exc
+    if response.status == 404 and "/v2/" in url:
+        raise NotReadyError(f"{what}: 404 (is the v2 API enabled?)")
+    if response.status != 200:
+        raise NotReadyError(f"{what}: HTTP {response.status}")
+    try:
+        decoded = json.loads(response.data)
+    except ValueError as exc:
+        raise NotReadyError(f"{what}: not JSON: {response.data[:200]!r}") from exc
+    if not isinstance(decoded, dict):
+        raise NotReadyError(f"{what}: not a JSON object: {response.data[:200]!r}")
+    return decoded
+
+
+def member_status(
+    pool: urllib3.PoolManager, base_url: str, timeout: urllib3.Timeout
+) -> tuple[str, str | None, int]:
+    """Ask the member at ``base_url`` for ``POST /v3/maintenance/status``.
+
+    Returns:
+        The id of the member that answered, the id of the leader it knows (``None``
+        if it knows none: etcd leaves out a zero ``leader``), and its raft term. The
+        gateway gives these 64-bit numbers as decimal strings.
+
+    Raises:
+        NotReadyError: if the member does not answer, or answers something else.
+    """
+    url = base_url + "/v3/maintenance/status"
+    status = request_json(pool, "POST", url, timeout, {})
+    header = status.get("header")
+    member_id = header.get("member_id") if isinstance(header, dict) else None
+    if not isinstance(member_id, str):
+        raise NotReadyError(f"POST {url}: no header.member_id in {status!r}")
+    leader = str(status.get("leader") or "0")
+    try:
+        term = int(status.get("raftTerm") or 0)
+    except (TypeError, ValueError):
+        raise NotReadyError(f"POST {url}: raftTerm is not a number in {status!r}") from None
+    return member_id, (None if leader == "0" else leader), term
+
+
+def probe_member(
+    pool: urllib3.PoolManager,
+    base_url: str,
+    name: str,
+    timeout: urllib3.Timeout,
+    enable_v2: bool,
+) -> str:
+    """Check that the etcd at ``base_url`` is ready; return its version.
+
+    Ready means: it is the member called ``name`` (after a port race the port may be
+    answered by somebody else's etcd), it knows a leader, ``GET /health`` says it
+    serves requests and, with ``enable_v2``, ``GET /v2/keys/`` answers.
+
+    Raises:
+        NotReadyError: naming the first check that failed.
+    """
+    members = request_json(pool, "POST", base_url + "/v3/cluster/member/list", timeout, {})
+    header = members.get("header")
+    member_id = header.get("member_id") if isinstance(header, dict) else None
+    listed = members.get("members")
+    answered_by = next(
+        (
+            member.get("name")
+            for member in (listed if isinstance(listed, list) else [])
+            if isinstance(member, dict) and member.get("ID") == member_id
+        ),
+        None,
+    )
+    if answered_by != name:
+        raise NotReadyError(f"{base_url} is answered by another etcd ({answered_by!r})")
+    if member_status(pool, base_url, timeout)[1] is None:
+        raise NotReadyError(f"{base_url}: no leader elected yet")
+    health = request_json(pool, "GET", base_url + "/health", timeout)
+    if health.get("health") != "true":
+        raise NotReadyError(f"GET {base_url}/health: {health!r}")
+    if enable_v2:
+        request_json(pool, "GET", base_url + "/v2/keys/", timeout)
+    version = request_json(pool, "GET", base_url + "/version", timeout).get("etcdserver")
+    if not isinstance(version, str):
+        raise NotReadyError(f"GET {base_url}/version: no etcdserver version")
+    return version

@@ -1,0 +1,690 @@
+"""A throw-away multi-member etcd cluster on loopback, for failover tests and demos.
+
+:class:`EtcdCluster` runs ``size`` etcd processes (3 by default) that form one cluster
+on 127.0.0.1, each on its own free client and peer port, in a temporary directory that
+:meth:`EtcdCluster.stop` removes. Each member (:class:`EtcdClusterMember`) can be
+killed, suspended, stopped and restarted on its own, which is how tests take the
+leader away or lose the quorum::
+
+    with EtcdCluster() as cluster:
+        endpoints = cluster.endpoints        # "127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3"
+        old = cluster.kill_leader()
+        new = cluster.wait_for_leader(timeout=30)
+
+The members find each other through explicit loopback peer URLs on ports chosen
+free, never etcd's default 2380, so clusters and
+:class:`~etcd_rendezvous.etcd_server.EtcdServer` instances can run side by side. The
+leader is found through ``POST /v3/maintenance/status``, which every etcd since 3.4
+serves with or without the v2 API.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from types import TracebackType
+
+import urllib3
+
+from ._etcd_process import (
+    ADDRESS_IN_USE,
+    HOST,
+    NotReadyError,
+    ProbeTimeoutError,
+    ProcessExitedError,
+    free_ports,
+    last_lines,
+    member_status,
+    probe_member,
+    read_log_from,
+    terminate,
+    v2_flags,
+    wait_ready,
+)
+from .etcd_server import EtcdServerError, EtcdServerTimeoutError, find_etcd_binary
+
+__all__ = ["EtcdCluster", "EtcdClusterMember"]
+
+logger = logging.getLogger(__name__)
+
+_LOG_NAME = "etcd.log"
+_DATA_NAME = "data"
+_LOG_TAIL_LINES = 40
+_LOG_SNAPSHOT_BYTES = 1 << 20
+# etcd's defaults are 100 ms and 1 s; shorter makes a lost leader replaced in about a
+# second. Five heartbeats per election timeout is the ratio etcd recommends.
+_TIMING_ARGS = ("--heartbeat-interval=50", "--election-timeout=500")
+
+
+class _ClusterState:
+    """What the interpreter-exit safety net needs; holds no reference to the cluster."""
+
+    def __init__(self) -> None:
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.base_dir: str | None = None
+
+
+def _cleanup(state: _ClusterState) -> None:
+    """Safety net run by ``weakref.finalize`` for a cluster that was never stopped."""
+    for proc in state.procs.values():
+        terminate(proc, grace=2.0)
+    state.procs.clear()
+    if state.base_dir is not None:
+        shutil.rmtree(state.base_dir, ignore_errors=True)
+    state.base_dir = None
+
+
+class EtcdClusterMember:
+    """One member of an :class:`EtcdCluster`: an etcd process with its own data and log.
+
+    Made by :class:`EtcdCluster`, not directly. Its client and peer ports stay the
+    same for the life of the cluster, so :meth:`restart` brings it back where clients
+    expect it.
+    """
+
+    def __init__(
+        self,
+        state: _ClusterState,
+        index: int,
+        name: str,
+        member_dir: str,
+        client_port: int,
+        peer_port: int,
+        command: Sequence[str],
+        enable_v2: bool,
+    ) -> None:
+        self._state = state
+        self._index = index
+        self._name = name
+        self._member_dir = member_dir
+        self._port = client_port
+        self._peer_port = peer_port
+        self._command = list(command)
+        self._enable_v2 = enable_v2
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
+        self._suspended = False
+        self._version: str | None = None
+        self._log_snapshot: str | None = None
+        # Set once the cluster has stopped or replaced this member.
+        self._retired = False
+
+    # -- where it is -----------------------------------------------------------------
+
+    @property
+    def index(self) -> int:
+        """Position of this member in :attr:`EtcdCluster.members`."""
+        return self._index
+
+    @property
+    def name(self) -> str:
+        """etcd's ``--name`` of this member (unique to this cluster)."""
+        return self._name
+
+    @property
+    def host(self) -> str:
+        """The host the member listens on (always ``127.0.0.1``)."""
+        return HOST
+
+    @property
+    def port(self) -> int:
+        """The member's client port."""
+        return self._port
+
+    @property
+    def peer_port(self) -> int:
+        """The port the member talks raft on with the other members."""
+        return self._peer_port
+
+    @property
+    def endpoint(self) -> str:
+        """The client endpoint as ``"127.0.0.1:PORT"``."""
+        return f"{HOST}:{self._port}"
+
+    @property
+    def client_url(self) -> str:
+        """The client URL, e.g. ``"http://127.0.0.1:PORT"``."""
+        return f"http://{self.endpoint}"
+
+    @property
+    def version(self) -> str | None:
+        """etcd's version from ``GET /version``, once the member has answered."""
+        return self._version
+
+    @property
+    def data_dir(self) -> str:
+        """The member's ``--data-dir`` (removed by :meth:`EtcdCluster.stop`)."""
+        return os.path.join(self._member_dir, _DATA_NAME)
+
+    @property
+    def log_path(self) -> str:
+        """The file capturing the member's output (removed by :meth:`EtcdCluster.stop`)."""
+        return os.path.join(self._member_dir, _LOG_NAME)
+
+    def read_log(self, tail: int | None = None) -> str:
+        """Return the member's output so far (its last ``tail`` lines if given).
+
+        After :meth:`EtcdCluster.stop` this is what the log held when it was removed.
+        """
+        text = read_log_from(self.log_path) or self._log_snapshot or ""
+        return text if tail is None else last_lines(text, tail)
+
+    # -- process state ---------------------------------------------------------------
+
+    @property
+    def pid(self) -> int:
+        """Process id of the current (or last) etcd process of this member.
+
+        Raises:
+            EtcdServerError: if the member was never started.
+        """
+        proc = self._proc
+        if proc is None:
+            raise EtcdServerError(f"etcd member {self._name} has not been started")
+        return proc.pid
+
+    @property
+    def running(self) -> bool:
+        """Whether the member's process is alive (a suspended process counts as alive)."""
+        proc = self._proc
+        return proc is not None and proc.poll() is None
+
+    @property
+    def suspended(self) -> bool:
+        """Whether :meth:`suspend` was called without a matching :meth:`resume`."""
+        return self._suspended
+
+    def kill(self) -> None:
+        """SIGKILL the member, keeping its data, to simulate a crash.
+
+        :meth:`restart` brings it back on the same ports with the same data.
+        """
+        with self._lock:
+            proc = self._require_proc()
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            self._suspended = False
+
+    def suspend(self) -> None:
+        """SIGSTOP the member: it keeps its ports but stops answering, like a hung host."""
+        with self._lock:
+            proc = self._require_alive()
+            os.kill(proc.pid, signal.SIGSTOP)
+            self._suspended = True
+
+    def resume(self) -> None:
+        """SIGCONT the member after :meth:`suspend`."""
+        with self._lock:
+            proc = self._require_alive()
+            os.kill(proc.pid, signal.SIGCONT)
+            self._suspended = False
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop the member gracefully (SIGTERM, SIGKILL after ``grace`` s), keeping its data.
+
+        A no-op if it is not running; :meth:`restart` brings it back.
+        """
+        with self._lock:
+            if self._proc is not None:
+                terminate(self._proc, grace)
+            self._suspended = False
+
+    def restart(self, timeout: float = 60, num_retries: int = 10, wait: bool = True) -> None:
+        """Stop the member if it runs, start it again with the same data and ports.
+
+        Works after :meth:`kill` and :meth:`stop`. Waits until the member knows a
+        leader and serves requests, which needs a quorum of members running: to bring
+        back a cluster that lost its quorum, restart members with ``wait=False`` and
+        then call :meth:`EtcdCluster.wait_for_leader`.
+
+        Args:
+            timeout: seconds to wait for the member to be ready, in total.
+            num_retries: attempts to bind its ports again if another process holds one.
+            wait: wait for the member to be ready; ``False`` returns once the process
+                is started (a taken port then shows only in the log).
+
+        Raises:
+            EtcdServerError: if the cluster is stopped, or the ports stay taken.
+            EtcdServerTimeoutError: if the member is not ready within ``timeout``; the
+                process is left running (:meth:`EtcdCluster.stop` stops it).
+        """
+        with self._lock:
+            if self._retired or self._state.base_dir is None:
+                raise EtcdServerError(
+                    f"etcd member {self._name} belongs to a stopped cluster; start the "
+                    "cluster again and use its new members"
+                )
+            self.stop()
+            if not wait:
+                self._launch(attempt=1)
+                return
+            deadline = time.monotonic() + timeout
+            attempts = max(1, num_retries)
+            for attempt in range(1, attempts + 1):
+                self._launch(attempt)
+                if self._await_ready(deadline):
+                    return
+                # Whoever holds our port may let go: wait a little, on a deadline.
+                time.sleep(min(0.05 * attempt, max(0.0, deadline - time.monotonic())))
+            raise EtcdServerError(
+                f"etcd member {self._name} could not bind its ports {self._port} and "
+                f"{self._peer_port} again in {attempts} attempts"
+            )
+
+    def __repr__(self) -> str:
+        state = "suspended" if self._suspended else "running" if self.running else "not running"
+        return f"<EtcdClusterMember {self._name} {self.client_url} {state}>"
+
+    # -- internals (driven by EtcdCluster) -------------------------------------------
+
+    def _require_proc(self) -> subprocess.Popen[bytes]:
+        proc = self._proc
+        if proc is None:
+            raise EtcdServerError(f"etcd member {self._name} has not been started")
+        return proc
+
+    def _require_alive(self) -> subprocess.Popen[bytes]:
+        proc = self._require_proc()
+        if proc.poll() is not None:
+            raise EtcdServerError(
+                f"etcd member {self._name} (pid {proc.pid}) has exited with code {proc.returncode}"
+            )
+        return proc
+
+    def _launch(self, attempt: int) -> None:
+        """Start the process, appending its output to the log; does not wait."""
+        os.makedirs(self._member_dir, exist_ok=True)
+        logger.debug("starting etcd member %s (attempt %d): %s", self._name, attempt, self._command)
+        with open(self.log_path, "ab") as log:
+            header = f"=== etcd-rendezvous: attempt {attempt}: {' '.join(self._command)}\n"
+            log.write(header.encode())
+            log.flush()
+            self._log_offset = log.tell()
+            self._proc = subprocess.Popen(
+                self._command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                close_fds=True,
+            )
+        self._state.procs[self._index] = self._proc
+        self._suspended = False
+
+    def _await_ready(self, deadline: float) -> bool:
+        """Wait until the member is ready.
+
+        Returns ``False`` if it exited because one of its ports was taken (the caller
+        may try again), ``True`` once it serves; raises on any other failure.
+        """
+        proc = self._require_proc()
+        pool = urllib3.PoolManager(retries=False)
+        try:
+            self._version = wait_ready(
+                proc,
+                deadline,
+                lambda timeout: probe_member(
+                    pool, self.client_url, self._name, timeout, self._enable_v2
+                ),
+            )
+        except ProcessExitedError:
+            output = read_log_from(self.log_path, self._log_offset)
+            if ADDRESS_IN_USE.search(output):
+                logger.info("etcd member %s could not bind its ports; trying again", self._name)
+                return False
+            raise EtcdServerError(
+                f"etcd member {self._name} exited with code {proc.returncode} during start-up "
+                f"(command: {self._command}). Last lines of {self.log_path}:\n"
+                f"{last_lines(output, _LOG_TAIL_LINES)}"
+            ) from None
+        except ProbeTimeoutError as exc:
+            raise EtcdServerTimeoutError(
+                f"etcd member {self._name} at {self.client_url} was not ready in time ({exc}). "
+                f"Last lines of {self.log_path}:\n{self.read_log(_LOG_TAIL_LINES)}"
+            ) from None
+        finally:
+            pool.clear()
+        return True
+
+    def _status(self, pool: urllib3.PoolManager, timeout: float) -> tuple[str, str | None, int]:
+        """``(member id, leader id or None, raft term)`` from the member's status."""
+        return member_status(pool, self.client_url, urllib3.Timeout(timeout))
+
+    def _forget(self) -> None:
+        """Keep the log's text in memory; the cluster is about to remove the files."""
+        log = read_log_from(self.log_path)
+        if log:
+            self._log_snapshot = log[-_LOG_SNAPSHOT_BYTES:]
+        self._proc = None
+        self._suspended = False
+        self._retired = True
+
+
+class EtcdCluster:
+    """``size`` etcd members forming one cluster on 127.0.0.1, by default with the v2 API.
+
+    Usable as a context manager (``with EtcdCluster() as cluster: ...``). The cluster
+    runs in a temporary directory (member ``i``'s data in ``m<i>/data``, its output
+    in ``m<i>/etcd.log``) that :meth:`stop` removes. A cluster that is never stopped
+    is killed when it is garbage-collected or at interpreter exit, but that safety
+    net is no substitute for :meth:`stop`.
+
+    Args:
+        size: number of members; 3 tolerates the loss of one.
+        etcd_binary: the etcd binary; see
+            :func:`~etcd_rendezvous.etcd_server.find_etcd_binary` for the fallbacks.
+        enable_v2: serve etcd's v2 API (``--enable-v2=true``) on every member.
+            ``False`` leaves the flag out: the members serve the v3 API only, like
+            etcd 3.6.
+        extra_args: more command-line arguments for every member, appended last
+            (they may override the short ``--heartbeat-interval=50`` and
+            ``--election-timeout=500`` the cluster uses).
+
+    Raises:
+        EtcdBinaryNotFoundError: if no etcd binary can be found.
+        ValueError: if ``size`` is less than 1.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        etcd_binary: str | None = None,
+        enable_v2: bool = True,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"size must be at least 1, got {size}")
+        if isinstance(extra_args, str):
+            raise TypeError("extra_args must be a sequence of arguments, not a string")
+        self._size = size
+        self._binary = find_etcd_binary(etcd_binary)
+        self._enable_v2 = enable_v2
+        self._extra_args = list(extra_args)
+        self._name = f"etcd-{uuid.uuid4().hex[:8]}"
+        self._lock = threading.RLock()
+        self._state = _ClusterState()
+        self._finalizer = weakref.finalize(self, _cleanup, self._state)
+        self._members: list[EtcdClusterMember] = []
+
+    # -- what it is ------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Number of members."""
+        return self._size
+
+    @property
+    def binary(self) -> str:
+        """Path of the etcd binary the members run."""
+        return self._binary
+
+    @property
+    def enable_v2(self) -> bool:
+        """Whether the members serve etcd's v2 API (the ``enable_v2`` argument)."""
+        return self._enable_v2
+
+    @property
+    def name(self) -> str:
+        """Prefix of the member names, unique to this cluster (e.g. ``etcd-1a2b3c4d``)."""
+        return self._name
+
+    @property
+    def members(self) -> tuple[EtcdClusterMember, ...]:
+        """The members in order; empty before the first :meth:`start`."""
+        return tuple(self._members)
+
+    @property
+    def endpoints(self) -> str:
+        """Every member's client endpoint, ``"127.0.0.1:P1,127.0.0.1:P2,..."``.
+
+        The form of a rendezvous ``endpoint`` parameter and of ``torchrun
+        --rdzv-endpoint``. Empty before the first :meth:`start`.
+        """
+        return ",".join(member.endpoint for member in self._members)
+
+    def get_endpoints(self) -> str:
+        """Return :attr:`endpoints`."""
+        return self.endpoints
+
+    @property
+    def version(self) -> str | None:
+        """etcd's version (from ``GET /version``), once started."""
+        return self._members[0].version if self._members else None
+
+    @property
+    def base_dir(self) -> str | None:
+        """The directory holding every member's data and log; removed by :meth:`stop`."""
+        return self._state.base_dir
+
+    def read_logs(self, tail: int | None = None) -> str:
+        """Every member's output (its last ``tail`` lines each), under a heading per member."""
+        return "\n".join(
+            f"--- {member.name} ({member.endpoint}) ---\n{member.read_log(tail)}"
+            for member in self._members
+        )
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self, timeout: float = 60, num_retries: int = 3) -> EtcdCluster:
+        """Start every member and wait until each one knows a leader and serves requests.
+
+        A no-op on a started cluster (even if some members were killed since).
+
+        Args:
+            timeout: seconds to wait for the cluster to be ready, in total.
+            num_retries: attempts, each on new free ports, when a port was taken by
+                another process before a member could bind it.
+
+        Returns:
+            The cluster itself.
+
+        Raises:
+            EtcdServerTimeoutError: if the cluster is not ready within ``timeout``.
+            EtcdServerError: if a member exits during start-up; the message has the
+                tail of its log.
+        """
+        with self._lock:
+            if self._state.base_dir is not None:
+                return self
+            self._state.base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-cluster-")
+            started = time.monotonic()
+            try:
+                self._launch_with_retries(started + timeout, max(1, num_retries))
+            except BaseException:
+                self._discard()
+                raise
+            logger.info(
+                "etcd %s cluster of %d serving %s in %.2fs",
+                self.version,
+                self._size,
+                self.endpoints,
+                time.monotonic() - started,
+            )
+            return self
+
+    def stop(self, grace: float = 10.0) -> None:
+        """Stop every member and remove the cluster's directory; idempotent.
+
+        Each member gets SIGTERM, then SIGKILL if it has not exited after ``grace``
+        seconds. The members' logs stay readable (:meth:`read_logs`).
+        """
+        with self._lock:
+            for member in self._members:
+                member.stop(grace)
+            self._discard()
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        running = sum(member.running for member in self._members)
+        return (
+            f"<EtcdCluster {self._name} {running}/{self._size} running "
+            f"[{self.endpoints}] binary={self._binary!r}>"
+        )
+
+    # -- the leader ------------------------------------------------------------------
+
+    def leader(self, request_timeout: float = 1.0) -> EtcdClusterMember | None:
+        """Return the member that leads the cluster now, or ``None`` if none does.
+
+        Asks every running, unsuspended member for ``POST /v3/maintenance/status``; a
+        member leads if the ``leader`` it reports is its own ``header.member_id``. A
+        deposed leader that has not heard of a newer term yet is not taken for the
+        leader: the answer must have the highest raft term seen.
+
+        Args:
+            request_timeout: seconds to wait for each member's answer.
+        """
+        pool = urllib3.PoolManager(retries=False)
+        try:
+            answers: list[tuple[EtcdClusterMember, bool, int]] = []
+            for member in self._members:
+                if not member.running or member.suspended:
+                    continue
+                try:
+                    member_id, leader_id, term = member._status(pool, request_timeout)
+                except NotReadyError:
+                    continue
+                answers.append((member, leader_id == member_id, term))
+        finally:
+            pool.clear()
+        leaders = [(term, member) for member, leads, term in answers if leads]
+        if not leaders:
+            return None
+        leader_term, leader = max(leaders, key=lambda pair: pair[0])
+        newest_term = max(term for _, _, term in answers)
+        return leader if leader_term >= newest_term else None
+
+    def wait_for_leader(self, timeout: float = 30.0) -> EtcdClusterMember:
+        """Wait until a running member leads the cluster, and return it.
+
+        Raises:
+            EtcdServerTimeoutError: if no member leads within ``timeout`` seconds (a
+                cluster that has lost its quorum cannot elect one).
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            remaining = deadline - time.monotonic()
+            member = self.leader(request_timeout=max(0.05, min(1.0, remaining)))
+            if member is not None:
+                return member
+            if time.monotonic() >= deadline:
+                running = [m.name for m in self._members if m.running and not m.suspended]
+                raise EtcdServerTimeoutError(
+                    f"etcd cluster {self._name} has no leader after {timeout}s "
+                    f"(members answering: {running or 'none'})"
+                )
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.2)
+
+    def kill_leader(self, timeout: float = 30.0) -> EtcdClusterMember:
+        """SIGKILL the current leader (waiting up to ``timeout`` for one); return it.
+
+        The survivors elect a new leader if they hold a quorum; see
+        :meth:`wait_for_leader`.
+        """
+        member = self.wait_for_leader(timeout)
+        logger.info("killing the etcd leader %s (pid %d)", member.name, member.pid)
+        member.kill()
+        return member
+
+    # -- internals -------------------------------------------------------------------
+
+    def _launch_with_retries(self, deadline: float, attempts: int) -> None:
+        for attempt in range(1, attempts + 1):
+            if self._launch_all(deadline, attempt):
+                return
+        raise EtcdServerError(
+            f"etcd cluster {self._name} could not start in {attempts} attempts: "
+            "another process took one of its ports first each time"
+        )
+
+    def _launch_all(self, deadline: float, attempt: int) -> bool:
+        """Start every member on new free ports and wait until all are ready.
+
+        Returns ``False`` if a member could not bind a port (all members are stopped
+        and their data removed, so the caller may try again), ``True`` once all serve.
+        """
+        base = self._state.base_dir
+        if base is None:
+            raise EtcdServerError(f"etcd cluster {self._name} is not started")
+        ports = free_ports(2 * self._size)
+        client_ports, peer_ports = ports[: self._size], ports[self._size :]
+        names = [f"{self._name}-m{i}" for i in range(self._size)]
+        initial_cluster = ",".join(
+            f"{name}=http://{HOST}:{port}" for name, port in zip(names, peer_ports)
+        )
+        self._members = []
+        for i, name in enumerate(names):
+            member_dir = os.path.join(base, f"m{i}")
+            # A failed attempt's data belongs to a cluster with other peer URLs.
+            shutil.rmtree(os.path.join(member_dir, _DATA_NAME), ignore_errors=True)
+            client_url = f"http://{HOST}:{client_ports[i]}"
+            peer_url = f"http://{HOST}:{peer_ports[i]}"
+            command = [
+                self._binary,
+                *v2_flags(self._enable_v2),
+                f"--name={name}",
+                f"--data-dir={os.path.join(member_dir, _DATA_NAME)}",
+                f"--listen-client-urls={client_url}",
+                f"--advertise-client-urls={client_url}",
+                f"--listen-peer-urls={peer_url}",
+                f"--initial-advertise-peer-urls={peer_url}",
+                f"--initial-cluster={initial_cluster}",
+                "--initial-cluster-state=new",
+                f"--initial-cluster-token={self._name}-{attempt}",
+                *_TIMING_ARGS,
+                *self._extra_args,
+            ]
+            self._members.append(
+                EtcdClusterMember(
+                    self._state,
+                    i,
+                    name,
+                    member_dir,
+                    client_ports[i],
+                    peer_ports[i],
+                    command,
+                    self._enable_v2,
+                )
+            )
+        for member in self._members:
+            member._launch(attempt)
+        if all(member._await_ready(deadline) for member in self._members):
+            return True
+        for member in self._members:
+            member.stop(grace=2.0)
+            member._forget()
+        return False
+
+    def _discard(self) -> None:
+        """Forget the processes and remove the directory, keeping the logs' text."""
+        for member in self._members:
+            if member.running:
+                member.stop(grace=2.0)
+            member._forget()
+        self._state.procs.clear()
+        if self._state.base_dir is not None:
+            shutil.rmtree(self._state.base_dir, ignore_errors=True)
+        self._state.base_dir = None
