@@ -255,6 +255,32 @@ def _stop_keepers(keepers: list[_LeaseKeeper]) -> None:
 # -- the state machine -------------------------------------------------------------------
 
 
+def _check_arguments(
+    prefix: object,
+    run_id: object,
+    num_min_workers: int,
+    num_max_workers: int,
+    timeout: float,
+    last_call_timeout: float,
+) -> None:
+    """Raise naming the first invalid argument of :class:`EtcdRendezvous`."""
+    if not isinstance(run_id, str) or not run_id or "/" in run_id:
+        raise ValueError(f"run_id: must be a non-empty string without '/', got {run_id!r}.")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix: must be a string, got {prefix!r}.")
+    if num_min_workers < 1:
+        raise ValueError(f"num_min_workers: must be at least 1, got {num_min_workers}.")
+    if num_max_workers < num_min_workers:
+        raise ValueError(
+            f"num_max_workers: must be at least num_min_workers ({num_min_workers}), "
+            f"got {num_max_workers}."
+        )
+    if timeout <= 0:
+        raise ValueError(f"timeout: must be positive, got {timeout}.")
+    if last_call_timeout < 0:
+        raise ValueError(f"last_call_timeout: must not be negative, got {last_call_timeout}.")
+
+
 class EtcdRendezvous:
     """A rendezvous that uses `etcd <https://etcd.io/>`__ (v2 API) as the backend store.
 
@@ -270,6 +296,13 @@ class EtcdRendezvous:
         timeout: seconds :meth:`rendezvous_barrier` may take.
         last_call_timeout: seconds to wait for more workers once ``num_min_workers``
             joined.
+        owns_connection: whether :meth:`close` closes ``client`` when it is an
+            :class:`~etcd_rendezvous._client.EtcdConnection` (set by whoever opened it
+            and hands it over, as :func:`create_rdzv_handler` does). A connection the
+            rendezvous converted from an ``etcd.Client`` is always its own. An owned
+            connection is also closed if the constructor raises.
+
+    The rendezvous is a context manager: leaving the block calls :meth:`close`.
 
     Raises:
         ValueError: a parameter is invalid (the message names it).
@@ -286,47 +319,51 @@ class EtcdRendezvous:
         num_max_workers: int,
         timeout: float,
         last_call_timeout: float,
+        *,
+        owns_connection: bool = False,
     ) -> None:
-        if not isinstance(run_id, str) or not run_id or "/" in run_id:
-            raise ValueError(f"run_id: must be a non-empty string without '/', got {run_id!r}.")
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix: must be a string, got {prefix!r}.")
-        if num_min_workers < 1:
-            raise ValueError(f"num_min_workers: must be at least 1, got {num_min_workers}.")
-        if num_max_workers < num_min_workers:
-            raise ValueError(
-                f"num_max_workers: must be at least num_min_workers ({num_min_workers}), "
-                f"got {num_max_workers}."
-            )
-        if timeout <= 0:
-            raise ValueError(f"timeout: must be positive, got {timeout}.")
-        if last_call_timeout < 0:
-            raise ValueError(f"last_call_timeout: must not be negative, got {last_call_timeout}.")
-
         self.client = client
         self._conn = EtcdConnection.from_client(client, param="client")
-        self._owns_conn = self._conn is not client
-        self._prefix = _normalize_key(prefix).rstrip("/") + "/"
-        self._run_id = run_id
-        self._num_min_workers = num_min_workers
-        self._num_max_workers = num_max_workers
-        self._timeout = float(timeout)
-        self._last_call_timeout = float(last_call_timeout)
-        self._rendezvous_deadline = Deadline(self._timeout)
+        self._owns_conn = owns_connection or self._conn is not client
+        self._close_lock = threading.Lock()
+        self._closed = False
         self._keepers: list[_LeaseKeeper] = []
         self._lease_this_rank: _LeaseKeeper | None = None
         self._last_state: dict[str, Any] | None = None
         self._finalizer = weakref.finalize(self, _stop_keepers, self._keepers)
-        logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
+        try:
+            _check_arguments(
+                prefix, run_id, num_min_workers, num_max_workers, timeout, last_call_timeout
+            )
+            self._prefix = _normalize_key(prefix).rstrip("/") + "/"
+            self._run_id = run_id
+            self._num_min_workers = num_min_workers
+            self._num_max_workers = num_max_workers
+            self._timeout = float(timeout)
+            self._last_call_timeout = float(last_call_timeout)
+            self._rendezvous_deadline = Deadline(self._timeout)
+            logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
+            self._create_run_keys()
+        except BaseException:
+            self.close()
+            raise
 
+    def __enter__(self) -> EtcdRendezvous:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- set-up and tear-down ---------------------------------------------------------
+
+    def _create_run_keys(self) -> None:
+        """Create the run's directories and version counter, if missing."""
         if self._prefix != "/":
             self.create_path_if_not_exists(self._prefix)
         self._setup_run_dir()
         self.create_path_if_not_exists(self.get_path("/rdzv"))
         with contextlib.suppress(KeyExistsError):
             self._conn.create(self.get_path("/rdzv/version_counter"), "0", value_is_unique=False)
-
-    # -- set-up and tear-down ---------------------------------------------------------
 
     def _setup_run_dir(self) -> None:
         run_dir = self.get_path("")
@@ -374,7 +411,13 @@ class EtcdRendezvous:
         self._lease_this_rank = None
 
     def close(self) -> None:
-        """Stop the keep-alive threads and release the etcd connection. Idempotent."""
+        """Stop the keep-alive threads and release the etcd connection if the rendezvous
+        owns it (see ``owns_connection``). The rendezvous stays open for the other
+        workers. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         self.stop_lease_renewals()
         if self._owns_conn:
             self._conn.close()
@@ -945,7 +988,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
     The handler is a context manager: leaving the block calls :meth:`close`.
 
     Args:
-        rdzv_impl: the rendezvous implementation.
+        rdzv_impl: the rendezvous implementation. The handler takes it over (as in
+            PyTorch, it is this one worker's state): :meth:`close` closes it, which
+            releases the connection if ``rdzv_impl`` owns it.
         local_addr: the address other nodes reach this node at (published by rank 0 as
             ``MASTER_ADDR``); the host's FQDN if ``None``.
         backend_name: what :meth:`get_backend` reports: the name the handler was
@@ -1036,8 +1081,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._rdzv_impl.stop_lease_renewals()
 
     def close(self) -> None:
-        """Stop the keep-alive threads and release the connection, without closing the
-        rendezvous for the other workers. Idempotent."""
+        """Stop the keep-alive threads and release the connection the rendezvous owns,
+        without closing the rendezvous for the other workers. Idempotent."""
         self._rdzv_impl.close()
 
 
@@ -1094,7 +1139,8 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     ===================  ===================================================  ==================
 
     The handler's :meth:`~EtcdRendezvousHandler.get_backend` reports
-    ``params.backend`` (``etcd`` for a URL).
+    ``params.backend`` (``etcd`` for a URL). It owns the connection opened here:
+    :meth:`~EtcdRendezvousHandler.close` releases it.
 
     Raises:
         ValueError: a parameter is invalid; the message names it.
@@ -1108,21 +1154,16 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     )
     prefix = params.get("etcd_prefix", _DEFAULT_PREFIX)
     torch_store = torch_store_wanted(params)
-    conn = _create_etcd_connection(params)
-    try:
-        rdzv = EtcdRendezvous(
-            client=conn,
-            prefix=str(prefix),
-            run_id=params.run_id,
-            num_min_workers=params.min_nodes,
-            num_max_workers=params.max_nodes,
-            timeout=timeout,
-            last_call_timeout=last_call_timeout,
-        )
-    except BaseException:
-        conn.close()
-        raise
-    rdzv._owns_conn = True
+    rdzv = EtcdRendezvous(
+        client=_create_etcd_connection(params),
+        prefix=str(prefix),
+        run_id=params.run_id,
+        num_min_workers=params.min_nodes,
+        num_max_workers=params.max_nodes,
+        timeout=timeout,
+        last_call_timeout=last_call_timeout,
+        owns_connection=True,
+    )
     return EtcdRendezvousHandler(
         rdzv_impl=rdzv,
         local_addr=params.local_addr,

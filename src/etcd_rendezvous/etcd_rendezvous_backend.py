@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import binascii
 import logging
+import threading
 from base64 import b64decode, b64encode
 from typing import Any
 
@@ -68,6 +69,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     The fencing token is the etcd ``modifiedIndex`` of the state it was read with.
 
+    The backend releases the connection it owns on :meth:`close` (or leaving a ``with``
+    block): the one it opened itself from an ``etcd.Client``, or one handed over with
+    ``owns_connection=True`` (as :func:`create_backend` does). A connection it was merely
+    given stays open for its owner.
+
     Args:
         client: the :class:`~etcd_rendezvous._client.EtcdConnection` to use, or a
             python-etcd ``etcd.Client`` (converted with
@@ -77,6 +83,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
             key is ``<key_prefix>/<run_id>`` (just ``run_id`` without a prefix).
         ttl: the TTL of the rendezvous state, in seconds. If not specified (or not
             positive), defaults to two hours.
+        owns_connection: whether :meth:`close` closes ``client`` when it is an
+            :class:`~etcd_rendezvous._client.EtcdConnection`; a connection converted from
+            an ``etcd.Client`` is always the backend's own. An owned connection is also
+            closed if the constructor raises.
 
     Raises:
         ValueError: ``run_id`` is empty.
@@ -91,10 +101,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
         run_id: str,
         key_prefix: str | None = None,
         ttl: int | None = None,
+        *,
+        owns_connection: bool = False,
     ) -> None:
-        if not run_id:
-            raise ValueError("The run id must be a non-empty string.")
         self._conn = EtcdConnection.from_client(client, param="client")
+        self._owns_conn = owns_connection or self._conn is not client
+        self._close_lock = threading.Lock()
+        self._closed = False
+        if not run_id:
+            self.close()
+            raise ValueError("The run id must be a non-empty string.")
         self._key = f"{key_prefix}/{run_id}" if key_prefix else run_id
         self._ttl = ttl if ttl and ttl > 0 else self._DEFAULT_TTL
         # The etcd index at which the key was last seen missing: a watch for its
@@ -103,6 +119,24 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(key={self._key!r}, endpoints={self._conn.endpoints!r})"
+
+    def __enter__(self) -> EtcdRendezvousBackend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the connection if the backend owns it (see the class docs). Idempotent.
+
+        The rendezvous state is left in etcd.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._owns_conn:
+            self._conn.close()
 
     @property
     def name(self) -> str:
@@ -300,6 +334,11 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     ``/torch/elastic/store``, as in PyTorch. The endpoints are contacted once, so a
     wrong address fails here rather than in the first rendezvous.
 
+    Both share one connection, owned by the backend: :meth:`EtcdRendezvousBackend.close`
+    releases it (the store borrows it and its ``close()`` leaves it open). Pass
+    ``owns_backend=True`` to :func:`~etcd_rendezvous.dynamic_rendezvous.create_handler`
+    to have the handler close the backend in turn.
+
     Raises:
         ValueError: an option or the endpoint is invalid; the message names it.
         RendezvousConnectionError: etcd cannot be reached at any endpoint (or does not
@@ -308,11 +347,13 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     conn = create_etcd_connection(
         params, cert_option="ssl_cert", key_option="ssl_cert_key", cacert_option="ca_cert"
     )
+    backend = EtcdRendezvousBackend(
+        conn, params.run_id, key_prefix=_STATE_PREFIX, owns_connection=True
+    )
     try:
-        backend = EtcdRendezvousBackend(conn, params.run_id, key_prefix=_STATE_PREFIX)
         # Fail early, as PyTorch's client does when it connects: one read of the key.
         conn.try_get(backend.key)
     except BaseException:
-        conn.close()
+        backend.close()
         raise
     return backend, EtcdStore(conn, _STORE_PREFIX)

@@ -28,6 +28,7 @@ import logging
 import operator
 import posixpath
 import random
+import threading
 import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable, Iterable, Sequence
@@ -81,6 +82,11 @@ class EtcdStore:
     ``init_process_group(store=...)``). The handlers do that for you when PyTorch is
     installed. It is safe to share between threads.
 
+    The store releases the connection it owns on :meth:`close` (or leaving a ``with``
+    block): the one it opened itself from an ``etcd.Client``, or an
+    :class:`~etcd_rendezvous._client.EtcdConnection` handed over with
+    ``owns_connection=True``. A connection it was merely given stays open for its owner.
+
     Args:
         etcd_client: an :class:`~etcd_rendezvous._client.EtcdConnection`, or a
             python-etcd ``etcd.Client`` (converted with
@@ -90,6 +96,10 @@ class EtcdStore:
             added if missing (as in PyTorch).
         timeout: how long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for a
             key; defaults to :data:`DEFAULT_TIMEOUT` (300 s).
+        owns_connection: whether :meth:`close` closes ``etcd_client`` when it is an
+            :class:`~etcd_rendezvous._client.EtcdConnection` (set by whoever opened it
+            and hands it over); a connection converted from an ``etcd.Client`` is always
+            the store's own.
 
     Raises:
         TypeError: ``etcd_client`` is neither kind of client, ``etcd_store_prefix`` is
@@ -101,6 +111,8 @@ class EtcdStore:
         etcd_client: Any,
         etcd_store_prefix: str,
         timeout: timedelta | None = None,
+        *,
+        owns_connection: bool = False,
     ) -> None:
         if not isinstance(etcd_store_prefix, str):
             raise TypeError(
@@ -111,6 +123,9 @@ class EtcdStore:
         #: :class:`~etcd_rendezvous._client.EtcdConnection`).
         self.client = etcd_client
         self._conn = EtcdConnection.from_client(etcd_client, param="etcd_client")
+        self._owns_conn = owns_connection or self._conn is not etcd_client
+        self._close_lock = threading.Lock()
+        self._closed = False
         #: The store directory, always ending in ``/``; keys are ``prefix + base64(key)``.
         self.prefix = (
             etcd_store_prefix if etcd_store_prefix.endswith("/") else etcd_store_prefix + "/"
@@ -122,6 +137,24 @@ class EtcdStore:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(prefix={self.prefix!r}, endpoints={self._conn.endpoints!r})"
+
+    def __enter__(self) -> EtcdStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the connection if the store owns it (see the class docs). Idempotent.
+
+        The keys are left in etcd; a store given a connection leaves it open.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._owns_conn:
+            self._conn.close()
 
     # -- configuration -----------------------------------------------------------------
 
