@@ -65,7 +65,7 @@ from datetime import datetime, timedelta, timezone
 from enum import Enum
 from typing import Any, ClassVar
 
-from ._retry import Backoff
+from ._retry import CONTENTION, Deadline
 from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
     RendezvousClosedError,
@@ -926,8 +926,10 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
     ) -> None:
         """See base class."""
         # Losers of a write race retry at once with the newer state in PyTorch; a short
-        # jittered back-off spreads many contending nodes out instead.
-        backoff = Backoff(initial=0.005, cap=0.1)
+        # jittered back-off spreads many contending nodes out instead. It only pauses:
+        # the operation decides what a passed deadline means (a joining node may still
+        # roll back, a redundant node waits on), returning ERROR_TIMEOUT when it is time.
+        retry = CONTENTION.start(Deadline.at(deadline))
         action = None
         while action != _Action.FINISH:
             # Reads or writes the latest rendezvous state shared by all nodes in the
@@ -936,7 +938,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             has_set = self._state_holder.sync()
             if has_set is not None:
                 if has_set:
-                    backoff.reset()
+                    retry.reset()
                     logger.debug(
                         "The node '%s' has successfully synced its local changes with other "
                         "nodes in the rendezvous '%s'.",
@@ -950,7 +952,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
                         self._node,
                         self._settings.run_id,
                     )
-                    _delay(min(backoff.next_delay(), max(deadline - time.monotonic(), 0.0)))
+                    retry.pause()
 
             self._state = self._state_holder.state
 
@@ -991,6 +993,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
                 # Update the deadline since the node may participate in the rendezvous.
                 if update_deadline:
                     deadline = update_deadline(self._settings.timeout.join)
+                    retry = CONTENTION.start(Deadline.at(deadline))
             elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
                 self._mark_rendezvous_complete()
             elif action == _Action.MARK_RENDEZVOUS_CLOSED:

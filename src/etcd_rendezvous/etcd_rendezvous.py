@@ -58,7 +58,7 @@ from ._client import (
 )
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
-from ._retry import Backoff, Deadline
+from ._retry import CONNECTION, CONTENTION, Deadline, Retry
 from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
     RendezvousClosedError,
@@ -181,15 +181,6 @@ def _dir_ttl_refreshable(version: str) -> bool:
     except ValueError:
         return True
     return (major, minor) < (3, 5)
-
-
-def _contention_backoff() -> Backoff:
-    """Back-off after losing a compare-and-swap race on a shared key.
-
-    Full jitter over a window that doubles from 10 ms up to 250 ms spreads tens of
-    contending workers over time, so that most attempts succeed instead of colliding.
-    """
-    return Backoff(initial=0.01, cap=0.25)
 
 
 # -- keep-alive threads ------------------------------------------------------------------
@@ -442,11 +433,13 @@ class EtcdRendezvous:
             RendezvousError: other non-retryable errors.
         """
         self._rendezvous_deadline = Deadline(self._timeout)
-        backoff = Backoff(initial=0.05, cap=1.0)
         last_error: Exception | None = None
+        retry = CONNECTION.start(
+            self._rendezvous_deadline,
+            lambda: RendezvousTimeoutError(self._timeout_message(last_error)),
+        )
         while True:
-            if self._rendezvous_deadline.expired():
-                raise RendezvousTimeoutError(self._timeout_message(last_error))
+            retry.check()
             logger.info("Attempting to join next rendezvous")
             try:
                 if self._lease_this_rank is not None:
@@ -460,11 +453,11 @@ class EtcdRendezvous:
             except (EtcdRendezvousRetryableFailure, CompareFailedError, KeyNotFoundError) as exc:
                 logger.debug("Rendezvous attempt must be retried: %r", exc)
                 last_error = exc
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
             except RendezvousConnectionError as exc:
                 logger.warning("Rendezvous attempt failed, will retry: %s", exc)
                 last_error = exc
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
             except RendezvousTimeoutError:
                 logger.info("Rendezvous timeout occurred in EtcdRendezvousHandler")
                 raise
@@ -485,6 +478,24 @@ class EtcdRendezvous:
     def _check_deadline(self) -> None:
         if self._rendezvous_deadline.expired():
             raise RendezvousTimeoutError(self._timeout_message())
+
+    def _contention_retry(self) -> Retry:
+        """A retry after a lost compare-and-swap, until the rendezvous deadline."""
+        return CONTENTION.start(
+            self._rendezvous_deadline, lambda: RendezvousTimeoutError(self._timeout_message())
+        )
+
+    def _race_retry(self, key: str, what: str, timeout: float | None) -> Retry:
+        """A retry after a lost race on ``key``, outside the barrier: for ``timeout``
+        seconds (the rendezvous timeout if ``None``)."""
+        seconds = self._timeout if timeout is None else timeout
+        return CONTENTION.start(
+            seconds,
+            lambda: RendezvousTimeoutError(
+                f"Could not {what} within {seconds:g} s: other workers kept changing "
+                f"etcd key {key!r} first."
+            ),
+        )
 
     def init_phase(self) -> tuple[str, int, int]:
         """Create a new rendezvous state, or join/observe the existing one.
@@ -612,7 +623,7 @@ class EtcdRendezvous:
         Returns:
             The new state node and our rank.
         """
-        backoff = _contention_backoff()
+        retry = self._contention_retry()
         while True:
             self._check_deadline()
             active_version, state = self.get_rdzv_state()
@@ -652,7 +663,7 @@ class EtcdRendezvous:
                 )
             except CompareFailedError:
                 logger.debug("Join rendezvous CAS unsuccessful, retrying")
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
                 continue
             return active_version, this_rank
 
@@ -681,7 +692,7 @@ class EtcdRendezvous:
 
     def confirm_membership(self, expected_version: str, this_rank: int) -> Node:
         """Create our keep-alive key and add it to the frozen state's ``keep_alives``."""
-        backoff = _contention_backoff()
+        retry = self._contention_retry()
         this_lease_key = self.get_path(f"/rdzv/v_{expected_version}/rank_{this_rank}")
         lease_set_at: Deadline | None = None
         while True:
@@ -715,7 +726,7 @@ class EtcdRendezvous:
                 )
             except CompareFailedError:
                 logger.debug("Confirm membership CAS unsuccessful, retrying")
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
                 continue
             self._lease_this_rank = _LeaseKeeper(
                 self._conn, this_lease_key, CONST_WORKER_KEEPALIVE_TTL
@@ -729,7 +740,7 @@ class EtcdRendezvous:
 
     def announce_self_waiting(self, expected_version: str) -> Node:
         """Increment ``num_workers_waiting`` of the final rendezvous ``expected_version``."""
-        backoff = _contention_backoff()
+        retry = self._contention_retry()
         while True:
             self._check_deadline()
             active_version, state = self.get_rdzv_state()
@@ -744,7 +755,7 @@ class EtcdRendezvous:
                 )
             except CompareFailedError:
                 logger.debug("Announce self as waiting CAS unsuccessful, retrying")
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
 
     def wait_for_rendezvous_to_free(self, expected_version: str) -> None:
         """Wait until the final rendezvous ``expected_version`` ends.
@@ -791,7 +802,7 @@ class EtcdRendezvous:
         Raises:
             EtcdRendezvousRetryableFailure: the state changed in any other way.
         """
-        backoff = _contention_backoff()
+        retry = self._contention_retry()
         active_version, state = self.get_rdzv_state()
         while True:
             if state["status"] == "frozen" and state["version"] == expected_version:
@@ -813,7 +824,7 @@ class EtcdRendezvous:
                     return
                 except CompareFailedError:
                     logger.debug("Join last-call transition CAS unsuccessful. Will retry")
-                    backoff.wait(self._rendezvous_deadline)
+                    retry.wait()
                     active_version, state = self.get_rdzv_state()
                     continue
             # Refresh the TTL, but only while the state is still the one we saw: hence a
@@ -828,7 +839,7 @@ class EtcdRendezvous:
                 )
             except CompareFailedError:
                 logger.debug("Join last-call TTL refresh CAS unsuccessful, will retry")
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
                 active_version, state = self.get_rdzv_state()
                 continue
             timeout = min(CONST_ETCD_JOINABLE_EPHEMERAL_TTL / 2, deadline.remaining() + 0.01)
@@ -836,10 +847,18 @@ class EtcdRendezvous:
                 etcd_index=active_version.etcd_index + 1, timeout=timeout
             )
 
-    def set_closed(self) -> None:
-        """Mark the rendezvous of this run closed; workers then stop re-rendezvousing."""
-        backoff = _contention_backoff()
+    def set_closed(self, timeout: float | None = None) -> None:
+        """Mark the rendezvous of this run closed; workers then stop re-rendezvousing.
+
+        Args:
+            timeout: seconds to go on retrying when other workers keep changing the
+                state first; the rendezvous ``timeout`` if ``None``.
+
+        Raises:
+            RendezvousTimeoutError: the state could not be written within ``timeout``.
+        """
         key = self.get_path("/rdzv/active_version")
+        retry = self._race_retry(key, f"close the rendezvous of run {self._run_id!r}", timeout)
         while True:
             try:
                 active_version, state = self.get_rdzv_state()
@@ -848,6 +867,7 @@ class EtcdRendezvous:
                     self._conn.create(key, json.dumps({"status": "closed"}), value_is_unique=False)
                     return
                 except KeyExistsError:
+                    retry.wait()
                     continue
             if state["status"] == "closed":
                 return
@@ -859,7 +879,7 @@ class EtcdRendezvous:
                 return
             except (CompareFailedError, KeyNotFoundError):
                 logger.debug("Set closed CAS unsuccessful, retrying")
-                backoff.wait()
+                retry.wait()
 
     def get_rdzv_state(self) -> tuple[Node, dict[str, Any]]:
         """Read and validate the current state.
@@ -906,8 +926,18 @@ class EtcdRendezvous:
         """Create directory ``full_path`` (with ``ttl``) unless it exists."""
         self._conn.mkdir(full_path, ttl=ttl)
 
-    def store_extra_data(self, rdzv_version: str, key: str, value: Any) -> None:
-        """Store ``key: value`` (JSON-serialisable) in the version's ``extra_data`` key."""
+    def store_extra_data(
+        self, rdzv_version: str, key: str, value: Any, timeout: float | None = None
+    ) -> None:
+        """Store ``key: value`` (JSON-serialisable) in the version's ``extra_data`` key.
+
+        Args:
+            timeout: seconds to go on retrying when other workers keep changing the
+                key first; the rendezvous ``timeout`` if ``None``.
+
+        Raises:
+            RendezvousTimeoutError: the key could not be written within ``timeout``.
+        """
         node = self.get_path(f"/rdzv/v_{rdzv_version}/extra_data")
         encoded = json.dumps({key: value})
         try:
@@ -915,7 +945,7 @@ class EtcdRendezvous:
             return
         except KeyExistsError:
             pass
-        backoff = _contention_backoff()
+        retry = self._race_retry(node, f"store {key!r}", timeout)
         while True:
             extra_data = self._conn.get(node)
             data = self._decode_extra_data(extra_data)
@@ -927,7 +957,7 @@ class EtcdRendezvous:
                 return
             except CompareFailedError:
                 logger.debug("Store extra_data CAS unsuccessful, retrying")
-                backoff.wait()
+                retry.wait()
 
     def load_extra_data(self, rdzv_version: str, key: str, timeout: float | None = None) -> Any:
         """Return ``key`` from the version's ``extra_data``, waiting until it is stored.

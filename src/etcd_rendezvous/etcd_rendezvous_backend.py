@@ -47,7 +47,7 @@ from ._client import (
     Node,
 )
 from ._params import create_etcd_connection
-from ._retry import Backoff, Deadline
+from ._retry import REWATCH
 from .api import RendezvousParameters, RendezvousStateError
 from .dynamic_rendezvous import RendezvousBackend, Token
 from .etcd_store import EtcdStore
@@ -224,7 +224,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             RendezvousConnectionError: etcd was unreachable for longer than the read
                 timeout.
         """
-        deadline = Deadline(max(0.0, timeout))
+        rewatch = REWATCH.start(max(0.0, timeout))
+        deadline = rewatch.deadline
         expected: int | None = None
         if token:
             try:
@@ -232,7 +233,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
             except (TypeError, ValueError):
                 return
         since = expected if expected is not None else self._absent_at
-        backoff = Backoff(initial=0.01, cap=0.5)
         while True:
             if since is None:
                 # No usable starting point: read the key to get one (or a change).
@@ -248,7 +248,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             # etcd no longer holds the history since ``since`` (or the watch ended
             # early): find out from the key itself, then watch from where it was read.
             since = None
-            backoff.wait(deadline)
+            rewatch.pause()
 
     # -- internals ------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Union
 
 from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
-from ._retry import Backoff, Deadline
+from ._retry import CONTENTION, REWATCH, Deadline
 from .api import RendezvousStateError
 
 if TYPE_CHECKING:
@@ -64,8 +64,9 @@ def cas_delay() -> None:
     """Sleep for a random 0 to 0.1 s, like PyTorch's helper of the same name.
 
     Kept for code that imports it from the reference module. :class:`EtcdStore` itself
-    backs off after a failed compare-and-swap with a capped, jittered
-    :class:`~etcd_rendezvous._retry.Backoff` that starts at a few milliseconds.
+    backs off after a failed compare-and-swap with the capped, jittered
+    :data:`~etcd_rendezvous._retry.CONTENTION` policy, which starts at a few
+    milliseconds, until its :attr:`~EtcdStore.timeout`.
     """
     time.sleep(random.uniform(0, 0.1))
 
@@ -95,7 +96,9 @@ class EtcdStore:
         etcd_store_prefix: the etcd directory holding the keys; a trailing ``/`` is
             added if missing (as in PyTorch).
         timeout: how long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for a
-            key; defaults to :data:`DEFAULT_TIMEOUT` (300 s).
+            key, and how long :meth:`add`, :meth:`compare_set` and :meth:`append` go on
+            retrying when other writers keep changing the key first; defaults to
+            :data:`DEFAULT_TIMEOUT` (300 s).
         owns_connection: whether :meth:`close` closes ``etcd_client`` when it is an
             :class:`~etcd_rendezvous._client.EtcdConnection` (set by whoever opened it
             and hands it over); a connection converted from an ``etcd.Client`` is always
@@ -165,7 +168,8 @@ class EtcdStore:
 
     @property
     def timeout(self) -> timedelta:
-        """How long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for missing keys."""
+        """How long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for missing keys,
+        and the read-modify-write operations retry lost races."""
         return self._timeout
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -236,6 +240,8 @@ class EtcdStore:
             RendezvousStateError: the key holds something that is not base64.
             RendezvousConnectionError: etcd could not be reached for longer than the
                 connection's read timeout (the increment may or may not be applied).
+            LookupError: other writers kept changing the key first for longer than
+                :attr:`timeout` (the increment was not applied).
         """
         path = self._path(key)
         try:
@@ -307,6 +313,8 @@ class EtcdStore:
         Raises:
             TypeError: an argument is not ``str`` or ``bytes``.
             RendezvousStateError: the key holds something that is not base64.
+            LookupError: other writers kept changing the key first for longer than
+                :attr:`timeout`.
         """
         path = self._path(key)
         expected = _as_bytes(expected_value, "expected_value")
@@ -330,6 +338,8 @@ class EtcdStore:
         Raises:
             TypeError: ``key`` or ``value`` is not ``str`` or ``bytes``.
             RendezvousStateError: the key holds something that is not base64.
+            LookupError: other writers kept changing the key first for longer than
+                :attr:`timeout`.
         """
         path = self._path(key)
         suffix = _as_bytes(value, "value")
@@ -448,7 +458,7 @@ class EtcdStore:
         since = self._read_into(wanted, found, missing)
         # Only for a watch that ends early without an event (etcd dropped the history we
         # asked for, or an anomaly): re-reading is the fix, the back-off stops a spin.
-        backoff = Backoff(initial=0.01, cap=0.5)
+        rewatch = REWATCH.start(deadline)
         while missing:
             remaining = deadline.remaining()
             if remaining <= 0:
@@ -461,12 +471,12 @@ class EtcdStore:
             if change is None:
                 if deadline.expired():
                     break
-                backoff.wait(deadline)
+                rewatch.pause()
                 retry = dict(missing)
                 missing.clear()
                 since = self._read_into(retry, found, missing)
                 continue
-            backoff.reset()
+            rewatch.reset()
             since = max(since, change.modified_index)
             path = _clean(change.key)
             if path in missing and change.action in _VALUE_ACTIONS:
@@ -504,10 +514,21 @@ class EtcdStore:
         ``update`` receives ``None`` for a missing key and returns ``(value, write)``:
         with ``write`` false nothing is written and ``value`` is returned as it is.
         Creates with ``prevExist=false`` and swaps comparing value and index, retrying
-        with jittered back-off on contention. See :meth:`add` for what a connection failure can do.
+        with jittered back-off on contention for up to :attr:`timeout`. See :meth:`add`
+        for what a connection failure can do.
+
+        Raises:
+            LookupError: the key kept changing under us for longer than :attr:`timeout`.
         """
+        timeout = self._timeout.total_seconds()
+        retry = CONTENTION.start(
+            timeout,
+            lambda: LookupError(
+                f"Could not update key {key!r} in EtcdStore {self.prefix!r} within "
+                f"{timeout:g} s: other writers kept changing it first."
+            ),
+        )
         node = self._read(path, key)
-        backoff = Backoff()
         while True:
             if node is None:
                 new, write = update(None)
@@ -516,6 +537,7 @@ class EtcdStore:
                 try:
                     self._conn.create(path, _b64(new))
                 except KeyExistsError:
+                    retry.wait()
                     node = self._read(path, key)
                     continue
                 return bytes(new)
@@ -525,9 +547,10 @@ class EtcdStore:
             try:
                 self._conn.compare_and_swap(path, _b64(new), node)
             except CompareFailedError:
-                backoff.wait()
+                retry.wait()
                 node = self._read(path, key)
             except KeyNotFoundError:
+                retry.wait()
                 node = None
             else:
                 return bytes(new)
