@@ -422,6 +422,43 @@ def test_set_closed_before_any_rendezvous(etcd_server, run_id):
             handler.next_rendezvous()
 
 
+def _rival_before_each_swap(conn, monkeypatch):
+    """Another writer rewrites the key (same value, new index) just before each
+    compare-and-swap sent on ``conn``: every one of them loses, for real."""
+    swap = conn.compare_and_swap
+    writes = []
+
+    def rival_first(key, value, prev, **kwargs):
+        writes.append(conn.set(key, prev.value))
+        return swap(key, value, prev, **kwargs)
+
+    monkeypatch.setattr(conn, "compare_and_swap", rival_first)
+    return writes
+
+
+def test_set_closed_and_store_extra_data_give_up_at_their_timeout(
+    run_id, conn, etcd_prefix, monkeypatch
+):
+    with EtcdRendezvous(conn, etcd_prefix, run_id, 1, 1, 30, 0) as rdzv:
+        state_key = rdzv.get_path("/rdzv/active_version")
+        extra_key = rdzv.get_path("/rdzv/v_1/extra_data")
+        conn.set(state_key, json.dumps({"status": "joinable", "version": "1", "participants": []}))
+        conn.set(extra_key, "{}")
+        rival = _rival_before_each_swap(conn, monkeypatch)
+
+        started = time.monotonic()
+        expected = rf"close the rendezvous of run '{run_id}' within 0.3 s.*{state_key}"
+        with pytest.raises(RendezvousTimeoutError, match=expected):
+            rdzv.set_closed(timeout=0.3)
+        with pytest.raises(RendezvousTimeoutError, match=rf"store 'a' within 0.3 s.*{extra_key}"):
+            rdzv.store_extra_data("1", "a", 1, timeout=0.3)
+        assert time.monotonic() - started < 10
+
+        assert len(rival) > 2  # both retried, then gave up without writing
+        assert json.loads(conn.get(state_key).value)["status"] == "joinable"
+        assert conn.get(extra_key).value == "{}"
+
+
 def test_deleted_state_starts_a_new_version(etcd_server, run_id, conn):
     """A deleted state (e.g. by an operator) makes workers start a new version."""
     with create_rdzv_handler(_params(etcd_server, run_id)) as handler:

@@ -493,6 +493,52 @@ def test_append_is_atomic_across_threads(etcd_server: EtcdServer, etcd_prefix: s
     assert sorted(tokens) == sorted(f"{i}.{j}" for i in range(threads) for j in range(per_thread))
 
 
+# -- giving up on lost races ----------------------------------------------------------------
+
+
+def rival_before_each_swap(
+    conn: EtcdConnection, key: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> list[Any]:
+    """Make another writer set ``key`` to ``value`` just before each compare-and-swap
+    sent on ``conn``, so that every one of them loses for real. Returns its writes."""
+    writes: list[Any] = []
+    swap = conn.compare_and_swap
+
+    def rival_first(*args: Any, **kwargs: Any) -> Any:
+        writes.append(conn.set(key, value))
+        return swap(*args, **kwargs)
+
+    monkeypatch.setattr(conn, "compare_and_swap", rival_first)
+    return writes
+
+
+@pytest.mark.parametrize(
+    "update",
+    [
+        pytest.param(lambda store: store.add("k", 1), id="add"),
+        pytest.param(lambda store: store.compare_set("k", "7", "8"), id="compare_set"),
+        pytest.param(lambda store: store.append("k", "x"), id="append"),
+    ],
+)
+def test_read_modify_write_gives_up_at_the_store_timeout(
+    store: EtcdStore,
+    conn: EtcdConnection,
+    monkeypatch: pytest.MonkeyPatch,
+    update: Callable[[EtcdStore], Any],
+) -> None:
+    store.set("k", "7")
+    rival = rival_before_each_swap(conn, f"{store.prefix}{b64('k')}", b64("7"), monkeypatch)
+    store.set_timeout(SHORT)
+    started = time.monotonic()
+    with pytest.raises(LookupError, match=r"'k'.* within 0.3 s: other writers") as caught:
+        update(store)
+    elapsed = time.monotonic() - started
+    assert type(caught.value) is LookupError  # the store timeout, as for get()
+    assert SHORT.total_seconds() <= elapsed < LONG.total_seconds()
+    assert len(rival) > 1  # it retried, then gave up
+    assert store.get("k") == b"7"  # and wrote nothing
+
+
 # -- interoperability with PyTorch ------------------------------------------------------------
 
 

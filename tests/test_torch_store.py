@@ -97,6 +97,31 @@ def test_timeouts_raise_an_error_both_kinds_of_caller_catch(store: TorchEtcdStor
         store.multi_get(["nope"])
 
 
+def test_updates_that_keep_losing_raise_the_store_timeout_error(
+    store: TorchEtcdStore, conn: EtcdConnection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.set("n", "1")
+    swap = conn.compare_and_swap
+    counter = store.prefix + "bg=="  # base64 of "n"
+
+    def rival_first(*args: Any, **kwargs: Any) -> Any:
+        conn.set(counter, "MQ==")  # Another writer sets it to "1" again, first.
+        return swap(*args, **kwargs)
+
+    monkeypatch.setattr(conn, "compare_and_swap", rival_first)
+    store.set_timeout(timedelta(milliseconds=300))
+    for update in (
+        lambda: store.add("n", 1),
+        lambda: store.compare_set("n", "1", "2"),
+        lambda: store.append("n", "0"),
+    ):
+        with pytest.raises(StoreTimeoutError, match="'n'") as caught:
+            update()
+        assert isinstance(caught.value, LookupError)
+        assert isinstance(caught.value, dist.DistStoreError)
+    assert store.get("n") == b"1"
+
+
 def test_torch_etcd_store_wraps_only_an_etcd_store() -> None:
     with pytest.raises(TypeError, match="store: expected an EtcdStore, got dict"):
         TorchEtcdStore({})  # type: ignore[arg-type]

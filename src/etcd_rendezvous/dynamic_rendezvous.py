@@ -65,7 +65,7 @@ from datetime import datetime, timedelta, timezone
 from enum import Enum
 from typing import Any, ClassVar
 
-from ._retry import Backoff
+from ._retry import CONTENTION, Deadline
 from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
     RendezvousClosedError,
@@ -131,8 +131,8 @@ class RendezvousBackend(ABC):
 
     The state is an opaque byte string (the encoded :class:`_RendezvousState`), stored
     together with a fencing token that changes with every write. The abstract methods
-    are PyTorch's; :attr:`state_key` and :meth:`wait_for_change` are optional
-    additions with defaults that keep PyTorch's behaviour.
+    are PyTorch's; :attr:`state_key`, :meth:`wait_for_change` and :meth:`close` are
+    optional additions with defaults that keep PyTorch's behaviour.
     """
 
     @property
@@ -212,6 +212,13 @@ class RendezvousBackend(ABC):
             RendezvousConnectionError: The connection to the backend has failed.
         """
         _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
+
+    def close(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
+        """Release what the backend owns (such as its connection). Idempotent.
+
+        A handler calls it from its own ``close()`` only if it owns the backend (see
+        ``owns_backend`` of :func:`create_handler`). The default does nothing.
+        """
 
 
 # -- settings -------------------------------------------------------------------------------
@@ -919,8 +926,10 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
     ) -> None:
         """See base class."""
         # Losers of a write race retry at once with the newer state in PyTorch; a short
-        # jittered back-off spreads many contending nodes out instead.
-        backoff = Backoff(initial=0.005, cap=0.1)
+        # jittered back-off spreads many contending nodes out instead. It only pauses:
+        # the operation decides what a passed deadline means (a joining node may still
+        # roll back, a redundant node waits on), returning ERROR_TIMEOUT when it is time.
+        retry = CONTENTION.start(Deadline.at(deadline))
         action = None
         while action != _Action.FINISH:
             # Reads or writes the latest rendezvous state shared by all nodes in the
@@ -929,7 +938,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             has_set = self._state_holder.sync()
             if has_set is not None:
                 if has_set:
-                    backoff.reset()
+                    retry.reset()
                     logger.debug(
                         "The node '%s' has successfully synced its local changes with other "
                         "nodes in the rendezvous '%s'.",
@@ -943,7 +952,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
                         self._node,
                         self._settings.run_id,
                     )
-                    _delay(min(backoff.next_delay(), max(deadline - time.monotonic(), 0.0)))
+                    retry.pause()
 
             self._state = self._state_holder.state
 
@@ -984,6 +993,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
                 # Update the deadline since the node may participate in the rendezvous.
                 if update_deadline:
                     deadline = update_deadline(self._settings.timeout.join)
+                    retry = CONTENTION.start(Deadline.at(deadline))
             elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
                 self._mark_rendezvous_complete()
             elif action == _Action.MARK_RENDEZVOUS_CLOSED:
@@ -1476,7 +1486,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     Created with :meth:`from_backend` or :func:`create_handler`. Use one handler per
     agent, and call :meth:`shutdown` when done: it closes the rendezvous and stops the
-    keep-alive thread.
+    keep-alive thread. :meth:`close` (also called on leaving a ``with`` block) stops
+    the thread and releases the backend if the handler owns it, without closing the
+    rendezvous for the other nodes.
     """
 
     # Static
@@ -1505,6 +1517,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         keep_alive_max_attempt: int = 3,
         *,
         backend_name: str | None = None,
+        owns_backend: bool = False,
     ) -> DynamicRendezvousHandler:
         """Create a new :class:`DynamicRendezvousHandler`.
 
@@ -1521,6 +1534,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
             keep_alive_max_attempt: The maximum number of failed heartbeat attempts after
                 which a node is considered dead.
             backend_name: What :meth:`get_backend` reports; ``backend.name`` if ``None``.
+            owns_backend: Whether :meth:`close` closes ``backend`` (set by whoever
+                created the backend and hands it over).
 
         Raises:
             ValueError: A setting is invalid; the message names it.
@@ -1539,7 +1554,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         state_holder = _BackendRendezvousStateHolder(backend, settings)
 
-        return cls(node, settings, backend_name or backend.name, store, state_holder)
+        return cls(
+            node,
+            settings,
+            backend_name or backend.name,
+            store,
+            state_holder,
+            owned_backend=backend if owns_backend else None,
+        )
 
     def __init__(
         self,
@@ -1548,6 +1570,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend_name: str,
         store: Store,
         state_holder: _RendezvousStateHolder,
+        *,
+        owned_backend: RendezvousBackend | None = None,
     ) -> None:
         if not settings.run_id:
             raise ValueError("The run id must be a non-empty string.")
@@ -1578,6 +1602,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # The shared TCPStore server, when this node hosts it (rank 0, torch installed).
         self._shared_tcp_store_server: Any = None
         self._bootstrap_store_info: RendezvousStoreInfo | None = None
+        # The backend released by close(), if the handler owns it.
+        self._owned_backend = owned_backend
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    def __enter__(self) -> DynamicRendezvousHandler:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
         """Start the agent's shared ``TCPStore`` server (needs PyTorch)."""
@@ -1697,6 +1731,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def shutdown(self) -> bool:
         """Stop the keep-alive thread and close the rendezvous.
 
+        As in PyTorch, the backend stays open; :meth:`close` releases it.
+
         Returns:
             Whether the rendezvous could be closed; the thread is stopped either way.
         """
@@ -1714,6 +1750,22 @@ class DynamicRendezvousHandler(RendezvousHandler):
             )
             return False
         return True
+
+    def close(self) -> None:
+        """Stop the keep-alive thread and close the backend if the handler owns it.
+
+        Unlike :meth:`shutdown`, the rendezvous is not closed for the other nodes: they
+        see this node's heartbeats stop. Idempotent.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop_heartbeats()
+        # Backends that do not derive from RendezvousBackend may lack close().
+        close_backend = getattr(self._owned_backend, "close", None)
+        if close_backend is not None:
+            close_backend()
 
     def _close(self) -> None:
         op = _RendezvousCloseOp()
@@ -1804,6 +1856,7 @@ def create_handler(
     params: RendezvousParameters,
     *,
     backend_name: str | None = None,
+    owns_backend: bool = False,
 ) -> DynamicRendezvousHandler:
     """Create a new :class:`DynamicRendezvousHandler` from the specified parameters.
 
@@ -1815,6 +1868,10 @@ def create_handler(
         backend: The backend to use to hold the rendezvous state.
         backend_name: What the handler's ``get_backend()`` reports; ``backend.name``
             if ``None``.
+        owns_backend: Whether the handler's ``close()`` closes ``backend`` (and with it
+            the connection :func:`~etcd_rendezvous.etcd_rendezvous_backend.create_backend`
+            opened); set it when handing over a backend nobody else closes. The backend
+            is then also closed if this function raises.
         params: The rendezvous parameters; these options are read from its config:
 
     +--------------------------+--------------------------------------------------------+
@@ -1849,6 +1906,23 @@ def create_handler(
         ValueError: An option is invalid; the message names it.
         TypeError: ``keep_alive_interval`` or ``keep_alive_max_attempt`` is ``None``.
     """
+    try:
+        return _handler_from_params(store, backend, params, backend_name, owns_backend)
+    except BaseException:
+        close_backend = getattr(backend, "close", None)
+        if owns_backend and close_backend is not None:
+            close_backend()
+        raise
+
+
+def _handler_from_params(
+    store: Store,
+    backend: RendezvousBackend,
+    params: RendezvousParameters,
+    backend_name: str | None,
+    owns_backend: bool,
+) -> DynamicRendezvousHandler:
+    """The body of :func:`create_handler`: read the options, then build the handler."""
     timeout = RendezvousTimeout(
         _get_timeout(params, "join"),
         _get_timeout(params, "last_call"),
@@ -1879,4 +1953,5 @@ def create_handler(
         keep_alive_interval=keep_alive_interval,
         keep_alive_max_attempt=keep_alive_max_attempt,
         backend_name=backend_name,
+        owns_backend=owns_backend,
     )

@@ -58,7 +58,7 @@ from ._client import (
 )
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
-from ._retry import Backoff, Deadline
+from ._retry import CONNECTION, CONTENTION, Deadline, Retry
 from ._torch import adapt_store, torch_available, torch_store_wanted
 from ._transport import Transport
 from .api import (
@@ -175,15 +175,6 @@ def _normalize_key(key: str) -> str:
     return "/" + "/".join(part for part in key.split("/") if part)
 
 
-def _contention_backoff() -> Backoff:
-    """Back-off after losing a compare-and-swap race on a shared key.
-
-    Full jitter over a window that doubles from 10 ms up to 250 ms spreads tens of
-    contending workers over time, so that most attempts succeed instead of colliding.
-    """
-    return Backoff(initial=0.01, cap=0.25)
-
-
 # -- keep-alive threads ------------------------------------------------------------------
 
 
@@ -247,6 +238,32 @@ def _stop_keepers(keepers: list[_LeaseKeeper]) -> None:
 # -- the state machine -------------------------------------------------------------------
 
 
+def _check_arguments(
+    prefix: object,
+    run_id: object,
+    num_min_workers: int,
+    num_max_workers: int,
+    timeout: float,
+    last_call_timeout: float,
+) -> None:
+    """Raise naming the first invalid argument of :class:`EtcdRendezvous`."""
+    if not isinstance(run_id, str) or not run_id or "/" in run_id:
+        raise ValueError(f"run_id: must be a non-empty string without '/', got {run_id!r}.")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix: must be a string, got {prefix!r}.")
+    if num_min_workers < 1:
+        raise ValueError(f"num_min_workers: must be at least 1, got {num_min_workers}.")
+    if num_max_workers < num_min_workers:
+        raise ValueError(
+            f"num_max_workers: must be at least num_min_workers ({num_min_workers}), "
+            f"got {num_max_workers}."
+        )
+    if timeout <= 0:
+        raise ValueError(f"timeout: must be positive, got {timeout}.")
+    if last_call_timeout < 0:
+        raise ValueError(f"last_call_timeout: must not be negative, got {last_call_timeout}.")
+
+
 class EtcdRendezvous:
     """A rendezvous that uses `etcd <https://etcd.io/>`__ (v2 API) as the backend store.
 
@@ -262,6 +279,13 @@ class EtcdRendezvous:
         timeout: seconds :meth:`rendezvous_barrier` may take.
         last_call_timeout: seconds to wait for more workers once ``num_min_workers``
             joined.
+        owns_connection: whether :meth:`close` closes ``client`` when it is an
+            :class:`~etcd_rendezvous._client.EtcdConnection` (set by whoever opened it
+            and hands it over, as :func:`create_rdzv_handler` does). A connection the
+            rendezvous converted from an ``etcd.Client`` is always its own. An owned
+            connection is also closed if the constructor raises.
+
+    The rendezvous is a context manager: leaving the block calls :meth:`close`.
 
     Raises:
         ValueError: a parameter is invalid (the message names it).
@@ -278,47 +302,51 @@ class EtcdRendezvous:
         num_max_workers: int,
         timeout: float,
         last_call_timeout: float,
+        *,
+        owns_connection: bool = False,
     ) -> None:
-        if not isinstance(run_id, str) or not run_id or "/" in run_id:
-            raise ValueError(f"run_id: must be a non-empty string without '/', got {run_id!r}.")
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix: must be a string, got {prefix!r}.")
-        if num_min_workers < 1:
-            raise ValueError(f"num_min_workers: must be at least 1, got {num_min_workers}.")
-        if num_max_workers < num_min_workers:
-            raise ValueError(
-                f"num_max_workers: must be at least num_min_workers ({num_min_workers}), "
-                f"got {num_max_workers}."
-            )
-        if timeout <= 0:
-            raise ValueError(f"timeout: must be positive, got {timeout}.")
-        if last_call_timeout < 0:
-            raise ValueError(f"last_call_timeout: must not be negative, got {last_call_timeout}.")
-
         self.client = client
         self._conn = EtcdConnection.from_client(client, param="client")
-        self._owns_conn = self._conn is not client
-        self._prefix = _normalize_key(prefix).rstrip("/") + "/"
-        self._run_id = run_id
-        self._num_min_workers = num_min_workers
-        self._num_max_workers = num_max_workers
-        self._timeout = float(timeout)
-        self._last_call_timeout = float(last_call_timeout)
-        self._rendezvous_deadline = Deadline(self._timeout)
+        self._owns_conn = owns_connection or self._conn is not client
+        self._close_lock = threading.Lock()
+        self._closed = False
         self._keepers: list[_LeaseKeeper] = []
         self._lease_this_rank: _LeaseKeeper | None = None
         self._last_state: dict[str, Any] | None = None
         self._finalizer = weakref.finalize(self, _stop_keepers, self._keepers)
-        logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
+        try:
+            _check_arguments(
+                prefix, run_id, num_min_workers, num_max_workers, timeout, last_call_timeout
+            )
+            self._prefix = _normalize_key(prefix).rstrip("/") + "/"
+            self._run_id = run_id
+            self._num_min_workers = num_min_workers
+            self._num_max_workers = num_max_workers
+            self._timeout = float(timeout)
+            self._last_call_timeout = float(last_call_timeout)
+            self._rendezvous_deadline = Deadline(self._timeout)
+            logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
+            self._create_run_keys()
+        except BaseException:
+            self.close()
+            raise
 
+    def __enter__(self) -> EtcdRendezvous:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- set-up and tear-down ---------------------------------------------------------
+
+    def _create_run_keys(self) -> None:
+        """Create the run's directories and version counter, if missing."""
         if self._prefix != "/":
             self.create_path_if_not_exists(self._prefix)
         self._setup_run_dir()
         self.create_path_if_not_exists(self.get_path("/rdzv"))
         with contextlib.suppress(KeyExistsError):
             self._conn.create(self.get_path("/rdzv/version_counter"), "0", value_is_unique=False)
-
-    # -- set-up and tear-down ---------------------------------------------------------
 
     def _setup_run_dir(self) -> None:
         run_dir = self.get_path("")
@@ -365,7 +393,13 @@ class EtcdRendezvous:
         self._lease_this_rank = None
 
     def close(self) -> None:
-        """Stop the keep-alive threads and release the etcd connection. Idempotent."""
+        """Stop the keep-alive threads and release the etcd connection if the rendezvous
+        owns it (see ``owns_connection``). The rendezvous stays open for the other
+        workers. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
         self.stop_lease_renewals()
         if self._owns_conn:
             self._conn.close()
@@ -390,11 +424,13 @@ class EtcdRendezvous:
             RendezvousError: other non-retryable errors.
         """
         self._rendezvous_deadline = Deadline(self._timeout)
-        backoff = Backoff(initial=0.05, cap=1.0)
         last_error: Exception | None = None
+        retry = CONNECTION.start(
+            self._rendezvous_deadline,
+            lambda: RendezvousTimeoutError(self._timeout_message(last_error)),
+        )
         while True:
-            if self._rendezvous_deadline.expired():
-                raise RendezvousTimeoutError(self._timeout_message(last_error))
+            retry.check()
             logger.info("Attempting to join next rendezvous")
             try:
                 if self._lease_this_rank is not None:
@@ -408,11 +444,11 @@ class EtcdRendezvous:
             except (EtcdRendezvousRetryableFailure, CompareFailedError, KeyNotFoundError) as exc:
                 logger.debug("Rendezvous attempt must be retried: %r", exc)
                 last_error = exc
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
             except RendezvousConnectionError as exc:
                 logger.warning("Rendezvous attempt failed, will retry: %s", exc)
                 last_error = exc
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
             except RendezvousTimeoutError:
                 logger.info("Rendezvous timeout occurred in EtcdRendezvousHandler")
                 raise
@@ -433,6 +469,24 @@ class EtcdRendezvous:
     def _check_deadline(self) -> None:
         if self._rendezvous_deadline.expired():
             raise RendezvousTimeoutError(self._timeout_message())
+
+    def _contention_retry(self) -> Retry:
+        """A retry after a lost compare-and-swap, until the rendezvous deadline."""
+        return CONTENTION.start(
+            self._rendezvous_deadline, lambda: RendezvousTimeoutError(self._timeout_message())
+        )
+
+    def _race_retry(self, key: str, what: str, timeout: float | None) -> Retry:
+        """A retry after a lost race on ``key``, outside the barrier: for ``timeout``
+        seconds (the rendezvous timeout if ``None``)."""
+        seconds = self._timeout if timeout is None else timeout
+        return CONTENTION.start(
+            seconds,
+            lambda: RendezvousTimeoutError(
+                f"Could not {what} within {seconds:g} s: other workers kept changing "
+                f"etcd key {key!r} first."
+            ),
+        )
 
     def init_phase(self) -> tuple[str, int, int]:
         """Create a new rendezvous state, or join/observe the existing one.
@@ -560,7 +614,7 @@ class EtcdRendezvous:
         Returns:
             The new state node and our rank.
         """
-        backoff = _contention_backoff()
+        retry = self._contention_retry()
         while True:
             self._check_deadline()
             active_version, state = self.get_rdzv_state()
@@ -600,7 +654,7 @@ class EtcdRendezvous:
                 )
             except CompareFailedError:
                 logger.debug("Join rendezvous CAS unsuccessful, retrying")
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
                 continue
             return active_version, this_rank
 
@@ -629,7 +683,7 @@ class EtcdRendezvous:
 
     def confirm_membership(self, expected_version: str, this_rank: int) -> Node:
         """Create our keep-alive key and add it to the frozen state's ``keep_alives``."""
-        backoff = _contention_backoff()
+        retry = self._contention_retry()
         this_lease_key = self.get_path(f"/rdzv/v_{expected_version}/rank_{this_rank}")
         lease_set_at: Deadline | None = None
         while True:
@@ -663,7 +717,7 @@ class EtcdRendezvous:
                 )
             except CompareFailedError:
                 logger.debug("Confirm membership CAS unsuccessful, retrying")
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
                 continue
             self._lease_this_rank = _LeaseKeeper(
                 self._conn, this_lease_key, CONST_WORKER_KEEPALIVE_TTL
@@ -677,7 +731,7 @@ class EtcdRendezvous:
 
     def announce_self_waiting(self, expected_version: str) -> Node:
         """Increment ``num_workers_waiting`` of the final rendezvous ``expected_version``."""
-        backoff = _contention_backoff()
+        retry = self._contention_retry()
         while True:
             self._check_deadline()
             active_version, state = self.get_rdzv_state()
@@ -692,7 +746,7 @@ class EtcdRendezvous:
                 )
             except CompareFailedError:
                 logger.debug("Announce self as waiting CAS unsuccessful, retrying")
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
 
     def wait_for_rendezvous_to_free(self, expected_version: str) -> None:
         """Wait until the final rendezvous ``expected_version`` ends.
@@ -739,7 +793,7 @@ class EtcdRendezvous:
         Raises:
             EtcdRendezvousRetryableFailure: the state changed in any other way.
         """
-        backoff = _contention_backoff()
+        retry = self._contention_retry()
         active_version, state = self.get_rdzv_state()
         while True:
             if state["status"] == "frozen" and state["version"] == expected_version:
@@ -761,7 +815,7 @@ class EtcdRendezvous:
                     return
                 except CompareFailedError:
                     logger.debug("Join last-call transition CAS unsuccessful. Will retry")
-                    backoff.wait(self._rendezvous_deadline)
+                    retry.wait()
                     active_version, state = self.get_rdzv_state()
                     continue
             # Refresh the TTL, but only while the state is still the one we saw: hence a
@@ -776,7 +830,7 @@ class EtcdRendezvous:
                 )
             except CompareFailedError:
                 logger.debug("Join last-call TTL refresh CAS unsuccessful, will retry")
-                backoff.wait(self._rendezvous_deadline)
+                retry.wait()
                 active_version, state = self.get_rdzv_state()
                 continue
             timeout = min(CONST_ETCD_JOINABLE_EPHEMERAL_TTL / 2, deadline.remaining() + 0.01)
@@ -784,10 +838,18 @@ class EtcdRendezvous:
                 etcd_index=active_version.etcd_index + 1, timeout=timeout
             )
 
-    def set_closed(self) -> None:
-        """Mark the rendezvous of this run closed; workers then stop re-rendezvousing."""
-        backoff = _contention_backoff()
+    def set_closed(self, timeout: float | None = None) -> None:
+        """Mark the rendezvous of this run closed; workers then stop re-rendezvousing.
+
+        Args:
+            timeout: seconds to go on retrying when other workers keep changing the
+                state first; the rendezvous ``timeout`` if ``None``.
+
+        Raises:
+            RendezvousTimeoutError: the state could not be written within ``timeout``.
+        """
         key = self.get_path("/rdzv/active_version")
+        retry = self._race_retry(key, f"close the rendezvous of run {self._run_id!r}", timeout)
         while True:
             try:
                 active_version, state = self.get_rdzv_state()
@@ -796,6 +858,7 @@ class EtcdRendezvous:
                     self._conn.create(key, json.dumps({"status": "closed"}), value_is_unique=False)
                     return
                 except KeyExistsError:
+                    retry.wait()
                     continue
             if state["status"] == "closed":
                 return
@@ -807,7 +870,7 @@ class EtcdRendezvous:
                 return
             except (CompareFailedError, KeyNotFoundError):
                 logger.debug("Set closed CAS unsuccessful, retrying")
-                backoff.wait()
+                retry.wait()
 
     def get_rdzv_state(self) -> tuple[Node, dict[str, Any]]:
         """Read and validate the current state.
@@ -854,8 +917,18 @@ class EtcdRendezvous:
         """Create directory ``full_path`` (with ``ttl``) unless it exists."""
         self._conn.mkdir(full_path, ttl=ttl)
 
-    def store_extra_data(self, rdzv_version: str, key: str, value: Any) -> None:
-        """Store ``key: value`` (JSON-serialisable) in the version's ``extra_data`` key."""
+    def store_extra_data(
+        self, rdzv_version: str, key: str, value: Any, timeout: float | None = None
+    ) -> None:
+        """Store ``key: value`` (JSON-serialisable) in the version's ``extra_data`` key.
+
+        Args:
+            timeout: seconds to go on retrying when other workers keep changing the
+                key first; the rendezvous ``timeout`` if ``None``.
+
+        Raises:
+            RendezvousTimeoutError: the key could not be written within ``timeout``.
+        """
         node = self.get_path(f"/rdzv/v_{rdzv_version}/extra_data")
         encoded = json.dumps({key: value})
         try:
@@ -863,7 +936,7 @@ class EtcdRendezvous:
             return
         except KeyExistsError:
             pass
-        backoff = _contention_backoff()
+        retry = self._race_retry(node, f"store {key!r}", timeout)
         while True:
             extra_data = self._conn.get(node)
             data = self._decode_extra_data(extra_data)
@@ -875,7 +948,7 @@ class EtcdRendezvous:
                 return
             except CompareFailedError:
                 logger.debug("Store extra_data CAS unsuccessful, retrying")
-                backoff.wait()
+                retry.wait()
 
     def load_extra_data(self, rdzv_version: str, key: str, timeout: float | None = None) -> Any:
         """Return ``key`` from the version's ``extra_data``, waiting until it is stored.
@@ -936,7 +1009,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
     The handler is a context manager: leaving the block calls :meth:`close`.
 
     Args:
-        rdzv_impl: the rendezvous implementation.
+        rdzv_impl: the rendezvous implementation. The handler takes it over (as in
+            PyTorch, it is this one worker's state): :meth:`close` closes it, which
+            releases the connection if ``rdzv_impl`` owns it.
         local_addr: the address other nodes reach this node at (published by rank 0 as
             ``MASTER_ADDR``); the host's FQDN if ``None``.
         backend_name: what :meth:`get_backend` reports: the name the handler was
@@ -1027,8 +1102,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._rdzv_impl.stop_lease_renewals()
 
     def close(self) -> None:
-        """Stop the keep-alive threads and release the connection, without closing the
-        rendezvous for the other workers. Idempotent."""
+        """Stop the keep-alive threads and release the connection the rendezvous owns,
+        without closing the rendezvous for the other workers. Idempotent."""
         self._rdzv_impl.close()
 
 
@@ -1085,7 +1160,8 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     ===================  ===================================================  ==================
 
     The handler's :meth:`~EtcdRendezvousHandler.get_backend` reports
-    ``params.backend`` (``etcd`` for a URL).
+    ``params.backend`` (``etcd`` for a URL). It owns the connection opened here:
+    :meth:`~EtcdRendezvousHandler.close` releases it.
 
     Raises:
         ValueError: a parameter is invalid; the message names it.
@@ -1099,21 +1175,16 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     )
     prefix = params.get("etcd_prefix", _DEFAULT_PREFIX)
     torch_store = torch_store_wanted(params)
-    conn = _create_etcd_connection(params)
-    try:
-        rdzv = EtcdRendezvous(
-            client=conn,
-            prefix=str(prefix),
-            run_id=params.run_id,
-            num_min_workers=params.min_nodes,
-            num_max_workers=params.max_nodes,
-            timeout=timeout,
-            last_call_timeout=last_call_timeout,
-        )
-    except BaseException:
-        conn.close()
-        raise
-    rdzv._owns_conn = True
+    rdzv = EtcdRendezvous(
+        client=_create_etcd_connection(params),
+        prefix=str(prefix),
+        run_id=params.run_id,
+        num_min_workers=params.min_nodes,
+        num_max_workers=params.max_nodes,
+        timeout=timeout,
+        last_call_timeout=last_call_timeout,
+        owns_connection=True,
+    )
     return EtcdRendezvousHandler(
         rdzv_impl=rdzv,
         local_addr=params.local_addr,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import binascii
 import logging
+import threading
 from base64 import b64decode, b64encode
 from typing import Any
 
@@ -46,7 +47,7 @@ from ._client import (
     Node,
 )
 from ._params import create_etcd_connection
-from ._retry import Backoff, Deadline
+from ._retry import REWATCH
 from ._transport import Transport
 from .api import RendezvousParameters, RendezvousStateError
 from .dynamic_rendezvous import RendezvousBackend, Token
@@ -69,6 +70,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     The fencing token is the etcd ``modifiedIndex`` of the state it was read with.
 
+    The backend releases the connection it owns on :meth:`close` (or leaving a ``with``
+    block): the one it opened itself from an ``etcd.Client``, or one handed over with
+    ``owns_connection=True`` (as :func:`create_backend` does). A connection it was merely
+    given stays open for its owner.
+
     Args:
         client: the :class:`~etcd_rendezvous._client.EtcdConnection` to use, or a
             python-etcd ``etcd.Client`` (converted with
@@ -78,6 +84,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
             key is ``<key_prefix>/<run_id>`` (just ``run_id`` without a prefix).
         ttl: the TTL of the rendezvous state, in seconds. If not specified (or not
             positive), defaults to two hours.
+        owns_connection: whether :meth:`close` closes ``client`` when it is an
+            :class:`~etcd_rendezvous._client.EtcdConnection`; a connection converted from
+            an ``etcd.Client`` is always the backend's own. An owned connection is also
+            closed if the constructor raises.
 
     Raises:
         ValueError: ``run_id`` is empty.
@@ -92,10 +102,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
         run_id: str,
         key_prefix: str | None = None,
         ttl: int | None = None,
+        *,
+        owns_connection: bool = False,
     ) -> None:
-        if not run_id:
-            raise ValueError("The run id must be a non-empty string.")
         self._conn = EtcdConnection.from_client(client, param="client")
+        self._owns_conn = owns_connection or self._conn is not client
+        self._close_lock = threading.Lock()
+        self._closed = False
+        if not run_id:
+            self.close()
+            raise ValueError("The run id must be a non-empty string.")
         self._key = f"{key_prefix}/{run_id}" if key_prefix else run_id
         self._ttl = ttl if ttl and ttl > 0 else self._DEFAULT_TTL
         # The etcd index at which the key was last seen missing: a watch for its
@@ -104,6 +120,24 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(key={self._key!r}, endpoints={self._conn.endpoints!r})"
+
+    def __enter__(self) -> EtcdRendezvousBackend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the connection if the backend owns it (see the class docs). Idempotent.
+
+        The rendezvous state is left in etcd.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._owns_conn:
+            self._conn.close()
 
     @property
     def name(self) -> str:
@@ -191,7 +225,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             RendezvousConnectionError: etcd was unreachable for longer than the read
                 timeout.
         """
-        deadline = Deadline(max(0.0, timeout))
+        rewatch = REWATCH.start(max(0.0, timeout))
+        deadline = rewatch.deadline
         expected: int | None = None
         if token:
             try:
@@ -199,7 +234,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
             except (TypeError, ValueError):
                 return
         since = expected if expected is not None else self._absent_at
-        backoff = Backoff(initial=0.01, cap=0.5)
         while True:
             if since is None:
                 # No usable starting point: read the key to get one (or a change).
@@ -215,7 +249,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             # etcd no longer holds the history since ``since`` (or the watch ended
             # early): find out from the key itself, then watch from where it was read.
             since = None
-            backoff.wait(deadline)
+            rewatch.pause()
 
     # -- internals ------------------------------------------------------------------------
 
@@ -301,6 +335,11 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     ``/torch/elastic/store``, as in PyTorch. The endpoints are contacted once, so a
     wrong address fails here rather than in the first rendezvous.
 
+    Both share one connection, owned by the backend: :meth:`EtcdRendezvousBackend.close`
+    releases it (the store borrows it and its ``close()`` leaves it open). Pass
+    ``owns_backend=True`` to :func:`~etcd_rendezvous.dynamic_rendezvous.create_handler`
+    to have the handler close the backend in turn.
+
     Raises:
         ValueError: an option or the endpoint is invalid; the message names it.
         RendezvousConnectionError: etcd cannot be reached at any endpoint (or does not
@@ -309,11 +348,13 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     conn = create_etcd_connection(
         params, cert_option="ssl_cert", key_option="ssl_cert_key", cacert_option="ca_cert"
     )
+    backend = EtcdRendezvousBackend(
+        conn, params.run_id, key_prefix=_STATE_PREFIX, owns_connection=True
+    )
     try:
-        backend = EtcdRendezvousBackend(conn, params.run_id, key_prefix=_STATE_PREFIX)
         # Fail early, as PyTorch's client does when it connects: one read of the key.
         conn.try_get(backend.key)
     except BaseException:
-        conn.close()
+        backend.close()
         raise
     return backend, EtcdStore(conn, _STORE_PREFIX)

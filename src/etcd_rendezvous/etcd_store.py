@@ -28,6 +28,7 @@ import logging
 import operator
 import posixpath
 import random
+import threading
 import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable, Iterable, Sequence
@@ -35,7 +36,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Union
 
 from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
-from ._retry import Backoff, Deadline
+from ._retry import CONTENTION, REWATCH, Deadline
 from ._transport import Transport
 from .api import RendezvousStateError
 
@@ -64,8 +65,9 @@ def cas_delay() -> None:
     """Sleep for a random 0 to 0.1 s, like PyTorch's helper of the same name.
 
     Kept for code that imports it from the reference module. :class:`EtcdStore` itself
-    backs off after a failed compare-and-swap with a capped, jittered
-    :class:`~etcd_rendezvous._retry.Backoff` that starts at a few milliseconds.
+    backs off after a failed compare-and-swap with the capped, jittered
+    :data:`~etcd_rendezvous._retry.CONTENTION` policy, which starts at a few
+    milliseconds, until its :attr:`~EtcdStore.timeout`.
     """
     time.sleep(random.uniform(0, 0.1))
 
@@ -82,6 +84,11 @@ class EtcdStore:
     ``init_process_group(store=...)``). The handlers do that for you when PyTorch is
     installed. It is safe to share between threads.
 
+    The store releases the connection it owns on :meth:`close` (or leaving a ``with``
+    block): the one it opened itself from an ``etcd.Client``, or an
+    :class:`~etcd_rendezvous._client.EtcdConnection` handed over with
+    ``owns_connection=True``. A connection it was merely given stays open for its owner.
+
     Args:
         etcd_client: an :class:`~etcd_rendezvous._client.EtcdConnection`, or a
             python-etcd ``etcd.Client`` (converted with
@@ -90,7 +97,13 @@ class EtcdStore:
         etcd_store_prefix: the etcd directory holding the keys; a trailing ``/`` is
             added if missing (as in PyTorch).
         timeout: how long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for a
-            key; defaults to :data:`DEFAULT_TIMEOUT` (300 s).
+            key, and how long :meth:`add`, :meth:`compare_set` and :meth:`append` go on
+            retrying when other writers keep changing the key first; defaults to
+            :data:`DEFAULT_TIMEOUT` (300 s).
+        owns_connection: whether :meth:`close` closes ``etcd_client`` when it is an
+            :class:`~etcd_rendezvous._client.EtcdConnection` (set by whoever opened it
+            and hands it over); a connection converted from an ``etcd.Client`` is always
+            the store's own.
 
     Raises:
         TypeError: ``etcd_client`` is neither kind of client, ``etcd_store_prefix`` is
@@ -102,6 +115,8 @@ class EtcdStore:
         etcd_client: Any,
         etcd_store_prefix: str,
         timeout: timedelta | None = None,
+        *,
+        owns_connection: bool = False,
     ) -> None:
         if not isinstance(etcd_store_prefix, str):
             raise TypeError(
@@ -112,6 +127,9 @@ class EtcdStore:
         #: :class:`~etcd_rendezvous._client.EtcdConnection`).
         self.client = etcd_client
         self._conn = EtcdConnection.from_client(etcd_client, param="etcd_client")
+        self._owns_conn = owns_connection or self._conn is not etcd_client
+        self._close_lock = threading.Lock()
+        self._closed = False
         #: The store directory, always ending in ``/``; keys are ``prefix + base64(key)``.
         self.prefix = (
             etcd_store_prefix if etcd_store_prefix.endswith("/") else etcd_store_prefix + "/"
@@ -124,6 +142,24 @@ class EtcdStore:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(prefix={self.prefix!r}, endpoints={self._conn.endpoints!r})"
 
+    def __enter__(self) -> EtcdStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the connection if the store owns it (see the class docs). Idempotent.
+
+        The keys are left in etcd; a store given a connection leaves it open.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._owns_conn:
+            self._conn.close()
+
     # -- configuration -----------------------------------------------------------------
 
     @property
@@ -133,7 +169,8 @@ class EtcdStore:
 
     @property
     def timeout(self) -> timedelta:
-        """How long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for missing keys."""
+        """How long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for missing keys,
+        and the read-modify-write operations retry lost races."""
         return self._timeout
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -204,6 +241,8 @@ class EtcdStore:
             RendezvousStateError: the key holds something that is not base64.
             RendezvousConnectionError: etcd could not be reached for longer than the
                 connection's read timeout (the increment may or may not be applied).
+            LookupError: other writers kept changing the key first for longer than
+                :attr:`timeout` (the increment was not applied).
         """
         path = self._path(key)
         try:
@@ -275,6 +314,8 @@ class EtcdStore:
         Raises:
             TypeError: an argument is not ``str`` or ``bytes``.
             RendezvousStateError: the key holds something that is not base64.
+            LookupError: other writers kept changing the key first for longer than
+                :attr:`timeout`.
         """
         path = self._path(key)
         expected = _as_bytes(expected_value, "expected_value")
@@ -298,6 +339,8 @@ class EtcdStore:
         Raises:
             TypeError: ``key`` or ``value`` is not ``str`` or ``bytes``.
             RendezvousStateError: the key holds something that is not base64.
+            LookupError: other writers kept changing the key first for longer than
+                :attr:`timeout`.
         """
         path = self._path(key)
         suffix = _as_bytes(value, "value")
@@ -416,7 +459,7 @@ class EtcdStore:
         since = self._read_into(wanted, found, missing)
         # Only for a watch that ends early without an event (etcd dropped the history we
         # asked for, or an anomaly): re-reading is the fix, the back-off stops a spin.
-        backoff = Backoff(initial=0.01, cap=0.5)
+        rewatch = REWATCH.start(deadline)
         while missing:
             remaining = deadline.remaining()
             if remaining <= 0:
@@ -429,12 +472,12 @@ class EtcdStore:
             if change is None:
                 if deadline.expired():
                     break
-                backoff.wait(deadline)
+                rewatch.pause()
                 retry = dict(missing)
                 missing.clear()
                 since = self._read_into(retry, found, missing)
                 continue
-            backoff.reset()
+            rewatch.reset()
             since = max(since, change.modified_index)
             path = _clean(change.key)
             if path in missing and change.action in _VALUE_ACTIONS:
@@ -472,10 +515,21 @@ class EtcdStore:
         ``update`` receives ``None`` for a missing key and returns ``(value, write)``:
         with ``write`` false nothing is written and ``value`` is returned as it is.
         Creates with ``prevExist=false`` and swaps comparing value and index, retrying
-        with jittered back-off on contention. See :meth:`add` for what a connection failure can do.
+        with jittered back-off on contention for up to :attr:`timeout`. See :meth:`add`
+        for what a connection failure can do.
+
+        Raises:
+            LookupError: the key kept changing under us for longer than :attr:`timeout`.
         """
+        timeout = self._timeout.total_seconds()
+        retry = CONTENTION.start(
+            timeout,
+            lambda: LookupError(
+                f"Could not update key {key!r} in EtcdStore {self.prefix!r} within "
+                f"{timeout:g} s: other writers kept changing it first."
+            ),
+        )
         node = self._read(path, key)
-        backoff = Backoff()
         while True:
             if node is None:
                 new, write = update(None)
@@ -484,6 +538,7 @@ class EtcdStore:
                 try:
                     self._conn.create(path, _b64(new))
                 except KeyExistsError:
+                    retry.wait()
                     node = self._read(path, key)
                     continue
                 return bytes(new)
@@ -493,9 +548,10 @@ class EtcdStore:
             try:
                 self._conn.compare_and_swap(path, _b64(new), node)
             except CompareFailedError:
-                backoff.wait()
+                retry.wait()
                 node = self._read(path, key)
             except KeyNotFoundError:
+                retry.wait()
                 node = None
             else:
                 return bytes(new)

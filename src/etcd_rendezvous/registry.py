@@ -24,16 +24,16 @@ def _create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def _create_etcd_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Create the dynamic rendezvous handler over the ``etcd-v2`` backend, lazily."""
+    """Create the dynamic rendezvous handler over the ``etcd-v2`` backend, lazily.
+
+    The handler owns the backend, and so the connection ``create_backend`` opened: its
+    ``close()`` releases them.
+    """
     from .dynamic_rendezvous import create_handler  # noqa: PLC0415
     from .etcd_rendezvous_backend import create_backend  # noqa: PLC0415
 
     backend, store = create_backend(params)
-    try:
-        return create_handler(store, backend, params, backend_name=params.backend)
-    except BaseException:
-        backend.connection.close()
-        raise
+    return create_handler(store, backend, params, backend_name=params.backend, owns_backend=True)
 
 
 def _register_default_handlers() -> None:

@@ -32,9 +32,10 @@ __all__ = ["StoreTimeoutError", "TorchEtcdStore"]
 
 
 class StoreTimeoutError(LookupError, dist.DistStoreError):  # type: ignore[misc]
-    """A key was not set in time: both the ``LookupError`` that :class:`EtcdStore` (and
-    PyTorch's ``EtcdStore``) raise and the ``DistStoreError`` that PyTorch's own stores
-    raise, so handlers written for either catch it."""
+    """A key was not set in time, or an update kept losing races until the timeout: both
+    the ``LookupError`` that :class:`EtcdStore` (and PyTorch's ``EtcdStore``) raise and
+    the ``DistStoreError`` that PyTorch's own stores raise, so handlers written for
+    either catch it."""
 
 
 @contextmanager
@@ -108,12 +109,22 @@ class TorchEtcdStore(dist.Store):  # type: ignore[misc]  # torch is not type-che
             return self._store.get(key)
 
     def add(self, key: KeyLike, num: int) -> int:
-        """Atomically add ``num`` to the counter ``key`` and return the new value."""
-        return self._store.add(key, num)
+        """Atomically add ``num`` to the counter ``key`` and return the new value.
+
+        Raises:
+            StoreTimeoutError: other writers kept changing ``key`` first until the timeout.
+        """
+        with _timeout_as_store_error():
+            return self._store.add(key, num)
 
     def compare_set(self, key: KeyLike, expected_value: KeyLike, desired_value: KeyLike) -> bytes:
-        """Set ``key`` to ``desired_value`` if it holds ``expected_value``; return its value."""
-        return self._store.compare_set(key, expected_value, desired_value)
+        """Set ``key`` to ``desired_value`` if it holds ``expected_value``; return its value.
+
+        Raises:
+            StoreTimeoutError: other writers kept changing ``key`` first until the timeout.
+        """
+        with _timeout_as_store_error():
+            return self._store.compare_set(key, expected_value, desired_value)
 
     def wait(self, keys: Sequence[KeyLike], timeout: timedelta | None = None) -> None:
         """Block until every key in ``keys`` is set, or ``timeout`` (default: the
@@ -138,8 +149,13 @@ class TorchEtcdStore(dist.Store):  # type: ignore[misc]  # torch is not type-che
         return self._store.num_keys()
 
     def append(self, key: KeyLike, value: KeyLike) -> None:
-        """Append ``value`` to the value of ``key`` (creating it if absent)."""
-        self._store.append(key, value)
+        """Append ``value`` to the value of ``key`` (creating it if absent).
+
+        Raises:
+            StoreTimeoutError: other writers kept changing ``key`` first until the timeout.
+        """
+        with _timeout_as_store_error():
+            self._store.append(key, value)
 
     def multi_get(self, keys: Sequence[KeyLike]) -> list[bytes]:
         """Return the values of ``keys``, waiting for each to be set.

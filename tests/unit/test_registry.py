@@ -109,9 +109,9 @@ def test_etcd_v2_creator_builds_backend_then_dynamic_handler(
         return backend, store
 
     def create_handler(
-        s: object, b: object, params: RendezvousParameters, *, backend_name: str
+        s: object, b: object, params: RendezvousParameters, *, backend_name: str, owns_backend: bool
     ) -> FakeHandler:
-        calls.append(("create_handler", (s, b, params, backend_name)))
+        calls.append(("create_handler", (s, b, params, backend_name, owns_backend)))
         return FakeHandler(backend_name)
 
     fake_backend = types.ModuleType("etcd_rendezvous.etcd_rendezvous_backend")
@@ -127,7 +127,8 @@ def test_etcd_v2_creator_builds_backend_then_dynamic_handler(
     assert isinstance(handler, FakeHandler)
     assert calls == [
         ("create_backend", params),
-        ("create_handler", (store, backend, params, "etcd-v2")),
+        # The handler owns the backend (and its connection): its close() releases them.
+        ("create_handler", (store, backend, params, "etcd-v2", True)),
     ]
 
 
