@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Callable, TypeVar
 
-from ._retry import Backoff, Deadline
+from ._retry import CONNECTION, Deadline
 from .api import RendezvousConnectionError, RendezvousError
 
 __all__ = [
@@ -404,7 +405,7 @@ class Transport(abc.ABC):
                 f"{', '.join(self._endpoints)} is closed."
             )
         deadline = self._budget(budget)
-        backoff = Backoff(initial=0.05, cap=1.0, sleep=self._sleep)
+        retry = dataclasses.replace(CONNECTION, sleep=self._sleep).start(deadline)
         floor = min(1.0, self._read_timeout)
         failures: list[str] = []
         while True:
@@ -424,7 +425,7 @@ class Transport(abc.ABC):
             if deadline.expired() and len(failures) > len(self._endpoints):
                 raise RendezvousConnectionError(self._unreachable_message(what, key, failures))
             logger.debug("Could not %s %r (%s); retrying", what, key, failures[-1])
-            backoff.wait(deadline)
+            retry.pause()
 
     def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
         tried = ", ".join(dict.fromkeys(f.split(": ", 1)[0] for f in failures))
