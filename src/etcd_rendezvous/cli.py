@@ -57,15 +57,11 @@ from .dynamic_rendezvous import (
     create_handler,
 )
 from .etcd_rendezvous import (
-    _DEFAULT_PREFIX,
     EtcdRendezvous,
     EtcdRendezvousHandler,
-    _normalize_key,
     _parse_state,
     create_rdzv_handler,
 )
-from .etcd_rendezvous_backend import _STATE_PREFIX as _V2_STATE_PREFIX
-from .etcd_rendezvous_backend import _STORE_PREFIX as _V2_STORE_PREFIX
 from .etcd_rendezvous_backend import EtcdRendezvousBackend, create_backend
 from .etcd_server import (
     BINARY_PATH_ENV,
@@ -75,6 +71,16 @@ from .etcd_server import (
     EtcdServerError,
 )
 from .etcd_store import EtcdStore
+from .layout import (
+    DEFAULT_PREFIX,
+    ETCD_V2_STATE_PREFIX,
+    ETCD_V2_STORE_PREFIX,
+    LegacyLayout,
+    dynamic_store_prefix,
+    dynamic_store_round,
+    keep_alive_rank,
+    normalize_key,
+)
 
 __all__ = ["main"]
 
@@ -268,10 +274,10 @@ def _rendezvous_version(handler: RendezvousHandler, store: Store) -> str:
     # A dynamic rendezvous scopes the store of round R to the key prefix
     # ``torch.rendezvous.<run_id>.<R>``, which the returned store exposes as ``prefix``.
     prefix = getattr(store, "prefix", None)
-    scope = f"torch.rendezvous.{handler.get_run_id()}."
-    if isinstance(prefix, str) and prefix.startswith(scope):
-        return prefix[len(scope) :]
-    return "?"
+    round_ = (
+        None if not isinstance(prefix, str) else dynamic_store_round(prefix, handler.get_run_id())
+    )
+    return "?" if round_ is None else str(round_)
 
 
 # -- the parent -------------------------------------------------------------------------
@@ -413,7 +419,7 @@ class _V2Observer:
         try:
             state = _v2_state(self._backend)
             for round_ in range(0 if state is None else state.round + 1):
-                scope = f"torch.rendezvous.{self._run_id}.{round_}"
+                scope = dynamic_store_prefix(self._run_id, round_)
                 for key in _demo_store_keys(world_size):
                     self._store.delete_key(f"{scope}/{key}")
             self._backend.connection.delete(self._backend.key)
@@ -645,15 +651,6 @@ def _report(
 
 # -- status and close ---------------------------------------------------------------------
 
-#: Where the ``etcd`` backend keeps a run's state, below ``<prefix>/run_<run_id>``.
-_STATE_PATH = "/rdzv/active_version"
-_COUNTER_PATH = "/rdzv/version_counter"
-
-
-def _run_dir_key(prefix: str, run_id: str) -> str:
-    """``<prefix>/run_<run_id>``, spelled as :class:`EtcdRendezvous` spells it."""
-    return f"{_normalize_key(prefix).rstrip('/')}/run_{run_id}"
-
 
 def _open_connection(args: argparse.Namespace) -> EtcdConnection:
     """The etcd connection described by the command's connection options."""
@@ -723,24 +720,17 @@ def _named_version(state: Node | None) -> str | None:
 
 def _read_etcd_run(conn: EtcdConnection, prefix: str, run_id: str) -> _EtcdRun:
     """Read, without changing anything, what describes the run in etcd."""
-    run_dir = _run_dir_key(prefix, run_id)
-    state = conn.try_get(run_dir + _STATE_PATH)
+    layout = LegacyLayout(prefix, run_id)
+    state = conn.try_get(layout.state_key)
     version = _named_version(state)
     return _EtcdRun(
         run_id=run_id,
         prefix=prefix,
-        run_dir=conn.try_get(run_dir),
+        run_dir=conn.try_get(layout.run_dir),
         state=state,
-        version_counter=conn.try_get(run_dir + _COUNTER_PATH),
-        version_dir=None if version is None else conn.try_get(f"{run_dir}/rdzv/v_{version}"),
+        version_counter=conn.try_get(layout.counter_key),
+        version_dir=None if version is None else conn.try_get(layout.version_dir(version)),
     )
-
-
-def _rank_of(key: str) -> int | None:
-    name = key.rstrip("/").rsplit("/", 1)[-1]
-    if name.startswith("rank_") and name[5:].isdigit():
-        return int(name[5:])
-    return None
 
 
 def _describe_etcd_run(run: _EtcdRun) -> dict[str, Any]:
@@ -749,8 +739,8 @@ def _describe_etcd_run(run: _EtcdRun) -> dict[str, Any]:
     Raises:
         _CliError: the run is unknown (neither its directory nor its state exists).
     """
-    run_dir = _run_dir_key(run.prefix, run.run_id)
-    key = run_dir + _STATE_PATH
+    layout = LegacyLayout(run.prefix, run.run_id)
+    run_dir, key = layout.run_dir, layout.state_key
     if run.run_dir is None and run.state is None:
         raise _CliError(
             f"no run {run.run_id!r} under prefix {run.prefix!r}: neither {run_dir} nor {key} "
@@ -786,13 +776,14 @@ def _describe_etcd_run(run: _EtcdRun) -> dict[str, Any]:
     report["num_workers_waiting"] = state.get("num_workers_waiting")
     live = {}
     if run.version_dir is not None:
-        live = {_normalize_key(child.key): child for child in run.version_dir.children}
-    for keep_alive in sorted(state.get("keep_alives", []), key=lambda k: (_rank_of(k) or 0, k)):
-        child = live.get(_normalize_key(keep_alive))
+        live = {normalize_key(child.key): child for child in run.version_dir.children}
+    keep_alives = sorted(state.get("keep_alives", []), key=lambda k: (keep_alive_rank(k) or 0, k))
+    for keep_alive in keep_alives:
+        child = live.get(normalize_key(keep_alive))
         report["keep_alives"].append(
             {
                 "key": keep_alive,
-                "rank": _rank_of(keep_alive),
+                "rank": keep_alive_rank(keep_alive),
                 "live": child is not None,
                 "ttl": None if child is None else child.ttl,
             }
@@ -855,7 +846,7 @@ def _format_etcd_status(report: dict[str, Any]) -> list[str]:
 
 
 def _status_etcd(args: argparse.Namespace, conn: EtcdConnection) -> dict[str, Any]:
-    prefix = args.prefix or _DEFAULT_PREFIX
+    prefix = args.prefix or DEFAULT_PREFIX
     return _describe_etcd_run(_read_etcd_run(conn, prefix, args.run_id))
 
 
@@ -883,9 +874,9 @@ def _run_status(args: argparse.Namespace, out: TextIO) -> int:
 
 def _close_etcd(args: argparse.Namespace, conn: EtcdConnection) -> str:
     """``EtcdRendezvous.set_closed`` on the run; returns what was done, for the user."""
-    prefix = args.prefix or _DEFAULT_PREFIX
-    run_dir = _run_dir_key(prefix, args.run_id)
-    key = run_dir + _STATE_PATH
+    prefix = args.prefix or DEFAULT_PREFIX
+    layout = LegacyLayout(prefix, args.run_id)
+    run_dir, key = layout.run_dir, layout.state_key
     had_run_dir = conn.try_get(run_dir) is not None
     before = conn.try_get(key)
     previous = None if before is None else _parse_state(before)
@@ -935,7 +926,7 @@ def _run_close(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def _v2_backend(args: argparse.Namespace, conn: EtcdConnection) -> EtcdRendezvousBackend:
-    prefix = _normalize_key(args.prefix or _V2_STATE_PREFIX).rstrip("/")
+    prefix = normalize_key(args.prefix or ETCD_V2_STATE_PREFIX).rstrip("/")
     return EtcdRendezvousBackend(conn, args.run_id, key_prefix=prefix or None)
 
 
@@ -1068,7 +1059,7 @@ def _close_etcd_v2(args: argparse.Namespace, conn: EtcdConnection) -> str:
         return f"run {args.run_id!r} was already closed (etcd-v2 key {backend.key})"
     handler = DynamicRendezvousHandler.from_backend(
         run_id=args.run_id,
-        store=EtcdStore(conn, _V2_STORE_PREFIX),
+        store=EtcdStore(conn, ETCD_V2_STORE_PREFIX),
         backend=backend,
         min_nodes=1,
         max_nodes=1,
@@ -1160,8 +1151,8 @@ def _connection_options() -> argparse.ArgumentParser:
     group = parent.add_argument_group("etcd connection")
     group.add_argument(
         "--prefix",
-        help="etcd key prefix (default: /torchelastic/p2p for etcd, "
-        "/torch/elastic/rendezvous for etcd-v2)",
+        help=f"etcd key prefix (default: {DEFAULT_PREFIX} for etcd, "
+        f"{ETCD_V2_STATE_PREFIX} for etcd-v2)",
     )
     group.add_argument("--protocol", choices=("http", "https"), help="default: http")
     group.add_argument("--cacert", metavar="FILE", help="CA bundle that verifies the server")
@@ -1311,7 +1302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.backend == "etcd-v2" and args.prefix is not None:
             parser.error(
                 "--prefix is not used by --backend etcd-v2: like PyTorch's, its state is "
-                "under /torch/elastic/rendezvous and its store under /torch/elastic/store"
+                f"under {ETCD_V2_STATE_PREFIX} and its store under {ETCD_V2_STORE_PREFIX}"
             )
         if args.verbose:
             logging.basicConfig(

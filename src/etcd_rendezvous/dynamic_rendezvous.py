@@ -80,6 +80,7 @@ from .api import (
     RendezvousTimeoutError,
     Store,
 )
+from .layout import dynamic_store_prefix
 
 __all__ = [
     "DynamicRendezvousHandler",
@@ -1781,7 +1782,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return state.participants[self._this_node], len(state.participants)
 
     def _wrap_store(self, store: Store) -> Store:
-        key_prefix = f"torch.rendezvous.{self._settings.run_id}.{self._state_holder.state.round}"
+        key_prefix = dynamic_store_prefix(self._settings.run_id, self._state_holder.state.round)
         return _prefix_store(key_prefix, store)
 
     def _get_store(self) -> Store:

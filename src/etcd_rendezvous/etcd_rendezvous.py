@@ -71,6 +71,7 @@ from .api import (
     RendezvousTimeoutError,
 )
 from .etcd_store import EtcdStore
+from .layout import DEFAULT_PREFIX, LegacyLayout, normalize_key
 
 __all__ = [
     "EtcdRendezvous",
@@ -95,8 +96,6 @@ class EtcdRendezvousRetryImmediately(Exception):  # noqa: N818 (PyTorch's name)
 _DEFAULT_TIMEOUT: int = 600
 #: Default extra wait for more workers once ``min_workers`` joined, in seconds.
 _DEFAULT_LAST_CALL_TIMEOUT: int = 30
-#: Default key prefix, as in PyTorch.
-_DEFAULT_PREFIX = "/torchelastic/p2p"
 
 # TTLs, in seconds. They are part of the protocol: PyTorch workers use the same ones.
 CONST_ETCD_SETUP_TTL = 5
@@ -167,11 +166,6 @@ def _parse_state(node: Node) -> dict[str, Any]:
         )
     assert isinstance(state, dict)  # checked by _state_problem
     return state
-
-
-def _normalize_key(key: str) -> str:
-    """Canonical form of an etcd key, for comparing keys written by different clients."""
-    return "/" + "/".join(part for part in key.split("/") if part)
 
 
 def _dir_ttl_refreshable(version: str) -> bool:
@@ -287,10 +281,7 @@ class EtcdRendezvous:
         timeout: float,
         last_call_timeout: float,
     ) -> None:
-        if not isinstance(run_id, str) or not run_id or "/" in run_id:
-            raise ValueError(f"run_id: must be a non-empty string without '/', got {run_id!r}.")
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix: must be a string, got {prefix!r}.")
+        layout = LegacyLayout(prefix, run_id)  # checks run_id and prefix
         if num_min_workers < 1:
             raise ValueError(f"num_min_workers: must be at least 1, got {num_min_workers}.")
         if num_max_workers < num_min_workers:
@@ -306,7 +297,7 @@ class EtcdRendezvous:
         self.client = client
         self._conn = EtcdConnection.from_client(client, param="client")
         self._owns_conn = self._conn is not client
-        self._prefix = _normalize_key(prefix).rstrip("/") + "/"
+        self._layout = layout
         self._run_id = run_id
         self._num_min_workers = num_min_workers
         self._num_max_workers = num_max_workers
@@ -319,17 +310,18 @@ class EtcdRendezvous:
         self._finalizer = weakref.finalize(self, _stop_keepers, self._keepers)
         logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
 
-        if self._prefix != "/":
-            self.create_path_if_not_exists(self._prefix)
+        if layout.prefix != "/":
+            self.create_path_if_not_exists(layout.prefix + "/")
         self._setup_run_dir()
-        self.create_path_if_not_exists(self.get_path("/rdzv"))
+        self.create_path_if_not_exists(layout.rdzv_dir)
         with contextlib.suppress(KeyExistsError):
-            self._conn.create(self.get_path("/rdzv/version_counter"), "0", value_is_unique=False)
+            self._conn.create(layout.counter_key, "0", value_is_unique=False)
 
     # -- set-up and tear-down ---------------------------------------------------------
 
     def _setup_run_dir(self) -> None:
-        run_dir = self.get_path("")
+        # Spelled with a trailing "/", as PyTorch's get_path("") spells it.
+        run_dir = self._layout.path("")
         version = self._conn.server_version()
         if _dir_ttl_refreshable(version):
             self.create_path_if_not_exists(run_dir, ttl=CONST_RUNID_SUBROOT_TTL)
@@ -524,12 +516,12 @@ class EtcdRendezvous:
         """
         # The state is ephemeral until joinable, in case we die half-way through.
         active_version = self._conn.create(
-            self.get_path("/rdzv/active_version"),
+            self._layout.state_key,
             json.dumps({"status": "setup"}),
             ttl=CONST_ETCD_SETUP_TTL,
             value_is_unique=False,
         )
-        counter_key = self.get_path("/rdzv/version_counter")
+        counter_key = self._layout.counter_key
         try:
             counter = self._conn.get(counter_key)
         except KeyNotFoundError:
@@ -550,15 +542,15 @@ class EtcdRendezvous:
             # Our setup state expired and another worker took over.
             raise EtcdRendezvousRetryableFailure("Lost the right to set up a rendezvous.") from None
 
-        version_dir = self.get_path(f"/rdzv/v_{version}")
+        version_dir = self._layout.version_dir(version)
         if not self._conn.mkdir(version_dir):
             raise RendezvousStateError(
                 f"{version_dir!r} already exists although the version counter "
                 f"{counter_key!r} just handed out {version}: the counter went backwards. "
-                f"Delete {self.get_path('')!r} once no worker uses it."
+                f"Delete {self._layout.run_dir!r} once no worker uses it."
             )
         return self._conn.compare_and_swap(
-            self.get_path("/rdzv/active_version"),
+            self._layout.state_key,
             json.dumps({"status": "joinable", "version": version, "participants": []}),
             active_version,
         )
@@ -639,7 +631,7 @@ class EtcdRendezvous:
     def confirm_membership(self, expected_version: str, this_rank: int) -> Node:
         """Create our keep-alive key and add it to the frozen state's ``keep_alives``."""
         backoff = _contention_backoff()
-        this_lease_key = self.get_path(f"/rdzv/v_{expected_version}/rank_{this_rank}")
+        this_lease_key = self._layout.keep_alive_key(expected_version, this_rank)
         lease_set_at: Deadline | None = None
         while True:
             self._check_deadline()
@@ -715,12 +707,12 @@ class EtcdRendezvous:
             if state["status"] != "final" or state["version"] != expected_version:
                 return
             try:
-                members = self._conn.get(self.get_path(f"/rdzv/v_{expected_version}"))
-                alive = {_normalize_key(child.key) for child in members.children}
+                members = self._conn.get(self._layout.version_dir(expected_version))
+                alive = {normalize_key(child.key) for child in members.children}
             except KeyNotFoundError:
                 alive = set()
             for key in state["keep_alives"]:
-                if _normalize_key(key) not in alive:
+                if normalize_key(key) not in alive:
                     logger.info("Keep-alive key %s is not renewed.", key)
                     logger.info("Rendezvous version %s is incomplete. ", expected_version)
                     logger.info("Attempting to destroy it.")
@@ -731,7 +723,7 @@ class EtcdRendezvous:
                     return
             # The rendezvous is healthy: wait for any change below rdzv/.
             self._conn.watch(
-                self.get_path("/rdzv"),
+                self._layout.rdzv_dir,
                 active_version.etcd_index + 1,
                 self._rendezvous_deadline.remaining() + 1.0,
                 recursive=True,
@@ -796,7 +788,7 @@ class EtcdRendezvous:
     def set_closed(self) -> None:
         """Mark the rendezvous of this run closed; workers then stop re-rendezvousing."""
         backoff = _contention_backoff()
-        key = self.get_path("/rdzv/active_version")
+        key = self._layout.state_key
         while True:
             try:
                 active_version, state = self.get_rdzv_state()
@@ -825,7 +817,7 @@ class EtcdRendezvous:
             KeyNotFoundError: there is no rendezvous state.
             RendezvousStateError: the state is corrupt.
         """
-        active_version = self._conn.get(self.get_path("/rdzv/active_version"))
+        active_version = self._conn.get(self._layout.state_key)
         state = _parse_state(active_version)
         self._last_state = state
         return active_version, state
@@ -842,7 +834,7 @@ class EtcdRendezvous:
         """
         overall = self._rendezvous_deadline.remaining() + 1.0
         wait = overall if timeout is None else min(timeout, overall)
-        change = self._conn.watch(self.get_path("/rdzv/active_version"), etcd_index, wait)
+        change = self._conn.watch(self._layout.state_key, etcd_index, wait)
         self._check_deadline()
         if change is not None and change.value is not None and change.action in _WRITES:
             # The event carries the new state: no need to read it again. Callers watch
@@ -853,11 +845,15 @@ class EtcdRendezvous:
             return node, state
         return self.get_rdzv_state()
 
+    @property
+    def layout(self) -> LegacyLayout:
+        """The keys of this run (see :class:`~etcd_rendezvous.layout.LegacyLayout`)."""
+        return self._layout
+
     def get_path(self, path: str) -> str:
-        """Return the etcd key of ``path`` inside this run's directory."""
-        if not path.startswith("/"):
-            path = "/" + path
-        return f"{self._prefix}run_{self._run_id}{path}"
+        """Return the etcd key of ``path`` inside this run's directory (as PyTorch's
+        method of the same name: :meth:`~etcd_rendezvous.layout.LegacyLayout.path`)."""
+        return self._layout.path(path)
 
     def create_path_if_not_exists(self, full_path: str, ttl: int | None = None) -> None:
         """Create directory ``full_path`` (with ``ttl``) unless it exists."""
@@ -865,7 +861,7 @@ class EtcdRendezvous:
 
     def store_extra_data(self, rdzv_version: str, key: str, value: Any) -> None:
         """Store ``key: value`` (JSON-serialisable) in the version's ``extra_data`` key."""
-        node = self.get_path(f"/rdzv/v_{rdzv_version}/extra_data")
+        node = self._layout.extra_data_key(rdzv_version)
         encoded = json.dumps({key: value})
         try:
             self._conn.create(node, encoded, value_is_unique=False)
@@ -892,7 +888,7 @@ class EtcdRendezvous:
         Raises:
             RendezvousTimeoutError: ``key`` was not stored within ``timeout`` seconds.
         """
-        node = self.get_path(f"/rdzv/v_{rdzv_version}/extra_data")
+        node = self._layout.extra_data_key(rdzv_version)
         deadline = Deadline.never() if timeout is None else Deadline(timeout)
         while True:
             try:
@@ -925,7 +921,7 @@ class EtcdRendezvous:
 
     def setup_kv_store(self, rdzv_version: str) -> EtcdStore:
         """Return the key-value store of rendezvous version ``rdzv_version``."""
-        store_path = self.get_path(f"/rdzv/v_{rdzv_version}/kv")
+        store_path = self._layout.store_dir(rdzv_version)
         self.create_path_if_not_exists(store_path)
         return EtcdStore(etcd_client=self._conn, etcd_store_prefix=store_path)
 
@@ -1106,7 +1102,7 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     last_call_timeout = _seconds(
         params, "last_call_timeout", _DEFAULT_LAST_CALL_TIMEOUT, allow_zero=True
     )
-    prefix = params.get("etcd_prefix", _DEFAULT_PREFIX)
+    prefix = params.get("etcd_prefix", DEFAULT_PREFIX)
     torch_store = torch_store_wanted(params)
     conn = _create_etcd_connection(params)
     try:

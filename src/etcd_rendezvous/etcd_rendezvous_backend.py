@@ -50,15 +50,12 @@ from ._retry import Backoff, Deadline
 from .api import RendezvousParameters, RendezvousStateError
 from .dynamic_rendezvous import RendezvousBackend, Token
 from .etcd_store import EtcdStore
+from .layout import ETCD_V2_STATE_PREFIX, ETCD_V2_STORE_PREFIX, etcd_v2_state_key
 
 __all__ = ["EtcdRendezvousBackend", "create_backend"]
 
 logger = logging.getLogger(__name__)
 
-#: Where :func:`create_backend` keeps the rendezvous states, as PyTorch does.
-_STATE_PREFIX = "/torch/elastic/rendezvous"
-#: Where :func:`create_backend` keeps the store shared by the workers, as PyTorch does.
-_STORE_PREFIX = "/torch/elastic/store"
 # How much of a corrupt value to quote in an error message.
 _PREVIEW_CHARS = 60
 
@@ -95,7 +92,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if not run_id:
             raise ValueError("The run id must be a non-empty string.")
         self._conn = EtcdConnection.from_client(client, param="client")
-        self._key = f"{key_prefix}/{run_id}" if key_prefix else run_id
+        self._key = etcd_v2_state_key(run_id, key_prefix)
         self._ttl = ttl if ttl and ttl > 0 else self._DEFAULT_TTL
         # The etcd index at which the key was last seen missing: a watch for its
         # creation must start right after it (``None``: never seen missing).
@@ -309,10 +306,10 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         params, cert_option="ssl_cert", key_option="ssl_cert_key", cacert_option="ca_cert"
     )
     try:
-        backend = EtcdRendezvousBackend(conn, params.run_id, key_prefix=_STATE_PREFIX)
+        backend = EtcdRendezvousBackend(conn, params.run_id, key_prefix=ETCD_V2_STATE_PREFIX)
         # Fail early, as PyTorch's client does when it connects: one read of the key.
         conn.try_get(backend.key)
     except BaseException:
         conn.close()
         raise
-    return backend, EtcdStore(conn, _STORE_PREFIX)
+    return backend, EtcdStore(conn, ETCD_V2_STORE_PREFIX)
