@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,6 +207,15 @@ def test_layout_imports_nothing_that_does_io() -> None:
         elif isinstance(node, ast.ImportFrom):
             imported.add("." * node.level + (node.module or ""))
     assert imported == {"__future__", "dataclasses", "posixpath"}
+
+
+def test_importing_layout_loads_no_etcd_client() -> None:
+    code = (
+        "import sys, etcd_rendezvous.layout\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('etcd', 'urllib3'))\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_every_public_name_is_exported_and_documented() -> None:
