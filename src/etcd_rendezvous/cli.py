@@ -50,17 +50,17 @@ from .api import (
 )
 from .dynamic_rendezvous import (
     DynamicRendezvousHandler,
+    NodeDesc,
+    RendezvousState,
     RendezvousTimeout,
-    _decode_state,
-    _NodeDesc,
-    _RendezvousState,
     create_handler,
+    decode_state,
 )
 from .etcd_rendezvous import (
     EtcdRendezvous,
     EtcdRendezvousHandler,
-    _parse_state,
     create_rdzv_handler,
+    parse_state,
 )
 from .etcd_rendezvous_backend import EtcdRendezvousBackend, create_backend
 from .etcd_server import (
@@ -269,7 +269,7 @@ def _demo_handler(params: RendezvousParameters) -> Iterator[RendezvousHandler]:
 def _rendezvous_version(handler: RendezvousHandler, store: Store) -> str:
     """The version (``etcd``) or round (``etcd-v2``) of the rendezvous just completed."""
     if isinstance(handler, EtcdRendezvousHandler):
-        _, state = handler._rdzv_impl.get_rdzv_state()
+        _, state = handler.rendezvous.get_rdzv_state()
         return str(state.get("version", "?"))
     # A dynamic rendezvous scopes the store of round R to the key prefix
     # ``torch.rendezvous.<run_id>.<R>``, which the returned store exposes as ``prefix``.
@@ -365,7 +365,7 @@ class _EtcdObserver:
 
     def describe(self) -> str:
         try:
-            _, state = self._handler._rdzv_impl.get_rdzv_state()
+            _, state = self._handler.rendezvous.get_rdzv_state()
         except KeyNotFoundError:
             return "no rendezvous state yet"
         except RendezvousError as exc:
@@ -376,8 +376,8 @@ class _EtcdObserver:
         return f"{status} v{state['version']}, {len(state.get('participants', []))} participants"
 
     def delete_run(self, world_size: int) -> None:
-        rdzv = self._handler._rdzv_impl
-        run_dir = rdzv.get_path("")
+        rdzv = self._handler.rendezvous
+        run_dir = rdzv.layout.run_dir
         try:
             rdzv.connection.delete(run_dir, recursive=True)
         except RendezvousError as exc:
@@ -766,7 +766,7 @@ def _describe_etcd_run(run: _EtcdRun) -> dict[str, Any]:
         return report
     report["state_ttl"] = run.state.ttl
     try:
-        state = _parse_state(run.state)
+        state = parse_state(run.state)
     except RendezvousStateError as exc:
         report.update(valid=False, error=str(exc), raw=run.state.value)
         return report
@@ -879,7 +879,7 @@ def _close_etcd(args: argparse.Namespace, conn: EtcdConnection) -> str:
     run_dir, key = layout.run_dir, layout.state_key
     had_run_dir = conn.try_get(run_dir) is not None
     before = conn.try_get(key)
-    previous = None if before is None else _parse_state(before)
+    previous = None if before is None else parse_state(before)
     if previous is not None and previous["status"] == "closed":
         return f"run {args.run_id!r} was already closed ({key})"
     # The rendezvous's own set_closed: a compare-and-swap to "closed" that keeps the
@@ -930,7 +930,7 @@ def _v2_backend(args: argparse.Namespace, conn: EtcdConnection) -> EtcdRendezvou
     return EtcdRendezvousBackend(conn, args.run_id, key_prefix=prefix or None)
 
 
-def _v2_state(backend: EtcdRendezvousBackend) -> _RendezvousState | None:
+def _v2_state(backend: EtcdRendezvousBackend) -> RendezvousState | None:
     """The decoded state (by the dynamic rendezvous's safe decoder, never ``pickle.loads``).
 
     Raises:
@@ -939,15 +939,15 @@ def _v2_state(backend: EtcdRendezvousBackend) -> _RendezvousState | None:
     current = backend.get_state()
     if current is None:
         return None
-    return _decode_state(current[0], f"etcd-v2 key {backend.key!r}")
+    return decode_state(current[0], f"etcd-v2 key {backend.key!r}")
 
 
-def _node_name(node: _NodeDesc) -> str:
+def _node_name(node: NodeDesc) -> str:
     return f"{node.addr}_{node.pid}_{node.local_id}"
 
 
 def _describe_v2_state(
-    run_id: str, key: str, node: Node | None, state: _RendezvousState, now: datetime
+    run_id: str, key: str, node: Node | None, state: RendezvousState, now: datetime
 ) -> dict[str, Any]:
     """The ``status`` report of an ``etcd-v2`` run, as a JSON-serialisable dict."""
     if state.closed:

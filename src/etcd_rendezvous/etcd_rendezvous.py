@@ -79,6 +79,7 @@ __all__ = [
     "EtcdRendezvousRetryImmediately",
     "EtcdRendezvousRetryableFailure",
     "create_rdzv_handler",
+    "parse_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -146,8 +147,14 @@ def _state_problem(state: Any) -> str | None:
     return None
 
 
-def _parse_state(node: Node) -> dict[str, Any]:
+def parse_state(node: Node) -> dict[str, Any]:
     """Decode and validate the rendezvous state stored in ``node``.
+
+    ``node`` is the state key, ``<prefix>/run_<run_id>/rdzv/active_version``
+    (:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), as read from etcd. The
+    result is the JSON object PyTorch's workers write: ``status`` and, from
+    ``joinable`` on, ``version`` and ``participants`` (then ``keep_alives`` and
+    ``num_workers_waiting``), each checked for its type.
 
     Raises:
         RendezvousStateError: the value is not a valid state. The key is not modified.
@@ -449,7 +456,7 @@ class EtcdRendezvous:
         """
         try:
             active_version = self.try_create_rendezvous()
-            state = _parse_state(active_version)
+            state = parse_state(active_version)
             logger.info("New rendezvous state created: %s", state)
         except KeyExistsError:
             active_version, state = self.get_rdzv_state()
@@ -468,7 +475,7 @@ class EtcdRendezvous:
     def join_phase(self, expected_version: str) -> tuple[str, int, int]:
         """Join the joinable rendezvous ``expected_version`` and wait for the others."""
         active_version, this_rank = self.join_rendezvous(expected_version)
-        state = _parse_state(active_version)
+        state = parse_state(active_version)
         logger.info(
             "Joined rendezvous version %s as rank %s. Full state: %s",
             state["version"],
@@ -485,7 +492,7 @@ class EtcdRendezvous:
 
         logger.info("Waiting for remaining peers.")
         active_version = self.wait_for_peers(expected_version)
-        state = _parse_state(active_version)
+        state = parse_state(active_version)
         if state["version"] != expected_version:
             raise EtcdRendezvousRetryableFailure("Rendezvous version changed while waiting.")
         return self.confirm_phase(expected_version, this_rank)
@@ -496,7 +503,7 @@ class EtcdRendezvous:
         self.confirm_membership(expected_version, this_rank)
         logger.info("Waiting for confirmations from all peers.")
         active_version = self.wait_for_final(expected_version)
-        state = _parse_state(active_version)
+        state = parse_state(active_version)
         logger.info("Rendezvous version %s is complete. Final state: %s", state["version"], state)
         return state["version"], this_rank, len(state["participants"])
 
@@ -818,7 +825,7 @@ class EtcdRendezvous:
             RendezvousStateError: the state is corrupt.
         """
         active_version = self._conn.get(self._layout.state_key)
-        state = _parse_state(active_version)
+        state = parse_state(active_version)
         self._last_state = state
         return active_version, state
 
@@ -840,7 +847,7 @@ class EtcdRendezvous:
             # The event carries the new state: no need to read it again. Callers watch
             # on from the event's own index, so no later change is missed.
             node = dataclasses.replace(change, etcd_index=change.modified_index)
-            state = _parse_state(node)
+            state = parse_state(node)
             self._last_state = state
             return node, state
         return self.get_rdzv_state()
@@ -966,6 +973,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def __enter__(self) -> EtcdRendezvousHandler:
         return self
+
+    @property
+    def rendezvous(self) -> EtcdRendezvous:
+        """The :class:`EtcdRendezvous` this handler drives (PyTorch's ``_rdzv_impl``), for
+        tools that read the run's state (:meth:`EtcdRendezvous.get_rdzv_state`) or keys
+        (:attr:`EtcdRendezvous.layout`)."""
+        return self._rdzv_impl
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
