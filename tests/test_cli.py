@@ -21,7 +21,8 @@ import etcd
 import pytest
 
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
-from etcd_rendezvous.cli import _report, main
+from etcd_rendezvous.cli import main
+from etcd_rendezvous.cli.demo import _report
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler, create_rdzv_handler
 from etcd_rendezvous.etcd_rendezvous_backend import create_backend
