@@ -305,6 +305,7 @@ class EtcdRendezvous:
         self._conn = EtcdConnection.from_client(client, param="client")
         self._owns_conn = self._conn is not client
         self._layout = layout
+        self._prefix = layout.prefix_dir  # PyTorch's attribute
         self._run_id = run_id
         self._num_min_workers = num_min_workers
         self._num_max_workers = num_max_workers
@@ -318,7 +319,7 @@ class EtcdRendezvous:
         logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
 
         if layout.prefix != "/":
-            self.create_path_if_not_exists(layout.prefix + "/")
+            self.create_path_if_not_exists(layout.prefix_dir)
         self._setup_run_dir()
         self.create_path_if_not_exists(layout.rdzv_dir)
         with contextlib.suppress(KeyExistsError):
@@ -974,15 +975,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def __enter__(self) -> EtcdRendezvousHandler:
         return self
 
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     @property
     def rendezvous(self) -> EtcdRendezvous:
         """The :class:`EtcdRendezvous` this handler drives (PyTorch's ``_rdzv_impl``), for
         tools that read the run's state (:meth:`EtcdRendezvous.get_rdzv_state`) or keys
         (:attr:`EtcdRendezvous.layout`)."""
         return self._rdzv_impl
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def get_backend(self) -> str:
         """Return the backend name: ``"etcd"`` unless created under another name."""

@@ -90,9 +90,15 @@ class LegacyLayout:
         object.__setattr__(self, "prefix", normalize_key(self.prefix))
 
     @property
+    def prefix_dir(self) -> str:
+        """The prefix ending in ``/`` (``/torchelastic/p2p/``; ``/`` for the root), as
+        PyTorch's ``EtcdRendezvous`` keeps it."""
+        return self.prefix.rstrip("/") + "/"
+
+    @property
     def run_dir(self) -> str:
         """``<prefix>/run_<run_id>``: the directory holding everything of the run."""
-        return f"{self.prefix.rstrip('/')}/run_{self.run_id}"
+        return f"{self.prefix_dir}run_{self.run_id}"
 
     def path(self, path: str) -> str:
         """The key of ``path`` inside the run directory, spelled as PyTorch's

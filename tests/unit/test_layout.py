@@ -63,6 +63,7 @@ def test_normalize_key_cleans_as_etcd_does(key: str, expected: str) -> None:
 def test_legacy_keys_with_the_default_prefix() -> None:
     keys = LegacyLayout(DEFAULT_PREFIX, "job1")
     assert keys.prefix == "/torchelastic/p2p"
+    assert keys.prefix_dir == "/torchelastic/p2p/"
     assert keys.run_dir == "/torchelastic/p2p/run_job1"
     assert keys.rdzv_dir == "/torchelastic/p2p/run_job1/rdzv"
     assert keys.state_key == "/torchelastic/p2p/run_job1/rdzv/active_version"
@@ -82,18 +83,26 @@ def test_legacy_path_is_pytorchs_get_path() -> None:
 
 
 @pytest.mark.parametrize(
-    ("prefix", "normalized", "run_dir"),
+    ("prefix", "normalized", "prefix_dir", "run_dir"),
     [
-        ("/torchelastic/p2p/", "/torchelastic/p2p", "/torchelastic/p2p/run_r"),
-        ("torchelastic//p2p", "/torchelastic/p2p", "/torchelastic/p2p/run_r"),
-        ("/", "/", "/run_r"),
-        ("", "/", "/run_r"),
-        ("/a/./b/../c", "/a/c", "/a/c/run_r"),
+        (
+            "/torchelastic/p2p/",
+            "/torchelastic/p2p",
+            "/torchelastic/p2p/",
+            "/torchelastic/p2p/run_r",
+        ),
+        ("torchelastic//p2p", "/torchelastic/p2p", "/torchelastic/p2p/", "/torchelastic/p2p/run_r"),
+        ("/", "/", "/", "/run_r"),
+        ("", "/", "/", "/run_r"),
+        ("/a/./b/../c", "/a/c", "/a/c/", "/a/c/run_r"),
     ],
 )
-def test_legacy_prefix_is_normalized(prefix: str, normalized: str, run_dir: str) -> None:
+def test_legacy_prefix_is_normalized(
+    prefix: str, normalized: str, prefix_dir: str, run_dir: str
+) -> None:
     keys = LegacyLayout(prefix, "r")
     assert keys.prefix == normalized
+    assert keys.prefix_dir == prefix_dir
     assert keys.run_dir == run_dir
     assert keys.state_key == run_dir + "/rdzv/active_version"
 
