@@ -20,8 +20,10 @@ from typing import Any, TypeVar
 import etcd
 import pytest
 
+from etcd_rendezvous._connect import open_transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
-from etcd_rendezvous.cli import _report, main
+from etcd_rendezvous.cli import main
+from etcd_rendezvous.cli.demo import _report
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler, create_rdzv_handler
 from etcd_rendezvous.etcd_rendezvous_backend import create_backend
@@ -485,39 +487,96 @@ def test_unreachable_endpoint_is_one_clear_line(command: str) -> None:
     assert len(result.stderr.strip().splitlines()) == 1, _explain(result)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
-def test_server_command_serves_until_stopped(
-    etcd_server: EtcdServer, tmp_path: Path, stop_signal: signal.Signals
-) -> None:
-    env = dict(os.environ, ETCD_BINARY_PATH=etcd_server.binary, TMPDIR=str(tmp_path))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "etcd_rendezvous", "server"],
+def _serve(tmp_path: Path, binary: str, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, ETCD_BINARY_PATH=binary, TMPDIR=str(tmp_path))
+    return subprocess.Popen(
+        [sys.executable, "-m", "etcd_rendezvous", "server", *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=env,
     )
+
+
+def _stop_served(proc: subprocess.Popen[str], stop_signal: signal.Signals) -> None:
+    proc.send_signal(stop_signal)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_server_command_serves_until_stopped(
+    etcd_server: EtcdServer, tmp_path: Path, stop_signal: signal.Signals
+) -> None:
+    proc = _serve(tmp_path, etcd_server.binary)
     try:
         assert proc.stdout is not None
         first = proc.stdout.readline()
         match = re.search(r"serving (127\.0\.0\.1):(\d+)", first)
         assert match, first
+        assert "v3 API only" in first  # what a current etcd (3.6) serves
         assert list(tmp_path.glob("etcd-rendezvous-*")), "no data dir while serving"
 
+        with open_transport([(match[1], int(match[2]))], etcd_api="auto") as conn:
+            assert conn.api == "v3"
+            conn.set("/server-test/key", "answered")
+            assert conn.get("/server-test/key").value == "answered"
+
+        _stop_served(proc, stop_signal)
+        assert list(tmp_path.glob("etcd-rendezvous-*")) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_server_command_with_v2_serves_pytorch_clients(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    proc = _serve(tmp_path, etcd_server.binary, "--enable-v2")
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        match = re.search(r"serving (127\.0\.0\.1):(\d+)", first)
+        assert match, first
         client = etcd.Client(host=match[1], port=int(match[2]), read_timeout=5)
         try:
             client.write("/server-test/key", "answered")
             assert client.read("/server-test/key").value == "answered"
         finally:
             client.http.clear()
+        _stop_served(proc, signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
-        proc.send_signal(stop_signal)
-        _, stderr = proc.communicate(timeout=30)
-        assert proc.returncode == 0, stderr
-        assert "Traceback" not in stderr, stderr
-        assert list(tmp_path.glob("etcd-rendezvous-*")) == []
+
+@pytest.mark.slow
+def test_server_command_runs_a_three_member_cluster(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    proc = _serve(tmp_path, etcd_server.binary, "--members", "3")
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        match = re.search(r"cluster of 3 is serving (\S+)", first)
+        assert match, first
+        endpoints = [(h, int(p)) for h, p in (e.split(":") for e in match[1].split(","))]
+        assert len(endpoints) == 3
+        members = [proc.stdout.readline() for _ in range(3)]
+        assert all("pid" in line for line in members), members
+        for endpoint in endpoints:  # every member serves the same data
+            with open_transport([endpoint]) as conn:
+                conn.set(f"/cluster-test/{endpoint[1]}", "ok")
+        with open_transport(endpoints) as conn:
+            assert len(conn.list_dir("/cluster-test").children) == 3
+        _stop_served(proc, signal.SIGINT)
+        assert list(tmp_path.glob("etcd-*")) == []
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -80,14 +80,18 @@ from .api import (
     RendezvousTimeoutError,
     Store,
 )
+from .layout import dynamic_store_prefix
 
 __all__ = [
     "DynamicRendezvousHandler",
+    "NodeDesc",
     "RendezvousBackend",
     "RendezvousSettings",
+    "RendezvousState",
     "RendezvousTimeout",
     "Token",
     "create_handler",
+    "decode_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -400,6 +404,16 @@ class _RendezvousState:
         self.last_heartbeats = {}
 
 
+#: The shared state as :func:`decode_state` returns it: PyTorch's private
+#: ``_RendezvousState`` (``round``, ``complete``, ``deadline``, ``closed``,
+#: ``participants`` with their ranks, ``wait_list``, ``redundancy_list`` and
+#: ``last_heartbeats``), under a public name for tools that read it.
+RendezvousState = _RendezvousState
+#: A node of the state (``addr``, ``pid``, ``local_id``; ordered by rank): PyTorch's
+#: private ``_NodeDesc``, under a public name for tools that read the state.
+NodeDesc = _NodeDesc
+
+
 # -- the state codec --------------------------------------------------------------------------
 
 #: The module under which PyTorch's state classes live; our classes pickle as if they were
@@ -598,8 +612,12 @@ def _preview(data: bytes) -> str:
     return repr(data if len(data) <= _PREVIEW_BYTES else data[:_PREVIEW_BYTES] + b"...")
 
 
-def _decode_state(data: bytes, source: str) -> _RendezvousState:
-    """Decode a state written by :func:`_encode_state` or by PyTorch, without ``pickle.loads``.
+def decode_state(data: bytes, source: str) -> RendezvousState:
+    """Decode a state written by this module or by PyTorch, without ``pickle.loads``.
+
+    For tools that inspect a run: ``data`` is what a backend's
+    :meth:`~RendezvousBackend.get_state` returns. The result is read-only in spirit:
+    the handlers own the state in the backend.
 
     Args:
         data: The encoded state (a pickle).
@@ -777,7 +795,7 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
     def _adopt(self, state_bits: bytes | None, token: Token) -> None:
         """Make the decoded ``state_bits`` (or a new state if ``None``) the local state."""
         if state_bits is not None:
-            self._state = _decode_state(state_bits, self._source())
+            self._state = decode_state(state_bits, self._source())
         else:
             self._state = _RendezvousState()
         self._token = token
@@ -1833,7 +1851,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return state.participants[self._this_node], len(state.participants)
 
     def _wrap_store(self, store: Store) -> Store:
-        key_prefix = f"torch.rendezvous.{self._settings.run_id}.{self._state_holder.state.round}"
+        key_prefix = dynamic_store_prefix(self._settings.run_id, self._state_holder.state.round)
         return _prefix_store(key_prefix, store)
 
     def _get_store(self) -> Store:

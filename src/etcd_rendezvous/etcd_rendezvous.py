@@ -72,6 +72,7 @@ from .api import (
     RendezvousTimeoutError,
 )
 from .etcd_store import EtcdStore
+from .layout import DEFAULT_PREFIX, LegacyLayout, normalize_key
 
 __all__ = [
     "EtcdRendezvous",
@@ -79,6 +80,7 @@ __all__ = [
     "EtcdRendezvousRetryImmediately",
     "EtcdRendezvousRetryableFailure",
     "create_rdzv_handler",
+    "parse_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,8 +98,6 @@ class EtcdRendezvousRetryImmediately(Exception):  # noqa: N818 (PyTorch's name)
 _DEFAULT_TIMEOUT: int = 600
 #: Default extra wait for more workers once ``min_workers`` joined, in seconds.
 _DEFAULT_LAST_CALL_TIMEOUT: int = 30
-#: Default key prefix, as in PyTorch.
-_DEFAULT_PREFIX = "/torchelastic/p2p"
 
 # TTLs, in seconds. They are part of the protocol: PyTorch workers use the same ones.
 CONST_ETCD_SETUP_TTL = 5
@@ -148,8 +148,14 @@ def _state_problem(state: Any) -> str | None:
     return None
 
 
-def _parse_state(node: Node) -> dict[str, Any]:
+def parse_state(node: Node) -> dict[str, Any]:
     """Decode and validate the rendezvous state stored in ``node``.
+
+    ``node`` is the state key, ``<prefix>/run_<run_id>/rdzv/active_version``
+    (:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), as read from etcd. The
+    result is the JSON object PyTorch's workers write: ``status`` and, from
+    ``joinable`` on, ``version`` and ``participants`` (then ``keep_alives`` and
+    ``num_workers_waiting``), each checked for its type.
 
     Raises:
         RendezvousStateError: the value is not a valid state. The key is not modified.
@@ -168,11 +174,6 @@ def _parse_state(node: Node) -> dict[str, Any]:
         )
     assert isinstance(state, dict)  # checked by _state_problem
     return state
-
-
-def _normalize_key(key: str) -> str:
-    """Canonical form of an etcd key, for comparing keys written by different clients."""
-    return "/" + "/".join(part for part in key.split("/") if part)
 
 
 # -- keep-alive threads ------------------------------------------------------------------
@@ -318,7 +319,8 @@ class EtcdRendezvous:
             _check_arguments(
                 prefix, run_id, num_min_workers, num_max_workers, timeout, last_call_timeout
             )
-            self._prefix = _normalize_key(prefix).rstrip("/") + "/"
+            self._layout = LegacyLayout(prefix, run_id)
+            self._prefix = self._layout.prefix_dir  # PyTorch's attribute
             self._run_id = run_id
             self._num_min_workers = num_min_workers
             self._num_max_workers = num_max_workers
@@ -341,15 +343,17 @@ class EtcdRendezvous:
 
     def _create_run_keys(self) -> None:
         """Create the run's directories and version counter, if missing."""
-        if self._prefix != "/":
-            self.create_path_if_not_exists(self._prefix)
+        layout = self._layout
+        if layout.prefix != "/":
+            self.create_path_if_not_exists(layout.prefix_dir)
         self._setup_run_dir()
-        self.create_path_if_not_exists(self.get_path("/rdzv"))
+        self.create_path_if_not_exists(layout.rdzv_dir)
         with contextlib.suppress(KeyExistsError):
-            self._conn.create(self.get_path("/rdzv/version_counter"), "0", value_is_unique=False)
+            self._conn.create(layout.counter_key, "0", value_is_unique=False)
 
     def _setup_run_dir(self) -> None:
-        run_dir = self.get_path("")
+        # Spelled with a trailing "/", as PyTorch's get_path("") spells it.
+        run_dir = self._layout.path("")
         if self._conn.can_refresh_directory_ttl():
             self.create_path_if_not_exists(run_dir, ttl=CONST_RUNID_SUBROOT_TTL)
             self.setup_lease_renewal(run_dir, ttl=CONST_RUNID_SUBROOT_TTL)
@@ -502,7 +506,7 @@ class EtcdRendezvous:
         """
         try:
             active_version = self.try_create_rendezvous()
-            state = _parse_state(active_version)
+            state = parse_state(active_version)
             logger.info("New rendezvous state created: %s", state)
         except KeyExistsError:
             active_version, state = self.get_rdzv_state()
@@ -521,7 +525,7 @@ class EtcdRendezvous:
     def join_phase(self, expected_version: str) -> tuple[str, int, int]:
         """Join the joinable rendezvous ``expected_version`` and wait for the others."""
         active_version, this_rank = self.join_rendezvous(expected_version)
-        state = _parse_state(active_version)
+        state = parse_state(active_version)
         logger.info(
             "Joined rendezvous version %s as rank %s. Full state: %s",
             state["version"],
@@ -538,7 +542,7 @@ class EtcdRendezvous:
 
         logger.info("Waiting for remaining peers.")
         active_version = self.wait_for_peers(expected_version)
-        state = _parse_state(active_version)
+        state = parse_state(active_version)
         if state["version"] != expected_version:
             raise EtcdRendezvousRetryableFailure("Rendezvous version changed while waiting.")
         return self.confirm_phase(expected_version, this_rank)
@@ -549,7 +553,7 @@ class EtcdRendezvous:
         self.confirm_membership(expected_version, this_rank)
         logger.info("Waiting for confirmations from all peers.")
         active_version = self.wait_for_final(expected_version)
-        state = _parse_state(active_version)
+        state = parse_state(active_version)
         logger.info("Rendezvous version %s is complete. Final state: %s", state["version"], state)
         return state["version"], this_rank, len(state["participants"])
 
@@ -569,12 +573,12 @@ class EtcdRendezvous:
         """
         # The state is ephemeral until joinable, in case we die half-way through.
         active_version = self._conn.create(
-            self.get_path("/rdzv/active_version"),
+            self._layout.state_key,
             json.dumps({"status": "setup"}),
             ttl=CONST_ETCD_SETUP_TTL,
             value_is_unique=False,
         )
-        counter_key = self.get_path("/rdzv/version_counter")
+        counter_key = self._layout.counter_key
         try:
             counter = self._conn.get(counter_key)
         except KeyNotFoundError:
@@ -595,15 +599,15 @@ class EtcdRendezvous:
             # Our setup state expired and another worker took over.
             raise EtcdRendezvousRetryableFailure("Lost the right to set up a rendezvous.") from None
 
-        version_dir = self.get_path(f"/rdzv/v_{version}")
+        version_dir = self._layout.version_dir(version)
         if not self._conn.mkdir(version_dir):
             raise RendezvousStateError(
                 f"{version_dir!r} already exists although the version counter "
                 f"{counter_key!r} just handed out {version}: the counter went backwards. "
-                f"Delete {self.get_path('')!r} once no worker uses it."
+                f"Delete {self._layout.run_dir!r} once no worker uses it."
             )
         return self._conn.compare_and_swap(
-            self.get_path("/rdzv/active_version"),
+            self._layout.state_key,
             json.dumps({"status": "joinable", "version": version, "participants": []}),
             active_version,
         )
@@ -684,7 +688,7 @@ class EtcdRendezvous:
     def confirm_membership(self, expected_version: str, this_rank: int) -> Node:
         """Create our keep-alive key and add it to the frozen state's ``keep_alives``."""
         retry = self._contention_retry()
-        this_lease_key = self.get_path(f"/rdzv/v_{expected_version}/rank_{this_rank}")
+        this_lease_key = self._layout.keep_alive_key(expected_version, this_rank)
         lease_set_at: Deadline | None = None
         while True:
             self._check_deadline()
@@ -760,12 +764,12 @@ class EtcdRendezvous:
             if state["status"] != "final" or state["version"] != expected_version:
                 return
             try:
-                members = self._conn.list_dir(self.get_path(f"/rdzv/v_{expected_version}"))
-                alive = {_normalize_key(child.key) for child in members.children}
+                members = self._conn.list_dir(self._layout.version_dir(expected_version))
+                alive = {normalize_key(child.key) for child in members.children}
             except KeyNotFoundError:
                 alive = set()
             for key in state["keep_alives"]:
-                if _normalize_key(key) not in alive:
+                if normalize_key(key) not in alive:
                     logger.info("Keep-alive key %s is not renewed.", key)
                     logger.info("Rendezvous version %s is incomplete. ", expected_version)
                     logger.info("Attempting to destroy it.")
@@ -776,7 +780,7 @@ class EtcdRendezvous:
                     return
             # The rendezvous is healthy: wait for any change below rdzv/.
             self._conn.watch(
-                self.get_path("/rdzv"),
+                self._layout.rdzv_dir,
                 active_version.etcd_index + 1,
                 self._rendezvous_deadline.remaining() + 1.0,
                 recursive=True,
@@ -848,7 +852,7 @@ class EtcdRendezvous:
         Raises:
             RendezvousTimeoutError: the state could not be written within ``timeout``.
         """
-        key = self.get_path("/rdzv/active_version")
+        key = self._layout.state_key
         retry = self._race_retry(key, f"close the rendezvous of run {self._run_id!r}", timeout)
         while True:
             try:
@@ -879,8 +883,8 @@ class EtcdRendezvous:
             KeyNotFoundError: there is no rendezvous state.
             RendezvousStateError: the state is corrupt.
         """
-        active_version = self._conn.get(self.get_path("/rdzv/active_version"))
-        state = _parse_state(active_version)
+        active_version = self._conn.get(self._layout.state_key)
+        state = parse_state(active_version)
         self._last_state = state
         return active_version, state
 
@@ -896,22 +900,26 @@ class EtcdRendezvous:
         """
         overall = self._rendezvous_deadline.remaining() + 1.0
         wait = overall if timeout is None else min(timeout, overall)
-        change = self._conn.watch(self.get_path("/rdzv/active_version"), etcd_index, wait)
+        change = self._conn.watch(self._layout.state_key, etcd_index, wait)
         self._check_deadline()
         if change is not None and change.value is not None and change.action in _WRITES:
             # The event carries the new state: no need to read it again. Callers watch
             # on from the event's own index, so no later change is missed.
             node = dataclasses.replace(change, etcd_index=change.modified_index)
-            state = _parse_state(node)
+            state = parse_state(node)
             self._last_state = state
             return node, state
         return self.get_rdzv_state()
 
+    @property
+    def layout(self) -> LegacyLayout:
+        """The keys of this run (see :class:`~etcd_rendezvous.layout.LegacyLayout`)."""
+        return self._layout
+
     def get_path(self, path: str) -> str:
-        """Return the etcd key of ``path`` inside this run's directory."""
-        if not path.startswith("/"):
-            path = "/" + path
-        return f"{self._prefix}run_{self._run_id}{path}"
+        """Return the etcd key of ``path`` inside this run's directory (as PyTorch's
+        method of the same name: :meth:`~etcd_rendezvous.layout.LegacyLayout.path`)."""
+        return self._layout.path(path)
 
     def create_path_if_not_exists(self, full_path: str, ttl: int | None = None) -> None:
         """Create directory ``full_path`` (with ``ttl``) unless it exists."""
@@ -929,7 +937,7 @@ class EtcdRendezvous:
         Raises:
             RendezvousTimeoutError: the key could not be written within ``timeout``.
         """
-        node = self.get_path(f"/rdzv/v_{rdzv_version}/extra_data")
+        node = self._layout.extra_data_key(rdzv_version)
         encoded = json.dumps({key: value})
         try:
             self._conn.create(node, encoded, value_is_unique=False)
@@ -956,7 +964,7 @@ class EtcdRendezvous:
         Raises:
             RendezvousTimeoutError: ``key`` was not stored within ``timeout`` seconds.
         """
-        node = self.get_path(f"/rdzv/v_{rdzv_version}/extra_data")
+        node = self._layout.extra_data_key(rdzv_version)
         deadline = Deadline.never() if timeout is None else Deadline(timeout)
         while True:
             try:
@@ -989,7 +997,7 @@ class EtcdRendezvous:
 
     def setup_kv_store(self, rdzv_version: str) -> EtcdStore:
         """Return the key-value store of rendezvous version ``rdzv_version``."""
-        store_path = self.get_path(f"/rdzv/v_{rdzv_version}/kv")
+        store_path = self._layout.store_dir(rdzv_version)
         self.create_path_if_not_exists(store_path)
         return EtcdStore(etcd_client=self._conn, etcd_store_prefix=store_path)
 
@@ -1039,6 +1047,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @property
+    def rendezvous(self) -> EtcdRendezvous:
+        """The :class:`EtcdRendezvous` this handler drives (PyTorch's ``_rdzv_impl``), for
+        tools that read the run's state (:meth:`EtcdRendezvous.get_rdzv_state`) or keys
+        (:attr:`EtcdRendezvous.layout`)."""
+        return self._rdzv_impl
 
     def get_backend(self) -> str:
         """Return the backend name: ``"etcd"`` unless created under another name."""
@@ -1173,7 +1188,7 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     last_call_timeout = _seconds(
         params, "last_call_timeout", _DEFAULT_LAST_CALL_TIMEOUT, allow_zero=True
     )
-    prefix = params.get("etcd_prefix", _DEFAULT_PREFIX)
+    prefix = params.get("etcd_prefix", DEFAULT_PREFIX)
     torch_store = torch_store_wanted(params)
     rdzv = EtcdRendezvous(
         client=_create_etcd_connection(params),

@@ -52,15 +52,12 @@ from ._transport import Transport
 from .api import RendezvousParameters, RendezvousStateError
 from .dynamic_rendezvous import RendezvousBackend, Token
 from .etcd_store import EtcdStore
+from .layout import ETCD_V2_STATE_PREFIX, ETCD_V2_STORE_PREFIX, etcd_v2_state_key
 
 __all__ = ["EtcdRendezvousBackend", "create_backend"]
 
 logger = logging.getLogger(__name__)
 
-#: Where :func:`create_backend` keeps the rendezvous states, as PyTorch does.
-_STATE_PREFIX = "/torch/elastic/rendezvous"
-#: Where :func:`create_backend` keeps the store shared by the workers, as PyTorch does.
-_STORE_PREFIX = "/torch/elastic/store"
 # How much of a corrupt value to quote in an error message.
 _PREVIEW_CHARS = 60
 
@@ -112,7 +109,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if not run_id:
             self.close()
             raise ValueError("The run id must be a non-empty string.")
-        self._key = f"{key_prefix}/{run_id}" if key_prefix else run_id
+        self._key = etcd_v2_state_key(run_id, key_prefix)
         self._ttl = ttl if ttl and ttl > 0 else self._DEFAULT_TTL
         # The etcd index at which the key was last seen missing: a watch for its
         # creation must start right after it (``None``: never seen missing).
@@ -349,7 +346,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         params, cert_option="ssl_cert", key_option="ssl_cert_key", cacert_option="ca_cert"
     )
     backend = EtcdRendezvousBackend(
-        conn, params.run_id, key_prefix=_STATE_PREFIX, owns_connection=True
+        conn, params.run_id, key_prefix=ETCD_V2_STATE_PREFIX, owns_connection=True
     )
     try:
         # Fail early, as PyTorch's client does when it connects: one read of the key.
@@ -357,4 +354,4 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     except BaseException:
         backend.close()
         raise
-    return backend, EtcdStore(conn, _STORE_PREFIX)
+    return backend, EtcdStore(conn, ETCD_V2_STORE_PREFIX)

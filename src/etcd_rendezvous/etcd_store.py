@@ -26,7 +26,6 @@ from __future__ import annotations
 import binascii
 import logging
 import operator
-import posixpath
 import random
 import threading
 import time
@@ -39,6 +38,7 @@ from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotF
 from ._retry import CONTENTION, REWATCH, Deadline
 from ._transport import Transport
 from .api import RendezvousStateError
+from .layout import normalize_key, store_value_key
 
 if TYPE_CHECKING:
     from .api import Store
@@ -134,7 +134,7 @@ class EtcdStore:
         self.prefix = (
             etcd_store_prefix if etcd_store_prefix.endswith("/") else etcd_store_prefix + "/"
         )
-        self._dir = _clean(self.prefix)
+        self._dir = normalize_key(self.prefix)
         self._timeout = DEFAULT_TIMEOUT
         if timeout is not None:
             self.set_timeout(timeout)
@@ -413,7 +413,7 @@ class EtcdStore:
         encoded = _encode(key, param)
         if not encoded:
             raise ValueError(f"{param}: the empty key is not allowed (it names the store itself).")
-        return _clean(self.prefix + encoded)
+        return store_value_key(self.prefix, encoded)
 
     def _paths(self, keys: Sequence[KeyLike], param: str = "keys") -> list[tuple[str, KeyLike]]:
         if isinstance(keys, (str, bytes)):
@@ -479,7 +479,7 @@ class EtcdStore:
                 continue
             rewatch.reset()
             since = max(since, change.modified_index)
-            path = _clean(change.key)
+            path = normalize_key(change.key)
             if path in missing and change.action in _VALUE_ACTIONS:
                 self._require_value(change, missing[path])
                 found[path] = change
@@ -578,15 +578,6 @@ def _b64(data: bytes) -> str:
 def _encode(data: object, param: str) -> str:
     """base64 of ``data`` (``str`` as UTF-8), exactly as PyTorch's ``EtcdStore`` writes it."""
     return _b64(_as_bytes(data, param))
-
-
-def _clean(path: str) -> str:
-    """Normalise an etcd key as etcd does (``path.Clean``): ``/a//b/`` becomes ``/a/b``.
-
-    base64 may contain ``/``, so an encoded key can end in ``/`` (e.g. ``"a??"``); etcd
-    stores and reports such keys without it, and watch events must match either form.
-    """
-    return "/" + posixpath.normpath("/" + path).lstrip("/")
 
 
 def _count_values(node: Node) -> int:

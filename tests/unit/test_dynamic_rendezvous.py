@@ -91,7 +91,7 @@ class MemoryBackend(RendezvousBackend):
                 return self._state, self._token, False
             self._state = state
             self._token += 1
-            self.writes.append((time.monotonic(), dr._decode_state(state, "memory")))
+            self.writes.append((time.monotonic(), dr.decode_state(state, "memory")))
             self._cond.notify_all()
             return state, self._token, True
 
@@ -104,7 +104,7 @@ class MemoryBackend(RendezvousBackend):
     def load(self) -> _RendezvousState:
         with self._cond:
             assert self._state is not None
-            return dr._decode_state(self._state, "memory")
+            return dr.decode_state(self._state, "memory")
 
     def store(self, state: _RendezvousState) -> None:
         with self._cond:

@@ -84,19 +84,19 @@ def globals_in(data: bytes) -> set[tuple[str, str]]:
 
 def test_roundtrip_keeps_every_attribute() -> None:
     state = make_state()
-    decoded = dr._decode_state(dr._encode_state(state), SOURCE)
+    decoded = dr.decode_state(dr._encode_state(state), SOURCE)
     assert type(decoded) is dr._RendezvousState
     assert vars(decoded) == vars(state)
     assert list(vars(decoded)) == list(dr._STATE_FIELDS)
 
 
 def test_roundtrip_of_the_initial_state() -> None:
-    decoded = dr._decode_state(dr._encode_state(dr._RendezvousState()), SOURCE)
+    decoded = dr.decode_state(dr._encode_state(dr._RendezvousState()), SOURCE)
     assert vars(decoded) == vars(dr._RendezvousState())
 
 
 def test_decoded_nodes_are_usable_as_keys_and_shared() -> None:
-    decoded = dr._decode_state(dr._encode_state(make_state()), SOURCE)
+    decoded = dr.decode_state(dr._encode_state(make_state()), SOURCE)
     a = dr._NodeDesc("host-a.example.com", 101, 0)
     assert decoded.participants[a] == 0
     assert a in decoded.last_heartbeats
@@ -125,7 +125,7 @@ def test_encoding_does_not_import_torch() -> None:
         "import sys\n"
         "from etcd_rendezvous import dynamic_rendezvous as dr\n"
         "data = dr._encode_state(dr._RendezvousState())\n"
-        "dr._decode_state(data, 'x')\n"
+        "dr.decode_state(data, 'x')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -185,7 +185,7 @@ def test_our_bytes_are_pytorchs_bytes(torch_dr: Any) -> None:
 @pytest.mark.parametrize("protocol", [3, 4, 5])
 def test_we_decode_pytorchs_state(torch_dr: Any, protocol: int) -> None:
     theirs = make_state(torch_dr)
-    decoded = dr._decode_state(pickle.dumps(theirs, protocol=protocol), SOURCE)
+    decoded = dr.decode_state(pickle.dumps(theirs, protocol=protocol), SOURCE)
     assert type(decoded) is dr._RendezvousState
     assert as_plain(decoded) == as_plain(theirs)
     assert vars(decoded) == vars(make_state())
@@ -223,7 +223,7 @@ def test_torch_state_written_by_pytorchs_holder_decodes(torch_dr: Any) -> None:
     holder.state.last_heartbeats[node] = datetime.now(timezone.utc)
     holder.mark_dirty()
     holder.sync()
-    decoded = dr._decode_state(written[0], SOURCE)
+    decoded = dr.decode_state(written[0], SOURCE)
     assert decoded.participants == {dr._NodeDesc("host-a", 1, 0): 0}
 
 
@@ -266,7 +266,7 @@ def test_hostile_pickle_is_rejected_and_not_executed(tmp_path: Path, kind: str, 
         data = dr._encode_state(state)
 
     with pytest.raises(RendezvousStateError) as excinfo:
-        dr._decode_state(data, SOURCE)
+        dr.decode_state(data, SOURCE)
     message = str(excinfo.value)
     assert SOURCE in message
     assert "not part of a rendezvous state" in message
@@ -299,7 +299,7 @@ def test_other_names_in_pytorchs_module_are_rejected() -> None:
     with pytest.raises(
         RendezvousStateError, match=rf"refers to {TORCH_MODULE}.create_handler, which is not"
     ):
-        dr._decode_state(forged, SOURCE)
+        dr.decode_state(forged, SOURCE)
 
 
 def test_persistent_ids_are_rejected() -> None:
@@ -310,7 +310,7 @@ def test_persistent_ids_are_rejected() -> None:
     buffer = io.BytesIO()
     WithPid(buffer, protocol=4).dump(make_state())
     with pytest.raises(RendezvousStateError, match=r"not a valid pickle \(UnpicklingError"):
-        dr._decode_state(buffer.getvalue(), SOURCE)
+        dr.decode_state(buffer.getvalue(), SOURCE)
 
 
 def _with(**changes: Any) -> bytes:
@@ -375,7 +375,7 @@ WRONG = {
 def test_malformed_state_is_rejected_naming_the_source(case: str) -> None:
     data, problem = WRONG[case]
     with pytest.raises(RendezvousStateError) as excinfo:
-        dr._decode_state(data, SOURCE)
+        dr.decode_state(data, SOURCE)
     message = str(excinfo.value)
     assert message.startswith(f"The rendezvous state in {SOURCE} is corrupt: ")
     assert problem in message
@@ -394,7 +394,7 @@ def test_node_hashed_before_it_was_built_does_not_corrupt_sets() -> None:
         + b"\x8f(h\x00\x90."  # {node}
     )
     with pytest.raises(RendezvousStateError, match="not a valid pickle"):
-        dr._decode_state(forged, SOURCE)
+        dr.decode_state(forged, SOURCE)
 
 
 def test_holder_names_the_backends_key(tmp_path: Path) -> None:

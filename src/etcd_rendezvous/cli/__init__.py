@@ -1,0 +1,103 @@
+"""The ``etcd-rendezvous`` command (also ``python -m etcd_rendezvous``).
+
+``etcd-rendezvous demo`` shows the library working on one machine: it starts an
+embedded etcd (unless ``--endpoint`` names one), launches N worker processes that each
+create a rendezvous handler (``--backend etcd``, the default, or ``etcd-v2`` for the
+dynamic rendezvous), call ``next_rendezvous()`` and exchange a value through the
+returned store, then prints a table of ranks, world sizes, rendezvous versions (the
+round, for ``etcd-v2``) and join times. The exit status is 0 when every worker agrees.
+
+For running jobs: ``status`` reads a run's rendezvous state (``etcd`` or ``etcd-v2``
+backend) and shows it as text or JSON without changing anything, ``close`` closes a run
+as a worker's ``set_closed()`` does, and ``server`` runs an embedded etcd in the
+foreground. ``status`` and ``close`` take the library's connection options through one
+shared parent parser.
+
+Errors the user can act on (etcd unreachable, no etcd binary, a closed run, a bad
+parameter) are reported as one line on stderr, without a traceback.
+
+This module parses the command line and dispatches; each command is a module of this
+package (:mod:`~etcd_rendezvous.cli.demo`, :mod:`~etcd_rendezvous.cli.status`,
+:mod:`~etcd_rendezvous.cli.close`, :mod:`~etcd_rendezvous.cli.server`) that reads the
+library through its public names and :mod:`etcd_rendezvous.layout` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Sequence
+
+from .. import __version__
+from ..api import RendezvousError
+from . import close, demo, server, status
+from ._common import EXIT_FAILED, PROG, CliError, UsageError, connection_options
+
+__all__ = ["main"]
+
+#: Exit status for bad usage (argparse uses it too).
+_EXIT_USAGE = 2
+#: Exit status after Ctrl-C, as shells report SIGINT.
+_EXIT_INTERRUPTED = 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Tools for the torch-free etcd rendezvous of PyTorch Elastic.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    connection = connection_options()
+    for name, module, parents in (
+        ("demo", demo, [connection]),
+        ("status", status, [connection]),
+        ("close", close, [connection]),
+        ("server", server, []),
+    ):
+        command = commands.add_parser(
+            name, parents=parents, help=module.HELP, description=module.DESCRIPTION
+        )
+        module.add_arguments(command)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the command ``args`` names, writing to the standard streams."""
+    if args.command == "status":
+        return status.run(args, sys.stdout)
+    if args.command == "close":
+        return close.run(args, sys.stdout)
+    if args.command == "server":
+        return server.run(args, sys.stdout, sys.stderr)
+    return demo.run(args, sys.stdout, sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``etcd-rendezvous`` command; return its exit status."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        problem = demo.usage_problem(args)
+        if problem is not None:
+            parser.error(problem)
+    try:
+        return _run(args)
+    except UsageError as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return _EXIT_USAGE
+    except CliError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except RendezvousError as exc:
+        print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        what = "workers and embedded etcd stopped" if args.command == "demo" else "stopped"
+        print(f"\n{PROG}: interrupted; {what}", file=sys.stderr)
+        return _EXIT_INTERRUPTED
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()

@@ -1,0 +1,119 @@
+"""``etcd-rendezvous close``: close a run's rendezvous as a worker's ``set_closed()`` does.
+
+Its workers stop re-rendezvousing and ``next_rendezvous()`` raises
+:class:`~etcd_rendezvous.api.RendezvousClosedError`. A run without a state gets a
+closed one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+from typing import TextIO
+
+from ..dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+from ..etcd_rendezvous import EtcdRendezvous, parse_state
+from ..etcd_store import EtcdStore
+from ..layout import DEFAULT_PREFIX, ETCD_V2_STORE_PREFIX, LegacyLayout
+from ._common import (
+    Transport,
+    add_run_options,
+    etcd_errors,
+    open_connection,
+    v2_backend,
+    v2_state,
+)
+
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
+
+HELP = "mark a run's rendezvous closed"
+DESCRIPTION = (
+    "Close a run's rendezvous as a worker's set_closed() does: its workers "
+    "stop re-rendezvousing and next_rendezvous() raises RendezvousClosedError. A run "
+    "without a state gets a closed one."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``close`` (the connection options come from a parent)."""
+    add_run_options(parser)
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    """Close the run's rendezvous and say what was done; 0 on success."""
+    conn = open_connection(args)
+    try:
+        with etcd_errors(args.endpoint):
+            if args.backend == "etcd-v2":
+                done = _close_etcd_v2(args, conn)
+            else:
+                done = _close_etcd(args, conn)
+    finally:
+        conn.close()
+    print(done, file=out)
+    return 0
+
+
+def _close_etcd(args: argparse.Namespace, conn: Transport) -> str:
+    """``EtcdRendezvous.set_closed`` on the run; returns what was done, for the user."""
+    prefix = args.prefix or DEFAULT_PREFIX
+    layout = LegacyLayout(prefix, args.run_id)
+    run_dir, key = layout.run_dir, layout.state_key
+    had_run_dir = conn.try_get(run_dir) is not None
+    before = conn.try_get(key)
+    previous = None if before is None else parse_state(before)
+    if previous is not None and previous["status"] == "closed":
+        return f"run {args.run_id!r} was already closed ({key})"
+    # The rendezvous's own set_closed: a compare-and-swap to "closed" that keeps the
+    # rest of the state, or a new closed state when there is none.
+    rdzv = EtcdRendezvous(
+        client=conn,
+        prefix=prefix,
+        run_id=args.run_id,
+        num_min_workers=1,
+        num_max_workers=1,
+        timeout=max(args.read_timeout, 1.0),
+        last_call_timeout=0,
+    )
+    try:
+        rdzv.set_closed()
+    finally:
+        rdzv.close()
+    if previous is None:
+        done = f"closed run {args.run_id!r}: created a closed state at {key} (there was none)"
+        if not had_run_dir:
+            done += f"; {run_dir} did not exist and was created"
+        return done
+    what = previous["status"]
+    if "version" in previous:
+        what += f", version {previous['version']}, {len(previous['participants'])} participants"
+    return f"closed run {args.run_id!r} (was {what}); its workers stop re-rendezvousing ({key})"
+
+
+def _close_etcd_v2(args: argparse.Namespace, conn: Transport) -> str:
+    """``DynamicRendezvousHandler.set_closed`` through the ``etcd-v2`` backend."""
+    backend = v2_backend(args, conn)
+    before = v2_state(backend)
+    if before is not None and before.closed:
+        return f"run {args.run_id!r} was already closed (etcd-v2 key {backend.key})"
+    handler = DynamicRendezvousHandler.from_backend(
+        run_id=args.run_id,
+        store=EtcdStore(conn, ETCD_V2_STORE_PREFIX),
+        backend=backend,
+        min_nodes=1,
+        max_nodes=1,
+        timeout=RendezvousTimeout(close=timedelta(seconds=max(args.read_timeout, 1.0) * 2)),
+    )
+    # Never joined, so there is no heartbeat to stop: closing is one fenced write.
+    handler.set_closed()
+    if before is None:
+        return (
+            f"closed run {args.run_id!r}: created a closed state at etcd-v2 key "
+            f"{backend.key} (there was none)"
+        )
+    return (
+        f"closed run {args.run_id!r} (was round {before.round}, "
+        f"{'complete' if before.complete else 'not complete'}, "
+        f"{len(before.participants)} participants); its agents stop re-rendezvousing "
+        f"(etcd-v2 key {backend.key})"
+    )

@@ -1,0 +1,192 @@
+"""The etcd key layout of every backend, in one place: names only, no I/O.
+
+The key names are part of the wire protocol: workers using this package and workers
+using PyTorch meet only because both spell the same keys. Every module of the package
+takes its keys from here; nothing here talks to etcd or imports python-etcd.
+
+The ``etcd`` backend (:mod:`etcd_rendezvous.etcd_rendezvous`) keeps a run below
+``<prefix>/run_<run_id>`` (see :class:`LegacyLayout`)::
+
+    <prefix>/run_<run_id>/                   run directory
+        rdzv/version_counter                 last version handed out
+        rdzv/active_version                  the state document (JSON)
+        rdzv/v_<N>/                          one directory per rendezvous version
+        rdzv/v_<N>/rank_<rank>               keep-alive key of each member
+        rdzv/v_<N>/extra_data                store_extra_data()/load_extra_data()
+        rdzv/v_<N>/kv/                       the EtcdStore of version N
+
+The ``etcd-v2`` backend (:mod:`etcd_rendezvous.etcd_rendezvous_backend`) keeps a run's
+state in one key, ``/torch/elastic/rendezvous/<run_id>`` (:func:`etcd_v2_state_key`),
+and the store shared by all runs under ``/torch/elastic/store``. The dynamic rendezvous
+(:mod:`etcd_rendezvous.dynamic_rendezvous`) scopes round ``R`` of a run to the store
+prefix ``torch.rendezvous.<run_id>.<R>`` (:func:`dynamic_store_prefix`).
+
+An :class:`~etcd_rendezvous.etcd_store.EtcdStore` keeps store key ``k`` at
+``<store prefix>/<base64 of k>`` (:func:`store_value_key`).
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "ETCD_V2_STATE_PREFIX",
+    "ETCD_V2_STORE_PREFIX",
+    "LegacyLayout",
+    "dynamic_store_prefix",
+    "dynamic_store_round",
+    "etcd_v2_state_key",
+    "keep_alive_rank",
+    "normalize_key",
+    "store_value_key",
+]
+
+#: Default key prefix of the ``etcd`` backend (``etcd_prefix``), as in PyTorch.
+DEFAULT_PREFIX = "/torchelastic/p2p"
+#: Where the ``etcd-v2`` backend keeps the rendezvous states, as PyTorch does.
+ETCD_V2_STATE_PREFIX = "/torch/elastic/rendezvous"
+#: Where the ``etcd-v2`` backend keeps the store shared by the workers, as PyTorch does.
+ETCD_V2_STORE_PREFIX = "/torch/elastic/store"
+
+_KEEP_ALIVE_PREFIX = "rank_"
+_DYNAMIC_STORE_SCOPE = "torch.rendezvous"
+
+
+def normalize_key(key: str) -> str:
+    """Canonical form of an etcd key, the one etcd stores and reports.
+
+    etcd cleans every key as Go's ``path.Clean`` does: one leading ``/``, no empty,
+    ``.`` or ``..`` segments, no trailing ``/``. So ``a//b/`` becomes ``/a/b``, and
+    ``""`` the root ``/``. Compare keys written by different clients in this form.
+    """
+    return "/" + posixpath.normpath("/" + key).lstrip("/")
+
+
+@dataclass(frozen=True)
+class LegacyLayout:
+    """The keys of one run of the ``etcd`` backend, below ``<prefix>/run_<run_id>``.
+
+    Args:
+        prefix: the ``etcd_prefix``; kept in the form :func:`normalize_key` gives it
+            (``/torchelastic/p2p``, or ``/`` for the root).
+        run_id: the job's run id.
+
+    Raises:
+        ValueError: ``run_id`` is empty or contains ``/``.
+        TypeError: ``prefix`` is not a string.
+    """
+
+    prefix: str
+    run_id: str
+
+    def __post_init__(self) -> None:
+        run_id = self.run_id
+        if not isinstance(run_id, str) or not run_id or "/" in run_id:
+            raise ValueError(f"run_id: must be a non-empty string without '/', got {run_id!r}.")
+        if not isinstance(self.prefix, str):
+            raise TypeError(f"prefix: must be a string, got {self.prefix!r}.")
+        object.__setattr__(self, "prefix", normalize_key(self.prefix))
+
+    @property
+    def prefix_dir(self) -> str:
+        """The prefix ending in ``/`` (``/torchelastic/p2p/``; ``/`` for the root), as
+        PyTorch's ``EtcdRendezvous`` keeps it."""
+        return self.prefix.rstrip("/") + "/"
+
+    @property
+    def run_dir(self) -> str:
+        """``<prefix>/run_<run_id>``: the directory holding everything of the run."""
+        return f"{self.prefix_dir}run_{self.run_id}"
+
+    def path(self, path: str) -> str:
+        """The key of ``path`` inside the run directory, spelled as PyTorch's
+        ``EtcdRendezvous.get_path`` spells it (``path("")`` ends in ``/``)."""
+        if not path.startswith("/"):
+            path = "/" + path
+        return self.run_dir + path
+
+    @property
+    def rdzv_dir(self) -> str:
+        """``.../rdzv``: the directory of the state, the counter and the versions."""
+        return self.path("/rdzv")
+
+    @property
+    def state_key(self) -> str:
+        """``.../rdzv/active_version``: the state document, changed only by CAS."""
+        return self.path("/rdzv/active_version")
+
+    @property
+    def counter_key(self) -> str:
+        """``.../rdzv/version_counter``: the last rendezvous version handed out."""
+        return self.path("/rdzv/version_counter")
+
+    def version_dir(self, version: str) -> str:
+        """``.../rdzv/v_<version>``: the directory of one rendezvous version."""
+        return self.path(f"/rdzv/v_{version}")
+
+    def keep_alive_key(self, version: str, rank: int) -> str:
+        """``.../rdzv/v_<version>/rank_<rank>``: the keep-alive key of a member."""
+        return f"{self.version_dir(version)}/{_KEEP_ALIVE_PREFIX}{rank}"
+
+    def extra_data_key(self, version: str) -> str:
+        """``.../rdzv/v_<version>/extra_data``: the version's extra data (a JSON object)."""
+        return f"{self.version_dir(version)}/extra_data"
+
+    def store_dir(self, version: str) -> str:
+        """``.../rdzv/v_<version>/kv``: the prefix of the version's EtcdStore."""
+        return f"{self.version_dir(version)}/kv"
+
+
+def keep_alive_rank(key: str) -> int | None:
+    """The rank a keep-alive key ``.../rank_<rank>`` names; ``None`` for any other key."""
+    name = key.rstrip("/").rsplit("/", 1)[-1]
+    digits = name[len(_KEEP_ALIVE_PREFIX) :]
+    if name.startswith(_KEEP_ALIVE_PREFIX) and _is_number(digits):
+        return int(digits)
+    return None
+
+
+def etcd_v2_state_key(run_id: str, key_prefix: str | None = ETCD_V2_STATE_PREFIX) -> str:
+    """The ``etcd-v2`` backend's state key: ``<key_prefix>/<run_id>``.
+
+    Spelled as PyTorch's ``EtcdRendezvousBackend`` spells it, without normalising:
+    just ``run_id`` when ``key_prefix`` is empty or ``None``.
+    """
+    return f"{key_prefix}/{run_id}" if key_prefix else run_id
+
+
+def dynamic_store_prefix(run_id: str, round_: int) -> str:
+    """``torch.rendezvous.<run_id>.<round>``: the store prefix of a dynamic round.
+
+    The dynamic rendezvous wraps the store it hands out in a c10d ``PrefixStore`` with
+    this prefix, so each round starts with fresh keys (``MASTER_ADDR`` etc.).
+    """
+    return f"{_DYNAMIC_STORE_SCOPE}.{run_id}.{round_}"
+
+
+def dynamic_store_round(prefix: str, run_id: str) -> int | None:
+    """The round a :func:`dynamic_store_prefix` of ``run_id`` names; ``None`` if it is
+    not one."""
+    scope = f"{_DYNAMIC_STORE_SCOPE}.{run_id}."
+    digits = prefix[len(scope) :]
+    if prefix.startswith(scope) and _is_number(digits):
+        return int(digits)
+    return None
+
+
+def store_value_key(store_prefix: str, encoded_key: str) -> str:
+    """The etcd key of an :class:`~etcd_rendezvous.etcd_store.EtcdStore` entry.
+
+    Args:
+        store_prefix: the store's directory (with or without a trailing ``/``).
+        encoded_key: the store key as the store encodes it (base64, which may contain
+            ``/`` and so end in one: etcd stores such a key without it).
+    """
+    return normalize_key(f"{store_prefix}/{encoded_key}")
+
+
+def _is_number(text: str) -> bool:
+    """Whether ``text`` is a decimal number as the keys spell one (ASCII digits only)."""
+    return text.isascii() and text.isdigit()

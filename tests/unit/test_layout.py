@@ -1,0 +1,237 @@
+"""Unit tests for etcd_rendezvous.layout: the etcd key names, which are PyTorch's wire
+protocol, so every expected key below is spelled out literally."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from etcd_rendezvous import layout
+from etcd_rendezvous.layout import (
+    DEFAULT_PREFIX,
+    ETCD_V2_STATE_PREFIX,
+    ETCD_V2_STORE_PREFIX,
+    LegacyLayout,
+    dynamic_store_prefix,
+    dynamic_store_round,
+    etcd_v2_state_key,
+    keep_alive_rank,
+    normalize_key,
+    store_value_key,
+)
+
+# the prefixes
+
+
+def test_default_prefixes_are_pytorchs() -> None:
+    assert DEFAULT_PREFIX == "/torchelastic/p2p"
+    assert ETCD_V2_STATE_PREFIX == "/torch/elastic/rendezvous"
+    assert ETCD_V2_STORE_PREFIX == "/torch/elastic/store"
+
+
+# normalize_key
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("/a/b", "/a/b"),
+        ("a/b", "/a/b"),
+        ("/a/b/", "/a/b"),
+        ("//a///b//", "/a/b"),
+        ("", "/"),
+        ("/", "/"),
+        ("//", "/"),
+        ("/a/./b", "/a/b"),
+        ("/a/../b", "/b"),
+        ("/..", "/"),
+        ("/a/b+c=", "/a/b+c="),
+    ],
+)
+def test_normalize_key_cleans_as_etcd_does(key: str, expected: str) -> None:
+    assert normalize_key(key) == expected
+
+
+# the legacy etcd backend
+
+
+def test_legacy_keys_with_the_default_prefix() -> None:
+    keys = LegacyLayout(DEFAULT_PREFIX, "job1")
+    assert keys.prefix == "/torchelastic/p2p"
+    assert keys.prefix_dir == "/torchelastic/p2p/"
+    assert keys.run_dir == "/torchelastic/p2p/run_job1"
+    assert keys.rdzv_dir == "/torchelastic/p2p/run_job1/rdzv"
+    assert keys.state_key == "/torchelastic/p2p/run_job1/rdzv/active_version"
+    assert keys.counter_key == "/torchelastic/p2p/run_job1/rdzv/version_counter"
+    assert keys.version_dir("7") == "/torchelastic/p2p/run_job1/rdzv/v_7"
+    assert keys.keep_alive_key("7", 3) == "/torchelastic/p2p/run_job1/rdzv/v_7/rank_3"
+    assert keys.extra_data_key("7") == "/torchelastic/p2p/run_job1/rdzv/v_7/extra_data"
+    assert keys.store_dir("7") == "/torchelastic/p2p/run_job1/rdzv/v_7/kv"
+
+
+def test_legacy_path_is_pytorchs_get_path() -> None:
+    keys = LegacyLayout("/torchelastic/p2p", "job1")
+    assert keys.path("/rdzv/active_version") == "/torchelastic/p2p/run_job1/rdzv/active_version"
+    assert keys.path("rdzv") == "/torchelastic/p2p/run_job1/rdzv"
+    # PyTorch's get_path("") ends in "/": the run directory's keep-alive uses that key.
+    assert keys.path("") == "/torchelastic/p2p/run_job1/"
+
+
+@pytest.mark.parametrize(
+    ("prefix", "normalized", "prefix_dir", "run_dir"),
+    [
+        (
+            "/torchelastic/p2p/",
+            "/torchelastic/p2p",
+            "/torchelastic/p2p/",
+            "/torchelastic/p2p/run_r",
+        ),
+        ("torchelastic//p2p", "/torchelastic/p2p", "/torchelastic/p2p/", "/torchelastic/p2p/run_r"),
+        ("/", "/", "/", "/run_r"),
+        ("", "/", "/", "/run_r"),
+        ("/a/./b/../c", "/a/c", "/a/c/", "/a/c/run_r"),
+    ],
+)
+def test_legacy_prefix_is_normalized(
+    prefix: str, normalized: str, prefix_dir: str, run_dir: str
+) -> None:
+    keys = LegacyLayout(prefix, "r")
+    assert keys.prefix == normalized
+    assert keys.prefix_dir == prefix_dir
+    assert keys.run_dir == run_dir
+    assert keys.state_key == run_dir + "/rdzv/active_version"
+
+
+def test_legacy_layouts_with_equivalent_prefixes_are_equal() -> None:
+    assert LegacyLayout("/p/", "r") == LegacyLayout("p", "r")
+    assert hash(LegacyLayout("/p/", "r")) == hash(LegacyLayout("p", "r"))
+
+
+def test_legacy_layout_is_frozen() -> None:
+    keys = LegacyLayout("/p", "r")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        keys.run_id = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("run_id", ["", "a/b", "/", None, 3])
+def test_legacy_layout_refuses_a_bad_run_id(run_id: object) -> None:
+    with pytest.raises(ValueError, match=r"^run_id: must be a non-empty string without '/'"):
+        LegacyLayout("/p", run_id)  # type: ignore[arg-type]
+
+
+def test_legacy_layout_refuses_a_prefix_that_is_not_a_string() -> None:
+    with pytest.raises(TypeError, match=r"^prefix: must be a string, got b'/p'"):
+        LegacyLayout(b"/p", "r")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("key", "rank"),
+    [
+        ("/torchelastic/p2p/run_r/rdzv/v_1/rank_0", 0),
+        ("/torchelastic/p2p/run_r/rdzv/v_1/rank_12", 12),
+        ("/torchelastic/p2p/run_r/rdzv/v_1/rank_12/", 12),
+        ("rank_5", 5),
+        ("/torchelastic/p2p/run_r/rdzv/v_1/extra_data", None),
+        ("/torchelastic/p2p/run_r/rdzv/v_1/rank_", None),
+        ("/torchelastic/p2p/run_r/rdzv/v_1/rank_x", None),
+        ("/torchelastic/p2p/run_r/rdzv/v_1/rank_-1", None),
+        ("/torchelastic/p2p/run_r/rdzv/v_1/rank_\u00b2", None),
+    ],
+)
+def test_keep_alive_rank(key: str, rank: int | None) -> None:
+    assert keep_alive_rank(key) == rank
+
+
+def test_keep_alive_rank_reads_back_keep_alive_key() -> None:
+    assert keep_alive_rank(LegacyLayout("/p", "r").keep_alive_key("3", 17)) == 17
+
+
+# the etcd-v2 backend and the dynamic rendezvous
+
+
+def test_etcd_v2_state_key() -> None:
+    assert etcd_v2_state_key("job1") == "/torch/elastic/rendezvous/job1"
+    assert etcd_v2_state_key("job1", "/custom") == "/custom/job1"
+    # As PyTorch's backend: no prefix means the bare run id, and nothing is normalised.
+    assert etcd_v2_state_key("job1", None) == "job1"
+    assert etcd_v2_state_key("job1", "") == "job1"
+    assert etcd_v2_state_key("job1", "/custom/") == "/custom//job1"
+
+
+def test_dynamic_store_prefix() -> None:
+    assert dynamic_store_prefix("job1", 0) == "torch.rendezvous.job1.0"
+    assert dynamic_store_prefix("job.1", 12) == "torch.rendezvous.job.1.12"
+
+
+@pytest.mark.parametrize(
+    ("prefix", "run_id", "round_"),
+    [
+        ("torch.rendezvous.job1.0", "job1", 0),
+        ("torch.rendezvous.job.1.12", "job.1", 12),
+        ("torch.rendezvous.job1.", "job1", None),
+        ("torch.rendezvous.job1.x", "job1", None),
+        ("torch.rendezvous.job2.0", "job1", None),
+        ("/torchelastic/p2p/run_job1/rdzv/v_1/kv/", "job1", None),
+    ],
+)
+def test_dynamic_store_round(prefix: str, run_id: str, round_: int | None) -> None:
+    assert dynamic_store_round(prefix, run_id) == round_
+
+
+def test_dynamic_store_round_reads_back_dynamic_store_prefix() -> None:
+    assert dynamic_store_round(dynamic_store_prefix("r", 4), "r") == 4
+
+
+# EtcdStore entries
+
+
+@pytest.mark.parametrize(
+    ("prefix", "encoded", "key"),
+    [
+        ("/torch/elastic/store", "YQ==", "/torch/elastic/store/YQ=="),
+        ("/torch/elastic/store/", "YQ==", "/torch/elastic/store/YQ=="),
+        # base64 may contain "/" and end in it: etcd stores such a key without it.
+        ("/s/", "YT8/", "/s/YT8"),
+        ("/s/", "a//b", "/s/a/b"),
+    ],
+)
+def test_store_value_key(prefix: str, encoded: str, key: str) -> None:
+    assert store_value_key(prefix, encoded) == key
+
+
+# the module itself
+
+
+def test_layout_imports_nothing_that_does_io() -> None:
+    tree = ast.parse(Path(layout.__file__).read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add("." * node.level + (node.module or ""))
+    assert imported == {"__future__", "dataclasses", "posixpath"}
+
+
+def test_importing_layout_loads_no_etcd_client() -> None:
+    code = (
+        "import sys, etcd_rendezvous.layout\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('etcd', 'urllib3'))\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_public_name_is_exported_and_documented() -> None:
+    public = {name for name in vars(layout) if not name.startswith("_")}
+    public -= {"annotations", "dataclass", "posixpath"}
+    assert set(layout.__all__) == public
+    for name in layout.__all__:
+        value = getattr(layout, name)
+        if callable(value):
+            assert value.__doc__, name
