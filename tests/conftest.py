@@ -15,7 +15,7 @@ the package's pytest plugin (:mod:`etcd_rendezvous.pytest_plugin`). This file ad
 
 Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (see
 :func:`etcd_rendezvous.pytest_plugin.etcd_api_under_test`), like ``etcd_server``.
-* ``run_id``: a fresh run id; ``conn``: an :class:`EtcdConnection` to ``etcd_server``;
+* ``run_id``: a fresh run id; ``conn``: a connection to ``etcd_server`` (v2 or v3, as ``etcd_api=auto`` picks);
   ``workers``: the worker processes a test started, stopped after it.
 """
 
@@ -29,7 +29,8 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._client import EtcdConnection
+from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport import Transport
 from etcd_rendezvous.etcd_server import EtcdServer
 from faultproxy import FaultProxy
 from rdzv_helpers import Worker
@@ -91,9 +92,10 @@ def run_id(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def conn(etcd_server: EtcdServer) -> Iterator[EtcdConnection]:
-    """An :class:`EtcdConnection` to the session's etcd (read timeout 10 s)."""
-    connection = EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
+def conn(etcd_server: EtcdServer) -> Iterator[Transport]:
+    """A connection to the session's etcd (read timeout 10 s) over the API the library
+    picks for it (``etcd_api=auto``): v2 where the server serves it, else v3."""
+    connection = open_transport([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
     yield connection
     connection.close()
 
