@@ -15,8 +15,8 @@ the package's pytest plugin (:mod:`etcd_rendezvous.pytest_plugin`). This file ad
 
 Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (see
 :func:`etcd_rendezvous.pytest_plugin.etcd_api_under_test`), like ``etcd_server``.
-* ``run_id``: a fresh run id; ``conn``: a connection to ``etcd_server`` (v2 or v3, as ``etcd_api=auto`` picks);
-  ``workers``: the worker processes a test started, stopped after it.
+* ``run_id``: a fresh run id; ``conn``: a connection to ``etcd_server`` (v2 or v3,
+  as ``etcd_api=auto`` picks); ``workers``: the worker processes a test started, stopped after it.
 """
 
 from __future__ import annotations
