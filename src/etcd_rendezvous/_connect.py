@@ -22,7 +22,7 @@ from ._transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, ETCD_APIS
 from ._v3 import EtcdV3Connection
 from .api import RendezvousConnectionError
 
-__all__ = ["ETCD_APIS", "as_transport", "check_etcd_api", "open_transport"]
+__all__ = ["ETCD_APIS", "check_etcd_api", "open_transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,13 +116,3 @@ def _check_served(
             "JSON gateway (etcd 3.4 or later does, unless started with "
             "--enable-grpc-gateway=false). Use etcd_api=v2 or auto."
         )
-
-
-def as_transport(client: Any, *, param: str = "etcd_client") -> Transport:
-    """``client`` as a transport: a :class:`Transport` as it is, a python-etcd
-    ``etcd.Client`` as a hardened v2 connection with the same endpoints and credentials.
-
-    Raises:
-        TypeError: ``client`` is neither; the message names ``param``.
-    """
-    return EtcdConnection.from_client(client, param=param)

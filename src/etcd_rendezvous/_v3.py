@@ -52,7 +52,6 @@ from ._retry import Deadline
 from ._transport import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
-    CompareFailedError,
     KeyExistsError,
     KeyNotFoundError,
     Node,
@@ -327,7 +326,7 @@ class EtcdV3Connection(Transport):
             on_ambiguous=on_ambiguous,
             budget=budget,
         )
-        self._note_revision(_revision(data))
+        self._note_revision(wire.revision(data))
         return data
 
     # -- leases -----------------------------------------------------------------------
@@ -408,13 +407,13 @@ class EtcdV3Connection(Transport):
         Raises:
             KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
         """
-        key = _norm(key)
+        key = wire.norm(key)
         data = self._call("read", key, "/v3/kv/range", {"key": wire.b64(key)})
-        revision = _revision(data)
-        kvs = _kvs(data)
+        revision = wire.revision(data)
+        kvs = wire.kvs(data)
         if not kvs:
             raise KeyNotFoundError(key, revision)
-        return _kv_node(kvs[0], revision)
+        return wire.kv_node(kvs[0], revision)
 
     def list_dir(self, key: str, *, recursive: bool = False) -> Node:
         """Read directory ``key``: its marker and, in the same transaction, the keys below.
@@ -422,7 +421,7 @@ class EtcdV3Connection(Transport):
         Raises:
             KeyNotFoundError: neither ``key`` nor any key below it exists.
         """
-        key = _norm(key)
+        key = wire.norm(key)
         body = {
             "success": [
                 {"request_range": {"key": wire.b64(key)}},
@@ -435,14 +434,14 @@ class EtcdV3Connection(Transport):
             ]
         }
         data = self._call("list", key, "/v3/kv/txn", body)
-        revision = _revision(data)
+        revision = wire.revision(data)
         responses = data.get("responses") or []
-        own = _kvs(responses[0]) if responses else []
-        below = _kvs(responses[1]) if len(responses) > 1 else []
+        own = wire.kvs(responses[0]) if responses else []
+        below = wire.kvs(responses[1]) if len(responses) > 1 else []
         if not own and not below:
             raise KeyNotFoundError(key, revision)
-        marker = _kv_node(own[0], revision) if own else None
-        return _directory(key, marker, below, revision, recursive)
+        marker = wire.kv_node(own[0], revision) if own else None
+        return wire.directory(key, marker, below, revision, recursive)
 
     def time_to_live(self, node: Node) -> int | None:
         """Seconds left on ``node``'s lease (``None``: no lease, or the lease is gone)."""
@@ -465,7 +464,7 @@ class EtcdV3Connection(Transport):
         """
         from ._v3_watch import watch_once  # noqa: PLC0415 (keeps this module's size down)
 
-        key = _norm(key)
+        key = wire.norm(key)
         deadline = self._budget(Deadline(timeout))
         request: dict[str, Any] = {"key": wire.b64(key), "start_revision": str(max(index, 1))}
         if recursive:
@@ -504,8 +503,8 @@ class EtcdV3Connection(Transport):
             if lease:
                 body["lease"] = str(lease)
             data = self._call("write", key, "/v3/kv/put", body)
-            revision = _revision(data)
-            return _written(key, text, revision, revision, "set", lease)
+            revision = wire.revision(data)
+            return wire.written(key, text, revision, revision, "set", lease)
 
         return self._with_lease(key, ttl, write)
 
@@ -515,7 +514,7 @@ class EtcdV3Connection(Transport):
         Raises:
             KeyNotFoundError: the key is gone, or its lease lapsed.
         """
-        key = _norm(key)
+        key = wire.norm(key)
         budget = None if timeout is None else Deadline(timeout)
         with self._lease_lock:
             lease = self._key_leases.get(key) or self._dir_leases.get(key, 0)
@@ -532,10 +531,10 @@ class EtcdV3Connection(Transport):
         result = data.get("result", data)
         if "TTL" not in result or int(result.get("TTL", 0)) <= 0:
             self._forget_lease(lease)
-            raise KeyNotFoundError(key, _revision(data) or None)
+            raise KeyNotFoundError(key, wire.revision(data) or None)
         if node is not None:
             return node
-        return _written(key, None, self._last_index, 0, "refresh", lease)
+        return wire.written(key, None, self._last_index, 0, "refresh", lease)
 
     def _attach_new_lease(self, key: str, ttl: int, budget: Deadline | None) -> Node:
         lease = self._grant(ttl, key)
@@ -543,8 +542,8 @@ class EtcdV3Connection(Transport):
         data = self._call("refresh the TTL of", key, "/v3/kv/put", body, budget=budget)
         with self._lease_lock:
             self._key_leases[key] = lease
-        revision = _revision(data)
-        return _written(key, None, revision, 0, "refresh", lease)
+        revision = wire.revision(data)
+        return wire.written(key, None, revision, 0, "refresh", lease)
 
     def mkdir(self, key: str, *, ttl: int | None = None) -> bool:
         """Create the marker key of directory ``key`` unless it exists.
@@ -552,17 +551,17 @@ class EtcdV3Connection(Transport):
         With ``ttl``, the directory gets a lease that every key written below it through
         this connection shares. If the directory exists, its lease (if any) is adopted.
         """
-        key = _norm(key)
+        key = wire.norm(key)
         existing: list[dict[str, Any]] = []
 
         def write(lease: int) -> Node:
-            body = _create_txn(key, "", lease)
+            body = wire.create_txn(key, "", lease)
             data = self._call("create the directory", key, "/v3/kv/txn", body)
-            revision = _revision(data)
+            revision = wire.revision(data)
             if not data.get("succeeded"):
-                existing.extend(_kvs((data.get("responses") or [{}])[0]))
-                return _written(key, "", revision, 0, "get", 0)
-            return _written(key, "", revision, revision, "create", lease)
+                existing.extend(wire.kvs((data.get("responses") or [{}])[0]))
+                return wire.written(key, "", revision, 0, "get", 0)
+            return wire.written(key, "", revision, revision, "create", lease)
 
         node = self._with_lease(key, ttl, write)
         created = node.action == "create"
@@ -589,12 +588,12 @@ class EtcdV3Connection(Transport):
 
         def send(note: Callable[[], None]) -> Node:
             def write(lease: int) -> Node:
-                body = _create_txn(key, value, lease)
+                body = wire.create_txn(key, value, lease)
                 data = self._call("create", key, "/v3/kv/txn", body, on_ambiguous=note)
-                revision = _revision(data)
+                revision = wire.revision(data)
                 if not data.get("succeeded"):
                     raise KeyExistsError(key, revision)
-                return _written(key, value, revision, revision, "create", lease)
+                return wire.written(key, value, revision, revision, "create", lease)
 
             return self._with_lease(key, ttl, write)
 
@@ -623,12 +622,14 @@ class EtcdV3Connection(Transport):
                 put: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(value)}
                 if lease:
                     put["lease"] = str(lease)
-                body = _guarded_txn(key, prev.modified_index, {"request_put": put})
+                body = wire.guarded_txn(key, prev.modified_index, {"request_put": put})
                 data = self._call("compare-and-swap", key, "/v3/kv/txn", body, on_ambiguous=note)
-                revision = _revision(data)
+                revision = wire.revision(data)
                 if not data.get("succeeded"):
-                    raise _compare_failure(key, data, revision)
-                return _written(key, value, revision, prev.created_index, "compareAndSwap", lease)
+                    raise wire.compare_failure(key, data, revision)
+                return wire.written(
+                    key, value, revision, prev.created_index, "compareAndSwap", lease
+                )
 
             return self._with_lease(key, ttl, write)
 
@@ -649,7 +650,7 @@ class EtcdV3Connection(Transport):
             ambiguous = True
 
         delete = {"request_delete_range": {"key": wire.b64(key)}}
-        body = _guarded_txn(key, prev.modified_index, delete)
+        body = wire.guarded_txn(key, prev.modified_index, delete)
         data = self._call("compare-and-delete", key, "/v3/kv/txn", body, on_ambiguous=note)
         if data.get("succeeded"):
             return True
@@ -661,7 +662,7 @@ class EtcdV3Connection(Transport):
     def delete(self, key: str, *, recursive: bool = False) -> bool:
         """Delete ``key`` (and every key below it with ``recursive``). Returns whether any
         existed."""
-        key = _norm(key)
+        key = wire.norm(key)
         ops: list[dict[str, Any]] = [{"request_delete_range": {"key": wire.b64(key)}}]
         if recursive:
             below = {"key": wire.b64(key + "/"), "range_end": wire.prefix_end(key + "/")}
@@ -723,139 +724,3 @@ class EtcdV3Connection(Transport):
                 return False
             raise
         return True
-
-
-# -- building requests and reading answers ----------------------------------------------
-
-
-def _norm(key: str) -> str:
-    """``key`` without a trailing ``/``: v2 ignores it, and v3 directories are prefixes."""
-    stripped = key.rstrip("/")
-    return stripped or key
-
-
-def _create_txn(key: str, value: str, lease: int) -> dict[str, Any]:
-    put: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(value)}
-    if lease:
-        put["lease"] = str(lease)
-    return {
-        "compare": [
-            {"target": "CREATE", "result": "EQUAL", "key": wire.b64(key), "create_revision": "0"}
-        ],
-        "success": [{"request_put": put}],
-        "failure": [{"request_range": {"key": wire.b64(key)}}],
-    }
-
-
-def _guarded_txn(key: str, mod_revision: int, op: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "compare": [
-            {
-                "target": "MOD",
-                "result": "EQUAL",
-                "key": wire.b64(key),
-                "mod_revision": str(mod_revision),
-            }
-        ],
-        "success": [op],
-        "failure": [{"request_range": {"key": wire.b64(key)}}],
-    }
-
-
-def _compare_failure(key: str, data: dict[str, Any], revision: int) -> Exception:
-    current = _kvs((data.get("responses") or [{}])[0])
-    if not current:
-        return KeyNotFoundError(key, revision)
-    return CompareFailedError(key, revision)
-
-
-def _revision(data: dict[str, Any]) -> int:
-    header = data.get("header")
-    if not isinstance(header, dict):
-        result = data.get("result")
-        header = result.get("header") if isinstance(result, dict) else None
-    return int(header.get("revision", 0)) if isinstance(header, dict) else 0
-
-
-def _kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
-    kvs = response.get("response_range", response).get("kvs")
-    return kvs if isinstance(kvs, list) else []
-
-
-def _kv_node(kv: dict[str, Any], revision: int, action: str = "get") -> Node:
-    return Node(
-        key=wire.unb64(kv.get("key")),
-        value=wire.unb64(kv.get("value")),
-        modified_index=int(kv.get("mod_revision", 0)),
-        created_index=int(kv.get("create_revision", 0)),
-        etcd_index=revision,
-        ttl=None,
-        is_dir=False,
-        children=(),
-        action=action,
-        lease=int(kv.get("lease", 0)),
-    )
-
-
-def _written(
-    key: str, value: str | None, revision: int, created: int, action: str, lease: int
-) -> Node:
-    return Node(
-        key=key,
-        value=value,
-        modified_index=revision,
-        created_index=created,
-        etcd_index=revision,
-        ttl=None,
-        is_dir=False,
-        children=(),
-        action=action,
-        lease=lease,
-    )
-
-
-def _directory(
-    key: str, marker: Node | None, below: list[dict[str, Any]], revision: int, recursive: bool
-) -> Node:
-    """Directory ``key`` as v2 shows it, from the keys below it (and its marker, if any)."""
-    # name -> Node (a value) or dict (a directory); a directory wins over its marker.
-    root: dict[str, Any] = {}
-    for kv in below:
-        node = _kv_node(kv, revision)
-        parts = node.key[len(key) + 1 :].split("/")
-        level = root
-        for part in parts[:-1]:
-            entry = level.get(part)
-            if not isinstance(entry, dict):
-                entry = level[part] = {}
-            level = entry
-        if not isinstance(level.get(parts[-1]), dict):
-            level[parts[-1]] = node
-
-    def build(path: str, tree: dict[str, Any], depth: int) -> tuple[Node, ...]:
-        children: list[Node] = []
-        for name, entry in sorted(tree.items()):
-            child_key = f"{path}/{name}"
-            if isinstance(entry, Node):
-                children.append(entry)
-                continue
-            grandchildren = build(child_key, entry, depth + 1) if recursive else ()
-            children.append(_dir_node(child_key, None, grandchildren, revision))
-        return tuple(children)
-
-    return _dir_node(key, marker, build(key, root, 0), revision)
-
-
-def _dir_node(key: str, marker: Node | None, children: tuple[Node, ...], revision: int) -> Node:
-    return Node(
-        key=key,
-        value=None,
-        modified_index=marker.modified_index if marker else 0,
-        created_index=marker.created_index if marker else 0,
-        etcd_index=revision,
-        ttl=None,
-        is_dir=True,
-        children=children,
-        action="get",
-        lease=marker.lease if marker else 0,
-    )

@@ -11,7 +11,9 @@ What etcd's gateway does that this module absorbs (see ``docs/etcd-v3.rst``):
 * a watch answers with a chunked stream of JSON objects, where a chunk may hold several
   objects or part of one.
 
-Nothing here retries or knows about keys' meaning; :mod:`etcd_rendezvous._v3` does.
+It also builds the transactions the transport sends and turns the answers into
+:class:`~etcd_rendezvous._transport.Node` values. Nothing here sends a request or
+retries; :mod:`etcd_rendezvous._v3` does.
 """
 
 from __future__ import annotations
@@ -22,13 +24,24 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ._transport import CompareFailedError, KeyNotFoundError, Node
+
 __all__ = [
     "GrpcError",
     "b64",
+    "compare_failure",
+    "create_txn",
+    "directory",
+    "guarded_txn",
     "iter_objects",
+    "kv_node",
+    "kvs",
+    "norm",
     "parse_error",
     "prefix_end",
+    "revision",
     "unb64",
+    "written",
 ]
 
 # gRPC status codes the transport acts on.
@@ -187,3 +200,139 @@ def iter_objects(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
                 raise TypeError(f"watch stream: expected a JSON object, got {obj!r:.100}")
             yield obj
             buffer = buffer[end:]
+
+
+# -- building requests and reading answers ------------------------------------------------
+
+
+def norm(key: str) -> str:
+    """``key`` without a trailing ``/``: v2 ignores it, and v3 directories are prefixes."""
+    stripped = key.rstrip("/")
+    return stripped or key
+
+
+def create_txn(key: str, value: str, lease: int) -> dict[str, Any]:
+    put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    return {
+        "compare": [
+            {"target": "CREATE", "result": "EQUAL", "key": b64(key), "create_revision": "0"}
+        ],
+        "success": [{"request_put": put}],
+        "failure": [{"request_range": {"key": b64(key)}}],
+    }
+
+
+def guarded_txn(key: str, mod_revision: int, op: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "compare": [
+            {
+                "target": "MOD",
+                "result": "EQUAL",
+                "key": b64(key),
+                "mod_revision": str(mod_revision),
+            }
+        ],
+        "success": [op],
+        "failure": [{"request_range": {"key": b64(key)}}],
+    }
+
+
+def compare_failure(key: str, data: dict[str, Any], revision: int) -> Exception:
+    current = kvs((data.get("responses") or [{}])[0])
+    if not current:
+        return KeyNotFoundError(key, revision)
+    return CompareFailedError(key, revision)
+
+
+def revision(data: dict[str, Any]) -> int:
+    header = data.get("header")
+    if not isinstance(header, dict):
+        result = data.get("result")
+        header = result.get("header") if isinstance(result, dict) else None
+    return int(header.get("revision", 0)) if isinstance(header, dict) else 0
+
+
+def kvs(response: dict[str, Any]) -> list[dict[str, Any]]:
+    kvs = response.get("response_range", response).get("kvs")
+    return kvs if isinstance(kvs, list) else []
+
+
+def kv_node(kv: dict[str, Any], revision: int, action: str = "get") -> Node:
+    return Node(
+        key=unb64(kv.get("key")),
+        value=unb64(kv.get("value")),
+        modified_index=int(kv.get("mod_revision", 0)),
+        created_index=int(kv.get("create_revision", 0)),
+        etcd_index=revision,
+        ttl=None,
+        is_dir=False,
+        children=(),
+        action=action,
+        lease=int(kv.get("lease", 0)),
+    )
+
+
+def written(
+    key: str, value: str | None, revision: int, created: int, action: str, lease: int
+) -> Node:
+    return Node(
+        key=key,
+        value=value,
+        modified_index=revision,
+        created_index=created,
+        etcd_index=revision,
+        ttl=None,
+        is_dir=False,
+        children=(),
+        action=action,
+        lease=lease,
+    )
+
+
+def directory(
+    key: str, marker: Node | None, below: list[dict[str, Any]], revision: int, recursive: bool
+) -> Node:
+    """Directory ``key`` as v2 shows it, from the keys below it (and its marker, if any)."""
+    # name -> Node (a value) or dict (a directory); a directory wins over its marker.
+    root: dict[str, Any] = {}
+    for kv in below:
+        node = kv_node(kv, revision)
+        parts = node.key[len(key) + 1 :].split("/")
+        level = root
+        for part in parts[:-1]:
+            entry = level.get(part)
+            if not isinstance(entry, dict):
+                entry = level[part] = {}
+            level = entry
+        if not isinstance(level.get(parts[-1]), dict):
+            level[parts[-1]] = node
+
+    def build(path: str, tree: dict[str, Any], depth: int) -> tuple[Node, ...]:
+        children: list[Node] = []
+        for name, entry in sorted(tree.items()):
+            child_key = f"{path}/{name}"
+            if isinstance(entry, Node):
+                children.append(entry)
+                continue
+            grandchildren = build(child_key, entry, depth + 1) if recursive else ()
+            children.append(dir_node(child_key, None, grandchildren, revision))
+        return tuple(children)
+
+    return dir_node(key, marker, build(key, root, 0), revision)
+
+
+def dir_node(key: str, marker: Node | None, children: tuple[Node, ...], revision: int) -> Node:
+    return Node(
+        key=key,
+        value=None,
+        modified_index=marker.modified_index if marker else 0,
+        created_index=marker.created_index if marker else 0,
+        etcd_index=revision,
+        ttl=None,
+        is_dir=True,
+        children=children,
+        action="get",
+        lease=marker.lease if marker else 0,
+    )
