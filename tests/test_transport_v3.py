@@ -93,6 +93,22 @@ def test_a_key_with_a_ttl_lapses_and_a_refreshed_one_does_not(
         v3.refresh(lapsing, 1)
 
 
+def test_refresh_follows_the_lease_another_writer_attached(
+    v3: EtcdV3Connection, connect: Connect, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """The legacy backend's last-call worker refreshes the state key while others
+    rewrite it (each write attaching a lease of its own): the refresh must keep the
+    key's current lease alive, not the one this connection attached last."""
+    key = f"{etcd_prefix}/state"
+    v3.set(key, "a", ttl=2)
+    other = connect(endpoint_of(etcd_server))
+    other.compare_and_swap(key, "b", other.get(key), ttl=2)
+    for _ in range(4):  # 4 s: twice the TTL of either lease
+        v3.refresh(key, 2)
+        time.sleep(1)
+    assert v3.get(key).value == "b"
+
+
 def test_a_directory_lease_reaches_every_key_written_below_it(
     v3: EtcdV3Connection, connect: Connect, etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:

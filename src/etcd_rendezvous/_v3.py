@@ -142,9 +142,8 @@ class EtcdV3Connection(Transport):
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._version: str | None = None
-        # Leases this connection attached keys to: key -> lease, directory -> lease,
-        # and the shared clean-up leases: ttl -> (lease, monotonic time of the grant).
-        self._key_leases: dict[str, int] = {}
+        # The leases of directories made with a TTL (directory -> lease), and the shared
+        # clean-up leases (ttl -> (lease, monotonic time of the grant)).
         self._dir_leases: dict[str, int] = {}
         self._shared_leases: dict[int, tuple[int, float]] = {}
         self._lease_lock = threading.Lock()
@@ -349,9 +348,8 @@ class EtcdV3Connection(Transport):
 
     def _forget_lease(self, lease: int) -> None:
         with self._lease_lock:
-            for table in (self._key_leases, self._dir_leases):
-                for name in [k for k, v in table.items() if v == lease]:
-                    del table[name]
+            for name in [k for k, v in self._dir_leases.items() if v == lease]:
+                del self._dir_leases[name]
             for ttl in [t for t, (v, _) in self._shared_leases.items() if v == lease]:
                 del self._shared_leases[ttl]
 
@@ -381,11 +379,6 @@ class EtcdV3Connection(Transport):
                     key,
                 )
             node = write(self._lease_for(key, ttl))
-        with self._lease_lock:
-            if ttl:
-                self._key_leases[key] = node.lease
-            else:
-                self._key_leases.pop(key, None)
         return node
 
     # -- reads ------------------------------------------------------------------------
@@ -511,37 +504,32 @@ class EtcdV3Connection(Transport):
     def refresh(self, key: str, ttl: int, *, timeout: float | None = None) -> Node:
         """Keep ``key``'s lease alive (its TTL starts again), without waking watchers.
 
+        The key's current lease is read first: another worker's write may have moved
+        the key to a lease of its own since we last wrote it (v2 refreshes whatever TTL
+        the key has now, and so do we).
+
         Raises:
             KeyNotFoundError: the key is gone, or its lease lapsed.
         """
         key = wire.norm(key)
-        budget = None if timeout is None else Deadline(timeout)
-        with self._lease_lock:
-            lease = self._key_leases.get(key) or self._dir_leases.get(key, 0)
-        node: Node | None = None
-        if not lease:
+        budget = Deadline(self._read_timeout if timeout is None else timeout)
+        with self.bounded_by(budget):
             node = self.get(key)
-            lease = node.lease
-        if not lease:
-            # The key has no TTL: give it one, keeping its value (a v2 refresh would).
-            return self._attach_new_lease(key, ttl, budget)
-        data = self._call(
-            "refresh the TTL of", key, "/v3/lease/keepalive", {"ID": str(lease)}, budget=budget
-        )
+            if not node.lease:
+                # The key has no TTL: give it one, keeping its value (a v2 refresh would).
+                return self._attach_new_lease(key, ttl)
+            body = {"ID": str(node.lease)}
+            data = self._call("refresh the TTL of", key, "/v3/lease/keepalive", body)
         result = data.get("result", data)
         if "TTL" not in result or int(result.get("TTL", 0)) <= 0:
-            self._forget_lease(lease)
+            self._forget_lease(node.lease)
             raise KeyNotFoundError(key, wire.revision(data) or None)
-        if node is not None:
-            return node
-        return wire.written(key, None, self._last_index, 0, "refresh", lease)
+        return node
 
-    def _attach_new_lease(self, key: str, ttl: int, budget: Deadline | None) -> Node:
+    def _attach_new_lease(self, key: str, ttl: int) -> Node:
         lease = self._grant(ttl, key)
         body = {"key": wire.b64(key), "lease": str(lease), "ignore_value": True}
-        data = self._call("refresh the TTL of", key, "/v3/kv/put", body, budget=budget)
-        with self._lease_lock:
-            self._key_leases[key] = lease
+        data = self._call("refresh the TTL of", key, "/v3/kv/put", body)
         revision = wire.revision(data)
         return wire.written(key, None, revision, 0, "refresh", lease)
 
@@ -566,9 +554,8 @@ class EtcdV3Connection(Transport):
         node = self._with_lease(key, ttl, write)
         created = node.action == "create"
         lease = node.lease if created else int(existing[0].get("lease", 0)) if existing else 0
-        with self._lease_lock:
-            self._key_leases.pop(key, None)
-            if lease:
+        if lease:
+            with self._lease_lock:
                 self._dir_leases[key] = lease
         return created
 
@@ -669,9 +656,8 @@ class EtcdV3Connection(Transport):
             ops.append({"request_delete_range": below})
         data = self._call("delete", key, "/v3/kv/txn", {"success": ops})
         with self._lease_lock:
-            for table in (self._key_leases, self._dir_leases):
-                for name in [k for k in table if k == key or k.startswith(key + "/")]:
-                    del table[name]
+            for name in [k for k in self._dir_leases if k == key or k.startswith(key + "/")]:
+                del self._dir_leases[name]
         deleted = sum(
             int(response.get("response_delete_range", {}).get("deleted", 0))
             for response in data.get("responses") or []
