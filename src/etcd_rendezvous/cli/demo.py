@@ -184,7 +184,10 @@ def _start_embedded_etcd(server: EtcdServer, progress: _Progress) -> str:
         server.start()
     except EtcdServerError as exc:
         raise CliError(f"the embedded etcd did not start: {exc}") from None
-    progress.event(f"Embedded etcd {server.version} is serving {server.client_url}")
+    progress.event(
+        f"Embedded etcd {server.version} is serving {server.client_url} "
+        "(v3 API only, as etcd 3.6 does)"
+    )
     return server.get_endpoint()
 
 
