@@ -36,12 +36,43 @@ key) do not fall within the measurement. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
 handler starts a TCPStore; rank 0 publishes its address through the etcd store.
 
 Measured on 2026-11-23, etcd 3.5.1 (bundled), on the 2-core x86_64 sandbox **shared
-with other jobs** (the seconds are noisy, and at N = 64 CPU-bound: 64 threads of one
-Python process), one rendezvous per row::
+with other jobs**: the seconds are noisy, and at N = 64 CPU-bound (64 node threads and
+etcd on 2 cores). One rendezvous per row::
 
-    python benchmarks/bench_v2_v3.py --nodes 8 32 64 --repeat 1
+    python benchmarks/bench_v2_v3.py --nodes 8 32 64 --repeat 1 --breakdown
 
-TABLE
+    backend  API impl    N  seconds writes/node reads/node keep-alive/node
+    etcd     v2  ours    8     0.42         9.5       19.0             1.0
+    etcd     v2  torch   8     1.36         7.8       26.0             1.0
+    etcd     v3  ours    8     0.92        15.1       18.4             1.0
+    etcd-v2  v2  ours    8     0.34         1.4       11.0             0.0
+    etcd-v2  v2  torch   8     1.30         1.2        4.9             0.0
+    etcd-v2  v3  ours    8     0.38         2.2       10.1             0.0
+    etcd     v2  ours   32     2.68        15.2       49.2             1.0
+    etcd     v2  torch  32     4.94        23.6       77.8             1.0
+    etcd     v3  ours   32     4.91        18.8       45.4             1.0
+    etcd-v2  v2  ours   32     2.83         5.7       37.2             0.0
+    etcd-v2  v2  torch  32     3.87         9.8       14.8             0.0
+    etcd-v2  v3  ours   32     2.76         6.8       32.6             0.0
+    etcd     v2  ours   64    10.31        19.5       83.4             1.1
+    etcd     v2  torch  64    13.13        35.4      119.0             1.5
+    etcd     v3  ours   64    19.49        32.7       84.8             1.7
+    etcd-v2  v2  ours   64    13.01        10.7       63.0             0.0
+    etcd-v2  v2  torch  64    10.42        14.0       22.1             0.0
+    etcd-v2  v3  ours   64    15.45        12.8       57.7             0.0
+
+From the breakdown: on v3 each backend makes about as many reads and writes as on v2
+(v2 GET + watch vs v3 Range + Watch; v2 PUT vs v3 Txn + Put), plus one LeaseGrant per
+write of a key whose TTL is under a minute (such a key gets a lease of its own): 5.9 of
+the legacy backend's 15.1 writes/node at N = 8, 12.0 of 32.7 at N = 64. The
+``etcd-v2`` backend's two-hour state TTL costs one lease per connection (1.0/node).
+The legacy backend took about twice as long on v3 as on v2 at N = 8 and 64 in this
+run (the extra lease round trips are one cause; the run was not repeated to separate
+noise from cost). PyTorch's ``etcd-v2`` polls the state once a second instead of
+watching it: fewer reads (0.5-1.2 watches/node against ours 4-26), at least a second
+per rendezvous. PyTorch's legacy backend cannot refresh its run directory's TTL on
+etcd 3.5: its keep-alive thread dies once per node (the script counts such deaths and
+prints one line for them).
 """
 
 from __future__ import annotations
@@ -50,6 +81,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import statistics
 import threading
 import time
@@ -335,7 +367,8 @@ class _ThreadErrors:
         self._lock = threading.Lock()
 
     def __call__(self, args: threading.ExceptHookArgs) -> None:
-        what = f"{args.exc_type.__name__}: {args.exc_value}"
+        # One line per kind of failure, whatever run it happened in.
+        what = re.sub(r"run_[\w.-]+", "run_<id>", f"{args.exc_type.__name__}: {args.exc_value}")
         with self._lock:
             self.seen[what] = self.seen.get(what, 0) + 1
 
