@@ -31,41 +31,25 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _bench_common import join_round, ready_workers
 
 from etcd_rendezvous.etcd_server import EtcdServer
 from rdzv_helpers import Worker
 
 
 def one_round(server: EtcdServer, impl: str, nodes: int) -> float:
+    """Seconds from the first ``join`` to the last rank, for ``nodes`` fresh workers."""
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
-    workers = [
-        Worker(server.get_endpoint(), run_id, nodes, nodes, impl=impl, timeout=300)
-        for _ in range(nodes)
-    ]
-    try:
-        for worker in workers:
-            worker.wait_ready(timeout=300)
-        started = time.monotonic()
-        for worker in workers:
-            worker.send("join")
-        ranks = set()
-        for worker in workers:
-            event = worker.next_event(timeout=300)
-            if event["event"] != "joined":
-                raise RuntimeError(f"worker failed: {event}\n{worker.stderr}")
-            ranks.add(event["rank"])
-        elapsed = time.monotonic() - started
-        if ranks != set(range(nodes)):
-            raise RuntimeError(f"bad ranks: {sorted(ranks)}")
-        return elapsed
-    finally:
-        for worker in workers:
-            worker.stop()
+    endpoint = server.get_endpoint()
+    with ready_workers(
+        lambda: Worker(endpoint, run_id, nodes, nodes, impl=impl, timeout=300), nodes
+    ) as workers:
+        return join_round(workers)
 
 
 def main() -> None:

@@ -1,0 +1,427 @@
+"""One rendezvous over etcd's v2 API vs its v3 API: time, and etcd requests per node.
+
+Usage::
+
+    python benchmarks/bench_v2_v3.py [--nodes 8 32 64] [--repeat 1]
+        [--backends etcd etcd-v2] [--apis v2 v3] [--impls ours torch]
+
+One etcd 3.5 is started with the v2 API enabled, so it serves both APIs (bundled etcd
+3.5 unless ``ETCD_BINARY_PATH`` says otherwise). For each backend (``etcd``, the legacy
+state machine; ``etcd-v2``, the dynamic rendezvous), API and node count, N nodes run
+as threads of this process, each with its own handler from
+``etcd_rendezvous.registry.get_rendezvous_handler`` (``etcd_api=v2`` or ``v3``,
+``torch_store=false``). Handlers are created first (not measured); then every node
+calls ``next_rendezvous()`` at once. Reported:
+
+* **seconds** from the first ``next_rendezvous()`` call to the last rank;
+* **writes/node** and **reads/node**: the etcd requests of that interval, from etcd's
+  ``/metrics``, divided by N. v2: ``etcd_http_received_total`` by method (reads GET,
+  writes PUT, POST, DELETE) plus the watches, which that counter leaves out and etcd's
+  v2 store counts in ``etcd_debugging_store_watch_requests_total`` (reads). v3:
+  ``grpc_server_started_total`` by ``grpc_method`` (reads Range, Watch -- a stream per
+  wait -- and LeaseTimeToLive; writes Put, Txn, DeleteRange, LeaseGrant, LeaseRevoke).
+  A request of any other kind is printed after its row;
+* **keep-alive/node**, not counted above: lease keep-alives (v3 LeaseKeepAlive) and
+  v2 TTL refreshes (PUTs that etcd's v2 store counts as ``action="update"``, even when
+  they fail; neither implementation issues other updates).
+
+``--breakdown`` prints each row's requests by API and method.
+
+PyTorch 2.13's own ``etcd`` and ``etcd-v2`` backends run as a reference on v2 (they
+cannot speak v3), when torch is installed. Every variant gets the same settings:
+``min_nodes = max_nodes = N`` (so the rendezvous completes when the last node
+arrives), ``last_call_timeout=1``, a 300 s timeout, and for ``etcd-v2`` a 30 s
+``keep_alive_interval`` so that heartbeats (keep-alive traffic, written into the state
+key) do not fall within the measurement. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: no
+handler starts a TCPStore; rank 0 publishes its address through the etcd store.
+
+Measured on 2026-11-23, etcd 3.5.1 (bundled), on the 2-core x86_64 sandbox **shared
+with other jobs**: the seconds are noisy, and at N = 64 CPU-bound (64 node threads and
+etcd on 2 cores). One rendezvous per row::
+
+    python benchmarks/bench_v2_v3.py --nodes 8 32 64 --repeat 1 --breakdown
+
+    backend  API impl    N  seconds writes/node reads/node keep-alive/node
+    etcd     v2  ours    8     0.42         9.5       19.0             1.0
+    etcd     v2  torch   8     1.36         7.8       26.0             1.0
+    etcd     v3  ours    8     0.92        15.1       18.4             1.0
+    etcd-v2  v2  ours    8     0.34         1.4       11.0             0.0
+    etcd-v2  v2  torch   8     1.30         1.2        4.9             0.0
+    etcd-v2  v3  ours    8     0.38         2.2       10.1             0.0
+    etcd     v2  ours   32     2.68        15.2       49.2             1.0
+    etcd     v2  torch  32     4.94        23.6       77.8             1.0
+    etcd     v3  ours   32     4.91        18.8       45.4             1.0
+    etcd-v2  v2  ours   32     2.83         5.7       37.2             0.0
+    etcd-v2  v2  torch  32     3.87         9.8       14.8             0.0
+    etcd-v2  v3  ours   32     2.76         6.8       32.6             0.0
+    etcd     v2  ours   64    10.31        19.5       83.4             1.1
+    etcd     v2  torch  64    13.13        35.4      119.0             1.5
+    etcd     v3  ours   64    19.49        32.7       84.8             1.7
+    etcd-v2  v2  ours   64    13.01        10.7       63.0             0.0
+    etcd-v2  v2  torch  64    10.42        14.0       22.1             0.0
+    etcd-v2  v3  ours   64    15.45        12.8       57.7             0.0
+
+From the breakdown: on v3 each backend makes about as many reads and writes as on v2
+(v2 GET + watch vs v3 Range + Watch; v2 PUT vs v3 Txn + Put), plus one LeaseGrant per
+write of a key whose TTL is under a minute (such a key gets a lease of its own): 5.9 of
+the legacy backend's 15.1 writes/node at N = 8, 12.0 of 32.7 at N = 64. The
+``etcd-v2`` backend's two-hour state TTL costs one lease per connection (1.0/node).
+The legacy backend took about twice as long on v3 as on v2 at N = 8 and 64 in this
+run (the extra lease round trips are one cause; the run was not repeated to separate
+noise from cost). PyTorch's ``etcd-v2`` polls the state once a second instead of
+watching it: fewer reads (0.5-1.2 watches/node against ours 4-26), at least a second
+per rendezvous. PyTorch's legacy backend cannot refresh its run directory's TTL on
+etcd 3.5: its keep-alive thread dies once per node (the script counts such deaths and
+prints one line for them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import re
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from _bench_common import changes, read_metrics, samples
+
+from etcd_rendezvous.api import RendezvousParameters
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.registry import get_rendezvous_handler
+
+BACKENDS = ("etcd", "etcd-v2")
+APIS = ("v2", "v3")
+IMPLS = ("ours", "torch")
+
+#: etcd's request counters, and how each method/gRPC call is counted.
+_V2_METRIC = "etcd_http_received_total"
+_V2_READS = frozenset({"GET"})
+_V2_WRITES = frozenset({"PUT", "POST", "DELETE"})
+#: v2 TTL refreshes: PUTs that etcd's v2 store records as an update.
+_V2_STORE_WRITES = "etcd_debugging_store_writes_total"
+#: v2 watches (GETs with ``wait=true``), which ``etcd_http_received_total`` leaves out.
+_V2_WATCHES = "etcd_debugging_store_watch_requests_total"
+_V3_METRIC = "grpc_server_started_total"
+_V3_READS = frozenset({"Range", "Watch", "LeaseTimeToLive"})
+_V3_WRITES = frozenset({"Put", "Txn", "DeleteRange", "LeaseGrant", "LeaseRevoke"})
+_V3_KEEPALIVES = frozenset({"LeaseKeepAlive"})
+
+#: Seconds a whole rendezvous may take before the benchmark gives up.
+_TIMEOUT = 300
+
+#: Options every variant gets, by backend (strings, as torchrun passes them).
+_OPTIONS = {
+    "etcd": {"timeout": str(_TIMEOUT), "last_call_timeout": "1"},
+    "etcd-v2": {
+        "join_timeout": str(_TIMEOUT),
+        "last_call_timeout": "1",
+        "keep_alive_interval": "30",
+    },
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the table: which backend, API and implementation."""
+
+    backend: str
+    api: str
+    impl: str
+
+
+@dataclass(frozen=True)
+class Requests:
+    """The etcd requests of one measurement, as totals."""
+
+    reads: float
+    writes: float
+    keepalives: float
+    other: dict[str, float]
+    #: Every counted request by API and method ("v3 Txn": 12), for ``--breakdown``.
+    by_method: dict[str, float]
+
+
+def count_requests(delta: dict[str, float]) -> Requests:
+    """Classify the counters that changed during a measurement (both APIs' counters:
+    the server serves both, and a variant's requests all land in one API's)."""
+    reads = writes = keepalives = 0.0
+    other: dict[str, float] = {}
+    by_method: dict[str, float] = {}
+    for labels, value in samples(delta, _V2_METRIC):
+        method = labels.get("method", "")
+        by_method[f"v2 {method}"] = value
+        if method in _V2_READS:
+            reads += value
+        elif method in _V2_WRITES:
+            writes += value
+        else:
+            other[f"v2 {method}"] = value
+    for labels, value in samples(delta, _V2_STORE_WRITES):
+        if labels.get("action") == "update":
+            writes -= value
+            keepalives += value
+            by_method["v2 PUT"] = by_method.get("v2 PUT", 0.0) - value
+            by_method["v2 PUT refresh"] = value
+    for _, value in samples(delta, _V2_WATCHES):
+        reads += value
+        by_method["v2 GET wait"] = value
+    for labels, value in samples(delta, _V3_METRIC):
+        method = labels.get("grpc_method", "")
+        by_method[f"v3 {method}"] = value
+        if method in _V3_READS:
+            reads += value
+        elif method in _V3_WRITES:
+            writes += value
+        elif method in _V3_KEEPALIVES:
+            keepalives += value
+        else:
+            other[f"v3 {method}"] = value
+    return Requests(reads, writes, keepalives, other, by_method)
+
+
+# -- handlers ---------------------------------------------------------------------------
+
+
+def _torch_module(name: str) -> Any:
+    """``torch.distributed.elastic.rendezvous.<name>``, or ``None`` without torch."""
+    try:
+        return importlib.import_module(f"torch.distributed.elastic.rendezvous.{name}")
+    except ImportError:
+        return None
+
+
+def torch_available() -> bool:
+    """Whether PyTorch's rendezvous package can be imported."""
+    return _torch_module("api") is not None
+
+
+def handler_factory(variant: Variant, endpoint: str, nodes: int) -> Callable[[str], Any]:
+    """A function making one node's handler of ``variant`` for a run id."""
+    options: dict[str, Any] = dict(_OPTIONS[variant.backend])
+    common: dict[str, Any] = {
+        "backend": variant.backend,
+        "endpoint": endpoint,
+        "min_nodes": nodes,
+        "max_nodes": nodes,
+        "local_addr": "127.0.0.1",
+    }
+    if variant.impl == "ours":
+        return lambda run_id: get_rendezvous_handler(
+            RendezvousParameters(
+                run_id=run_id,
+                **common,
+                **options,
+                etcd_api=variant.api,
+                torch_store="false",
+            )
+        )
+    torch_api = _torch_module("api")
+    if variant.backend == "etcd":
+        legacy = _torch_module("etcd_rendezvous")
+        # It logs every step of every node to stderr at INFO, on a handler of its own.
+        logging.getLogger(legacy.__name__).setLevel(logging.WARNING)
+        return lambda run_id: legacy.create_rdzv_handler(
+            torch_api.RendezvousParameters(run_id=run_id, **common, **options)
+        )
+    backend_module = _torch_module("etcd_rendezvous_backend")
+    dynamic = _torch_module("dynamic_rendezvous")
+
+    def create_dynamic(run_id: str) -> Any:
+        params = torch_api.RendezvousParameters(run_id=run_id, **common, **options)
+        backend, store = backend_module.create_backend(params)
+        return dynamic.create_handler(store, backend, params)
+
+    return create_dynamic
+
+
+def release(handler: Any, impl: str) -> None:
+    """Stop ``handler``'s background threads, so that they send nothing more to etcd
+    during later measurements (without closing the rendezvous, which is a write)."""
+    if impl == "ours":
+        handler.close()
+        return
+    # PyTorch's handlers have no close(): stop their threads as their own __del__
+    # (legacy) and shutdown() (dynamic) do.
+    impl_ = getattr(handler, "_rdzv_impl", None)
+    if impl_ is not None:
+        for stop in (impl_._lease_run_id_stop, impl_._lease_this_rank_stop):
+            if stop is not None:
+                stop.set()
+    else:
+        handler._stop_heartbeats()
+
+
+# -- one measurement --------------------------------------------------------------------
+
+
+def one_rendezvous(handlers: list[Any]) -> tuple[float, list[int]]:
+    """Every handler calls ``next_rendezvous()`` in its own thread, all at once.
+
+    Returns the seconds from the first call to the last rank, and the ranks.
+    """
+    count = len(handlers)
+    go = threading.Barrier(count + 1)
+    started = [0.0] * count
+    finished = [0.0] * count
+    ranks = [-1] * count
+    errors: list[BaseException] = []
+
+    def node(i: int) -> None:
+        try:
+            go.wait()
+            started[i] = time.monotonic()
+            ranks[i] = handlers[i].next_rendezvous().rank
+            finished[i] = time.monotonic()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=node, args=(i,), name=f"node-{i}", daemon=True)
+        for i in range(count)
+    ]
+    for thread in threads:
+        thread.start()
+    go.wait()
+    for thread in threads:
+        thread.join(_TIMEOUT + 30)
+    if errors:
+        raise RuntimeError(f"{len(errors)} node(s) failed; the first: {errors[0]!r}")
+    if any(thread.is_alive() for thread in threads) or sorted(ranks) != list(range(count)):
+        raise RuntimeError(f"the rendezvous did not complete: ranks {sorted(ranks)}")
+    return max(finished) - min(started), ranks
+
+
+def measure(server: EtcdServer, variant: Variant, nodes: int) -> tuple[float, Requests]:
+    """One rendezvous of ``nodes`` fresh handlers on a fresh run id: seconds, requests."""
+    make = handler_factory(variant, server.get_endpoint(), nodes)
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    handlers: list[Any] = []
+    try:
+        handlers.extend(make(run_id) for _ in range(nodes))
+        before = read_metrics(server.client_url)
+        seconds, _ = one_rendezvous(handlers)
+        after = read_metrics(server.client_url)
+    finally:
+        for handler in handlers:
+            release(handler, variant.impl)
+    return seconds, count_requests(changes(before, after))
+
+
+# -- the table --------------------------------------------------------------------------
+
+
+def variants(backends: list[str], apis: list[str], impls: list[str]) -> Iterator[Variant]:
+    """The rows to measure: ours on every API, PyTorch's on v2 only."""
+    for backend in backends:
+        for api in apis:
+            for impl in impls:
+                if impl == "ours" or api == "v2":
+                    yield Variant(backend, api, impl)
+
+
+def _mean_by_name(tables: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of each entry over ``tables`` (an absent entry counts as 0)."""
+    names = sorted({name for table in tables for name in table})
+    return {name: sum(t.get(name, 0.0) for t in tables) / len(tables) for name in names}
+
+
+def row(variant: Variant, nodes: int, results: list[tuple[float, Requests]]) -> str:
+    """One line of the table: medians over the repeats; requests per node.
+
+    Requests that fit none of the classes are appended, so nothing goes uncounted.
+    """
+
+    def per_node(pick: Callable[[Requests], float]) -> float:
+        return statistics.median(pick(requests) for _, requests in results) / nodes
+
+    seconds = statistics.median(seconds for seconds, _ in results)
+    other = _mean_by_name([requests.other for _, requests in results])
+    note = "".join(f"  +{v / nodes:.1f} {k}" for k, v in other.items())
+    return (
+        f"{variant.backend:<8} {variant.api:<3} {variant.impl:<5} {nodes:>3} {seconds:>8.2f} "
+        f"{per_node(lambda r: r.writes):>11.1f} {per_node(lambda r: r.reads):>10.1f} "
+        f"{per_node(lambda r: r.keepalives):>15.1f}{note}"
+    )
+
+
+def breakdown(nodes: int, results: list[tuple[float, Requests]]) -> str:
+    """The requests of one row by API and method, per node (mean over the repeats)."""
+    means = _mean_by_name([requests.by_method for _, requests in results])
+    return "    " + ", ".join(f"{name} {value / nodes:.1f}" for name, value in means.items())
+
+
+class _ThreadErrors:
+    """Counts the exceptions that kill background threads, instead of printing a
+    traceback for each (PyTorch's legacy backend has one thread per node that dies on
+    etcd 3.5: it cannot refresh a directory's TTL)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, args: threading.ExceptHookArgs) -> None:
+        # One line per kind of failure, whatever run it happened in.
+        what = re.sub(r"run_[\w.-]+", "run_<id>", f"{args.exc_type.__name__}: {args.exc_value}")
+        with self._lock:
+            self.seen[what] = self.seen.get(what, 0) + 1
+
+    def report(self) -> None:
+        for what, count in sorted(self.seen.items()):
+            print(f"note: {count} background thread(s) died of {what}")
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--repeat", type=int, default=1, help="rendezvous per row (median)")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--apis", nargs="+", choices=APIS, default=list(APIS))
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument(
+        "--breakdown", action="store_true", help="also print each row's requests by method"
+    )
+    args = parser.parse_args()
+    if args.repeat < 1 or min(args.nodes) < 1:
+        parser.error("--repeat and --nodes must be at least 1")
+    return args
+
+
+def main() -> None:
+    """Measure every variant and print the table."""
+    args = parse_args()
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    thread_errors = _ThreadErrors()
+    threading.excepthook = thread_errors
+    impls = list(args.impls)
+    if "torch" in impls and not torch_available():
+        print("note: torch is not installed; PyTorch's reference rows are skipped")
+        impls.remove("torch")
+    with EtcdServer(enable_v2=True) as server:
+        print(
+            f"etcd {server.version} at {server.get_endpoint()} serving the v2 and v3 APIs; "
+            f"{os.cpu_count()} CPUs shared with other work, so the seconds are noisy; "
+            f"median of {args.repeat} rendezvous per row"
+        )
+        print(
+            f"{'backend':<8} {'API':<3} {'impl':<5} {'N':>3} {'seconds':>8} "
+            f"{'writes/node':>11} {'reads/node':>10} {'keep-alive/node':>15}"
+        )
+        for nodes in args.nodes:
+            for variant in variants(args.backends, args.apis, impls):
+                results = [measure(server, variant, nodes) for _ in range(args.repeat)]
+                print(row(variant, nodes, results), flush=True)
+                if args.breakdown:
+                    print(breakdown(nodes, results), flush=True)
+    thread_errors.report()
+
+
+if __name__ == "__main__":
+    main()
