@@ -315,6 +315,7 @@ def _connection_config(args: argparse.Namespace) -> dict[str, Any]:
         config["last_call_timeout"] = args.last_call_timeout
     optional = {
         "etcd_prefix": args.prefix,
+        "etcd_api": args.etcd_api,
         "protocol": args.protocol,
         # The two backends name the TLS options differently, as in PyTorch.
         "ca_cert" if dynamic else "cacert": args.cacert,
