@@ -49,7 +49,6 @@ What else differs from the reference, none of it visible on the wire:
 
 from __future__ import annotations
 
-import functools
 import importlib
 import io
 import logging
@@ -66,7 +65,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from enum import Enum
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, ClassVar
 
 from ._retry import CONTENTION, Deadline
 from ._torch import adapt_store, torch_available, torch_store_wanted
@@ -83,7 +82,7 @@ from .api import (
     RendezvousTimeoutError,
     Store,
 )
-from .events import NodeState, record_rdzv_event
+from .events import NodeState, _records_failure, record_rdzv_event
 from .layout import dynamic_store_prefix
 
 __all__ = [
@@ -1518,27 +1517,6 @@ def _prefix_store(prefix: str, store: Store) -> Store:
 
 
 # -- the handler ----------------------------------------------------------------------------
-
-
-_Method = TypeVar("_Method", bound=Callable[..., Any])
-
-
-def _records_failure(method: _Method) -> _Method:
-    """Record a ``FAILED`` event for any exception ``method`` raises, as PyTorch does."""
-
-    @functools.wraps(method)
-    def recorded(self: DynamicRendezvousHandler, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as e:
-            self._record(
-                message=f"{type(e).__name__}: {e}",
-                node_state=NodeState.FAILED,
-                method=method.__name__,
-            )
-            raise
-
-    return cast(_Method, recorded)
 
 
 class DynamicRendezvousHandler(RendezvousHandler):

@@ -46,7 +46,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar, cast
 
 __all__ = [
     "EventHandler",
@@ -234,3 +234,28 @@ def _deliver(handler: Callable[..., Any], *args: Any) -> None:
         logger.warning(
             "The rendezvous event handler %r raised; ignoring it", handler, exc_info=True
         )
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _records_failure(method: _Method) -> _Method:
+    """Make ``method`` record a ``FAILED`` event for any exception it raises, as
+    PyTorch's handler does (``"<ExceptionType>: <message>"``), then re-raise it.
+
+    For methods of classes with a ``_record(message, node_state, *, method)`` method.
+    """
+
+    @functools.wraps(method)
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            self._record(
+                message=f"{type(e).__name__}: {e}",
+                node_state=NodeState.FAILED,
+                method=method.__name__,
+            )
+            raise
+
+    return cast(_Method, recorded)
