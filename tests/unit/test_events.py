@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 
 import pytest
 
@@ -23,15 +22,6 @@ from unit.test_dynamic_rendezvous import DictStore, MemoryBackend
 _NEEDS_TORCH = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None, reason="PyTorch is not installed"
 )
-
-
-@pytest.fixture
-def received() -> Iterator[list[RdzvEvent]]:
-    """The events recorded while the test runs, through a registered callback."""
-    seen: list[RdzvEvent] = []
-    events.add_event_handler(seen.append)
-    yield seen
-    events.remove_event_handler(seen.append)
 
 
 def _record_from_a_function(**kwargs: object) -> None:
