@@ -77,31 +77,28 @@ class NodeState(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RdzvEvent:
-    """One rendezvous event, with the fields of PyTorch's ``RdzvEvent``.
-
-    Attributes:
-        name: ``<file>:<Class>.<method>`` of the code that recorded the event.
-        run_id: The run id of the rendezvous.
-        message: What happened, in words (PyTorch's text for the same event).
-        hostname: The node's address (its host name if the recorder had none).
-        pid: The process id of the node.
-        node_state: The state of the node: running, succeeded or failed.
-        master_endpoint: The master endpoint of the rendezvous store, if known.
-        rank: The rank of the node, if known.
-        local_id: The node's local id within its process, if known.
-        error_trace: The traceback being handled, for a ``FAILED`` event.
-    """
+    """One rendezvous event, with the fields of PyTorch's ``RdzvEvent``."""
 
     name: str
+    """``<file>:<Class>.<method>`` of the code that recorded the event."""
     run_id: str
+    """The run id of the rendezvous."""
     message: str
+    """What happened, in words (PyTorch's text for the same event)."""
     hostname: str
+    """The node's address (the host's FQDN if the recorder had none)."""
     pid: int
+    """The process id of the node."""
     node_state: NodeState
+    """The state of the node: running, succeeded or failed."""
     master_endpoint: str = ""
+    """The master endpoint of the rendezvous store, if known."""
     rank: int | None = None
+    """The rank of the node, if known."""
     local_id: int | None = None
+    """The node's local id within its process, if known."""
     error_trace: str = ""
+    """The traceback being handled, for a ``FAILED`` event."""
 
     def __str__(self) -> str:
         return self.serialize()
