@@ -33,7 +33,9 @@ the same rendezvous. What differs is how the states are driven:
 * keep-alive threads survive etcd outages, stop on :meth:`EtcdRendezvousHandler.shutdown`,
   and on etcd 3.5, which cannot refresh a directory's TTL, the run directory is created
   without one instead of silently expiring after two hours;
-* importing the module does not configure logging.
+* importing the module does not configure logging;
+* phase changes (joined, complete, waiting, a member's keep-alive lapsed, closed, failed
+  or timed out) are recorded as rendezvous events, see :mod:`etcd_rendezvous.events`.
 """
 
 from __future__ import annotations
