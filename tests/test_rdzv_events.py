@@ -59,8 +59,8 @@ def test_legacy_backend_reports_its_phase_changes(
     handlers: list[EtcdRendezvousHandler] = [*members, late, closed_out]
     try:
         with ThreadPoolExecutor(3) as pool:
-            ranks = sorted(info.rank for info in pool.map(lambda h: h.next_rendezvous(), members))
-            assert ranks == [0, 1]
+            ranks = [info.rank for info in pool.map(lambda h: h.next_rendezvous(), members)]
+            assert sorted(ranks) == [0, 1]
             # A late worker waits on the final version 1 until a member's keep-alive lapses
             # (here: the member stops renewing it and the key is deleted), then starts
             # version 2 alone.
@@ -69,7 +69,7 @@ def test_legacy_backend_reports_its_phase_changes(
                 lambda: any(e.name.endswith(".handle_existing_rendezvous") for e in received),
                 what="the late worker waiting",
             )
-            members[1].close()
+            members[ranks.index(1)].close()
             conn.delete(late.rendezvous.layout.keep_alive_key("1", 1))
             info = rejoined.result(timeout=30)
         assert (info.rank, info.world_size) == (0, 1)
