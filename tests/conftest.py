@@ -17,6 +17,7 @@ Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (se
 :func:`etcd_rendezvous.pytest_plugin.etcd_api_under_test`), like ``etcd_server``.
 * ``run_id``: a fresh run id; ``conn``: a connection to ``etcd_server`` (v2 or v3,
   as ``etcd_api=auto`` picks); ``workers``: the worker processes a test started, stopped after it.
+* ``received``: the rendezvous events recorded in the test's process while it runs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from etcd_rendezvous import events
 from etcd_rendezvous._connect import open_transport
 from etcd_rendezvous._transport import Transport
 from etcd_rendezvous.etcd_server import EtcdServer
@@ -98,6 +100,16 @@ def conn(etcd_server: EtcdServer) -> Iterator[Transport]:
     connection = open_transport([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
     yield connection
     connection.close()
+
+
+@pytest.fixture
+def received() -> Iterator[list[events.RdzvEvent]]:
+    """The rendezvous events recorded in this process while the test runs (through a
+    callback registered with :func:`etcd_rendezvous.events.add_event_handler`)."""
+    seen: list[events.RdzvEvent] = []
+    events.add_event_handler(seen.append)
+    yield seen
+    events.remove_event_handler(seen.append)
 
 
 @pytest.fixture

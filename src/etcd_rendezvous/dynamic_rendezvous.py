@@ -39,8 +39,10 @@ What else differs from the reference, none of it visible on the wire:
   polling every second; other backends are polled every second, as in PyTorch.
 * A lost write race backs off with jitter before the next attempt.
 * The keep-alive thread survives any error (logging it) and stops on :meth:`shutdown`.
-* PyTorch's event recording (``torch.distributed.elastic.events``) is replaced by
-  logging.
+* Events are recorded through :mod:`etcd_rendezvous.events`: the same events as
+  PyTorch's (names, node states, messages, ranks), delivered to
+  ``torch.distributed.elastic.events`` when the process has loaded it, and to the
+  callbacks of :func:`~etcd_rendezvous.events.add_event_handler` and the log in any case.
 * PyTorch is never imported at import time; it is used only if installed, to share the
   agent's ``TCPStore`` and to wrap PyTorch stores in its ``PrefixStore``.
 """
@@ -80,6 +82,7 @@ from .api import (
     RendezvousTimeoutError,
     Store,
 )
+from .events import NodeState, _records_failure, record_rdzv_event
 from .layout import dynamic_store_prefix
 
 __all__ = [
@@ -730,6 +733,14 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         self._last_sync_time = -1
         self._dead_nodes = []
 
+    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        record_rdzv_event(
+            name=f"{type(self).__name__}.{sys._getframe(1).f_code.co_name}",
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+        )
+
     @property
     def state(self) -> _RendezvousState:
         """See base class."""
@@ -766,13 +777,15 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
             if get_response is not None:
                 state_bits, token = get_response
 
-        if has_set and self._dead_nodes:
-            logger.debug(
-                "As part of the sync operation the node(s) %s have been removed from the "
-                "rendezvous '%s' since they had no heartbeat.",
-                ", ".join(f"'{node}'" for node in self._dead_nodes),
-                self._settings.run_id,
+        # As in PyTorch, the event is recorded only if the debug log is on.
+        if has_set and self._dead_nodes and logger.isEnabledFor(logging.DEBUG):
+            node_list = ", ".join(f"'{node}'" for node in self._dead_nodes)
+            msg = (
+                f"As part of the sync operation the node(s) {node_list} have been removed from "
+                f"the rendezvous '{self._settings.run_id}' since they had no heartbeat."
             )
+            self._record(message=msg)
+            logger.debug(msg)
 
         self._adopt(state_bits, token)
         return has_set
@@ -936,6 +949,17 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._state_holder = state_holder
         self._settings = settings
 
+    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        record_rdzv_event(
+            name=f"{type(self).__name__}.{sys._getframe(1).f_code.co_name}",
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+            hostname=self._node.addr,
+            pid=self._node.pid,
+            local_id=self._node.local_id,
+        )
+
     def run(
         self,
         state_handler: _StateHandler,
@@ -957,19 +981,20 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             if has_set is not None:
                 if has_set:
                     retry.reset()
-                    logger.debug(
-                        "The node '%s' has successfully synced its local changes with other "
-                        "nodes in the rendezvous '%s'.",
-                        self._node,
-                        self._settings.run_id,
+                    msg = (
+                        f"The node '{self._node}' has successfully synced its local changes "
+                        f"with other nodes in the rendezvous '{self._settings.run_id}'."
                     )
+                    self._record(message=msg)
+                    logger.debug(msg)
                 else:
-                    logger.debug(
-                        "The node '%s' has a stale state and failed to sync its local changes "
-                        "with other nodes in the rendezvous '%s'.",
-                        self._node,
-                        self._settings.run_id,
+                    msg = (
+                        f"The node '{self._node}' has a stale state and failed to sync its "
+                        f"local changes with other nodes in the rendezvous "
+                        f"'{self._settings.run_id}'."
                     )
+                    self._record(message=msg)
+                    logger.debug(msg)
                     retry.pause()
 
             self._state = self._state_holder.state
@@ -1042,22 +1067,21 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         return min((wait for wait in waits if wait > 0), default=_POLL_INTERVAL) + _WAKE_UP_MARGIN
 
     def _keep_alive(self) -> None:
-        logger.debug(
-            "The node '%s' updated its keep-alive heartbeat time for the rendezvous '%s'. "
-            "Pending sync.",
-            self._node,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._node}' updated its keep-alive heartbeat time for the "
+            f"rendezvous '{self._settings.run_id}'. Pending sync."
         )
+        self._record(message=msg)
+        logger.debug(msg)
         self._state.last_heartbeats[self._node] = _now()
 
     def _add_to_participants(self) -> None:
-        logger.debug(
-            "The node '%s' added itself to the participants of round %d of the rendezvous "
-            "'%s'. Pending sync.",
-            self._node,
-            self._state.round,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._node}' added itself to the participants of round "
+            f"{self._state.round} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
+        self._record(message=msg)
+        logger.debug(msg)
         state = self._state
         state.wait_list.discard(self._node)
 
@@ -1073,36 +1097,33 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             self._mark_rendezvous_complete()
 
     def _add_to_wait_list(self) -> None:
-        logger.debug(
-            "The node '%s' added itself to the wait list of round %d of the rendezvous '%s'. "
-            "Pending sync.",
-            self._node,
-            self._state.round + 1,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._node}' added itself to the wait list of round "
+            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
+        self._record(message=msg)
+        logger.debug(msg)
         self._state.redundancy_list.discard(self._node)
         self._state.wait_list.add(self._node)
         self._keep_alive()
 
     def _add_to_redundancy_list(self) -> None:
-        logger.debug(
-            "The node '%s' added itself to the redundancy list of round %d of the rendezvous "
-            "'%s'. Pending sync.",
-            self._node,
-            self._state.round + 1,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._node}' added itself to the redundancy list of round "
+            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
+        self._record(message=msg)
+        logger.debug(msg)
         self._state.redundancy_list.add(self._node)
         self._keep_alive()
 
     def _remove_from_participants(self) -> None:
-        logger.debug(
-            "The node '%s' removed itself from the participants of round %d of the "
-            "rendezvous '%s'. Pending sync.",
-            self._node,
-            self._state.round,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._node}' removed itself from the participants of round "
+            f"{self._state.round} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
+        self._record(message=msg)
+        logger.debug(msg)
         state = self._state
         del state.participants[self._node]
         del state.last_heartbeats[self._node]
@@ -1111,34 +1132,32 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         _remove_participant_epilogue(state, self._settings)
 
     def _remove_from_wait_list(self) -> None:
-        logger.debug(
-            "The node '%s' removed itself from the wait list of round %d of the rendezvous "
-            "'%s'. Pending sync.",
-            self._node,
-            self._state.round + 1,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._node}' removed itself from the wait list of round "
+            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
+        self._record(message=msg)
+        logger.debug(msg)
         self._state.wait_list.remove(self._node)
         del self._state.last_heartbeats[self._node]
 
     def _remove_from_redundancy_list(self) -> None:
-        logger.debug(
-            "The node '%s' removed itself from the redundant list of round %d of the "
-            "rendezvous '%s'. Pending sync.",
-            self._node,
-            self._state.round + 1,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._node}' removed itself from the redundant list of round "
+            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
+        self._record(message=msg)
+        logger.debug(msg)
         self._state.redundancy_list.remove(self._node)
         del self._state.last_heartbeats[self._node]
 
     def _mark_rendezvous_complete(self) -> None:
-        logger.debug(
-            "The node '%s' marked round %d of the rendezvous '%s' as complete. Pending sync.",
-            self._node,
-            self._state.round,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._node}' marked round {self._state.round} of the rendezvous "
+            f"'{self._settings.run_id}' as complete. Pending sync."
         )
+        self._record(message=msg, node_state=NodeState.SUCCEEDED)
+        logger.debug(msg)
         state = self._state
         state.complete = True
         state.deadline = None
@@ -1148,11 +1167,12 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             state.participants[node] = rank
 
     def _mark_rendezvous_closed(self) -> None:
-        logger.debug(
-            "The node '%s' marked the rendezvous '%s' as closed. Pending sync.",
-            self._node,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._node}' marked the rendezvous '{self._settings.run_id}' as "
+            "closed. Pending sync."
         )
+        self._record(message=msg, node_state=NodeState.SUCCEEDED)
+        logger.debug(msg)
         self._state.closed = True
 
 
@@ -1631,6 +1651,26 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def _record(
+        self,
+        message: str,
+        node_state: NodeState = NodeState.RUNNING,
+        rank: int | None = None,
+        *,
+        method: str | None = None,
+    ) -> None:
+        """Record an event named after ``method`` (by default, the caller)."""
+        record_rdzv_event(
+            name=f"{type(self).__name__}.{method or sys._getframe(1).f_code.co_name}",
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+            hostname=self._this_node.addr,
+            pid=self._this_node.pid,
+            local_id=self._this_node.local_id,
+            rank=rank,
+        )
+
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
         """Start the agent's shared ``TCPStore`` server (needs PyTorch)."""
         # Imported by name: PyTorch is optional and must not be imported at import time.
@@ -1657,13 +1697,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """
         return os.getenv(_DISABLE_SHARED_STORE_ENV, "0") != "1" and torch_available()
 
+    @_records_failure
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class."""
-        logger.info(
-            "The node '%s' attempts to join the next round of the rendezvous '%s'.",
-            self._this_node,
-            self._settings.run_id,
+        msg = (
+            f"The node '{self._this_node}' attempts to join the next round of the rendezvous "
+            f"'{self._settings.run_id}'."
         )
+        self._record(message=msg)
+        logger.info(msg)
 
         self._stop_heartbeats()
 
@@ -1685,15 +1727,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         rank, world_size = self._get_world()
         store = self._get_store()
 
-        logger.info(
-            "The node '%s' has joined round %d of the rendezvous '%s' as rank %d in a world of "
-            "size %d.",
-            self._this_node,
-            self._state_holder.state.round,
-            self._settings.run_id,
-            rank,
-            world_size,
+        msg = (
+            f"The node '{self._this_node}' has joined round {self._state_holder.state.round} of "
+            f"the rendezvous '{self._settings.run_id}' as rank {rank} in a world of size "
+            f"{world_size}."
         )
+        self._record(message=msg, rank=rank)
+        logger.info(msg)
 
         if not self.use_agent_store:
             # Opted out of TCPStore sharing (or no PyTorch): rank 0 publishes a free port.
@@ -1725,17 +1765,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         return RendezvousInfo(store, rank, world_size, self._bootstrap_store_info)
 
+    @_records_failure
     def is_closed(self) -> bool:
         """See base class."""
         with self._heartbeat_lock:
             self._state_holder.sync()
             return self._state_holder.state.closed
 
+    @_records_failure
     def set_closed(self) -> None:
         """See base class."""
         with self._heartbeat_lock:
             self._close()
 
+    @_records_failure
     def num_nodes_waiting(self) -> int:
         """See base class."""
         with self._heartbeat_lock:
@@ -1746,6 +1789,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """See base class."""
         return self._settings.run_id
 
+    @_records_failure
     def shutdown(self) -> bool:
         """Stop the keep-alive thread and close the rendezvous.
 
@@ -1759,13 +1803,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             self._close()
         except RendezvousError as ex:
-            logger.warning(
-                "The node '%s' has failed to shutdown the rendezvous '%s' due to an error of "
-                "type %s.",
-                self._this_node,
-                self._settings.run_id,
-                type(ex).__name__,
+            msg = (
+                f"The node '{self._this_node}' has failed to shutdown the rendezvous "
+                f"'{self._settings.run_id}' due to an error of type {type(ex).__name__}."
             )
+            self._record(message=msg, node_state=NodeState.FAILED)
+            logger.warning(msg)
             return False
         return True
 
@@ -1789,9 +1832,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         op = _RendezvousCloseOp()
         deadline = self._get_deadline(self._settings.timeout.close)
         self._op_executor.run(op, deadline)
-        logger.info(
-            "The node '%s' has closed the rendezvous '%s'.", self._this_node, self._settings.run_id
-        )
+        msg = f"The node '{self._this_node}' has closed the rendezvous '{self._settings.run_id}'."
+        self._record(message=msg, node_state=NodeState.SUCCEEDED)
+        logger.info(msg)
 
     @staticmethod
     def _keep_alive_weak(weak_self: weakref.ref[DynamicRendezvousHandler]) -> None:
@@ -1807,6 +1850,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._op_executor.run(op, deadline)
             except (RendezvousConnectionError, RendezvousTimeoutError) as ex:
                 # Transient: the next heartbeat tries again.
+                self._record_heartbeat_failure(ex)
                 logger.warning(
                     "The node '%s' has failed to send a keep-alive heartbeat to the rendezvous "
                     "'%s' due to an error of type %s (%s); will retry.",
@@ -1815,7 +1859,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     type(ex).__name__,
                     ex,
                 )
-            except Exception:
+            except Exception as ex:
+                self._record_heartbeat_failure(ex)
                 logger.exception(
                     "The node '%s' has failed to send a keep-alive heartbeat to the rendezvous "
                     "'%s'; will retry.",
@@ -1823,11 +1868,24 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     self._settings.run_id,
                 )
             else:
+                self._record(
+                    message=f"The node '{self._this_node}' has sent a keep-alive heartbeat to "
+                    f"the rendezvous '{self._settings.run_id}'."
+                )
                 logger.debug(
                     "The node '%s' has sent a keep-alive heartbeat to the rendezvous '%s'.",
                     self._this_node,
                     self._settings.run_id,
                 )
+
+    def _record_heartbeat_failure(self, ex: Exception) -> None:
+        self._record(
+            message=f"The node '{self._this_node}' has failed to send a keep-alive heartbeat to "
+            f"the rendezvous '{self._settings.run_id}' due to an error of type "
+            f"{type(ex).__name__}.",
+            node_state=NodeState.FAILED,
+            method="_keep_alive",
+        )
 
     def _start_heartbeats(self) -> None:
         with self._timer_lock:
@@ -1926,7 +1984,13 @@ def create_handler(
     """
     try:
         return _handler_from_params(store, backend, params, backend_name, owns_backend)
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, Exception):
+            record_rdzv_event(
+                message=f"{type(e).__name__}: {e}",
+                run_id=params.run_id,
+                node_state=NodeState.FAILED,
+            )
         close_backend = getattr(backend, "close", None)
         if owns_backend and close_backend is not None:
             close_backend()

@@ -33,7 +33,9 @@ the same rendezvous. What differs is how the states are driven:
 * keep-alive threads survive etcd outages, stop on :meth:`EtcdRendezvousHandler.shutdown`,
   and on etcd 3.5, which cannot refresh a directory's TTL, the run directory is created
   without one instead of silently expiring after two hours;
-* importing the module does not configure logging.
+* importing the module does not configure logging;
+* phase changes (joined, complete, waiting, a member's keep-alive lapsed, closed, failed
+  or timed out) are recorded as rendezvous events, see :mod:`etcd_rendezvous.events`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Mapping
@@ -72,6 +75,7 @@ from .api import (
     RendezvousTimeoutError,
 )
 from .etcd_store import EtcdStore
+from .events import NodeState, _records_failure, record_rdzv_event
 from .layout import DEFAULT_PREFIX, LegacyLayout, normalize_key
 
 __all__ = [
@@ -408,6 +412,24 @@ class EtcdRendezvous:
         if self._owns_conn:
             self._conn.close()
 
+    def _record(
+        self,
+        message: str,
+        node_state: NodeState = NodeState.RUNNING,
+        rank: int | None = None,
+        *,
+        method: str | None = None,
+    ) -> None:
+        """Record a phase change as a rendezvous event named after ``method`` (by
+        default, the caller): see :mod:`etcd_rendezvous.events`."""
+        record_rdzv_event(
+            name=f"{type(self).__name__}.{method or sys._getframe(1).f_code.co_name}",
+            run_id=self._run_id,
+            message=message,
+            node_state=node_state,
+            rank=rank,
+        )
+
     @property
     def connection(self) -> Transport:
         """The etcd connection this rendezvous uses."""
@@ -415,6 +437,7 @@ class EtcdRendezvous:
 
     # -- the barrier ------------------------------------------------------------------
 
+    @_records_failure
     def rendezvous_barrier(self) -> tuple[str, int, int]:
         """Join the next rendezvous; block until it completes.
 
@@ -428,6 +451,7 @@ class EtcdRendezvous:
             RendezvousError: other non-retryable errors.
         """
         self._rendezvous_deadline = Deadline(self._timeout)
+        self._record(f"The worker attempts to join the next rendezvous of run '{self._run_id}'.")
         last_error: Exception | None = None
         retry = CONNECTION.start(
             self._rendezvous_deadline,
@@ -532,6 +556,11 @@ class EtcdRendezvous:
             this_rank,
             state,
         )
+        self._record(
+            f"The worker joined version {state['version']} of the rendezvous of run "
+            f"'{self._run_id}' as rank {this_rank}.",
+            rank=this_rank,
+        )
         # The worker that reached num_min_workers waits out the last call, then freezes
         # the rendezvous. Should it die meanwhile, the state (now with a TTL) expires
         # and everyone starts over.
@@ -555,12 +584,22 @@ class EtcdRendezvous:
         active_version = self.wait_for_final(expected_version)
         state = parse_state(active_version)
         logger.info("Rendezvous version %s is complete. Final state: %s", state["version"], state)
+        self._record(
+            f"Version {state['version']} of the rendezvous of run '{self._run_id}' is complete: "
+            f"the worker is rank {this_rank} in a world of size {len(state['participants'])}.",
+            node_state=NodeState.SUCCEEDED,
+            rank=this_rank,
+        )
         return state["version"], this_rank, len(state["participants"])
 
     def handle_existing_rendezvous(self, expected_version: str) -> None:
         """Announce ourselves as waiting on a final rendezvous, then wait for it to end."""
         active_state = self.announce_self_waiting(expected_version)
         logger.info("Added self to waiting list. Rendezvous full state: %s", active_state.value)
+        self._record(
+            f"The worker waits for the next rendezvous of run '{self._run_id}': version "
+            f"{expected_version} is complete."
+        )
         self.wait_for_rendezvous_to_free(expected_version)
         logger.info("Previously existing rendezvous state changed. Will re-try joining.")
 
@@ -773,6 +812,10 @@ class EtcdRendezvous:
                     logger.info("Keep-alive key %s is not renewed.", key)
                     logger.info("Rendezvous version %s is incomplete. ", expected_version)
                     logger.info("Attempting to destroy it.")
+                    self._record(
+                        f"The keep-alive key {key} lapsed: version {expected_version} of the "
+                        f"rendezvous of run '{self._run_id}' lost a member and is being destroyed."
+                    )
                     if self._conn.compare_and_delete(active_version.key, active_version):
                         logger.info(
                             "Destroyed rendezvous version %s successfully.", expected_version
@@ -842,6 +885,7 @@ class EtcdRendezvous:
                 etcd_index=active_version.etcd_index + 1, timeout=timeout
             )
 
+    @_records_failure
     def set_closed(self, timeout: float | None = None) -> None:
         """Mark the rendezvous of this run closed; workers then stop re-rendezvousing.
 
@@ -860,6 +904,7 @@ class EtcdRendezvous:
             except KeyNotFoundError:
                 try:
                     self._conn.create(key, json.dumps({"status": "closed"}), value_is_unique=False)
+                    self._record_closed()
                     return
                 except KeyExistsError:
                     retry.wait()
@@ -871,10 +916,18 @@ class EtcdRendezvous:
                 self._conn.compare_and_swap(
                     key, json.dumps(state), active_version, value_is_unique=False
                 )
+                self._record_closed()
                 return
             except (CompareFailedError, KeyNotFoundError):
                 logger.debug("Set closed CAS unsuccessful, retrying")
                 retry.wait()
+
+    def _record_closed(self) -> None:
+        self._record(
+            f"The worker closed the rendezvous of run '{self._run_id}'.",
+            node_state=NodeState.SUCCEEDED,
+            method="set_closed",
+        )
 
     def get_rdzv_state(self) -> tuple[Node, dict[str, Any]]:
         """Read and validate the current state.

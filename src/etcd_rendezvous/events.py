@@ -1,0 +1,258 @@
+"""Rendezvous events, as PyTorch Elastic's dynamic rendezvous records them.
+
+PyTorch's rendezvous handlers report what they do (a node joins, a round completes, a
+heartbeat fails, ...) as ``RdzvEvent`` records through ``torch.distributed.elastic.events``,
+where an agent can collect them. The handlers of this package report the same events, at
+the same points, with the same names, node states and messages, and deliver each one to
+three places:
+
+* **PyTorch's event system**, when the process has loaded it (see below): the event goes
+  to ``torch.distributed.elastic.events.record_rdzv_event`` exactly as PyTorch's handler
+  would send it, so the agent's event handler cannot tell the two apart;
+* **the callbacks** registered with :func:`add_event_handler`, with or without PyTorch;
+* **the logger** ``etcd_rendezvous.events``, at ``DEBUG``, as the event's JSON.
+
+An event's :attr:`~RdzvEvent.name` is built as PyTorch builds it: the file that recorded
+it, then the class and method, e.g.
+``dynamic_rendezvous.py:DynamicRendezvousHandler.next_rendezvous``.
+The legacy ``etcd`` backend reports its phase changes the same way, under
+``etcd_rendezvous.py:EtcdRendezvous.<method>``.
+
+**When events reach PyTorch.** PyTorch is never imported for events. An event is
+forwarded when ``torch.distributed.elastic.events`` is already imported in the process,
+and its ``dynamic_rendezvous`` destination is not PyTorch's default ``NullHandler``
+(PyTorch's own shortcut, which drops the event). That is exactly when PyTorch would
+deliver its own handler's events: an event handler is configured by replacing that
+destination (``torch.distributed.elastic.events.handlers._log_handlers["dynamic_rendezvous"]``),
+which means importing the module, and ``torchrun``'s agent imports it anyway.
+
+Recording never breaks a rendezvous: a callback or a PyTorch event handler that raises
+is logged (``WARNING``, with its traceback) and the rendezvous carries on. When nobody
+listens (no callback, no PyTorch destination, ``DEBUG`` off), recording costs almost
+nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, TypeVar, cast
+
+__all__ = [
+    "EventHandler",
+    "NodeState",
+    "RdzvEvent",
+    "add_event_handler",
+    "record_rdzv_event",
+    "remove_event_handler",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The module PyTorch records rendezvous events through; used only once loaded.
+_TORCH_EVENTS = "torch.distributed.elastic.events"
+
+#: The PyTorch event destination of rendezvous events.
+_TORCH_DESTINATION = "dynamic_rendezvous"
+
+
+class NodeState(str, enum.Enum):
+    """The state of the node that records an event (PyTorch's ``NodeState`` values)."""
+
+    INIT = "INIT"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+
+@dataclasses.dataclass(frozen=True)
+class RdzvEvent:
+    """One rendezvous event, with the fields of PyTorch's ``RdzvEvent``."""
+
+    name: str
+    """``<file>:<Class>.<method>`` of the code that recorded the event."""
+    run_id: str
+    """The run id of the rendezvous."""
+    message: str
+    """What happened, in words (PyTorch's text for the same event)."""
+    hostname: str
+    """The node's address (the host's FQDN if the recorder had none)."""
+    pid: int
+    """The process id of the node."""
+    node_state: NodeState
+    """The state of the node: running, succeeded or failed."""
+    master_endpoint: str = ""
+    """The master endpoint of the rendezvous store, if known."""
+    rank: int | None = None
+    """The rank of the node, if known."""
+    local_id: int | None = None
+    """The node's local id within its process, if known."""
+    error_trace: str = ""
+    """The traceback being handled, for a ``FAILED`` event."""
+
+    def __str__(self) -> str:
+        return self.serialize()
+
+    def serialize(self) -> str:
+        """The event as JSON, as PyTorch's ``RdzvEvent.serialize`` writes it."""
+        return json.dumps(dataclasses.asdict(self))
+
+
+#: A callback that receives every rendezvous event of this process.
+EventHandler = Callable[[RdzvEvent], None]
+
+
+class _Handlers:
+    """The registered callbacks: a tuple replaced under a lock, read without it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current: tuple[EventHandler, ...] = ()
+
+    def add(self, handler: EventHandler) -> None:
+        with self._lock:
+            self.current = (*self.current, handler)
+
+    def remove(self, handler: EventHandler) -> None:
+        with self._lock:
+            if handler not in self.current:
+                raise ValueError(f"handler: {handler!r} is not a registered event handler.")
+            index = self.current.index(handler)
+            self.current = self.current[:index] + self.current[index + 1 :]
+
+
+_handlers = _Handlers()
+
+
+def add_event_handler(handler: EventHandler) -> None:
+    """Call ``handler`` with every rendezvous event recorded in this process.
+
+    ``handler`` runs in the thread that records the event (a caller of the rendezvous
+    handler, or its keep-alive thread), so it should return quickly. An exception it
+    raises is logged and otherwise ignored. Adding a handler twice calls it twice.
+    """
+    _handlers.add(handler)
+
+
+def remove_event_handler(handler: EventHandler) -> None:
+    """Stop calling ``handler`` (one registration of it).
+
+    Raises:
+        ValueError: ``handler`` is not registered.
+    """
+    _handlers.remove(handler)
+
+
+def record_rdzv_event(
+    run_id: str,
+    message: str,
+    node_state: NodeState,
+    name: str = "",
+    hostname: str = "",
+    pid: int | None = None,
+    master_endpoint: str = "",
+    local_id: int | None = None,
+    rank: int | None = None,
+) -> None:
+    """Record a rendezvous event; the arguments are those of PyTorch's
+    ``construct_and_record_rdzv_event``, and so is the event built from them.
+
+    The event's name is ``<caller's file name>:<name>`` (``name`` defaults to the
+    calling function's name), ``hostname`` defaults to the host's FQDN, ``pid`` to this
+    process, and a ``FAILED`` event carries the traceback being handled. The event then
+    goes to PyTorch (if loaded), to the callbacks and to the log; see the module
+    documentation.
+    """
+    torch_events = _torch_destination()
+    handlers = _handlers.current
+    if torch_events is None and not handlers and not logger.isEnabledFor(logging.DEBUG):
+        return
+
+    caller = sys._getframe(1).f_code
+    event = RdzvEvent(
+        name=f"{os.path.basename(caller.co_filename)}:{name or caller.co_name}",
+        run_id=run_id,
+        message=message,
+        hostname=hostname or _fqdn(),
+        pid=pid or os.getpid(),
+        node_state=node_state,
+        master_endpoint=master_endpoint,
+        rank=rank,
+        local_id=local_id,
+        error_trace=traceback.format_exc() if node_state == NodeState.FAILED else "",
+    )
+    if torch_events is not None:
+        _deliver(_to_torch, torch_events, event)
+    for handler in handlers:
+        _deliver(handler, event)
+    logger.debug("Rendezvous event: %s", event.serialize())
+
+
+@functools.lru_cache(maxsize=1)
+def _fqdn() -> str:
+    """The host's FQDN (looked up once: it may take a DNS query)."""
+    return socket.getfqdn()
+
+
+def _torch_destination() -> ModuleType | None:
+    """PyTorch's events module, if loaded and configured to deliver rendezvous events."""
+    module = sys.modules.get(_TORCH_EVENTS)
+    if module is None:
+        return None
+    try:
+        handler = module.get_logging_handler(_TORCH_DESTINATION)
+    except Exception:  # a partly imported or foreign module: nothing to deliver to
+        return None
+    return None if isinstance(handler, logging.NullHandler) else module
+
+
+def _to_torch(torch_events: ModuleType, event: RdzvEvent) -> None:
+    """Hand ``event`` to PyTorch's event system, as PyTorch's own handler would."""
+    fields = {field.name: getattr(event, field.name) for field in dataclasses.fields(event)}
+    fields["node_state"] = torch_events.NodeState(event.node_state.value)
+    torch_events.record_rdzv_event(torch_events.RdzvEvent(**fields))
+
+
+def _deliver(handler: Callable[..., Any], *args: Any) -> None:
+    """Call ``handler``; log, but never raise, what it raises."""
+    try:
+        handler(*args)
+    except Exception:
+        logger.warning(
+            "The rendezvous event handler %r raised; ignoring it", handler, exc_info=True
+        )
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _records_failure(method: _Method) -> _Method:
+    """Make ``method`` record a ``FAILED`` event for any exception it raises, as
+    PyTorch's handler does (``"<ExceptionType>: <message>"``), then re-raise it.
+
+    For methods of classes with a ``_record(message, node_state, *, method)`` method.
+    """
+
+    @functools.wraps(method)
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            self._record(
+                message=f"{type(e).__name__}: {e}",
+                node_state=NodeState.FAILED,
+                method=method.__name__,
+            )
+            raise
+
+    return cast(_Method, recorded)
