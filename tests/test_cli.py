@@ -15,12 +15,13 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import etcd
 import pytest
 
 from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport import Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
 from etcd_rendezvous.cli import main
 from etcd_rendezvous.cli.demo import _report
@@ -273,7 +274,7 @@ def test_status_of_a_two_worker_rendezvous(
 
 
 def test_status_shows_a_lapsed_keep_alive(
-    etcd_server: EtcdServer, etcd_prefix: str, etcd_client: Any, capsys: pytest.CaptureFixture[str]
+    etcd_server: EtcdServer, etcd_prefix: str, conn: Transport, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_id = f"lapsed-{uuid.uuid4().hex[:8]}"
     handlers, _ = _etcd_rendezvous(etcd_server.get_endpoint(), etcd_prefix, run_id)
@@ -285,7 +286,7 @@ def test_status_shows_a_lapsed_keep_alive(
             capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json")
         )
         version = json.loads(out)["version"]
-        etcd_client.delete(f"{etcd_prefix}/run_{run_id}/rdzv/v_{version}/rank_1")
+        conn.delete(f"{etcd_prefix}/run_{run_id}/rdzv/v_{version}/rank_1")
         code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
         assert code == 0, err
         assert re.search(r"^\s+rank 0: live", out, re.MULTILINE), out
@@ -318,13 +319,12 @@ def test_status_of_an_unknown_run_names_it(
 
 
 def test_corrupt_state_is_reported_and_left_untouched(
-    etcd_server: EtcdServer, etcd_prefix: str, etcd_client: Any, capsys: pytest.CaptureFixture[str]
+    etcd_server: EtcdServer, etcd_prefix: str, conn: Transport, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_id = f"corrupt-{uuid.uuid4().hex[:8]}"
     key = f"{etcd_prefix}/run_{run_id}/rdzv/active_version"
     garbage = "{not json, written by hand"
-    etcd_client.write(key, garbage)
-    modified = etcd_client.read(key).modifiedIndex
+    modified = conn.set(key, garbage).modified_index
 
     code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
     assert code != 0
@@ -344,8 +344,8 @@ def test_corrupt_state_is_reported_and_left_untouched(
     assert code != 0
     assert key in err, err
 
-    node = etcd_client.read(key)
-    assert (node.value, node.modifiedIndex) == (garbage, modified)
+    node = conn.get(key)
+    assert (node.value, node.modified_index) == (garbage, modified)
 
 
 def test_close_then_status_and_a_new_handler_sees_closed(
@@ -455,11 +455,11 @@ def test_etcd_v2_status_and_close(
 
 
 def test_etcd_v2_corrupt_state_is_reported_and_left_untouched(
-    etcd_server: EtcdServer, etcd_client: Any, capsys: pytest.CaptureFixture[str]
+    etcd_server: EtcdServer, conn: Transport, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_id = f"v2-corrupt-{uuid.uuid4().hex[:8]}"
     key = f"/torch/elastic/rendezvous/{run_id}"
-    etcd_client.write(key, "not base64 at all!")
+    conn.set(key, "not base64 at all!")
     try:
         base = ["--backend", "etcd-v2", "--endpoint", etcd_server.get_endpoint()]
         code, out, err = _run_main(capsys, "status", *base, "--run-id", run_id)
@@ -469,9 +469,9 @@ def test_etcd_v2_corrupt_state_is_reported_and_left_untouched(
         code, _, err = _run_main(capsys, "close", *base, "--run-id", run_id)
         assert code != 0
         assert key in err, err
-        assert etcd_client.read(key).value == "not base64 at all!"
+        assert conn.get(key).value == "not base64 at all!"
     finally:
-        etcd_client.delete(key)
+        conn.delete(key)
 
 
 # -- connection failures and the server command ------------------------------------------

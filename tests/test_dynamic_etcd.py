@@ -1,7 +1,8 @@
 """The dynamic rendezvous over ``etcd-v2`` with real worker processes and a real etcd.
 
 Each scenario runs with our implementation and with PyTorch 2.13's (skipped without
-PyTorch), and mixed fleets run both in one rendezvous.
+PyTorch), and mixed fleets run both in one rendezvous. PyTorch's backend speaks only
+etcd's v2 API, so its runs are ``v2_only``; ours run over either API.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ _HAVE_TORCH = importlib.util.find_spec("torch") is not None
 _NEEDS_TORCH = pytest.mark.skipif(
     not _HAVE_TORCH, reason="PyTorch is not installed: `pip install torch==2.13.0`"
 )
+_TORCH_SPEAKS_V2 = pytest.mark.v2_only(reason="PyTorch's etcd-v2 backend speaks only v2")
 IMPLS = [
     pytest.param("ours", id="ours"),
-    pytest.param("torch", id="torch", marks=[_NEEDS_TORCH, pytest.mark.torch]),
+    pytest.param("torch", id="torch", marks=[_NEEDS_TORCH, pytest.mark.torch, _TORCH_SPEAKS_V2]),
 ]
 
 pytestmark = pytest.mark.slow
@@ -172,6 +174,7 @@ def test_shutdown_stops_the_heartbeat_thread(etcd_server, run_id, workers):
 
 
 @_NEEDS_TORCH
+@_TORCH_SPEAKS_V2
 @pytest.mark.torch
 @pytest.mark.parametrize("first", ["ours", "torch"])
 def test_mixed_fleet_rendezvous_and_share_a_store(etcd_server, run_id, workers, first):
@@ -187,6 +190,7 @@ def test_mixed_fleet_rendezvous_and_share_a_store(etcd_server, run_id, workers, 
 
 
 @_NEEDS_TORCH
+@_TORCH_SPEAKS_V2
 @pytest.mark.torch
 @pytest.mark.parametrize("victim_impl", ["ours", "torch"])
 def test_mixed_fleet_removes_a_killed_node(etcd_server, run_id, workers, victim_impl):
@@ -203,6 +207,7 @@ def test_mixed_fleet_removes_a_killed_node(etcd_server, run_id, workers, victim_
 
 
 @_NEEDS_TORCH
+@_TORCH_SPEAKS_V2
 @pytest.mark.torch
 def test_torch_sees_a_rendezvous_closed_by_us(etcd_server, run_id, workers):
     ours, theirs = _spawn(workers, etcd_server, run_id, ["ours", "torch"], 2, 2)

@@ -16,7 +16,8 @@ import pytest
 import etcd_rendezvous.etcd_rendezvous as legacy
 import etcd_rendezvous.etcd_rendezvous_backend as v2
 from etcd_rendezvous import torchrun
-from etcd_rendezvous._client import EtcdConnection
+from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport import Transport
 from etcd_rendezvous.api import RendezvousParameters, RendezvousStateError
 from etcd_rendezvous.dynamic_rendezvous import create_handler
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvous
@@ -29,7 +30,7 @@ from etcd_rendezvous.registry import get_rendezvous_handler
 class CloseSpy:
     """Counts the calls of ``conn.close()``, passing each on to the real method."""
 
-    def __init__(self, conn: EtcdConnection) -> None:
+    def __init__(self, conn: Transport) -> None:
         self.conn = conn
         self.calls = 0
         real_close = conn.close
@@ -41,8 +42,8 @@ class CloseSpy:
         conn.close = close  # type: ignore[method-assign]
 
 
-def _connect(etcd_server: EtcdServer) -> EtcdConnection:
-    return EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
+def _connect(etcd_server: EtcdServer) -> Transport:
+    return open_transport([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
 
 
 def _params(
@@ -85,8 +86,8 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[CloseSpy]:
     """Spies on every connection the ``etcd`` and ``etcd-v2`` factories open."""
     spies: list[CloseSpy] = []
 
-    def spying(open_connection: Callable[..., EtcdConnection]) -> Callable[..., EtcdConnection]:
-        def open_and_spy(*args: Any, **kwargs: Any) -> EtcdConnection:
+    def spying(open_connection: Callable[..., Transport]) -> Callable[..., Transport]:
+        def open_and_spy(*args: Any, **kwargs: Any) -> Transport:
             conn = open_connection(*args, **kwargs)
             spies.append(CloseSpy(conn))
             return conn
@@ -101,7 +102,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> list[CloseSpy]:
 # -- store, backend and legacy rendezvous --------------------------------------------------
 
 
-def test_a_given_connection_stays_open(make: Maker, conn: EtcdConnection, etcd_prefix: str) -> None:
+def test_a_given_connection_stays_open(make: Maker, conn: Transport, etcd_prefix: str) -> None:
     spy = CloseSpy(conn)
     with make(conn) as obj:
         obj.close()
@@ -120,6 +121,7 @@ def test_a_handed_over_connection_is_closed_once(make: Maker, etcd_server: EtcdS
     assert spy.calls == 1
 
 
+@pytest.mark.v2_only(reason="python-etcd's etcd.Client speaks only v2")
 def test_a_connection_made_from_an_etcd_client_is_closed_once(
     make: Maker, etcd_client: Any
 ) -> None:
@@ -273,10 +275,24 @@ def test_the_etcd_v2_factory_closes_its_connection_when_it_fails(
 
 
 def test_the_etcd_factory_closes_its_connection_when_it_fails(
+    etcd_server: EtcdServer, opened: list[CloseSpy], etcd_prefix: str
+) -> None:
+    # A run id the rendezvous refuses once the connection is open.
+    params = _params(etcd_server, "a/b", "etcd", etcd_prefix=etcd_prefix)
+    with pytest.raises(ValueError, match="run_id"):
+        get_rendezvous_handler(params)
+    [spy] = opened
+    assert spy.calls == 1
+
+
+@pytest.mark.v2_only(
+    reason="on v3 a key prefix is no directory: a value at the prefix does not stop keys below it"
+)
+def test_the_etcd_factory_closes_its_connection_when_etcd_holds_a_bad_state(
     etcd_server: EtcdServer,
     run_id: str,
     opened: list[CloseSpy],
-    conn: EtcdConnection,
+    conn: Transport,
     etcd_prefix: str,
 ) -> None:
     conn.set(etcd_prefix, "a value where the key prefix should be a directory")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous import torchrun
-from etcd_rendezvous._client import EtcdConnection
+from etcd_rendezvous._transport import Transport
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
@@ -34,7 +34,7 @@ PG_WORKER = Path(__file__).with_name("torch_pg_worker.py")
 
 
 @pytest.fixture
-def store(conn: EtcdConnection, run_id: str) -> TorchEtcdStore:
+def store(conn: Transport, run_id: str) -> TorchEtcdStore:
     return TorchEtcdStore(EtcdStore(conn, f"/test/{run_id}/kv", timeout=timedelta(seconds=5)))
 
 
@@ -98,7 +98,7 @@ def test_timeouts_raise_an_error_both_kinds_of_caller_catch(store: TorchEtcdStor
 
 
 def test_updates_that_keep_losing_raise_the_store_timeout_error(
-    store: TorchEtcdStore, conn: EtcdConnection, monkeypatch: pytest.MonkeyPatch
+    store: TorchEtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store.set("n", "1")
     swap = conn.compare_and_swap
@@ -265,6 +265,7 @@ def test_every_legacy_option_parses_from_a_string(
         "read_timeout": "2.5",
         "connect_timeout": "1.5",
         "torch_store": "false",
+        "etcd_api": "V3",
     }
     handler = torchrun.create_etcd_rendezvous_handler(
         _torch_params(torchrun.BACKEND_NAME, etcd_server.get_endpoint(), run_id, **conf)
@@ -276,6 +277,7 @@ def test_every_legacy_option_parses_from_a_string(
         assert rdzv._prefix == "/custom/prefix/"
         assert rdzv._conn.read_timeout == 2.5
         assert rdzv._conn.connect_timeout == 1.5
+        assert rdzv._conn.api == "v3"
         assert handler._torch_store is False  # type: ignore[attr-defined]
     finally:
         handler.close()
@@ -293,6 +295,7 @@ def test_every_v2_option_parses_from_a_string(etcd_server: EtcdServer, run_id: s
         "read_timeout": "2.5",
         "connect_timeout": "1.5",
         "torch_store": "true",
+        "etcd_api": "v3",
     }
     handler = torchrun.create_etcd_rendezvous_v2_handler(
         _torch_params(torchrun.V2_BACKEND_NAME, etcd_server.get_endpoint(), run_id, **conf)
@@ -309,6 +312,7 @@ def test_every_v2_option_parses_from_a_string(etcd_server: EtcdServer, run_id: s
         backend = handler._state_holder._backend  # type: ignore[attr-defined]
         assert backend.connection.read_timeout == 2.5
         assert backend.connection.connect_timeout == 1.5
+        assert backend.connection.api == "v3"
     finally:
         handler.shutdown()
 
@@ -321,11 +325,13 @@ def test_every_v2_option_parses_from_a_string(etcd_server: EtcdServer, run_id: s
         (torchrun.BACKEND_NAME, "torch_store", "maybe"),
         (torchrun.BACKEND_NAME, "protocol", "gopher"),
         (torchrun.BACKEND_NAME, "cacert", "/no/such/ca.crt"),
+        (torchrun.BACKEND_NAME, "etcd_api", "v4"),
         (torchrun.V2_BACKEND_NAME, "keep_alive_interval", "often"),
         (torchrun.V2_BACKEND_NAME, "read_timeout", "slow"),
         (torchrun.V2_BACKEND_NAME, "connect_timeout", "0"),
         (torchrun.V2_BACKEND_NAME, "torch_store", "2"),
         (torchrun.V2_BACKEND_NAME, "ca_cert", "/no/such/ca.crt"),
+        (torchrun.V2_BACKEND_NAME, "etcd_api", "3"),
     ],
 )
 def test_a_bad_string_option_is_named(

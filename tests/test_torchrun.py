@@ -2,6 +2,8 @@
 
 Each test starts ``torchrun`` agents on localhost against the session's etcd. Their
 workers (``torchrun_worker.py``) all-reduce over gloo and write what they saw as JSON.
+The backends talk to etcd over the API ``etcd_api=auto`` picks (v2 where the server
+serves it, else v3); one run insists on v3 with ``--rdzv-conf etcd_api=v3``.
 Skipped when PyTorch is not installed (CI installs ``torch==2.13.0``).
 """
 
@@ -13,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._client import EtcdConnection
+from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport import Transport
 from etcd_rendezvous.etcd_server import EtcdServer
 from torchrun_helpers import Agent, wait_for
 
@@ -103,7 +106,7 @@ def _train_on_two_agents(
 )
 def test_two_agents_train_with_world_size_four(
     etcd_server: EtcdServer,
-    conn: EtcdConnection,
+    conn: Transport,
     run_id: str,
     tmp_path: Path,
     agents: list[Agent],
@@ -178,8 +181,11 @@ def test_survivors_finish_with_a_smaller_world_after_a_node_is_killed(
     assert {r["world_size"] for r in results} == {2}
     assert {r["sum"] for r in results} == {1.0 + 2}
     # They resumed from the checkpoint: the kill happened mid-training, not after it.
-    assert all(r["resumed_from"] >= 1 for r in results)
-    assert all(r["restart"] >= 1 for r in results)
+    assert all(r["resumed_from"] >= 1 for r in results), results
+    # The first survivor to notice restarted its failed workers, which counts as a
+    # restart. The other may instead have seen that node waiting before its own workers
+    # failed: torchrun restarts for such a membership change without counting it.
+    assert max(r["restart"] for r in results) >= 1, results
 
 
 def _agent_of_rank_zero(out: Path) -> str:
@@ -227,3 +233,49 @@ def test_two_agents_over_tls_with_client_certificates(
     )
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert {r["sum"] for r in results} == {3.0}
+
+
+def test_two_agents_insisting_on_the_v3_api(
+    etcd_server: EtcdServer, run_id: str, tmp_path: Path, agents: list[Agent]
+) -> None:
+    results = _train_on_two_agents(
+        agents,
+        tmp_path,
+        V2,
+        etcd_server.get_endpoint(),
+        run_id,
+        nproc_per_node=1,
+        rdzv_conf={**CONF[V2], "etcd_api": "v3"},
+    )
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert {r["sum"] for r in results} == {3.0}
+    # The state is in the v3 key space (on etcd 3.4/3.5 it is apart from v2's).
+    endpoint = [(etcd_server.get_host(), etcd_server.get_port())]
+    with open_transport(endpoint, etcd_api="v3") as v3:
+        assert v3.get(_state_key(V2, run_id)).value
+
+
+@pytest.mark.parametrize("backend", [LEGACY, V2])
+def test_insisting_on_v2_against_an_etcd_without_it_fails_naming_etcd_api(
+    etcd_server: EtcdServer, run_id: str, tmp_path: Path, agents: list[Agent], backend: str
+) -> None:
+    with EtcdServer(etcd_binary=etcd_server.binary, enable_v2=False) as server:
+        (agent,) = _start(
+            agents,
+            ["a"],
+            tmp_path,
+            backend=backend,
+            endpoint=server.get_endpoint(),
+            run_id=run_id,
+            nnodes="1",
+            nproc_per_node=1,
+            rdzv_conf={**CONF[backend], "etcd_api": "v2"},
+        )
+        code = agent.wait(AGENT_TIMEOUT)
+    log = agent.log(tail=400)
+    assert code != 0, log
+    # The agent's last words are the error, naming the option and the endpoint.
+    last = log.strip().splitlines()[-1]
+    assert "etcd_api=v2, but etcd" in last, log
+    assert server.get_endpoint() in last, log
+    assert _results(tmp_path) == []

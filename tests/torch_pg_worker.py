@@ -14,7 +14,6 @@ import json
 import sys
 from datetime import timedelta
 
-import etcd
 import torch
 import torch.distributed as dist
 
@@ -33,13 +32,16 @@ def _all_reduce(store: object, rank: int, world_size: int) -> float:
 def main() -> None:
     mode, *args = sys.argv[1:]
     if mode == "store":
+        from etcd_rendezvous._connect import open_transport
         from etcd_rendezvous.etcd_store import EtcdStore
         from etcd_rendezvous.torch_store import TorchEtcdStore
 
         endpoint, prefix, rank_arg, world_arg = args
         host, port = endpoint.rsplit(":", 1)
-        client = etcd.Client(host=host, port=int(port))
-        store = TorchEtcdStore(EtcdStore(client, prefix, timeout=timedelta(seconds=60)))
+        # Over whichever API the server serves (etcd_api=auto); the store owns it.
+        conn = open_transport([(host, int(port))])
+        etcd_store = EtcdStore(conn, prefix, timeout=timedelta(seconds=60), owns_connection=True)
+        store = TorchEtcdStore(etcd_store)
         rank, world_size = int(rank_arg), int(world_arg)
         handler = None
     else:

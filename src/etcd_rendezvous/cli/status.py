@@ -111,12 +111,23 @@ def _named_version(state: Node | None) -> str | None:
 def _read_etcd_run(conn: Transport, prefix: str, run_id: str) -> _EtcdRun:
     """Read, without changing anything, what describes the run in etcd."""
     layout = LegacyLayout(prefix, run_id)
-    state = with_ttl(conn, conn.try_get(layout.state_key))
+    run_dir = with_ttl(conn, conn.try_get(layout.run_dir))
+    state = conn.try_get(layout.state_key)
+    # On v3 a key written below the run dir without a TTL shares the run dir's lease:
+    # it lives as long as the run dir, as on v2, and has no TTL of its own to show.
+    shares_run_dir_lease = (
+        state is not None
+        and run_dir is not None
+        and state.lease != 0
+        and state.lease == run_dir.lease
+    )
+    if not shares_run_dir_lease:
+        state = with_ttl(conn, state)
     version = _named_version(state)
     return _EtcdRun(
         run_id=run_id,
         prefix=prefix,
-        run_dir=with_ttl(conn, conn.try_get(layout.run_dir)),
+        run_dir=run_dir,
         state=state,
         version_counter=conn.try_get(layout.counter_key),
         version_dir=None if version is None else read_dir(conn, layout.version_dir(version)),
