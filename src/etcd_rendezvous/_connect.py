@@ -30,12 +30,13 @@ Endpoint = tuple[str, int]
 
 
 def check_etcd_api(value: Any, option: str = "etcd_api") -> str:
-    """``value`` as one of ``auto``, ``v2``, ``v3``.
+    """``value`` as one of ``auto``, ``v2``, ``v3`` (``None`` or empty: ``auto``).
 
     Raises:
         ValueError: anything else; the message names ``option``.
     """
-    text = str(value).strip().lower() if value is not None else "auto"
+    text = str(value).strip().lower() if value is not None else ""
+    text = text or "auto"  # empty, as from ``--rdzv-conf etcd_api=``, means absent
     if text not in ETCD_APIS:
         raise ValueError(f"{option}: must be one of auto, v2, v3; got {value!r}.")
     return text

@@ -295,7 +295,8 @@ class EtcdRendezvous:
     Raises:
         ValueError: a parameter is invalid (the message names it).
         RendezvousConnectionError: etcd cannot be reached.
-        RendezvousStateError: the prefix exists in etcd as a value, not a directory.
+        RendezvousStateError: on the v2 API, the prefix exists in etcd as a value, not a
+            directory.
     """
 
     def __init__(
