@@ -506,7 +506,10 @@ class EtcdV3Connection(Transport):
 
         The key's current lease is read first: another worker's write may have moved
         the key to a lease of its own since we last wrote it (v2 refreshes whatever TTL
-        the key has now, and so do we).
+        the key has now, and so do we). A lease's TTL is fixed when it is granted:
+        asking a key for a longer TTL than its lease's attaches a new lease (a write
+        that watchers see). A directory's lease, shared with the keys below it, keeps
+        its TTL.
 
         Raises:
             KeyNotFoundError: the key is gone, or its lease lapsed.
@@ -524,6 +527,11 @@ class EtcdV3Connection(Transport):
         if "TTL" not in result or int(result.get("TTL", 0)) <= 0:
             self._forget_lease(node.lease)
             raise KeyNotFoundError(key, wire.revision(data) or None)
+        with self._lease_lock:
+            directory = self._dir_leases.get(key) == node.lease
+        if int(result["TTL"]) < ttl and not directory:
+            with self.bounded_by(budget):
+                return self._attach_new_lease(key, ttl)
         return node
 
     def _attach_new_lease(self, key: str, ttl: int) -> Node:
