@@ -37,7 +37,7 @@ from faultproxy import FaultProxy, Mode
 
 Connect = Callable[..., Transport]
 
-TRANSPORTS: dict[str, type[Transport]] = {"v2": EtcdConnection, "v3": EtcdV3Connection}
+TRANSPORTS: dict[str, Callable[..., Transport]] = {"v2": EtcdConnection, "v3": EtcdV3Connection}
 _V2 = pytest.param("v2", marks=pytest.mark.v2_only(reason="the v2 transport"), id="v2")
 _V3 = pytest.param("v3", id="v3")
 #: For a test whose subject exists on v2 only: run it with the v2 transport alone.
