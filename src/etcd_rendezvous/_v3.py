@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 Endpoint = tuple[str, int]
 
+_AUTHENTICATE = "/v3/auth/authenticate"
 #: TTLs at least this long only serve to clean up after a job: their leases are shared.
 _SHARED_LEASE_MIN_TTL = 60
 #: A shared lease is reused while at least this fraction of its TTL remains.
@@ -199,6 +200,9 @@ class EtcdV3Connection(Transport):
         read = self._read_timeout if cap is None else cap
         timeout = urllib3.Timeout(connect=min(self._connect_timeout, read), read=read)
         headers = self._headers()
+        if path == _AUTHENTICATE:
+            # etcd 3.4 refuses to authenticate a request that carries an expired token.
+            headers.pop("Authorization", None)
         try:
             response = self._pool.request(
                 "GET" if body is None else "POST",
@@ -271,7 +275,7 @@ class EtcdV3Connection(Transport):
         body = {"name": self._username, "password": self._password}
         where = f"authenticate as {self._username!r}"
         try:
-            data = self._request(idx, "/v3/auth/authenticate", body, cap, where)
+            data = self._request(idx, _AUTHENTICATE, body, cap, where)
         except OperationRefusedError as exc:
             if "not enabled" in str(exc):
                 logger.info("etcd auth is not enabled; sending requests without a token")
