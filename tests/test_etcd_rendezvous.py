@@ -367,8 +367,10 @@ def test_keepalive_survives_a_frozen_etcd(run_id, private_etcd_server):
                 if "refresh the TTL" in record.getMessage():
                     failed.set()
 
-        # The connection reports each failed attempt at DEBUG level.
-        client_logger = logging.getLogger("etcd_rendezvous._transport")
+        # The connection reports each failed attempt at DEBUG level (v2: "Could not
+        # refresh the TTL of"; v3 reads the key's lease first), the keeper a failed
+        # refresh at WARNING level.
+        client_logger = logging.getLogger("etcd_rendezvous")
         spy = Spy(logging.DEBUG)
         old_level = client_logger.level
         client_logger.setLevel(logging.DEBUG)
