@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from etcd_rendezvous._client import EtcdConnection, KeyNotFoundError
+from etcd_rendezvous._transport import KeyNotFoundError, Transport
 
 WORKER = str(Path(__file__).with_name("rdzv_worker.py"))
 
@@ -122,7 +122,7 @@ def expect_joined(event: dict[str, Any], worker: Worker) -> dict[str, Any]:
 
 
 def wait_for_state(
-    conn: EtcdConnection,
+    conn: Transport,
     key: str,
     predicate: Callable[[dict[str, Any] | None], bool],
     timeout: float = 30.0,

@@ -1,8 +1,12 @@
-"""Real-failure tests for the etcd client layer (:class:`EtcdConnection`).
+"""Real-failure tests of the transport layer: the contract both transports keep.
 
-Everything runs against real etcd processes. Faults are injected for real: lost
-responses and refused or reset connections through :class:`faultproxy.FaultProxy`,
-closed ports, SIGKILL/SIGSTOP of a private etcd, TLS mismatches, wrong-type keys.
+Every test that opens a connection runs once per transport: :class:`EtcdConnection`
+(v2, only where the server serves v2) and :class:`EtcdV3Connection` (v3, always: etcd
+3.4+ serves the v3 gateway with or without v2). Everything runs against real etcd
+processes. Faults are injected for real: lost responses and refused or reset
+connections through :class:`faultproxy.FaultProxy`, closed ports, SIGKILL/SIGSTOP of a
+private etcd, TLS mismatches, wrong-type keys. What only v3 does (leases, compaction,
+auth tokens) is in ``test_transport_v3.py``.
 """
 
 from __future__ import annotations
@@ -16,23 +20,41 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import etcd
 import pytest
 
-from etcd_rendezvous._client import (
+import v3_gateway
+from etcd_rendezvous._client import EtcdConnection
+from etcd_rendezvous._transport import (
     CompareFailedError,
-    EtcdConnection,
     KeyExistsError,
     OperationRefusedError,
+    Transport,
 )
+from etcd_rendezvous._v3 import EtcdV3Connection
 from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError
 from etcd_rendezvous.etcd_server import EtcdServer
 from faultproxy import FaultProxy, Mode
 
-Connect = Callable[..., EtcdConnection]
+Connect = Callable[..., Transport]
+
+TRANSPORTS: dict[str, Callable[..., Transport]] = {"v2": EtcdConnection, "v3": EtcdV3Connection}
+_V2 = pytest.param("v2", marks=pytest.mark.v2_only(reason="the v2 transport"), id="v2")
+_V3 = pytest.param("v3", id="v3")
+#: For a test whose subject exists on v2 only: run it with the v2 transport alone.
+only_v2 = pytest.mark.parametrize("api", [_V2], indirect=True)
 
 # etcd v2 keeps the last 1000 events; a watch from an older index is refused.
 _EVENT_HISTORY = 1000
+
+#: The action a v3 watch reports for a change v2 reports as the key's action.
+_V3_ACTION = {
+    "set": "set",
+    "create": "create",
+    "compareAndSwap": "set",
+    "delete": "delete",
+    "compareAndDelete": "delete",
+    "expire": "delete",
+}
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -71,7 +93,7 @@ def url(endpoint: tuple[str, int], protocol: str = "http") -> str:
     return f"{protocol}://{endpoint[0]}:{endpoint[1]}"
 
 
-def history(conn: EtcdConnection, key: str, after: int) -> list[tuple[str, str | None]]:
+def history(conn: Transport, key: str, after: int) -> list[tuple[str, str | None]]:
     """``(action, value)`` of every change of ``key`` after etcd index ``after``, read
     from etcd's event history up to the key's current state."""
     final = conn.get(key).modified_index
@@ -85,28 +107,56 @@ def history(conn: EtcdConnection, key: str, after: int) -> list[tuple[str, str |
     return changes
 
 
+def changes(api: str, *expected: tuple[str, str | None]) -> list[tuple[str, str | None]]:
+    """``expected`` changes (in v2's action names) as :func:`history` reads them on ``api``."""
+    if api == "v2":
+        return list(expected)
+    return [(_V3_ACTION[action], value) for action, value in expected]
+
+
 def message_without(exc: BaseException, key: str) -> str:
     """The error message with ``key`` cut out (keys contain test names, which contain
     words such as "protocol" that a test looks for)."""
     return str(exc).replace(key, "<key>")
 
 
-def puts(proxy: FaultProxy) -> int:
-    return sum(1 for r in proxy.requests if r.method == "PUT")
+#: The requests that write, per API: v2 writes are PUT/DELETE on ``/v2/keys``; v3
+#: writes are POSTs to these paths (a watch or a read is a POST too, so not by method).
+_V3_WRITES = frozenset({"/v3/kv/txn", "/v3/kv/put", "/v3/kv/deleterange", "/v3/lease/grant"})
+
+
+def writes(proxy: FaultProxy, api: str) -> int:
+    """How many write requests reached the server through ``proxy``."""
+    if api == "v2":
+        return sum(
+            1
+            for r in proxy.requests
+            if r.method in ("PUT", "DELETE") and r.path.startswith("/v2/keys/")
+        )
+    return sum(1 for r in proxy.requests if r.method == "POST" and r.path in _V3_WRITES)
+
+
+@pytest.fixture(params=[_V2, _V3])
+def api(request: pytest.FixtureRequest) -> str:
+    """The etcd API of the transport under test: ``"v2"`` or ``"v3"``."""
+    value: str = request.param
+    return value
 
 
 @pytest.fixture
-def connect() -> Iterator[Connect]:
-    """``connect(*endpoints, **kwargs)``: an :class:`EtcdConnection`, closed afterwards.
+def connect(api: str) -> Iterator[Connect]:
+    """``connect(*endpoints, **kwargs)``: a connection of the transport under test,
+    closed afterwards.
 
     Short timeouts by default (read 2 s, connect 1 s) so that failures are quick.
     """
-    conns: list[EtcdConnection] = []
+    conns: list[Transport] = []
+    transport = TRANSPORTS[api]
 
-    def make(*endpoints: tuple[str, int], **kwargs: Any) -> EtcdConnection:
+    def make(*endpoints: tuple[str, int], **kwargs: Any) -> Transport:
         kwargs.setdefault("read_timeout", 2.0)
         kwargs.setdefault("connect_timeout", 1.0)
-        conn = EtcdConnection(list(endpoints), **kwargs)
+        conn = transport(list(endpoints), **kwargs)
         conns.append(conn)
         return conn
 
@@ -116,7 +166,7 @@ def connect() -> Iterator[Connect]:
 
 
 @pytest.fixture
-def direct(etcd_server: EtcdServer, connect: Connect) -> EtcdConnection:
+def direct(etcd_server: EtcdServer, connect: Connect) -> Transport:
     """A connection straight to ``etcd_server``: "another writer", and the test's eyes."""
     return connect((etcd_server.get_host(), etcd_server.get_port()))
 
@@ -127,8 +177,9 @@ def key(etcd_prefix: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def cleared_history(etcd_server: EtcdServer) -> None:
-    """Make the session's etcd forget its first events (index 1 is out of its history)."""
+def v2_history_cleared(etcd_server: EtcdServer) -> None:
+    """Make the session's etcd v2 store forget its first events (index 1 is out of its
+    history of the last 1000)."""
     conn = EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
     try:
         index = conn.set("/test/history-filler/0", "0").etcd_index
@@ -141,20 +192,35 @@ def cleared_history(etcd_server: EtcdServer) -> None:
         conn.close()
 
 
+@pytest.fixture
+def cleared_history(api: str, etcd_server: EtcdServer, request: pytest.FixtureRequest) -> None:
+    """Make etcd forget its history up to now for the API under test: on v2 by pushing
+    index 1 out of the event history, on v3 by compacting at the current revision."""
+    if api == "v2":
+        request.getfixturevalue("v2_history_cleared")
+        return
+    url = etcd_server.client_url
+    v3_gateway.put(url, "/test/history-filler/0", "0")
+    revision = v3_gateway.call(url, "/v3/kv/range", {"key": "AA=="})["header"]["revision"]
+    v3_gateway.call(url, "/v3/kv/compaction", {"revision": revision})
+
+
 # -- the fault proxy itself --------------------------------------------------------------
 
 
 def test_proxy_forwards_and_counts_requests(
-    etcd_proxy: FaultProxy, connect: Connect, key: str
+    etcd_proxy: FaultProxy, connect: Connect, api: str, key: str
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     conn.set(key, "v")
     assert conn.get(key).value == "v"
     requests = etcd_proxy.wait_for_requests(2, timeout=5)
-    assert [(r.method, r.path) for r in requests] == [
-        ("PUT", f"/v2/keys{key}"),
-        ("GET", f"/v2/keys{key}"),
-    ]
+    expected = {
+        "v2": [("PUT", f"/v2/keys{key}"), ("GET", f"/v2/keys{key}")],
+        "v3": [("POST", "/v3/kv/put"), ("POST", "/v3/kv/range")],
+    }
+    assert [(r.method, r.path) for r in requests] == expected[api]
+    assert writes(etcd_proxy, api) == 1
     assert etcd_proxy.mode is Mode.FORWARD
 
 
@@ -210,7 +276,7 @@ def test_proxy_drop_responses_holds_the_client(etcd_proxy: FaultProxy) -> None:
 
 
 def test_cas_whose_response_was_lost_is_recognised_as_ours(
-    etcd_proxy: FaultProxy, connect: Connect, key: str
+    etcd_proxy: FaultProxy, connect: Connect, key: str, api: str
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     prev = conn.set(key, "v0")
@@ -223,13 +289,13 @@ def test_cas_whose_response_was_lost_is_recognised_as_ours(
 
     assert node.value == "ours"
     assert etcd_proxy.dropped_responses == 1
-    assert puts(etcd_proxy) == 2  # the lost one and our re-send
-    assert history(conn, key, prev.modified_index) == [("compareAndSwap", "ours")]
+    assert writes(etcd_proxy, api) == 2  # the lost one and our re-send
+    assert history(conn, key, prev.modified_index) == changes(api, ("compareAndSwap", "ours"))
     assert node.modified_index == conn.get(key).modified_index
 
 
 def test_cas_whose_response_timed_out_is_recognised_as_ours(
-    etcd_proxy: FaultProxy, connect: Connect, key: str
+    etcd_proxy: FaultProxy, connect: Connect, key: str, api: str
 ) -> None:
     conn = connect(etcd_proxy.endpoint, read_timeout=0.5)
     prev = conn.set(key, "v0")
@@ -240,11 +306,11 @@ def test_cas_whose_response_timed_out_is_recognised_as_ours(
     node = conn.compare_and_swap(key, "ours", prev)
 
     assert node.value == "ours"
-    assert history(conn, key, prev.modified_index) == [("compareAndSwap", "ours")]
+    assert history(conn, key, prev.modified_index) == changes(api, ("compareAndSwap", "ours"))
 
 
 def test_cas_applied_then_overwritten_before_the_resend_is_still_ours(
-    etcd_proxy: FaultProxy, connect: Connect, direct: EtcdConnection, key: str
+    etcd_proxy: FaultProxy, connect: Connect, direct: Transport, key: str, api: str
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     prev = conn.set(key, "v0")
@@ -255,14 +321,13 @@ def test_cas_applied_then_overwritten_before_the_resend_is_still_ours(
 
     assert etcd_proxy.hook_errors == []
     assert node.value == "ours"
-    assert history(conn, key, prev.modified_index) == [
-        ("compareAndSwap", "ours"),
-        ("set", "theirs"),
-    ]
+    assert history(conn, key, prev.modified_index) == changes(
+        api, ("compareAndSwap", "ours"), ("set", "theirs")
+    )
 
 
 def test_cas_lost_after_another_writer_won_raises_compare_failed(
-    etcd_proxy: FaultProxy, connect: Connect, direct: EtcdConnection, key: str
+    etcd_proxy: FaultProxy, connect: Connect, direct: Transport, key: str, api: str
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     prev = conn.set(key, "v0")
@@ -275,12 +340,12 @@ def test_cas_lost_after_another_writer_won_raises_compare_failed(
 
     assert excinfo.value.key == key
     assert etcd_proxy.dropped_responses == 1  # so the outcome was ambiguous
-    assert puts(etcd_proxy) == 2
-    assert history(conn, key, prev.modified_index) == [("set", "theirs")]
+    assert writes(etcd_proxy, api) == 2
+    assert history(conn, key, prev.modified_index) == changes(api, ("set", "theirs"))
 
 
 def test_cas_with_a_value_that_is_not_unique_is_not_claimed(
-    etcd_proxy: FaultProxy, connect: Connect, key: str
+    etcd_proxy: FaultProxy, connect: Connect, key: str, api: str
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     prev = conn.set(key, "v0")
@@ -290,11 +355,11 @@ def test_cas_with_a_value_that_is_not_unique_is_not_claimed(
     with pytest.raises(CompareFailedError):
         conn.compare_and_swap(key, "common", prev, value_is_unique=False)
 
-    assert history(conn, key, prev.modified_index) == [("compareAndSwap", "common")]
+    assert history(conn, key, prev.modified_index) == changes(api, ("compareAndSwap", "common"))
 
 
 def test_create_whose_response_was_lost_is_recognised_as_ours(
-    etcd_proxy: FaultProxy, connect: Connect, etcd_prefix: str, key: str
+    etcd_proxy: FaultProxy, connect: Connect, etcd_prefix: str, key: str, api: str
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     before = conn.set(f"{etcd_prefix}/marker", "m")
@@ -304,12 +369,17 @@ def test_create_whose_response_was_lost_is_recognised_as_ours(
     node = conn.create(key, "ours")
 
     assert node.value == "ours"
-    assert puts(etcd_proxy) == 2
-    assert history(conn, key, before.modified_index) == [("create", "ours")]
+    assert writes(etcd_proxy, api) == 2
+    assert history(conn, key, before.modified_index) == changes(api, ("create", "ours"))
 
 
 def test_create_lost_after_another_writer_created_the_key_raises_key_exists(
-    etcd_proxy: FaultProxy, connect: Connect, direct: EtcdConnection, etcd_prefix: str, key: str
+    etcd_proxy: FaultProxy,
+    connect: Connect,
+    direct: Transport,
+    etcd_prefix: str,
+    key: str,
+    api: str,
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     before = conn.set(f"{etcd_prefix}/marker", "m")
@@ -320,7 +390,7 @@ def test_create_lost_after_another_writer_created_the_key_raises_key_exists(
         conn.create(key, "ours")
 
     assert etcd_proxy.dropped_responses == 1
-    assert history(conn, key, before.modified_index) == [("create", "theirs")]
+    assert history(conn, key, before.modified_index) == changes(api, ("create", "theirs"))
 
 
 @pytest.mark.usefixtures("cleared_history")
@@ -336,7 +406,7 @@ def test_create_on_a_fresh_connection_is_recognised_after_history_was_cleared(
 
 
 def test_compare_and_delete_whose_response_was_lost_returns_true(
-    etcd_proxy: FaultProxy, connect: Connect, direct: EtcdConnection, key: str
+    etcd_proxy: FaultProxy, connect: Connect, direct: Transport, key: str
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     prev = conn.set(key, "v0")
@@ -355,10 +425,11 @@ def test_compare_and_delete_whose_response_was_lost_returns_true(
 def test_every_send_of_a_cas_is_one_our_code_decided(
     etcd_proxy: FaultProxy,
     connect: Connect,
-    direct: EtcdConnection,
+    direct: Transport,
     key: str,
     caplog: pytest.LogCaptureFixture,
     close_client: bool,
+    api: str,
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._transport")
     conn = connect(etcd_proxy.endpoint, read_timeout=0.5)
@@ -376,17 +447,21 @@ def test_every_send_of_a_cas_is_one_our_code_decided(
         for r in caplog.records
         if r.name == "etcd_rendezvous._transport"
     )
-    assert puts(etcd_proxy) == 1 + retries
+    assert writes(etcd_proxy, api) == 1 + retries
     if close_client:
         assert retries >= 1  # a fast failure is re-sent within the budget
     assert direct.get(key).value == "ours"  # the first copy was applied
 
 
+@only_v2
 def test_control_plain_python_etcd_resends_and_misreports(
-    etcd_proxy: FaultProxy, direct: EtcdConnection, key: str
+    etcd_proxy: FaultProxy, direct: Transport, key: str, api: str
 ) -> None:
     """What the above guards against: urllib3's default retries re-send the swap, and
-    the copy's "compare failed" hides that the swap was applied."""
+    the copy's "compare failed" hides that the swap was applied (python-etcd is a v2
+    client)."""
+    import etcd
+
     client = etcd.Client(host=etcd_proxy.host, port=etcd_proxy.port, read_timeout=2)
     try:
         direct.set(key, "v0")
@@ -394,7 +469,7 @@ def test_control_plain_python_etcd_resends_and_misreports(
         etcd_proxy.drop_responses(count=1, close_client=True)
         with pytest.raises(etcd.EtcdCompareFailed):
             client.write(key, "ours", prevValue="v0")
-        assert puts(etcd_proxy) == 2
+        assert writes(etcd_proxy, api) == 2
         assert direct.get(key).value == "ours"
     finally:
         client.http.clear()
@@ -445,6 +520,7 @@ def test_round_robin_failover_recovers_after_all_endpoints_were_down(
     fault_proxy_factory: Callable[..., FaultProxy],
     connect: Connect,
     key: str,
+    api: str,
 ) -> None:
     a = fault_proxy_factory(etcd_server.get_host(), etcd_server.get_port())
     b = fault_proxy_factory(etcd_server.get_host(), etcd_server.get_port())
@@ -466,7 +542,7 @@ def test_round_robin_failover_recovers_after_all_endpoints_were_down(
     a.forward()
     a.clear_stats()
     assert conn.set(key, "2").value == "2"
-    assert puts(a) == 1
+    assert writes(a, api) == 1
 
 
 def test_same_connection_works_after_etcd_was_killed_and_restarted(
@@ -521,6 +597,7 @@ def tls_server(etcd_server: EtcdServer, tls_certs: dict[str, str]) -> Iterator[E
         etcd_binary=etcd_server.binary,
         cert_file=tls_certs["node.crt"],
         key_file=tls_certs["node.key"],
+        enable_v2=etcd_server.enable_v2,
     ) as server:
         yield server
 
@@ -582,15 +659,16 @@ def test_plain_http_to_an_https_endpoint_hints_at_protocol(
     assert re.search(r"\bprotocol\b", message_without(excinfo.value, key), re.IGNORECASE)
 
 
-# -- 7. TTL refresh of a directory: etcd 3.4 vs 3.5 --------------------------------------
+# -- 7. TTL refresh: a directory's on etcd 3.4 vs 3.5 (v2), a key's -----------------------
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split(".")[:2])
 
 
+@only_v2
 def test_directory_ttl_refresh_works_on_34_and_is_refused_on_35(
-    etcd_proxy: FaultProxy, connect: Connect, etcd_prefix: str
+    etcd_proxy: FaultProxy, connect: Connect, etcd_prefix: str, api: str
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     directory = f"{etcd_prefix}/dir"
@@ -598,29 +676,67 @@ def test_directory_ttl_refresh_works_on_34_and_is_refused_on_35(
     etcd_proxy.clear_stats()
 
     if version_tuple(conn.server_version()) >= (3, 5):
+        assert not conn.can_refresh_directory_ttl()
         with pytest.raises(OperationRefusedError, match=re.escape(repr(directory))):
             conn.refresh(directory, 60)
-        assert puts(etcd_proxy) == 1  # a permanent refusal is not retried
+        assert writes(etcd_proxy, api) == 1  # a permanent refusal is not retried
     else:
+        assert conn.can_refresh_directory_ttl()
         node = conn.refresh(directory, 60)
         assert node.is_dir
         assert node.ttl is not None
         assert 50 < node.ttl <= 60
 
 
-def test_file_ttl_refresh_keeps_the_value(direct: EtcdConnection, key: str) -> None:
+def test_directory_ttl_refresh_keeps_the_directory_and_what_is_below_it(
+    direct: Transport, etcd_prefix: str
+) -> None:
+    """Where :meth:`can_refresh_directory_ttl` says so (always on v3: the directory's
+    TTL is a lease), a refresh puts the directory's TTL back to its full length."""
+    if not direct.can_refresh_directory_ttl():
+        pytest.skip(f"etcd {direct.server_version()} cannot refresh a directory's v2 TTL")
+    directory = f"{etcd_prefix}/dir"
+    assert direct.mkdir(directory, ttl=10)
+    direct.set(f"{directory}/k", "v")
+    full = direct.time_to_live(direct.get(directory))
+    assert full is not None
+    assert 8 <= full <= 10
+    ran_down: list[int] = []
+
+    def lower() -> bool:
+        ran_down[:] = [direct.time_to_live(direct.get(directory)) or full]
+        return ran_down[0] < full
+
+    wait_until(lower, what="the directory's TTL to run down")
+    direct.refresh(directory, 10)
+    refreshed = direct.time_to_live(direct.get(directory))
+    assert refreshed is not None
+    assert ran_down[0] < refreshed <= 10
+    assert direct.get(f"{directory}/k").value == "v"
+
+
+def test_file_ttl_refresh_keeps_the_value(direct: Transport, key: str) -> None:
     written = direct.set(key, "v", ttl=30)
-    node = direct.refresh(key, 60)
+    direct.refresh(key, 60)
+    node = direct.get(key)
     assert node.value == "v"
-    assert node.ttl is not None
-    assert 50 < node.ttl <= 60
+    ttl = direct.time_to_live(node)
+    assert ttl is not None
+    assert 50 < ttl <= 60
     assert node.created_index == written.created_index
+
+
+def test_ttl_refresh_does_not_wake_watchers(direct: Transport, key: str) -> None:
+    written = direct.set(key, "v", ttl=30)
+    direct.refresh(key, 30)
+    assert direct.watch(key, written.modified_index + 1, timeout=0.3) is None
+    assert direct.get(key).value == "v"
 
 
 # -- 8. watches --------------------------------------------------------------------------
 
 
-def test_watch_returns_none_promptly_on_timeout(direct: EtcdConnection, key: str) -> None:
+def test_watch_returns_none_promptly_on_timeout(direct: Transport, key: str) -> None:
     node = direct.set(key, "v")
     started = time.monotonic()
     assert direct.watch(key, node.modified_index + 1, timeout=0.3) is None
@@ -628,7 +744,7 @@ def test_watch_returns_none_promptly_on_timeout(direct: EtcdConnection, key: str
 
 
 def test_watch_returns_a_change_made_by_another_thread(
-    direct: EtcdConnection, connect: Connect, etcd_server: EtcdServer, key: str
+    direct: Transport, connect: Connect, etcd_server: EtcdServer, key: str
 ) -> None:
     node = direct.set(key, "before")
     writer_conn = connect((etcd_server.get_host(), etcd_server.get_port()))
@@ -645,9 +761,7 @@ def test_watch_returns_a_change_made_by_another_thread(
     assert change.modified_index > node.modified_index
 
 
-def test_recursive_watch_sees_a_child_change(
-    direct: EtcdConnection, etcd_prefix: str, key: str
-) -> None:
+def test_recursive_watch_sees_a_child_change(direct: Transport, etcd_prefix: str, key: str) -> None:
     marker = direct.set(f"{etcd_prefix}/marker", "m")
     child = f"{etcd_prefix}/dir/child"
     direct.set(child, "c")
@@ -656,19 +770,36 @@ def test_recursive_watch_sees_a_child_change(
     assert (change.key, change.value) == (child, "c")
 
 
+def test_recursive_watch_ignores_a_sibling_whose_name_starts_alike(
+    direct: Transport, etcd_prefix: str
+) -> None:
+    marker = direct.set(f"{etcd_prefix}/marker", "m")
+    direct.set(f"{etcd_prefix}/dir-sibling", "s")
+    direct.set(f"{etcd_prefix}/dirsibling/x", "s")
+    child = direct.set(f"{etcd_prefix}/dir/child", "c")
+    change = direct.watch(f"{etcd_prefix}/dir", marker.modified_index + 1, 10, recursive=True)
+    assert change is not None
+    assert (change.key, change.value, change.modified_index) == (
+        child.key,
+        "c",
+        child.modified_index,
+    )
+
+
 @pytest.mark.usefixtures("cleared_history")
-def test_watch_from_a_cleared_index_returns_none_promptly(direct: EtcdConnection, key: str) -> None:
+def test_watch_from_a_cleared_index_returns_none_promptly(direct: Transport, key: str) -> None:
     direct.set(key, "v")
     started = time.monotonic()
     assert direct.watch(key, 1, timeout=5) is None
     assert time.monotonic() - started < 1.0
 
 
-# -- 9. wrong-type keys ------------------------------------------------------------------
+# -- 9. wrong-type keys (v2: v3 has no directories, only prefixes) ---------------------
 
 
+@only_v2
 def test_writing_below_a_file_is_a_state_error_naming_the_key(
-    direct: EtcdConnection, etcd_prefix: str
+    direct: Transport, etcd_prefix: str
 ) -> None:
     file_key = f"{etcd_prefix}/file"
     direct.set(file_key, "x")
@@ -684,8 +815,9 @@ def test_writing_below_a_file_is_a_state_error_naming_the_key(
     assert direct.get(file_key).value == "x"
 
 
+@only_v2
 def test_writing_a_value_to_a_directory_is_a_state_error_naming_the_key(
-    direct: EtcdConnection, etcd_prefix: str
+    direct: Transport, etcd_prefix: str
 ) -> None:
     directory = f"{etcd_prefix}/dir"
     direct.mkdir(directory)

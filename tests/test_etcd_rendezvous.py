@@ -1,4 +1,8 @@
-"""The legacy ``etcd`` rendezvous against a real etcd, with real worker processes."""
+"""The legacy ``etcd`` rendezvous against a real etcd, with real worker processes.
+
+The handlers pick their etcd API as ``etcd_api=auto`` does (v2 where the server serves
+it, v3 otherwise), and so does the ``conn`` fixture the tests inspect etcd through.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,10 @@ import time
 
 import pytest
 
-from etcd_rendezvous._client import EtcdConnection, KeyNotFoundError
+from etcd_rendezvous._client import EtcdConnection
+from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport import KeyNotFoundError
+from etcd_rendezvous._v3 import EtcdV3Connection
 from etcd_rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -312,10 +319,9 @@ def test_bad_urls_are_rejected(url):
         create_rdzv_handler(url)
 
 
-def test_bad_node_counts_are_rejected(etcd_server, run_id):
+def test_bad_node_counts_are_rejected(etcd_server, run_id, conn):
     with pytest.raises(ValueError, match="maximum number of rendezvous nodes"):
         create_rdzv_handler(_params(etcd_server, run_id, 3, 2))
-    conn = EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())])
     with pytest.raises(ValueError, match="run_id"):
         EtcdRendezvous(conn, "/p", "a/b", 1, 1, 10, 1)
     with pytest.raises(ValueError, match="last_call_timeout"):
@@ -343,57 +349,66 @@ def test_extra_data_roundtrip_and_timeout(etcd_server, run_id):
         assert time.monotonic() - started < 3
 
 
-def test_keepalive_survives_a_frozen_etcd(run_id):
+def test_keepalive_survives_a_frozen_etcd(run_id, private_etcd_server):
     """The rank keep-alive thread logs and retries through an etcd outage."""
-    with EtcdServer() as server:
-        params = _params(server, run_id, read_timeout=1)
-        with create_rdzv_handler(params) as handler:
-            handler.next_rendezvous()
-            rdzv = handler._rdzv_impl
-            rank_key = rdzv.get_path("/rdzv/v_1/rank_0")
-            keeper = rdzv._lease_this_rank
-            assert keeper is not None
+    server = private_etcd_server
+    params = _params(server, run_id, read_timeout=1)
+    with create_rdzv_handler(params) as handler:
+        handler.next_rendezvous()
+        rdzv = handler._rdzv_impl
+        rank_key = rdzv.get_path("/rdzv/v_1/rank_0")
+        keeper = rdzv._lease_this_rank
+        assert keeper is not None
 
-            failed = threading.Event()
+        failed = threading.Event()
 
-            class Spy(logging.Handler):
-                def emit(self, record: logging.LogRecord) -> None:
-                    if "refresh the TTL" in record.getMessage():
-                        failed.set()
+        class Spy(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "refresh the TTL" in record.getMessage():
+                    failed.set()
 
-            # The connection reports each failed attempt at DEBUG level.
-            client_logger = logging.getLogger("etcd_rendezvous._transport")
-            spy = Spy(logging.DEBUG)
-            old_level = client_logger.level
-            client_logger.setLevel(logging.DEBUG)
-            client_logger.addHandler(spy)
+        # The connection reports each failed attempt at DEBUG level (v2: "Could not
+        # refresh the TTL of"; v3 reads the key's lease first), the keeper a failed
+        # refresh at WARNING level.
+        client_logger = logging.getLogger("etcd_rendezvous")
+        spy = Spy(logging.DEBUG)
+        old_level = client_logger.level
+        client_logger.setLevel(logging.DEBUG)
+        client_logger.addHandler(spy)
+        try:
+            server.suspend()
             try:
-                server.suspend()
-                try:
-                    assert failed.wait(30), "the keeper never noticed the outage"
-                finally:
-                    server.resume()
+                assert failed.wait(30), "the keeper never noticed the outage"
             finally:
-                client_logger.removeHandler(spy)
-                client_logger.setLevel(old_level)
-            assert keeper.alive
-            # After the outage the key is refreshed again: its TTL goes back up.
-            check = EtcdConnection([(server.get_host(), server.get_port())])
-            wait_until(lambda: (check.get(rank_key).ttl or 0) >= 9, what="a refreshed TTL")
+                server.resume()
+        finally:
+            client_logger.removeHandler(spy)
+            client_logger.setLevel(old_level)
+        assert keeper.alive
+        # After the outage the key is refreshed again: its TTL goes back up.
+        with open_transport([(server.get_host(), server.get_port())]) as check:
+            wait_until(
+                lambda: (check.time_to_live(check.get(rank_key)) or 0) >= 9,
+                what="a refreshed TTL",
+            )
 
 
 def test_run_directory_ttl_matches_what_etcd_can_refresh(etcd_server, run_id, conn):
     with create_rdzv_handler(_params(etcd_server, run_id)) as handler:
         run_dir = conn.get(f"/torchelastic/p2p/run_{run_id}")
+        ttl = conn.time_to_live(run_dir)
         major, minor = (int(p) for p in etcd_server.version.split(".")[:2])
         keepers = {k.key: k for k in handler._rdzv_impl._keepers}
-        if (major, minor) >= (3, 5):
-            # etcd 3.5 cannot refresh a directory's TTL: none, so it never expires.
-            assert run_dir.ttl is None
+        # On v3 a directory's TTL is a lease, which every version can keep alive.
+        refreshable = conn.api == "v3" or (major, minor) < (3, 5)
+        assert conn.can_refresh_directory_ttl() is refreshable
+        if not refreshable:
+            # etcd 3.5 cannot refresh a directory's v2 TTL: none, so it never expires.
+            assert ttl is None
             assert not keepers
         else:
-            assert run_dir.ttl is not None
-            assert run_dir.ttl > 7000
+            assert ttl is not None
+            assert ttl > 7000
             assert keepers[f"/torchelastic/p2p/run_{run_id}/"].alive
 
 
@@ -520,14 +535,16 @@ def test_lost_answer_to_the_final_confirmation_is_recognised(
     params = _params(etcd_server, run_id, read_timeout=2)
     params.endpoint = f"{host}:{port}"
     handler = create_rdzv_handler(params)
-    real_cas = EtcdConnection.compare_and_swap
+    transport = type(handler._rdzv_impl._conn)  # the API etcd_api=auto picked
+    assert transport in (EtcdConnection, EtcdV3Connection)
+    real_cas = transport.compare_and_swap
 
     def cas_dropping_final_answer(self, key, value, prev, **kwargs):
         if '"status": "final"' in value:
             etcd_proxy.drop_responses(count=1, close_client=True)
         return real_cas(self, key, value, prev, **kwargs)
 
-    monkeypatch.setattr(EtcdConnection, "compare_and_swap", cas_dropping_final_answer)
+    monkeypatch.setattr(transport, "compare_and_swap", cas_dropping_final_answer)
     with handler:
         version, rank, world_size = handler._rdzv_impl.rendezvous_barrier()
 

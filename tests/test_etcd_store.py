@@ -1,7 +1,9 @@
 """Tests for EtcdStore against a real etcd (see the ``etcd_server`` fixture).
 
 Waits are sequenced with threading events on spied connection methods, never with
-sleeps; the spies only record calls and pass them on to the real connection.
+sleeps; the spies only record calls and pass them on to the real connection. The
+connections speak whichever API ``etcd_api=auto`` picks for the session's etcd (see the
+``conn`` fixture); what needs v2 (python-etcd clients, PyTorch's store) is ``v2_only``.
 """
 
 from __future__ import annotations
@@ -9,17 +11,21 @@ from __future__ import annotations
 import threading
 import time
 from base64 import b64encode
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
+import v3_gateway
 from etcd_rendezvous._client import EtcdConnection
+from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport import Transport
 from etcd_rendezvous.api import RendezvousStateError, Store
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import DEFAULT_TIMEOUT, EtcdStore, cas_delay
+from etcd_rendezvous.layout import store_value_key
 
 SHORT = timedelta(seconds=0.3)
 # Generous: only reached if a test is about to fail.
@@ -32,14 +38,14 @@ def b64(data: str | bytes) -> str:
 
 
 class Spy:
-    """Records calls to an EtcdConnection's ``get`` and ``watch`` and passes them on.
+    """Records calls to a connection's ``get`` and ``watch`` and passes them on.
 
     ``watching`` is set whenever a watch is about to be sent, so a test can write the
     awaited key knowing the reader has reached its watch (the watch starts from an
     index, so a write that overtakes the request is still seen).
     """
 
-    def __init__(self, conn: EtcdConnection, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, conn: Transport, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         self.watching = threading.Event()
         self._lock = threading.Lock()
@@ -62,8 +68,28 @@ class Spy:
 
 
 @pytest.fixture
-def store(conn: EtcdConnection, etcd_prefix: str) -> EtcdStore:
+def store(conn: Transport, etcd_prefix: str) -> EtcdStore:
     return EtcdStore(conn, etcd_prefix, timeout=LONG)
+
+
+StoreFactory = Callable[[str], EtcdStore]
+
+
+@pytest.fixture
+def own_store(etcd_server: EtcdServer) -> Iterator[StoreFactory]:
+    """``own_store(prefix)``: a store over a connection of its own (as a separate worker
+    has), over the API ``etcd_api=auto`` picks; closed with its connection afterwards."""
+    stores: list[EtcdStore] = []
+
+    def make(prefix: str) -> EtcdStore:
+        connection = open_transport([(etcd_server.get_host(), etcd_server.get_port())])
+        store = EtcdStore(connection, prefix, timeout=LONG, owns_connection=True)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
 
 
 def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
@@ -92,6 +118,7 @@ def joined(thread: threading.Thread, outcome: dict[str, Any]) -> Any:
 # -- construction ---------------------------------------------------------------------------
 
 
+@pytest.mark.v2_only(reason="python-etcd's etcd.Client speaks v2 only")
 def test_constructor_keeps_client_and_adds_slash(etcd_client: Any, etcd_prefix: str) -> None:
     store = EtcdStore(etcd_client, etcd_prefix)
     assert store.client is etcd_client
@@ -104,14 +131,21 @@ def test_constructor_keeps_client_and_adds_slash(etcd_client: Any, etcd_prefix: 
     assert etcd_prefix in repr(store)
 
 
-def test_constructor_takes_a_connection(conn: EtcdConnection, etcd_prefix: str) -> None:
+def test_constructor_takes_a_connection(conn: Transport, etcd_prefix: str) -> None:
     store = EtcdStore(conn, etcd_prefix, timeout=timedelta(seconds=3))
     assert store.client is conn
     assert store.connection is conn
     assert store.timeout == timedelta(seconds=3)
+    assert store.prefix == etcd_prefix + "/"
+    assert EtcdStore(conn, etcd_prefix + "/").prefix == etcd_prefix + "/"
+    default = EtcdStore(conn, etcd_prefix)
+    assert default.timeout == DEFAULT_TIMEOUT == timedelta(seconds=300)
+    default.set_timeout(timedelta(seconds=7))
+    assert default.timeout == timedelta(seconds=7)
+    assert etcd_prefix in repr(default)
 
 
-def test_constructor_rejects_bad_arguments(conn: EtcdConnection, etcd_prefix: str) -> None:
+def test_constructor_rejects_bad_arguments(conn: Transport, etcd_prefix: str) -> None:
     with pytest.raises(TypeError, match="etcd_client"):
         EtcdStore(object(), etcd_prefix)
     with pytest.raises(TypeError, match="etcd_store_prefix"):
@@ -148,12 +182,13 @@ def test_cas_delay_is_short() -> None:
     ],
 )
 def test_set_get_roundtrip(
-    store: EtcdStore, etcd_client: Any, key: str | bytes, value: str | bytes, expected: bytes
+    store: EtcdStore, conn: Transport, key: str | bytes, value: str | bytes, expected: bytes
 ) -> None:
     store.set(key, value)
     assert store.get(key) == expected
-    # Wire format: base64 key under the prefix, base64 value (as PyTorch writes them).
-    assert etcd_client.read(store.prefix + b64(key)).value == b64(value)
+    # Wire format: base64 key under the prefix, base64 value (as PyTorch writes them;
+    # etcd v2 cleans a "//" in the path PyTorch sends, the store writes it clean).
+    assert conn.get(store_value_key(store.prefix, b64(key))).value == b64(value)
 
 
 def test_set_overwrites(store: EtcdStore) -> None:
@@ -163,7 +198,7 @@ def test_set_overwrites(store: EtcdStore) -> None:
 
 
 def test_get_blocks_until_another_thread_sets(
-    store: EtcdStore, conn: EtcdConnection, monkeypatch: pytest.MonkeyPatch
+    store: EtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = Spy(conn, monkeypatch)
     thread, outcome = in_thread(lambda: store.get("late"))
@@ -181,7 +216,7 @@ def test_get_blocks_until_another_thread_sets(
 
 
 def test_get_waits_for_key_whose_encoding_ends_in_slash(
-    store: EtcdStore, conn: EtcdConnection, monkeypatch: pytest.MonkeyPatch
+    store: EtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = Spy(conn, monkeypatch)
     thread, outcome = in_thread(lambda: store.get("a??"))
@@ -190,18 +225,30 @@ def test_get_waits_for_key_whose_encoding_ends_in_slash(
     assert joined(thread, outcome) == b"v"
 
 
+def forget_history(conn: Transport, etcd_server: EtcdServer, filler: str) -> None:
+    """Make etcd forget the changes made so far, and the next revision too: v2 keeps the
+    last 1,000 events, so 1,010 writes push them out; v3 keeps everything until a
+    compaction, which keeps the revision it compacts at, so compact two writes later."""
+    if conn.api == "v2":
+        for i in range(1010):
+            conn.set(filler, str(i))
+        return
+    conn.set(filler, "0")
+    revision = conn.set(filler, "1").modified_index
+    v3_gateway.call(etcd_server.client_url, "/v3/kv/compaction", {"revision": str(revision)})
+
+
 def test_get_recovers_when_etcd_dropped_the_watched_history(
-    store: EtcdStore, conn: EtcdConnection, etcd_client: Any, monkeypatch: pytest.MonkeyPatch
+    store: EtcdStore, conn: Transport, etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # etcd v2 keeps the last 1,000 events: push the index at which the key was seen
-    # missing out of that window before the watch is sent, and write the key meanwhile.
+    # Push the index at which the key was seen missing out of etcd's history before
+    # the watch is sent, and write the key meanwhile.
     real_watch = conn.watch
     watches: list[int] = []
 
     def watch(key: str, index: int, timeout: float, **kwargs: Any) -> Any:
         if not watches:
-            for i in range(1010):
-                etcd_client.write(store.prefix + "filler", str(i))
+            forget_history(conn, etcd_server, store.prefix + "filler")
             store.set("k", "after-the-flood")
         watches.append(index)
         return real_watch(key, index, timeout, **kwargs)
@@ -215,7 +262,7 @@ def test_get_recovers_when_etcd_dropped_the_watched_history(
 
 
 def test_get_timeout_names_the_key(
-    store: EtcdStore, conn: EtcdConnection, monkeypatch: pytest.MonkeyPatch
+    store: EtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = Spy(conn, monkeypatch)
     store.set_timeout(SHORT)
@@ -230,7 +277,7 @@ def test_get_timeout_names_the_key(
 
 
 def test_get_reads_only_the_key_not_the_directory(
-    store: EtcdStore, conn: EtcdConnection, monkeypatch: pytest.MonkeyPatch
+    store: EtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store.multi_set([f"key-{i}" for i in range(200)], [f"value-{i}" for i in range(200)])
     spy = Spy(conn, monkeypatch)
@@ -259,10 +306,10 @@ def test_get_wrong_types(store: EtcdStore) -> None:
 
 
 def test_corrupt_value_raises_state_error_and_is_left_alone(
-    store: EtcdStore, etcd_client: Any
+    store: EtcdStore, conn: Transport
 ) -> None:
     etcd_key = store.prefix + b64("bad")
-    etcd_client.write(etcd_key, "not base64!")
+    conn.set(etcd_key, "not base64!")
     with pytest.raises(RendezvousStateError, match=r"'bad'.*not base64"):
         store.get("bad")
     with pytest.raises(RendezvousStateError, match="'bad'"):
@@ -273,11 +320,14 @@ def test_corrupt_value_raises_state_error_and_is_left_alone(
         store.compare_set("bad", "x", "y")
     with pytest.raises(RendezvousStateError, match="'bad'"):
         store.multi_get(["bad"])
-    assert etcd_client.read(etcd_key).value == "not base64!"
+    assert conn.get(etcd_key).value == "not base64!"
 
 
-def test_directory_where_a_key_belongs_is_a_state_error(store: EtcdStore, etcd_client: Any) -> None:
-    etcd_client.write(store.prefix + b64("dir") + "/child", "x")
+@pytest.mark.v2_only(
+    reason="v3 has no directories: a key below another does not stop it from being set"
+)
+def test_directory_where_a_key_belongs_is_a_state_error(store: EtcdStore, conn: Transport) -> None:
+    conn.set(store.prefix + b64("dir") + "/child", "x")
     with pytest.raises(RendezvousStateError, match=r"'dir'.*directory"):
         store.get("dir")
 
@@ -285,12 +335,12 @@ def test_directory_where_a_key_belongs_is_a_state_error(store: EtcdStore, etcd_c
 # -- add --------------------------------------------------------------------------------------
 
 
-def test_add_counts_from_zero_in_decimal(store: EtcdStore, etcd_client: Any) -> None:
+def test_add_counts_from_zero_in_decimal(store: EtcdStore, conn: Transport) -> None:
     assert store.add("counter", 0) == 0
     assert store.add("counter", 5) == 5
     assert store.add("counter", -2) == 3
     assert store.get("counter") == b"3"
-    assert etcd_client.read(store.prefix + b64("counter")).value == b64("3")
+    assert conn.get(store.prefix + b64("counter")).value == b64("3")
     assert store.add("fresh", 7) == 7
 
 
@@ -311,11 +361,9 @@ def test_add_wrong_types(store: EtcdStore) -> None:
     assert not store.check(["k"])
 
 
-def test_add_is_atomic_across_threads(etcd_server: EtcdServer, etcd_prefix: str) -> None:
+def test_add_is_atomic_across_threads(own_store: StoreFactory, etcd_prefix: str) -> None:
     threads, per_thread = 8, 25
-    stores = [
-        EtcdStore(etcd_server.get_client(), etcd_prefix, timeout=LONG) for _ in range(threads)
-    ]
+    stores = [own_store(etcd_prefix) for _ in range(threads)]
     barrier = threading.Barrier(threads)
 
     def work(store: EtcdStore) -> list[int]:
@@ -351,7 +399,7 @@ def test_wait_returns_at_once_for_present_keys(store: EtcdStore) -> None:
 
 
 def test_wait_for_many_keys_set_later(
-    store: EtcdStore, conn: EtcdConnection, monkeypatch: pytest.MonkeyPatch
+    store: EtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keys = [f"rank-{i}" for i in range(20)]
     store.set("rank-0", "already")
@@ -406,11 +454,9 @@ def test_compare_set_follows_c10d(store: EtcdStore) -> None:
         store.compare_set("k", "w", 3)  # type: ignore[arg-type]
 
 
-def test_compare_set_elects_one_winner(etcd_server: EtcdServer, etcd_prefix: str) -> None:
+def test_compare_set_elects_one_winner(own_store: StoreFactory, etcd_prefix: str) -> None:
     contenders = 6
-    stores = [
-        EtcdStore(etcd_server.get_client(), etcd_prefix, timeout=LONG) for _ in range(contenders)
-    ]
+    stores = [own_store(etcd_prefix) for _ in range(contenders)]
     barrier = threading.Barrier(contenders)
 
     def contend(i: int) -> bytes:
@@ -454,7 +500,7 @@ def test_multi_set_multi_get(store: EtcdStore) -> None:
 
 
 def test_multi_get_waits_and_times_out(
-    store: EtcdStore, conn: EtcdConnection, monkeypatch: pytest.MonkeyPatch
+    store: EtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store.set("a", "1")
     spy = Spy(conn, monkeypatch)
@@ -476,11 +522,9 @@ def test_append(store: EtcdStore) -> None:
     assert store.get("empty") == b"x"
 
 
-def test_append_is_atomic_across_threads(etcd_server: EtcdServer, etcd_prefix: str) -> None:
+def test_append_is_atomic_across_threads(own_store: StoreFactory, etcd_prefix: str) -> None:
     threads, per_thread = 4, 10
-    stores = [
-        EtcdStore(etcd_server.get_client(), etcd_prefix, timeout=LONG) for _ in range(threads)
-    ]
+    stores = [own_store(etcd_prefix) for _ in range(threads)]
 
     def work(i: int) -> None:
         for j in range(per_thread):
@@ -497,7 +541,7 @@ def test_append_is_atomic_across_threads(etcd_server: EtcdServer, etcd_prefix: s
 
 
 def rival_before_each_swap(
-    conn: EtcdConnection, key: str, value: str, monkeypatch: pytest.MonkeyPatch
+    conn: Transport, key: str, value: str, monkeypatch: pytest.MonkeyPatch
 ) -> list[Any]:
     """Make another writer set ``key`` to ``value`` just before each compare-and-swap
     sent on ``conn``, so that every one of them loses for real. Returns its writes."""
@@ -522,7 +566,7 @@ def rival_before_each_swap(
 )
 def test_read_modify_write_gives_up_at_the_store_timeout(
     store: EtcdStore,
-    conn: EtcdConnection,
+    conn: Transport,
     monkeypatch: pytest.MonkeyPatch,
     update: Callable[[EtcdStore], Any],
 ) -> None:
@@ -539,7 +583,9 @@ def test_read_modify_write_gives_up_at_the_store_timeout(
     assert store.get("k") == b"7"  # and wrote nothing
 
 
-# -- interoperability with PyTorch ------------------------------------------------------------
+# -- interoperability with PyTorch (whose EtcdStore speaks v2 through python-etcd) ----------
+
+torch_peer = pytest.mark.v2_only(reason="PyTorch's EtcdStore is a python-etcd (v2) client")
 
 
 @pytest.fixture
@@ -549,6 +595,7 @@ def torch_store_class() -> Any:
 
 
 @pytest.mark.torch
+@torch_peer
 def test_torch_and_ours_read_each_others_keys(
     torch_store_class: Any, store: EtcdStore, etcd_server: EtcdServer
 ) -> None:
@@ -565,6 +612,7 @@ def test_torch_and_ours_read_each_others_keys(
 
 
 @pytest.mark.torch
+@torch_peer
 def test_torch_and_ours_add_concurrently(
     torch_store_class: Any, etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:
@@ -589,10 +637,11 @@ def test_torch_and_ours_add_concurrently(
 
 
 @pytest.mark.torch
+@torch_peer
 def test_ours_wakes_on_torch_write(
     torch_store_class: Any,
     store: EtcdStore,
-    conn: EtcdConnection,
+    conn: Transport,
     etcd_server: EtcdServer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -379,16 +379,6 @@ class EtcdConnection(Transport):
         finally:
             client.http.read_cap.value = None
 
-    def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
-        message = super()._unreachable_message(what, key, failures)
-        dropped = ("RemoteDisconnected", "Connection aborted", "without response")
-        if self._protocol == "http" and any(d in f for f in failures for d in dropped):
-            message += (
-                " The server closed the connection without an answer: if the endpoint "
-                "serves https, use protocol 'https' (and cacert)."
-            )
-        return message
-
     # -- reads ------------------------------------------------------------------------
 
     def get(self, key: str, *, recursive: bool = False) -> Node:

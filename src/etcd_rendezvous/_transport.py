@@ -429,10 +429,19 @@ class Transport(abc.ABC):
 
     def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
         tried = ", ".join(dict.fromkeys(f.split(": ", 1)[0] for f in failures))
-        return (
+        message = (
             f"Could not {what} {key!r}: etcd unreachable or unavailable at {tried} "
             f"(last error: {failures[-1]})."
         )
+        # An https endpoint closes a plain-http connection without an answer.
+        dropped = ("RemoteDisconnected", "Connection aborted", "without response")
+        plain = all(endpoint.startswith("http://") for endpoint in self._endpoints)
+        if plain and any(d in f for f in failures for d in dropped):
+            message += (
+                " The server closed the connection without an answer: if the endpoint "
+                "serves https, use protocol 'https' (and cacert)."
+            )
+        return message
 
     def _conditional(
         self,

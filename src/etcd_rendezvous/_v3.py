@@ -71,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 Endpoint = tuple[str, int]
 
+_AUTHENTICATE = "/v3/auth/authenticate"
 #: TTLs at least this long only serve to clean up after a job: their leases are shared.
 _SHARED_LEASE_MIN_TTL = 60
 #: A shared lease is reused while at least this fraction of its TTL remains.
@@ -199,6 +200,9 @@ class EtcdV3Connection(Transport):
         read = self._read_timeout if cap is None else cap
         timeout = urllib3.Timeout(connect=min(self._connect_timeout, read), read=read)
         headers = self._headers()
+        if path == _AUTHENTICATE:
+            # etcd 3.4 refuses to authenticate a request that carries an expired token.
+            headers.pop("Authorization", None)
         try:
             response = self._pool.request(
                 "GET" if body is None else "POST",
@@ -271,7 +275,7 @@ class EtcdV3Connection(Transport):
         body = {"name": self._username, "password": self._password}
         where = f"authenticate as {self._username!r}"
         try:
-            data = self._request(idx, "/v3/auth/authenticate", body, cap, where)
+            data = self._request(idx, _AUTHENTICATE, body, cap, where)
         except OperationRefusedError as exc:
             if "not enabled" in str(exc):
                 logger.info("etcd auth is not enabled; sending requests without a token")
@@ -506,7 +510,10 @@ class EtcdV3Connection(Transport):
 
         The key's current lease is read first: another worker's write may have moved
         the key to a lease of its own since we last wrote it (v2 refreshes whatever TTL
-        the key has now, and so do we).
+        the key has now, and so do we). A lease's TTL is fixed when it is granted:
+        asking a key for a longer TTL than its lease's attaches a new lease (a write
+        that watchers see). A directory's lease, shared with the keys below it, keeps
+        its TTL.
 
         Raises:
             KeyNotFoundError: the key is gone, or its lease lapsed.
@@ -524,6 +531,11 @@ class EtcdV3Connection(Transport):
         if "TTL" not in result or int(result.get("TTL", 0)) <= 0:
             self._forget_lease(node.lease)
             raise KeyNotFoundError(key, wire.revision(data) or None)
+        with self._lease_lock:
+            directory = self._dir_leases.get(key) == node.lease
+        if int(result["TTL"]) < ttl and not directory:
+            with self.bounded_by(budget):
+                return self._attach_new_lease(key, ttl)
         return node
 
     def _attach_new_lease(self, key: str, ttl: int) -> Node:

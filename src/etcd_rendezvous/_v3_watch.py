@@ -45,7 +45,7 @@ def watch_once(
     for renewal in (False, True):
         conn._ensure_token(idx, renewal)
         try:
-            return _stream(conn, idx, body, deadline, where)
+            return _stream(conn, idx, body, deadline, key)
         except _ReauthError as exc:
             if renewal:
                 raise RendezvousConnectionError(
@@ -56,8 +56,9 @@ def watch_once(
 
 
 def _stream(
-    conn: EtcdV3Connection, idx: int, body: dict[str, Any], deadline: Deadline, where: str
+    conn: EtcdV3Connection, idx: int, body: dict[str, Any], deadline: Deadline, key: str
 ) -> Node | None:
+    where = f"watch {key!r}"
     remaining = deadline.remaining()
     if remaining <= 0:
         return None
@@ -81,7 +82,7 @@ def _stream(
             error = wire.parse_error(response.status, response.read())
             raise conn._server_failure(idx, "/v3/watch", error, where)
         for message in wire.iter_objects(response.stream(64 * 1024)):
-            node = _handle(conn, idx, message, where)
+            node = _handle(conn, idx, message, key)
             if node is not None:
                 return node
         raise _AmbiguousError(f"{endpoint}: the watch stream ended")
@@ -100,10 +101,12 @@ def _stream(
         response.close()
 
 
-def _handle(conn: EtcdV3Connection, idx: int, message: dict[str, Any], where: str) -> Node | None:
-    """The node of the first event in ``message``; ``None`` for other messages."""
+def _handle(conn: EtcdV3Connection, idx: int, message: dict[str, Any], key: str) -> Node | None:
+    """The node of the first event in ``message`` of ``key`` or a key below it (a
+    recursive watch's range also holds siblings such as ``key-2``); ``None`` if none."""
     from ._v3 import _CompactedError, _ReauthError  # noqa: PLC0415
 
+    where = f"watch {key!r}"
     error = wire.stream_error(message)
     if error is not None:
         raise conn._server_failure(idx, "/v3/watch", error, where)
@@ -127,12 +130,17 @@ def _handle(conn: EtcdV3Connection, idx: int, message: dict[str, Any], where: st
             )
         raise _AmbiguousError(f"{conn.endpoints[idx]}: watch canceled: {reason}")
     events = result.get("events")
-    if not isinstance(events, list) or not events:
+    if not isinstance(events, list):
         return None
     header = result.get("header")
     if not isinstance(header, dict):
         header = {}
-    return _event_node(events[0], int(header.get("revision", 0)))
+    below = key if key.endswith("/") else key + "/"
+    for event in events:
+        node = _event_node(event, int(header.get("revision", 0)))
+        if node.key == key or node.key.startswith(below):
+            return node
+    return None
 
 
 def _event_node(event: dict[str, Any], revision: int) -> Node:

@@ -281,6 +281,26 @@ def test_an_event_split_across_chunks(replay: Any) -> None:
     assert node.value == "split value"
 
 
+def test_a_recursive_watch_skips_siblings_in_its_range(replay: Any) -> None:
+    """The range of a recursive watch of ``/k`` also holds ``/k2`` and ``/k-x/y``."""
+
+    def event(key: str, revision: int) -> dict[str, Any]:
+        kv = {"key": b64(key), "create_revision": str(revision), "mod_revision": str(revision)}
+        return {"kv": {**kv, "version": "1", "value": b64(key)}}
+
+    state, endpoint = replay
+    chunks = [
+        _message({"created": True}),
+        _message({"events": [event("/k2", 8)]}),
+        _message({"events": [event("/k-x/y", 9), event("/k/child", 10)]}),
+    ]
+    state.queue("/v3/watch", Answer(chunks=chunks, hold=True))
+    with connect(endpoint) as conn:
+        node = conn.watch("/k", 8, timeout=5, recursive=True)
+    assert node is not None
+    assert (node.key, node.modified_index, node.action) == ("/k/child", 10, "create")
+
+
 def test_a_delete_event_has_no_value() -> None:
     kv = {"key": b64("/k"), "mod_revision": "10"}
     message = {"result": {"header": HEADER, "events": [{"type": "DELETE", "kv": kv}]}}
