@@ -91,11 +91,54 @@ class TransportClosedError(RendezvousError):
 
 
 class _AmbiguousError(Exception):
-    """A request was sent but its outcome is unknown (lost answer, election timeout)."""
+    """A request was sent but its outcome is unknown (lost answer, election timeout).
+
+    ``answered`` says that etcd itself answered that it gave up waiting for the request
+    to be committed ("request timed out", "leader changed"), as opposed to the
+    connection failing with the request in flight.
+    """
+
+    def __init__(self, message: str, *, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class _UnsentError(Exception):
     """A request never reached the server (or was refused before being processed)."""
+
+
+#: Transient answers of a member that refused a request before proposing it to raft
+#: (no leader yet, not the leader, proposal dropped, overloaded): it was not applied.
+_REJECTED_MARKERS = (
+    "no leader",
+    "not leader",
+    "proposal dropped",
+    "too many requests",
+    "unhealthy cluster",
+)
+#: Transient answers of a member that proposed a request and then stopped waiting for
+#: it, typically because the leader was lost: its outcome is unknown.
+_GAVE_UP_MARKERS = ("timed out", "leader changed")
+#: Every answer that an election (or an overloaded or stopping member) produces.
+ELECTION_MARKERS = (*_REJECTED_MARKERS, *_GAVE_UP_MARKERS, "server stopped", "unavailable")
+
+
+def transient_answer(endpoint: str, text: str) -> Exception:
+    """The retry loop's error for a transient error answer ``text`` of ``endpoint``.
+
+    A refusal before the proposal (no leader, proposal dropped) is an
+    :class:`_UnsentError`; anything else an :class:`_AmbiguousError`, ``answered`` if
+    the member said it gave up waiting ("request timed out"). A member answers that
+    only when the write was not applied on it within etcd's request timeout (5 s plus
+    two election timeouts), so the write was most likely lost with the old leader;
+    :meth:`Transport._conditional` then does not take an identical value written
+    meanwhile for its own, which under contention is far more likely another worker's.
+    """
+    lowered = text.lower()
+    if any(marker in lowered for marker in _REJECTED_MARKERS):
+        return _UnsentError(f"{endpoint}: {text}")
+    answered = any(marker in lowered for marker in _GAVE_UP_MARKERS)
+    return _AmbiguousError(f"{endpoint}: {text}", answered=answered)
 
 
 @dataclass(frozen=True)
@@ -227,11 +270,16 @@ class Transport(abc.ABC):
         finally:
             self._scope.deadline = outer
 
+    def bound(self, deadline: Deadline) -> Deadline:
+        """``deadline``, or the deadline of this thread's innermost :meth:`bounded_by`
+        block if that is earlier: for callers that loop over operations (waiting for a
+        key, say) and must stop looping when the block's deadline passes."""
+        scope: Deadline | None = getattr(self._scope, "deadline", None)
+        return deadline if scope is None else scope.earlier(deadline)
+
     def _budget(self, budget: Deadline | None = None) -> Deadline:
         """The deadline of one operation: its own budget, capped by the thread's scope."""
-        scope: Deadline | None = getattr(self._scope, "deadline", None)
-        own = budget if budget is not None else Deadline(self._read_timeout)
-        return own if scope is None else scope.earlier(own)
+        return self.bound(budget if budget is not None else Deadline(self._read_timeout))
 
     # -- the interface --------------------------------------------------------------
 
@@ -393,11 +441,14 @@ class Transport(abc.ABC):
         ``attempt(cap)`` sends one request to the current endpoint with its read
         timeout capped at ``cap`` seconds (``None``: no cap) and raises
         :class:`_UnsentError` or :class:`_AmbiguousError` for failures worth retrying.
-        ``on_ambiguous`` is called after a failure of unknown outcome (writes use it to
-        know that a later "compare failed" needs checking). However short the deadline,
-        every endpoint gets one attempt and one more follows the last failure: a hung
-        endpoint cannot hide a healthy one, and a write whose answer was lost is sent
-        once more so that its fate can be found out.
+        ``on_ambiguous`` is called after a failure of unknown outcome on the connection
+        (writes use it to know that a later "compare failed" needs checking; an answer
+        "request timed out" does not count, see :func:`transient_answer`). However
+        short the deadline, every endpoint gets one attempt and one more follows the
+        last failure: a hung endpoint cannot hide a healthy one, and a write whose
+        answer was lost is sent once more so that its fate can be found out. Those
+        attempts past the deadline wait at most :meth:`_last_chance` seconds for an
+        answer each, so that together they overrun the deadline by a second at most.
         """
         if self._closed:
             raise TransportClosedError(
@@ -406,7 +457,7 @@ class Transport(abc.ABC):
             )
         deadline = self._budget(budget)
         retry = dataclasses.replace(CONNECTION, sleep=self._sleep).start(deadline)
-        floor = min(1.0, self._read_timeout)
+        floor = self._last_chance()
         failures: list[str] = []
         while True:
             cap = min(self._read_timeout, max(deadline.remaining(), floor))
@@ -416,7 +467,7 @@ class Transport(abc.ABC):
                 failures.append(str(exc))
             except _AmbiguousError as exc:
                 failures.append(str(exc))
-                if on_ambiguous is not None:
+                if on_ambiguous is not None and not exc.answered:
                     on_ambiguous()
             if self._closed:
                 raise TransportClosedError(
@@ -426,6 +477,17 @@ class Transport(abc.ABC):
                 raise RendezvousConnectionError(self._unreachable_message(what, key, failures))
             logger.debug("Could not %s %r (%s); retrying", what, key, failures[-1])
             retry.pause()
+
+    def _last_chance(self) -> float:
+        """Seconds one attempt may wait for an answer once the deadline is (nearly) past.
+
+        The attempts owed after the deadline (one per endpoint, and one more) share
+        about a second between them, and each gets at least a quarter of one: enough
+        for a healthy member to answer, little enough that no operation outlives its
+        caller's deadline by more than a second or so.
+        """
+        share = max(0.25, 1.0 / (len(self._endpoints) + 1))
+        return min(share, self._read_timeout)
 
     def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
         tried = ", ".join(dict.fromkeys(f.split(": ", 1)[0] for f in failures))

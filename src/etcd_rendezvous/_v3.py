@@ -63,6 +63,7 @@ from ._transport import (
     check_credentials,
     check_tls_options,
     format_host,
+    transient_answer,
 )
 from .api import RendezvousConnectionError
 
@@ -252,7 +253,7 @@ class EtcdV3Connection(Transport):
         if error.transient:
             # An election or overload: the next member may already serve us.
             self._rotate(idx)
-            return _AmbiguousError(f"{endpoint}: {error}")
+            return transient_answer(endpoint, str(error))
         if error.lease_not_found:
             return _LeaseGoneError(f"{endpoint}: {error}")
         if error.code == 0 and error.http_status == 404:
@@ -693,13 +694,12 @@ class EtcdV3Connection(Transport):
         )
         self._version = str(version.get("etcdserver", ""))
         idx = self._pick()
+        read = max(budget.remaining(), self._last_chance())
         try:
             response = self._pool.request(
                 "GET",
                 self._endpoints[idx] + "/v2/keys/",
-                timeout=urllib3.Timeout(
-                    connect=self._connect_timeout, read=max(budget.remaining(), 1.0)
-                ),
+                timeout=urllib3.Timeout(connect=min(self._connect_timeout, read), read=read),
                 retries=False,
             )
         except (HTTPError, OSError) as exc:
