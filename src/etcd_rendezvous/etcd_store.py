@@ -24,6 +24,7 @@ What differs from the reference is how it waits and how it fails:
 from __future__ import annotations
 
 import binascii
+import contextlib
 import logging
 import operator
 import random
@@ -35,7 +36,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Union
 
 from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
-from ._retry import CONTENTION, REWATCH, Deadline
+from ._retry import CONTENTION, REWATCH, Deadline, Retry
 from ._transport import Transport
 from .api import RendezvousStateError
 from .layout import normalize_key, store_value_key
@@ -191,7 +192,8 @@ class EtcdStore:
             ValueError: ``key`` is empty.
         """
         path = self._path(key)
-        self._conn.set(path, _encode(value, "value"))
+        with self._bounded():
+            self._conn.set(path, _encode(value, "value"))
 
     def get(self, key: KeyLike) -> bytes:
         """Return the value under ``key``, waiting up to :attr:`timeout` for it to be set.
@@ -298,7 +300,9 @@ class EtcdStore:
 
         Reads each key (stopping at the first missing one), never the whole directory.
         """
-        return all(self._read(path, key) is not None for path, key in self._paths(keys))
+        paths = self._paths(keys)
+        with self._bounded():
+            return all(self._read(path, key) is not None for path, key in paths)
 
     # -- extended c10d interface --------------------------------------------------------
 
@@ -380,12 +384,15 @@ class EtcdStore:
                 f"keys/values: got {len(paths)} keys but {len(values)} values; they must match."
             )
         encoded = [_encode(value, "values") for value in values]
-        for (path, _), data in zip(paths, encoded):
-            self._conn.set(path, data)
+        with self._bounded():
+            for (path, _), data in zip(paths, encoded):
+                self._conn.set(path, data)
 
     def delete_key(self, key: KeyLike) -> bool:
         """Delete ``key``. Returns whether it existed."""
-        return self._conn.delete(self._path(key))
+        path = self._path(key)
+        with self._bounded():
+            return self._conn.delete(path)
 
     def num_keys(self) -> int:
         """Return the number of keys in the store.
@@ -397,7 +404,8 @@ class EtcdStore:
             RendezvousStateError: the store prefix is a key, not a directory.
         """
         try:
-            node = self._conn.list_dir(self._dir, recursive=True)
+            with self._bounded():
+                node = self._conn.list_dir(self._dir, recursive=True)
         except KeyNotFoundError:
             return 0
         if not node.is_dir:
@@ -407,6 +415,12 @@ class EtcdStore:
         return _count_values(node)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _bounded(self, seconds: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """A block in which every etcd request ends within ``seconds`` (default: the
+        store's :attr:`timeout`), retrying etcd failures until then."""
+        limit = self._timeout.total_seconds() if seconds is None else seconds
+        return self._conn.bounded_by(Deadline(limit))
 
     def _path(self, key: object, param: str = "key") -> str:
         """The etcd key of store key ``key``, normalised the way etcd stores it."""
@@ -452,8 +466,17 @@ class EtcdStore:
         """Wait until every etcd key in ``wanted`` holds a value, or the timeout passes.
 
         Returns the nodes found and the keys still missing (empty unless timed out).
+        Every request runs under the same deadline, which a caller's
+        :meth:`~etcd_rendezvous._transport.Transport.bounded_by` block may shorten.
         """
-        deadline = Deadline(timeout.total_seconds())
+        deadline = self._conn.bound(Deadline(timeout.total_seconds()))
+        with self._conn.bounded_by(deadline):
+            return self._await_until(wanted, deadline)
+
+    def _await_until(
+        self, wanted: dict[str, KeyLike], deadline: Deadline
+    ) -> tuple[dict[str, Node], dict[str, KeyLike]]:
+        """The loop of :meth:`_await`."""
         found: dict[str, Node] = {}
         missing: dict[str, KeyLike] = {}
         since = self._read_into(wanted, found, missing)
@@ -522,13 +545,25 @@ class EtcdStore:
             LookupError: the key kept changing under us for longer than :attr:`timeout`.
         """
         timeout = self._timeout.total_seconds()
+        deadline = self._conn.bound(Deadline(timeout))
         retry = CONTENTION.start(
-            timeout,
+            deadline,
             lambda: LookupError(
                 f"Could not update key {key!r} in EtcdStore {self.prefix!r} within "
                 f"{timeout:g} s: other writers kept changing it first."
             ),
         )
+        with self._conn.bounded_by(deadline):
+            return self._update(path, key, update, retry)
+
+    def _update(
+        self,
+        path: str,
+        key: KeyLike,
+        update: Callable[[bytes | None], tuple[bytes, bool]],
+        retry: Retry,
+    ) -> bytes:
+        """The compare-and-swap loop of :meth:`_read_modify_write`."""
         node = self._read(path, key)
         while True:
             if node is None:
