@@ -91,16 +91,7 @@ class TransportClosedError(RendezvousError):
 
 
 class _AmbiguousError(Exception):
-    """A request was sent but its outcome is unknown (lost answer, election timeout).
-
-    ``answered`` says that etcd itself answered that it gave up waiting for the request
-    to be committed ("request timed out", "leader changed"), as opposed to the
-    connection failing with the request in flight.
-    """
-
-    def __init__(self, message: str, *, answered: bool = False) -> None:
-        super().__init__(message)
-        self.answered = answered
+    """A request was sent but its outcome is unknown (lost answer, election timeout)."""
 
 
 class _UnsentError(Exception):
@@ -116,29 +107,29 @@ _REJECTED_MARKERS = (
     "too many requests",
     "unhealthy cluster",
 )
-#: Transient answers of a member that proposed a request and then stopped waiting for
-#: it, typically because the leader was lost: its outcome is unknown.
-_GAVE_UP_MARKERS = ("timed out", "leader changed")
-#: Every answer that an election (or an overloaded or stopping member) produces.
-ELECTION_MARKERS = (*_REJECTED_MARKERS, *_GAVE_UP_MARKERS, "server stopped", "unavailable")
+#: Every answer that an election (or an overloaded or stopping member) produces:
+#: besides the refusals, "request timed out" (possibly due to previous leader failure)
+#: and "leader changed", after which the request may still be applied.
+ELECTION_MARKERS = (
+    *_REJECTED_MARKERS,
+    "timed out",
+    "leader changed",
+    "server stopped",
+    "unavailable",
+)
 
 
 def transient_answer(endpoint: str, text: str) -> Exception:
     """The retry loop's error for a transient error answer ``text`` of ``endpoint``.
 
     A refusal before the proposal (no leader, proposal dropped) is an
-    :class:`_UnsentError`; anything else an :class:`_AmbiguousError`, ``answered`` if
-    the member said it gave up waiting ("request timed out"). A member answers that
-    only when the write was not applied on it within etcd's request timeout (5 s plus
-    two election timeouts), so the write was most likely lost with the old leader;
-    :meth:`Transport._conditional` then does not take an identical value written
-    meanwhile for its own, which under contention is far more likely another worker's.
+    :class:`_UnsentError`, sent again anywhere; anything else ("request timed out",
+    "leader changed") an :class:`_AmbiguousError`: the write may still be applied, and
+    a conditional write is resolved from the key's history.
     """
-    lowered = text.lower()
-    if any(marker in lowered for marker in _REJECTED_MARKERS):
+    if any(marker in text.lower() for marker in _REJECTED_MARKERS):
         return _UnsentError(f"{endpoint}: {text}")
-    answered = any(marker in lowered for marker in _GAVE_UP_MARKERS)
-    return _AmbiguousError(f"{endpoint}: {text}", answered=answered)
+    return _AmbiguousError(f"{endpoint}: {text}")
 
 
 @dataclass(frozen=True)
@@ -441,14 +432,13 @@ class Transport(abc.ABC):
         ``attempt(cap)`` sends one request to the current endpoint with its read
         timeout capped at ``cap`` seconds (``None``: no cap) and raises
         :class:`_UnsentError` or :class:`_AmbiguousError` for failures worth retrying.
-        ``on_ambiguous`` is called after a failure of unknown outcome on the connection
-        (writes use it to know that a later "compare failed" needs checking; an answer
-        "request timed out" does not count, see :func:`transient_answer`). However
-        short the deadline, every endpoint gets one attempt and one more follows the
-        last failure: a hung endpoint cannot hide a healthy one, and a write whose
-        answer was lost is sent once more so that its fate can be found out. Those
-        attempts past the deadline wait at most :meth:`_last_chance` seconds for an
-        answer each, so that together they overrun the deadline by a second at most.
+        ``on_ambiguous`` is called after a failure of unknown outcome (writes use it to
+        know that a later "compare failed" needs checking). However short the
+        deadline, every endpoint gets one attempt and one more follows the last
+        failure: a hung endpoint cannot hide a healthy one, and a write whose answer
+        was lost is sent once more so that its fate can be found out. Those attempts
+        past the deadline wait at most :meth:`_last_chance` seconds for an answer
+        each, so that together they overrun the deadline by a second at most.
         """
         if self._closed:
             raise TransportClosedError(
@@ -467,7 +457,7 @@ class Transport(abc.ABC):
                 failures.append(str(exc))
             except _AmbiguousError as exc:
                 failures.append(str(exc))
-                if on_ambiguous is not None and not exc.answered:
+                if on_ambiguous is not None:
                     on_ambiguous()
             if self._closed:
                 raise TransportClosedError(

@@ -1,10 +1,14 @@
 """A c10d-style key-value store on etcd (v2 API), wire-compatible with PyTorch's ``EtcdStore``.
 
 :class:`EtcdStore` is what :class:`~etcd_rendezvous.etcd_rendezvous.EtcdRendezvousHandler`
-hands to the workers once a rendezvous completes. It stores every key and value exactly
-as ``torch.distributed.elastic.rendezvous.etcd_store.EtcdStore`` does (base64 of the
+hands to the workers once a rendezvous completes. It stores every key and value as
+``torch.distributed.elastic.rendezvous.etcd_store.EtcdStore`` does (base64 of the
 UTF-8 or raw bytes, under ``<prefix>/<base64 key>``; counters as base64 of a decimal
-string), so a torch worker and one using this module share a store.
+string), so a torch worker and one using this module share a store. One addition: a
+value written by ``add``, ``compare_set`` or ``append`` is followed in etcd by ``~``
+and a random tag of characters outside the base64 alphabet, which PyTorch's decoder
+skips (it reads the same bytes) and this module drops; it makes each such write
+recognisable in the key's history (see :meth:`EtcdStore.add`).
 
 What differs from the reference is how it waits and how it fails:
 
@@ -28,6 +32,7 @@ import contextlib
 import logging
 import operator
 import random
+import secrets
 import threading
 import time
 from base64 import b64decode, b64encode
@@ -60,6 +65,12 @@ _VALUE_ACTIONS = frozenset({"set", "create", "compareAndSwap", "update"})
 _PREVIEW_CHARS = 60
 # How many missing keys a timeout message lists.
 _LISTED_KEYS = 5
+# Write tags (see _tagged): a separator and characters that base64 decoders which skip
+# non-alphabet characters ignore; 8**12 tags make a collision between two concurrent
+# writes of one value practically impossible.
+_TAG_SEPARATOR = "~"
+_TAG_ALPHABET = "-_.!*:;,"
+_TAG_LENGTH = 12
 
 
 def cas_delay() -> None:
@@ -222,19 +233,20 @@ class EtcdStore:
         A missing key counts as ``0``. The counter is stored as the base64 of its decimal
         string, like PyTorch's, and both implementations can update the same counter.
 
-        Guarantee: when ``add`` returns, its increment was applied exactly once, with one
-        exception. When the connection fails while a create or compare-and-swap is in
-        flight, the write is sent again (it is conditional, so at most one copy applies)
-        and, if that is refused, the key's history decides: the first change after the
-        state the write compared against is the write's own if it holds the value the
-        write would have stored. Counter values are not unique to a writer, so if at
-        that very moment another caller advanced the counter from the same value by the
-        same ``num``, the two writes cannot be told apart; this call then takes the
-        other's write for its own (its increment is lost and both callers get the same
-        result) rather than risk applying it twice. Short of that exact collision during
-        a connection failure, callers adding non-zero amounts of one sign get distinct
-        results. If ``add`` raises :class:`~etcd_rendezvous.api.RendezvousConnectionError`,
-        the increment may or may not have been applied.
+        Guarantee: when ``add`` returns, its increment was applied exactly once, and
+        callers adding non-zero amounts of one sign get distinct results, through etcd
+        leader elections and members dying mid-request. When the outcome of a create or
+        compare-and-swap is unknown (the answer was lost, or etcd answered "request
+        timed out"), the write is sent again (it is conditional, so at most one copy
+        applies) and, if that is refused, the key's history decides: the first change
+        after the state the write compared against is the write's own if it holds the
+        value the write stored. Each write's value carries a random tag (see the module
+        documentation), so another caller's write of the same counter value is never
+        taken for ours. The one exception: if etcd no longer holds that history (v2
+        keeps the last 1000 changes of the whole store), the write is taken as not
+        applied and may then be applied twice. If ``add`` raises
+        :class:`~etcd_rendezvous.api.RendezvousConnectionError`, the increment may or
+        may not have been applied.
 
         Raises:
             TypeError: ``key`` is not ``str``/``bytes`` or ``num`` not an integer.
@@ -330,8 +342,8 @@ class EtcdStore:
                 return (desired, True) if not expected else (expected, False)
             return (desired, True) if current == expected else (current, False)
 
-        # A lost answer resolved from history is right even if another caller wrote the
-        # same value: either way the key now holds ``desired``.
+        # As for add(), the write's tag tells it from another caller's write of the same
+        # value when its answer was lost, so that exactly one of them wins.
         return self._read_modify_write(path, key, decide)
 
     def append(self, key: KeyLike, value: KeyLike) -> None:
@@ -452,7 +464,7 @@ class EtcdStore:
         self._require_value(node, key)
         raw = node.value or ""
         try:
-            return b64decode(raw, validate=True)
+            return b64decode(raw.split(_TAG_SEPARATOR, 1)[0], validate=True)
         except (binascii.Error, ValueError):
             raise RendezvousStateError(
                 f"Key {key!r} of EtcdStore {self.prefix!r} (etcd key {node.key!r}) holds "
@@ -571,7 +583,7 @@ class EtcdStore:
                 if not write:
                     return new
                 try:
-                    self._conn.create(path, _b64(new))
+                    self._conn.create(path, _tagged(new))
                 except KeyExistsError:
                     retry.wait()
                     node = self._read(path, key)
@@ -581,7 +593,7 @@ class EtcdStore:
             if not write:
                 return new
             try:
-                self._conn.compare_and_swap(path, _b64(new), node)
+                self._conn.compare_and_swap(path, _tagged(new), node)
             except CompareFailedError:
                 retry.wait()
                 node = self._read(path, key)
@@ -608,6 +620,22 @@ def _as_bytes(data: object, param: str) -> bytes:
 
 def _b64(data: bytes) -> str:
     return b64encode(data).decode()
+
+
+def _tagged(data: bytes) -> str:
+    """base64 of ``data``, then a separator and a random tag: the value of a conditional
+    write, unique to it.
+
+    Two workers adding 1 to the same counter value write the same bytes; if one of them
+    lost the answer to its write (its etcd member died mid-request), the key's history
+    could not tell it whose write landed, and it would count the other's as its own
+    (the increment lost) or its own as the other's (applied twice). The tag makes every
+    write's value its own, so the history answers exactly. Tag characters are outside
+    the base64 alphabet: PyTorch's ``EtcdStore`` (Python's non-strict ``b64decode``)
+    skips them and reads the same bytes, and :meth:`EtcdStore._decode` drops the tag.
+    """
+    tag = "".join(secrets.choice(_TAG_ALPHABET) for _ in range(_TAG_LENGTH))
+    return f"{_b64(data)}{_TAG_SEPARATOR}{tag}"
 
 
 def _encode(data: object, param: str) -> str:
