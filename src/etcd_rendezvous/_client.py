@@ -412,7 +412,8 @@ class EtcdConnection(Transport):
         Returns the change, or ``None`` when ``timeout`` passed or etcd no longer holds
         history that old (callers re-read in both cases). Connection failures are
         retried until the watch's own deadline; if etcd stays unreachable for longer
-        than the read timeout, :class:`RendezvousConnectionError` is raised.
+        than the read timeout (outside a ``bounded_by`` block),
+        :class:`RendezvousConnectionError` is raised.
         """
         deadline = self._budget(Deadline(timeout))
         while True:
@@ -437,7 +438,7 @@ class EtcdConnection(Transport):
                         "watch",
                         key,
                         call,
-                        budget=deadline.earliest(self._read_timeout),
+                        budget=self._watch_budget(deadline),
                         cap_requests=False,
                     )
                 )

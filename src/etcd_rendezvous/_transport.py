@@ -269,8 +269,20 @@ class Transport(abc.ABC):
         return deadline if scope is None else scope.earlier(deadline)
 
     def _budget(self, budget: Deadline | None = None) -> Deadline:
-        """The deadline of one operation: its own budget, capped by the thread's scope."""
-        return self.bound(budget if budget is not None else Deadline(self._read_timeout))
+        """The deadline of one operation: its own budget, capped by the thread's scope;
+        without a budget of its own, the scope's deadline, or else ``read_timeout``."""
+        if budget is not None:
+            return self.bound(budget)
+        scope: Deadline | None = getattr(self._scope, "deadline", None)
+        return scope if scope is not None else Deadline(self._read_timeout)
+
+    def _watch_budget(self, deadline: Deadline) -> Deadline:
+        """How long a watch ending at ``deadline`` retries connection failures: until
+        then inside a :meth:`bounded_by` block (the caller's deadline governs), else
+        ``read_timeout`` at most, so that a watcher learns that etcd is gone."""
+        if getattr(self._scope, "deadline", None) is not None:
+            return deadline
+        return deadline.earliest(self._read_timeout)
 
     # -- the interface --------------------------------------------------------------
 
@@ -316,8 +328,9 @@ class Transport(abc.ABC):
         history that old (callers re-read in both cases).
 
         Raises:
-            RendezvousConnectionError: etcd stayed unreachable for longer than the
-                operation's retry budget, and ``timeout`` has not passed yet.
+            RendezvousConnectionError: etcd stayed unreachable for longer than
+                ``read_timeout`` (outside a :meth:`bounded_by` block, in which the watch
+                retries until ``timeout`` instead), and ``timeout`` has not passed yet.
         """
 
     def first_change_after(self, key: str, index: int) -> Node | None:

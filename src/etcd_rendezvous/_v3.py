@@ -480,7 +480,7 @@ class EtcdV3Connection(Transport):
                     "watch",
                     key,
                     lambda _cap: watch_once(self, body, deadline, key),
-                    budget=deadline.earliest(self._read_timeout),
+                    budget=self._watch_budget(deadline),
                     cap_requests=False,
                 )
             except _CompactedError:

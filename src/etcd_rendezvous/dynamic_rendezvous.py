@@ -1017,7 +1017,8 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             if action == _Action.SYNC:
                 # Nothing to do until another node changes the state or one of our
                 # deadlines falls due.
-                self._state_holder.wait_for_change(self._time_to_next_event(deadline))
+                with self._state_holder.bounded_by(self._step_deadline(deadline)):
+                    self._state_holder.wait_for_change(self._time_to_next_event(deadline))
                 continue
 
             if action == _Action.KEEP_ALIVE:
