@@ -38,6 +38,10 @@ What else differs from the reference, none of it visible on the wire:
   changes, or when a deadline, a heartbeat or a node expiry falls due, instead of
   polling every second; other backends are polled every second, as in PyTorch.
 * A lost write race backs off with jitter before the next attempt.
+* Every backend call runs under the deadline of the operation that made it (see
+  :meth:`RendezvousBackend.bounded_by`): ``next_rendezvous()`` never outlives
+  ``join_timeout``, nor a heartbeat ``heartbeat_timeout``, by more than about a second,
+  whatever etcd does, and failures such as an etcd election are retried until then.
 * The keep-alive thread survives any error (logging it) and stops on :meth:`shutdown`.
 * PyTorch's event recording (``torch.distributed.elastic.events``) is replaced by
   logging.
@@ -710,7 +714,8 @@ class _RendezvousStateHolder(ABC):
         _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
 
     def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
-        """A block in which :meth:`sync` ends by ``deadline`` (the default: no bound)."""
+        """A block in which :meth:`sync` and :meth:`wait_for_change` end by ``deadline``
+        (the default: no bound)."""
         return contextlib.nullcontext()
 
 

@@ -30,6 +30,9 @@ the same rendezvous. What differs is how the states are driven:
   whose answer was lost is recognised as applied (see :mod:`etcd_rendezvous._client`);
 * a corrupt state key raises :class:`~etcd_rendezvous.api.RendezvousStateError` naming
   the key, and is left as it is for an operator to inspect;
+* every etcd request runs under the deadline of the call that made it (the rendezvous
+  ``timeout``): etcd failures, a leader election included, are retried until then, and
+  no call outlives it by more than about a second, whatever etcd does;
 * keep-alive threads survive etcd outages, stop on :meth:`EtcdRendezvousHandler.shutdown`,
   and on etcd 3.5, which cannot refresh a directory's TTL, the run directory is created
   without one instead of silently expiring after two hours;
@@ -1141,7 +1144,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
         Raises:
             RendezvousConnectionError: etcd stayed unreachable for the rendezvous
-                ``timeout`` (or ``read_timeout``, if shorter).
+                ``timeout``.
         """
         try:
             with self._rdzv_impl.bounded():

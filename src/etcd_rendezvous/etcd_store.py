@@ -111,7 +111,9 @@ class EtcdStore:
         timeout: how long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for a
             key, and how long :meth:`add`, :meth:`compare_set` and :meth:`append` go on
             retrying when other writers keep changing the key first; defaults to
-            :data:`DEFAULT_TIMEOUT` (300 s).
+            :data:`DEFAULT_TIMEOUT` (300 s). It also bounds every call of the store:
+            etcd failures (an election, an unreachable member) are retried until then,
+            and no call outlives it by more than about a second.
         owns_connection: whether :meth:`close` closes ``etcd_client`` when it is an
             :class:`~etcd_rendezvous._client.EtcdConnection` (set by whoever opened it
             and hands it over); a connection converted from an ``etcd.Client`` is always
@@ -253,8 +255,8 @@ class EtcdStore:
             ValueError: the key holds something that is not a decimal integer (the
                 key is left untouched).
             RendezvousStateError: the key holds something that is not base64.
-            RendezvousConnectionError: etcd could not be reached for longer than the
-                connection's read timeout (the increment may or may not be applied).
+            RendezvousConnectionError: etcd could not be reached for :attr:`timeout`
+                (the increment may or may not be applied).
             LookupError: other writers kept changing the key first for longer than
                 :attr:`timeout` (the increment was not applied).
         """
