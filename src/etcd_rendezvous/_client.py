@@ -40,6 +40,7 @@ from ._retry import Deadline
 from ._transport import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
+    ELECTION_MARKERS,
     CompareFailedError,
     KeyExistsError,
     KeyNotFoundError,
@@ -51,6 +52,7 @@ from ._transport import (
     check_credentials,
     check_tls_options,
     format_host,
+    transient_answer,
 )
 from .api import RendezvousConnectionError, RendezvousStateError
 
@@ -142,11 +144,6 @@ def _was_not_sent(cause: BaseException) -> bool:
     return isinstance(cause, (NewConnectionError, ConnectTimeoutError, ConnectionRefusedError))
 
 
-#: Causes of v2 error code 300 ("Raft Internal Error") that an election produces: the
-#: proposal timed out or was dropped, so its outcome is unknown and it may still commit.
-_ELECTION_CAUSES = ("request timed out", "leader changed", "no leader", "not leader")
-
-
 def _is_transient_server_error(exc: etcd.EtcdException) -> bool:
     """Server-side failures worth retrying: leader election, raft request timeouts."""
     if isinstance(exc, (etcd.EtcdLeaderElectionInProgress, etcd.EtcdWatcherCleared)):
@@ -160,7 +157,7 @@ def _is_transient_server_error(exc: etcd.EtcdException) -> bool:
     # are "etcdserver: request timed out" and friends, also seen during elections.
     if payload.get("errorCode") == 300:
         cause = f"{payload.get('cause', '')} {payload.get('message', '')} {exc}".lower()
-        return any(marker in cause for marker in _ELECTION_CAUSES)
+        return any(marker in cause for marker in ELECTION_MARKERS)
     status = payload.get("status")
     return isinstance(status, int) and status >= 500
 
@@ -361,7 +358,7 @@ class EtcdConnection(Transport):
             if _is_transient_server_error(exc):
                 # An election: try the next member too, it may already have a leader.
                 self._rotate(idx)
-                raise _AmbiguousError(f"{endpoint}: {exc}") from None
+                raise transient_answer(endpoint, str(exc)) from None
             if "404 page not found" in str(exc):
                 raise RendezvousConnectionError(
                     f"etcd endpoint {endpoint} does not serve the v2 API (it answered 404 "
@@ -403,7 +400,8 @@ class EtcdConnection(Transport):
         Returns the change, or ``None`` when ``timeout`` passed or etcd no longer holds
         history that old (callers re-read in both cases). Connection failures are
         retried until the watch's own deadline; if etcd stays unreachable for longer
-        than the read timeout, :class:`RendezvousConnectionError` is raised.
+        than the read timeout (outside a ``bounded_by`` block),
+        :class:`RendezvousConnectionError` is raised.
         """
         deadline = self._budget(Deadline(timeout))
         while True:
@@ -428,7 +426,7 @@ class EtcdConnection(Transport):
                         "watch",
                         key,
                         call,
-                        budget=deadline.earliest(self._read_timeout),
+                        budget=self._watch_budget(deadline),
                         cap_requests=False,
                     )
                 )

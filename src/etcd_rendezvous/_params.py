@@ -11,6 +11,7 @@ import math
 import os
 
 from ._connect import check_etcd_api, open_transport
+from ._retry import Deadline
 from ._transport import Transport
 from .api import RendezvousParameters
 from .utils import parse_rendezvous_endpoints
@@ -62,6 +63,7 @@ def create_etcd_connection(
     cert_option: str = "cert",
     key_option: str = "key",
     cacert_option: str = "cacert",
+    deadline: Deadline | None = None,
 ) -> Transport:
     """Open the etcd connection described by ``params``, over the API it chooses.
 
@@ -71,6 +73,10 @@ def create_etcd_connection(
     and the TLS files, whose option names differ between backends (``cert``/``key``/
     ``cacert`` for ``etcd``, ``ssl_cert``/``ssl_cert_key``/``ca_cert`` for ``etcd-v2``)
     and are given by the ``*_option`` arguments.
+
+    The server is asked once which API it serves, for at most ``connect_timeout``
+    seconds and never past ``deadline`` (the caller's, e.g. the rendezvous timeout):
+    an endpoint that refuses or never answers is reported within that time.
 
     Raises:
         ValueError: an option or the endpoint list is invalid; the message names it.
@@ -98,6 +104,7 @@ def create_etcd_connection(
         raise ValueError(f"{missing}: username and password must be given together.")
     read_timeout = seconds(params, "read_timeout", 60.0)
     connect_timeout = seconds(params, "connect_timeout", 5.0)
+    probe = Deadline(connect_timeout) if deadline is None else deadline.earliest(connect_timeout)
     return open_transport(
         endpoints,
         etcd_api=etcd_api,
@@ -109,4 +116,5 @@ def create_etcd_connection(
         password=None if password is None else str(password),
         read_timeout=read_timeout,
         connect_timeout=connect_timeout,
+        deadline=probe,
     )

@@ -98,6 +98,40 @@ class _UnsentError(Exception):
     """A request never reached the server (or was refused before being processed)."""
 
 
+#: Transient answers of a member that refused a request before proposing it to raft
+#: (no leader yet, not the leader, proposal dropped, overloaded): it was not applied.
+_REJECTED_MARKERS = (
+    "no leader",
+    "not leader",
+    "proposal dropped",
+    "too many requests",
+    "unhealthy cluster",
+)
+#: Every answer that an election (or an overloaded or stopping member) produces:
+#: besides the refusals, "request timed out" (possibly due to previous leader failure)
+#: and "leader changed", after which the request may still be applied.
+ELECTION_MARKERS = (
+    *_REJECTED_MARKERS,
+    "timed out",
+    "leader changed",
+    "server stopped",
+    "unavailable",
+)
+
+
+def transient_answer(endpoint: str, text: str) -> Exception:
+    """The retry loop's error for a transient error answer ``text`` of ``endpoint``.
+
+    A refusal before the proposal (no leader, proposal dropped) is an
+    :class:`_UnsentError`, sent again anywhere; anything else ("request timed out",
+    "leader changed") an :class:`_AmbiguousError`: the write may still be applied, and
+    a conditional write is resolved from the key's history.
+    """
+    if any(marker in text.lower() for marker in _REJECTED_MARKERS):
+        return _UnsentError(f"{endpoint}: {text}")
+    return _AmbiguousError(f"{endpoint}: {text}")
+
+
 @dataclass(frozen=True)
 class Node:
     """One key as returned by a read, write or watch (in v2's vocabulary)."""
@@ -227,11 +261,28 @@ class Transport(abc.ABC):
         finally:
             self._scope.deadline = outer
 
-    def _budget(self, budget: Deadline | None = None) -> Deadline:
-        """The deadline of one operation: its own budget, capped by the thread's scope."""
+    def bound(self, deadline: Deadline) -> Deadline:
+        """``deadline``, or the deadline of this thread's innermost :meth:`bounded_by`
+        block if that is earlier: for callers that loop over operations (waiting for a
+        key, say) and must stop looping when the block's deadline passes."""
         scope: Deadline | None = getattr(self._scope, "deadline", None)
-        own = budget if budget is not None else Deadline(self._read_timeout)
-        return own if scope is None else scope.earlier(own)
+        return deadline if scope is None else scope.earlier(deadline)
+
+    def _budget(self, budget: Deadline | None = None) -> Deadline:
+        """The deadline of one operation: its own budget, capped by the thread's scope;
+        without a budget of its own, the scope's deadline, or else ``read_timeout``."""
+        if budget is not None:
+            return self.bound(budget)
+        scope: Deadline | None = getattr(self._scope, "deadline", None)
+        return scope if scope is not None else Deadline(self._read_timeout)
+
+    def _watch_budget(self, deadline: Deadline) -> Deadline:
+        """How long a watch ending at ``deadline`` retries connection failures: until
+        then inside a :meth:`bounded_by` block (the caller's deadline governs), else
+        ``read_timeout`` at most, so that a watcher learns that etcd is gone."""
+        if getattr(self._scope, "deadline", None) is not None:
+            return deadline
+        return deadline.earliest(self._read_timeout)
 
     # -- the interface --------------------------------------------------------------
 
@@ -277,8 +328,9 @@ class Transport(abc.ABC):
         history that old (callers re-read in both cases).
 
         Raises:
-            RendezvousConnectionError: etcd stayed unreachable for longer than the
-                operation's retry budget, and ``timeout`` has not passed yet.
+            RendezvousConnectionError: etcd stayed unreachable for longer than
+                ``read_timeout`` (outside a :meth:`bounded_by` block, in which the watch
+                retries until ``timeout`` instead), and ``timeout`` has not passed yet.
         """
 
     def first_change_after(self, key: str, index: int) -> Node | None:
@@ -394,10 +446,12 @@ class Transport(abc.ABC):
         timeout capped at ``cap`` seconds (``None``: no cap) and raises
         :class:`_UnsentError` or :class:`_AmbiguousError` for failures worth retrying.
         ``on_ambiguous`` is called after a failure of unknown outcome (writes use it to
-        know that a later "compare failed" needs checking). However short the deadline,
-        every endpoint gets one attempt and one more follows the last failure: a hung
-        endpoint cannot hide a healthy one, and a write whose answer was lost is sent
-        once more so that its fate can be found out.
+        know that a later "compare failed" needs checking). However short the
+        deadline, every endpoint gets one attempt and one more follows the last
+        failure: a hung endpoint cannot hide a healthy one, and a write whose answer
+        was lost is sent once more so that its fate can be found out. Those attempts
+        past the deadline wait at most :meth:`_last_chance` seconds for an answer
+        each, so that together they overrun the deadline by a second at most.
         """
         if self._closed:
             raise TransportClosedError(
@@ -406,7 +460,7 @@ class Transport(abc.ABC):
             )
         deadline = self._budget(budget)
         retry = dataclasses.replace(CONNECTION, sleep=self._sleep).start(deadline)
-        floor = min(1.0, self._read_timeout)
+        floor = self._last_chance()
         failures: list[str] = []
         while True:
             cap = min(self._read_timeout, max(deadline.remaining(), floor))
@@ -427,6 +481,17 @@ class Transport(abc.ABC):
             logger.debug("Could not %s %r (%s); retrying", what, key, failures[-1])
             retry.pause()
 
+    def _last_chance(self) -> float:
+        """Seconds one attempt may wait for an answer once the deadline is (nearly) past.
+
+        The attempts owed after the deadline (one per endpoint, and one more) share
+        about a second between them, and each gets at least a quarter of one: enough
+        for a healthy member to answer, little enough that no operation outlives its
+        caller's deadline by more than a second or so.
+        """
+        share = max(0.25, 1.0 / (len(self._endpoints) + 1))
+        return min(share, self._read_timeout)
+
     def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
         tried = ", ".join(dict.fromkeys(f.split(": ", 1)[0] for f in failures))
         message = (
@@ -436,7 +501,9 @@ class Transport(abc.ABC):
         # An https endpoint closes a plain-http connection without an answer.
         dropped = ("RemoteDisconnected", "Connection aborted", "without response")
         plain = all(endpoint.startswith("http://") for endpoint in self._endpoints)
-        if plain and any(d in f for f in failures for d in dropped):
+        # Only when every attempt was dropped: a server that was killed mid-request
+        # drops one, then refuses the next.
+        if plain and all(any(d in f for d in dropped) for f in failures):
             message += (
                 " The server closed the connection without an answer: if the endpoint "
                 "serves https, use protocol 'https' (and cacert)."

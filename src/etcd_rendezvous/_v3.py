@@ -62,6 +62,7 @@ from ._transport import (
     check_credentials,
     check_tls_options,
     format_host,
+    transient_answer,
 )
 from .api import RendezvousConnectionError
 
@@ -254,7 +255,7 @@ class EtcdV3Connection(Transport):
         if error.transient:
             # An election or overload: the next member may already serve us.
             self._rotate(idx)
-            return _AmbiguousError(f"{endpoint}: {error}")
+            return transient_answer(endpoint, str(error))
         if error.lease_not_found:
             return _LeaseGoneError(f"{endpoint}: {error}")
         if error.code == 0 and error.http_status == 404:
@@ -475,7 +476,7 @@ class EtcdV3Connection(Transport):
                     "watch",
                     key,
                     lambda _cap: watch_once(self, body, deadline, key),
-                    budget=deadline.earliest(self._read_timeout),
+                    budget=self._watch_budget(deadline),
                     cap_requests=False,
                 )
             except _CompactedError:
@@ -692,13 +693,12 @@ class EtcdV3Connection(Transport):
         )
         self._version = str(version.get("etcdserver", ""))
         idx = self._pick()
+        read = max(budget.remaining(), self._last_chance())
         try:
             response = self._pool.request(
                 "GET",
                 self._endpoints[idx] + "/v2/keys/",
-                timeout=urllib3.Timeout(
-                    connect=self._connect_timeout, read=max(budget.remaining(), 1.0)
-                ),
+                timeout=urllib3.Timeout(connect=min(self._connect_timeout, read), read=read),
                 retries=False,
             )
         except (HTTPError, OSError) as exc:

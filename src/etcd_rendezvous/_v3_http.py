@@ -70,6 +70,9 @@ _TRANSIENT_MESSAGES = (
     "not leader",
     "too many requests",
     "server is unavailable",
+    "proposal dropped",
+    "server stopped",
+    "unhealthy cluster",
 )
 
 

@@ -38,6 +38,10 @@ What else differs from the reference, none of it visible on the wire:
   changes, or when a deadline, a heartbeat or a node expiry falls due, instead of
   polling every second; other backends are polled every second, as in PyTorch.
 * A lost write race backs off with jitter before the next attempt.
+* Every backend call runs under the deadline of the operation that made it (see
+  :meth:`RendezvousBackend.bounded_by`): ``next_rendezvous()`` never outlives
+  ``join_timeout``, nor a heartbeat ``heartbeat_timeout``, by more than about a second,
+  whatever etcd does, and failures such as an etcd election are retried until then.
 * The keep-alive thread survives any error (logging it) and stops on :meth:`shutdown`.
 * Events are recorded through :mod:`etcd_rendezvous.events`: the same events as
   PyTorch's (names, node states, messages, ranks), delivered to
@@ -49,6 +53,7 @@ What else differs from the reference, none of it visible on the wire:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import logging
@@ -61,7 +66,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from enum import Enum
@@ -108,6 +113,10 @@ _DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 #: Longest a node waits for a state change before reading the state anyway, in seconds,
 #: when the backend cannot watch (PyTorch's fixed poll interval).
 _POLL_INTERVAL = 1.0
+
+#: Least time given to the exchange of the master address after a round completed, in
+#: seconds (rank 0 publishes it at once; see :meth:`DynamicRendezvousHandler.next_rendezvous`).
+_EXCHANGE_GRACE = 0.5
 
 #: Margin added to a wake-up time so that a strict comparison (``deadline < now``) holds
 #: when the node wakes up, instead of waking it a few microseconds too early.
@@ -219,6 +228,15 @@ class RendezvousBackend(ABC):
             RendezvousConnectionError: The connection to the backend has failed.
         """
         _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
+
+    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
+        """A block in which every backend call of this thread ends by ``deadline``.
+
+        The handler runs each step of an operation in such a block, so that a backend
+        that retries failures (such as etcd's, through an election) never outlives the
+        operation's deadline. The default does nothing.
+        """
+        return contextlib.nullcontext()
 
     def close(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
         """Release what the backend owns (such as its connection). Idempotent.
@@ -698,6 +716,11 @@ class _RendezvousStateHolder(ABC):
         """
         _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
 
+    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
+        """A block in which :meth:`sync` and :meth:`wait_for_change` end by ``deadline``
+        (the default: no bound)."""
+        return contextlib.nullcontext()
+
 
 class _BackendRendezvousStateHolder(_RendezvousStateHolder):
     """Hold the rendezvous state synced with other nodes via a backend.
@@ -804,6 +827,12 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         else:
             wait(self._token, max(timeout, 0.0))
         self._last_sync_time = -1
+
+    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
+        """The backend's :meth:`RendezvousBackend.bounded_by`, if it has one."""
+        # Backends that do not derive from RendezvousBackend may lack the method.
+        bound = getattr(self._backend, "bounded_by", None)
+        return contextlib.nullcontext() if bound is None else bound(deadline)
 
     def _adopt(self, state_bits: bytes | None, token: Token) -> None:
         """Make the decoded ``state_bits`` (or a new state if ``None``) the local state."""
@@ -976,8 +1005,10 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         while action != _Action.FINISH:
             # Reads or writes the latest rendezvous state shared by all nodes in the
             # rendezvous. Our local changes might get overridden by another node if that
-            # node synced its changes before us.
-            has_set = self._state_holder.sync()
+            # node synced its changes before us. The backend retries etcd failures (an
+            # election) until the step's deadline, then raises.
+            with self._state_holder.bounded_by(self._step_deadline(deadline)):
+                has_set = self._state_holder.sync()
             if has_set is not None:
                 if has_set:
                     retry.reset()
@@ -1016,7 +1047,8 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             if action == _Action.SYNC:
                 # Nothing to do until another node changes the state or one of our
                 # deadlines falls due.
-                self._state_holder.wait_for_change(self._time_to_next_event(deadline))
+                with self._state_holder.bounded_by(self._step_deadline(deadline)):
+                    self._state_holder.wait_for_change(self._time_to_next_event(deadline))
                 continue
 
             if action == _Action.KEEP_ALIVE:
@@ -1044,6 +1076,18 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
 
             # Attempt to sync our changes back to other nodes.
             self._state_holder.mark_dirty()
+
+    def _step_deadline(self, deadline: float) -> Deadline:
+        """The deadline of the backend calls of one step: the operation's.
+
+        Except for a node on the redundancy list, which waits for a free place without
+        a deadline (as in PyTorch): its steps get a join timeout each, so that it rides
+        out an etcd election like any other node.
+        """
+        if self._node in self._state_holder.state.redundancy_list:
+            join = self._settings.timeout.join.total_seconds()
+            return Deadline.at(max(deadline, time.monotonic() + join))
+        return Deadline.at(deadline)
 
     def _time_to_next_event(self, deadline: float) -> float:
         """Seconds until something may change the decision without a write by another node.
@@ -1391,10 +1435,18 @@ class _PeriodicTimer:
         self._finalizer.atexit = False
         self._thread.start()
 
-    def cancel(self) -> None:
-        """Stop the timer and wait for a run in progress to end. Idempotent."""
-        if self._finalizer:
+    def cancel(self, timeout: float | None = None) -> None:
+        """Stop the timer and wait for a run in progress to end, for at most ``timeout``
+        seconds (``None``: as long as it takes). Idempotent."""
+        if not self._finalizer:
+            return
+        if timeout is None or self._thread is None:
             self._finalizer()
+            return
+        self._finalizer.detach()
+        self._ctx.stop_event.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(max(timeout, 0.0))
 
     @staticmethod
     def _run(ctx: _PeriodicTimer._Context) -> None:
@@ -1699,7 +1751,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     @_records_failure
     def next_rendezvous(self) -> RendezvousInfo:
-        """See base class."""
+        """See base class.
+
+        Returns or raises within ``join_timeout`` (plus about a second), whatever the
+        backend does: every backend call runs under the join deadline (see
+        :meth:`RendezvousBackend.bounded_by`), retrying failures such as an etcd
+        election until then. Only a node on the redundancy list waits on past it.
+        """
+        deadline = self._get_deadline(self._settings.timeout.join)
         msg = (
             f"The node '{self._this_node}' attempts to join the next round of the rendezvous "
             f"'{self._settings.run_id}'."
@@ -1707,7 +1766,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._record(message=msg)
         logger.info(msg)
 
-        self._stop_heartbeats()
+        # A heartbeat in progress ends by its own deadline; we wait no longer than ours.
+        self._stop_heartbeats(deadline)
+        with self._locked(deadline, "join"):
+            pass
 
         # Delay the execution for a small random amount of time if this is our first
         # run. This slightly skews the rendezvous attempts across the nodes and reduces
@@ -1718,7 +1780,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         exit_op = _RendezvousExitOp()
         join_op = _RendezvousJoinOp()
 
-        deadline = self._get_deadline(self._settings.timeout.join)
         self._op_executor.run(exit_op, deadline)
         self._op_executor.run(join_op, deadline, self._get_deadline)
 
@@ -1726,13 +1787,20 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         rank, world_size = self._get_world()
         store = self._get_store()
+        # Rank 0 publishes its address in the store just after completing the round, so
+        # the exchange gets a moment even if the round completed right at the deadline.
+        exchange = Deadline(max(deadline - time.monotonic(), _EXCHANGE_GRACE))
+        with self._state_holder.bounded_by(exchange):
+            return self._bootstrap(rank, world_size, store)
 
+    def _bootstrap(self, rank: int, world_size: int, store: Store) -> RendezvousInfo:
+        """The end of :meth:`next_rendezvous`: exchange the master address in the store."""
         msg = (
             f"The node '{self._this_node}' has joined round {self._state_holder.state.round} of "
             f"the rendezvous '{self._settings.run_id}' as rank {rank} in a world of size "
             f"{world_size}."
         )
-        self._record(message=msg, rank=rank)
+        self._record(message=msg, rank=rank, method="next_rendezvous")
         logger.info(msg)
 
         if not self.use_agent_store:
@@ -1767,23 +1835,49 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     @_records_failure
     def is_closed(self) -> bool:
-        """See base class."""
-        with self._heartbeat_lock:
-            self._state_holder.sync()
-            return self._state_holder.state.closed
+        """See base class. Ends within ``join_timeout`` (plus about a second)."""
+        with self._synced(self._settings.timeout.join, "read the state of") as state:
+            return state.closed
 
     @_records_failure
     def set_closed(self) -> None:
-        """See base class."""
-        with self._heartbeat_lock:
-            self._close()
+        """See base class. Ends within ``close_timeout`` (plus about a second)."""
+        deadline = self._get_deadline(self._settings.timeout.close)
+        with self._locked(deadline, "close"):
+            self._close(deadline)
 
     @_records_failure
     def num_nodes_waiting(self) -> int:
-        """See base class."""
-        with self._heartbeat_lock:
-            self._state_holder.sync()
-            return len(self._state_holder.state.wait_list)
+        """See base class. Ends within ``join_timeout`` (plus about a second)."""
+        with self._synced(self._settings.timeout.join, "read the state of") as state:
+            return len(state.wait_list)
+
+    @contextlib.contextmanager
+    def _synced(self, timeout: timedelta, what: str) -> Iterator[_RendezvousState]:
+        """The state, synced with the backend within ``timeout``."""
+        deadline = self._get_deadline(timeout)
+        with self._locked(deadline, what):
+            with self._state_holder.bounded_by(Deadline.at(deadline)):
+                self._state_holder.sync()
+            yield self._state_holder.state
+
+    @contextlib.contextmanager
+    def _locked(self, deadline: float, what: str) -> Iterator[None]:
+        """Hold the heartbeat lock, waiting for it (a heartbeat in progress) no later
+        than ``deadline``.
+
+        Raises:
+            RendezvousTimeoutError: the lock was not free by ``deadline``.
+        """
+        if not self._heartbeat_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise RendezvousTimeoutError(
+                f"Could not {what} the rendezvous '{self._settings.run_id}' in time: a "
+                "keep-alive heartbeat held on to the backend until the deadline."
+            )
+        try:
+            yield
+        finally:
+            self._heartbeat_lock.release()
 
     def get_run_id(self) -> str:
         """See base class."""
@@ -1798,10 +1892,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Returns:
             Whether the rendezvous could be closed; the thread is stopped either way.
         """
-        self._stop_heartbeats()
+        deadline = self._get_deadline(self._settings.timeout.close)
+        self._stop_heartbeats(deadline)
 
         try:
-            self._close()
+            with self._locked(deadline, "close"):
+                self._close(deadline)
         except RendezvousError as ex:
             msg = (
                 f"The node '{self._this_node}' has failed to shutdown the rendezvous "
@@ -1828,9 +1924,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if close_backend is not None:
             close_backend()
 
-    def _close(self) -> None:
+    def _close(self, deadline: float) -> None:
         op = _RendezvousCloseOp()
-        deadline = self._get_deadline(self._settings.timeout.close)
         self._op_executor.run(op, deadline)
         msg = f"The node '{self._this_node}' has closed the rendezvous '{self._settings.run_id}'."
         self._record(message=msg, node_state=NodeState.SUCCEEDED)
@@ -1897,11 +1992,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
             self._keep_alive_timer.start()
 
-    def _stop_heartbeats(self) -> None:
+    def _stop_heartbeats(self, deadline: float | None = None) -> None:
+        """Stop the keep-alive timer, waiting for a heartbeat in progress to end (no
+        later than ``deadline``, a ``time.monotonic()`` time, if given)."""
         with self._timer_lock:
             if self._keep_alive_timer is None:
                 return
-            self._keep_alive_timer.cancel()
+            timeout = None if deadline is None else deadline - time.monotonic()
+            self._keep_alive_timer.cancel(timeout)
             self._keep_alive_timer = None
 
     def _get_world(self) -> tuple[int, int]:

@@ -30,6 +30,9 @@ the same rendezvous. What differs is how the states are driven:
   whose answer was lost is recognised as applied (see :mod:`etcd_rendezvous._client`);
 * a corrupt state key raises :class:`~etcd_rendezvous.api.RendezvousStateError` naming
   the key, and is left as it is for an operator to inspect;
+* every etcd request runs under the deadline of the call that made it (the rendezvous
+  ``timeout``): etcd failures, a leader election included, are retried until then, and
+  no call outlives it by more than about a second, whatever etcd does;
 * keep-alive threads survive etcd outages, stop on :meth:`EtcdRendezvousHandler.shutdown`,
   and on etcd 3.5, which cannot refresh a directory's TTL, the run directory is created
   without one instead of silently expiring after two hours;
@@ -63,7 +66,7 @@ from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
 from ._retry import CONNECTION, CONTENTION, Deadline, Retry
 from ._torch import adapt_store, torch_available, torch_store_wanted
-from ._transport import Transport
+from ._transport import Transport, TransportClosedError
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -110,6 +113,10 @@ CONST_ETCD_JOINABLE_EPHEMERAL_TTL = 10
 CONST_WORKER_KEEPALIVE_TTL = 10
 #: TTL of the run directory, which only serves to clean up after old runs.
 CONST_RUNID_SUBROOT_TTL = 7200
+
+#: Least time given to the exchange of the master address after the barrier, in seconds
+#: (rank 0 publishes it at once; see :meth:`EtcdRendezvousHandler.next_rendezvous`).
+_EXCHANGE_GRACE = 0.5
 
 #: Watch actions after which the event's node holds the key's new value.
 _WRITES = frozenset({"set", "create", "update", "compareAndSwap"})
@@ -186,9 +193,13 @@ def parse_state(node: Node) -> dict[str, Any]:
 class _LeaseKeeper:
     """Keeps an etcd key alive by refreshing its TTL every ``ttl / 2`` seconds.
 
-    The thread survives connection failures (retrying every second until the key
-    expires), and stops when ``stop_event`` is set, when the key is gone, or when etcd
-    refuses to refresh it.
+    The thread rides out etcd outages and leader elections: a refresh that fails is
+    logged and tried again a second later, for as long as the key lives. Each attempt
+    gets at most a fifth of the TTL (and ``read_timeout``), so that a request stuck on a
+    member whose leader just died cannot use up the time the key has left; the next
+    attempt goes to the next endpoint. The thread stops when ``stop_event`` is set,
+    when the key is gone (it expired: the worker is then dropped, as it should be after
+    losing etcd for a whole TTL), or when etcd refuses to refresh it.
     """
 
     def __init__(self, conn: Transport, key: str, ttl: int) -> None:
@@ -196,6 +207,7 @@ class _LeaseKeeper:
         self.ttl = ttl
         self.stop_event = threading.Event()
         self._conn = conn
+        self._attempt = max(1.0, min(ttl / 5, conn.read_timeout))
         self._thread = threading.Thread(
             target=self._run, name=f"etcd-rendezvous-lease:{key}", daemon=True
         )
@@ -213,26 +225,32 @@ class _LeaseKeeper:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        wait: float | None = self.ttl / 2
+        while wait is not None and not self.stop_event.wait(wait):
+            wait = self._refresh()
+
+    def _refresh(self) -> float | None:
+        """Refresh the TTL once; return the seconds until the next refresh (``None``:
+        stop)."""
         interval = self.ttl / 2
-        while not self.stop_event.is_set():
-            wait = interval
-            try:
-                self._conn.refresh(self.key, self.ttl, timeout=interval)
-            except KeyNotFoundError:
-                logger.info("Keep-alive key %s is gone; no longer refreshing it", self.key)
-                return
-            except OperationRefusedError as exc:
-                logger.warning(
-                    "etcd refuses to refresh the TTL of %s (%s); giving up", self.key, exc
-                )
-                return
-            except RendezvousConnectionError as exc:
-                logger.warning("Could not refresh the TTL of %s, will retry: %s", self.key, exc)
-                wait = min(1.0, interval)
-            except Exception:
-                logger.exception("Unexpected error refreshing the TTL of %s; will retry", self.key)
-            if self.stop_event.wait(wait):
-                return
+        try:
+            self._conn.refresh(self.key, self.ttl, timeout=self._attempt)
+        except KeyNotFoundError:
+            logger.info("Keep-alive key %s is gone; no longer refreshing it", self.key)
+            return None
+        except OperationRefusedError as exc:
+            logger.warning("etcd refuses to refresh the TTL of %s (%s); giving up", self.key, exc)
+            return None
+        except TransportClosedError:
+            logger.info("The etcd connection was closed; no longer refreshing %s", self.key)
+            return None
+        except RendezvousConnectionError as exc:
+            logger.warning("Could not refresh the TTL of %s, will retry: %s", self.key, exc)
+            return min(1.0, interval)
+        except Exception:
+            logger.exception("Unexpected error refreshing the TTL of %s; will retry", self.key)
+            return min(1.0, interval)
+        return interval
 
 
 def _stop_keepers(keepers: list[_LeaseKeeper]) -> None:
@@ -333,7 +351,8 @@ class EtcdRendezvous:
             self._last_call_timeout = float(last_call_timeout)
             self._rendezvous_deadline = Deadline(self._timeout)
             logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
-            self._create_run_keys()
+            with self._conn.bounded_by(self._rendezvous_deadline):
+                self._create_run_keys()
         except BaseException:
             self.close()
             raise
@@ -445,14 +464,24 @@ class EtcdRendezvous:
         Returns:
             ``(rdzv_version, rank, world_size)``.
 
+        Every etcd request runs under the rendezvous deadline: etcd failures (an
+        election, an unreachable member) are retried until then, and the call returns
+        or raises within about a second of ``timeout`` however etcd fails.
+
         Raises:
-            RendezvousTimeoutError: the rendezvous did not complete within ``timeout``.
+            RendezvousTimeoutError: the rendezvous did not complete within ``timeout``
+                (the message gives the last etcd error, if etcd was the cause).
             RendezvousClosedError: the rendezvous is or was closed while waiting.
             RendezvousStateError: the state in etcd is corrupt.
             RendezvousError: other non-retryable errors.
         """
         self._rendezvous_deadline = Deadline(self._timeout)
         self._record(f"The worker attempts to join the next rendezvous of run '{self._run_id}'.")
+        with self._conn.bounded_by(self._rendezvous_deadline):
+            return self._barrier()
+
+    def _barrier(self) -> tuple[str, int, int]:
+        """The loop of :meth:`rendezvous_barrier`: attempts until one succeeds."""
         last_error: Exception | None = None
         retry = CONNECTION.start(
             self._rendezvous_deadline,
@@ -896,7 +925,14 @@ class EtcdRendezvous:
 
         Raises:
             RendezvousTimeoutError: the state could not be written within ``timeout``.
+            RendezvousConnectionError: etcd was unreachable until ``timeout``.
         """
+        seconds = self._timeout if timeout is None else timeout
+        with self._conn.bounded_by(Deadline(seconds)):
+            self._close_state(seconds)
+
+    def _close_state(self, timeout: float) -> None:
+        """The compare-and-swap loop of :meth:`set_closed`."""
         key = self._layout.state_key
         retry = self._race_retry(key, f"close the rendezvous of run {self._run_id!r}", timeout)
         while True:
@@ -929,6 +965,11 @@ class EtcdRendezvous:
             node_state=NodeState.SUCCEEDED,
             method="set_closed",
         )
+
+    def bounded(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which every etcd request ends within the rendezvous ``timeout``
+        from now (see :meth:`~etcd_rendezvous._transport.Transport.bounded_by`)."""
+        return self._conn.bounded_by(Deadline(self._timeout))
 
     def get_rdzv_state(self) -> tuple[Node, dict[str, Any]]:
         """Read and validate the current state.
@@ -1119,19 +1160,31 @@ class EtcdRendezvousHandler(RendezvousHandler):
         The store is the rendezvous version's :class:`EtcdStore`, as a
         :class:`~etcd_rendezvous.torch_store.TorchEtcdStore` when PyTorch is installed
         (see ``torch_store``).
+
+        Returns or raises within the rendezvous ``timeout`` plus about a second,
+        whatever etcd does (see :meth:`EtcdRendezvous.rendezvous_barrier`).
         """
-        rdzv_version, rank, world_size = self._rdzv_impl.rendezvous_barrier()
+        rdzv = self._rdzv_impl
+        rdzv_version, rank, world_size = rdzv.rendezvous_barrier()
         logger.info("Creating EtcdStore as the c10d::Store implementation")
-        store = self._rdzv_impl.setup_kv_store(rdzv_version)
-        bootstrap_store_info = RendezvousStoreInfo.build(rank, store, local_addr=self._local_addr)
+        # Rank 0 publishes its address just after the barrier, so the exchange gets a
+        # moment even if the barrier completed right at the deadline.
+        remaining = rdzv._rendezvous_deadline.remaining()
+        with rdzv.connection.bounded_by(Deadline(max(remaining, _EXCHANGE_GRACE))):
+            store = rdzv.setup_kv_store(rdzv_version)
+            bootstrap_store_info = RendezvousStoreInfo.build(
+                rank, store, local_addr=self._local_addr
+            )
         return RendezvousInfo(
             adapt_store(store, self._torch_store), rank, world_size, bootstrap_store_info
         )
 
     def is_closed(self) -> bool:
-        """Whether the rendezvous of this run is closed."""
+        """Whether the rendezvous of this run is closed (asking etcd for at most the
+        rendezvous ``timeout``)."""
         try:
-            _, state = self._rdzv_impl.get_rdzv_state()
+            with self._rdzv_impl.bounded():
+                _, state = self._rdzv_impl.get_rdzv_state()
         except KeyNotFoundError:
             return False
         return bool(state["status"] == "closed")
@@ -1141,9 +1194,15 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._rdzv_impl.set_closed()
 
     def num_nodes_waiting(self) -> int:
-        """Number of workers waiting to join while the current rendezvous is final."""
+        """Number of workers waiting to join while the current rendezvous is final.
+
+        Raises:
+            RendezvousConnectionError: etcd stayed unreachable for the rendezvous
+                ``timeout``.
+        """
         try:
-            _, state = self._rdzv_impl.get_rdzv_state()
+            with self._rdzv_impl.bounded():
+                _, state = self._rdzv_impl.get_rdzv_state()
         except KeyNotFoundError:
             return 0
         if state["status"] == "final":
@@ -1222,7 +1281,8 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     cacert               CA bundle that verifies the server (https)
     cert, key            client certificate and its key (https)
     username, password   etcd authentication
-    read_timeout         seconds per etcd request; also the retry budget      60
+    read_timeout         seconds one etcd request waits for an answer         60
+                         (then the next endpoint is tried)
     connect_timeout      seconds to connect to one endpoint                   5
     torch_store          hand out a ``torch.distributed.Store``: auto,        auto
                          true or false (auto: if PyTorch is installed)
@@ -1232,9 +1292,17 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     ``params.backend`` (``etcd`` for a URL). It owns the connection opened here:
     :meth:`~EtcdRendezvousHandler.close` releases it.
 
+    Time bounds: creating the handler, ``next_rendezvous()``, ``num_nodes_waiting()``,
+    ``is_closed()``, ``set_closed()`` and ``shutdown()`` each return or raise within
+    ``timeout`` plus about a second, however etcd fails (refused, never answering,
+    killed or suspended); etcd errors are retried until then. An endpoint that refuses
+    connections or does not answer is reported by this function within
+    ``connect_timeout`` (or ``timeout``, if shorter).
+
     Raises:
         ValueError: a parameter is invalid; the message names it.
-        RendezvousConnectionError: etcd cannot be reached at any endpoint.
+        RendezvousConnectionError: etcd cannot be reached at any endpoint; the message
+            names the endpoints.
     """
     if isinstance(params, str):
         params = _params_from_url(params)
@@ -1244,16 +1312,20 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     )
     prefix = params.get("etcd_prefix", DEFAULT_PREFIX)
     torch_store = torch_store_wanted(params)
-    rdzv = EtcdRendezvous(
-        client=_create_etcd_connection(params),
-        prefix=str(prefix),
-        run_id=params.run_id,
-        num_min_workers=params.min_nodes,
-        num_max_workers=params.max_nodes,
-        timeout=timeout,
-        last_call_timeout=last_call_timeout,
-        owns_connection=True,
-    )
+    # Creation, too, ends within the rendezvous timeout, whatever etcd does.
+    deadline = Deadline(timeout)
+    conn = _create_etcd_connection(params, deadline=deadline)
+    with conn.bounded_by(deadline):
+        rdzv = EtcdRendezvous(
+            client=conn,
+            prefix=str(prefix),
+            run_id=params.run_id,
+            num_min_workers=params.min_nodes,
+            num_max_workers=params.max_nodes,
+            timeout=timeout,
+            last_call_timeout=last_call_timeout,
+            owns_connection=True,
+        )
     return EtcdRendezvousHandler(
         rdzv_impl=rdzv,
         local_addr=params.local_addr,

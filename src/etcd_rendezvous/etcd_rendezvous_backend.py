@@ -34,6 +34,7 @@ differs:
 from __future__ import annotations
 
 import binascii
+import contextlib
 import logging
 import threading
 from base64 import b64decode, b64encode
@@ -46,8 +47,8 @@ from ._client import (
     KeyNotFoundError,
     Node,
 )
-from ._params import create_etcd_connection
-from ._retry import REWATCH
+from ._params import create_etcd_connection, seconds
+from ._retry import REWATCH, Deadline
 from ._transport import Transport
 from .api import RendezvousParameters, RendezvousStateError
 from .dynamic_rendezvous import RendezvousBackend, Token
@@ -60,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 # How much of a corrupt value to quote in an error message.
 _PREVIEW_CHARS = 60
+# The dynamic rendezvous's default join timeout, in seconds.
+_DEFAULT_JOIN_TIMEOUT = 600.0
 
 
 class EtcdRendezvousBackend(RendezvousBackend):
@@ -160,6 +163,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def connection(self) -> Transport:
         """The connection the backend sends its requests through."""
         return self._conn
+
+    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
+        """See base class: every request of this thread on the backend's connection
+        (shared with the store of :func:`create_backend`) ends by ``deadline``; etcd
+        failures such as an election are retried until then."""
+        return self._conn.bounded_by(deadline)
 
     def get_state(self) -> tuple[bytes, Token] | None:
         """Return the state and its token, or ``None`` if there is no state.
@@ -318,7 +327,9 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     ===============  ==========================================================  =======
     option           meaning                                                     default
     ===============  ==========================================================  =======
-    read_timeout     seconds per etcd request; also the retry budget             60
+    join_timeout     creation, too, ends within it (see below)                   600
+    read_timeout     seconds one etcd request waits for an answer (then the      60
+                     next endpoint is tried)
     connect_timeout  seconds to connect to one endpoint                          5
     protocol         ``http`` or ``https``                                       http
     ssl_cert         client certificate file (https)
@@ -330,7 +341,9 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
 
     The state is kept under ``/torch/elastic/rendezvous/<run_id>`` and the store under
     ``/torch/elastic/store``, as in PyTorch. The endpoints are contacted once, so a
-    wrong address fails here rather than in the first rendezvous.
+    wrong address fails here rather than in the first rendezvous: within
+    ``connect_timeout`` for an endpoint that refuses connections or never answers, and
+    within ``join_timeout`` (plus about a second) however etcd fails.
 
     Both share one connection, owned by the backend: :meth:`EtcdRendezvousBackend.close`
     releases it (the store borrows it and its ``close()`` leaves it open). Pass
@@ -342,15 +355,21 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         RendezvousConnectionError: etcd cannot be reached at any endpoint (or does not
             serve the v2 API); the message names the endpoints.
     """
+    deadline = Deadline(seconds(params, "join_timeout", _DEFAULT_JOIN_TIMEOUT))
     conn = create_etcd_connection(
-        params, cert_option="ssl_cert", key_option="ssl_cert_key", cacert_option="ca_cert"
+        params,
+        cert_option="ssl_cert",
+        key_option="ssl_cert_key",
+        cacert_option="ca_cert",
+        deadline=deadline,
     )
     backend = EtcdRendezvousBackend(
         conn, params.run_id, key_prefix=ETCD_V2_STATE_PREFIX, owns_connection=True
     )
     try:
         # Fail early, as PyTorch's client does when it connects: one read of the key.
-        conn.try_get(backend.key)
+        with conn.bounded_by(deadline):
+            conn.try_get(backend.key)
     except BaseException:
         backend.close()
         raise

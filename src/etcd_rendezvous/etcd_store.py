@@ -1,10 +1,14 @@
 """A c10d-style key-value store on etcd (v2 API), wire-compatible with PyTorch's ``EtcdStore``.
 
 :class:`EtcdStore` is what :class:`~etcd_rendezvous.etcd_rendezvous.EtcdRendezvousHandler`
-hands to the workers once a rendezvous completes. It stores every key and value exactly
-as ``torch.distributed.elastic.rendezvous.etcd_store.EtcdStore`` does (base64 of the
+hands to the workers once a rendezvous completes. It stores every key and value as
+``torch.distributed.elastic.rendezvous.etcd_store.EtcdStore`` does (base64 of the
 UTF-8 or raw bytes, under ``<prefix>/<base64 key>``; counters as base64 of a decimal
-string), so a torch worker and one using this module share a store.
+string), so a torch worker and one using this module share a store. One addition: a
+value written by ``add``, ``compare_set`` or ``append`` is followed in etcd by ``~``
+and a random tag of characters outside the base64 alphabet, which PyTorch's decoder
+skips (it reads the same bytes) and this module drops; it makes each such write
+recognisable in the key's history (see :meth:`EtcdStore.add`).
 
 What differs from the reference is how it waits and how it fails:
 
@@ -24,9 +28,11 @@ What differs from the reference is how it waits and how it fails:
 from __future__ import annotations
 
 import binascii
+import contextlib
 import logging
 import operator
 import random
+import secrets
 import threading
 import time
 from base64 import b64decode, b64encode
@@ -35,7 +41,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Union
 
 from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
-from ._retry import CONTENTION, REWATCH, Deadline
+from ._retry import CONTENTION, REWATCH, Deadline, Retry
 from ._transport import Transport
 from .api import RendezvousStateError
 from .layout import normalize_key, store_value_key
@@ -59,6 +65,12 @@ _VALUE_ACTIONS = frozenset({"set", "create", "compareAndSwap", "update"})
 _PREVIEW_CHARS = 60
 # How many missing keys a timeout message lists.
 _LISTED_KEYS = 5
+# Write tags (see _tagged): a separator and characters that base64 decoders which skip
+# non-alphabet characters ignore; 8**12 tags make a collision between two concurrent
+# writes of one value practically impossible.
+_TAG_SEPARATOR = "~"
+_TAG_ALPHABET = "-_.!*:;,"
+_TAG_LENGTH = 12
 
 
 def cas_delay() -> None:
@@ -99,7 +111,9 @@ class EtcdStore:
         timeout: how long :meth:`get`, :meth:`wait` and :meth:`multi_get` wait for a
             key, and how long :meth:`add`, :meth:`compare_set` and :meth:`append` go on
             retrying when other writers keep changing the key first; defaults to
-            :data:`DEFAULT_TIMEOUT` (300 s).
+            :data:`DEFAULT_TIMEOUT` (300 s). It also bounds every call of the store:
+            etcd failures (an election, an unreachable member) are retried until then,
+            and no call outlives it by more than about a second.
         owns_connection: whether :meth:`close` closes ``etcd_client`` when it is an
             :class:`~etcd_rendezvous._client.EtcdConnection` (set by whoever opened it
             and hands it over); a connection converted from an ``etcd.Client`` is always
@@ -191,7 +205,8 @@ class EtcdStore:
             ValueError: ``key`` is empty.
         """
         path = self._path(key)
-        self._conn.set(path, _encode(value, "value"))
+        with self._bounded():
+            self._conn.set(path, _encode(value, "value"))
 
     def get(self, key: KeyLike) -> bytes:
         """Return the value under ``key``, waiting up to :attr:`timeout` for it to be set.
@@ -220,27 +235,28 @@ class EtcdStore:
         A missing key counts as ``0``. The counter is stored as the base64 of its decimal
         string, like PyTorch's, and both implementations can update the same counter.
 
-        Guarantee: when ``add`` returns, its increment was applied exactly once, with one
-        exception. When the connection fails while a create or compare-and-swap is in
-        flight, the write is sent again (it is conditional, so at most one copy applies)
-        and, if that is refused, the key's history decides: the first change after the
-        state the write compared against is the write's own if it holds the value the
-        write would have stored. Counter values are not unique to a writer, so if at
-        that very moment another caller advanced the counter from the same value by the
-        same ``num``, the two writes cannot be told apart; this call then takes the
-        other's write for its own (its increment is lost and both callers get the same
-        result) rather than risk applying it twice. Short of that exact collision during
-        a connection failure, callers adding non-zero amounts of one sign get distinct
-        results. If ``add`` raises :class:`~etcd_rendezvous.api.RendezvousConnectionError`,
-        the increment may or may not have been applied.
+        Guarantee: when ``add`` returns, its increment was applied exactly once, and
+        callers adding non-zero amounts of one sign get distinct results, through etcd
+        leader elections and members dying mid-request. When the outcome of a create or
+        compare-and-swap is unknown (the answer was lost, or etcd answered "request
+        timed out"), the write is sent again (it is conditional, so at most one copy
+        applies) and, if that is refused, the key's history decides: the first change
+        after the state the write compared against is the write's own if it holds the
+        value the write stored. Each write's value carries a random tag (see the module
+        documentation), so another caller's write of the same counter value is never
+        taken for ours. The one exception: if etcd no longer holds that history (v2
+        keeps the last 1000 changes of the whole store), the write is taken as not
+        applied and may then be applied twice. If ``add`` raises
+        :class:`~etcd_rendezvous.api.RendezvousConnectionError`, the increment may or
+        may not have been applied.
 
         Raises:
             TypeError: ``key`` is not ``str``/``bytes`` or ``num`` not an integer.
             ValueError: the key holds something that is not a decimal integer (the
                 key is left untouched).
             RendezvousStateError: the key holds something that is not base64.
-            RendezvousConnectionError: etcd could not be reached for longer than the
-                connection's read timeout (the increment may or may not be applied).
+            RendezvousConnectionError: etcd could not be reached for :attr:`timeout`
+                (the increment may or may not be applied).
             LookupError: other writers kept changing the key first for longer than
                 :attr:`timeout` (the increment was not applied).
         """
@@ -298,7 +314,9 @@ class EtcdStore:
 
         Reads each key (stopping at the first missing one), never the whole directory.
         """
-        return all(self._read(path, key) is not None for path, key in self._paths(keys))
+        paths = self._paths(keys)
+        with self._bounded():
+            return all(self._read(path, key) is not None for path, key in paths)
 
     # -- extended c10d interface --------------------------------------------------------
 
@@ -326,8 +344,8 @@ class EtcdStore:
                 return (desired, True) if not expected else (expected, False)
             return (desired, True) if current == expected else (current, False)
 
-        # A lost answer resolved from history is right even if another caller wrote the
-        # same value: either way the key now holds ``desired``.
+        # As for add(), the write's tag tells it from another caller's write of the same
+        # value when its answer was lost, so that exactly one of them wins.
         return self._read_modify_write(path, key, decide)
 
     def append(self, key: KeyLike, value: KeyLike) -> None:
@@ -380,12 +398,15 @@ class EtcdStore:
                 f"keys/values: got {len(paths)} keys but {len(values)} values; they must match."
             )
         encoded = [_encode(value, "values") for value in values]
-        for (path, _), data in zip(paths, encoded):
-            self._conn.set(path, data)
+        with self._bounded():
+            for (path, _), data in zip(paths, encoded):
+                self._conn.set(path, data)
 
     def delete_key(self, key: KeyLike) -> bool:
         """Delete ``key``. Returns whether it existed."""
-        return self._conn.delete(self._path(key))
+        path = self._path(key)
+        with self._bounded():
+            return self._conn.delete(path)
 
     def num_keys(self) -> int:
         """Return the number of keys in the store.
@@ -397,7 +418,8 @@ class EtcdStore:
             RendezvousStateError: the store prefix is a key, not a directory.
         """
         try:
-            node = self._conn.list_dir(self._dir, recursive=True)
+            with self._bounded():
+                node = self._conn.list_dir(self._dir, recursive=True)
         except KeyNotFoundError:
             return 0
         if not node.is_dir:
@@ -407,6 +429,12 @@ class EtcdStore:
         return _count_values(node)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _bounded(self, seconds: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """A block in which every etcd request ends within ``seconds`` (default: the
+        store's :attr:`timeout`), retrying etcd failures until then."""
+        limit = self._timeout.total_seconds() if seconds is None else seconds
+        return self._conn.bounded_by(Deadline(limit))
 
     def _path(self, key: object, param: str = "key") -> str:
         """The etcd key of store key ``key``, normalised the way etcd stores it."""
@@ -438,7 +466,7 @@ class EtcdStore:
         self._require_value(node, key)
         raw = node.value or ""
         try:
-            return b64decode(raw, validate=True)
+            return b64decode(raw.split(_TAG_SEPARATOR, 1)[0], validate=True)
         except (binascii.Error, ValueError):
             raise RendezvousStateError(
                 f"Key {key!r} of EtcdStore {self.prefix!r} (etcd key {node.key!r}) holds "
@@ -452,8 +480,17 @@ class EtcdStore:
         """Wait until every etcd key in ``wanted`` holds a value, or the timeout passes.
 
         Returns the nodes found and the keys still missing (empty unless timed out).
+        Every request runs under the same deadline, which a caller's
+        :meth:`~etcd_rendezvous._transport.Transport.bounded_by` block may shorten.
         """
-        deadline = Deadline(timeout.total_seconds())
+        deadline = self._conn.bound(Deadline(timeout.total_seconds()))
+        with self._conn.bounded_by(deadline):
+            return self._await_until(wanted, deadline)
+
+    def _await_until(
+        self, wanted: dict[str, KeyLike], deadline: Deadline
+    ) -> tuple[dict[str, Node], dict[str, KeyLike]]:
+        """The loop of :meth:`_await`."""
         found: dict[str, Node] = {}
         missing: dict[str, KeyLike] = {}
         since = self._read_into(wanted, found, missing)
@@ -522,13 +559,25 @@ class EtcdStore:
             LookupError: the key kept changing under us for longer than :attr:`timeout`.
         """
         timeout = self._timeout.total_seconds()
+        deadline = self._conn.bound(Deadline(timeout))
         retry = CONTENTION.start(
-            timeout,
+            deadline,
             lambda: LookupError(
                 f"Could not update key {key!r} in EtcdStore {self.prefix!r} within "
                 f"{timeout:g} s: other writers kept changing it first."
             ),
         )
+        with self._conn.bounded_by(deadline):
+            return self._update(path, key, update, retry)
+
+    def _update(
+        self,
+        path: str,
+        key: KeyLike,
+        update: Callable[[bytes | None], tuple[bytes, bool]],
+        retry: Retry,
+    ) -> bytes:
+        """The compare-and-swap loop of :meth:`_read_modify_write`."""
         node = self._read(path, key)
         while True:
             if node is None:
@@ -536,7 +585,7 @@ class EtcdStore:
                 if not write:
                     return new
                 try:
-                    self._conn.create(path, _b64(new))
+                    self._conn.create(path, _tagged(new))
                 except KeyExistsError:
                     retry.wait()
                     node = self._read(path, key)
@@ -546,7 +595,7 @@ class EtcdStore:
             if not write:
                 return new
             try:
-                self._conn.compare_and_swap(path, _b64(new), node)
+                self._conn.compare_and_swap(path, _tagged(new), node)
             except CompareFailedError:
                 retry.wait()
                 node = self._read(path, key)
@@ -573,6 +622,22 @@ def _as_bytes(data: object, param: str) -> bytes:
 
 def _b64(data: bytes) -> str:
     return b64encode(data).decode()
+
+
+def _tagged(data: bytes) -> str:
+    """base64 of ``data``, then a separator and a random tag: the value of a conditional
+    write, unique to it.
+
+    Two workers adding 1 to the same counter value write the same bytes; if one of them
+    lost the answer to its write (its etcd member died mid-request), the key's history
+    could not tell it whose write landed, and it would count the other's as its own
+    (the increment lost) or its own as the other's (applied twice). The tag makes every
+    write's value its own, so the history answers exactly. Tag characters are outside
+    the base64 alphabet: PyTorch's ``EtcdStore`` (Python's non-strict ``b64decode``)
+    skips them and reads the same bytes, and :meth:`EtcdStore._decode` drops the tag.
+    """
+    tag = "".join(secrets.choice(_TAG_ALPHABET) for _ in range(_TAG_LENGTH))
+    return f"{_b64(data)}{_TAG_SEPARATOR}{tag}"
 
 
 def _encode(data: object, param: str) -> str:

@@ -1,0 +1,175 @@
+"""How failures are classified and how deadlines are shared, without a server.
+
+The end-to-end behaviour (a real cluster losing its leader, real servers killed or
+suspended) is tested in ``tests/test_failover.py`` and ``tests/test_deadlines.py``;
+these cases pin down the rules those tests depend on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from base64 import b64decode
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import etcd
+import pytest
+
+from etcd_rendezvous import _v3_http as wire
+from etcd_rendezvous._client import _is_transient_server_error
+from etcd_rendezvous._retry import Deadline
+from etcd_rendezvous._transport import Node, _AmbiguousError, _UnsentError, transient_answer
+from etcd_rendezvous._v3 import EtcdV3Connection
+from etcd_rendezvous.api import RendezvousConnectionError
+from etcd_rendezvous.dynamic_rendezvous import _PeriodicTimer
+from etcd_rendezvous.etcd_store import EtcdStore, _tagged
+
+# -- what an election answers ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "etcdserver: no leader",
+        "raft proposal dropped",
+        "etcdserver: not leader",
+        "etcdserver: too many requests",
+    ],
+)
+def test_refusals_before_the_proposal_are_unsent(answer: str) -> None:
+    assert isinstance(transient_answer("http://e:1", answer), _UnsentError)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "etcdserver: request timed out",
+        "etcdserver: request timed out, possibly due to previous leader failure",
+        "etcdserver: leader changed",
+        "etcdserver: server stopped",
+    ],
+)
+def test_answers_after_the_proposal_have_an_unknown_outcome(answer: str) -> None:
+    error = transient_answer("http://e:1", answer)
+    assert isinstance(error, _AmbiguousError)
+    assert "http://e:1" in str(error)
+
+
+def _v2_error(cause: str) -> etcd.EtcdException:
+    payload = {"errorCode": 300, "message": "Raft Internal Error", "cause": cause, "index": 0}
+    return etcd.EtcdException("Raft Internal Error : " + cause, payload)
+
+
+@pytest.mark.parametrize(
+    "cause",
+    [
+        "etcdserver: request timed out",
+        "etcdserver: request timed out, possibly due to previous leader failure",
+        "raft proposal dropped",
+        "etcdserver: leader changed",
+        "etcdserver: server stopped",
+    ],
+)
+def test_v2_election_answers_are_transient(cause: str) -> None:
+    assert _is_transient_server_error(_v2_error(cause))
+
+
+def test_v2_genuine_refusal_stays_an_error() -> None:
+    # etcd 3.5 answers code 300 "Not a file" to refreshing a directory's TTL.
+    assert not _is_transient_server_error(_v2_error("Not a file"))
+
+
+@pytest.mark.parametrize("message", ["raft proposal dropped", "etcdserver: unhealthy cluster"])
+def test_v3_election_answers_without_a_transient_code_are_transient(message: str) -> None:
+    # etcd maps an error it has no gRPC code for to Unknown (2), HTTP 500.
+    assert wire.GrpcError(2, message, 500).transient
+
+
+# -- deadlines ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def conn() -> Iterator[Any]:
+    """A v3 connection to a port nothing listens on (never contacted by these tests)."""
+    connection = EtcdV3Connection([("127.0.0.1", 9)], read_timeout=60, sleep=lambda _: None)
+    yield connection
+    connection.close()
+
+
+def test_an_operation_retries_until_the_callers_deadline_not_read_timeout(conn: Any) -> None:
+    assert 59 < conn._budget().remaining() <= 60
+    with conn.bounded_by(Deadline(300)):
+        assert 299 < conn._budget().remaining() <= 300
+        assert conn._budget(Deadline(2)).remaining() <= 2  # its own, shorter budget
+        with conn.bounded_by(Deadline(5)):  # nested blocks: the earliest wins
+            assert conn._budget().remaining() <= 5
+        assert conn.bound(Deadline(1000)).remaining() <= 300
+    assert 59 < conn._budget().remaining() <= 60
+
+
+def test_bounded_by_is_per_thread(conn: Any) -> None:
+    seen: list[float] = []
+    with conn.bounded_by(Deadline(1)):
+        thread = threading.Thread(target=lambda: seen.append(conn._budget().remaining()))
+        thread.start()
+        thread.join()
+    assert seen[0] > 59
+
+
+@pytest.mark.parametrize(("endpoints", "share"), [(1, 0.5), (2, 1 / 3), (3, 0.25), (7, 0.25)])
+def test_attempts_past_the_deadline_share_about_a_second(endpoints: int, share: float) -> None:
+    conn = EtcdV3Connection(
+        [("127.0.0.1", 9 + i) for i in range(endpoints)], read_timeout=60, sleep=lambda _: None
+    )
+    caps: list[float | None] = []
+
+    def attempt(cap: float | None) -> None:
+        caps.append(cap)
+        conn._rotate(conn._pick())
+        raise _AmbiguousError("lost")
+
+    with conn, pytest.raises(RendezvousConnectionError), conn.bounded_by(Deadline(0)):
+        conn._retrying("write", "/k", attempt)
+    # One attempt per endpoint and one more, each waiting at most its share.
+    assert caps == [pytest.approx(share)] * (endpoints + 1)
+
+
+# -- store write tags --------------------------------------------------------------------
+
+
+def test_tagged_values_read_the_same_for_pytorch_and_us(conn: Any) -> None:
+    data = b"17"
+    first, second = _tagged(data), _tagged(data)
+    assert first != second  # each write's value is its own
+    assert first.startswith("MTc=~")
+    # PyTorch's EtcdStore decodes with the non-strict b64decode, which skips the tag.
+    assert b64decode(first) == b64decode(first.encode()) == data
+    assert int(b64decode(first)) == 17
+    node = Node("/p/aw==", first, 5, 5, 5, None, False, (), "get")
+    assert EtcdStore(conn, "/p")._decode(node, "k") == data
+
+
+# -- stopping the heartbeat timer --------------------------------------------------------
+
+
+def test_timer_cancel_waits_no_longer_than_asked() -> None:
+    running, release = threading.Event(), threading.Event()
+
+    def beat() -> None:
+        running.set()
+        release.wait(30)
+
+    timer = _PeriodicTimer(timedelta(seconds=0.01), beat)
+    timer.start()
+    assert running.wait(10)
+    started = time.monotonic()
+    timer.cancel(0.2)
+    assert time.monotonic() - started < 5  # returned at about 0.2 s, not after 30
+    assert timer.thread is not None
+    assert timer.thread.is_alive()  # the beat in progress ends on its own
+    release.set()
+    timer.thread.join(10)
+    assert not timer.thread.is_alive()
+    timer.cancel()  # idempotent
