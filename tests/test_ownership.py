@@ -267,11 +267,21 @@ def test_a_factory_made_handler_releases_its_connection_on_close(
 def test_the_etcd_v2_factory_closes_its_connection_when_it_fails(
     etcd_server: EtcdServer, run_id: str, opened: list[CloseSpy]
 ) -> None:
-    # An invalid option read after the connection was opened.
-    with pytest.raises(ValueError, match="join_timeout"):
-        get_rendezvous_handler(_params(etcd_server, run_id, "etcd-v2", join_timeout="soon"))
+    # An invalid option the handler reads after the backend opened its connection
+    # (create_backend itself validates join_timeout before connecting).
+    with pytest.raises(ValueError, match="last_call_timeout"):
+        get_rendezvous_handler(_params(etcd_server, run_id, "etcd-v2", last_call_timeout="soon"))
     [spy] = opened
     assert spy.calls == 1
+
+
+def test_the_etcd_v2_factory_checks_join_timeout_before_connecting(
+    etcd_server: EtcdServer, run_id: str, opened: list[CloseSpy]
+) -> None:
+    # join_timeout bounds the connection's creation, so it is read first.
+    with pytest.raises(ValueError, match="join_timeout"):
+        get_rendezvous_handler(_params(etcd_server, run_id, "etcd-v2", join_timeout="soon"))
+    assert opened == []
 
 
 def test_the_etcd_factory_closes_its_connection_when_it_fails(
