@@ -49,9 +49,6 @@ from ._transport import (
     Transport,
     _AmbiguousError,
     _UnsentError,
-    check_credentials,
-    check_tls_options,
-    format_host,
     transient_answer,
 )
 from .api import RendezvousConnectionError, RendezvousStateError
@@ -200,15 +197,17 @@ class EtcdConnection(Transport):
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        check_tls_options(protocol, cert, key)
-        check_credentials(username, password)
         super().__init__(
-            [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints],
+            endpoints,
+            protocol=protocol,
+            cert=cert,
+            key=key,
+            username=username,
+            password=password,
             read_timeout=read_timeout,
             connect_timeout=connect_timeout,
             sleep=sleep,
         )
-        self._protocol = protocol
         client_cert: _Cert = (cert, key) if cert and key else cert
         self._clients = [
             self._make_client(h, p, client_cert, cacert, username, password) for h, p in endpoints

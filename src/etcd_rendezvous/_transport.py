@@ -171,19 +171,28 @@ class Transport(abc.ABC):
 
     def __init__(
         self,
-        endpoints: Sequence[str],
+        endpoints: Sequence[tuple[str, int]],
         *,
+        protocol: str,
+        cert: str | None,
+        key: str | None,
+        username: str | None,
+        password: str | None,
         read_timeout: float,
         connect_timeout: float,
         sleep: Callable[[float], None],
     ) -> None:
+        """Check the options both transports share; subclasses add their clients."""
         if not endpoints:
             raise ValueError("endpoints: at least one etcd endpoint is required.")
+        check_tls_options(protocol, cert, key)
+        check_credentials(username, password)
         if read_timeout <= 0:
             raise ValueError(f"read_timeout: must be positive, got {read_timeout!r}.")
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout: must be positive, got {connect_timeout!r}.")
-        self._endpoints = list(endpoints)
+        self._protocol = protocol
+        self._endpoints = [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints]
         self._read_timeout = float(read_timeout)
         self._connect_timeout = float(connect_timeout)
         self._sleep = sleep

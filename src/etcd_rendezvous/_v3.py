@@ -59,9 +59,6 @@ from ._transport import (
     Transport,
     _AmbiguousError,
     _UnsentError,
-    check_credentials,
-    check_tls_options,
-    format_host,
     transient_answer,
 )
 from .api import RendezvousConnectionError
@@ -124,15 +121,17 @@ class EtcdV3Connection(Transport):
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        check_tls_options(protocol, cert, key)
-        check_credentials(username, password)
         super().__init__(
-            [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints],
+            endpoints,
+            protocol=protocol,
+            cert=cert,
+            key=key,
+            username=username,
+            password=password,
             read_timeout=read_timeout,
             connect_timeout=connect_timeout,
             sleep=sleep,
         )
-        self._protocol = protocol
         pool_kw: dict[str, Any] = {"retries": False, "maxsize": 8}
         if protocol == "https":
             pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=cacert)
