@@ -57,6 +57,7 @@ from ._transport import (
     Node,
     OperationRefusedError,
     Transport,
+    WatchHistoryLostError,
     _AmbiguousError,
     _UnsentError,
     transient_answer,
@@ -451,13 +452,15 @@ class EtcdV3Connection(Transport):
         ttl = int(data.get("TTL", 0))
         return ttl if ttl >= 0 else None
 
-    def watch(
-        self, key: str, index: int, timeout: float, *, recursive: bool = False
+    def _wait_for_change(
+        self, key: str, index: int, timeout: float, *, recursive: bool
     ) -> Node | None:
         """Wait for the first change of ``key`` (or below it) at or after revision ``index``.
 
-        Returns the change, or ``None`` when ``timeout`` passed or the revision was
-        compacted (callers re-read in both cases).
+        Returns the change, or ``None`` when ``timeout`` passed.
+
+        Raises:
+            WatchHistoryLostError: the revision was compacted.
         """
         from ._v3_watch import watch_once  # noqa: PLC0415 (keeps this module's size down)
 
@@ -467,27 +470,26 @@ class EtcdV3Connection(Transport):
         if recursive:
             request["range_end"] = wire.prefix_end(key)
         body = {"create_request": request}
-        while True:
+        if deadline.expired():
+            return None
+        try:
+            node = self._retrying(
+                "watch",
+                key,
+                lambda _cap: watch_once(self, body, deadline, key),
+                budget=self._watch_budget(deadline),
+                cap_requests=False,
+            )
+        except _CompactedError as exc:
+            raise WatchHistoryLostError(key, index, str(exc)) from None
+        except RendezvousConnectionError:
             if deadline.expired():
                 return None
-            try:
-                node = self._retrying(
-                    "watch",
-                    key,
-                    lambda _cap: watch_once(self, body, deadline, key),
-                    budget=self._watch_budget(deadline),
-                    cap_requests=False,
-                )
-            except _CompactedError:
-                return None
-            except RendezvousConnectionError:
-                if deadline.expired():
-                    return None
-                raise
-            if node is None:
-                return None
-            self._note_index(node)
-            return node
+            raise
+        if node is None:
+            return None
+        self._note_index(node)
+        return node
 
     # -- writes -----------------------------------------------------------------------
 

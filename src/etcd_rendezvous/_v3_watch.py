@@ -114,8 +114,9 @@ def _handle(conn: EtcdV3Connection, idx: int, message: dict[str, Any], key: str)
     if not isinstance(result, dict):
         return None
     if result.get("canceled"):
-        if int(result.get("compact_revision", 0) or 0) > 0:
-            raise _CompactedError(where)
+        compacted = int(result.get("compact_revision", 0) or 0)
+        if compacted > 0:
+            raise _CompactedError(f"etcd compacted its history up to revision {compacted}")
         reason = str(result.get("cancel_reason", ""))
         cancel = wire.GrpcError(0, reason or "watch canceled", 200)
         denied = "permission denied" in reason.lower() or str(result.get("watch_id")) == "-1"
