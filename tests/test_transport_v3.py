@@ -227,7 +227,11 @@ def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> 
 
     thread = threading.Thread(target=wait)
     thread.start()
-    wait_until(lambda: bool(v3._streams), 5, "the watch stream to open")
+    wait_until(
+        lambda: any(stream._feed is not None for stream in list(v3._watch_streams)),
+        5,
+        "the watch stream to open",
+    )
     started = time.monotonic()
     v3.close()
     thread.join(5)

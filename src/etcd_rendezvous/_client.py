@@ -48,10 +48,12 @@ from ._transport import (
     OperationRefusedError,
     Transport,
     WatchHistoryLostError,
+    WatchStream,
     _AmbiguousError,
     _UnsentError,
     transient_answer,
 )
+from ._v2_watch import V2WatchStream
 from .api import RendezvousConnectionError, RendezvousStateError
 
 __all__ = [
@@ -442,6 +444,22 @@ class EtcdConnection(Transport):
             if deadline.expired():
                 return None
             raise
+
+    def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
+        """The changes of ``key`` (or below it) from etcd index ``start_index`` on, over
+        streaming watch requests (``stream=true``): one for every change made after the
+        stream opened, one more per change that was already in etcd's history (see
+        :mod:`etcd_rendezvous._v2_watch`). Opened before returning, retrying like any
+        operation.
+
+        Raises:
+            RendezvousConnectionError: etcd stayed unreachable for the operation's
+                deadline.
+        """
+        stream = V2WatchStream(self, key, start_index, recursive)
+        self._adopt(stream)
+        stream.start()
+        return stream
 
     def server_version(self) -> str:
         """The etcd server version (``etcdserver`` field of ``/version``)."""

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -303,6 +304,7 @@ class Transport(abc.ABC):
         self._last_index = 0
         self._closed = False
         self._scope = threading.local()
+        self._watch_streams: weakref.WeakSet[WatchStream] = weakref.WeakSet()
 
     # -- properties and lifetime --------------------------------------------------
 
@@ -332,12 +334,24 @@ class Transport(abc.ABC):
         return self._closed
 
     def close(self) -> None:
-        """Release pooled connections. Idempotent."""
+        """Close the watch streams and release pooled connections. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            streams = list(self._watch_streams)
+        for stream in streams:
+            stream.close()
         self._release()
+
+    def _adopt(self, stream: WatchStream) -> None:
+        """Have :meth:`close` close ``stream`` (if it was not closed before)."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._watch_streams.add(stream)
+        if closed:
+            stream.close()
 
     @abc.abstractmethod
     def _release(self) -> None:
