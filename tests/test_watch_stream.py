@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import v3_gateway
+from etcd_metrics import counter, read_metrics
 from etcd_rendezvous._client import EtcdConnection
 from etcd_rendezvous._retry import Deadline
 from etcd_rendezvous._transport import (
@@ -27,7 +28,9 @@ from etcd_rendezvous._transport import (
     WatchStream,
 )
 from etcd_rendezvous._v3 import EtcdV3Connection
+from etcd_rendezvous.etcd_cluster import EtcdCluster
 from etcd_rendezvous.etcd_server import EtcdServer
+from faultproxy import FaultProxy
 
 TRANSPORTS: dict[str, Callable[..., Transport]] = {"v2": EtcdConnection, "v3": EtcdV3Connection}
 _V2 = pytest.param("v2", marks=pytest.mark.v2_only(reason="the v2 transport"), id="v2")
@@ -46,14 +49,16 @@ def api(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def connect(api: str, etcd_server: EtcdServer) -> Iterator[Callable[..., Transport]]:
-    """``connect(**kwargs)``: a connection of the transport under test to ``etcd_server``
-    (read timeout 5 s unless given), closed after the test."""
+    """``connect(*endpoints, **kwargs)``: a connection of the transport under test to
+    ``endpoints`` (default: ``etcd_server``; read timeout 5 s unless given), closed after
+    the test."""
     conns: list[Transport] = []
 
-    def make(**kwargs: Any) -> Transport:
+    def make(*endpoints: tuple[str, int], **kwargs: Any) -> Transport:
         kwargs.setdefault("read_timeout", 5.0)
         kwargs.setdefault("connect_timeout", 1.0)
-        conn = TRANSPORTS[api]([(etcd_server.get_host(), etcd_server.get_port())], **kwargs)
+        where = list(endpoints) or [(etcd_server.get_host(), etcd_server.get_port())]
+        conn = TRANSPORTS[api](where, **kwargs)
         conns.append(conn)
         return conn
 
@@ -79,9 +84,44 @@ def key(etcd_prefix: str) -> str:
     return f"{etcd_prefix}/key"
 
 
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds, failing after ``timeout`` seconds."""
+    deadline = Deadline(timeout)
+    while not predicate():
+        if deadline.expired():
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
 def deletion(api: str) -> set[str]:
     """The actions a stream may report for a deletion on ``api``."""
     return {"delete"} if api == "v3" else {"delete", "compareAndDelete"}
+
+
+def watch_requests(api: str, client_url: str) -> float:
+    """How many watches the etcd at ``client_url`` has started: v2 store watchers, or
+    v3 ``Watch`` gRPC streams (one per ``POST /v3/watch``)."""
+    values = read_metrics(client_url)
+    if api == "v2":
+        return counter(values, "etcd_debugging_store_watch_requests_total")
+    return counter(values, "grpc_server_started_total", grpc_method="Watch")
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state from /proc (``T`` = stopped)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+
+
+def forget_history(api: str, conn: Transport, url: str, key: str) -> None:
+    """Make etcd forget every change made so far: on v2 by making more than 1000 changes
+    of ``key`` (the event history keeps the last 1000), on v3 by compacting."""
+    if api == "v2":
+        with ThreadPoolExecutor(8, thread_name_prefix="history-filler") as pool:
+            list(pool.map(lambda i: conn.set(key, str(i)), range(_EVENT_HISTORY + 50)))
+        return
+    revision = conn.set(key, "last").modified_index
+    v3_gateway.call(url, "/v3/kv/compaction", {"revision": str(revision)})
 
 
 def drain(stream: WatchStream, count: int, timeout: float = 10.0) -> list[Node]:
@@ -272,3 +312,179 @@ def test_watch_stream_from_a_forgotten_index_raises_history_lost(conn: Transport
     with conn.watch_stream(key, read.etcd_index + 1) as stream:
         conn.set(key, "after")
         assert drain(stream, 1)[0].value == "after"
+
+
+@pytest.mark.usefixtures("cleared_history")
+def test_a_stream_that_breaks_after_its_history_was_lost_raises_history_lost(
+    api: str,
+    connect: Callable[..., Transport],
+    writer: Transport,
+    etcd_server: EtcdServer,
+    fault_proxy_factory: Callable[..., FaultProxy],
+    etcd_prefix: str,
+    key: str,
+) -> None:
+    proxy = fault_proxy_factory(etcd_server.get_host(), etcd_server.get_port())
+    conn = connect(proxy.endpoint, read_timeout=2)
+    start = writer.set(key, "0")
+    stream = conn.watch_stream(key, start.modified_index)
+    assert drain(stream, 1)[0].value == "0"
+    writer.set(key, "1")
+    assert drain(stream, 1)[0].value == "1"
+    # The stream breaks; while it is down, its key changes and etcd forgets.
+    proxy.refuse()
+    writer.set(key, "2")
+    forget_history(api, writer, etcd_server.client_url, f"{etcd_prefix}/other")
+    proxy.forward()
+    with pytest.raises(WatchHistoryLostError) as info:
+        stream.next(10)
+    assert info.value.index == stream.next_index
+    with pytest.raises(WatchHistoryLostError):
+        stream.next(1)
+    stream.close()
+
+
+# -- one request for every change --------------------------------------------------------
+
+
+def test_twenty_changes_over_one_stream_cost_one_watch_request(
+    api: str, connect: Callable[..., Transport], private_etcd_server: EtcdServer, key: str
+) -> None:
+    endpoint = (private_etcd_server.get_host(), private_etcd_server.get_port())
+    conn, writer = connect(endpoint), connect(endpoint)
+    start = writer.set(key, "start")
+    before = watch_requests(api, private_etcd_server.client_url)
+    with conn.watch_stream(key, start.modified_index + 1) as stream:
+        values = []
+        for i in range(20):
+            writer.set(key, str(i))
+            if i % 5 == 4:
+                values += [c.value for c in drain(stream, 5)]
+    assert values == [str(i) for i in range(20)]
+    assert watch_requests(api, private_etcd_server.client_url) - before == 1
+
+
+# -- failures ----------------------------------------------------------------------------
+
+
+def test_closing_a_stream_from_another_thread_wakes_its_blocked_next(
+    conn: Transport, key: str
+) -> None:
+    stream = conn.watch_stream(key, conn.set(key, "v").modified_index + 1)
+    outcome: list[BaseException | Node | None] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(stream.next(30))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait, name="test-next")
+    thread.start()
+    assert stream.next_index > 0
+    started = time.monotonic()
+    stream.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 1
+    assert isinstance(outcome[0], TransportClosedError)
+
+
+def test_closing_the_transport_wakes_a_blocked_next(conn: Transport, key: str) -> None:
+    stream = conn.watch_stream(key, conn.set(key, "v").modified_index + 1)
+    outcome: list[BaseException | Node | None] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(stream.next(30))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=wait, name="test-next")
+    thread.start()
+    started = time.monotonic()
+    conn.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert time.monotonic() - started < 1
+    assert isinstance(outcome[0], TransportClosedError)
+    assert stream.closed
+
+
+def test_a_stream_rides_out_a_sigstop_of_etcd(
+    api: str, connect: Callable[..., Transport], private_etcd_server: EtcdServer, key: str
+) -> None:
+    server = private_etcd_server
+    endpoint = (server.get_host(), server.get_port())
+    conn, writer = connect(endpoint, read_timeout=2), connect(endpoint, read_timeout=30)
+    start = writer.set(key, "start")
+    before = watch_requests(api, server.client_url)
+    stream = conn.watch_stream(key, start.modified_index + 1)
+    writer.set(key, "0")
+    assert drain(stream, 1)[0].value == "0"
+    server.suspend()
+    pid = server.pid
+    wait_for(lambda: process_state(pid) == "T", "etcd to stop")
+    writes = threading.Thread(
+        target=lambda: [writer.set(key, v) for v in ("1", "2", "3")], name="test-writer"
+    )
+    writes.start()
+    started = time.monotonic()
+    assert stream.next(0.5) is None
+    assert time.monotonic() - started < 1.5
+    server.resume()
+    changes = drain(stream, 3, timeout=30)
+    writes.join(30)
+    writer.set(key, "4")
+    changes += drain(stream, 1)
+    assert [c.value for c in changes] == ["1", "2", "3", "4"]
+    assert stream.next(0.2) is None
+    stream.close()
+    assert watch_requests(api, server.client_url) - before == 1
+
+
+def test_a_stream_moves_to_another_member_when_its_member_dies(
+    connect: Callable[..., Transport], etcd_cluster: EtcdCluster, key: str
+) -> None:
+    members = list(etcd_cluster.members)
+    endpoints = [(m.host, m.port) for m in members]
+    conn = connect(*endpoints, read_timeout=10)
+    writer = connect(*endpoints[1:], read_timeout=30)
+    start = writer.set(key, "0")
+    stream = conn.watch_stream(key, start.modified_index)
+    changes = drain(stream, 1)
+    for value in ("1", "2"):
+        writer.set(key, value)
+    changes += drain(stream, 2)
+    members[0].kill()
+    for value in ("3", "4", "5"):
+        writer.set(key, value)
+    changes += drain(stream, 3, timeout=60)
+    writer.set(key, "6")
+    changes += drain(stream, 1)
+    assert [c.value for c in changes] == [str(i) for i in range(7)]
+    indexes = [c.modified_index for c in changes]
+    assert indexes == sorted(set(indexes))
+    assert stream.next(0.2) is None
+    stream.close()
+
+
+def test_a_stream_over_tls_with_client_certificates(
+    connect: Callable[..., Transport],
+    tls_etcd_server: EtcdServer,
+    tls_certs: dict[str, str],
+    key: str,
+) -> None:
+    endpoint = (tls_etcd_server.get_host(), tls_etcd_server.get_port())
+    tls = {
+        "protocol": "https",
+        "cacert": tls_certs["ca.crt"],
+        "cert": tls_certs["node.crt"],
+        "key": tls_certs["node.key"],
+    }
+    conn, writer = connect(endpoint, **tls), connect(endpoint, **tls)
+    start = writer.set(key, "start")
+    with conn.watch_stream(key, start.modified_index + 1) as stream:
+        for value in ("a", "b"):
+            writer.set(key, value)
+        assert [c.value for c in drain(stream, 2)] == ["a", "b"]

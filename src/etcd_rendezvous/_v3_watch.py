@@ -119,7 +119,12 @@ def _handle(
     where = f"watch {key!r}"
     error = wire.stream_error(message)
     if error is not None:
-        raise conn._server_failure(idx, "/v3/watch", error, where)
+        failure = conn._server_failure(idx, "/v3/watch", error, where)
+        if isinstance(failure, (_ReauthError, RendezvousConnectionError)):
+            raise failure
+        # The gateway ends a stream whose gRPC call ended ("context canceled" when its
+        # connection is reset, say) with an error: reopen it.
+        raise _AmbiguousError(f"{conn.endpoints[idx]}: watch stream ended: {error}")
     result = message.get("result")
     if not isinstance(result, dict):
         return []

@@ -277,6 +277,17 @@ class StreamingWatch(WatchStream):
             self._cond.notify_all()
             return feed is self._feed and not self._closed
 
+    def _follow(self, feed: _Feed) -> None:
+        """Replace ``feed``, which etcd ended after delivering changes (v2, for a change
+        found in its history), at once: the sooner etcd watches again, the fewer of the
+        changes still to come land in the history, each costing a request of its own.
+        Called by the reader before it marks ``feed`` as ended, so :meth:`next` keeps
+        waiting meanwhile; a failure here ends ``feed`` with it (:meth:`next` retries)."""
+        with self._cond:
+            if feed is not self._feed or self._closed:
+                return
+        self._open(Deadline(self._transport.read_timeout))
+
     def _end(self, feed: _Feed, failure: BaseException | None) -> None:
         with self._cond:
             feed.ended = True
@@ -305,6 +316,9 @@ def _read(
             if stream is None or not stream._take(feed, batch):
                 return
             del stream
+        stream = ref()
+        if stream is not None and feed.changes:
+            stream._follow(feed)
     except BaseException as exc:
         failure = exc
     finally:
