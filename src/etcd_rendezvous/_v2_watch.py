@@ -34,7 +34,7 @@ from urllib3.exceptions import HTTPError
 
 from . import _v3_http as wire
 from ._retry import Deadline
-from ._transport import Node, WatchHistoryLostError, _AmbiguousError
+from ._transport import KeyNotFoundError, Node, WatchHistoryLostError, _AmbiguousError
 from ._watch_stream import Batches, StreamingWatch, hold_socket_open
 
 if TYPE_CHECKING:
@@ -84,6 +84,10 @@ class V2WatchStream(StreamingWatch):
             idx, response = conn._once("watch", key, call, None)
         except etcd.EtcdEventIndexCleared as exc:
             raise WatchHistoryLostError(self._key, from_index, str(exc)) from None
+        except KeyNotFoundError:
+            # Some etcd versions refuse to watch below a missing directory: nothing
+            # changed yet; try again (after a pause) until the caller's deadline.
+            raise _AmbiguousError(f"watch {key!r}: its parent directory is missing") from None
         hold_socket_open(response)
         index = int(response.headers.get("X-Etcd-Index", 0) or 0)
         return idx, response, _batches(conn.endpoints[idx], response, index)
