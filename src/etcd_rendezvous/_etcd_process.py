@@ -83,6 +83,47 @@ def read_log_from(path: str, offset: int = 0) -> str:
         return ""
 
 
+#: How long :func:`stop_process` / :func:`continue_process` wait for the kernel to act.
+_SIGNAL_WAIT = 5.0
+
+
+def _is_stopped(pid: int) -> bool | None:
+    """Whether ``pid`` is stopped (state ``T``/``t`` in ``/proc``); ``None`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # The state follows the command name, which is in parentheses.
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return None
+
+
+def _signal_and_wait(pid: int, signum: int, *, stopped: bool) -> None:
+    """Send ``signum`` to ``pid``; return once its state says ``stopped`` (or is unknown).
+
+    A signal is delivered asynchronously: without the wait, a request sent right after
+    SIGSTOP may still be answered, and a test of a hung member would not test one.
+    """
+    os.kill(pid, signum)
+    deadline = time.monotonic() + _SIGNAL_WAIT
+    while _is_stopped(pid) not in (stopped, None):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"etcd (pid {pid}) is still {'running' if stopped else 'stopped'} "
+                f"{_SIGNAL_WAIT:g} s after signal {signal.Signals(signum).name}."
+            )
+        time.sleep(0.001)
+
+
+def stop_process(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel has stopped it."""
+    _signal_and_wait(pid, signal.SIGSTOP, stopped=True)
+
+
+def continue_process(pid: int) -> None:
+    """SIGCONT ``pid`` and wait until it runs again."""
+    _signal_and_wait(pid, signal.SIGCONT, stopped=False)
+
+
 def terminate(proc: subprocess.Popen[bytes], grace: float) -> None:
     """SIGTERM ``proc`` (waking it if stopped), SIGKILL it after ``grace`` seconds."""
     if proc.poll() is None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -41,11 +40,13 @@ from ._etcd_process import (
     NotReadyError,
     ProbeTimeoutError,
     ProcessExitedError,
+    continue_process,
     free_ports,
     last_lines,
     member_status,
     probe_member,
     read_log_from,
+    stop_process,
     terminate,
     v2_flags,
     wait_ready,
@@ -217,17 +218,20 @@ class EtcdClusterMember:
             self._suspended = False
 
     def suspend(self) -> None:
-        """SIGSTOP the member: it keeps its ports but stops answering, like a hung host."""
+        """SIGSTOP the member: it keeps its ports but stops answering, like a hung host.
+
+        Returns once the process is stopped (not merely signalled).
+        """
         with self._lock:
             proc = self._require_alive()
-            os.kill(proc.pid, signal.SIGSTOP)
+            stop_process(proc.pid)
             self._suspended = True
 
     def resume(self) -> None:
         """SIGCONT the member after :meth:`suspend`."""
         with self._lock:
             proc = self._require_alive()
-            os.kill(proc.pid, signal.SIGCONT)
+            continue_process(proc.pid)
             self._suspended = False
 
     def stop(self, grace: float = 10.0) -> None:

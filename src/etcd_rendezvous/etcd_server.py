@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -37,10 +36,12 @@ from ._etcd_process import (
     HOST,
     ProbeTimeoutError,
     ProcessExitedError,
+    continue_process,
     free_ports,
     last_lines,
     probe_member,
     read_log_from,
+    stop_process,
     terminate,
     v2_flags,
     wait_ready,
@@ -456,17 +457,20 @@ class EtcdServer:
             self._suspended = False
 
     def suspend(self) -> None:
-        """SIGSTOP etcd: it keeps its port but stops answering, like a hung member."""
+        """SIGSTOP etcd: it keeps its port but stops answering, like a hung member.
+
+        Returns once the process is stopped (not merely signalled).
+        """
         with self._lock:
             proc = self._require_alive()
-            os.kill(proc.pid, signal.SIGSTOP)
+            stop_process(proc.pid)
             self._suspended = True
 
     def resume(self) -> None:
         """SIGCONT etcd after :meth:`suspend`."""
         with self._lock:
             proc = self._require_alive()
-            os.kill(proc.pid, signal.SIGCONT)
+            continue_process(proc.pid)
             self._suspended = False
 
     @property
