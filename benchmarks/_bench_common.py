@@ -1,8 +1,8 @@
-"""What the benchmark scripts share: etcd's request counters, and a round of worker processes.
+"""What the benchmark scripts share: a round of worker processes.
 
-* :func:`read_metrics` reads every sample of etcd's Prometheus ``/metrics`` page;
-  :func:`changes` is what changed between two readings, and :func:`samples` picks one
-  metric's samples with their labels, so a script can count requests by method.
+(etcd's request counters are read and classified by ``tests/etcd_requests.py``, which
+the request-count test shares.)
+
 * :func:`ready_workers` starts N worker processes (``tests/rdzv_helpers.Worker``) and
   waits until each is connected; :func:`join_round` then tells them to join at once and
   times the rendezvous from the first ``join`` to the last rank.
@@ -11,47 +11,11 @@
 from __future__ import annotations
 
 import contextlib
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
-import urllib3
-
-__all__ = ["Worker", "changes", "join_round", "read_metrics", "ready_workers", "samples"]
-
-_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?$")
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def read_metrics(client_url: str) -> dict[str, float]:
-    """Every sample of etcd's ``/metrics`` page: ``'name{label="x",...}'`` -> value."""
-    response = urllib3.PoolManager().request("GET", client_url + "/metrics", retries=False)
-    if response.status != 200:
-        raise RuntimeError(f"GET {client_url}/metrics answered {response.status}")
-    values = {}
-    for line in response.data.decode().splitlines():
-        if line and not line.startswith("#"):
-            sample, value = line.rsplit(" ", 1)
-            values[sample] = float(value)
-    return values
-
-
-def changes(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The samples whose value changed from ``before`` to ``after``, with the difference."""
-    return {
-        sample: value - before.get(sample, 0.0)
-        for sample, value in after.items()
-        if value != before.get(sample, 0.0)
-    }
-
-
-def samples(values: dict[str, float], name: str) -> Iterator[tuple[dict[str, str], float]]:
-    """The samples of metric ``name`` in ``values``, as ``(labels, value)``."""
-    for sample, value in values.items():
-        match = _SAMPLE.match(sample)
-        if match is not None and match["name"] == name:
-            yield dict(_LABEL.findall(match["labels"] or "")), value
+__all__ = ["Worker", "join_round", "ready_workers"]
 
 
 class Worker(Protocol):

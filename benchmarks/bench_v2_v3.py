@@ -15,9 +15,10 @@ calls ``next_rendezvous()`` at once. Reported:
 
 * **seconds** from the first ``next_rendezvous()`` call to the last rank;
 * **writes/node** and **reads/node**: the etcd requests of that interval, from etcd's
-  ``/metrics``, divided by N. v2: ``etcd_http_received_total`` by method (reads GET,
-  writes PUT, POST, DELETE) plus the watches, which that counter leaves out and etcd's
-  v2 store counts in ``etcd_debugging_store_watch_requests_total`` (reads). v3:
+  ``/metrics``, divided by N, as ``tests/etcd_requests.py`` classifies them. v2:
+  ``etcd_http_received_total`` by method (reads GET, writes PUT, POST, DELETE) plus
+  the watches, which that counter leaves out and etcd's v2 store counts in
+  ``etcd_debugging_store_watch_requests_total`` (reads). v3:
   ``grpc_server_started_total`` by ``grpc_method`` (reads Range, Watch -- a stream per
   wait -- and LeaseTimeToLive; writes Put, Txn, DeleteRange, LeaseGrant, LeaseRevoke).
   A request of any other kind is printed after its row;
@@ -83,35 +84,25 @@ import logging
 import os
 import re
 import statistics
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from _bench_common import changes, read_metrics, samples
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.registry import get_rendezvous_handler
+from etcd_requests import Requests, read_metrics, requests_since
 
 BACKENDS = ("etcd", "etcd-v2")
 APIS = ("v2", "v3")
 IMPLS = ("ours", "torch")
-
-#: etcd's request counters, and how each method/gRPC call is counted.
-_V2_METRIC = "etcd_http_received_total"
-_V2_READS = frozenset({"GET"})
-_V2_WRITES = frozenset({"PUT", "POST", "DELETE"})
-#: v2 TTL refreshes: PUTs that etcd's v2 store records as an update.
-_V2_STORE_WRITES = "etcd_debugging_store_writes_total"
-#: v2 watches (GETs with ``wait=true``), which ``etcd_http_received_total`` leaves out.
-_V2_WATCHES = "etcd_debugging_store_watch_requests_total"
-_V3_METRIC = "grpc_server_started_total"
-_V3_READS = frozenset({"Range", "Watch", "LeaseTimeToLive"})
-_V3_WRITES = frozenset({"Put", "Txn", "DeleteRange", "LeaseGrant", "LeaseRevoke"})
-_V3_KEEPALIVES = frozenset({"LeaseKeepAlive"})
 
 #: Seconds a whole rendezvous may take before the benchmark gives up.
 _TIMEOUT = 300
@@ -134,56 +125,6 @@ class Variant:
     backend: str
     api: str
     impl: str
-
-
-@dataclass(frozen=True)
-class Requests:
-    """The etcd requests of one measurement, as totals."""
-
-    reads: float
-    writes: float
-    keepalives: float
-    other: dict[str, float]
-    #: Every counted request by API and method ("v3 Txn": 12), for ``--breakdown``.
-    by_method: dict[str, float]
-
-
-def count_requests(delta: dict[str, float]) -> Requests:
-    """Classify the counters that changed during a measurement (both APIs' counters:
-    the server serves both, and a variant's requests all land in one API's)."""
-    reads = writes = keepalives = 0.0
-    other: dict[str, float] = {}
-    by_method: dict[str, float] = {}
-    for labels, value in samples(delta, _V2_METRIC):
-        method = labels.get("method", "")
-        by_method[f"v2 {method}"] = value
-        if method in _V2_READS:
-            reads += value
-        elif method in _V2_WRITES:
-            writes += value
-        else:
-            other[f"v2 {method}"] = value
-    for labels, value in samples(delta, _V2_STORE_WRITES):
-        if labels.get("action") == "update":
-            writes -= value
-            keepalives += value
-            by_method["v2 PUT"] = by_method.get("v2 PUT", 0.0) - value
-            by_method["v2 PUT refresh"] = value
-    for _, value in samples(delta, _V2_WATCHES):
-        reads += value
-        by_method["v2 GET wait"] = value
-    for labels, value in samples(delta, _V3_METRIC):
-        method = labels.get("grpc_method", "")
-        by_method[f"v3 {method}"] = value
-        if method in _V3_READS:
-            reads += value
-        elif method in _V3_WRITES:
-            writes += value
-        elif method in _V3_KEEPALIVES:
-            keepalives += value
-        else:
-            other[f"v3 {method}"] = value
-    return Requests(reads, writes, keepalives, other, by_method)
 
 
 # -- handlers ---------------------------------------------------------------------------
@@ -307,11 +248,11 @@ def measure(server: EtcdServer, variant: Variant, nodes: int) -> tuple[float, Re
         handlers.extend(make(run_id) for _ in range(nodes))
         before = read_metrics(server.client_url)
         seconds, _ = one_rendezvous(handlers)
-        after = read_metrics(server.client_url)
+        requests = requests_since(server.client_url, before)
     finally:
         for handler in handlers:
             release(handler, variant.impl)
-    return seconds, count_requests(changes(before, after))
+    return seconds, requests
 
 
 # -- the table --------------------------------------------------------------------------
