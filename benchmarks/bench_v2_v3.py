@@ -79,30 +79,32 @@ prints one line for them).
 from __future__ import annotations
 
 import argparse
-import importlib
-import logging
 import os
-import re
 import statistics
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from etcd_rendezvous.api import RendezvousParameters
-from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_rendezvous.registry import get_rendezvous_handler
-from etcd_requests import Requests, read_metrics, requests_since
+from _bench_common import (
+    APIS,
+    BACKENDS,
+    IMPLS,
+    ThreadDeaths,
+    Variant,
+    handler_factory,
+    release,
+    torch_available,
+    variants,
+)
 
-BACKENDS = ("etcd", "etcd-v2")
-APIS = ("v2", "v3")
-IMPLS = ("ours", "torch")
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_requests import Requests, read_metrics, requests_since
 
 #: Seconds a whole rendezvous may take before the benchmark gives up.
 _TIMEOUT = 300
@@ -116,87 +118,6 @@ _OPTIONS = {
         "keep_alive_interval": "30",
     },
 }
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One row of the table: which backend, API and implementation."""
-
-    backend: str
-    api: str
-    impl: str
-
-
-# -- handlers ---------------------------------------------------------------------------
-
-
-def _torch_module(name: str) -> Any:
-    """``torch.distributed.elastic.rendezvous.<name>``, or ``None`` without torch."""
-    try:
-        return importlib.import_module(f"torch.distributed.elastic.rendezvous.{name}")
-    except ImportError:
-        return None
-
-
-def torch_available() -> bool:
-    """Whether PyTorch's rendezvous package can be imported."""
-    return _torch_module("api") is not None
-
-
-def handler_factory(variant: Variant, endpoint: str, nodes: int) -> Callable[[str], Any]:
-    """A function making one node's handler of ``variant`` for a run id."""
-    options: dict[str, Any] = dict(_OPTIONS[variant.backend])
-    common: dict[str, Any] = {
-        "backend": variant.backend,
-        "endpoint": endpoint,
-        "min_nodes": nodes,
-        "max_nodes": nodes,
-        "local_addr": "127.0.0.1",
-    }
-    if variant.impl == "ours":
-        return lambda run_id: get_rendezvous_handler(
-            RendezvousParameters(
-                run_id=run_id,
-                **common,
-                **options,
-                etcd_api=variant.api,
-                torch_store="false",
-            )
-        )
-    torch_api = _torch_module("api")
-    if variant.backend == "etcd":
-        legacy = _torch_module("etcd_rendezvous")
-        # It logs every step of every node to stderr at INFO, on a handler of its own.
-        logging.getLogger(legacy.__name__).setLevel(logging.WARNING)
-        return lambda run_id: legacy.create_rdzv_handler(
-            torch_api.RendezvousParameters(run_id=run_id, **common, **options)
-        )
-    backend_module = _torch_module("etcd_rendezvous_backend")
-    dynamic = _torch_module("dynamic_rendezvous")
-
-    def create_dynamic(run_id: str) -> Any:
-        params = torch_api.RendezvousParameters(run_id=run_id, **common, **options)
-        backend, store = backend_module.create_backend(params)
-        return dynamic.create_handler(store, backend, params)
-
-    return create_dynamic
-
-
-def release(handler: Any, impl: str) -> None:
-    """Stop ``handler``'s background threads, so that they send nothing more to etcd
-    during later measurements (without closing the rendezvous, which is a write)."""
-    if impl == "ours":
-        handler.close()
-        return
-    # PyTorch's handlers have no close(): stop their threads as their own __del__
-    # (legacy) and shutdown() (dynamic) do.
-    impl_ = getattr(handler, "_rdzv_impl", None)
-    if impl_ is not None:
-        for stop in (impl_._lease_run_id_stop, impl_._lease_this_rank_stop):
-            if stop is not None:
-                stop.set()
-    else:
-        handler._stop_heartbeats()
 
 
 # -- one measurement --------------------------------------------------------------------
@@ -241,7 +162,7 @@ def one_rendezvous(handlers: list[Any]) -> tuple[float, list[int]]:
 
 def measure(server: EtcdServer, variant: Variant, nodes: int) -> tuple[float, Requests]:
     """One rendezvous of ``nodes`` fresh handlers on a fresh run id: seconds, requests."""
-    make = handler_factory(variant, server.get_endpoint(), nodes)
+    make = handler_factory(variant, server.get_endpoint(), nodes, _OPTIONS[variant.backend])
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     handlers: list[Any] = []
     try:
@@ -256,15 +177,6 @@ def measure(server: EtcdServer, variant: Variant, nodes: int) -> tuple[float, Re
 
 
 # -- the table --------------------------------------------------------------------------
-
-
-def variants(backends: list[str], apis: list[str], impls: list[str]) -> Iterator[Variant]:
-    """The rows to measure: ours on every API, PyTorch's on v2 only."""
-    for backend in backends:
-        for api in apis:
-            for impl in impls:
-                if impl == "ours" or api == "v2":
-                    yield Variant(backend, api, impl)
 
 
 def _mean_by_name(tables: list[dict[str, float]]) -> dict[str, float]:
@@ -298,26 +210,6 @@ def breakdown(nodes: int, results: list[tuple[float, Requests]]) -> str:
     return "    " + ", ".join(f"{name} {value / nodes:.1f}" for name, value in means.items())
 
 
-class _ThreadErrors:
-    """Counts the exceptions that kill background threads, instead of printing a
-    traceback for each (PyTorch's legacy backend has one thread per node that dies on
-    etcd 3.5: it cannot refresh a directory's TTL)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, args: threading.ExceptHookArgs) -> None:
-        # One line per kind of failure, whatever run it happened in.
-        what = re.sub(r"run_[\w.-]+", "run_<id>", f"{args.exc_type.__name__}: {args.exc_value}")
-        with self._lock:
-            self.seen[what] = self.seen.get(what, 0) + 1
-
-    def report(self) -> None:
-        for what, count in sorted(self.seen.items()):
-            print(f"note: {count} background thread(s) died of {what}")
-
-
 def parse_args() -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -339,7 +231,7 @@ def main() -> None:
     """Measure every variant and print the table."""
     args = parse_args()
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    thread_errors = _ThreadErrors()
+    thread_errors = ThreadDeaths()
     threading.excepthook = thread_errors
     impls = list(args.impls)
     if "torch" in impls and not torch_available():
