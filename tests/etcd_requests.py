@@ -117,8 +117,9 @@ class Requests:
     #: Every request by API and method ("v3 Txn": 12, "v2 PUT refresh": 8).
     by_method: dict[str, float]
 
-    def describe(self, nodes: int = 1) -> str:
-        """Every request by method, per node: ``"v2 GET 3.1, v2 PUT 2.0, ..."``."""
+    def describe(self, nodes: float = 1) -> str:
+        """Every request by method, per node (divided by ``nodes``):
+        ``"v2 GET 3.1, v2 PUT 2.0, ..."``."""
         return ", ".join(f"{name} {value / nodes:.1f}" for name, value in self.by_method.items())
 
 

@@ -1,0 +1,541 @@
+"""A rendezvous of 8 to 256 nodes: seconds, and etcd requests per node (issue 9).
+
+Usage::
+
+    python benchmarks/bench_scale.py [--nodes 8 64 256] [--procs P] [--timeout 120]
+        [--backends etcd etcd-v2] [--apis v2 v3] [--impls ours torch] [--breakdown]
+    python benchmarks/bench_scale.py --rerendezvous [--nodes ...] [--monitor-interval 0.1]
+        [--keep-alive-interval 2]
+    python benchmarks/bench_scale.py --heartbeats [--heartbeat-nodes 256]
+        [--keep-alive-interval 2] [--heartbeat-seconds 30]
+
+One etcd 3.5 is started with the v2 API enabled, so it serves both APIs (bundled etcd
+3.5 unless ``ETCD_BINARY_PATH`` says otherwise). For each node count, backend
+(``etcd``, the legacy state machine; ``etcd-v2``, the dynamic rendezvous), etcd API and
+implementation (ours; PyTorch 2.13's own backends on v2, which is all they speak,
+when torch is installed), N nodes run as threads, spread over P processes (``--procs``;
+by default 1 up to 64 nodes, else 2), each node with its own handler and connection.
+The handlers are created first, then the parent process gives the start signal.
+Every row is checked: the ranks are exactly 0 .. N-1 and every node sees world size N.
+Each variant gets ``min_nodes = max_nodes = N`` (the rendezvous completes when the last
+node arrives), ``last_call_timeout=1`` and a ``--timeout`` (s) after which the nodes
+give up and the row says ``timeout``; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (rank 0
+publishes its address through the etcd store and starts no TCPStore). Measured:
+
+* the first rendezvous (default): **seconds** from the start signal to the last rank;
+  **writes/node**, **reads/node** and **keep-alive/node**: the etcd requests of that
+  interval, from etcd's ``/metrics``, divided by N, classified by
+  ``tests/etcd_requests.py`` (v2: GET and watches are reads, PUT/POST/DELETE writes,
+  TTL refreshes keep-alive; v3: Range, Watch, LeaseTimeToLive reads, Put, Txn,
+  DeleteRange, LeaseGrant, LeaseRevoke writes, LeaseKeepAlive keep-alive). ``etcd-v2``
+  gets ``keep_alive_interval=30`` so its heartbeats fall outside the interval.
+* ``--rerendezvous``: after a first rendezvous, at the start signal one node leaves (its
+  handler stops its keep-alive, as if its process had died) and a replacement calls
+  ``next_rendezvous()``; the others act as torchrun's agent does while its workers are
+  healthy (``torch/distributed/elastic/agent/server/api.py``, ``_invoke_run``): every
+  ``--monitor-interval`` seconds they call ``num_nodes_waiting()`` and, once it is
+  positive, ``next_rendezvous()``. Reported: **seconds** to the last rank of the new
+  round, **detect** (seconds until the first node saw a node waiting), the requests per
+  node (the polls included) and **polls/node**. The legacy backend notices the departure
+  when the node's keep-alive key lapses (TTL 10 s, refreshed every 5 s); ``etcd-v2``
+  when its heartbeats are ``keep_alive_max_attempt`` (3) ``--keep-alive-interval`` old,
+  its default 2 s here: heartbeats during the interval are counted (as writes, today).
+* ``--heartbeats`` (``etcd-v2`` only): ``--heartbeat-nodes`` nodes complete a rendezvous
+  with ``keep_alive_interval = --keep-alive-interval``, then for ``--heartbeat-seconds``
+  the heartbeat threads run alone: requests per node **per minute**.
+
+``--breakdown`` prints each row's requests by API and method, per node.
+
+Measured on <date>, etcd 3.5.1 (bundled), on the 2-core x86_64 sandbox shared with
+other jobs (the seconds are noisy)::
+
+    (table to come)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _bench_common import (
+    APIS,
+    BACKENDS,
+    IMPLS,
+    ThreadDeaths,
+    Variant,
+    handler_factory,
+    release,
+    torch_available,
+    variants,
+)
+
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_requests import Requests, read_metrics, requests_since
+
+FIRST, RERENDEZVOUS, HEARTBEATS = "first", "rerendezvous", "heartbeats"
+
+#: Seconds the processes of a row may take to start and create their handlers.
+_SETUP_TIMEOUT = 300.0
+#: Seconds a row's processes get past the nodes' own timeout before they are killed.
+_MARGIN = 15.0
+
+
+# -- in each process of a row -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one process of a row does (sent to it, so plain data)."""
+
+    variant: Variant
+    endpoint: str
+    run_id: str
+    #: The world size: all the nodes of the row, in every process.
+    nodes: int
+    #: The nodes of this process.
+    count: int
+    mode: str
+    options: dict[str, str]
+    #: Whether the node that leaves, and its replacement, are in this process.
+    leaves: bool
+    monitor_interval: float
+    timeout: float
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """What one node saw (times from ``time.monotonic()``, the same in every process)."""
+
+    rank: int = -1
+    world_size: int = -1
+    finished: float = 0.0
+    #: ``num_nodes_waiting()`` calls before ``next_rendezvous()`` (re-rendezvous).
+    polls: int = 0
+    #: When a poll saw a node waiting (re-rendezvous).
+    detected: float = 0.0
+    error: str = ""
+
+
+def _join(handler: Any) -> NodeResult:
+    info = handler.next_rendezvous()
+    return NodeResult(info.rank, info.world_size, time.monotonic())
+
+
+def _agent(handler: Any, interval: float, timeout: float) -> NodeResult:
+    """What torchrun's agent does while its workers are healthy: poll
+    ``num_nodes_waiting()`` every ``interval`` s; re-rendezvous once it is positive."""
+    deadline = time.monotonic() + timeout
+    polls = 0
+    while True:
+        time.sleep(interval)
+        polls += 1
+        if handler.num_nodes_waiting() > 0:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no node was waiting within {timeout} s")
+    detected = time.monotonic()
+    return dataclasses.replace(_join(handler), polls=polls, detected=detected)
+
+
+def _run_nodes(
+    calls: Sequence[Callable[[], NodeResult]],
+    go: Event,
+    timeout: float,
+    on_go: Callable[[], None] = lambda: None,
+) -> list[NodeResult]:
+    """Each call in a thread of its own, all released when the parent sets ``go`` (after
+    ``on_go()``); a call not done within ``timeout`` s says so in its result."""
+    released = threading.Event()
+    results = [NodeResult(error=f"TimeoutError: not done within {timeout} s")] * len(calls)
+
+    def node(i: int, call: Callable[[], NodeResult]) -> None:
+        released.wait()
+        try:
+            results[i] = call()
+        except Exception as exc:  # the parent reports it
+            results[i] = NodeResult(error=f"{type(exc).__name__}: {exc}")
+
+    threads = [
+        threading.Thread(target=node, args=(i, call), name=f"node-{i}", daemon=True)
+        for i, call in enumerate(calls)
+    ]
+    for thread in threads:
+        thread.start()
+    if not go.wait(_SETUP_TIMEOUT + timeout):
+        raise RuntimeError("the parent gave no start signal")
+    on_go()
+    released.set()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    return list(results)
+
+
+def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any) -> None:
+    """One process of a row: create the handlers, report ready, then run each phase on
+    the parent's signal (start, second round, release); reports go to ``out``."""
+    start, second, done = signals
+    deaths = ThreadDeaths()
+    threading.excepthook = deaths
+    make = handler_factory(plan.variant, plan.endpoint, plan.nodes, plan.options)
+    handlers: list[Any] = []
+    try:
+        handlers.extend(make(plan.run_id) for _ in range(plan.count + plan.leaves))
+        # The replacement, if any, is the last handler; it joins in the second round.
+        nodes = handlers[: plan.count]
+        out.put(("ready", index, None))
+        joined = _run_nodes([_bind(_join, handler) for handler in nodes], start, plan.timeout)
+        out.put(("joined", index, joined))
+        if plan.mode == RERENDEZVOUS:
+            out.put(("rejoined", index, _second_round(plan, handlers, second)))
+        # Released once the parent has read etcd's counters (or given up on the row).
+        done.wait(_SETUP_TIMEOUT + 3 * plan.timeout)
+    except BaseException:
+        out.put(("failed", index, traceback.format_exc()))
+    finally:
+        for handler in handlers:
+            release(handler, plan.variant.impl)
+        out.put(("done", index, deaths.seen))
+
+
+def _bind(call: Callable[[Any], NodeResult], handler: Any) -> Callable[[], NodeResult]:
+    return lambda: call(handler)
+
+
+def _second_round(plan: Plan, handlers: list[Any], second: Event) -> list[NodeResult]:
+    """The re-rendezvous: the leaving node stops, its replacement joins, the others poll."""
+    stays = handlers[: plan.count - 1] if plan.leaves else handlers
+    calls = [_bind(lambda h: _agent(h, plan.monitor_interval, plan.timeout), h) for h in stays]
+
+    def leave() -> None:
+        if plan.leaves:
+            release(handlers[plan.count - 1], plan.variant.impl)
+
+    if plan.leaves:
+        calls.append(_bind(_join, handlers[-1]))
+    return _run_nodes(calls, second, plan.timeout, on_go=leave)
+
+
+# -- in the parent ------------------------------------------------------------------------
+
+
+class RowError(Exception):
+    """A row could not be measured; the message says why."""
+
+
+class _Inbox:
+    """The reports of a row's processes, by kind."""
+
+    def __init__(self, reports: Any, processes: list[BaseProcess]) -> None:
+        self._reports = reports
+        self._processes = processes
+        self._held: dict[tuple[str, int], Any] = {}
+
+    def gather(self, kind: str, deadline: float) -> list[Any] | None:
+        """Every process's ``kind`` report, in process order; ``None`` if one is still
+        missing at ``deadline``.
+
+        Raises:
+            RowError: a process failed, or died without reporting.
+        """
+        count = len(self._processes)
+        while sum(k == kind for k, _ in self._held) < count:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                what, index, payload = self._reports.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p.name for p in self._processes if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RowError(f"process(es) {', '.join(dead)} died") from None
+                continue
+            if what == "failed":
+                raise RowError(f"process {index}: {payload.strip().splitlines()[-1]}")
+            self._held[what, index] = payload
+        return [self._held.pop((kind, i)) for i in range(count)]
+
+
+@dataclass
+class Outcome:
+    """One row's measurement, or why there is none (``problem``)."""
+
+    seconds: float = 0.0
+    detect: float = 0.0
+    polls: float = 0.0
+    #: The seconds the requests were counted over (heartbeats).
+    window: float = 0.0
+    requests: Requests | None = None
+    problem: str = ""
+
+
+def _check(results: list[NodeResult], nodes: int, timeout: float) -> None:
+    """Raise :class:`RowError` unless every node got a rank in 0 .. N-1, once, in a
+    world of N (a node that timed out makes it ``timeout``)."""
+    errors = [r.error for r in results if r.error]
+    if errors:
+        if any("Timeout" in error for error in errors):
+            raise RowError(f"timeout ({len(errors)} node(s) within {timeout:g} s)")
+        raise RowError(f"{len(errors)} node(s) failed; the first: {errors[0]}")
+    ranks = sorted(r.rank for r in results)
+    if ranks != list(range(nodes)):
+        raise RowError(f"the ranks are not 0 .. {nodes - 1}: {ranks}")
+    sizes = {r.world_size for r in results}
+    if sizes != {nodes}:
+        raise RowError(f"world sizes {sorted(sizes)}, not {nodes}")
+
+
+def _gathered(inbox: _Inbox, kind: str, deadline: float, timeout: float) -> list[NodeResult]:
+    """Every node's result of one phase; :class:`RowError` (timeout) if late."""
+    reports = inbox.gather(kind, deadline)
+    if reports is None:
+        raise RowError(f"timeout (not done within {timeout:g} s)")
+    return [result for report in reports for result in report]
+
+
+def _measure(
+    server: EtcdServer,
+    plan: Plan,
+    inbox: _Inbox,
+    signals: tuple[Event, Event, Event],
+    heartbeat_seconds: float,
+) -> Outcome:
+    """Run a row's phases once its processes are ready, and measure the one that counts."""
+    start, second, _ = signals
+    url, nodes, timeout = server.client_url, plan.nodes, plan.timeout
+    if inbox.gather("ready", time.monotonic() + _SETUP_TIMEOUT) is None:
+        raise RowError(f"the handlers were not ready within {_SETUP_TIMEOUT:g} s")
+    before = read_metrics(url)
+    started = time.monotonic()
+    start.set()
+    first = _gathered(inbox, "joined", started + timeout + _MARGIN, timeout)
+    _check(first, nodes, timeout)
+    if plan.mode == FIRST:
+        requests = requests_since(url, before)
+        return Outcome(max(r.finished for r in first) - started, requests=requests)
+    before = read_metrics(url)
+    started = time.monotonic()
+    if plan.mode == HEARTBEATS:
+        time.sleep(heartbeat_seconds)  # the window, in which only heartbeats run
+        requests = requests_since(url, before)
+        return Outcome(window=time.monotonic() - started, requests=requests)
+    second.set()
+    again = _gathered(inbox, "rejoined", started + timeout + _MARGIN, timeout)
+    requests = requests_since(url, before)
+    _check(again, nodes, timeout)
+    return Outcome(
+        seconds=max(r.finished for r in again) - started,
+        detect=min(r.detected for r in again if r.polls) - started,
+        polls=sum(r.polls for r in again) / nodes,
+        requests=requests,
+    )
+
+
+def _split(nodes: int, procs: int) -> list[int]:
+    """``nodes`` spread as evenly as possible over ``procs`` processes."""
+    return [nodes // procs + (i < nodes % procs) for i in range(procs)]
+
+
+def run_row(
+    plan: Plan, procs: int, server: EtcdServer, heartbeat_seconds: float, deaths: ThreadDeaths
+) -> Outcome:
+    """Measure one row in ``procs`` fresh processes, which are gone on return; the
+    background threads that died in them are added to ``deaths``."""
+    context = multiprocessing.get_context("spawn")
+    signals = (context.Event(), context.Event(), context.Event())
+    reports = context.Queue()
+    counts = _split(plan.nodes, procs)
+    processes: list[BaseProcess] = [
+        context.Process(
+            target=_child,
+            args=(
+                dataclasses.replace(plan, count=count, leaves=plan.leaves and i == procs - 1),
+                i,
+                signals,
+                reports,
+            ),
+            name=f"bench-scale-{i}",
+            daemon=True,
+        )
+        for i, count in enumerate(counts)
+    ]
+    inbox = _Inbox(reports, processes)
+    outcome = Outcome(problem="interrupted")
+    try:
+        for process in processes:
+            process.start()
+        outcome = _measure(server, plan, inbox, signals, heartbeat_seconds)
+    except RowError as exc:
+        outcome = Outcome(problem=str(exc))
+    finally:
+        signals[2].set()
+        _end(processes, inbox, deaths, wait=not outcome.problem)
+    return outcome
+
+
+def _end(processes: list[BaseProcess], inbox: _Inbox, deaths: ThreadDeaths, wait: bool) -> None:
+    """Let the processes release their handlers and exit (if ``wait``), then kill the
+    ones left: a row that failed may have nodes stuck in a rendezvous."""
+    if wait:
+        with_deaths = inbox.gather("done", time.monotonic() + 60)
+        for seen in with_deaths or ():
+            deaths.add(seen)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(10)
+
+
+# -- the tables ---------------------------------------------------------------------------
+
+
+def _per_node(requests: Requests, scale: float) -> str:
+    return (
+        f"{requests.writes * scale:>11.1f} {requests.reads * scale:>10.1f} "
+        f"{requests.keepalives * scale:>15.1f}"
+    )
+
+
+_HEADERS = {
+    FIRST: f"{'seconds':>8} {'writes/node':>11} {'reads/node':>10} {'keep-alive/node':>15}",
+    RERENDEZVOUS: (
+        f"{'seconds':>8} {'detect':>7} {'writes/node':>11} {'reads/node':>10} "
+        f"{'keep-alive/node':>15} {'polls/node':>10}"
+    ),
+    HEARTBEATS: (
+        f"{'seconds':>8} {'writes/node':>11} {'reads/node':>10} {'keep-alive/node':>15}"
+        "  (per minute)"
+    ),
+}
+
+
+def header(mode: str) -> str:
+    """The column titles of ``mode``'s table."""
+    return f"{'backend':<8} {'API':<3} {'impl':<5} {'N':>3} {'P':>2} {_HEADERS[mode]}"
+
+
+def row(plan: Plan, procs: int, outcome: Outcome) -> str:
+    """One line of the table (requests of no known class appended)."""
+    variant = plan.variant
+    start = f"{variant.backend:<8} {variant.api:<3} {variant.impl:<5} {plan.nodes:>3} {procs:>2}"
+    requests = outcome.requests
+    if outcome.problem or requests is None:
+        return f"{start} {outcome.problem}"
+    if plan.mode == HEARTBEATS:
+        numbers = f"{outcome.window:>8.1f} {_per_node(requests, 60 / outcome.window / plan.nodes)}"
+    elif plan.mode == RERENDEZVOUS:
+        numbers = (
+            f"{outcome.seconds:>8.2f} {outcome.detect:>7.2f} "
+            f"{_per_node(requests, 1 / plan.nodes)} {outcome.polls:>10.1f}"
+        )
+    else:
+        numbers = f"{outcome.seconds:>8.2f} {_per_node(requests, 1 / plan.nodes)}"
+    other = "".join(f"  +{v / plan.nodes:.1f} {k}" for k, v in requests.other.items())
+    return f"{start} {numbers}{other}"
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def default_procs(nodes: int) -> int:
+    """The processes for ``nodes`` nodes unless ``--procs`` says: 1 up to 64 nodes, else 2."""
+    return 1 if nodes <= 64 else 2
+
+
+def options(backend: str, mode: str, args: argparse.Namespace) -> dict[str, str]:
+    """The backend options of every variant of ``backend`` (strings, as torchrun's)."""
+    timeout = f"{args.timeout:g}"
+    if backend == "etcd":
+        return {"timeout": timeout, "last_call_timeout": "1"}
+    interval = "30" if mode == FIRST else f"{args.keep_alive_interval:g}"
+    return {"join_timeout": timeout, "last_call_timeout": "1", "keep_alive_interval": interval}
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--procs", type=int, help="processes per row (default: 1 up to 64 nodes)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per rendezvous")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--apis", nargs="+", choices=APIS, default=list(APIS))
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--breakdown", action="store_true", help="requests by method too")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--rerendezvous", action="store_true", help="measure a re-rendezvous")
+    mode.add_argument("--heartbeats", action="store_true", help="measure etcd-v2 heartbeats")
+    parser.add_argument("--monitor-interval", type=float, default=0.1, help="agents' poll (s)")
+    parser.add_argument(
+        "--keep-alive-interval", type=float, default=2.0, help="etcd-v2's, when not the first"
+    )
+    parser.add_argument("--heartbeat-nodes", type=int, default=256)
+    parser.add_argument("--heartbeat-seconds", type=float, default=30.0)
+    args = parser.parse_args()
+    least = 2 if args.rerendezvous else 1
+    if min(args.nodes) < least or args.heartbeat_nodes < 1 or (args.procs or 1) < 1:
+        parser.error(f"--nodes must be at least {least}, --heartbeat-nodes and --procs 1")
+    if min(args.timeout, args.keep_alive_interval, args.heartbeat_seconds) <= 0:
+        parser.error("--timeout, --keep-alive-interval and --heartbeat-seconds must be > 0")
+    return args
+
+
+def main() -> None:
+    """Measure every row and print the table."""
+    args = parse_args()
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # inherited by the processes
+    deaths = ThreadDeaths()
+    mode = RERENDEZVOUS if args.rerendezvous else HEARTBEATS if args.heartbeats else FIRST
+    impls = list(args.impls)
+    if "torch" in impls and not torch_available():
+        print("note: torch is not installed; PyTorch's reference rows are skipped")
+        impls.remove("torch")
+    counts = [args.heartbeat_nodes] if mode == HEARTBEATS else args.nodes
+    backends = ["etcd-v2"] if mode == HEARTBEATS else args.backends
+    with EtcdServer(enable_v2=True) as server:
+        print(
+            f"etcd {server.version} at {server.get_endpoint()} serving the v2 and v3 APIs; "
+            f"{os.cpu_count()} CPUs; measuring: {mode}"
+            + (f", {args.heartbeat_seconds:g} s window" if mode == HEARTBEATS else "")
+        )
+        print(header(mode), flush=True)
+        for nodes in counts:
+            procs = min(args.procs or default_procs(nodes), nodes)
+            for variant in variants(backends, args.apis, impls):
+                plan = Plan(
+                    variant,
+                    server.get_endpoint(),
+                    f"scale-{uuid.uuid4().hex[:8]}",
+                    nodes,
+                    nodes,
+                    mode,
+                    options(variant.backend, mode, args),
+                    leaves=mode == RERENDEZVOUS,
+                    monitor_interval=args.monitor_interval,
+                    timeout=args.timeout,
+                )
+                outcome = run_row(plan, procs, server, args.heartbeat_seconds, deaths)
+                print(row(plan, procs, outcome), flush=True)
+                if args.breakdown and outcome.requests is not None:
+                    per = nodes * (outcome.window / 60 if mode == HEARTBEATS else 1)
+                    print(f"    {outcome.requests.describe(per)}", flush=True)
+    deaths.report()
+
+
+if __name__ == "__main__":
+    main()
