@@ -291,7 +291,8 @@ def _check(results: list[NodeResult], nodes: int, timeout: float) -> None:
     errors = [r.error for r in results if r.error]
     if errors:
         if any("Timeout" in error for error in errors):
-            raise RowError(f"timeout ({len(errors)} node(s) within {timeout:g} s)")
+            gave_up = f"{len(errors)} of {nodes} node(s) gave up after {timeout:g} s"
+            raise RowError(f"timeout ({gave_up})")
         raise RowError(f"{len(errors)} node(s) failed; the first: {errors[0]}")
     ranks = sorted(r.rank for r in results)
     if ranks != list(range(nodes)):
