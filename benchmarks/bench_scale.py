@@ -155,12 +155,14 @@ def _agent(handler: Any, interval: float, timeout: float) -> NodeResult:
 
 def _run_nodes(
     calls: Sequence[Callable[[], NodeResult]],
+    ready: Callable[[], None],
     go: Event,
     timeout: float,
     on_go: Callable[[], None] = lambda: None,
 ) -> list[NodeResult]:
-    """Each call in a thread of its own, all released when the parent sets ``go`` (after
-    ``on_go()``); a call not done within ``timeout`` s says so in its result."""
+    """Each call in a thread of its own: once the threads are started, ``ready()`` tells
+    the parent, which sets ``go``; then ``on_go()`` and every call runs. A call not done
+    within ``timeout`` s says so in its result."""
     released = threading.Event()
     results = [NodeResult(error=f"TimeoutError: not done within {timeout} s")] * len(calls)
 
@@ -177,6 +179,7 @@ def _run_nodes(
     ]
     for thread in threads:
         thread.start()
+    ready()
     if not go.wait(_SETUP_TIMEOUT + timeout):
         raise RuntimeError("the parent gave no start signal")
     on_go()
@@ -198,12 +201,14 @@ def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any
     try:
         handlers.extend(make(plan.run_id) for _ in range(plan.count + plan.leaves))
         # The replacement, if any, is the last handler; it joins in the second round.
-        nodes = handlers[: plan.count]
-        out.put(("ready", index, None))
-        joined = _run_nodes([_bind(_join, handler) for handler in nodes], start, plan.timeout)
+        calls = [_bind(_join, handler) for handler in handlers[: plan.count]]
+        joined = _run_nodes(calls, lambda: out.put(("ready", index, None)), start, plan.timeout)
         out.put(("joined", index, joined))
         if plan.mode == RERENDEZVOUS:
-            out.put(("rejoined", index, _second_round(plan, handlers, second)))
+            again = _second_round(
+                plan, handlers, lambda: out.put(("ready again", index, None)), second
+            )
+            out.put(("rejoined", index, again))
         # Released once the parent has read etcd's counters (or given up on the row).
         done.wait(_SETUP_TIMEOUT + 3 * plan.timeout)
     except BaseException:
@@ -218,7 +223,9 @@ def _bind(call: Callable[[Any], NodeResult], handler: Any) -> Callable[[], NodeR
     return lambda: call(handler)
 
 
-def _second_round(plan: Plan, handlers: list[Any], second: Event) -> list[NodeResult]:
+def _second_round(
+    plan: Plan, handlers: list[Any], ready: Callable[[], None], second: Event
+) -> list[NodeResult]:
     """The re-rendezvous: the leaving node stops, its replacement joins, the others poll."""
     stays = handlers[: plan.count - 1] if plan.leaves else handlers
     calls = [_bind(lambda h: _agent(h, plan.monitor_interval, plan.timeout), h) for h in stays]
@@ -229,7 +236,7 @@ def _second_round(plan: Plan, handlers: list[Any], second: Event) -> list[NodeRe
 
     if plan.leaves:
         calls.append(_bind(_join, handlers[-1]))
-    return _run_nodes(calls, second, plan.timeout, on_go=leave)
+    return _run_nodes(calls, ready, second, plan.timeout, on_go=leave)
 
 
 # -- in the parent ------------------------------------------------------------------------
@@ -320,7 +327,7 @@ def _measure(
     """Run a row's phases once its processes are ready, and measure the one that counts."""
     start, second, _ = signals
     url, nodes, timeout = server.client_url, plan.nodes, plan.timeout
-    if inbox.gather("ready", time.monotonic() + _SETUP_TIMEOUT) is None:
+    if inbox.gather("ready", _deadline(_SETUP_TIMEOUT)) is None:
         raise RowError(f"the handlers were not ready within {_SETUP_TIMEOUT:g} s")
     before = read_metrics(url)
     started = time.monotonic()
@@ -330,6 +337,8 @@ def _measure(
     if plan.mode == FIRST:
         requests = requests_since(url, before)
         return Outcome(max(r.finished for r in first) - started, requests=requests)
+    if plan.mode == RERENDEZVOUS and inbox.gather("ready again", _deadline(_SETUP_TIMEOUT)) is None:
+        raise RowError("the nodes were not ready for the second round")
     before = read_metrics(url)
     started = time.monotonic()
     if plan.mode == HEARTBEATS:
@@ -346,6 +355,10 @@ def _measure(
         polls=sum(r.polls for r in again) / nodes,
         requests=requests,
     )
+
+
+def _deadline(seconds: float) -> float:
+    return time.monotonic() + seconds
 
 
 def _split(nodes: int, procs: int) -> list[int]:
