@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_scale.py [--nodes 8 64 256] [--procs P] [--timeout 120]
+    python benchmarks/bench_scale.py [--nodes 8 64 256] [--procs P] [--timeout 60]
         [--backends etcd etcd-v2] [--apis v2 v3] [--impls ours torch] [--breakdown]
     python benchmarks/bench_scale.py --rerendezvous [--nodes ...] [--monitor-interval 0.1]
         [--keep-alive-interval 2]
@@ -486,7 +486,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--procs", type=int, help="processes per row (default: 1 up to 64 nodes)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per rendezvous")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per rendezvous")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--apis", nargs="+", choices=APIS, default=list(APIS))
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
