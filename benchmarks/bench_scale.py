@@ -451,16 +451,18 @@ def row(plan: Plan, procs: int, outcome: Outcome) -> str:
     requests = outcome.requests
     if outcome.problem or requests is None:
         return f"{start} {outcome.problem}"
+    # Per node; per node and minute for heartbeats.
+    scale = (60 / outcome.window if plan.mode == HEARTBEATS else 1) / plan.nodes
     if plan.mode == HEARTBEATS:
-        numbers = f"{outcome.window:>8.1f} {_per_node(requests, 60 / outcome.window / plan.nodes)}"
+        numbers = f"{outcome.window:>8.1f} {_per_node(requests, scale)}"
     elif plan.mode == RERENDEZVOUS:
         numbers = (
             f"{outcome.seconds:>8.2f} {outcome.detect:>7.2f} "
-            f"{_per_node(requests, 1 / plan.nodes)} {outcome.polls:>10.1f}"
+            f"{_per_node(requests, scale)} {outcome.polls:>10.1f}"
         )
     else:
-        numbers = f"{outcome.seconds:>8.2f} {_per_node(requests, 1 / plan.nodes)}"
-    other = "".join(f"  +{v / plan.nodes:.1f} {k}" for k, v in requests.other.items())
+        numbers = f"{outcome.seconds:>8.2f} {_per_node(requests, scale)}"
+    other = "".join(f"  +{v * scale:.1f} {k}" for k, v in requests.other.items())
     return f"{start} {numbers}{other}"
 
 
