@@ -44,7 +44,9 @@ publishes its address through the etcd store and starts no TCPStore). Measured:
   with ``keep_alive_interval = --keep-alive-interval``, then for ``--heartbeat-seconds``
   the heartbeat threads run alone: requests per node **per minute**.
 
-``--breakdown`` prints each row's requests by API and method, per node.
+``--breakdown`` prints each row's requests by API and method, per node, and the CPU
+seconds of the row's busiest process in the measured interval: close to the row's
+seconds, the client's CPU is the bottleneck and more ``--procs`` help.
 
 Measured on <date>, etcd 3.5.1 (bundled), on the 2-core x86_64 sandbox shared with
 other jobs (the seconds are noisy)::
@@ -132,6 +134,15 @@ class NodeResult:
     error: str = ""
 
 
+@dataclass(frozen=True)
+class Phase:
+    """What one process reports of a phase: its nodes' results, and the CPU seconds
+    the process used from the start signal until its last node was done."""
+
+    results: list[NodeResult]
+    cpu: float
+
+
 def _join(handler: Any) -> NodeResult:
     info = handler.next_rendezvous()
     return NodeResult(info.rank, info.world_size, time.monotonic())
@@ -159,7 +170,7 @@ def _run_nodes(
     go: Event,
     timeout: float,
     on_go: Callable[[], None] = lambda: None,
-) -> list[NodeResult]:
+) -> Phase:
     """Each call in a thread of its own: once the threads are started, ``ready()`` tells
     the parent, which sets ``go``; then ``on_go()`` and every call runs. A call not done
     within ``timeout`` s says so in its result."""
@@ -182,12 +193,13 @@ def _run_nodes(
     ready()
     if not go.wait(_SETUP_TIMEOUT + timeout):
         raise RuntimeError("the parent gave no start signal")
+    cpu = time.process_time()
     on_go()
     released.set()
     deadline = time.monotonic() + timeout
     for thread in threads:
         thread.join(max(deadline - time.monotonic(), 0.0))
-    return list(results)
+    return Phase(list(results), time.process_time() - cpu)
 
 
 def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any) -> None:
@@ -225,7 +237,7 @@ def _bind(call: Callable[[Any], NodeResult], handler: Any) -> Callable[[], NodeR
 
 def _second_round(
     plan: Plan, handlers: list[Any], ready: Callable[[], None], second: Event
-) -> list[NodeResult]:
+) -> Phase:
     """The re-rendezvous: the leaving node stops, its replacement joins, the others poll."""
     stays = handlers[: plan.count - 1] if plan.leaves else handlers
     calls = [_bind(lambda h: _agent(h, plan.monitor_interval, plan.timeout), h) for h in stays]
@@ -289,6 +301,9 @@ class Outcome:
     #: The seconds the requests were counted over (heartbeats).
     window: float = 0.0
     requests: Requests | None = None
+    #: CPU seconds of the busiest process of the row in the measured phase (first
+    #: rendezvous, re-rendezvous): near ``seconds``, the client's CPU is the bottleneck.
+    cpu: float = 0.0
     problem: str = ""
 
 
@@ -309,12 +324,14 @@ def _check(results: list[NodeResult], nodes: int, timeout: float) -> None:
         raise RowError(f"world sizes {sorted(sizes)}, not {nodes}")
 
 
-def _gathered(inbox: _Inbox, kind: str, deadline: float, timeout: float) -> list[NodeResult]:
-    """Every node's result of one phase; :class:`RowError` (timeout) if late."""
-    reports = inbox.gather(kind, deadline)
-    if reports is None:
+def _gathered(inbox: _Inbox, kind: str, deadline: float, timeout: float) -> Phase:
+    """Every node's result of one phase, and the CPU seconds of the busiest process;
+    :class:`RowError` (timeout) if late."""
+    phases: list[Phase] | None = inbox.gather(kind, deadline)
+    if phases is None:
         raise RowError(f"timeout (not done within {timeout:g} s)")
-    return [result for report in reports for result in report]
+    results = [result for phase in phases for result in phase.results]
+    return Phase(results, max(phase.cpu for phase in phases))
 
 
 def _measure(
@@ -333,10 +350,11 @@ def _measure(
     started = time.monotonic()
     start.set()
     first = _gathered(inbox, "joined", started + timeout + _MARGIN, timeout)
-    _check(first, nodes, timeout)
+    _check(first.results, nodes, timeout)
     if plan.mode == FIRST:
         requests = requests_since(url, before)
-        return Outcome(max(r.finished for r in first) - started, requests=requests)
+        seconds = max(r.finished for r in first.results) - started
+        return Outcome(seconds, requests=requests, cpu=first.cpu)
     if plan.mode == RERENDEZVOUS and inbox.gather("ready again", _deadline(_SETUP_TIMEOUT)) is None:
         raise RowError("the nodes were not ready for the second round")
     before = read_metrics(url)
@@ -348,12 +366,13 @@ def _measure(
     second.set()
     again = _gathered(inbox, "rejoined", started + timeout + _MARGIN, timeout)
     requests = requests_since(url, before)
-    _check(again, nodes, timeout)
+    _check(again.results, nodes, timeout)
     return Outcome(
-        seconds=max(r.finished for r in again) - started,
-        detect=min(r.detected for r in again if r.polls) - started,
-        polls=sum(r.polls for r in again) / nodes,
+        seconds=max(r.finished for r in again.results) - started,
+        detect=min(r.detected for r in again.results if r.polls) - started,
+        polls=sum(r.polls for r in again.results) / nodes,
         requests=requests,
+        cpu=again.cpu,
     )
 
 
@@ -466,6 +485,16 @@ def row(plan: Plan, procs: int, outcome: Outcome) -> str:
     return f"{start} {numbers}{other}"
 
 
+def breakdown(mode: str, nodes: int, outcome: Outcome) -> str:
+    """A row's requests by method, per node (and minute, for heartbeats), and the CPU
+    seconds of its busiest process."""
+    if outcome.requests is None:
+        return ""
+    per = nodes * (outcome.window / 60 if mode == HEARTBEATS else 1)
+    cpu = "" if mode == HEARTBEATS else f"; busiest process: {outcome.cpu:.2f} CPU s"
+    return f"    {outcome.requests.describe(per)}{cpu}"
+
+
 # -- the command line ---------------------------------------------------------------------
 
 
@@ -548,8 +577,7 @@ def main() -> None:
                 outcome = run_row(plan, procs, server, args.heartbeat_seconds, deaths)
                 print(row(plan, procs, outcome), flush=True)
                 if args.breakdown and outcome.requests is not None:
-                    per = nodes * (outcome.window / 60 if mode == HEARTBEATS else 1)
-                    print(f"    {outcome.requests.describe(per)}", flush=True)
+                    print(breakdown(mode, nodes, outcome), flush=True)
     deaths.report()
 
 
