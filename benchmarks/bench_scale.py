@@ -349,8 +349,12 @@ def _measure(
     before = read_metrics(url)
     started = time.monotonic()
     start.set()
-    first = _gathered(inbox, "joined", started + timeout + _MARGIN, timeout)
-    _check(first.results, nodes, timeout)
+    # Outside the first-rendezvous table, say which round a problem was in.
+    try:
+        first = _gathered(inbox, "joined", started + timeout + _MARGIN, timeout)
+        _check(first.results, nodes, timeout)
+    except RowError as exc:
+        raise RowError(exc if plan.mode == FIRST else f"first round: {exc}") from None
     if plan.mode == FIRST:
         requests = requests_since(url, before)
         seconds = max(r.finished for r in first.results) - started
@@ -364,9 +368,12 @@ def _measure(
         requests = requests_since(url, before)
         return Outcome(window=time.monotonic() - started, requests=requests)
     second.set()
-    again = _gathered(inbox, "rejoined", started + timeout + _MARGIN, timeout)
-    requests = requests_since(url, before)
-    _check(again.results, nodes, timeout)
+    try:
+        again = _gathered(inbox, "rejoined", started + timeout + _MARGIN, timeout)
+        requests = requests_since(url, before)
+        _check(again.results, nodes, timeout)
+    except RowError as exc:
+        raise RowError(f"second round: {exc}") from None
     return Outcome(
         seconds=max(r.finished for r in again.results) - started,
         detect=min(r.detected for r in again.results if r.polls) - started,
