@@ -48,10 +48,68 @@ publishes its address through the etcd store and starts no TCPStore). Measured:
 seconds of the row's busiest process in the measured interval: close to the row's
 seconds, the client's CPU is the bottleneck and more ``--procs`` help.
 
-Measured on <date>, etcd 3.5.1 (bundled), on the 2-core x86_64 sandbox shared with
-other jobs (the seconds are noisy)::
+Measured on 2026-11-23 with main at 556578a (before the batched-join protocols of
+issue 9), etcd 3.5.1 (bundled), on the 2-core x86_64 sandbox shared with other jobs
+(the seconds are noisy; the load average reached 20 during the run). The whole default
+run took 8 min 42 s::
 
-    (table to come)
+    python benchmarks/bench_scale.py --breakdown
+
+    backend  API impl    N  P  seconds writes/node reads/node keep-alive/node
+    etcd     v2  ours    8  1     0.40         9.0       18.4             0.0
+    etcd     v2  torch   8  1     1.47         7.4       24.9             1.0
+    etcd     v3  ours    8  1     0.75        15.1       19.6             0.0
+    etcd-v2  v2  ours    8  1     0.32         1.2       11.6             0.0
+    etcd-v2  v2  torch   8  1     1.28         1.4        5.5             0.0
+    etcd-v2  v3  ours    8  1     0.37         2.5       11.4             0.0
+    etcd     v2  ours   64  1     9.91        17.7       82.4             0.1
+    etcd     v2  torch  64  1    13.66        35.7      113.6             1.5
+    etcd     v3  ours   64  1    24.46        32.5       85.4             1.1
+    etcd-v2  v2  ours   64  1    12.94        11.5       64.3             0.0
+    etcd-v2  v2  torch  64  1    16.92        16.8       25.1             0.0
+    etcd-v2  v3  ours   64  1    17.78        12.1       52.7             0.0
+    (every row at N = 256, P = 2: timeout, all 256 nodes gave up after 60 s)
+
+At 64 nodes one process is CPU-bound (``--breakdown``: the busiest process used 8.5 to
+15 CPU s in rows of 10 to 25 s, about 1.5-2.5 ms of client CPU per request); two
+processes (``--procs 2``) halve each one's CPU but not the time on 2 cores shared with
+etcd (9.6 and 12.9 s with one process, 11.8 and 13.2 s with two, ours on v2).
+
+Re-rendezvous (same day and machine; the 64-node ``etcd-v2`` rows also with
+``--timeout 120``, with the same result)::
+
+    python benchmarks/bench_scale.py --rerendezvous --nodes 8 64
+
+    backend  API impl    N  P  seconds  detect writes/node reads/node keep-alive/node polls/node
+    etcd     v2  ours    8  1    10.36    0.10        13.2       36.6             0.0        0.9
+    etcd     v2  torch   8  1    11.33    0.10         8.4       40.1             1.0        0.9
+    etcd     v3  ours    8  1    10.86    0.11        21.1       28.5             0.0        0.9
+    etcd-v2  v2  ours    8  1     7.10    5.95        13.8       35.8             0.0       52.4
+    etcd-v2  v2  torch   8  1     8.48    5.59        10.5       14.1             0.0       51.6
+    etcd-v2  v3  ours    8  1     6.71    5.97        13.0       32.5             0.0       51.8
+    etcd     v2  ours   64  1    19.38    0.13        31.9      108.7             0.4        1.0
+    etcd     v2  torch  64  1    18.96    0.11        37.8      141.0             1.5        1.0
+    etcd     v3  ours   64  1 timeout (64 of 64 node(s) gave up after 60 s)
+    etcd-v2  v2  ours   64  1 first round: timeout (64 of 64 node(s) gave up after 120 s)
+    etcd-v2  v2  torch  64  1 first round: timeout (64 of 64 node(s) gave up after 120 s)
+    etcd-v2  v3  ours   64  1 first round: timeout (64 of 64 node(s) gave up after 120 s)
+
+With ``keep_alive_interval`` 2 s a 64-node ``etcd-v2`` rendezvous does not complete,
+ours or PyTorch's: joining takes longer than the 6 s after which a node's heartbeat
+counts as lapsed, and the heartbeats are writes of the contended state key. The legacy
+backend's re-rendezvous is the keep-alive key's TTL (10 s) plus the new round.
+
+Heartbeats (256 nodes cannot rendezvous with 2 s heartbeats today; 32 here)::
+
+    python benchmarks/bench_scale.py --heartbeats --heartbeat-nodes 32
+
+    backend  API impl    N  P  seconds writes/node reads/node keep-alive/node  (per minute)
+    etcd-v2  v2  ours   32  1     30.0        36.8       39.5             0.0
+    etcd-v2  v2  torch  32  1     30.0        30.9       30.9             0.0
+    etcd-v2  v3  ours   32  1     30.0        36.8       38.6             0.0
+
+A heartbeat is a read and a write of the state key (30 a minute at 2 s); ours loses
+more compare-and-swaps than PyTorch's (about 7 extra writes a minute per node).
 """
 
 from __future__ import annotations
