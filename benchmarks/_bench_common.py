@@ -1,8 +1,13 @@
-"""What the benchmark scripts share: etcd's request counters, and a round of worker processes.
+"""What the benchmark scripts share: the handlers of every variant, a round of worker processes.
 
-* :func:`read_metrics` reads every sample of etcd's Prometheus ``/metrics`` page;
-  :func:`changes` is what changed between two readings, and :func:`samples` picks one
-  metric's samples with their labels, so a script can count requests by method.
+(etcd's request counters are read and classified by ``tests/etcd_requests.py``, which
+the request-count test shares.)
+
+* A :class:`Variant` is one row of a table: backend, etcd API, implementation (ours or
+  PyTorch's); :func:`variants` lists the rows to measure (PyTorch's on v2 only, which
+  is all it speaks), :func:`handler_factory` makes one node's handler of a variant and
+  :func:`release` stops its background threads; :class:`ThreadDeaths` counts the
+  background threads that die (one line per cause instead of a traceback each).
 * :func:`ready_workers` starts N worker processes (``tests/rdzv_helpers.Worker``) and
   waits until each is connected; :func:`join_round` then tells them to join at once and
   times the rendezvous from the first ``join`` to the last rank.
@@ -11,47 +16,150 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
 import re
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-import urllib3
+from etcd_rendezvous.api import RendezvousParameters
+from etcd_rendezvous.registry import get_rendezvous_handler
 
-__all__ = ["Worker", "changes", "join_round", "read_metrics", "ready_workers", "samples"]
+__all__ = [
+    "APIS",
+    "BACKENDS",
+    "IMPLS",
+    "ThreadDeaths",
+    "Variant",
+    "Worker",
+    "handler_factory",
+    "join_round",
+    "ready_workers",
+    "release",
+    "torch_available",
+    "variants",
+]
 
-_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?$")
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+BACKENDS = ("etcd", "etcd-v2")
+APIS = ("v2", "v3")
+IMPLS = ("ours", "torch")
 
 
-def read_metrics(client_url: str) -> dict[str, float]:
-    """Every sample of etcd's ``/metrics`` page: ``'name{label="x",...}'`` -> value."""
-    response = urllib3.PoolManager().request("GET", client_url + "/metrics", retries=False)
-    if response.status != 200:
-        raise RuntimeError(f"GET {client_url}/metrics answered {response.status}")
-    values = {}
-    for line in response.data.decode().splitlines():
-        if line and not line.startswith("#"):
-            sample, value = line.rsplit(" ", 1)
-            values[sample] = float(value)
-    return values
+@dataclass(frozen=True)
+class Variant:
+    """One row of a table: which backend, API and implementation."""
+
+    backend: str
+    api: str
+    impl: str
 
 
-def changes(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The samples whose value changed from ``before`` to ``after``, with the difference."""
-    return {
-        sample: value - before.get(sample, 0.0)
-        for sample, value in after.items()
-        if value != before.get(sample, 0.0)
+def variants(
+    backends: Sequence[str], apis: Sequence[str], impls: Sequence[str]
+) -> Iterator[Variant]:
+    """The rows to measure: ours on every API, PyTorch's on v2 only."""
+    for backend in backends:
+        for api in apis:
+            for impl in impls:
+                if impl == "ours" or api == "v2":
+                    yield Variant(backend, api, impl)
+
+
+def _torch_module(name: str) -> Any:
+    """``torch.distributed.elastic.rendezvous.<name>``, or ``None`` without torch."""
+    try:
+        return importlib.import_module(f"torch.distributed.elastic.rendezvous.{name}")
+    except ImportError:
+        return None
+
+
+def torch_available() -> bool:
+    """Whether PyTorch's rendezvous package can be imported."""
+    return _torch_module("api") is not None
+
+
+def handler_factory(
+    variant: Variant, endpoint: str, nodes: int, options: Mapping[str, str]
+) -> Callable[[str], Any]:
+    """A function making one node's handler of ``variant`` for a run id, with
+    ``min_nodes = max_nodes = nodes`` and the backend ``options`` (strings, as
+    torchrun passes them)."""
+    common: dict[str, Any] = {
+        "backend": variant.backend,
+        "endpoint": endpoint,
+        "min_nodes": nodes,
+        "max_nodes": nodes,
+        "local_addr": "127.0.0.1",
+        **options,
     }
+    if variant.impl == "ours":
+        return lambda run_id: get_rendezvous_handler(
+            RendezvousParameters(run_id=run_id, **common, etcd_api=variant.api, torch_store="false")
+        )
+    torch_api = _torch_module("api")
+    if variant.backend == "etcd":
+        legacy = _torch_module("etcd_rendezvous")
+        # It logs every step of every node to stderr at INFO, on a handler of its own.
+        logging.getLogger(legacy.__name__).setLevel(logging.WARNING)
+        return lambda run_id: legacy.create_rdzv_handler(
+            torch_api.RendezvousParameters(run_id=run_id, **common)
+        )
+    backend_module = _torch_module("etcd_rendezvous_backend")
+    dynamic = _torch_module("dynamic_rendezvous")
+
+    def create_dynamic(run_id: str) -> Any:
+        params = torch_api.RendezvousParameters(run_id=run_id, **common)
+        backend, store = backend_module.create_backend(params)
+        return dynamic.create_handler(store, backend, params)
+
+    return create_dynamic
 
 
-def samples(values: dict[str, float], name: str) -> Iterator[tuple[dict[str, str], float]]:
-    """The samples of metric ``name`` in ``values``, as ``(labels, value)``."""
-    for sample, value in values.items():
-        match = _SAMPLE.match(sample)
-        if match is not None and match["name"] == name:
-            yield dict(_LABEL.findall(match["labels"] or "")), value
+def release(handler: Any, impl: str) -> None:
+    """Stop ``handler``'s background threads, so that they send nothing more to etcd
+    (without closing the rendezvous, which is a write): as if its process had died."""
+    if impl == "ours":
+        handler.close()
+        return
+    # PyTorch's handlers have no close(): stop their threads as their own __del__
+    # (legacy) and shutdown() (dynamic) do.
+    impl_ = getattr(handler, "_rdzv_impl", None)
+    if impl_ is not None:
+        for stop in (impl_._lease_run_id_stop, impl_._lease_this_rank_stop):
+            if stop is not None:
+                stop.set()
+    else:
+        handler._stop_heartbeats()
+
+
+class ThreadDeaths:
+    """Counts the exceptions that kill background threads, instead of printing a
+    traceback for each (PyTorch's legacy backend has one thread per node that dies on
+    etcd 3.5: it cannot refresh a directory's TTL). Install as ``threading.excepthook``."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, args: threading.ExceptHookArgs) -> None:
+        # One line per kind of failure, whatever run it happened in.
+        what = re.sub(r"run_[\w.-]+", "run_<id>", f"{args.exc_type.__name__}: {args.exc_value}")
+        with self._lock:
+            self.seen[what] = self.seen.get(what, 0) + 1
+
+    def add(self, seen: Mapping[str, int]) -> None:
+        """Add the deaths counted elsewhere (in another process)."""
+        with self._lock:
+            for what, count in seen.items():
+                self.seen[what] = self.seen.get(what, 0) + count
+
+    def report(self) -> None:
+        """Print one line per cause of death."""
+        for what, count in sorted(self.seen.items()):
+            print(f"note: {count} background thread(s) died of {what}")
 
 
 class Worker(Protocol):

@@ -15,9 +15,10 @@ calls ``next_rendezvous()`` at once. Reported:
 
 * **seconds** from the first ``next_rendezvous()`` call to the last rank;
 * **writes/node** and **reads/node**: the etcd requests of that interval, from etcd's
-  ``/metrics``, divided by N. v2: ``etcd_http_received_total`` by method (reads GET,
-  writes PUT, POST, DELETE) plus the watches, which that counter leaves out and etcd's
-  v2 store counts in ``etcd_debugging_store_watch_requests_total`` (reads). v3:
+  ``/metrics``, divided by N, as ``tests/etcd_requests.py`` classifies them. v2:
+  ``etcd_http_received_total`` by method (reads GET, writes PUT, POST, DELETE) plus
+  the watches, which that counter leaves out and etcd's v2 store counts in
+  ``etcd_debugging_store_watch_requests_total`` (reads). v3:
   ``grpc_server_started_total`` by ``grpc_method`` (reads Range, Watch -- a stream per
   wait -- and LeaseTimeToLive; writes Put, Txn, DeleteRange, LeaseGrant, LeaseRevoke).
   A request of any other kind is printed after its row;
@@ -78,40 +79,32 @@ prints one line for them).
 from __future__ import annotations
 
 import argparse
-import importlib
-import logging
 import os
-import re
 import statistics
+import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from _bench_common import changes, read_metrics, samples
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from etcd_rendezvous.api import RendezvousParameters
+from _bench_common import (
+    APIS,
+    BACKENDS,
+    IMPLS,
+    ThreadDeaths,
+    Variant,
+    handler_factory,
+    release,
+    torch_available,
+    variants,
+)
+
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_rendezvous.registry import get_rendezvous_handler
-
-BACKENDS = ("etcd", "etcd-v2")
-APIS = ("v2", "v3")
-IMPLS = ("ours", "torch")
-
-#: etcd's request counters, and how each method/gRPC call is counted.
-_V2_METRIC = "etcd_http_received_total"
-_V2_READS = frozenset({"GET"})
-_V2_WRITES = frozenset({"PUT", "POST", "DELETE"})
-#: v2 TTL refreshes: PUTs that etcd's v2 store records as an update.
-_V2_STORE_WRITES = "etcd_debugging_store_writes_total"
-#: v2 watches (GETs with ``wait=true``), which ``etcd_http_received_total`` leaves out.
-_V2_WATCHES = "etcd_debugging_store_watch_requests_total"
-_V3_METRIC = "grpc_server_started_total"
-_V3_READS = frozenset({"Range", "Watch", "LeaseTimeToLive"})
-_V3_WRITES = frozenset({"Put", "Txn", "DeleteRange", "LeaseGrant", "LeaseRevoke"})
-_V3_KEEPALIVES = frozenset({"LeaseKeepAlive"})
+from etcd_requests import Requests, read_metrics, requests_since
 
 #: Seconds a whole rendezvous may take before the benchmark gives up.
 _TIMEOUT = 300
@@ -125,137 +118,6 @@ _OPTIONS = {
         "keep_alive_interval": "30",
     },
 }
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One row of the table: which backend, API and implementation."""
-
-    backend: str
-    api: str
-    impl: str
-
-
-@dataclass(frozen=True)
-class Requests:
-    """The etcd requests of one measurement, as totals."""
-
-    reads: float
-    writes: float
-    keepalives: float
-    other: dict[str, float]
-    #: Every counted request by API and method ("v3 Txn": 12), for ``--breakdown``.
-    by_method: dict[str, float]
-
-
-def count_requests(delta: dict[str, float]) -> Requests:
-    """Classify the counters that changed during a measurement (both APIs' counters:
-    the server serves both, and a variant's requests all land in one API's)."""
-    reads = writes = keepalives = 0.0
-    other: dict[str, float] = {}
-    by_method: dict[str, float] = {}
-    for labels, value in samples(delta, _V2_METRIC):
-        method = labels.get("method", "")
-        by_method[f"v2 {method}"] = value
-        if method in _V2_READS:
-            reads += value
-        elif method in _V2_WRITES:
-            writes += value
-        else:
-            other[f"v2 {method}"] = value
-    for labels, value in samples(delta, _V2_STORE_WRITES):
-        if labels.get("action") == "update":
-            writes -= value
-            keepalives += value
-            by_method["v2 PUT"] = by_method.get("v2 PUT", 0.0) - value
-            by_method["v2 PUT refresh"] = value
-    for _, value in samples(delta, _V2_WATCHES):
-        reads += value
-        by_method["v2 GET wait"] = value
-    for labels, value in samples(delta, _V3_METRIC):
-        method = labels.get("grpc_method", "")
-        by_method[f"v3 {method}"] = value
-        if method in _V3_READS:
-            reads += value
-        elif method in _V3_WRITES:
-            writes += value
-        elif method in _V3_KEEPALIVES:
-            keepalives += value
-        else:
-            other[f"v3 {method}"] = value
-    return Requests(reads, writes, keepalives, other, by_method)
-
-
-# -- handlers ---------------------------------------------------------------------------
-
-
-def _torch_module(name: str) -> Any:
-    """``torch.distributed.elastic.rendezvous.<name>``, or ``None`` without torch."""
-    try:
-        return importlib.import_module(f"torch.distributed.elastic.rendezvous.{name}")
-    except ImportError:
-        return None
-
-
-def torch_available() -> bool:
-    """Whether PyTorch's rendezvous package can be imported."""
-    return _torch_module("api") is not None
-
-
-def handler_factory(variant: Variant, endpoint: str, nodes: int) -> Callable[[str], Any]:
-    """A function making one node's handler of ``variant`` for a run id."""
-    options: dict[str, Any] = dict(_OPTIONS[variant.backend])
-    common: dict[str, Any] = {
-        "backend": variant.backend,
-        "endpoint": endpoint,
-        "min_nodes": nodes,
-        "max_nodes": nodes,
-        "local_addr": "127.0.0.1",
-    }
-    if variant.impl == "ours":
-        return lambda run_id: get_rendezvous_handler(
-            RendezvousParameters(
-                run_id=run_id,
-                **common,
-                **options,
-                etcd_api=variant.api,
-                torch_store="false",
-            )
-        )
-    torch_api = _torch_module("api")
-    if variant.backend == "etcd":
-        legacy = _torch_module("etcd_rendezvous")
-        # It logs every step of every node to stderr at INFO, on a handler of its own.
-        logging.getLogger(legacy.__name__).setLevel(logging.WARNING)
-        return lambda run_id: legacy.create_rdzv_handler(
-            torch_api.RendezvousParameters(run_id=run_id, **common, **options)
-        )
-    backend_module = _torch_module("etcd_rendezvous_backend")
-    dynamic = _torch_module("dynamic_rendezvous")
-
-    def create_dynamic(run_id: str) -> Any:
-        params = torch_api.RendezvousParameters(run_id=run_id, **common, **options)
-        backend, store = backend_module.create_backend(params)
-        return dynamic.create_handler(store, backend, params)
-
-    return create_dynamic
-
-
-def release(handler: Any, impl: str) -> None:
-    """Stop ``handler``'s background threads, so that they send nothing more to etcd
-    during later measurements (without closing the rendezvous, which is a write)."""
-    if impl == "ours":
-        handler.close()
-        return
-    # PyTorch's handlers have no close(): stop their threads as their own __del__
-    # (legacy) and shutdown() (dynamic) do.
-    impl_ = getattr(handler, "_rdzv_impl", None)
-    if impl_ is not None:
-        for stop in (impl_._lease_run_id_stop, impl_._lease_this_rank_stop):
-            if stop is not None:
-                stop.set()
-    else:
-        handler._stop_heartbeats()
 
 
 # -- one measurement --------------------------------------------------------------------
@@ -300,30 +162,21 @@ def one_rendezvous(handlers: list[Any]) -> tuple[float, list[int]]:
 
 def measure(server: EtcdServer, variant: Variant, nodes: int) -> tuple[float, Requests]:
     """One rendezvous of ``nodes`` fresh handlers on a fresh run id: seconds, requests."""
-    make = handler_factory(variant, server.get_endpoint(), nodes)
+    make = handler_factory(variant, server.get_endpoint(), nodes, _OPTIONS[variant.backend])
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     handlers: list[Any] = []
     try:
         handlers.extend(make(run_id) for _ in range(nodes))
         before = read_metrics(server.client_url)
         seconds, _ = one_rendezvous(handlers)
-        after = read_metrics(server.client_url)
+        requests = requests_since(server.client_url, before)
     finally:
         for handler in handlers:
             release(handler, variant.impl)
-    return seconds, count_requests(changes(before, after))
+    return seconds, requests
 
 
 # -- the table --------------------------------------------------------------------------
-
-
-def variants(backends: list[str], apis: list[str], impls: list[str]) -> Iterator[Variant]:
-    """The rows to measure: ours on every API, PyTorch's on v2 only."""
-    for backend in backends:
-        for api in apis:
-            for impl in impls:
-                if impl == "ours" or api == "v2":
-                    yield Variant(backend, api, impl)
 
 
 def _mean_by_name(tables: list[dict[str, float]]) -> dict[str, float]:
@@ -357,26 +210,6 @@ def breakdown(nodes: int, results: list[tuple[float, Requests]]) -> str:
     return "    " + ", ".join(f"{name} {value / nodes:.1f}" for name, value in means.items())
 
 
-class _ThreadErrors:
-    """Counts the exceptions that kill background threads, instead of printing a
-    traceback for each (PyTorch's legacy backend has one thread per node that dies on
-    etcd 3.5: it cannot refresh a directory's TTL)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, args: threading.ExceptHookArgs) -> None:
-        # One line per kind of failure, whatever run it happened in.
-        what = re.sub(r"run_[\w.-]+", "run_<id>", f"{args.exc_type.__name__}: {args.exc_value}")
-        with self._lock:
-            self.seen[what] = self.seen.get(what, 0) + 1
-
-    def report(self) -> None:
-        for what, count in sorted(self.seen.items()):
-            print(f"note: {count} background thread(s) died of {what}")
-
-
 def parse_args() -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -398,7 +231,7 @@ def main() -> None:
     """Measure every variant and print the table."""
     args = parse_args()
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    thread_errors = _ThreadErrors()
+    thread_errors = ThreadDeaths()
     threading.excepthook = thread_errors
     impls = list(args.impls)
     if "torch" in impls and not torch_available():

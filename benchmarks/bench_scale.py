@@ -1,0 +1,650 @@
+"""A rendezvous of 8 to 256 nodes: seconds, and etcd requests per node (issue 9).
+
+Usage::
+
+    python benchmarks/bench_scale.py [--nodes 8 64 256] [--procs P] [--timeout 60]
+        [--backends etcd etcd-v2] [--apis v2 v3] [--impls ours torch] [--breakdown]
+    python benchmarks/bench_scale.py --rerendezvous [--nodes ...] [--monitor-interval 0.1]
+        [--keep-alive-interval 2]
+    python benchmarks/bench_scale.py --heartbeats [--heartbeat-nodes 256]
+        [--keep-alive-interval 2] [--heartbeat-seconds 30]
+
+One etcd 3.5 is started with the v2 API enabled, so it serves both APIs (bundled etcd
+3.5 unless ``ETCD_BINARY_PATH`` says otherwise). For each node count, backend
+(``etcd``, the legacy state machine; ``etcd-v2``, the dynamic rendezvous), etcd API and
+implementation (ours; PyTorch 2.13's own backends on v2, which is all they speak,
+when torch is installed), N nodes run as threads, spread over P processes (``--procs``;
+by default 1 up to 64 nodes, else 2), each node with its own handler and connection.
+The handlers are created first, then the parent process gives the start signal.
+Every row is checked: the ranks are exactly 0 .. N-1 and every node sees world size N.
+Each variant gets ``min_nodes = max_nodes = N`` (the rendezvous completes when the last
+node arrives), ``last_call_timeout=1`` and a ``--timeout`` (s) after which the nodes
+give up and the row says ``timeout``; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (rank 0
+publishes its address through the etcd store and starts no TCPStore). Measured:
+
+* the first rendezvous (default): **seconds** from the start signal to the last rank;
+  **writes/node**, **reads/node** and **keep-alive/node**: the etcd requests of that
+  interval, from etcd's ``/metrics``, divided by N, classified by
+  ``tests/etcd_requests.py`` (v2: GET and watches are reads, PUT/POST/DELETE writes,
+  TTL refreshes keep-alive; v3: Range, Watch, LeaseTimeToLive reads, Put, Txn,
+  DeleteRange, LeaseGrant, LeaseRevoke writes, LeaseKeepAlive keep-alive). ``etcd-v2``
+  gets ``keep_alive_interval=30`` so its heartbeats fall outside the interval.
+* ``--rerendezvous``: after a first rendezvous, at the start signal one node leaves (its
+  handler stops its keep-alive, as if its process had died) and a replacement calls
+  ``next_rendezvous()``; the others act as torchrun's agent does while its workers are
+  healthy (``torch/distributed/elastic/agent/server/api.py``, ``_invoke_run``): every
+  ``--monitor-interval`` seconds they call ``num_nodes_waiting()`` and, once it is
+  positive, ``next_rendezvous()``. Reported: **seconds** to the last rank of the new
+  round, **detect** (seconds until the first node saw a node waiting), the requests per
+  node (the polls included) and **polls/node**. The legacy backend notices the departure
+  when the node's keep-alive key lapses (TTL 10 s, refreshed every 5 s); ``etcd-v2``
+  when its heartbeats are ``keep_alive_max_attempt`` (3) ``--keep-alive-interval`` old,
+  its default 2 s here: heartbeats during the interval are counted (as writes, today).
+* ``--heartbeats`` (``etcd-v2`` only): ``--heartbeat-nodes`` nodes complete a rendezvous
+  with ``keep_alive_interval = --keep-alive-interval``, then for ``--heartbeat-seconds``
+  the heartbeat threads run alone: requests per node **per minute**.
+
+``--breakdown`` prints each row's requests by API and method, per node, and the CPU
+seconds of the row's busiest process in the measured interval: close to the row's
+seconds, the client's CPU is the bottleneck and more ``--procs`` help.
+
+Measured on 2026-11-23 with main at 556578a (before the batched-join protocols of
+issue 9), etcd 3.5.1 (bundled), on the 2-core x86_64 sandbox shared with other jobs
+(the seconds are noisy; the load average reached 20 during the run). The whole default
+run took 8 min 42 s::
+
+    python benchmarks/bench_scale.py --breakdown
+
+    backend  API impl    N  P  seconds writes/node reads/node keep-alive/node
+    etcd     v2  ours    8  1     0.40         9.0       18.4             0.0
+    etcd     v2  torch   8  1     1.47         7.4       24.9             1.0
+    etcd     v3  ours    8  1     0.75        15.1       19.6             0.0
+    etcd-v2  v2  ours    8  1     0.32         1.2       11.6             0.0
+    etcd-v2  v2  torch   8  1     1.28         1.4        5.5             0.0
+    etcd-v2  v3  ours    8  1     0.37         2.5       11.4             0.0
+    etcd     v2  ours   64  1     9.91        17.7       82.4             0.1
+    etcd     v2  torch  64  1    13.66        35.7      113.6             1.5
+    etcd     v3  ours   64  1    24.46        32.5       85.4             1.1
+    etcd-v2  v2  ours   64  1    12.94        11.5       64.3             0.0
+    etcd-v2  v2  torch  64  1    16.92        16.8       25.1             0.0
+    etcd-v2  v3  ours   64  1    17.78        12.1       52.7             0.0
+    (every row at N = 256, P = 2: timeout, all 256 nodes gave up after 60 s)
+
+At 64 nodes one process is CPU-bound (``--breakdown``: the busiest process used 8.5 to
+15 CPU s in rows of 10 to 25 s, about 1.5-2.5 ms of client CPU per request); two
+processes (``--procs 2``) halve each one's CPU but not the time on 2 cores shared with
+etcd (9.6 and 12.9 s with one process, 11.8 and 13.2 s with two, ours on v2).
+
+Re-rendezvous (same day and machine; the 64-node ``etcd-v2`` rows also with
+``--timeout 120``, with the same result)::
+
+    python benchmarks/bench_scale.py --rerendezvous --nodes 8 64
+
+    backend  API impl    N  P  seconds  detect writes/node reads/node keep-alive/node polls/node
+    etcd     v2  ours    8  1    10.36    0.10        13.2       36.6             0.0        0.9
+    etcd     v2  torch   8  1    11.33    0.10         8.4       40.1             1.0        0.9
+    etcd     v3  ours    8  1    10.86    0.11        21.1       28.5             0.0        0.9
+    etcd-v2  v2  ours    8  1     7.10    5.95        13.8       35.8             0.0       52.4
+    etcd-v2  v2  torch   8  1     8.48    5.59        10.5       14.1             0.0       51.6
+    etcd-v2  v3  ours    8  1     6.71    5.97        13.0       32.5             0.0       51.8
+    etcd     v2  ours   64  1    19.38    0.13        31.9      108.7             0.4        1.0
+    etcd     v2  torch  64  1    18.96    0.11        37.8      141.0             1.5        1.0
+    etcd     v3  ours   64  1 timeout (64 of 64 node(s) gave up after 60 s)
+    etcd-v2  v2  ours   64  1 first round: timeout (64 of 64 node(s) gave up after 120 s)
+    etcd-v2  v2  torch  64  1 first round: timeout (64 of 64 node(s) gave up after 120 s)
+    etcd-v2  v3  ours   64  1 first round: timeout (64 of 64 node(s) gave up after 120 s)
+
+With ``keep_alive_interval`` 2 s a 64-node ``etcd-v2`` rendezvous does not complete,
+ours or PyTorch's: joining takes longer than the 6 s after which a node's heartbeat
+counts as lapsed, and the heartbeats are writes of the contended state key. The legacy
+backend's re-rendezvous is the keep-alive key's TTL (10 s) plus the new round.
+
+Heartbeats (256 nodes cannot rendezvous with 2 s heartbeats today; 32 here)::
+
+    python benchmarks/bench_scale.py --heartbeats --heartbeat-nodes 32
+
+    backend  API impl    N  P  seconds writes/node reads/node keep-alive/node  (per minute)
+    etcd-v2  v2  ours   32  1     30.0        36.8       39.5             0.0
+    etcd-v2  v2  torch  32  1     30.0        30.9       30.9             0.0
+    etcd-v2  v3  ours   32  1     30.0        36.8       38.6             0.0
+
+A heartbeat is a read and a write of the state key (30 a minute at 2 s); ours loses
+more compare-and-swaps than PyTorch's (about 7 extra writes a minute per node).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import multiprocessing
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from _bench_common import (
+    APIS,
+    BACKENDS,
+    IMPLS,
+    ThreadDeaths,
+    Variant,
+    handler_factory,
+    release,
+    torch_available,
+    variants,
+)
+
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_requests import Requests, read_metrics, requests_since
+
+FIRST, RERENDEZVOUS, HEARTBEATS = "first", "rerendezvous", "heartbeats"
+
+#: Seconds the processes of a row may take to start and create their handlers.
+_SETUP_TIMEOUT = 300.0
+#: Seconds a row's processes get past the nodes' own timeout before they are killed.
+_MARGIN = 15.0
+
+
+# -- in each process of a row -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one process of a row does (sent to it, so plain data)."""
+
+    variant: Variant
+    endpoint: str
+    run_id: str
+    #: The world size: all the nodes of the row, in every process.
+    nodes: int
+    #: The nodes of this process.
+    count: int
+    mode: str
+    options: dict[str, str]
+    #: Whether the node that leaves, and its replacement, are in this process.
+    leaves: bool
+    monitor_interval: float
+    timeout: float
+
+
+@dataclass(frozen=True)
+class NodeResult:
+    """What one node saw (times from ``time.monotonic()``, the same in every process)."""
+
+    rank: int = -1
+    world_size: int = -1
+    finished: float = 0.0
+    #: ``num_nodes_waiting()`` calls before ``next_rendezvous()`` (re-rendezvous).
+    polls: int = 0
+    #: When a poll saw a node waiting (re-rendezvous).
+    detected: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one process reports of a phase: its nodes' results, and the CPU seconds
+    the process used from the start signal until its last node was done."""
+
+    results: list[NodeResult]
+    cpu: float
+
+
+def _join(handler: Any) -> NodeResult:
+    info = handler.next_rendezvous()
+    return NodeResult(info.rank, info.world_size, time.monotonic())
+
+
+def _agent(handler: Any, interval: float, timeout: float) -> NodeResult:
+    """What torchrun's agent does while its workers are healthy: poll
+    ``num_nodes_waiting()`` every ``interval`` s; re-rendezvous once it is positive."""
+    deadline = time.monotonic() + timeout
+    polls = 0
+    while True:
+        time.sleep(interval)
+        polls += 1
+        if handler.num_nodes_waiting() > 0:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no node was waiting within {timeout} s")
+    detected = time.monotonic()
+    return dataclasses.replace(_join(handler), polls=polls, detected=detected)
+
+
+def _run_nodes(
+    calls: Sequence[Callable[[], NodeResult]],
+    ready: Callable[[], None],
+    go: Event,
+    timeout: float,
+    on_go: Callable[[], None] = lambda: None,
+) -> Phase:
+    """Each call in a thread of its own: once the threads are started, ``ready()`` tells
+    the parent, which sets ``go``; then ``on_go()`` and every call runs. A call not done
+    within ``timeout`` s says so in its result."""
+    released = threading.Event()
+    results = [NodeResult(error=f"TimeoutError: not done within {timeout} s")] * len(calls)
+
+    def node(i: int, call: Callable[[], NodeResult]) -> None:
+        released.wait()
+        try:
+            results[i] = call()
+        except Exception as exc:  # the parent reports it
+            results[i] = NodeResult(error=f"{type(exc).__name__}: {exc}")
+
+    threads = [
+        threading.Thread(target=node, args=(i, call), name=f"node-{i}", daemon=True)
+        for i, call in enumerate(calls)
+    ]
+    for thread in threads:
+        thread.start()
+    ready()
+    if not go.wait(_SETUP_TIMEOUT + timeout):
+        raise RuntimeError("the parent gave no start signal")
+    cpu = time.process_time()
+    on_go()
+    released.set()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    return Phase(list(results), time.process_time() - cpu)
+
+
+def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any) -> None:
+    """One process of a row: create the handlers, report ready, then run each phase on
+    the parent's signal (start, second round, release); reports go to ``out``."""
+    start, second, done = signals
+    deaths = ThreadDeaths()
+    threading.excepthook = deaths
+    make = handler_factory(plan.variant, plan.endpoint, plan.nodes, plan.options)
+    handlers: list[Any] = []
+    try:
+        handlers.extend(make(plan.run_id) for _ in range(plan.count + plan.leaves))
+        # The replacement, if any, is the last handler; it joins in the second round.
+        calls = [_bind(_join, handler) for handler in handlers[: plan.count]]
+        joined = _run_nodes(calls, lambda: out.put(("ready", index, None)), start, plan.timeout)
+        out.put(("joined", index, joined))
+        if plan.mode == RERENDEZVOUS:
+            again = _second_round(
+                plan, handlers, lambda: out.put(("ready again", index, None)), second
+            )
+            out.put(("rejoined", index, again))
+        # Released once the parent has read etcd's counters (or given up on the row).
+        done.wait(_SETUP_TIMEOUT + 3 * plan.timeout)
+    except BaseException:
+        out.put(("failed", index, traceback.format_exc()))
+    finally:
+        for handler in handlers:
+            release(handler, plan.variant.impl)
+        out.put(("done", index, deaths.seen))
+
+
+def _bind(call: Callable[[Any], NodeResult], handler: Any) -> Callable[[], NodeResult]:
+    return lambda: call(handler)
+
+
+def _second_round(
+    plan: Plan, handlers: list[Any], ready: Callable[[], None], second: Event
+) -> Phase:
+    """The re-rendezvous: the leaving node stops, its replacement joins, the others poll."""
+    stays = handlers[: plan.count - 1] if plan.leaves else handlers
+    calls = [_bind(lambda h: _agent(h, plan.monitor_interval, plan.timeout), h) for h in stays]
+
+    def leave() -> None:
+        if plan.leaves:
+            release(handlers[plan.count - 1], plan.variant.impl)
+
+    if plan.leaves:
+        calls.append(_bind(_join, handlers[-1]))
+    return _run_nodes(calls, ready, second, plan.timeout, on_go=leave)
+
+
+# -- in the parent ------------------------------------------------------------------------
+
+
+class RowError(Exception):
+    """A row could not be measured; the message says why."""
+
+
+class _Inbox:
+    """The reports of a row's processes, by kind."""
+
+    def __init__(self, reports: Any, processes: list[BaseProcess]) -> None:
+        self._reports = reports
+        self._processes = processes
+        self._held: dict[tuple[str, int], Any] = {}
+
+    def gather(self, kind: str, deadline: float) -> list[Any] | None:
+        """Every process's ``kind`` report, in process order; ``None`` if one is still
+        missing at ``deadline``.
+
+        Raises:
+            RowError: a process failed, or died without reporting.
+        """
+        count = len(self._processes)
+        while sum(k == kind for k, _ in self._held) < count:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            try:
+                what, index, payload = self._reports.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p.name for p in self._processes if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RowError(f"process(es) {', '.join(dead)} died") from None
+                continue
+            if what == "failed":
+                raise RowError(f"process {index}: {payload.strip().splitlines()[-1]}")
+            self._held[what, index] = payload
+        return [self._held.pop((kind, i)) for i in range(count)]
+
+
+@dataclass
+class Outcome:
+    """One row's measurement, or why there is none (``problem``)."""
+
+    seconds: float = 0.0
+    detect: float = 0.0
+    polls: float = 0.0
+    #: The seconds the requests were counted over (heartbeats).
+    window: float = 0.0
+    requests: Requests | None = None
+    #: CPU seconds of the busiest process of the row in the measured phase (first
+    #: rendezvous, re-rendezvous): near ``seconds``, the client's CPU is the bottleneck.
+    cpu: float = 0.0
+    problem: str = ""
+
+
+def _check(results: list[NodeResult], nodes: int, timeout: float) -> None:
+    """Raise :class:`RowError` unless every node got a rank in 0 .. N-1, once, in a
+    world of N (a node that timed out makes it ``timeout``)."""
+    errors = [r.error for r in results if r.error]
+    if errors:
+        if any("Timeout" in error for error in errors):
+            gave_up = f"{len(errors)} of {nodes} node(s) gave up after {timeout:g} s"
+            raise RowError(f"timeout ({gave_up})")
+        raise RowError(f"{len(errors)} node(s) failed; the first: {errors[0]}")
+    ranks = sorted(r.rank for r in results)
+    if ranks != list(range(nodes)):
+        raise RowError(f"the ranks are not 0 .. {nodes - 1}: {ranks}")
+    sizes = {r.world_size for r in results}
+    if sizes != {nodes}:
+        raise RowError(f"world sizes {sorted(sizes)}, not {nodes}")
+
+
+def _gathered(inbox: _Inbox, kind: str, deadline: float, timeout: float) -> Phase:
+    """Every node's result of one phase, and the CPU seconds of the busiest process;
+    :class:`RowError` (timeout) if late."""
+    phases: list[Phase] | None = inbox.gather(kind, deadline)
+    if phases is None:
+        raise RowError(f"timeout (not done within {timeout:g} s)")
+    results = [result for phase in phases for result in phase.results]
+    return Phase(results, max(phase.cpu for phase in phases))
+
+
+def _measure(
+    server: EtcdServer,
+    plan: Plan,
+    inbox: _Inbox,
+    signals: tuple[Event, Event, Event],
+    heartbeat_seconds: float,
+) -> Outcome:
+    """Run a row's phases once its processes are ready, and measure the one that counts."""
+    start, second, _ = signals
+    url, nodes, timeout = server.client_url, plan.nodes, plan.timeout
+    if inbox.gather("ready", _deadline(_SETUP_TIMEOUT)) is None:
+        raise RowError(f"the handlers were not ready within {_SETUP_TIMEOUT:g} s")
+    before = read_metrics(url)
+    started = time.monotonic()
+    start.set()
+    # Outside the first-rendezvous table, say which round a problem was in.
+    try:
+        first = _gathered(inbox, "joined", started + timeout + _MARGIN, timeout)
+        _check(first.results, nodes, timeout)
+    except RowError as exc:
+        raise RowError(exc if plan.mode == FIRST else f"first round: {exc}") from None
+    if plan.mode == FIRST:
+        requests = requests_since(url, before)
+        seconds = max(r.finished for r in first.results) - started
+        return Outcome(seconds, requests=requests, cpu=first.cpu)
+    if plan.mode == RERENDEZVOUS and inbox.gather("ready again", _deadline(_SETUP_TIMEOUT)) is None:
+        raise RowError("the nodes were not ready for the second round")
+    before = read_metrics(url)
+    started = time.monotonic()
+    if plan.mode == HEARTBEATS:
+        time.sleep(heartbeat_seconds)  # the window, in which only heartbeats run
+        requests = requests_since(url, before)
+        return Outcome(window=time.monotonic() - started, requests=requests)
+    second.set()
+    try:
+        again = _gathered(inbox, "rejoined", started + timeout + _MARGIN, timeout)
+        requests = requests_since(url, before)
+        _check(again.results, nodes, timeout)
+    except RowError as exc:
+        raise RowError(f"second round: {exc}") from None
+    return Outcome(
+        seconds=max(r.finished for r in again.results) - started,
+        detect=min(r.detected for r in again.results if r.polls) - started,
+        polls=sum(r.polls for r in again.results) / nodes,
+        requests=requests,
+        cpu=again.cpu,
+    )
+
+
+def _deadline(seconds: float) -> float:
+    return time.monotonic() + seconds
+
+
+def _split(nodes: int, procs: int) -> list[int]:
+    """``nodes`` spread as evenly as possible over ``procs`` processes."""
+    return [nodes // procs + (i < nodes % procs) for i in range(procs)]
+
+
+def run_row(
+    plan: Plan, procs: int, server: EtcdServer, heartbeat_seconds: float, deaths: ThreadDeaths
+) -> Outcome:
+    """Measure one row in ``procs`` fresh processes, which are gone on return; the
+    background threads that died in them are added to ``deaths``."""
+    context = multiprocessing.get_context("spawn")
+    signals = (context.Event(), context.Event(), context.Event())
+    reports = context.Queue()
+    counts = _split(plan.nodes, procs)
+    processes: list[BaseProcess] = [
+        context.Process(
+            target=_child,
+            args=(
+                dataclasses.replace(plan, count=count, leaves=plan.leaves and i == procs - 1),
+                i,
+                signals,
+                reports,
+            ),
+            name=f"bench-scale-{i}",
+            daemon=True,
+        )
+        for i, count in enumerate(counts)
+    ]
+    inbox = _Inbox(reports, processes)
+    outcome = Outcome(problem="interrupted")
+    try:
+        for process in processes:
+            process.start()
+        outcome = _measure(server, plan, inbox, signals, heartbeat_seconds)
+    except RowError as exc:
+        outcome = Outcome(problem=str(exc))
+    finally:
+        signals[2].set()
+        _end(processes, inbox, deaths, wait=not outcome.problem)
+    return outcome
+
+
+def _end(processes: list[BaseProcess], inbox: _Inbox, deaths: ThreadDeaths, wait: bool) -> None:
+    """Let the processes release their handlers and exit (if ``wait``), then kill the
+    ones left: a row that failed may have nodes stuck in a rendezvous."""
+    if wait:
+        with_deaths = inbox.gather("done", time.monotonic() + 60)
+        for seen in with_deaths or ():
+            deaths.add(seen)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(10)
+
+
+# -- the tables ---------------------------------------------------------------------------
+
+
+def _per_node(requests: Requests, scale: float) -> str:
+    return (
+        f"{requests.writes * scale:>11.1f} {requests.reads * scale:>10.1f} "
+        f"{requests.keepalives * scale:>15.1f}"
+    )
+
+
+_HEADERS = {
+    FIRST: f"{'seconds':>8} {'writes/node':>11} {'reads/node':>10} {'keep-alive/node':>15}",
+    RERENDEZVOUS: (
+        f"{'seconds':>8} {'detect':>7} {'writes/node':>11} {'reads/node':>10} "
+        f"{'keep-alive/node':>15} {'polls/node':>10}"
+    ),
+    HEARTBEATS: (
+        f"{'seconds':>8} {'writes/node':>11} {'reads/node':>10} {'keep-alive/node':>15}"
+        "  (per minute)"
+    ),
+}
+
+
+def header(mode: str) -> str:
+    """The column titles of ``mode``'s table."""
+    return f"{'backend':<8} {'API':<3} {'impl':<5} {'N':>3} {'P':>2} {_HEADERS[mode]}"
+
+
+def row(plan: Plan, procs: int, outcome: Outcome) -> str:
+    """One line of the table (requests of no known class appended)."""
+    variant = plan.variant
+    start = f"{variant.backend:<8} {variant.api:<3} {variant.impl:<5} {plan.nodes:>3} {procs:>2}"
+    requests = outcome.requests
+    if outcome.problem or requests is None:
+        return f"{start} {outcome.problem}"
+    # Per node; per node and minute for heartbeats.
+    scale = (60 / outcome.window if plan.mode == HEARTBEATS else 1) / plan.nodes
+    if plan.mode == HEARTBEATS:
+        numbers = f"{outcome.window:>8.1f} {_per_node(requests, scale)}"
+    elif plan.mode == RERENDEZVOUS:
+        numbers = (
+            f"{outcome.seconds:>8.2f} {outcome.detect:>7.2f} "
+            f"{_per_node(requests, scale)} {outcome.polls:>10.1f}"
+        )
+    else:
+        numbers = f"{outcome.seconds:>8.2f} {_per_node(requests, scale)}"
+    other = "".join(f"  +{v * scale:.1f} {k}" for k, v in requests.other.items())
+    return f"{start} {numbers}{other}"
+
+
+def breakdown(mode: str, nodes: int, outcome: Outcome) -> str:
+    """A row's requests by method, per node (and minute, for heartbeats), and the CPU
+    seconds of its busiest process."""
+    if outcome.requests is None:
+        return ""
+    per = nodes * (outcome.window / 60 if mode == HEARTBEATS else 1)
+    cpu = "" if mode == HEARTBEATS else f"; busiest process: {outcome.cpu:.2f} CPU s"
+    return f"    {outcome.requests.describe(per)}{cpu}"
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def default_procs(nodes: int) -> int:
+    """The processes for ``nodes`` nodes unless ``--procs`` says: 1 up to 64 nodes, else 2."""
+    return 1 if nodes <= 64 else 2
+
+
+def options(backend: str, mode: str, args: argparse.Namespace) -> dict[str, str]:
+    """The backend options of every variant of ``backend`` (strings, as torchrun's)."""
+    timeout = f"{args.timeout:g}"
+    if backend == "etcd":
+        return {"timeout": timeout, "last_call_timeout": "1"}
+    interval = "30" if mode == FIRST else f"{args.keep_alive_interval:g}"
+    return {"join_timeout": timeout, "last_call_timeout": "1", "keep_alive_interval": interval}
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--procs", type=int, help="processes per row (default: 1 up to 64 nodes)")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per rendezvous")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--apis", nargs="+", choices=APIS, default=list(APIS))
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
+    parser.add_argument("--breakdown", action="store_true", help="requests by method too")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--rerendezvous", action="store_true", help="measure a re-rendezvous")
+    mode.add_argument("--heartbeats", action="store_true", help="measure etcd-v2 heartbeats")
+    parser.add_argument("--monitor-interval", type=float, default=0.1, help="agents' poll (s)")
+    parser.add_argument(
+        "--keep-alive-interval", type=float, default=2.0, help="etcd-v2's, when not the first"
+    )
+    parser.add_argument("--heartbeat-nodes", type=int, default=256)
+    parser.add_argument("--heartbeat-seconds", type=float, default=30.0)
+    args = parser.parse_args()
+    least = 2 if args.rerendezvous else 1
+    if min(args.nodes) < least or args.heartbeat_nodes < 1 or (args.procs or 1) < 1:
+        parser.error(f"--nodes must be at least {least}, --heartbeat-nodes and --procs 1")
+    if min(args.timeout, args.keep_alive_interval, args.heartbeat_seconds) <= 0:
+        parser.error("--timeout, --keep-alive-interval and --heartbeat-seconds must be > 0")
+    return args
+
+
+def main() -> None:
+    """Measure every row and print the table."""
+    args = parse_args()
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # inherited by the processes
+    deaths = ThreadDeaths()
+    mode = RERENDEZVOUS if args.rerendezvous else HEARTBEATS if args.heartbeats else FIRST
+    impls = list(args.impls)
+    if "torch" in impls and not torch_available():
+        print("note: torch is not installed; PyTorch's reference rows are skipped")
+        impls.remove("torch")
+    counts = [args.heartbeat_nodes] if mode == HEARTBEATS else args.nodes
+    backends = ["etcd-v2"] if mode == HEARTBEATS else args.backends
+    with EtcdServer(enable_v2=True) as server:
+        print(
+            f"etcd {server.version} at {server.get_endpoint()} serving the v2 and v3 APIs; "
+            f"{os.cpu_count()} CPUs; measuring: {mode}"
+            + (f", {args.heartbeat_seconds:g} s window" if mode == HEARTBEATS else "")
+        )
+        print(header(mode), flush=True)
+        for nodes in counts:
+            procs = min(args.procs or default_procs(nodes), nodes)
+            for variant in variants(backends, args.apis, impls):
+                plan = Plan(
+                    variant,
+                    server.get_endpoint(),
+                    f"scale-{uuid.uuid4().hex[:8]}",
+                    nodes,
+                    nodes,
+                    mode,
+                    options(variant.backend, mode, args),
+                    leaves=mode == RERENDEZVOUS,
+                    monitor_interval=args.monitor_interval,
+                    timeout=args.timeout,
+                )
+                outcome = run_row(plan, procs, server, args.heartbeat_seconds, deaths)
+                print(row(plan, procs, outcome), flush=True)
+                if args.breakdown and outcome.requests is not None:
+                    print(breakdown(mode, nodes, outcome), flush=True)
+    deaths.report()
+
+
+if __name__ == "__main__":
+    main()

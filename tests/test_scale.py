@@ -1,0 +1,124 @@
+"""Request counts at scale (issue 9): one rendezvous of 64 nodes, counted from etcd's ``/metrics``.
+
+Each backend must complete a 64-node rendezvous with at most 4 etcd writes and 8 reads
+per node (totals divided by 64; keep-alive refreshes excluded, see
+``tests/etcd_requests.py`` for how requests are classified), on whichever etcd API the
+test pass uses (``ETCD_RENDEZVOUS_ETCD_API``). The nodes are threads of this process,
+each with its own handler and connection, created before the count starts; they call
+``next_rendezvous()`` together. The test counts requests, not seconds
+(``benchmarks/bench_scale.py`` measures both).
+
+The etcd is the test's own (``private_etcd_server``), so no other test's traffic lands
+in the count.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Union
+
+import pytest
+
+from etcd_rendezvous.api import RendezvousInfo, RendezvousParameters
+from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.pytest_plugin import etcd_api_under_test
+from etcd_rendezvous.registry import get_rendezvous_handler
+from etcd_requests import read_metrics, requests_since
+
+NODES = 64
+MAX_WRITES_PER_NODE = 4
+MAX_READS_PER_NODE = 8
+#: Seconds a node may take to rendezvous (its handler's own timeout).
+RENDEZVOUS_TIMEOUT = 120
+
+#: Options by backend, as in benchmarks/bench_scale.py: the rendezvous completes when
+#: the last node arrives (min = max nodes); etcd-v2 heartbeats fall after the count.
+_OPTIONS = {
+    "etcd": {"timeout": str(RENDEZVOUS_TIMEOUT), "last_call_timeout": "1"},
+    "etcd-v2": {
+        "join_timeout": str(RENDEZVOUS_TIMEOUT),
+        "last_call_timeout": "1",
+        "keep_alive_interval": "30",
+    },
+}
+
+Handler = Union[EtcdRendezvousHandler, DynamicRendezvousHandler]
+
+
+def _make_handler(params: RendezvousParameters) -> Handler:
+    """The registry's handler for ``params`` (one of ours, which can be closed)."""
+    handler = get_rendezvous_handler(params)
+    if not isinstance(handler, (EtcdRendezvousHandler, DynamicRendezvousHandler)):
+        raise TypeError(f"backend {params.backend!r} made a {type(handler).__name__}")
+    return handler
+
+
+@pytest.fixture
+def handlers(
+    request: pytest.FixtureRequest,
+    private_etcd_server: EtcdServer,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[list[Handler]]:
+    """``NODES`` handlers of the backend the test is parametrized with, on one run id;
+    closed afterwards (which does not close the rendezvous)."""
+    # Rank 0 publishes its address through etcd and starts no TCPStore.
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    backend: str = request.param
+    made: list[Handler] = []
+    try:
+        for _ in range(NODES):
+            params = RendezvousParameters(
+                backend=backend,
+                endpoint=private_etcd_server.get_endpoint(),
+                run_id=run_id,
+                min_nodes=NODES,
+                max_nodes=NODES,
+                local_addr="127.0.0.1",
+                etcd_api=etcd_api_under_test(),
+                torch_store="false",
+                **_OPTIONS[backend],
+            )
+            made.append(_make_handler(params))
+        yield made
+    finally:
+        for handler in made:
+            handler.close()
+
+
+def _rendezvous_together(handlers: list[Handler]) -> list[RendezvousInfo]:
+    """Every handler calls ``next_rendezvous()`` in a thread of its own, all at once."""
+    start = threading.Barrier(len(handlers))
+
+    def join(handler: Handler) -> RendezvousInfo:
+        start.wait()
+        return handler.next_rendezvous()
+
+    with ThreadPoolExecutor(len(handlers), thread_name_prefix="node") as pool:
+        futures = [pool.submit(join, handler) for handler in handlers]
+        # Each node gives up by its own timeout; the margin covers the store exchange.
+        return [future.result(timeout=RENDEZVOUS_TIMEOUT + 30) for future in futures]
+
+
+@pytest.mark.parametrize("handlers", ["etcd", "etcd-v2"], indirect=True)
+def test_rendezvous_of_64_nodes_costs_at_most_4_writes_and_8_reads_per_node(
+    handlers: list[Handler], private_etcd_server: EtcdServer
+) -> None:
+    before = read_metrics(private_etcd_server.client_url)
+    infos = _rendezvous_together(handlers)
+    requests = requests_since(private_etcd_server.client_url, before)
+
+    assert sorted(info.rank for info in infos) == list(range(NODES))
+    assert {info.world_size for info in infos} == {NODES}
+    writes, reads = requests.writes / NODES, requests.reads / NODES
+    counted = (
+        f"{writes:.1f} writes/node (at most {MAX_WRITES_PER_NODE}), {reads:.1f} reads/node "
+        f"(at most {MAX_READS_PER_NODE}); by method, per node: {requests.describe(NODES)}"
+    )
+    assert not requests.other, f"requests of no known class: {requests.other}; {counted}"
+    assert writes <= MAX_WRITES_PER_NODE, counted
+    assert reads <= MAX_READS_PER_NODE, counted
