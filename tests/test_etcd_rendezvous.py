@@ -33,6 +33,7 @@ from etcd_rendezvous.etcd_rendezvous import (
     create_rdzv_handler,
 )
 from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.layout import member_name
 from etcd_rendezvous.registry import get_rendezvous_handler
 from rdzv_helpers import Worker, expect_joined, wait_for_state, wait_until
 
@@ -356,9 +357,12 @@ def test_keepalive_survives_a_frozen_etcd(run_id, private_etcd_server):
     with create_rdzv_handler(params) as handler:
         handler.next_rendezvous()
         rdzv = handler._rdzv_impl
-        rank_key = rdzv.get_path("/rdzv/v_1/rank_0")
         keeper = rdzv._lease_this_rank
         assert keeper is not None
+        # Our keep-alive key is the member key we announced ourselves with.
+        rank_key = keeper.key
+        assert member_name(rank_key) is not None
+        assert rank_key.startswith(rdzv.get_path("/rdzv/v_1/"))
 
         failed = threading.Event()
 
@@ -547,9 +551,14 @@ def test_lost_answer_to_the_final_confirmation_is_recognised(
     monkeypatch.setattr(transport, "compare_and_swap", cas_dropping_final_answer)
     with handler:
         version, rank, world_size = handler._rdzv_impl.rendezvous_barrier()
+        member_key = handler._rdzv_impl._lease_this_rank.key
 
     assert etcd_proxy.dropped_responses == 1
     assert (version, rank, world_size) == ("1", 0, 1)
     state = json.loads(conn.get(_state_key(run_id)).value)
     assert state["status"] == "final"
-    assert state["keep_alives"] == [f"/torchelastic/p2p/run_{run_id}/rdzv/v_1/rank_0"]
+    # A single worker creates the version and makes it final in one write: admitted as
+    # rank 0, its member key confirmed.
+    assert member_key.startswith(f"/torchelastic/p2p/run_{run_id}/rdzv/v_1/node_")
+    assert state["keep_alives"] == [member_key]
+    assert state["members"] == {member_name(member_key): 0}
