@@ -23,6 +23,7 @@ from etcd_rendezvous._v3 import EtcdV3Connection
 from etcd_rendezvous._v3_http import b64
 from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
+from faultproxy import FaultProxy
 
 Connect = Callable[..., EtcdV3Connection]
 
@@ -227,7 +228,11 @@ def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> 
 
     thread = threading.Thread(target=wait)
     thread.start()
-    wait_until(lambda: bool(v3._streams), 5, "the watch stream to open")
+    wait_until(
+        lambda: any(stream._feed is not None for stream in list(v3._watch_streams)),
+        5,
+        "the watch stream to open",
+    )
     started = time.monotonic()
     v3.close()
     thread.join(5)
@@ -276,6 +281,32 @@ def test_an_expired_token_is_renewed_without_the_caller_noticing(
     assert conn.compare_and_swap("/k", "2", conn.get("/k")).value == "2"
     assert conn._token is not None
     assert conn._token != token
+
+
+def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
+    auth_server: EtcdServer, connect: Connect, fault_proxy_factory: Callable[..., FaultProxy]
+) -> None:
+    proxy = fault_proxy_factory(auth_server.get_host(), auth_server.get_port())
+    conn = connect(proxy.endpoint, username="root", password="secret")
+    writer = connect(endpoint_of(auth_server), username="root", password="secret")
+    first = conn.set("/s", "1")
+    stream = conn.watch_stream("/s", first.modified_index)
+    change = stream.next(5)
+    assert change is not None
+    assert change.value == "1"
+    token = conn._token
+    # The stream breaks; meanwhile etcd drops root's tokens (a password change does).
+    proxy.refuse()
+    root = gateway(auth_server, "/v3/auth/authenticate", {"name": "root", "password": "secret"})
+    password = {"name": "root", "password": "secret"}
+    gateway(auth_server, "/v3/auth/user/changepw", password, token=root["token"])
+    writer.set("/s", "2")
+    proxy.forward()
+    change = stream.next(10)
+    assert change is not None
+    assert change.value == "2"
+    assert conn._token not in (None, token)
+    stream.close()
 
 
 def test_without_credentials_auth_is_refused_clearly(

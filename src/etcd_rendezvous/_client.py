@@ -47,10 +47,13 @@ from ._transport import (
     Node,
     OperationRefusedError,
     Transport,
+    WatchHistoryLostError,
+    WatchStream,
     _AmbiguousError,
     _UnsentError,
     transient_answer,
 )
+from ._v2_watch import V2WatchStream
 from .api import RendezvousConnectionError, RendezvousStateError
 
 __all__ = [
@@ -391,54 +394,72 @@ class EtcdConnection(Transport):
         """Read directory ``key`` with its immediate children (all levels if ``recursive``)."""
         return self.get(key, recursive=recursive)
 
-    def watch(
-        self, key: str, index: int, timeout: float, *, recursive: bool = False
+    def _wait_for_change(
+        self, key: str, index: int, timeout: float, *, recursive: bool
     ) -> Node | None:
         """Wait for the first change of ``key`` at or after etcd ``index``.
 
-        Returns the change, or ``None`` when ``timeout`` passed or etcd no longer holds
-        history that old (callers re-read in both cases). Connection failures are
-        retried until the watch's own deadline; if etcd stays unreachable for longer
-        than the read timeout (outside a ``bounded_by`` block),
+        Returns the change, or ``None`` when ``timeout`` passed. Connection failures
+        are retried until the watch's own deadline; if etcd stays unreachable for
+        longer than the read timeout (outside a ``bounded_by`` block),
         :class:`RendezvousConnectionError` is raised.
+
+        Raises:
+            WatchHistoryLostError: etcd answered "event index cleared" (401).
         """
         deadline = self._budget(Deadline(timeout))
-        while True:
-            remaining = deadline.remaining()
-            if remaining <= 0:
-                return None
+        if deadline.expired():
+            return None
 
-            def call(client: Any, wait: float = remaining) -> Node:
-                # python-etcd treats a timeout of 0 as "wait forever".
-                result = client.read(
+        def call(client: Any) -> Node:
+            # python-etcd treats a timeout of 0 as "wait forever".
+            result = client.read(
+                key,
+                wait=True,
+                waitIndex=index,
+                recursive=recursive,
+                timeout=max(deadline.remaining(), 0.001),
+            )
+            return _node(result)
+
+        try:
+            return self._note_index(
+                self._v2(
+                    "watch",
                     key,
-                    wait=True,
-                    waitIndex=index,
-                    recursive=recursive,
-                    timeout=max(wait, 0.001),
+                    call,
+                    budget=self._watch_budget(deadline),
+                    cap_requests=False,
                 )
-                return _node(result)
+            )
+        except etcd.EtcdWatchTimedOut:
+            return None
+        except etcd.EtcdEventIndexCleared as exc:
+            raise WatchHistoryLostError(key, index, str(exc)) from None
+        except KeyNotFoundError:
+            # Watching a missing key works in etcd; this only happens for a
+            # missing parent directory on some versions. Treat as "no change yet".
+            return None
+        except RendezvousConnectionError:
+            if deadline.expired():
+                return None
+            raise
 
-            try:
-                return self._note_index(
-                    self._v2(
-                        "watch",
-                        key,
-                        call,
-                        budget=self._watch_budget(deadline),
-                        cap_requests=False,
-                    )
-                )
-            except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
-                return None
-            except KeyNotFoundError:
-                # Watching a missing key works in etcd; this only happens for a
-                # missing parent directory on some versions. Treat as "no change yet".
-                return None
-            except RendezvousConnectionError:
-                if deadline.expired():
-                    return None
-                raise
+    def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
+        """The changes of ``key`` (or below it) from etcd index ``start_index`` on, over
+        streaming watch requests (``stream=true``): one for every change made after the
+        stream opened, one more per change that was already in etcd's history (see
+        :mod:`etcd_rendezvous._v2_watch`). Opened before returning, retrying like any
+        operation.
+
+        Raises:
+            RendezvousConnectionError: etcd stayed unreachable for the operation's
+                deadline.
+        """
+        stream = V2WatchStream(self, key, start_index, recursive)
+        self._adopt(stream)
+        stream.start()
+        return stream
 
     def server_version(self) -> str:
         """The etcd server version (``etcdserver`` field of ``/version``)."""

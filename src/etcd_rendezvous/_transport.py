@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -46,6 +47,8 @@ __all__ = [
     "OperationRefusedError",
     "Transport",
     "TransportClosedError",
+    "WatchHistoryLostError",
+    "WatchStream",
 ]
 
 logger = logging.getLogger(__name__)
@@ -88,6 +91,25 @@ class OperationRefusedError(RendezvousError):
 
 class TransportClosedError(RendezvousError):
     """The etcd connection was closed by its owner and cannot be used any more."""
+
+
+class WatchHistoryLostError(RendezvousError):
+    """etcd no longer holds the history a watch asked for (v2's "event index cleared",
+    errorCode 401, past its last 1000 events; a compacted revision on v3).
+
+    The changes from :attr:`index` on cannot be replayed: re-read the key, then watch
+    (or open a new :class:`WatchStream`) from the read's ``etcd_index + 1``.
+    """
+
+    def __init__(self, key: str, index: int, detail: str = "") -> None:
+        why = f" ({detail})" if detail else ""
+        super().__init__(
+            f"etcd no longer holds the history of {key!r} from index {index}{why}; "
+            "re-read the key and watch again from the read's index + 1."
+        )
+        self.key = key
+        #: The index (revision) the watch asked to start from.
+        self.index = index
 
 
 class _AmbiguousError(Exception):
@@ -155,6 +177,87 @@ class Node:
     lease: int = 0
 
 
+class WatchStream(abc.ABC):
+    """The changes of one key (or of every key below it) from a start index on, in order,
+    over as few etcd requests as the API allows (one, unless the stream breaks).
+
+    Made by :meth:`Transport.watch_stream`. One thread reads it with :meth:`next`; any
+    thread may :meth:`close` it (which wakes a blocked :meth:`next`). Closing the
+    transport closes its streams. A stream is a context manager that closes it.
+    """
+
+    def __init__(self, key: str, start_index: int, recursive: bool) -> None:
+        self._key = key
+        self._recursive = recursive
+        self._next_index = max(int(start_index), 1)
+        self._closed = False
+
+    @property
+    def key(self) -> str:
+        """The key watched (the directory or prefix, for a recursive stream)."""
+        return self._key
+
+    @property
+    def recursive(self) -> bool:
+        """Whether the changes of every key below :attr:`key` are delivered too."""
+        return self._recursive
+
+    @property
+    def next_index(self) -> int:
+        """The index (revision) the stream will deliver changes from next."""
+        return self._next_index
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    @abc.abstractmethod
+    def next(self, timeout: float) -> Node | None:
+        """The next change, or ``None`` if none came within ``timeout`` seconds.
+
+        The change is a :class:`Node` whose ``action``, ``value`` (the new value;
+        ``None`` for a delete or an expiry), ``modified_index`` and ``etcd_index``
+        describe it. ``timeout`` is also bounded by the calling thread's
+        :meth:`Transport.bounded_by` deadline, as :meth:`Transport.watch` is.
+
+        Raises:
+            WatchHistoryLostError: etcd no longer holds the changes from
+                :attr:`next_index` on; re-read the key and open a new stream.
+            TransportClosedError: the stream or its transport was closed (before or
+                during the wait).
+            RendezvousConnectionError: etcd stayed unreachable for longer than the
+                transport's ``read_timeout`` (outside a ``bounded_by`` block), and
+                ``timeout`` has not passed yet.
+        """
+
+    def close(self) -> None:
+        """End the stream and wake a thread blocked in :meth:`next`. Idempotent."""
+        self._closed = True
+
+    def _check_open(self, transport: Transport) -> None:
+        if self._closed or transport.closed:
+            what = "watch stream" if self._closed else "etcd connection"
+            raise TransportClosedError(f"Could not watch {self._key!r}: the {what} was closed.")
+
+    def __enter__(self) -> WatchStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(key={self._key!r}, next_index={self._next_index}, "
+            f"recursive={self._recursive})"
+        )
+
+
 class Transport(abc.ABC):
     """A connection to an etcd cluster over one or more endpoints.
 
@@ -201,6 +304,7 @@ class Transport(abc.ABC):
         self._last_index = 0
         self._closed = False
         self._scope = threading.local()
+        self._watch_streams: weakref.WeakSet[WatchStream] = weakref.WeakSet()
 
     # -- properties and lifetime --------------------------------------------------
 
@@ -230,12 +334,24 @@ class Transport(abc.ABC):
         return self._closed
 
     def close(self) -> None:
-        """Release pooled connections. Idempotent."""
+        """Close the watch streams and release pooled connections. Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            streams = list(self._watch_streams)
+        for stream in streams:
+            stream.close()
         self._release()
+
+    def _adopt(self, stream: WatchStream) -> None:
+        """Have :meth:`close` close ``stream`` (if it was not closed before)."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._watch_streams.add(stream)
+        if closed:
+            stream.close()
 
     @abc.abstractmethod
     def _release(self) -> None:
@@ -327,20 +443,40 @@ class Transport(abc.ABC):
         except KeyNotFoundError:
             return None
 
-    @abc.abstractmethod
     def watch(
         self, key: str, index: int, timeout: float, *, recursive: bool = False
     ) -> Node | None:
         """Wait for the first change of ``key`` (or below it) at or after ``index``.
 
         Returns the change, or ``None`` when ``timeout`` passed or etcd no longer holds
-        history that old (callers re-read in both cases).
+        history that old (callers re-read in both cases; :meth:`watch_stream` tells the
+        two apart).
 
         Raises:
             RendezvousConnectionError: etcd stayed unreachable for longer than
                 ``read_timeout`` (outside a :meth:`bounded_by` block, in which the watch
                 retries until ``timeout`` instead), and ``timeout`` has not passed yet.
         """
+        try:
+            return self._wait_for_change(key, index, timeout, recursive=recursive)
+        except WatchHistoryLostError:
+            return None
+
+    @abc.abstractmethod
+    def _wait_for_change(
+        self, key: str, index: int, timeout: float, *, recursive: bool
+    ) -> Node | None:
+        """:meth:`watch`, except that lost history raises :class:`WatchHistoryLostError`."""
+
+    def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
+        """The changes of ``key`` (or of every key below it, with ``recursive``) with an
+        index of ``start_index`` or later, in order, as a :class:`WatchStream`.
+
+        The caller closes the stream (or uses it as a context manager); closing the
+        transport ends it too. This implementation waits once per change (one watch
+        request each); the transports override it with one request for all changes.
+        """
+        return _WaitingWatchStream(self, key, start_index, recursive)
 
     def first_change_after(self, key: str, index: int) -> Node | None:
         """The first recorded change of ``key`` after ``index``, if etcd still has it."""
@@ -575,6 +711,32 @@ class Transport(abc.ABC):
         if change is None and current.created_index == current.modified_index:
             # etcd no longer holds that history, but the key was not changed since.
             return current
+        return change
+
+
+class _WaitingWatchStream(WatchStream):
+    """A :class:`WatchStream` made of one :meth:`Transport.watch` per change.
+
+    For transports without a streaming watch. :meth:`close` from another thread takes
+    effect when the pending wait ends, or at once if the transport is closed.
+    Changes that share an index (v3 transactions that change several keys below a
+    recursive stream's prefix) are delivered only once: the first of them.
+    """
+
+    def __init__(self, transport: Transport, key: str, start_index: int, recursive: bool) -> None:
+        super().__init__(key, start_index, recursive)
+        self._transport = transport
+
+    def next(self, timeout: float) -> Node | None:
+        """The next change, or ``None`` after ``timeout`` seconds (see
+        :meth:`WatchStream.next`)."""
+        self._check_open(self._transport)
+        change = self._transport._wait_for_change(
+            self._key, self._next_index, timeout, recursive=self._recursive
+        )
+        self._check_open(self._transport)
+        if change is not None:
+            self._next_index = max(self._next_index, change.modified_index + 1)
         return change
 
 

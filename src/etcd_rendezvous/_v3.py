@@ -19,9 +19,12 @@ map onto v3:
   through this connection is attached to, so the whole run disappears when its lease
   lapses, as a v2 directory with a TTL does -- and, unlike on etcd 3.5's v2 API, that
   lease can be refreshed.
-* **watch -> streaming watch** from ``start_revision`` (one HTTP stream per wait, closed
-  after the first event); a compacted start revision reads as "no change seen" and the
-  caller re-reads, as after v2's "event index cleared".
+* **watch -> streaming watch** from ``start_revision``: a
+  :meth:`~EtcdV3Connection.watch_stream` keeps one HTTP stream (one ``Watch`` gRPC
+  stream) open for all the changes it delivers; a single :meth:`~EtcdV3Connection.watch`
+  is a stream closed after its first change. A compacted start revision raises
+  :class:`~etcd_rendezvous._transport.WatchHistoryLostError` from a stream and reads as
+  "no change seen" from a single watch, as after v2's "event index cleared".
 
 Failures are classified as on v2: a request that never reached a member is sent again
 anywhere; one whose outcome is unknown (lost answer, "request timed out" or "leader
@@ -57,6 +60,7 @@ from ._transport import (
     Node,
     OperationRefusedError,
     Transport,
+    WatchStream,
     _AmbiguousError,
     _UnsentError,
     transient_answer,
@@ -82,10 +86,6 @@ class _ReauthError(Exception):
 
 class _LeaseGoneError(Exception):
     """The lease named in a write does not exist any more."""
-
-
-class _CompactedError(Exception):
-    """A watch's start revision was compacted."""
 
 
 class EtcdV3Connection(Transport):
@@ -148,28 +148,9 @@ class EtcdV3Connection(Transport):
         self._dir_leases: dict[str, int] = {}
         self._shared_leases: dict[int, tuple[int, float]] = {}
         self._lease_lock = threading.Lock()
-        self._streams: set[Any] = set()
 
     def _release(self) -> None:
-        from ._v3_watch import shutdown_stream  # noqa: PLC0415
-
-        with self._lease_lock:
-            streams = list(self._streams)
-        for response in streams:
-            shutdown_stream(response)
         self._pool.clear()
-
-    def _track_stream(self, response: Any, active: bool) -> None:
-        """Remember the watch streams in progress, so that :meth:`close` can end them."""
-        with self._lease_lock:
-            if active:
-                self._streams.add(response)
-            else:
-                self._streams.discard(response)
-        if active and self._closed:
-            from ._v3_watch import shutdown_stream  # noqa: PLC0415
-
-            shutdown_stream(response)
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -451,43 +432,40 @@ class EtcdV3Connection(Transport):
         ttl = int(data.get("TTL", 0))
         return ttl if ttl >= 0 else None
 
-    def watch(
-        self, key: str, index: int, timeout: float, *, recursive: bool = False
+    def _wait_for_change(
+        self, key: str, index: int, timeout: float, *, recursive: bool
     ) -> Node | None:
-        """Wait for the first change of ``key`` (or below it) at or after revision ``index``.
+        """Wait for the first change of ``key`` (or below it) at or after revision ``index``:
+        a watch stream, closed after its first change.
 
-        Returns the change, or ``None`` when ``timeout`` passed or the revision was
-        compacted (callers re-read in both cases).
+        Returns the change, or ``None`` when ``timeout`` passed.
+
+        Raises:
+            WatchHistoryLostError: the revision was compacted.
         """
-        from ._v3_watch import watch_once  # noqa: PLC0415 (keeps this module's size down)
+        from ._v3_watch import V3WatchStream  # noqa: PLC0415 (keeps this module's size down)
 
-        key = wire.norm(key)
-        deadline = self._budget(Deadline(timeout))
-        request: dict[str, Any] = {"key": wire.b64(key), "start_revision": str(max(index, 1))}
-        if recursive:
-            request["range_end"] = wire.prefix_end(key)
-        body = {"create_request": request}
-        while True:
-            if deadline.expired():
-                return None
-            try:
-                node = self._retrying(
-                    "watch",
-                    key,
-                    lambda _cap: watch_once(self, body, deadline, key),
-                    budget=self._watch_budget(deadline),
-                    cap_requests=False,
-                )
-            except _CompactedError:
-                return None
-            except RendezvousConnectionError:
-                if deadline.expired():
-                    return None
-                raise
-            if node is None:
-                return None
-            self._note_index(node)
-            return node
+        stream = V3WatchStream(self, key, index, recursive)
+        self._adopt(stream)
+        with stream:
+            node = stream.next(timeout)
+        return None if node is None else self._note_index(node)
+
+    def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
+        """The changes of ``key`` (or below it) from revision ``start_index`` on, over one
+        ``POST /v3/watch`` answer kept open (reopened from where it broke, on the next
+        endpoint, if it breaks). Opened before returning, retrying like any operation.
+
+        Raises:
+            RendezvousConnectionError: etcd stayed unreachable for the operation's
+                deadline.
+        """
+        from ._v3_watch import V3WatchStream  # noqa: PLC0415
+
+        stream = V3WatchStream(self, key, start_index, recursive)
+        self._adopt(stream)
+        stream.start()
+        return stream
 
     # -- writes -----------------------------------------------------------------------
 

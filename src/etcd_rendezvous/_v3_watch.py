@@ -1,121 +1,138 @@
-"""One wait on a v3 watch stream: open it, return its first event, close it.
+"""The v3 watch stream: one ``POST /v3/watch`` answer carries every change.
 
-A watch is an HTTP request whose answer is a chunked stream of JSON objects: first
-``created``, then batches of ``events``; a compacted start revision or a refused auth
-token arrive as ``canceled``. One stream per wait keeps the connection's pool simple;
-closing the response closes its socket. :meth:`EtcdV3Connection.close` shuts down the
-sockets of waits still blocked, so that they return at once.
+etcd's gateway answers a watch with a chunked stream of JSON objects: first
+``created``, then batches of ``events`` (every event of one revision in the same
+batch); a compacted start revision or a refused auth token arrive as ``canceled``. Each
+answer is one ``Watch`` gRPC stream in etcd, however many changes it carries.
+:class:`V3WatchStream` keeps that answer open across
+:meth:`~etcd_rendezvous._transport.WatchStream.next` calls (the shared machinery is
+:class:`~etcd_rendezvous._watch_stream.StreamingWatch`); a single wait
+(:meth:`EtcdV3Connection.watch`) is a stream closed after its first change.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
 from typing import TYPE_CHECKING, Any
 
 import urllib3
-from urllib3.exceptions import ProtocolError, ReadTimeoutError
+from urllib3.exceptions import HTTPError
 
 from . import _v3_http as wire
 from ._retry import Deadline
-from ._transport import Node, TransportClosedError, _AmbiguousError
+from ._transport import Node, WatchHistoryLostError, _AmbiguousError
+from ._watch_stream import Batches, StreamingWatch, hold_socket_open
 from .api import RendezvousConnectionError
 
 if TYPE_CHECKING:
     from ._v3 import EtcdV3Connection
 
-__all__ = ["shutdown_stream", "watch_once"]
+__all__ = ["V3WatchStream"]
 
 
-def watch_once(
-    conn: EtcdV3Connection, body: dict[str, Any], deadline: Deadline, key: str
-) -> Node | None:
-    """The first event of a watch created with ``body``, or ``None`` at ``deadline``.
+class V3WatchStream(StreamingWatch):
+    """The changes of a key (or of a prefix) over v3 watch answers, from a revision on."""
 
-    Raises:
-        _CompactedError: the start revision was compacted.
-        _AmbiguousError, _UnsentError: the stream failed; worth retrying.
-        RendezvousConnectionError: a permanent failure (TLS, permissions).
-    """
-    from ._v3 import _ReauthError  # noqa: PLC0415
+    confirmed_by_status = False
 
-    where = f"watch {key!r}"
-    idx = conn._pick()
-    for renewal in (False, True):
-        conn._ensure_token(idx, renewal)
+    def __init__(self, conn: EtcdV3Connection, key: str, start_index: int, recursive: bool) -> None:
+        super().__init__(conn, wire.norm(key), start_index, recursive)
+        self._conn = conn
+
+    def _open(self, deadline: Deadline) -> None:
+        """One attempt, authenticating first; a watch refused for an expired token is
+        sent once more with a fresh one."""
+        from ._v3 import _ReauthError  # noqa: PLC0415
+
+        conn = self._conn
+        idx = conn._pick()
+        for renewal in (False, True):
+            conn._ensure_token(idx, renewal)
+            try:
+                super()._open(deadline)
+                return
+            except _ReauthError as exc:
+                if renewal:
+                    raise RendezvousConnectionError(
+                        f"etcd endpoint {conn.endpoints[idx]} refused to watch {self._key!r} "
+                        f"with a fresh auth token ({str(exc).split(': ', 1)[-1]}). Check the "
+                        "user's roles."
+                    ) from None
+
+    def _send(self, from_index: int, deadline: Deadline) -> tuple[int, Any, Batches]:
+        conn = self._conn
+        idx = conn._pick()
+        where = f"watch {self._key!r}"
+        request: dict[str, Any] = {
+            "key": wire.b64(self._key),
+            "start_revision": str(max(from_index, 1)),
+        }
+        if self._recursive:
+            request["range_end"] = wire.prefix_end(self._key)
+        # The read timeout is for the answer to start; then the reader waits forever.
+        wait = min(conn.read_timeout, max(deadline.remaining(), conn._last_chance()))
         try:
-            return _stream(conn, idx, body, deadline, key)
-        except _ReauthError as exc:
-            if renewal:
-                raise RendezvousConnectionError(
-                    f"etcd endpoint {conn.endpoints[idx]} refused to {where} with a fresh auth "
-                    f"token ({str(exc).split(': ', 1)[-1]}). Check the user's roles."
-                ) from None
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _stream(
-    conn: EtcdV3Connection, idx: int, body: dict[str, Any], deadline: Deadline, key: str
-) -> Node | None:
-    where = f"watch {key!r}"
-    remaining = deadline.remaining()
-    if remaining <= 0:
-        return None
-    endpoint = conn.endpoints[idx]
-    timeout = urllib3.Timeout(connect=min(conn.connect_timeout, remaining), read=remaining)
-    try:
-        response = conn._pool.urlopen(
-            "POST",
-            endpoint + "/v3/watch",
-            body=json.dumps(body).encode(),
-            headers=conn._headers(),
-            timeout=timeout,
-            retries=False,
-            preload_content=False,
-        )
-    except BaseException as exc:
-        raise conn._transport_failure(idx, exc, where) from None
-    conn._track_stream(response, True)
-    try:
+            response = conn._pool.urlopen(
+                "POST",
+                conn.endpoints[idx] + "/v3/watch",
+                body=json.dumps({"create_request": request}).encode(),
+                headers=conn._headers(),
+                timeout=urllib3.Timeout(connect=min(conn.connect_timeout, wait), read=wait),
+                retries=False,
+                preload_content=False,
+            )
+        except BaseException as exc:
+            raise conn._transport_failure(idx, exc, where) from None
         if response.status != 200:
             error = wire.parse_error(response.status, response.read())
+            response.close()
             raise conn._server_failure(idx, "/v3/watch", error, where)
+        hold_socket_open(response)
+        return idx, response, _batches(conn, idx, response, self._key, self._recursive, from_index)
+
+
+def _batches(
+    conn: EtcdV3Connection, idx: int, response: Any, key: str, recursive: bool, start: int
+) -> Batches:
+    """The messages of one watch answer: ``None`` for ``created``, else its changes."""
+    endpoint = conn.endpoints[idx]
+    try:
         for message in wire.iter_objects(response.stream(64 * 1024)):
-            node = _handle(conn, idx, message, key)
-            if node is not None:
-                return node
-        raise _AmbiguousError(f"{endpoint}: the watch stream ended")
-    except ReadTimeoutError:
-        return None
-    except (ProtocolError, OSError, ValueError, TypeError) as exc:
-        if conn.closed:
-            raise TransportClosedError(
-                f"Could not {where}: the etcd connection was closed."
-            ) from None
-        if deadline.expired():
-            return None
+            yield _handle(conn, idx, message, key, recursive, start)
+    except (HTTPError, OSError, ValueError, TypeError) as exc:
         raise _AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
-    finally:
-        conn._track_stream(response, False)
-        response.close()
+    raise _AmbiguousError(f"{endpoint}: the watch stream ended")
 
 
-def _handle(conn: EtcdV3Connection, idx: int, message: dict[str, Any], key: str) -> Node | None:
-    """The node of the first event in ``message`` of ``key`` or a key below it (a
-    recursive watch's range also holds siblings such as ``key-2``); ``None`` if none."""
-    from ._v3 import _CompactedError, _ReauthError  # noqa: PLC0415
+def _handle(
+    conn: EtcdV3Connection,
+    idx: int,
+    message: dict[str, Any],
+    key: str,
+    recursive: bool,
+    start: int,
+) -> list[Node] | None:
+    """The changes in ``message`` of ``key`` (or of keys below it: a recursive watch's
+    range also holds siblings such as ``key-2``); ``None`` if it confirms the watch."""
+    from ._v3 import _ReauthError  # noqa: PLC0415
 
     where = f"watch {key!r}"
     error = wire.stream_error(message)
     if error is not None:
-        raise conn._server_failure(idx, "/v3/watch", error, where)
+        failure = conn._server_failure(idx, "/v3/watch", error, where)
+        if isinstance(failure, (_ReauthError, RendezvousConnectionError)):
+            raise failure
+        # The gateway ends a stream whose gRPC call ended ("context canceled" when its
+        # connection is reset, say) with an error: reopen it.
+        raise _AmbiguousError(f"{conn.endpoints[idx]}: watch stream ended: {error}")
     result = message.get("result")
     if not isinstance(result, dict):
-        return None
+        return []
     if result.get("canceled"):
-        if int(result.get("compact_revision", 0) or 0) > 0:
-            raise _CompactedError(where)
+        compacted = int(result.get("compact_revision", 0) or 0)
+        if compacted > 0:
+            detail = f"etcd compacted its history up to revision {compacted}"
+            raise WatchHistoryLostError(key, start, detail)
         reason = str(result.get("cancel_reason", ""))
         cancel = wire.GrpcError(0, reason or "watch canceled", 200)
         denied = "permission denied" in reason.lower() or str(result.get("watch_id")) == "-1"
@@ -129,18 +146,14 @@ def _handle(conn: EtcdV3Connection, idx: int, message: dict[str, Any], key: str)
                 "username, password and the user's roles."
             )
         raise _AmbiguousError(f"{conn.endpoints[idx]}: watch canceled: {reason}")
-    events = result.get("events")
-    if not isinstance(events, list):
+    if result.get("created"):
         return None
+    events = result.get("events")
     header = result.get("header")
-    if not isinstance(header, dict):
-        header = {}
+    revision = int(header.get("revision", 0)) if isinstance(header, dict) else 0
     below = key if key.endswith("/") else key + "/"
-    for event in events:
-        node = _event_node(event, int(header.get("revision", 0)))
-        if node.key == key or node.key.startswith(below):
-            return node
-    return None
+    nodes = [_event_node(event, revision) for event in events or () if isinstance(event, dict)]
+    return [n for n in nodes if n.key == key or (recursive and n.key.startswith(below))]
 
 
 def _event_node(event: dict[str, Any], revision: int) -> Node:
@@ -161,12 +174,3 @@ def _event_node(event: dict[str, Any], revision: int) -> Node:
         action="delete" if deleted else "create" if int(kv.get("version", 0)) == 1 else "set",
         lease=int(kv.get("lease", 0)),
     )
-
-
-def shutdown_stream(response: Any) -> None:
-    """Wake a thread blocked reading ``response`` by shutting down its socket."""
-    connection = getattr(response, "connection", None) or getattr(response, "_connection", None)
-    sock = getattr(connection, "sock", None)
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,125 @@
+"""The v2 watch stream: ``GET /v2/keys/<key>?wait=true&stream=true&waitIndex=N``.
+
+python-etcd has no streaming watch, so this speaks the wire directly, with urllib3 and
+the connection's own pool managers (TLS, basic auth, no silent re-sends); failures are
+classified by :meth:`EtcdConnection._once`, as for every v2 request. etcd
+(``v2http/client.go``, ``handleKeyWatch``) answers with the ``X-Etcd-Index`` header once,
+then writes each change as one JSON object (``{"action", "node", "prevNode"}``, as a
+single watch answers) followed by a newline, for as long as the watcher lives.
+
+Two behaviours of etcd's v2 store shape :class:`V2WatchStream`:
+
+* **A change found in the history ends the stream.** If the event history holds a change
+  at or after ``waitIndex``, etcd answers with that one change and registers no watcher:
+  the answer then stays open and silent. Such a change has an index at or below the
+  answer's ``X-Etcd-Index``, so the stream reopens from the next index at once. A stream
+  opened from the current index + 1 (as after a read) is registered and delivers every
+  later change over one request.
+* **A slow watcher is dropped.** A watcher whose 100-change buffer overflows is removed,
+  which ends the answer; the stream reopens from the index after the last change it
+  received (the reader thread reads as fast as etcd writes, so this is rare).
+
+``errorCode`` 401 ("event index cleared": ``waitIndex`` is older than the last 1000
+changes) raises :class:`~etcd_rendezvous._transport.WatchHistoryLostError`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import etcd
+import urllib3
+from urllib3.exceptions import HTTPError
+
+from . import _v3_http as wire
+from ._retry import Deadline
+from ._transport import KeyNotFoundError, Node, WatchHistoryLostError, _AmbiguousError
+from ._watch_stream import Batches, StreamingWatch, hold_socket_open
+
+if TYPE_CHECKING:
+    from ._client import EtcdConnection
+
+__all__ = ["V2WatchStream"]
+
+
+class V2WatchStream(StreamingWatch):
+    """The changes of a key (or of a directory) over v2 streaming watches."""
+
+    def __init__(self, conn: EtcdConnection, key: str, start_index: int, recursive: bool) -> None:
+        super().__init__(conn, key, start_index, recursive)
+        self._conn = conn
+
+    def _send(self, from_index: int, deadline: Deadline) -> tuple[int, Any, Batches]:
+        conn = self._conn
+        key = self._key if self._key.startswith("/") else f"/{self._key}"
+        fields = {"wait": "true", "stream": "true", "waitIndex": str(max(from_index, 1))}
+        if self._recursive:
+            fields["recursive"] = "true"
+        # The read timeout is for the answer to start; then the reader waits forever.
+        wait = min(conn.read_timeout, max(deadline.remaining(), conn._last_chance()))
+        timeout = urllib3.Timeout(connect=min(conn.connect_timeout, wait), read=wait)
+
+        def call(client: Any) -> tuple[int, Any]:
+            url = f"{client.base_uri}{client.key_endpoint}{quote(key)}"
+            try:
+                response = client.http.request(
+                    "GET",
+                    url,
+                    fields=fields,
+                    headers=client._get_headers(),
+                    timeout=timeout,
+                    redirect=False,
+                    preload_content=False,
+                )
+            except (HTTPError, OSError) as exc:
+                raise etcd.EtcdConnectionFailed(f"watch failed: {exc}", cause=exc) from exc
+            if response.status != 200:
+                # Reads the error and raises python-etcd's exception for it.
+                client._handle_server_response(response)
+            client._check_cluster_id(response)
+            return conn._clients.index(client), response
+
+        try:
+            idx, response = conn._once("watch", key, call, None)
+        except etcd.EtcdEventIndexCleared as exc:
+            raise WatchHistoryLostError(self._key, from_index, str(exc)) from None
+        except KeyNotFoundError:
+            # Some etcd versions refuse to watch below a missing directory: nothing
+            # changed yet; try again (after a pause) until the caller's deadline.
+            raise _AmbiguousError(f"watch {key!r}: its parent directory is missing") from None
+        hold_socket_open(response)
+        index = int(response.headers.get("X-Etcd-Index", 0) or 0)
+        return idx, response, _batches(conn.endpoints[idx], response, index)
+
+
+def _batches(endpoint: str, response: Any, etcd_index: int) -> Batches:
+    """The changes of one answer, one at a time; ends after a change from the history
+    (``etcd_index`` is the answer's ``X-Etcd-Index``), for which etcd watches no more."""
+    try:
+        for message in wire.iter_objects(response.stream(64 * 1024)):
+            node = _event_node(message, etcd_index)
+            yield [node]
+            if node.modified_index <= etcd_index:
+                return
+    except (HTTPError, OSError, ValueError, TypeError) as exc:
+        raise _AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
+
+
+def _event_node(message: dict[str, Any], etcd_index: int) -> Node:
+    """The :class:`Node` of one change (``{"action", "node", "prevNode"}``)."""
+    raw = message.get("node")
+    if not isinstance(raw, dict) or "action" not in message:
+        raise ValueError(f"not a v2 watch event: {message!r:.200}")
+    modified = int(raw.get("modifiedIndex", 0))
+    return Node(
+        key=str(raw.get("key", "")),
+        value=raw.get("value"),
+        modified_index=modified,
+        created_index=int(raw.get("createdIndex", 0)),
+        etcd_index=max(etcd_index, modified),
+        ttl=raw.get("ttl"),
+        is_dir=bool(raw.get("dir", False)),
+        children=(),
+        action=str(message["action"]),
+    )

@@ -1,0 +1,358 @@
+"""A :class:`~etcd_rendezvous._transport.WatchStream` over one long-lived HTTP answer.
+
+Both etcd APIs can answer a watch with a stream that stays open and carries every
+change as it happens: v2 with ``GET /v2/keys/<key>?wait=true&stream=true``, v3 with
+``POST /v3/watch``. :class:`StreamingWatch` holds what the two share:
+
+* **A reader thread per answer.** It reads the answer as it arrives and buffers the
+  changes; :meth:`~StreamingWatch.next` takes them from the buffer, waiting on a
+  condition with the caller's deadline. The thread, not the caller, blocks on the
+  socket: a socket read that times out cannot be resumed, so a caller's timeout must
+  never be a socket timeout. :meth:`~StreamingWatch.close` (or closing the transport)
+  shuts the socket down, which wakes the thread, and wakes the caller.
+* **Reopening where it broke.** The stream remembers the index after the last change
+  it received. When an answer ends (a member killed, a connection reset, etcd dropping
+  the watcher), the next :meth:`~StreamingWatch.next` sends a new watch request from
+  there, through the transport's retry loop (failover, back-off, deadline); buffered
+  changes are delivered first, and none twice.
+* **Lost history is final.** If etcd no longer holds the changes from that index, the
+  stream raises :class:`~etcd_rendezvous._transport.WatchHistoryLostError` (after the
+  changes it buffered) from then on.
+
+The subclasses (``_v2_watch.V2WatchStream``, ``_v3_watch.V3WatchStream``) send the
+request and parse the answer. A stream whose owner forgot to close it is closed when it
+is garbage collected (a safety net; the reader thread holds only a weak reference).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import socket
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from ._retry import Deadline
+from ._transport import (
+    Node,
+    Transport,
+    WatchHistoryLostError,
+    WatchStream,
+    _AmbiguousError,
+    _UnsentError,
+)
+from .api import RendezvousConnectionError, RendezvousError
+
+__all__ = ["Batches", "StreamingWatch", "hold_socket_open", "shutdown_socket"]
+
+logger = logging.getLogger(__name__)
+
+#: What a subclass's parser yields for each message of an answer: the changes it
+#: carries (possibly none), or ``None`` for "etcd confirmed the watch" (v3's created).
+Batches = Iterator["list[Node] | None"]
+
+#: The reader stops reading while this many changes wait in the buffer, so that a
+#: stream nobody reads cannot grow without bound (etcd then drops or slows the watcher).
+_MAX_BUFFERED = 10_000
+
+
+class _Feed:
+    """One watch answer and the state of the thread that reads it."""
+
+    __slots__ = ("changes", "ended", "endpoint", "failure", "ready", "response")
+
+    def __init__(self, endpoint: int, response: Any, ready: bool) -> None:
+        #: The index of the endpoint that answered, in the transport's list.
+        self.endpoint = endpoint
+        self.response = response
+        #: Whether etcd confirmed that the watch is in place.
+        self.ready = ready
+        #: How many changes it brought.
+        self.changes = 0
+        #: Whether the answer is over; ``failure`` says why (``None``: it ended normally).
+        self.ended = False
+        self.failure: BaseException | None = None
+
+    def stop(self) -> None:
+        shutdown_socket(self.response)
+
+
+class StreamingWatch(WatchStream):
+    """A watch stream made of one streaming answer at a time (see the module docstring).
+
+    Subclasses implement :meth:`_send`. Made by a transport's ``watch_stream``, which
+    calls :meth:`start`; :meth:`next` opens it if it is not open yet.
+    """
+
+    #: Whether an answer with status 200 means that the watch is in place (v2); if not,
+    #: :meth:`_open` waits for the parser to yield ``None`` (v3's ``created``).
+    confirmed_by_status = True
+
+    def __init__(self, transport: Transport, key: str, start_index: int, recursive: bool) -> None:
+        super().__init__(key, start_index, recursive)
+        self._transport = transport
+        self._cond = threading.Condition()
+        self._events: deque[Node] = deque()
+        #: The index to send the next watch request from: after the last change received.
+        self._resume = self._next_index
+        self._feed: _Feed | None = None
+        #: A permanent failure, raised once the buffered changes have been delivered.
+        self._failed: RendezvousError | None = None
+        self._feeds: set[_Feed] = set()
+        self._finalizer = weakref.finalize(self, _stop_all, self._feeds)
+
+    # -- what a subclass does -------------------------------------------------------
+
+    @abc.abstractmethod
+    def _send(self, from_index: int, deadline: Deadline) -> tuple[int, Any, Batches]:
+        """Send a watch request from ``from_index`` to the transport's current endpoint.
+
+        Returns the endpoint's index, the answer (urllib3 response, status 200, body not
+        read) and the parser of its body, run by the reader thread. Sending raises the
+        transport's classified errors (:class:`_UnsentError`, :class:`_AmbiguousError`,
+        a library error, or :class:`WatchHistoryLostError`); so does the parser for what
+        etcd says in the answer. The parser raises :class:`_AmbiguousError` when the
+        answer breaks, and returns when etcd ended it normally (then it is reopened at
+        once if it brought a change). After a failure the stream moves on to the next
+        endpoint; the parser does not.
+        """
+
+    # -- the interface --------------------------------------------------------------
+
+    @property
+    def next_index(self) -> int:
+        """The index (revision) the stream will deliver changes from next."""
+        with self._cond:
+            return self._events[0].modified_index if self._events else self._resume
+
+    def start(self) -> None:
+        """Open the stream now (so that later writes stream at once), retrying like any
+        operation of the transport. A lost history is raised by :meth:`next`.
+
+        Raises:
+            RendezvousConnectionError: etcd stayed unreachable for the operation's
+                deadline (``read_timeout``, or the thread's ``bounded_by`` deadline).
+        """
+        try:
+            self._reopen(None, self._transport._budget(), at_deadline="raise")
+        except WatchHistoryLostError:
+            pass
+        except BaseException:
+            self.close()
+            raise
+
+    def next(self, timeout: float) -> Node | None:
+        """The next change, or ``None`` after ``timeout`` seconds (see
+        :meth:`WatchStream.next`)."""
+        deadline = self._transport._budget(Deadline(timeout))
+        while True:
+            with self._cond:
+                self._check_open(self._transport)
+                if self._events:
+                    if len(self._events) >= _MAX_BUFFERED:
+                        self._cond.notify_all()
+                    return self._events.popleft()
+                if self._failed is not None:
+                    raise self._failed
+                feed = self._feed
+                if feed is not None and not feed.ended:
+                    if deadline.expired():
+                        return None
+                    self._cond.wait(deadline.remaining())
+                    continue
+            if deadline.expired() or not self._reopen(feed, deadline, at_deadline="none"):
+                return None
+
+    def close(self) -> None:
+        """End the stream: its socket is shut down and a blocked :meth:`next` raises
+        :class:`TransportClosedError`. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            feed, self._feed = self._feed, None
+            self._events.clear()
+            self._cond.notify_all()
+        if feed is not None:
+            feed.stop()
+
+    # -- opening and reopening --------------------------------------------------------
+
+    def _reopen(self, feed: _Feed | None, deadline: Deadline, *, at_deadline: str) -> bool:
+        """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
+        ``None``), retrying within ``deadline``. Returns whether it did; with
+        ``at_deadline="none"``, ``False`` when etcd was unreachable until the deadline."""
+        pending: list[BaseException] = []
+        if feed is not None:
+            with self._cond:
+                if self._feed is feed:
+                    self._feed = None
+            failure = feed.failure
+            if failure is None and not feed.changes:
+                failure = _AmbiguousError("the watch stream ended without a change")
+            if failure is not None:
+                # The member may be gone: try the next one.
+                self._transport._rotate(feed.endpoint)
+                if not isinstance(failure, (_UnsentError, _AmbiguousError)):
+                    failure = _AmbiguousError(str(failure))
+                # The first attempt "fails" with it: a pause before reopening.
+                pending.append(failure)
+
+        def attempt(_cap: float | None) -> None:
+            if pending:
+                raise pending.pop()
+            self._open(deadline)
+
+        transport = self._transport
+        try:
+            transport._retrying(
+                "watch",
+                self._key,
+                attempt,
+                budget=transport._watch_budget(deadline),
+                cap_requests=False,
+            )
+        except WatchHistoryLostError as exc:
+            with self._cond:
+                self._failed = exc
+            raise
+        except RendezvousConnectionError:
+            if at_deadline == "none" and deadline.expired():
+                return False
+            raise
+        return True
+
+    def _open(self, deadline: Deadline) -> None:
+        """One attempt: send the request and start its reader; where etcd confirms a
+        watch in the answer, wait for that (until ``deadline``)."""
+        endpoint, response, batches = self._send(self._resume, deadline)
+        feed = _Feed(endpoint, response, ready=self.confirmed_by_status)
+        with self._cond:
+            if self._closed:
+                feed.stop()
+                response.close()
+                self._check_open(self._transport)
+            self._feed = feed
+            self._feeds.add(feed)
+        thread = threading.Thread(
+            target=_read,
+            args=(weakref.ref(self), feed, batches, self._feeds),
+            name=f"etcd-watch {self._key}",
+            daemon=True,
+        )
+        thread.start()
+        with self._cond:
+            while not (feed.ready or feed.ended or deadline.expired()):
+                self._cond.wait(deadline.remaining())
+            if feed.ended and isinstance(feed.failure, Exception):
+                # Refused when it was created (an expired token, say): the caller
+                # classifies it as for any request.
+                if self._feed is feed:
+                    self._feed = None
+                raise feed.failure
+
+    # -- called by the reader thread --------------------------------------------------
+
+    def _take(self, feed: _Feed, batch: list[Node] | None) -> bool:
+        """Buffer what the reader parsed. Returns whether to keep reading."""
+        with self._cond:
+            if feed is not self._feed or self._closed:
+                return False
+            if batch is None:
+                feed.ready = True
+            else:
+                # After a reopen, etcd starts at _resume: nothing before it is new. The
+                # changes of one index (a v3 transaction) always come in one message.
+                fresh = [node for node in batch if node.modified_index >= self._resume]
+                self._events.extend(fresh)
+                feed.changes += len(fresh)
+                if fresh:
+                    self._resume = max(node.modified_index for node in fresh) + 1
+                while len(self._events) >= _MAX_BUFFERED and feed is self._feed:
+                    self._cond.wait()
+            self._cond.notify_all()
+            return feed is self._feed and not self._closed
+
+    def _follow(self, feed: _Feed) -> None:
+        """Replace ``feed``, which etcd ended after delivering changes (v2, for a change
+        found in its history), at once: the sooner etcd watches again, the fewer of the
+        changes still to come land in the history, each costing a request of its own.
+        Called by the reader before it marks ``feed`` as ended, so :meth:`next` keeps
+        waiting meanwhile; a failure here ends ``feed`` with it (:meth:`next` retries)."""
+        with self._cond:
+            if feed is not self._feed or self._closed:
+                return
+        self._open(Deadline(self._transport.read_timeout))
+
+    def _end(self, feed: _Feed, failure: BaseException | None) -> None:
+        with self._cond:
+            feed.ended = True
+            feed.failure = failure
+            current = feed is self._feed and not self._closed
+            if current and isinstance(failure, RendezvousError):
+                # A permanent refusal (lost history, permissions): final.
+                self._failed = failure
+            if current and failure is not None and not isinstance(failure, RendezvousError):
+                logger.debug("Watch stream of %s ended (%s); reopening", self._key, failure)
+            self._cond.notify_all()
+
+
+def _read(
+    ref: weakref.ReferenceType[StreamingWatch],
+    feed: _Feed,
+    batches: Batches,
+    feeds: set[_Feed],
+) -> None:
+    """The reader thread: buffer each batch of ``feed`` into the stream ``ref``, until
+    the answer ends or the stream no longer wants it."""
+    failure: BaseException | None = None
+    try:
+        for batch in batches:
+            stream = ref()
+            if stream is None or not stream._take(feed, batch):
+                return
+            del stream
+        stream = ref()
+        if stream is not None and feed.changes:
+            stream._follow(feed)
+    except BaseException as exc:
+        failure = exc
+    finally:
+        with contextlib.suppress(Exception):
+            feed.response.close()
+        feeds.discard(feed)
+        stream = ref()
+        if stream is not None:
+            stream._end(feed, failure)
+
+
+def _stop_all(feeds: set[_Feed]) -> None:
+    for feed in list(feeds):
+        feed.stop()
+
+
+def hold_socket_open(response: Any) -> None:
+    """Let the rest of ``response`` be read without a timeout: the request's read timeout
+    was for its answer to start; a watch may then stay silent for as long as nothing
+    changes."""
+    sock = _socket_of(response)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.settimeout(None)
+
+
+def shutdown_socket(response: Any) -> None:
+    """Wake a thread blocked reading ``response`` by shutting down its socket."""
+    sock = _socket_of(response)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+def _socket_of(response: Any) -> Any:
+    connection = getattr(response, "connection", None) or getattr(response, "_connection", None)
+    return getattr(connection, "sock", None)
