@@ -55,7 +55,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ._retry import Deadline
-from ._transport import CompareFailedError, KeyNotFoundError, Node, Transport
+from ._transport import (
+    CompareFailedError,
+    KeyNotFoundError,
+    Node,
+    Transport,
+    WatchHistoryLostError,
+    WatchStream,
+)
 from .api import RendezvousError, RendezvousStateError
 from .layout import LegacyLayout, member_name, new_member_name, normalize_key
 
@@ -351,38 +358,6 @@ def confirmation_step(
 # -- the state feed --------------------------------------------------------------------
 
 
-class _Stream(Protocol):
-    def next(self, timeout: float) -> Node | None: ...
-
-    def close(self) -> None: ...
-
-
-class _HistoryLostError(Exception):
-    """etcd no longer holds the changes a stream was to deliver."""
-
-
-class _PolledStream:
-    """A watch stream made of one watch per change (until the transports stream)."""
-
-    def __init__(self, conn: Transport, key: str, start_index: int) -> None:
-        self._conn = conn
-        self._key = key
-        self.next_index = start_index
-
-    def next(self, timeout: float) -> Node | None:
-        started = time.monotonic()
-        event = self._conn.watch(self._key, self.next_index, timeout)
-        if event is None:
-            if timeout > 0 and time.monotonic() - started < 0.9 * timeout:
-                raise _HistoryLostError(self._key)
-            return None
-        self.next_index = event.modified_index + 1
-        return event
-
-    def close(self) -> None:
-        pass
-
-
 class StateFeed:
     """The rendezvous state as one watch stream delivers it: every change in order, each
     with its new value, so that a waiting worker reads nothing.
@@ -396,7 +371,7 @@ class StateFeed:
         self._conn = conn
         self._key = key
         self._parse = parse
-        self._stream: _Stream | None = None
+        self._stream: WatchStream | None = None
         self._latest: Observed | None = None
         self._last_state: dict[str, Any] | None = None
         self._changed_at = time.monotonic()
@@ -441,10 +416,10 @@ class StateFeed:
                     while (more := stream.next(0.0)) is not None:
                         self._apply(more)
                     return True
-        except _HistoryLostError:
+        except WatchHistoryLostError:
             logger.info("etcd no longer holds the changes of %s; reading it again", self._key)
             before = self._latest
-            return self._restart() != before
+            return before is None or self._restart().index != before.index
         except BaseException:
             self.close()
             raise
@@ -473,7 +448,7 @@ class StateFeed:
             start = node.etcd_index + 1
         self.read_seconds = time.monotonic() - started
         self._take(observed)
-        self._stream = _PolledStream(self._conn, self._key, start)
+        self._stream = self._conn.watch_stream(self._key, start)
         return observed
 
     def _apply(self, event: Node) -> bool:
@@ -490,7 +465,7 @@ class StateFeed:
 
     def _take(self, observed: Observed) -> None:
         if self._latest is None or observed.index > self._latest.index:
-            if self._latest is None or observed.state != self._latest.state:
+            if observed.state != self._last_state:
                 self._changed_at = time.monotonic()
             self._latest = observed
             self._last_state = observed.state
