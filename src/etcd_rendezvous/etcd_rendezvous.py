@@ -85,6 +85,7 @@ from ._legacy_admission import (
     RestartAttempt,
     StateFeed,
     create_spread,
+    members_of,
 )
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
@@ -111,6 +112,7 @@ __all__ = [
     "EtcdRendezvousRetryImmediately",
     "EtcdRendezvousRetryableFailure",
     "create_rdzv_handler",
+    "member_ranks",
     "parse_state",
 ]
 
@@ -211,6 +213,13 @@ def parse_state(node: Node) -> dict[str, Any]:
         )
     assert isinstance(state, dict)  # checked by _state_problem
     return state
+
+
+def member_ranks(state: dict[str, Any]) -> dict[str, int]:
+    """The ranks our workers were admitted with, by member key name (``node_<hex>``):
+    the ``members`` field of a state :func:`parse_state` returned (empty in a state only
+    PyTorch's workers wrote)."""
+    return dict(members_of(state))
 
 
 # -- keep-alive threads ------------------------------------------------------------------
