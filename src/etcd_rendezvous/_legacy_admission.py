@@ -21,8 +21,9 @@ instead, and one of them admits everyone who announced, in one compare-and-swap:
    ``keep_alives`` and, if that completes the list, makes the state final at once. The
    other workers watch the state; a worker left the oldest un-admitted one by a change
    lists the directory again and admits. Should the state not change for
-   :data:`ADMISSION_GRACE` seconds per un-admitted key older than ours (their workers
-   died or are stuck), we admit anyway, without those keys.
+   :data:`ADMISSION_GRACE` seconds (a little longer for workers further back in line)
+   while keys older than ours stay un-admitted (their workers died or are stuck), we
+   admit anyway, without those keys.
 3. **Confirm.** A state frozen by a PyTorch worker (it reached ``max_workers``, or ran
    the last call) has empty ``keep_alives``: our lowest-ranked member whose key is
    missing adds the keys of all our live members in one compare-and-swap (with the
@@ -84,6 +85,7 @@ __all__ = [
     "announced",
     "confirmation_step",
     "create_spread",
+    "grace",
     "members_of",
     "plan_admission",
     "plan_confirmation",
@@ -101,10 +103,12 @@ CONST_WORKER_KEEPALIVE_TTL = 10
 #: The state field mapping the names of our admitted member keys to their ranks.
 MEMBERS = "members"
 
-#: Seconds the state may stay unchanged, per un-admitted member key older than ours
-#: (or per unconfirmed member ranked below us), before a worker admits (or confirms)
-#: without waiting any longer for those keys' workers.
+#: Seconds the state may stay unchanged before a worker admits (or confirms) without
+#: the older un-admitted keys (the lower-ranked unconfirmed members) it waits for.
 ADMISSION_GRACE = 2.0
+#: Each such key (member) adds this much to the grace, up to twice the grace: the
+#: worker next in line acts first, and its write spares the others the trouble.
+_GRACE_STAGGER = 0.1
 
 #: A worker that finds no state watches it for a random moment before creating it, so
 #: that of many workers arriving at once only a few try (a failed try costs a write, two
@@ -122,6 +126,13 @@ WRITES = frozenset({"set", "create", "update", "compareAndSwap"})
 
 class RestartAttempt(Exception):  # noqa: N818 (a signal, as PyTorch's retry exceptions)
     """The state left the version being joined: start the attempt over at once."""
+
+
+def grace(waited_for: int) -> float:
+    """Seconds of an unchanged state after which a worker stops waiting for the
+    ``waited_for`` workers ahead of it (see :data:`ADMISSION_GRACE`)."""
+    stagger = _GRACE_STAGGER * max(0, waited_for - 1)
+    return ADMISSION_GRACE + min(stagger, ADMISSION_GRACE)
 
 
 def create_spread(max_workers: int, round_trip: float) -> float:
@@ -162,12 +173,14 @@ class Announced:
 
 
 def announced(listing: Node) -> list[Announced]:
-    """The member keys among the children of a version directory, oldest first."""
+    """The member keys among the children of a version directory, oldest first (keys as
+    etcd spells them, which is the form :func:`~etcd_rendezvous.layout.normalize_key`
+    gives)."""
     found = []
     for child in listing.children:
         name = member_name(child.key)
         if name is not None and not child.is_dir:
-            found.append(Announced(child.created_index, name, normalize_key(child.key)))
+            found.append(Announced(child.created_index, name, child.key.rstrip("/")))
     return sorted(found)
 
 
@@ -318,7 +331,7 @@ def admission_step(
     if status != "joinable":
         return Step("leave", reason=f"version {version} became {status} without us: late")
     older = [e for e in entries if e.created_index < me.created_index and e.name not in members]
-    patience = ADMISSION_GRACE * len(older) - quiet_for
+    patience = grace(len(older)) - quiet_for
     if older and patience > 0:
         return Step("wait", timeout=patience)
     if listed_at < observed.index:
@@ -349,7 +362,7 @@ def confirmation_step(
     if me not in names:
         return Step("wait")
     position = names.index(me)
-    patience = ADMISSION_GRACE * position - quiet_for
+    patience = grace(position) - quiet_for
     if position and patience > 0:
         return Step("wait", timeout=patience)
     return Step("confirm", impatient=position > 0)

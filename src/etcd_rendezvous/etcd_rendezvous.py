@@ -164,24 +164,22 @@ def _state_problem(state: Any) -> str | None:
         return None
     if not isinstance(state.get("version"), str):
         return f"'version' must be a string in a {status!r} state"
+    # type() is rather than isinstance(): bool is an int, and each worker validates
+    # every state it sees, of hundreds of entries at scale.
     participants = state.get("participants")
-    if not isinstance(participants, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) for p in participants
-    ):
+    if not isinstance(participants, list) or not all(type(p) is int for p in participants):
         return "'participants' must be a list of integers"
     if status in ("frozen", "final"):
         keep_alives = state.get("keep_alives")
-        if not isinstance(keep_alives, list) or not all(isinstance(k, str) for k in keep_alives):
+        if not isinstance(keep_alives, list) or not all(type(k) is str for k in keep_alives):
             return "'keep_alives' must be a list of strings"
     if status == "final":
         waiting = state.get("num_workers_waiting")
         if not isinstance(waiting, int) or isinstance(waiting, bool) or waiting < 0:
             return "'num_workers_waiting' must be a non-negative integer"
     members = state.get(MEMBERS, {})
-    if not isinstance(members, dict) or not all(
-        isinstance(k, str) and isinstance(r, int) and not isinstance(r, bool)
-        for k, r in members.items()
-    ):
+    if not isinstance(members, dict) or not all(type(r) is int for r in members.values()):
+        # (JSON object keys are always strings.)
         return f"'{MEMBERS}' must map member key names to ranks"
     return None
 

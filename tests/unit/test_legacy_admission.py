@@ -18,6 +18,7 @@ from etcd_rendezvous._legacy_admission import (
     announced,
     confirmation_step,
     create_spread,
+    grace,
     plan_admission,
     plan_confirmation,
     plan_freeze,
@@ -193,9 +194,15 @@ def test_the_oldest_unadmitted_worker_admits_at_once() -> None:
 def test_a_younger_worker_waits_for_the_older_ones_then_admits_without_them() -> None:
     step = admission_step(observed(joinable()), "1", C, [A, B, C], 50, 0.5)
     assert step.kind == "wait"
-    assert step.timeout == pytest.approx(2 * ADMISSION_GRACE - 0.5)
-    step = admission_step(observed(joinable()), "1", C, [A, B, C], 50, 2 * ADMISSION_GRACE)
+    assert step.timeout == pytest.approx(grace(2) - 0.5)
+    step = admission_step(observed(joinable()), "1", C, [A, B, C], 50, grace(2))
     assert (step.kind, step.impatient) == ("admit", True)
+
+
+def test_the_grace_grows_with_the_place_in_line_up_to_twice_its_length() -> None:
+    assert grace(1) == ADMISSION_GRACE
+    assert ADMISSION_GRACE < grace(2) < grace(3) < 2 * ADMISSION_GRACE
+    assert grace(1000) == 2 * ADMISSION_GRACE
 
 
 def test_a_worker_left_oldest_by_a_change_lists_again_first() -> None:
@@ -232,8 +239,8 @@ def test_confirmation_steps() -> None:
     state = observed(frozen([], members, 4))
     assert confirmation_step(state, "1", A.name, VDIR, 0.0).kind == "confirm"
     wait = confirmation_step(state, "1", C.name, VDIR, 0.0)
-    assert (wait.kind, wait.timeout) == ("wait", 2 * ADMISSION_GRACE)
-    late = confirmation_step(state, "1", C.name, VDIR, 2 * ADMISSION_GRACE)
+    assert (wait.kind, wait.timeout) == ("wait", grace(2))
+    late = confirmation_step(state, "1", C.name, VDIR, grace(2))
     assert (late.kind, late.impatient) == ("confirm", True)
     # Confirmed already: wait for the others (PyTorch's members confirm themselves).
     state = observed(frozen([A.key, B.key, C.key], members, 4))
