@@ -135,7 +135,8 @@ class LegacyLayout:
         return self.path(f"/rdzv/v_{version}")
 
     def keep_alive_key(self, version: str, rank: int) -> str:
-        """``.../rdzv/v_<version>/rank_<rank>``: the keep-alive key of a member."""
+        """``.../rdzv/v_<version>/rank_<rank>``: the keep-alive key of a PyTorch member
+        (ours keep their :meth:`member_key` alive instead)."""
         return f"{self.version_dir(version)}/{_KEEP_ALIVE_PREFIX}{rank}"
 
     def member_key(self, version: str, name: str) -> str:
