@@ -74,6 +74,7 @@ __all__ = [
     "CONST_ETCD_SETUP_TTL",
     "CONST_WORKER_KEEPALIVE_TTL",
     "MEMBERS",
+    "WRITES",
     "Announced",
     "BatchJoin",
     "Observed",

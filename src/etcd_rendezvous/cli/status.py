@@ -180,6 +180,16 @@ def _describe_etcd_run(run: _EtcdRun) -> dict[str, Any]:
     report["participants"] = list(state.get("participants", []))
     report["num_workers_waiting"] = state.get("num_workers_waiting")
     children = () if run.version_dir is None else run.version_dir.children
+    report["keep_alives"], report["members"] = _keep_alives_and_members(state, children)
+    return report
+
+
+def _keep_alives_and_members(
+    state: dict[str, Any], children: tuple[Node, ...]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The report's ``keep_alives`` (those the state lists, by rank, live if among
+    ``children``, the version directory's) and ``members`` (the member keys among
+    ``children``, oldest first, with their rank if admitted)."""
     live = {normalize_key(child.key): child for child in children}
     ranks = member_ranks(state)
 
@@ -187,20 +197,14 @@ def _describe_etcd_run(run: _EtcdRun) -> dict[str, Any]:
         name = member_name(key)
         return keep_alive_rank(key) if name is None else ranks.get(name)
 
-    keep_alives = sorted(state.get("keep_alives", []), key=lambda k: (rank_of(k) or 0, k))
-    for keep_alive in keep_alives:
-        child = live.get(normalize_key(keep_alive))
-        report["keep_alives"].append(
-            {
-                "key": keep_alive,
-                "rank": rank_of(keep_alive),
-                "live": child is not None,
-                "ttl": None if child is None else child.ttl,
-            }
-        )
+    keep_alives = []
+    for key in sorted(state.get("keep_alives", []), key=lambda k: (rank_of(k) or 0, k)):
+        child = live.get(normalize_key(key))
+        entry = {"key": key, "rank": rank_of(key), "live": child is not None}
+        keep_alives.append({**entry, "ttl": None if child is None else child.ttl})
     announced = sorted((c for c in children if member_name(c.key)), key=lambda c: c.created_index)
-    report["members"] = [{"key": c.key, "rank": rank_of(c.key), "ttl": c.ttl} for c in announced]
-    return report
+    members = [{"key": c.key, "rank": rank_of(c.key), "ttl": c.ttl} for c in announced]
+    return keep_alives, members
 
 
 def _format_etcd_status(report: dict[str, Any]) -> list[str]:
