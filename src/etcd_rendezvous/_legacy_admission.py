@@ -636,11 +636,17 @@ class BatchJoin:
         return self._swap(observed, plan_freeze(observed.state, entries, min_workers=self._min))
 
     def discard(self) -> None:
-        """Stop keeping our member key alive and delete it (a failure is only logged)."""
+        """Stop keeping our member key alive and delete it (a failure is only logged).
+
+        Past the rendezvous deadline the key is left to lapse (within its TTL) instead:
+        the caller is due to return.
+        """
         member, self._member = self._member, None
         if member is None:
             return
         member.keeper.stop()
+        if self._deadline.expired():
+            return
         try:
             self._conn.delete(member.entry.key)
         except RendezvousError as exc:
