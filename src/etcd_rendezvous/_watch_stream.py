@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from ._retry import Deadline
+from ._retry import REWATCH, Deadline
 from ._transport import (
     Node,
     Transport,
@@ -103,6 +103,8 @@ class StreamingWatch(WatchStream):
         #: A permanent failure, raised once the buffered changes have been delivered.
         self._failed: RendezvousError | None = None
         self._feeds: set[_Feed] = set()
+        #: How many answers in a row ended without bringing a change.
+        self._barren = 0
         self._finalizer = weakref.finalize(self, _stop_all, self._feeds)
 
     # -- what a subclass does -------------------------------------------------------
@@ -186,21 +188,8 @@ class StreamingWatch(WatchStream):
         """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
         ``None``), retrying within ``deadline``. Returns whether it did; with
         ``at_deadline="none"``, ``False`` when etcd was unreachable until the deadline."""
-        pending: list[BaseException] = []
-        if feed is not None:
-            with self._cond:
-                if self._feed is feed:
-                    self._feed = None
-            failure = feed.failure
-            if failure is None and not feed.changes:
-                failure = _AmbiguousError("the watch stream ended without a change")
-            if failure is not None:
-                # The member may be gone: try the next one.
-                self._transport._rotate(feed.endpoint)
-                if not isinstance(failure, (_UnsentError, _AmbiguousError)):
-                    failure = _AmbiguousError(str(failure))
-                # The first attempt "fails" with it: a pause before reopening.
-                pending.append(failure)
+        retired = None if feed is None else self._retire(feed, deadline)
+        pending = [] if retired is None else [retired]
 
         def attempt(_cap: float | None) -> None:
             if pending:
@@ -225,6 +214,27 @@ class StreamingWatch(WatchStream):
                 return False
             raise
         return True
+
+    def _retire(self, feed: _Feed, deadline: Deadline) -> BaseException | None:
+        """Drop ``feed``, which ended; the failure the retry loop starts with (so that it
+        pauses before reopening), if it failed."""
+        with self._cond:
+            if self._feed is feed:
+                self._feed = None
+        failure = feed.failure
+        if failure is None and not feed.changes:
+            failure = _AmbiguousError("the watch stream ended without a change")
+        self._barren = 0 if feed.changes else self._barren + 1
+        if self._barren > 1:
+            # Answers that keep ending without a change: back off further.
+            self._transport._sleep(min(REWATCH.delay(self._barren), max(deadline.remaining(), 0)))
+        if failure is None:
+            return None
+        # The member may be gone: try the next one.
+        self._transport._rotate(feed.endpoint)
+        if isinstance(failure, (_UnsentError, _AmbiguousError)):
+            return failure
+        return _AmbiguousError(str(failure))
 
     def _open(self, deadline: Deadline) -> None:
         """One attempt: send the request and start its reader; where etcd confirms a
