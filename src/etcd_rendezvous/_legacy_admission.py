@@ -331,7 +331,11 @@ def admission_step(
         return Step("admitted", value=members[me.name])
     if status != "joinable":
         return Step("leave", reason=f"version {version} became {status} without us: late")
-    older = [e for e in entries if e.created_index < me.created_index and e.name not in members]
+    older = [
+        e
+        for e in entries
+        if e.created_index < me.created_index and e.name not in members and e.name != me.name
+    ]
     patience = grace(len(older)) - quiet_for
     if older and patience > 0:
         return Step("wait", timeout=patience)
@@ -572,6 +576,7 @@ class BatchJoin:
         since = time.monotonic()
         while True:
             observed = self._feed.current()
+            me = self._require_member(version).entry  # as listed
             step = admission_step(observed, version, me, entries, listed_at, self._quiet(since))
             if step.kind == "admitted":
                 return step.value
@@ -676,10 +681,14 @@ class BatchJoin:
         """The index of the state we knew, and the member keys listed just after."""
         listed_at = self._feed.current().index
         entries = announced(self._conn.list_dir(self._layout.version_dir(version)))
-        me = self._require_member(version).entry
-        if me.name not in {e.name for e in entries}:
+        member = self._require_member(version)
+        listed = [e for e in entries if e.name == member.entry.name]
+        if not listed:
             self.discard()
-            raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
+            raise RestartAttempt(f"Our member key {member.entry.key} is gone; must re-enter.")
+        # The listing has the key's creation index for sure (the answer to our write may
+        # have been to a second copy of it, sent after a connection failure).
+        self._member = dataclasses.replace(member, entry=listed[0])
         return listed_at, entries
 
     def _swap(self, observed: Observed, write: Write | None) -> bool:
