@@ -11,7 +11,9 @@ The ``etcd`` backend (:mod:`etcd_rendezvous.etcd_rendezvous`) keeps a run below
         rdzv/version_counter                 last version handed out
         rdzv/active_version                  the state document (JSON)
         rdzv/v_<N>/                          one directory per rendezvous version
-        rdzv/v_<N>/rank_<rank>               keep-alive key of each member
+        rdzv/v_<N>/rank_<rank>               keep-alive key of each PyTorch member
+        rdzv/v_<N>/node_<hex>                member key of each of our workers (announces
+                                             it, then is its keep-alive key)
         rdzv/v_<N>/extra_data                store_extra_data()/load_extra_data()
         rdzv/v_<N>/kv/                       the EtcdStore of version N
 
@@ -34,11 +36,14 @@ __all__ = [
     "DEFAULT_PREFIX",
     "ETCD_V2_STATE_PREFIX",
     "ETCD_V2_STORE_PREFIX",
+    "MEMBER_NAME_PREFIX",
     "LegacyLayout",
     "dynamic_store_prefix",
     "dynamic_store_round",
     "etcd_v2_state_key",
     "keep_alive_rank",
+    "member_name",
+    "new_member_name",
     "normalize_key",
     "store_value_key",
 ]
@@ -51,6 +56,9 @@ ETCD_V2_STATE_PREFIX = "/torch/elastic/rendezvous"
 ETCD_V2_STORE_PREFIX = "/torch/elastic/store"
 
 _KEEP_ALIVE_PREFIX = "rank_"
+#: What the name of a member key starts with; 16 lowercase hex digits follow.
+MEMBER_NAME_PREFIX = "node_"
+_MEMBER_NAME_DIGITS = 16
 _DYNAMIC_STORE_SCOPE = "torch.rendezvous"
 
 
@@ -127,8 +135,19 @@ class LegacyLayout:
         return self.path(f"/rdzv/v_{version}")
 
     def keep_alive_key(self, version: str, rank: int) -> str:
-        """``.../rdzv/v_<version>/rank_<rank>``: the keep-alive key of a member."""
+        """``.../rdzv/v_<version>/rank_<rank>``: the keep-alive key of a PyTorch member
+        (ours keep their :meth:`member_key` alive instead)."""
         return f"{self.version_dir(version)}/{_KEEP_ALIVE_PREFIX}{rank}"
+
+    def member_key(self, version: str, name: str) -> str:
+        """``.../rdzv/v_<version>/<name>``: the member key a worker of this package
+        announces itself with (``name`` is ``node_<hex>``, see :func:`member_name`).
+
+        A direct child of the version directory, so that it also serves as the worker's
+        keep-alive key: PyTorch's workers check exactly that of each key listed in the
+        state's ``keep_alives``.
+        """
+        return f"{self.version_dir(version)}/{name}"
 
     def extra_data_key(self, version: str) -> str:
         """``.../rdzv/v_<version>/extra_data``: the version's extra data (a JSON object)."""
@@ -146,6 +165,24 @@ def keep_alive_rank(key: str) -> int | None:
     if name.startswith(_KEEP_ALIVE_PREFIX) and _is_number(digits):
         return int(digits)
     return None
+
+
+def new_member_name(entropy: int) -> str:
+    """The member name ``node_<16 hex digits>`` spelling ``entropy``, a random 64-bit
+    number the caller draws (``secrets.randbits(64)``): unique among a run's workers."""
+    if not 0 <= entropy < 1 << (4 * _MEMBER_NAME_DIGITS):
+        raise ValueError(f"entropy: must be a 64-bit unsigned number, got {entropy!r}.")
+    return f"{MEMBER_NAME_PREFIX}{entropy:0{_MEMBER_NAME_DIGITS}x}"
+
+
+def member_name(key: str) -> str | None:
+    """The name (``node_<16 hex digits>``) of a member key ``.../v_<N>/node_<hex>``, or of a
+    bare name; ``None`` for any other key."""
+    name = key.rstrip("/").rsplit("/", 1)[-1]
+    digits = name[len(MEMBER_NAME_PREFIX) :]
+    # strip() in C rather than a loop in Python: workers list hundreds of these.
+    is_hex = len(digits) == _MEMBER_NAME_DIGITS and not digits.strip("0123456789abcdef")
+    return name if name.startswith(MEMBER_NAME_PREFIX) and is_hex else None
 
 
 def etcd_v2_state_key(run_id: str, key_prefix: str | None = ETCD_V2_STATE_PREFIX) -> str:

@@ -21,6 +21,8 @@ from etcd_rendezvous.layout import (
     dynamic_store_round,
     etcd_v2_state_key,
     keep_alive_rank,
+    member_name,
+    new_member_name,
     normalize_key,
     store_value_key,
 )
@@ -70,6 +72,10 @@ def test_legacy_keys_with_the_default_prefix() -> None:
     assert keys.counter_key == "/torchelastic/p2p/run_job1/rdzv/version_counter"
     assert keys.version_dir("7") == "/torchelastic/p2p/run_job1/rdzv/v_7"
     assert keys.keep_alive_key("7", 3) == "/torchelastic/p2p/run_job1/rdzv/v_7/rank_3"
+    assert (
+        keys.member_key("7", "node_00000000000000ff")
+        == "/torchelastic/p2p/run_job1/rdzv/v_7/node_00000000000000ff"
+    )
     assert keys.extra_data_key("7") == "/torchelastic/p2p/run_job1/rdzv/v_7/extra_data"
     assert keys.store_dir("7") == "/torchelastic/p2p/run_job1/rdzv/v_7/kv"
 
@@ -149,6 +155,37 @@ def test_keep_alive_rank(key: str, rank: int | None) -> None:
 
 def test_keep_alive_rank_reads_back_keep_alive_key() -> None:
     assert keep_alive_rank(LegacyLayout("/p", "r").keep_alive_key("3", 17)) == 17
+
+
+def test_new_member_name_spells_64_bits_in_hex() -> None:
+    assert new_member_name(0) == "node_0000000000000000"
+    assert new_member_name(0xDEADBEEF) == "node_00000000deadbeef"
+    assert new_member_name(2**64 - 1) == "node_ffffffffffffffff"
+    for entropy in (-1, 2**64):
+        with pytest.raises(ValueError, match=r"^entropy: "):
+            new_member_name(entropy)
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        ("/p/run_r/rdzv/v_1/node_00000000deadbeef", "node_00000000deadbeef"),
+        ("/p/run_r/rdzv/v_1/node_00000000deadbeef/", "node_00000000deadbeef"),
+        ("node_ffffffffffffffff", "node_ffffffffffffffff"),
+        ("/p/run_r/rdzv/v_1/node_00000000DEADBEEF", None),
+        ("/p/run_r/rdzv/v_1/node_deadbeef", None),
+        ("/p/run_r/rdzv/v_1/node_00000000deadbeef0", None),
+        ("/p/run_r/rdzv/v_1/rank_0", None),
+        ("/p/run_r/rdzv/v_1/extra_data", None),
+    ],
+)
+def test_member_name(key: str, name: str | None) -> None:
+    assert member_name(key) == name
+
+
+def test_member_name_reads_back_member_key() -> None:
+    name = new_member_name(12345)
+    assert member_name(LegacyLayout("/p", "r").member_key("3", name)) == name
 
 
 # the etcd-v2 backend and the dynamic rendezvous
