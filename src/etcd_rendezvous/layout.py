@@ -19,7 +19,14 @@ The ``etcd-v2`` backend (:mod:`etcd_rendezvous.etcd_rendezvous_backend`) keeps a
 state in one key, ``/torch/elastic/rendezvous/<run_id>`` (:func:`etcd_v2_state_key`),
 and the store shared by all runs under ``/torch/elastic/store``. The dynamic rendezvous
 (:mod:`etcd_rendezvous.dynamic_rendezvous`) scopes round ``R`` of a run to the store
-prefix ``torch.rendezvous.<run_id>.<R>`` (:func:`dynamic_store_prefix`).
+prefix ``torch.rendezvous.<run_id>.<R>`` (:func:`dynamic_store_prefix`). Our ``etcd-v2``
+nodes (not PyTorch's) also keep a directory per run *next to* the state keys, since a v2
+key cannot have children (:class:`EtcdV2NodesLayout`)::
+
+    /torch/elastic/rendezvous/<run_id>                      the state (PyTorch's key)
+    /torch/elastic/rendezvous_nodes/<run_id>/               one key per node of ours
+    /torch/elastic/rendezvous_nodes/<run_id>/<addr>_<pid>_<local_id>   a node's key
+    /torch/elastic/rendezvous_nodes/<run_id>/aggregator     the heartbeat aggregator's lock
 
 An :class:`~etcd_rendezvous.etcd_store.EtcdStore` keeps store key ``k`` at
 ``<store prefix>/<base64 of k>`` (:func:`store_value_key`).
@@ -34,11 +41,14 @@ __all__ = [
     "DEFAULT_PREFIX",
     "ETCD_V2_STATE_PREFIX",
     "ETCD_V2_STORE_PREFIX",
+    "EtcdV2NodesLayout",
     "LegacyLayout",
     "dynamic_store_prefix",
     "dynamic_store_round",
     "etcd_v2_state_key",
+    "is_node_key_name",
     "keep_alive_rank",
+    "node_key_name",
     "normalize_key",
     "store_value_key",
 ]
@@ -155,6 +165,87 @@ def etcd_v2_state_key(run_id: str, key_prefix: str | None = ETCD_V2_STATE_PREFIX
     just ``run_id`` when ``key_prefix`` is empty or ``None``.
     """
     return f"{key_prefix}/{run_id}" if key_prefix else run_id
+
+
+#: The nodes directories of ``etcd-v2`` runs whose state keys have no prefix (the root).
+_ROOT_NODES_DIR = "/rendezvous_nodes"
+_NODES_DIR_SUFFIX = "_nodes"
+_AGGREGATOR_NAME = "aggregator"
+#: Characters a node key name or an escaped run id keeps as they are; every other byte
+#: becomes ``~`` and two hex digits. Neither ``%`` (which etcd's v2 HTTP API would
+#: decode) nor ``_`` (the separator, and on v2 the mark of a hidden key) nor ``/``
+#: survives, so a name is one key, visible, and maps back to one node only.
+_KEY_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
+
+
+def _escape(text: str) -> str:
+    """``text`` with every byte outside :data:`_KEY_SAFE` spelled ``~xx`` (injective)."""
+    return "".join(
+        chr(byte) if chr(byte) in _KEY_SAFE else f"~{byte:02x}" for byte in text.encode()
+    )
+
+
+@dataclass(frozen=True)
+class EtcdV2NodesLayout:
+    """The node keys of one ``etcd-v2`` run: ``<key_prefix>_nodes/<run_id>/...``.
+
+    Only this package's nodes write them (PyTorch's never read them): each of our nodes
+    keeps a key there while it is joining or in the rendezvous, with a TTL (its
+    heartbeat), and one of them holds the :attr:`aggregator_key` lock. The directory is
+    a sibling of the state keys' directory, so no run's state key can be one of them:
+    with the default prefix, ``/torch/elastic/rendezvous_nodes/<run_id>``; with an empty
+    (or root) prefix, ``/rendezvous_nodes/<run_id>``. The run id is escaped (a ``/`` in
+    it does not nest one run's directory in another's).
+
+    Args:
+        run_id: the job's run id.
+        key_prefix: the state keys' prefix, as given to
+            :func:`etcd_v2_state_key`.
+
+    Raises:
+        ValueError: ``run_id`` is empty.
+    """
+
+    run_id: str
+    key_prefix: str | None = ETCD_V2_STATE_PREFIX
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ValueError(f"run_id: must be a non-empty string, got {self.run_id!r}.")
+
+    @property
+    def nodes_dir(self) -> str:
+        """The run's directory of node keys."""
+        prefix = normalize_key(self.key_prefix or "/")
+        base = _ROOT_NODES_DIR if prefix == "/" else prefix + _NODES_DIR_SUFFIX
+        return f"{base}/{_escape(self.run_id)}"
+
+    def node_key(self, addr: str, pid: int, local_id: int) -> str:
+        """``<nodes_dir>/<addr>_<pid>_<local_id>``: the key of one node (``addr``
+        escaped)."""
+        return f"{self.nodes_dir}/{node_key_name(addr, pid, local_id)}"
+
+    @property
+    def aggregator_key(self) -> str:
+        """``<nodes_dir>/aggregator``: the lock of the node that folds the others'
+        heartbeats into the state (a name no node key can have)."""
+        return f"{self.nodes_dir}/{_AGGREGATOR_NAME}"
+
+
+def node_key_name(addr: str, pid: int, local_id: int) -> str:
+    """The last segment of a node's key: ``<escaped addr>_<pid>_<local_id>`` (an empty
+    address is spelled ``~``: a v2 key whose name starts with ``_`` is hidden)."""
+    return f"{_escape(addr) or '~'}_{int(pid)}_{int(local_id)}"
+
+
+def is_node_key_name(name: str) -> bool:
+    """Whether ``name`` (the last segment of a key) is spelled as a node key's is."""
+    parts = name.rsplit("_", 2)
+    return (
+        len(parts) == 3
+        and all(char in _KEY_SAFE or char == "~" for char in parts[0])
+        and all(_is_number(part) for part in parts[1:])
+    )
 
 
 def dynamic_store_prefix(run_id: str, round_: int) -> str:

@@ -16,11 +16,14 @@ from etcd_rendezvous.layout import (
     DEFAULT_PREFIX,
     ETCD_V2_STATE_PREFIX,
     ETCD_V2_STORE_PREFIX,
+    EtcdV2NodesLayout,
     LegacyLayout,
     dynamic_store_prefix,
     dynamic_store_round,
     etcd_v2_state_key,
+    is_node_key_name,
     keep_alive_rank,
+    node_key_name,
     normalize_key,
     store_value_key,
 )
@@ -161,6 +164,74 @@ def test_etcd_v2_state_key() -> None:
     assert etcd_v2_state_key("job1", None) == "job1"
     assert etcd_v2_state_key("job1", "") == "job1"
     assert etcd_v2_state_key("job1", "/custom/") == "/custom//job1"
+
+
+def test_etcd_v2_node_keys_with_the_default_prefix() -> None:
+    keys = EtcdV2NodesLayout("job1")
+    assert keys.nodes_dir == "/torch/elastic/rendezvous_nodes/job1"
+    assert keys.node_key("host1", 42, 0) == "/torch/elastic/rendezvous_nodes/job1/host1_42_0"
+    assert keys.aggregator_key == "/torch/elastic/rendezvous_nodes/job1/aggregator"
+
+
+@pytest.mark.parametrize(
+    ("key_prefix", "nodes_dir"),
+    [
+        ("/custom", "/custom_nodes/job1"),
+        ("/custom/", "/custom_nodes/job1"),
+        ("custom//x", "/custom/x_nodes/job1"),
+        # State keys at the root (no prefix: the bare run id) share one directory.
+        (None, "/rendezvous_nodes/job1"),
+        ("", "/rendezvous_nodes/job1"),
+        ("/", "/rendezvous_nodes/job1"),
+    ],
+)
+def test_etcd_v2_nodes_dir_is_a_sibling_of_the_state_keys(
+    key_prefix: str | None, nodes_dir: str
+) -> None:
+    assert EtcdV2NodesLayout("job1", key_prefix).nodes_dir == nodes_dir
+
+
+def test_etcd_v2_nodes_dir_is_never_a_state_key() -> None:
+    # Not below the state keys' directory: no run id makes it a state key.
+    for run_id in ("job1", "job1_nodes", "a/b", ".."):
+        nodes_dir = normalize_key(EtcdV2NodesLayout(run_id).nodes_dir)
+        assert not nodes_dir.startswith(ETCD_V2_STATE_PREFIX + "/")
+    # A "/" in the run id does not nest one run's directory in another's.
+    assert EtcdV2NodesLayout("a/b").nodes_dir == "/torch/elastic/rendezvous_nodes/a~2fb"
+
+
+@pytest.mark.parametrize(
+    ("addr", "name"),
+    [
+        ("node-1.example.com", "node-1.example.com_7_3"),
+        ("my_host", "my~5fhost_7_3"),
+        ("::1", "~3a~3a1_7_3"),
+        ("a/b%c~", "a~2fb~25c~7e_7_3"),
+        ("_hidden", "~5fhidden_7_3"),
+        ("h\u00f6st", "h~c3~b6st_7_3"),
+        ("", "~_7_3"),
+    ],
+)
+def test_node_key_names_escape_the_address(addr: str, name: str) -> None:
+    assert node_key_name(addr, 7, 3) == name
+    assert is_node_key_name(name)
+
+
+@pytest.mark.parametrize("name", ["aggregator", "h_1", "h_x_1", "h_1_", "h/1_2_3", "h%41_1_2"])
+def test_other_names_are_not_node_key_names(name: str) -> None:
+    assert not is_node_key_name(name)
+
+
+def test_node_key_names_are_distinct() -> None:
+    names = {
+        node_key_name(addr, pid, 0) for addr in ("a", "a_1", "a~5f1", "a_1_1") for pid in (1, 2)
+    }
+    assert len(names) == 8
+
+
+def test_etcd_v2_nodes_layout_refuses_an_empty_run_id() -> None:
+    with pytest.raises(ValueError, match="run_id"):
+        EtcdV2NodesLayout("")
 
 
 def test_dynamic_store_prefix() -> None:
