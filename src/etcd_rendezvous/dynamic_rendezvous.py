@@ -72,7 +72,8 @@ from datetime import datetime, timedelta, timezone
 from enum import Enum
 from typing import Any, ClassVar
 
-from ._retry import CONTENTION, Deadline
+from ._dynamic_admission import NodeKeys, NodeRegistry
+from ._retry import CONTENTION, Deadline, Retry
 from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
     RendezvousClosedError,
@@ -206,19 +207,22 @@ class RendezvousBackend(ABC):
             RendezvousStateError: The rendezvous state is corrupt.
         """
 
-    def wait_for_change(self, token: Token | None, timeout: float) -> None:
+    def wait_for_change(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
         """Block until the state is no longer the one identified by ``token``, or ``timeout``.
 
         Called by a node that has nothing to do until another node writes the state
-        (or until ``timeout``, which the caller computes from its next deadline); the
-        caller reads the state with :meth:`get_state` afterwards. A backend that can
-        watch (such as etcd) overrides this to return as soon as a write after
-        ``token`` happens, or at once if one already did; ``token=None`` means "no
-        state yet", so the creation of the state counts as a change. It must not
-        write anything; returning early is harmless.
+        (or until ``timeout``, which the caller computes from its next deadline). A
+        backend that can watch (such as etcd) overrides this to return as soon as a
+        write after ``token`` happens, or at once if one already did; ``token=None``
+        means "no state yet", so the creation of the state counts as a change. It must
+        not write anything; returning early is harmless.
+
+        It may return the new state and its token, if the change brought them (as
+        :meth:`get_state` would return them); the caller then adopts them without
+        reading. With ``None``, the caller reads the state with :meth:`get_state`.
 
         The default implementation cannot watch: it sleeps ``min(timeout, 1 s)``, i.e.
-        PyTorch's polling once per second.
+        PyTorch's polling once per second, and returns ``None``.
 
         Args:
             token: The fencing token of the state the caller holds, or ``None``.
@@ -228,6 +232,7 @@ class RendezvousBackend(ABC):
             RendezvousConnectionError: The connection to the backend has failed.
         """
         _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
+        return None
 
     def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
         """A block in which every backend call of this thread ends by ``deadline``.
@@ -816,17 +821,24 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
     def wait_for_change(self, timeout: float) -> None:
         """Wait through the backend's :meth:`RendezvousBackend.wait_for_change`.
 
-        Afterwards the cache is invalidated, so that the next :meth:`sync` reads the
-        backend. A backend without the method is polled every second, as in PyTorch.
+        If the backend returns the new state, it becomes the local state (as a
+        :meth:`sync` would make it); otherwise the cache is invalidated, so that the
+        next :meth:`sync` reads the backend. A backend without the method is polled
+        every second, as in PyTorch.
         """
         if self._dirty:
             return
         wait = getattr(self._backend, "wait_for_change", None)
+        change = None
         if wait is None:
             super().wait_for_change(timeout)
         else:
-            wait(self._token, max(timeout, 0.0))
-        self._last_sync_time = -1
+            change = wait(self._token, max(timeout, 0.0))
+        if isinstance(change, tuple) and len(change) == 2:
+            # The backend knows the new state: adopt it without reading it again.
+            self._adopt(change[0], change[1])
+        else:
+            self._last_sync_time = -1
 
     def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
         """The backend's :meth:`RendezvousBackend.bounded_by`, if it has one."""
@@ -910,18 +922,27 @@ class _RendezvousContext:
             instance.
         state: The current state of the rendezvous.
         settings: The rendezvous settings.
+        keep_alive_period: How old the node's heartbeat may get before the node
+            refreshes it itself: ``keep_alive_interval``, as in PyTorch, unless another
+            node refreshes it (see :mod:`etcd_rendezvous._dynamic_admission`).
     """
 
     node: _NodeDesc
     state: _RendezvousState
     settings: RendezvousSettings
+    keep_alive_period: timedelta
 
     def __init__(
-        self, node: _NodeDesc, state: _RendezvousState, settings: RendezvousSettings
+        self,
+        node: _NodeDesc,
+        state: _RendezvousState,
+        settings: RendezvousSettings,
+        keep_alive_period: timedelta | None = None,
     ) -> None:
         self.node = node
         self.state = state
         self.settings = settings
+        self.keep_alive_period = keep_alive_period or settings.keep_alive_interval
 
 
 _StateHandler = Callable[[_RendezvousContext, float], _Action]
@@ -955,12 +976,18 @@ class _RendezvousOpExecutor(ABC):
 class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
     """Execute rendezvous operations using a shared state.
 
+    With ``node_keys`` (a backend with node keys, see
+    :mod:`etcd_rendezvous._dynamic_admission`), the node does not add itself to the
+    state: it announces itself and is admitted in a batch, by itself or by another node;
+    and its heartbeat refreshes its key, folded into the state by the aggregator.
+
     Args:
         node: The node descriptor associated with the current rendezvous handler
             instance.
         state_holder: The ``RendezvousStateHolder`` to use to sync the rendezvous state
             with other nodes.
         settings: The rendezvous settings.
+        node_keys: The node's key and admission protocol, or ``None`` for PyTorch's.
     """
 
     _node: _NodeDesc
@@ -973,14 +1000,25 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         node: _NodeDesc,
         state_holder: _RendezvousStateHolder,
         settings: RendezvousSettings,
+        node_keys: NodeKeys | None = None,
     ) -> None:
         self._node = node
         self._state_holder = state_holder
         self._settings = settings
+        self._keys = node_keys
+        # Whether the node announced itself and waits for a batch to admit it.
+        self._awaiting_admission = False
 
-    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+    def _record(
+        self,
+        message: str,
+        node_state: NodeState = NodeState.RUNNING,
+        *,
+        method: str | None = None,
+    ) -> None:
+        """Record an event named after ``method`` (by default, the caller)."""
         record_rdzv_event(
-            name=f"{type(self).__name__}.{sys._getframe(1).f_code.co_name}",
+            name=f"{type(self).__name__}.{method or sys._getframe(1).f_code.co_name}",
             run_id=self._settings.run_id,
             message=message,
             node_state=node_state,
@@ -1003,79 +1041,182 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         retry = CONTENTION.start(Deadline.at(deadline))
         action = None
         while action != _Action.FINISH:
-            # Reads or writes the latest rendezvous state shared by all nodes in the
-            # rendezvous. Our local changes might get overridden by another node if that
-            # node synced its changes before us. The backend retries etcd failures (an
-            # election) until the step's deadline, then raises.
-            with self._state_holder.bounded_by(self._step_deadline(deadline)):
-                has_set = self._state_holder.sync()
-            if has_set is not None:
-                if has_set:
-                    retry.reset()
-                    msg = (
-                        f"The node '{self._node}' has successfully synced its local changes "
-                        f"with other nodes in the rendezvous '{self._settings.run_id}'."
-                    )
-                    self._record(message=msg)
-                    logger.debug(msg)
-                else:
-                    msg = (
-                        f"The node '{self._node}' has a stale state and failed to sync its "
-                        f"local changes with other nodes in the rendezvous "
-                        f"'{self._settings.run_id}'."
-                    )
-                    self._record(message=msg)
-                    logger.debug(msg)
-                    retry.pause()
+            self._sync(deadline, retry)
+            if self._heartbeat(deadline):
+                continue
 
-            self._state = self._state_holder.state
-
-            ctx = _RendezvousContext(self._node, self._state, self._settings)
-
+            ctx = _RendezvousContext(
+                self._node, self._state, self._settings, self._keep_alive_period()
+            )
             # Determine the next action to take based on the current state.
             action = state_handler(ctx, deadline)
+            self._note_admission(action)
 
             if action == _Action.FINISH:
                 continue
-
             if action == _Action.ERROR_CLOSED:
                 raise RendezvousClosedError
-
             if action == _Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError
 
-            if action == _Action.SYNC:
+            if action == _Action.SYNC or (
+                action in _ADMISSIONS and not self._admit(action, deadline)
+            ):
                 # Nothing to do until another node changes the state or one of our
                 # deadlines falls due.
-                with self._state_holder.bounded_by(self._step_deadline(deadline)):
-                    self._state_holder.wait_for_change(self._time_to_next_event(deadline))
+                self._wait(deadline)
                 continue
-
-            if action == _Action.KEEP_ALIVE:
-                self._keep_alive()
-            elif action == _Action.ADD_TO_PARTICIPANTS:
-                self._add_to_participants()
-            elif action == _Action.ADD_TO_WAIT_LIST:
-                self._add_to_wait_list()
-            elif action == _Action.ADD_TO_REDUNDANCY_LIST:
-                self._add_to_redundancy_list()
-            elif action == _Action.REMOVE_FROM_PARTICIPANTS:
-                self._remove_from_participants()
-            elif action == _Action.REMOVE_FROM_WAIT_LIST:
-                self._remove_from_wait_list()
-            elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
-                self._remove_from_redundancy_list()
+            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
                 # Update the deadline since the node may participate in the rendezvous.
-                if update_deadline:
-                    deadline = update_deadline(self._settings.timeout.join)
-                    retry = CONTENTION.start(Deadline.at(deadline))
-            elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
-                self._mark_rendezvous_complete()
-            elif action == _Action.MARK_RENDEZVOUS_CLOSED:
-                self._mark_rendezvous_closed()
+                deadline = update_deadline(self._settings.timeout.join)
+                retry = CONTENTION.start(Deadline.at(deadline))
+            if action not in _ADMISSIONS:
+                self._apply(action)
 
             # Attempt to sync our changes back to other nodes.
             self._state_holder.mark_dirty()
+
+    def _sync(self, deadline: float, retry: Retry) -> None:
+        """Read the latest state shared by all nodes, or write ours back (which fails if
+        another node synced its changes first). The backend retries etcd failures (an
+        election) until the step's deadline, then raises."""
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            has_set = self._state_holder.sync()
+        if has_set is not None:
+            if has_set:
+                retry.reset()
+                msg = (
+                    f"The node '{self._node}' has successfully synced its local changes "
+                    f"with other nodes in the rendezvous '{self._settings.run_id}'."
+                )
+            else:
+                msg = (
+                    f"The node '{self._node}' has a stale state and failed to sync its "
+                    f"local changes with other nodes in the rendezvous "
+                    f"'{self._settings.run_id}'."
+                )
+            self._record(message=msg, method="run")
+            logger.debug(msg)
+            if not has_set:
+                retry.pause()
+        self._state = self._state_holder.state
+
+    def _wait(self, deadline: float, at_most: float | None = None) -> None:
+        """Wait for another node to change the state, or until something is due."""
+        timeout = self._time_to_next_event(deadline)
+        if at_most is not None:
+            timeout = min(timeout, at_most + _WAKE_UP_MARGIN)
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            self._state_holder.wait_for_change(timeout)
+
+    def _apply(self, action: _Action) -> None:
+        """Carry out an action that changes the state (other than an admission)."""
+        if action == _Action.KEEP_ALIVE:
+            self._keep_alive(self._node)
+        elif action == _Action.REMOVE_FROM_PARTICIPANTS:
+            self._remove_from_participants()
+        elif action == _Action.REMOVE_FROM_WAIT_LIST:
+            self._remove_from_wait_list()
+        elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
+            self._remove_from_redundancy_list()
+        elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
+            self._mark_rendezvous_complete()
+        elif action == _Action.MARK_RENDEZVOUS_CLOSED:
+            self._mark_rendezvous_closed()
+
+    # -- admission and heartbeats ---------------------------------------------------------
+
+    def _admit(self, action: _Action, deadline: float) -> bool:
+        """Take the admission ``action`` the join decision chose for this node: by itself
+        (PyTorch's protocol), or with node keys in a batch of every announced node, if
+        it is the oldest waiting. Returns ``False`` if another node is to admit it (then
+        it waits: at most the time :meth:`NodeKeys.admission` says, before it looks
+        again)."""
+        keys = self._keys
+        if keys is None:
+            self._admit_node(self._node, action)
+            return True
+
+        def wants(node: _NodeDesc) -> bool:
+            return _admission_action(self._state, node, self._settings) is not None
+
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            outcome = keys.admission(wants)
+        if isinstance(outcome, float):
+            self._awaiting_admission = True
+            self._wait(deadline, at_most=outcome)
+            return False
+        for node in outcome:
+            # The join decision for each node, on the state as the batch left it.
+            admission = _admission_action(self._state, node, self._settings)
+            if admission is not None:
+                self._admit_node(node, admission)
+        return True
+
+    def _admit_node(self, node: _NodeDesc, action: _Action) -> None:
+        """Carry out the admission ``action`` for ``node``."""
+        if action == _Action.ADD_TO_PARTICIPANTS:
+            self._add_to_participants(node)
+        elif action == _Action.ADD_TO_WAIT_LIST:
+            self._add_to_wait_list(node)
+        elif action == _Action.ADD_TO_REDUNDANCY_LIST:
+            self._add_to_redundancy_list(node)
+
+    def _note_admission(self, action: _Action) -> None:
+        """Once a node that waited for its admission is in the state, record how (the
+        event a node records when it adds itself, saying who did)."""
+        if action in _ADMISSIONS or not self._awaiting_admission:
+            return
+        self._awaiting_admission = False
+        if self._keys is not None:
+            self._keys.admitted()
+        state, node = self._state, self._node
+        if node in state.participants:
+            where, method = f"the participants of round {state.round}", "_add_to_participants"
+        elif node in state.wait_list:
+            where, method = f"the wait list of round {state.round + 1}", "_add_to_wait_list"
+        elif node in state.redundancy_list:
+            where = f"the redundancy list of round {state.round + 1}"
+            method = "_add_to_redundancy_list"
+        else:
+            return
+        msg = (
+            f"The node '{node}' was added to {where} of the rendezvous "
+            f"'{self._settings.run_id}' by another node."
+        )
+        self._record(message=msg, method=method)
+        logger.debug(msg)
+
+    def _keep_alive_period(self) -> timedelta:
+        """How old our heartbeat in the state may get before we write it ourselves."""
+        interval = self._settings.keep_alive_interval
+        return interval if self._keys is None else self._keys.heartbeat_period(interval)
+
+    def _heartbeat(self, deadline: float) -> bool:
+        """With node keys: the node's heartbeat, if due (see :meth:`NodeKeys.tick`).
+        Returns whether the node, as the aggregator, refreshed heartbeats in the state
+        (to be written back)."""
+        keys = self._keys
+        if keys is None or not keys.tick_due():
+            return False
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            alive = keys.tick(self._state)
+        if not alive:
+            return False
+        now = _now()
+        for node in alive:
+            self._state.last_heartbeats[node] = now
+        logger.debug(
+            "The node '%s' refreshed the heartbeats of %d node(s) with a live key in the "
+            "rendezvous '%s'. Pending sync.",
+            self._node,
+            len(alive),
+            self._settings.run_id,
+        )
+        self._state_holder.mark_dirty()
+        return True
+
+    # -- timing -------------------------------------------------------------------------
 
     def _step_deadline(self, deadline: float) -> Deadline:
         """The deadline of the backend calls of one step: the operation's.
@@ -1092,9 +1233,10 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
     def _time_to_next_event(self, deadline: float) -> float:
         """Seconds until something may change the decision without a write by another node.
 
-        That is the operation deadline, the last-call deadline, our own next heartbeat,
-        or the expiry of another node's heartbeat. Events already past are ignored (they
-        were acted upon), and the wait is capped by the keep-alive interval.
+        That is the operation deadline, the last-call deadline, our own next heartbeat
+        (in the state, or of our key), or the expiry of another node's heartbeat. Events
+        already past are ignored (they were acted upon), and the wait is capped by the
+        keep-alive interval.
         """
         state = self._state
         settings = self._settings
@@ -1103,36 +1245,50 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         if state.deadline is not None:
             waits.append((state.deadline - now).total_seconds())
         lifetime = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        own = self._keep_alive_period()
         for node, last_heartbeat in state.last_heartbeats.items():
-            due = last_heartbeat + (
-                settings.keep_alive_interval if node == self._node else lifetime
-            )
+            due = last_heartbeat + (own if node == self._node else lifetime)
             waits.append((due - now).total_seconds())
+        tick = None if self._keys is None else self._keys.seconds_to_tick()
+        if tick is not None:
+            waits.append(tick)
         return min((wait for wait in waits if wait > 0), default=_POLL_INTERVAL) + _WAKE_UP_MARGIN
 
-    def _keep_alive(self) -> None:
+    # -- the actions --------------------------------------------------------------------
+
+    def _tell(self, node: _NodeDesc, msg: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        """Record the event of an action on ``node`` (named after the caller); for an
+        action on another node (in a batch), only log it: that node records its own."""
+        if node == self._node:
+            self._record(message=msg, node_state=node_state, method=sys._getframe(1).f_code.co_name)
+        logger.debug(msg)
+
+    def _whom(self, node: _NodeDesc) -> str:
+        return "itself" if node == self._node else f"the node '{node}'"
+
+    def _keep_alive(self, node: _NodeDesc) -> None:
+        whose = "its" if node == self._node else "the"
+        of = "" if node == self._node else f" of the node '{node}'"
         msg = (
-            f"The node '{self._node}' updated its keep-alive heartbeat time for the "
+            f"The node '{self._node}' updated {whose} keep-alive heartbeat time{of} for the "
             f"rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
-        logger.debug(msg)
-        self._state.last_heartbeats[self._node] = _now()
+        self._tell(node, msg)
+        self._state.last_heartbeats[node] = _now()
 
-    def _add_to_participants(self) -> None:
+    def _add_to_participants(self, node: _NodeDesc) -> None:
         msg = (
-            f"The node '{self._node}' added itself to the participants of round "
+            f"The node '{self._node}' added {self._whom(node)} to the participants of round "
             f"{self._state.round} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
-        logger.debug(msg)
+        self._tell(node, msg)
         state = self._state
-        state.wait_list.discard(self._node)
+        state.wait_list.discard(node)
 
         # The ranks of the participants will be set once the rendezvous is complete.
-        state.participants[self._node] = 0
+        state.participants[node] = 0
 
-        self._keep_alive()
+        self._keep_alive(node)
 
         if len(state.participants) == self._settings.min_nodes:
             state.deadline = _now() + self._settings.timeout.last_call
@@ -1140,26 +1296,24 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         if len(state.participants) == self._settings.max_nodes:
             self._mark_rendezvous_complete()
 
-    def _add_to_wait_list(self) -> None:
+    def _add_to_wait_list(self, node: _NodeDesc) -> None:
         msg = (
-            f"The node '{self._node}' added itself to the wait list of round "
+            f"The node '{self._node}' added {self._whom(node)} to the wait list of round "
             f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
-        logger.debug(msg)
-        self._state.redundancy_list.discard(self._node)
-        self._state.wait_list.add(self._node)
-        self._keep_alive()
+        self._tell(node, msg)
+        self._state.redundancy_list.discard(node)
+        self._state.wait_list.add(node)
+        self._keep_alive(node)
 
-    def _add_to_redundancy_list(self) -> None:
+    def _add_to_redundancy_list(self, node: _NodeDesc) -> None:
         msg = (
-            f"The node '{self._node}' added itself to the redundancy list of round "
+            f"The node '{self._node}' added {self._whom(node)} to the redundancy list of round "
             f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
-        logger.debug(msg)
-        self._state.redundancy_list.add(self._node)
-        self._keep_alive()
+        self._tell(node, msg)
+        self._state.redundancy_list.add(node)
+        self._keep_alive(node)
 
     def _remove_from_participants(self) -> None:
         msg = (
@@ -1227,7 +1381,35 @@ def _should_keep_alive(ctx: _RendezvousContext) -> bool:
     except KeyError:
         return False
 
-    return last_heartbeat <= _now() - ctx.settings.keep_alive_interval
+    return last_heartbeat <= _now() - ctx.keep_alive_period
+
+
+#: The actions that add a node to the state (which a batch admission takes for others).
+_ADMISSIONS = frozenset(
+    {_Action.ADD_TO_PARTICIPANTS, _Action.ADD_TO_WAIT_LIST, _Action.ADD_TO_REDUNDANCY_LIST}
+)
+
+
+def _admission_action(
+    state: _RendezvousState, node: _NodeDesc, settings: RendezvousSettings
+) -> _Action | None:
+    """The action of :class:`_RendezvousJoinOp` that adds ``node`` to ``state``, if it
+    takes one (the decision before its deadline: a node past it does not join).
+
+    Not complete: a node that is not a participant joins the participants (leaving the
+    wait list). Complete: a node that is not a participant goes to the wait list if the
+    round has room, else to the redundancy list (unless it waits already). A closed
+    rendezvous and a node on the redundancy list (which leaves it first) add nobody.
+    """
+    if state.closed or node in state.redundancy_list:
+        return None
+    if not state.complete:
+        return None if node in state.participants else _Action.ADD_TO_PARTICIPANTS
+    if node in state.participants or node in state.wait_list:
+        return None
+    if len(state.participants) < settings.max_nodes:
+        return _Action.ADD_TO_WAIT_LIST
+    return _Action.ADD_TO_REDUNDANCY_LIST
 
 
 class _RendezvousExitOp:
@@ -1290,15 +1472,10 @@ class _RendezvousJoinOp:
                     return _Action.REMOVE_FROM_WAIT_LIST
             return _Action.ERROR_TIMEOUT
 
-        if state.complete:
-            # We are not part of the rendezvous. If it has capacity for additional
-            # participants, add ourselves to the wait list for the next round.
-            if len(state.participants) < ctx.settings.max_nodes:
-                if ctx.node not in state.wait_list:
-                    return _Action.ADD_TO_WAIT_LIST
-            elif ctx.node not in state.redundancy_list and ctx.node not in state.wait_list:
-                return _Action.ADD_TO_REDUNDANCY_LIST
-        elif is_participant:
+        admission = _admission_action(state, ctx.node, ctx.settings)
+        if admission is not None:
+            return admission
+        if not state.complete and is_participant:
             # If the rendezvous has enough participants including us, check whether we
             # have passed the last-call deadline. If yes, complete it.
             if (
@@ -1317,9 +1494,6 @@ class _RendezvousJoinOp:
                 logger.debug(
                     "The node '%s' can't complete rendezvous: not enough participants", ctx.node
                 )
-        else:
-            # The rendezvous is not complete yet and we are not part of it. Try to join.
-            return _Action.ADD_TO_PARTICIPANTS
 
         if _should_keep_alive(ctx):
             return _Action.KEEP_ALIVE
@@ -1643,6 +1817,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
         state_holder = _BackendRendezvousStateHolder(backend, settings)
+        # A backend that keeps node keys gets batched admission and aggregated heartbeats.
+        node_keys = NodeKeys(backend, node, settings) if isinstance(backend, NodeRegistry) else None
 
         return cls(
             node,
@@ -1651,6 +1827,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store,
             state_holder,
             owned_backend=backend if owns_backend else None,
+            node_keys=node_keys,
         )
 
     def __init__(
@@ -1662,6 +1839,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         state_holder: _RendezvousStateHolder,
         *,
         owned_backend: RendezvousBackend | None = None,
+        node_keys: NodeKeys | None = None,
     ) -> None:
         if not settings.run_id:
             raise ValueError("The run id must be a non-empty string.")
@@ -1682,8 +1860,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend_name = backend_name
         self._store = store
         self._state_holder = state_holder
+        self._node_keys = node_keys
         self._op_executor = _DistributedRendezvousOpExecutor(
-            self._this_node, self._state_holder, self._settings
+            self._this_node, self._state_holder, self._settings, node_keys
         )
         self._heartbeat_lock = threading.Lock()
         # Guards starting and stopping the keep-alive timer.
@@ -1780,8 +1959,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
         exit_op = _RendezvousExitOp()
         join_op = _RendezvousJoinOp()
 
-        self._op_executor.run(exit_op, deadline)
-        self._op_executor.run(join_op, deadline, self._get_deadline)
+        keys = self._node_keys
+        if keys is not None:
+            keys.begin_join()
+        try:
+            self._op_executor.run(exit_op, deadline)
+            self._op_executor.run(join_op, deadline, self._get_deadline)
+        except BaseException:
+            # Stop announcing the node, lest a batch admit it after all.
+            self._withdraw(Deadline(self._settings.timeout.heartbeat.total_seconds()))
+            raise
+        finally:
+            if keys is not None:
+                keys.end_join()
 
         self._start_heartbeats()
 
@@ -1898,6 +2088,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             with self._locked(deadline, "close"):
                 self._close(deadline)
+                self._withdraw(Deadline.at(deadline))
         except RendezvousError as ex:
             msg = (
                 f"The node '{self._this_node}' has failed to shutdown the rendezvous "
@@ -1919,10 +2110,29 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return
             self._closed = True
         self._stop_heartbeats()
+        self._withdraw(Deadline(self._settings.timeout.heartbeat.total_seconds()))
         # Backends that do not derive from RendezvousBackend may lack close().
         close_backend = getattr(self._owned_backend, "close", None)
         if close_backend is not None:
             close_backend()
+
+    def _withdraw(self, deadline: Deadline) -> None:
+        """Delete the node's key (with node keys), by ``deadline``; a failure is only
+        logged: the key expires on its own."""
+        if self._node_keys is None:
+            return
+        try:
+            with self._state_holder.bounded_by(deadline):
+                self._node_keys.withdraw()
+        except RendezvousError as ex:
+            logger.warning(
+                "The node '%s' could not delete its key from the rendezvous '%s' (%s: %s); "
+                "it expires on its own.",
+                self._this_node,
+                self._settings.run_id,
+                type(ex).__name__,
+                ex,
+            )
 
     def _close(self, deadline: float) -> None:
         op = _RendezvousCloseOp()
