@@ -325,8 +325,8 @@ def test_listing_skips_what_is_not_a_node_key(keyed, conn):
     node = NodeDesc("h", 1, 0)
     keyed.announce_node(node, 30)
     nodes_dir = keyed.nodes_layout.nodes_dir
-    conn.set(f"{nodes_dir}/h_2_0", "not json")
     conn.set(f"{nodes_dir}/stray", json.dumps({"addr": "x", "pid": 1, "local_id": 1}))
+    conn.set(f"{nodes_dir}/h~41_2_0", "not the canonical spelling of A_2_0")
     conn.set(f"{nodes_dir}/sub/h_3_0", json.dumps({"addr": "h", "pid": 3, "local_id": 0}))
     assert keyed.claim_aggregator(node, 30)
     assert [entry.node for entry in keyed.list_nodes()] == [node]

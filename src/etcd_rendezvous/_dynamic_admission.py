@@ -18,10 +18,11 @@ constant number of requests per node, writing the same state:
   order) admits all of them with ONE state write: for each, exactly what
   ``_RendezvousJoinOp`` would do for that node on the state as the batch left it. The
   others wait for a state change; once every key older than theirs (in the listing they
-  took after announcing) is in the state or gone, they are the oldest and admit. A key
-  that blocks a node for :data:`ADMISSION_GRACE` seconds without any progress is taken
-  for a node that died before its admission and is skipped (one such key per grace
-  period); a node that was merely slow admits itself later.
+  took after announcing) is in the state or gone, they are the oldest and admit. When
+  no node at all was admitted (nor left) for :data:`ADMISSION_GRACE` seconds, the
+  oldest key blocking a node is taken for a node that died before its admission and
+  skipped (one such key per grace period); a node that was merely slow admits itself
+  later.
 * **Aggregated heartbeats.** Every ``keep_alive_interval`` each node refreshes its key,
   and one of them, the *aggregator* (the holder of a lock key with the same TTL, which
   it refreshes; the others only read it, and create it when it is absent), sets
@@ -59,8 +60,8 @@ __all__ = ["ADMISSION_GRACE", "AnnouncedNode", "NodeKeys", "NodeRegistry"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a node waits for the keys older than its own to be admitted, without any of
-#: them making progress, before it takes the oldest for a dead node's and skips it.
+#: Seconds a node waits for the keys older than its own to be admitted, while no node
+#: is admitted at all, before it takes the oldest for a dead node's and skips it.
 ADMISSION_GRACE = 2.0
 
 
@@ -116,12 +117,12 @@ WantsAdmission = Callable[["NodeDesc"], bool]
 class _Attempt:
     """What a node knows while it waits to be admitted."""
 
-    #: The keys older than ours, from the listing taken after announcing.
+    #: The keys older than ours, from the listing taken after announcing, oldest first.
     predecessors: dict[NodeDesc, int]
-    #: When the set of predecessors still waiting last shrank (``time.monotonic()``).
+    #: When the admissions last made progress (``time.monotonic()``).
     progress_at: float
-    #: How many predecessors were waiting at the last look.
-    waiting: int = -1
+    #: What the state's admissions looked like at the last look (see ``admission``).
+    mark: object = None
     #: Predecessors taken for dead (they blocked us for a whole grace period).
     suspects: set[NodeDesc] = field(default_factory=set)
 
@@ -129,6 +130,11 @@ class _Attempt:
         """The predecessors still waiting for admission, oldest first (suspects aside)."""
         waiting = [n for n in self.predecessors if n not in self.suspects and wants(n)]
         return sorted(waiting, key=self.predecessors.__getitem__)
+
+    def blocked(self, wants: WantsAdmission) -> bool:
+        """Whether a predecessor still waits for admission (suspects aside). Looks at
+        the youngest first: they are the likeliest to wait, and one is enough."""
+        return any(wants(node) for node in reversed(self.predecessors) if node not in self.suspects)
 
 
 class NodeKeys:
@@ -219,13 +225,15 @@ class NodeKeys:
 
     # -- admission --------------------------------------------------------------------
 
-    def admission(self, wants: WantsAdmission) -> list[NodeDesc] | float:
+    def admission(self, wants: WantsAdmission, mark: object) -> list[NodeDesc] | float:
         """The nodes this node must admit now, oldest first; or else how long to wait
         (at most) for another node to admit it, in seconds.
 
-        ``wants`` evaluates the join decision on the current state. The first call of an
-        attempt announces the node if needed and lists the keys; later ones list again
-        only to admit, or when a grace period passed without progress.
+        ``wants`` evaluates the join decision on the current state; ``mark`` sums up the
+        state's admissions (it changes whenever a node is admitted or leaves): while it
+        changes, the nodes ahead are making progress and none is taken for dead. The
+        first call of an attempt announces the node if needed and lists the keys; later
+        ones list again only to admit, or when a grace period passed without progress.
         """
         with self._lock:
             listing: list[AnnouncedNode] | None = None
@@ -236,14 +244,13 @@ class NodeKeys:
                 self._attempt = self._new_attempt(listing)
             attempt = self._attempt
             now = self._clock()
-            blockers = attempt.blockers(wants)
-            if len(blockers) < attempt.waiting:
-                attempt.progress_at = now
-            if blockers and now - attempt.progress_at >= ADMISSION_GRACE:
+            if mark != attempt.mark:
+                attempt.mark, attempt.progress_at = mark, now
+            blocked = attempt.blocked(wants)
+            if blocked and now - attempt.progress_at >= ADMISSION_GRACE:
                 listing = self._registry.list_nodes()
-                blockers = self._skip_the_stuck(attempt, listing, wants, now)
-            attempt.waiting = len(blockers)
-            if blockers:
+                blocked = bool(self._skip_the_stuck(attempt, listing, wants, now))
+            if blocked:
                 return max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0)
             if listing is None:
                 listing = self._registry.list_nodes()
@@ -251,6 +258,7 @@ class NodeKeys:
 
     def _new_attempt(self, listing: list[AnnouncedNode]) -> _Attempt:
         created = self._created if self._created is not None else math.inf
+        # Oldest first, as listed.
         predecessors = {
             entry.node: entry.created_index
             for entry in listing

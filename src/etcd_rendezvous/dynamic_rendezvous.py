@@ -565,27 +565,55 @@ def _check_fields(obj: object, fields: Sequence[str], what: str) -> dict[str, An
 
 
 class _NodeInterner:
-    """Rebuilds decoded node descriptors as fresh, validated, shared instances."""
+    """Rebuilds decoded node descriptors as fresh, validated, shared instances.
+
+    A node appears several times in a state (as a participant and in the heartbeats),
+    as one object of the pickle: each such object is checked once. The caller keeps
+    the decoded objects alive meanwhile, so their ids are not reused.
+    """
 
     def __init__(self) -> None:
         self._nodes: dict[tuple[str, int, int], _NodeDesc] = {}
+        self._checked: dict[int, _NodeDesc] = {}
 
     def node(self, value: object, where: str) -> _NodeDesc:
+        node = self._checked.get(id(value))
+        if node is not None:
+            return node
+        if type(value) is _NodeDesc:
+            # The common case first, without building error messages.
+            fields = vars(value)
+            key = (fields.get("addr"), fields.get("pid"), fields.get("local_id"))
+            if (
+                len(fields) == len(_NODE_FIELDS)
+                and type(key[0]) is str
+                and type(key[1]) is int
+                and type(key[2]) is int
+            ):
+                node = self._intern(key)  # type: ignore[arg-type]
+                self._checked[id(value)] = node
+                return node
+        return self._intern(self._checked_key(value, where))
+
+    def _intern(self, key: tuple[str, int, int]) -> _NodeDesc:
+        node = self._nodes.get(key)
+        if node is None:
+            node = self._nodes[key] = _NodeDesc(*key)
+        return node
+
+    def _checked_key(self, value: object, where: str) -> tuple[str, int, int]:
+        """The fields of a node that failed the quick check (raises, as a rule)."""
         if type(value) is not _NodeDesc:
             raise RendezvousStateError(f"{where} must hold nodes, not {_describe(value)}")
         fields = _check_fields(value, _NODE_FIELDS, f"a node in {where}")
         addr = fields["addr"]
         if type(addr) is not str:
             raise RendezvousStateError(f"a node address in {where} must be a str, not {addr!r}")
-        key = (
+        return (
             addr,
             _check_int(fields["pid"], f"a node pid in {where}"),
             _check_int(fields["local_id"], f"a node local_id in {where}"),
         )
-        node = self._nodes.get(key)
-        if node is None:
-            node = self._nodes[key] = _NodeDesc(*key)
-        return node
 
 
 def _validated_state(obj: object) -> _RendezvousState:
@@ -654,9 +682,14 @@ def decode_state(data: bytes, source: str) -> RendezvousState:
             state does not contain; the message names ``source``. No code from ``data``
             is run.
     """
+    data = bytes(data)
+    with _DECODED_LOCK:
+        decoded = _DECODED.get(data)
+    if decoded is not None:
+        return _copy_state(decoded)
     try:
         obj = _StateUnpickler(io.BytesIO(data)).load()
-        return _validated_state(obj)
+        decoded = _validated_state(obj)
     except RendezvousStateError as exc:
         problem = str(exc)
         cause: BaseException = exc
@@ -666,10 +699,39 @@ def decode_state(data: bytes, source: str) -> RendezvousState:
     except Exception as exc:  # Whatever a malformed pickle makes the unpickler raise.
         problem = f"it is not a valid pickle ({type(exc).__name__}: {exc})"
         cause = exc
+    else:
+        with _DECODED_LOCK:
+            _DECODED[data] = decoded
+            while len(_DECODED) > _DECODED_CAPACITY:
+                del _DECODED[next(iter(_DECODED))]
+        return _copy_state(decoded)
     raise RendezvousStateError(
         f"The rendezvous state in {source} is corrupt: {problem}. Stored value "
         f"({len(data)} bytes): {_preview(data)}. Nothing in it was executed."
     ) from cause
+
+
+#: The last states decoded in this process, by their bytes (never handed out: copies
+#: are). Every handler of a process decodes each state its backend shows it; with many
+#: handlers in one process (tests, benchmarks, agents hosting several nodes), one
+#: decoding serves them all. A single handler only keeps its last states.
+_DECODED: dict[bytes, _RendezvousState] = {}
+_DECODED_CAPACITY = 4
+_DECODED_LOCK = threading.Lock()
+
+
+def _copy_state(state: _RendezvousState) -> _RendezvousState:
+    """A copy of ``state`` that shares only immutable parts (nodes, times)."""
+    copy = _RendezvousState()
+    copy.round = state.round
+    copy.complete = state.complete
+    copy.deadline = state.deadline
+    copy.closed = state.closed
+    copy.participants = dict(state.participants)
+    copy.wait_list = set(state.wait_list)
+    copy.redundancy_list = set(state.redundancy_list)
+    copy.last_heartbeats = dict(state.last_heartbeats)
+    return copy
 
 
 # -- keeping the state in sync ------------------------------------------------------------
@@ -1059,13 +1121,16 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             if action == _Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError
 
-            if action == _Action.SYNC or (
-                action in _ADMISSIONS and not self._admit(action, deadline)
-            ):
-                # Nothing to do until another node changes the state or one of our
-                # deadlines falls due.
+            # Nothing to do until another node changes the state (for an admission: by
+            # admitting us) or one of our deadlines falls due.
+            if action == _Action.SYNC:
                 self._wait(deadline)
                 continue
+            if action in _ADMISSIONS:
+                wait = self._admit(action, deadline)
+                if wait is not None:
+                    self._wait(deadline, at_most=wait)
+                    continue
             if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
                 # Update the deadline since the node may participate in the rendezvous.
                 deadline = update_deadline(self._settings.timeout.join)
@@ -1126,32 +1191,33 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
 
     # -- admission and heartbeats ---------------------------------------------------------
 
-    def _admit(self, action: _Action, deadline: float) -> bool:
+    def _admit(self, action: _Action, deadline: float) -> float | None:
         """Take the admission ``action`` the join decision chose for this node: by itself
         (PyTorch's protocol), or with node keys in a batch of every announced node, if
-        it is the oldest waiting. Returns ``False`` if another node is to admit it (then
-        it waits: at most the time :meth:`NodeKeys.admission` says, before it looks
-        again)."""
+        it is the oldest waiting. Returns ``None`` if it changed the state, or else the
+        longest to wait for another node to admit it before looking again (see
+        :meth:`NodeKeys.admission`)."""
         keys = self._keys
         if keys is None:
             self._admit_node(self._node, action)
-            return True
+            return None
 
         def wants(node: _NodeDesc) -> bool:
             return _admission_action(self._state, node, self._settings) is not None
 
+        state = self._state
+        mark = (state.round, len(state.participants), len(state.wait_list))
         with self._state_holder.bounded_by(self._step_deadline(deadline)):
-            outcome = keys.admission(wants)
+            outcome = keys.admission(wants, (*mark, len(state.redundancy_list)))
         if isinstance(outcome, float):
             self._awaiting_admission = True
-            self._wait(deadline, at_most=outcome)
-            return False
+            return outcome
         for node in outcome:
             # The join decision for each node, on the state as the batch left it.
             admission = _admission_action(self._state, node, self._settings)
             if admission is not None:
                 self._admit_node(node, admission)
-        return True
+        return None
 
     def _admit_node(self, node: _NodeDesc, action: _Action) -> None:
         """Carry out the admission ``action`` for ``node``."""

@@ -67,7 +67,7 @@ from .layout import (
     ETCD_V2_STORE_PREFIX,
     EtcdV2NodesLayout,
     etcd_v2_state_key,
-    is_node_key_name,
+    parse_node_key_name,
 )
 
 __all__ = ["EtcdRendezvousBackend", "create_backend"]
@@ -321,18 +321,18 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._conn.delete(self._node_key(node))
 
     def list_nodes(self) -> list[AnnouncedNode]:
-        """The node keys of the run, oldest (lowest created index) first. Keys that do
-        not hold a node descriptor are left out."""
+        """The node keys of the run, oldest (lowest created index) first. Keys whose
+        names are not spelled as a node key's are left out."""
         try:
             listing = self._conn.list_dir(self._nodes.nodes_dir)
         except KeyNotFoundError:
             return []
         nodes = []
         for child in listing.children:
-            name = child.key.rstrip("/").rsplit("/", 1)[-1]
-            node = None if child.is_dir or not is_node_key_name(name) else _parse_node(child)
-            if node is not None:
-                nodes.append(AnnouncedNode(node, child.created_index))
+            # The name spells the node (cheaper than its value, at a few hundred nodes).
+            fields = None if child.is_dir else parse_node_key_name(child.key.rsplit("/", 1)[-1])
+            if fields is not None:
+                nodes.append(AnnouncedNode(NodeDesc(*fields), child.created_index))
         nodes.sort(key=lambda entry: entry.created_index)
         return nodes
 

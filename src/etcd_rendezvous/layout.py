@@ -35,6 +35,7 @@ An :class:`~etcd_rendezvous.etcd_store.EtcdStore` keeps store key ``k`` at
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "keep_alive_rank",
     "node_key_name",
     "normalize_key",
+    "parse_node_key_name",
     "store_value_key",
 ]
 
@@ -176,10 +178,17 @@ _AGGREGATOR_NAME = "aggregator"
 #: decode) nor ``_`` (the separator, and on v2 the mark of a hidden key) nor ``/``
 #: survives, so a name is one key, visible, and maps back to one node only.
 _KEY_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
+#: A node key's name: an escaped address (``~`` alone for an empty one), pid, local id.
+_NODE_KEY_NAME = re.compile(r"([A-Za-z0-9.~-]+)_([0-9]+)_([0-9]+)")
+
+
+_SAFE_TEXT = re.compile(r"[A-Za-z0-9.-]*")
 
 
 def _escape(text: str) -> str:
     """``text`` with every byte outside :data:`_KEY_SAFE` spelled ``~xx`` (injective)."""
+    if _SAFE_TEXT.fullmatch(text):
+        return text
     return "".join(
         chr(byte) if chr(byte) in _KEY_SAFE else f"~{byte:02x}" for byte in text.encode()
     )
@@ -240,12 +249,41 @@ def node_key_name(addr: str, pid: int, local_id: int) -> str:
 
 def is_node_key_name(name: str) -> bool:
     """Whether ``name`` (the last segment of a key) is spelled as a node key's is."""
-    parts = name.rsplit("_", 2)
-    return (
-        len(parts) == 3
-        and all(char in _KEY_SAFE or char == "~" for char in parts[0])
-        and all(_is_number(part) for part in parts[1:])
-    )
+    return _NODE_KEY_NAME.fullmatch(name) is not None
+
+
+def parse_node_key_name(name: str) -> tuple[str, int, int] | None:
+    """The ``(addr, pid, local_id)`` a node key's name spells (the inverse of
+    :func:`node_key_name`); ``None`` for any other name."""
+    match = _NODE_KEY_NAME.fullmatch(name)
+    if match is None:
+        return None
+    escaped, pid, local_id = match.groups()
+    if "~" not in escaped:
+        addr = escaped
+    else:
+        try:
+            addr = _unescape(escaped)
+        except ValueError:
+            return None
+    if (pid[0] == "0" and pid != "0") or (local_id[0] == "0" and local_id != "0"):
+        return None  # Not how node_key_name spells a number.
+    if addr != escaped and _escape(addr) != escaped and escaped != "~":
+        return None  # Not the canonical spelling (e.g. "~41" for "A").
+    return addr, int(pid), int(local_id)
+
+
+def _unescape(text: str) -> str:
+    """The inverse of :func:`_escape` (``~`` alone: the empty address)."""
+    if text == "~":
+        return ""
+    raw = bytearray()
+    parts = text.split("~")
+    raw += parts[0].encode()
+    for part in parts[1:]:
+        raw.append(int(part[:2], 16))
+        raw += part[2:].encode()
+    return raw.decode()
 
 
 def dynamic_store_prefix(run_id: str, round_: int) -> str:

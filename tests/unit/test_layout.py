@@ -25,6 +25,7 @@ from etcd_rendezvous.layout import (
     keep_alive_rank,
     node_key_name,
     normalize_key,
+    parse_node_key_name,
     store_value_key,
 )
 
@@ -215,11 +216,18 @@ def test_etcd_v2_nodes_dir_is_never_a_state_key() -> None:
 def test_node_key_names_escape_the_address(addr: str, name: str) -> None:
     assert node_key_name(addr, 7, 3) == name
     assert is_node_key_name(name)
+    assert parse_node_key_name(name) == (addr, 7, 3)
 
 
 @pytest.mark.parametrize("name", ["aggregator", "h_1", "h_x_1", "h_1_", "h/1_2_3", "h%41_1_2"])
 def test_other_names_are_not_node_key_names(name: str) -> None:
     assert not is_node_key_name(name)
+    assert parse_node_key_name(name) is None
+
+
+@pytest.mark.parametrize("name", ["~41_1_2", "a~zz_1_2", "a~5_1_2", "~ff_1_2", "a_01_2"])
+def test_names_not_spelled_as_node_key_name_spells_them_are_not_parsed(name: str) -> None:
+    assert parse_node_key_name(name) is None
 
 
 def test_node_key_names_are_distinct() -> None:
@@ -286,7 +294,7 @@ def test_layout_imports_nothing_that_does_io() -> None:
             imported.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.add("." * node.level + (node.module or ""))
-    assert imported == {"__future__", "dataclasses", "posixpath"}
+    assert imported == {"__future__", "dataclasses", "posixpath", "re"}
 
 
 def test_importing_layout_loads_no_etcd_client() -> None:
@@ -300,7 +308,7 @@ def test_importing_layout_loads_no_etcd_client() -> None:
 
 def test_every_public_name_is_exported_and_documented() -> None:
     public = {name for name in vars(layout) if not name.startswith("_")}
-    public -= {"annotations", "dataclass", "posixpath"}
+    public -= {"annotations", "dataclass", "posixpath", "re"}
     assert set(layout.__all__) == public
     for name in layout.__all__:
         value = getattr(layout, name)
