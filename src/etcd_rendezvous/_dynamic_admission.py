@@ -25,7 +25,8 @@ constant number of requests per node, writing the same state:
   later.
 * **Aggregated heartbeats.** Every ``keep_alive_interval`` each node refreshes its key,
   and one of them, the *aggregator* (the holder of a lock key with the same TTL, which
-  it refreshes; the others only read it, and create it when it is absent), sets
+  it refreshes; a node whose heartbeat in the state is late reads it, and creates it
+  when it is absent), sets
   ``last_heartbeats[n] = now`` in ONE state write for every node ``n`` of the state whose
   key is alive. PyTorch's nodes have no key: they heartbeat themselves, untouched. A
   node with a key compare-and-swaps its own heartbeat only when it is older than
@@ -50,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -63,6 +64,11 @@ logger = logging.getLogger(__name__)
 #: Seconds a node waits for the keys older than its own to be admitted, while no node
 #: is admitted at all, before it takes the oldest for a dead node's and skips it.
 ADMISSION_GRACE = 2.0
+
+
+#: How many keep-alive intervals old a node's heartbeat in the state is when the node
+#: takes it that nobody aggregates (and looks at the lock, to take it if it is free).
+_LATE = 1.5
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,7 @@ class NodeKeys:
         # A node with a live key compare-and-swaps its own heartbeat only this late
         # (never earlier than PyTorch's interval).
         self._period = settings.keep_alive_interval * max(1, attempts - 1)
+        self._late = settings.keep_alive_interval * _LATE
         self._clock = clock
         self._lock = threading.RLock()
         self._created: int | None = None
@@ -314,10 +321,11 @@ class NodeKeys:
         timer fires every interval, give or take a little)."""
         return self._created is not None and self._next_tick - self._clock() <= self._interval / 2
 
-    def tick(self, state: RendezvousState) -> set[NodeDesc]:
+    def tick(self, state: RendezvousState, now: datetime) -> set[NodeDesc]:
         """The node's heartbeat: refresh its key (re-create it if it expired) and, if the
         node is (or becomes) the aggregator, return the nodes of ``state`` whose keys are
-        alive, whose heartbeats the caller refreshes in one state write.
+        alive, whose heartbeats the caller refreshes in one state write (``now`` is the
+        time of the state's clock).
 
         A node that is not joining and not in ``state`` was dropped (or left): its key
         is deleted instead, so that no batch admits it unasked.
@@ -335,14 +343,28 @@ class NodeKeys:
             if not self._registry.refresh_node(self._node, self._ttl):
                 logger.info("The key of the node '%s' expired; announcing it again.", self._node)
                 self._created = self._registry.announce_node(self._node, self._ttl)
-            if not self._lead():
+            if not self._lead(state, now):
                 return set()
             alive = {entry.node for entry in self._registry.list_nodes()}
             return {node for node in state.last_heartbeats if node in alive}
 
-    def _lead(self) -> bool:
-        """Whether this node is the aggregator: it holds the lock (renewed here) or just
-        took it because nobody held it."""
+    def _lead(self, state: RendezvousState, now: datetime) -> bool:
+        """Whether this node is the aggregator: it holds the lock (renewed here: the
+        lock can only have changed hands if it lapsed, and then the renewal fails) or
+        just took it because nobody held it.
+
+        A node that does not hold the lock looks at it only when its own heartbeat in
+        the state is late (:data:`_LATE` intervals old): while an aggregator folds the
+        heartbeats, nobody else reads or tries to take the lock.
+        """
+        if self._leading:
+            # Our lock, unless it lapsed: only then can another node have taken it.
+            if self._registry.renew_aggregator(self._node, self._ttl):
+                return True
+            self._leading = False
+        beat = state.last_heartbeats.get(self._node)
+        if beat is not None and now - beat < self._late:
+            return False
         holder = self._registry.aggregator()
         if holder == self._node and self._registry.renew_aggregator(self._node, self._ttl):
             self._leading = True

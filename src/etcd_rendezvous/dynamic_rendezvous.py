@@ -148,8 +148,9 @@ class RendezvousBackend(ABC):
 
     The state is an opaque byte string (the encoded :class:`_RendezvousState`), stored
     together with a fencing token that changes with every write. The abstract methods
-    are PyTorch's; :attr:`state_key`, :meth:`wait_for_change` and :meth:`close` are
-    optional additions with defaults that keep PyTorch's behaviour.
+    are PyTorch's; :attr:`state_key`, :meth:`wait_for_change`, :attr:`reports_changes`,
+    :meth:`bounded_by` and :meth:`close` are optional additions with defaults that keep
+    PyTorch's behaviour.
     """
 
     @property
@@ -233,6 +234,13 @@ class RendezvousBackend(ABC):
         """
         _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
         return None
+
+    @property
+    def reports_changes(self) -> bool:
+        """Whether :meth:`wait_for_change` returns the new states it sees, also with a
+        timeout of 0 for changes it already received: the handler then asks it before
+        reading the state (``False`` by default)."""
+        return False
 
     def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
         """A block in which every backend call of this thread ends by ``deadline``.
@@ -863,6 +871,8 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
                 # Avoid overloading the backend if we are asked to retrieve the state
                 # repeatedly. Serve the cached state.
                 return None
+            if self._adopt_known_change():
+                return None
             get_response = self._backend.get_state()
             if get_response is not None:
                 state_bits, token = get_response
@@ -901,6 +911,19 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
             self._adopt(change[0], change[1])
         else:
             self._last_sync_time = -1
+
+    def _adopt_known_change(self) -> bool:
+        """Adopt a newer state the backend already received (from its watch), if it
+        returns one without waiting: then no read is needed (see
+        :attr:`RendezvousBackend.reports_changes`)."""
+        if self._token is None or not getattr(self._backend, "reports_changes", False):
+            return False
+        wait = getattr(self._backend, "wait_for_change", None)
+        change = None if wait is None else wait(self._token, 0.0)
+        if isinstance(change, tuple) and len(change) == 2:
+            self._adopt(change[0], change[1])
+            return True
+        return False
 
     def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
         """The backend's :meth:`RendezvousBackend.bounded_by`, if it has one."""
@@ -1070,6 +1093,8 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._keys = node_keys
         # Whether the node announced itself and waits for a batch to admit it.
         self._awaiting_admission = False
+        # The nodes whose heartbeats the aggregator is writing into the state.
+        self._fold: set[_NodeDesc] | None = None
 
     def _record(
         self,
@@ -1103,8 +1128,8 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         retry = CONTENTION.start(Deadline.at(deadline))
         action = None
         while action != _Action.FINISH:
-            self._sync(deadline, retry)
-            if self._heartbeat(deadline):
+            has_set = self._sync(deadline, retry)
+            if self._refold(has_set) or self._heartbeat(deadline):
                 continue
 
             ctx = _RendezvousContext(
@@ -1141,10 +1166,11 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             # Attempt to sync our changes back to other nodes.
             self._state_holder.mark_dirty()
 
-    def _sync(self, deadline: float, retry: Retry) -> None:
+    def _sync(self, deadline: float, retry: Retry) -> bool | None:
         """Read the latest state shared by all nodes, or write ours back (which fails if
         another node synced its changes first). The backend retries etcd failures (an
-        election) until the step's deadline, then raises."""
+        election) until the step's deadline, then raises. Returns what
+        :meth:`_RendezvousStateHolder.sync` returns."""
         with self._state_holder.bounded_by(self._step_deadline(deadline)):
             has_set = self._state_holder.sync()
         if has_set is not None:
@@ -1165,6 +1191,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             if not has_set:
                 retry.pause()
         self._state = self._state_holder.state
+        return has_set
 
     def _wait(self, deadline: float, at_most: float | None = None) -> None:
         """Wait for another node to change the state, or until something is due."""
@@ -1266,12 +1293,25 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         if keys is None or not keys.tick_due():
             return False
         with self._state_holder.bounded_by(self._step_deadline(deadline)):
-            alive = keys.tick(self._state)
+            alive = keys.tick(self._state, _now())
         if not alive:
             return False
+        self._fold = alive
+        return self._refold(False)
+
+    def _refold(self, has_set: bool | None) -> bool:
+        """Refresh the heartbeats of the nodes the aggregator found alive, until the
+        state with them is written: again on the newer state after a lost race (the
+        fold does not wait for the next tick). Returns whether there is a fold to write."""
+        alive = self._fold
+        if alive is None or has_set is not False:
+            self._fold = None
+            return False
         now = _now()
+        heartbeats = self._state.last_heartbeats
         for node in alive:
-            self._state.last_heartbeats[node] = now
+            if node in heartbeats:
+                heartbeats[node] = now
         logger.debug(
             "The node '%s' refreshed the heartbeats of %d node(s) with a live key in the "
             "rendezvous '%s'. Pending sync.",
@@ -1600,7 +1640,9 @@ class _PeriodicTimer:
 
     As in PyTorch, the thread shares only a context object with the timer, so the timer
     can be garbage collected (which stops the thread through ``weakref.finalize``). Unlike
-    PyTorch's, an exception raised by the function is logged and the timer keeps going.
+    PyTorch's, an exception raised by the function is logged and the timer keeps going,
+    and the runs start every ``interval`` (not ``interval`` after the previous one
+    ended), right away after a run that took longer.
 
     Args:
         interval: The interval between runs.
@@ -1690,11 +1732,16 @@ class _PeriodicTimer:
 
     @staticmethod
     def _run(ctx: _PeriodicTimer._Context) -> None:
-        while not ctx.stop_event.wait(ctx.interval):
+        # Every interval from the start of the previous run (PyTorch waits an interval
+        # after each run, so that heartbeats drift by the time they take).
+        wait = ctx.interval
+        while not ctx.stop_event.wait(wait):
+            started = time.monotonic()
             try:
                 ctx.function(*ctx.args, **ctx.kwargs)
             except Exception:
                 logger.exception("The periodic function %r failed; will run it again", ctx.function)
+            wait = max(ctx.interval - (time.monotonic() - started), 0.0)
 
     @staticmethod
     def _stop_thread(thread: threading.Thread, stop_event: threading.Event) -> None:

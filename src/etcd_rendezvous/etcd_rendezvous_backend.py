@@ -177,6 +177,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return self._key
 
     @property
+    def reports_changes(self) -> bool:
+        """See base class: yes, from the watch stream on the state key."""
+        return True
+
+    @property
     def ttl(self) -> int:
         """The TTL given to the state key on every write, in seconds."""
         return self._ttl
