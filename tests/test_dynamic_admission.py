@@ -255,3 +255,70 @@ def test_steady_heartbeats_do_not_write_the_state_per_node(
     assert writes <= 12, writes
     state = _state(group[0])
     assert {h._this_node for h in group} == set(state.participants)
+
+
+# -- a mixed fleet ----------------------------------------------------------------------------
+
+
+def _torch_handlers(etcd_server: EtcdServer, run_id: str, count: int, size: int) -> list[Any]:
+    """PyTorch 2.13's handlers (its etcd-v2 backend), on another address than ours so
+    that the node descriptors of the two generators in this process differ."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters as TorchParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+
+    made = []
+    for _ in range(count):
+        params = TorchParameters(
+            "etcd-v2",
+            etcd_server.get_endpoint(),
+            run_id,
+            size,
+            size,
+            local_addr="127.0.0.2",
+            join_timeout=60,
+            last_call_timeout=1,
+            close_timeout=10,
+            keep_alive_interval=1,
+            keep_alive_max_attempt=3,
+            read_timeout=10,
+        )
+        backend, store = create_backend(params)
+        made.append(create_handler(store, backend, params))
+    return made
+
+
+@pytest.mark.torch
+@pytest.mark.v2_only(reason="PyTorch's etcd-v2 backend speaks only v2")
+def test_a_mixed_fleet_rendezvous_and_keeps_each_other_alive(
+    etcd_server: EtcdServer, run_id: str, handlers: Handlers, pool: ThreadPoolExecutor
+):
+    pytest.importorskip("torch.distributed.elastic.rendezvous.etcd_rendezvous_backend")
+    ours = handlers(4, 8, 8, keep_alive_interval=1, keep_alive_max_attempt=3)
+    theirs = _torch_handlers(etcd_server, run_id, 4, 8)
+    try:
+        group = [node for pair in zip(ours, theirs) for node in pair]
+        infos = [future.result(60) for future in _join(pool, group)]
+        nodes = [(h._this_node.addr, h._this_node.pid, h._this_node.local_id) for h in group]
+        assert [info.rank for info in infos] == [sorted(nodes).index(n) for n in nodes]
+        assert {info.world_size for info in infos} == {8}
+        rounds = {h._state_holder.state.round for h in group}
+        assert len(rounds) == 1
+        # Three times PyTorch's expiry (keep_alive_interval * keep_alive_max_attempt):
+        # our nodes' heartbeats come from our aggregator, PyTorch's from PyTorch's nodes,
+        # and neither side drops the other's nodes in any version of the state.
+        backend = _backend(ours[0])
+        node = backend.connection.get(backend.key)
+        deadline = time.monotonic() + 9
+        while time.monotonic() < deadline:
+            state = decode_state(b64decode(node.value or ""), "the test")
+            assert len(state.participants) == 8, state.participants
+            assert state.round in rounds
+            change = backend.connection.watch(
+                backend.key, node.modified_index + 1, deadline - time.monotonic()
+            )
+            node = change if change is not None else node
+        assert ours[0].num_nodes_waiting() == 0
+    finally:
+        for handler in theirs:
+            handler._stop_heartbeats()
