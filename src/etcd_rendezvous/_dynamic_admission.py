@@ -24,14 +24,17 @@ constant number of requests per node, writing the same state:
   skipped (one such key per grace period); a node that was merely slow admits itself
   later.
 * **Aggregated heartbeats.** Every ``keep_alive_interval`` each node refreshes its key,
-  and one of them, the *aggregator* (the holder of a lock key with the same TTL, which
-  it refreshes; a node whose heartbeat in the state is late reads it, and creates it
-  when it is absent), sets
-  ``last_heartbeats[n] = now`` in ONE state write for every node ``n`` of the state whose
-  key is alive. PyTorch's nodes have no key: they heartbeat themselves, untouched. A
-  node with a key compare-and-swaps its own heartbeat only when it is older than
-  ``(keep_alive_max_attempt - 1) * keep_alive_interval`` (the aggregation failed), so
-  liveness never depends on the aggregator.
+  and one of them, the *aggregator* (the holder of a lock key with a TTL of two
+  intervals, which it renews every interval; a node whose heartbeat in the state is
+  late reads it, and creates it when it is absent), sets ``last_heartbeats[n] = now`` in
+  ONE state write for every node ``n`` of the state whose key is alive. PyTorch's nodes
+  have no key: they heartbeat themselves, untouched. A node with a key compare-and-swaps
+  its own heartbeat only when it is older than
+  ``(keep_alive_max_attempt - 1.5) * keep_alive_interval`` (but at least one interval):
+  the aggregation failed. So liveness never depends on the aggregator, and the node
+  writes at least half an interval before its heartbeat expires (it looks once per
+  interval). With ``keep_alive_max_attempt`` below 3 the nodes write their heartbeats
+  every interval, as PyTorch's do.
 
 As a consequence a node that dies is dropped later than in PyTorch: its key lives up to
 ``keep_alive_interval * keep_alive_max_attempt`` more seconds, during which the
@@ -68,7 +71,14 @@ ADMISSION_GRACE = 2.0
 
 #: How many keep-alive intervals old a node's heartbeat in the state is when the node
 #: takes it that nobody aggregates (and looks at the lock, to take it if it is free).
-_LATE = 1.5
+_LATE = 1.25
+#: How many keep-alive intervals before its heartbeat in the state expires a node with a
+#: key writes it itself, at the latest: the aggregator failed. The node looks once per
+#: interval, so it writes between this and one interval less before the expiry.
+_FALLBACK_MARGIN = 1.5
+#: The TTL of the aggregator lock, in keep-alive intervals: the holder renews it every
+#: interval; if it dies, another node takes over within this time.
+_LOCK_INTERVALS = 2
 
 
 @dataclass(frozen=True)
@@ -172,9 +182,10 @@ class NodeKeys:
         attempts = settings.keep_alive_max_attempt
         self._interval = interval
         self._ttl = max(1, math.ceil(interval * attempts))
+        self._lock_ttl = max(1, math.ceil(interval * _LOCK_INTERVALS))
         # A node with a live key compare-and-swaps its own heartbeat only this late
         # (never earlier than PyTorch's interval).
-        self._period = settings.keep_alive_interval * max(1, attempts - 1)
+        self._period = settings.keep_alive_interval * max(1.0, attempts - _FALLBACK_MARGIN)
         self._late = settings.keep_alive_interval * _LATE
         self._clock = clock
         self._lock = threading.RLock()
@@ -359,17 +370,17 @@ class NodeKeys:
         """
         if self._leading:
             # Our lock, unless it lapsed: only then can another node have taken it.
-            if self._registry.renew_aggregator(self._node, self._ttl):
+            if self._registry.renew_aggregator(self._node, self._lock_ttl):
                 return True
             self._leading = False
         beat = state.last_heartbeats.get(self._node)
         if beat is not None and now - beat < self._late:
             return False
         holder = self._registry.aggregator()
-        if holder == self._node and self._registry.renew_aggregator(self._node, self._ttl):
+        if holder == self._node and self._registry.renew_aggregator(self._node, self._lock_ttl):
             self._leading = True
         elif holder is None or holder == self._node:
-            self._leading = self._registry.claim_aggregator(self._node, self._ttl)
+            self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
             if self._leading:
                 logger.info("The node '%s' aggregates the heartbeats now.", self._node)
         else:

@@ -176,7 +176,7 @@ def test_ticks_refresh_the_key_and_the_aggregator_folds_live_keys() -> None:
     clock.now += 5
     assert a.tick_due()
     pytorch_node = NodeDesc("torch-host", 2, 0)  # No key: it heartbeats itself.
-    state = state_with(A, B, pytorch_node, age=8)
+    state = state_with(A, B, pytorch_node, age=7)
     assert a.tick(state, NOW) == {A, B}
     assert registry.lock == A
     assert a.seconds_to_tick() == pytest.approx(5)
@@ -235,7 +235,10 @@ def test_the_heartbeat_period_of_a_node_with_a_key() -> None:
     a = keys_of(A, registry, clock, attempts=3)
     assert a.heartbeat_period(interval) == interval
     a.admission(wants_all_but(), "m")
-    assert a.heartbeat_period(interval) == 2 * interval
+    assert a.heartbeat_period(interval) == 1.5 * interval
+    c = keys_of(C, registry, clock, attempts=5)
+    c.admission(wants_all_but(), "m")
+    assert c.heartbeat_period(interval) == 3.5 * interval
     b = keys_of(B, registry, clock, attempts=1)
     b.admission(wants_all_but(), "m")
     assert b.heartbeat_period(interval) == interval
