@@ -31,8 +31,14 @@ attribute by attribute, and anything else raises
 :class:`~etcd_rendezvous.api.RendezvousStateError` naming the backend's key, before any
 code could run.
 
-What else differs from the reference, none of it visible on the wire:
+What else differs from the reference, none of it visible in the state:
 
+* With a backend that keeps node keys (this package's ``etcd-v2`` backend, see
+  :mod:`etcd_rendezvous._dynamic_admission`), a node does not add itself to the state:
+  it announces itself with a key of its own and the oldest waiting node admits every
+  announced node in one write; and one aggregator writes the heartbeats of all the
+  nodes whose keys are alive, once per interval. PyTorch's nodes in the same run keep
+  their own protocol; other backends get PyTorch's.
 * While waiting for other nodes, a backend that can watch (see
   :meth:`RendezvousBackend.wait_for_change`) wakes the node as soon as the state
   changes, or when a deadline, a heartbeat or a node expiry falls due, instead of
