@@ -125,6 +125,10 @@ _POLL_INTERVAL = 1.0
 #: seconds (rank 0 publishes it at once; see :meth:`DynamicRendezvousHandler.next_rendezvous`).
 _EXCHANGE_GRACE = 0.5
 
+#: Longest a node spends deleting its key when it leaves without a deadline of its own
+#: (``close()``, a failed ``next_rendezvous()``), in seconds: the key expires anyway.
+_WITHDRAW_TIMEOUT = 1.0
+
 #: Margin added to a wake-up time so that a strict comparison (``deadline < now``) holds
 #: when the node wakes up, instead of waking it a few microseconds too early.
 _WAKE_UP_MARGIN = 0.01
@@ -2084,9 +2088,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             self._op_executor.run(exit_op, deadline)
             self._op_executor.run(join_op, deadline, self._get_deadline)
+        except RendezvousConnectionError:
+            raise  # etcd is out of reach: the key expires on its own.
         except BaseException:
             # Stop announcing the node, lest a batch admit it after all.
-            self._withdraw(Deadline(self._settings.timeout.heartbeat.total_seconds()))
+            self._withdraw(Deadline(_WITHDRAW_TIMEOUT))
             raise
         finally:
             if keys is not None:
@@ -2229,7 +2235,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return
             self._closed = True
         self._stop_heartbeats()
-        self._withdraw(Deadline(self._settings.timeout.heartbeat.total_seconds()))
+        self._withdraw(Deadline(_WITHDRAW_TIMEOUT))
         # Backends that do not derive from RendezvousBackend may lack close().
         close_backend = getattr(self._owned_backend, "close", None)
         if close_backend is not None:
