@@ -312,8 +312,12 @@ def test_killed_heartbeat_aggregator_is_replaced_and_nobody_else_is_dropped(
         assert time.monotonic() < deadline, "the killed aggregator was never dropped"
         change = conn.watch(state_key, node.modified_index + 1, 5)
         node = change if change is not None else conn.get(state_key)
-    lock = conn.try_get(lock_key)
-    assert lock is None or json.loads(lock.value)["pid"] in pids
+
+    def survivor_aggregates() -> bool:
+        lock = conn.try_get(lock_key)
+        return lock is not None and json.loads(lock.value)["pid"] in pids
+
+    wait_until(survivor_aggregates, timeout=15, what="a surviving aggregator")
     for worker in survivors:
         worker.send("join")
     regrouped = [expect_joined(w.next_event(timeout=60), w) for w in survivors]
