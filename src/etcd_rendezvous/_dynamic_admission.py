@@ -18,7 +18,9 @@ constant number of requests per node, writing the same state:
   order) admits all of them with ONE state write: for each, exactly what
   ``_RendezvousJoinOp`` would do for that node on the state as the batch left it. The
   others wait for a state change; once every key older than theirs (in the listing they
-  took after announcing) is in the state or gone, they are the oldest and admit. When
+  took after announcing) is in the state or gone, they are the oldest and admit. The
+  batch's write also refreshes the heartbeats of every listed node in the state, and an
+  admitter takes the aggregator lock (below) if nobody holds it. When
   no node at all was admitted (nor left) for :data:`ADMISSION_GRACE` seconds, the
   oldest key blocking a node is taken for a node that died before its admission and
   skipped (one such key per grace period); a node that was merely slow admits itself
@@ -194,6 +196,7 @@ class NodeKeys:
         self._joining = False
         self._attempt: _Attempt | None = None
         self._leading = False
+        self._listed: set[NodeDesc] = set()
 
     @property
     def node(self) -> NodeDesc:
@@ -272,6 +275,10 @@ class NodeKeys:
                 return max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0)
             if listing is None:
                 listing = self._registry.list_nodes()
+            if not self._leading and self._registry.aggregator() is None:
+                # The first admitter aggregates from the start: the heartbeats of the
+                # nodes it admits are folded before any of them is late.
+                self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
             return self._batch(attempt, listing, wants)
 
     def _new_attempt(self, listing: list[AnnouncedNode]) -> _Attempt:
@@ -305,9 +312,15 @@ class NodeKeys:
             blockers = blockers[1:]
         return blockers
 
+    def listed(self) -> set[NodeDesc]:
+        """The nodes of the listing the last batch came from: their keys were alive, so
+        the batch's write refreshes their heartbeats too (as the aggregator would)."""
+        return self._listed
+
     def _batch(
         self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission
     ) -> list[NodeDesc]:
+        self._listed = {entry.node for entry in listing}
         batch = [e.node for e in listing if e.node not in attempt.suspects and wants(e.node)]
         if self._node not in batch and wants(self._node):
             # Our key vanished after we announced it (the refresh will re-create it).

@@ -494,13 +494,14 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
                 state_bits, token, has_set = set_response
         else:
             has_set = None
+            if self._adopt_known_change():
+                # The backend's watch brought a newer state: no read needed.
+                return None
             if self._cache_duration > 0 and self._last_sync_time >= max(
                 time.monotonic() - self._cache_duration, 0
             ):
                 # Avoid overloading the backend if we are asked to retrieve the state
                 # repeatedly. Serve the cached state.
-                return None
-            if self._adopt_known_change():
                 return None
             get_response = self._backend.get_state()
             if get_response is not None:
@@ -873,6 +874,11 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             admission = _admission_action(self._state, node, self._settings)
             if admission is not None:
                 self._admit_node(node, admission)
+        # The same write refreshes the heartbeats of the nodes whose keys were listed
+        # (alive), as the aggregator does: a round completes with fresh heartbeats.
+        now, heartbeats = _now(), self._state.last_heartbeats
+        for node in keys.listed() & heartbeats.keys():
+            heartbeats[node] = now
         return None
 
     def _admit_node(self, node: _NodeDesc, action: _Action) -> None:

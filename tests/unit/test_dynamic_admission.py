@@ -171,6 +171,7 @@ def test_ticks_refresh_the_key_and_the_aggregator_folds_live_keys() -> None:
     a = keys_of(A, registry, clock)
     assert not a.tick_due()
     a.admission(wants_all_but(), "m")
+    assert registry.lock == A  # The first admitter aggregates from the start.
     registry.announce_node(B, 15)
     assert a.seconds_to_tick() == pytest.approx(5)
     clock.now += 5
@@ -180,19 +181,20 @@ def test_ticks_refresh_the_key_and_the_aggregator_folds_live_keys() -> None:
     assert a.tick(state, NOW) == {A, B}
     assert registry.lock == A
     assert a.seconds_to_tick() == pytest.approx(5)
-    # The next tick renews the lock without reading it.
+    # Ticks renew the lock without reading it.
     clock.now += 5
     assert a.tick(state_with(A, B, age=1), NOW) == {A, B}
     assert registry.calls["aggregator"] == 1
-    assert registry.calls["renew"] == 1
+    assert registry.calls["renew"] == 2
 
 
 def test_nobody_looks_at_the_lock_while_its_heartbeat_is_fresh() -> None:
     registry, clock = MemoryRegistry(), Clock()
     registry.announce_node(A, 15)
+    registry.lock = A
     b = keys_of(B, registry, clock)
     b.admission(wants_all_but(A), "m")
-    registry.lock = A
+    registry.calls.clear()
     assert b.tick(state_with(A, B, age=5), NOW) == set()
     assert "aggregator" not in registry.calls
     assert registry.calls["refresh"] == 1
