@@ -8,13 +8,16 @@ etcd's v2 API, so its runs are ``v2_only``; ours run over either API.
 from __future__ import annotations
 
 import importlib.util
+import json
 import pickle
-from base64 import b64encode
+import time
+from base64 import b64decode, b64encode
 from pathlib import Path
 
 import pytest
 
 from etcd_rendezvous.api import RendezvousParameters, RendezvousStateError
+from etcd_rendezvous.dynamic_rendezvous import decode_state
 from etcd_rendezvous.etcd_server import EtcdServer
 from rdzv_helpers import Worker, expect_joined, wait_until
 
@@ -275,3 +278,47 @@ def test_late_node_is_admitted_with_the_shared_tcp_store(etcd_server, run_id, wo
         member.send("join")
     second = [expect_joined(w.next_event(timeout=60), w) for w in [*members, late]]
     _check_group(second, 3)
+
+
+# -- our node keys ----------------------------------------------------------------------------
+
+
+def test_killed_heartbeat_aggregator_is_replaced_and_nobody_else_is_dropped(
+    etcd_server, run_id, workers, conn
+):
+    from etcd_rendezvous.layout import EtcdV2NodesLayout
+
+    group = _spawn(workers, etcd_server, run_id, ["ours"] * 3, 2, 3, keep_alive_max_attempt=3)
+    joined = _join_all(group)
+    _check_group(joined, 3)
+    lock_key = EtcdV2NodesLayout(run_id).aggregator_key
+    wait_until(lambda: conn.try_get(lock_key) is not None, timeout=15, what="an aggregator")
+    holder = json.loads(conn.get(lock_key).value)
+    (victim,) = [w for w in group if w.proc.pid == holder["pid"]]
+    survivors = [w for w in group if w is not victim]
+    victim.kill()
+    # Another takes the lock once it lapses; the victim is dropped (its key lapses, then
+    # its heartbeat), and no version of the state lacks a survivor meanwhile.
+    state_key = f"/torch/elastic/rendezvous/{run_id}"
+    node = conn.get(state_key)
+    pids = {w.proc.pid for w in survivors}
+    deadline = time.monotonic() + 30
+    while True:
+        state = decode_state(b64decode(node.value), state_key)
+        present = {n.pid for n in state.participants}
+        assert pids <= present, (present, pids)
+        if victim.proc.pid not in present:
+            break
+        assert time.monotonic() < deadline, "the killed aggregator was never dropped"
+        change = conn.watch(state_key, node.modified_index + 1, 5)
+        node = change if change is not None else conn.get(state_key)
+
+    def survivor_aggregates() -> bool:
+        lock = conn.try_get(lock_key)
+        return lock is not None and json.loads(lock.value)["pid"] in pids
+
+    wait_until(survivor_aggregates, timeout=15, what="a surviving aggregator")
+    for worker in survivors:
+        worker.send("join")
+    regrouped = [expect_joined(w.next_event(timeout=60), w) for w in survivors]
+    _check_group(regrouped, 2)

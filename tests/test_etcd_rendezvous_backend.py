@@ -8,6 +8,7 @@ PyTorch, and on v3: PyTorch's backend speaks only v2).
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from base64 import b64encode
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._dynamic_admission import AnnouncedNode
 from etcd_rendezvous._transport import KeyNotFoundError, Transport
 from etcd_rendezvous.api import (
     RendezvousConnectionError,
@@ -25,6 +27,7 @@ from etcd_rendezvous.api import (
     RendezvousStoreInfo,
     _get_free_port,
 )
+from etcd_rendezvous.dynamic_rendezvous import NodeDesc
 from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, create_backend
 from etcd_rendezvous.etcd_store import EtcdStore
 from faultproxy import FaultProxy
@@ -204,18 +207,37 @@ def test_wait_for_change_returns_promptly_on_a_change(backend, conn):
     _, token, _ = _set(backend, b"x")
     waiter, done = _in_thread(lambda: backend.wait_for_change(token, 30))
     started = time.monotonic()
-    _set(backend, b"y", token)
+    _, new_token, _ = _set(backend, b"y", token)
     waiter.join(10)
-    assert done == [None]
+    # The change brought the new state: the caller needs no read.
+    assert done == [(b"y", new_token)]
     assert time.monotonic() - started < 5
 
 
 def test_wait_for_change_returns_at_once_if_already_changed(backend):
     _, token, _ = _set(backend, b"x")
-    _set(backend, b"y", token)
+    _, new_token, _ = _set(backend, b"y", token)
     started = time.monotonic()
-    backend.wait_for_change(token, 30)
+    assert backend.wait_for_change(token, 30) == (b"y", new_token)
     assert time.monotonic() - started < 2
+
+
+def test_waits_share_one_watch_stream(backend, monkeypatch):
+    opened: list[int] = []
+    watch_stream = backend.connection.watch_stream
+
+    def counting(key: str, start: int, **kwargs: Any) -> Any:
+        opened.append(start)
+        return watch_stream(key, start, **kwargs)
+
+    monkeypatch.setattr(backend.connection, "watch_stream", counting)
+    _, token, _ = _set(backend, b"0")
+    for i in range(1, 6):
+        waiter, done = _in_thread(lambda token=token: backend.wait_for_change(token, 30))
+        _, token, _ = _set(backend, str(i).encode(), token)
+        waiter.join(10)
+        assert done == [(str(i).encode(), token)]
+    assert len(opened) == 1
 
 
 def test_wait_for_change_times_out_without_a_change(backend, conn):
@@ -231,9 +253,9 @@ def test_wait_for_change_from_no_state_sees_the_creation(backend, conn):
     assert backend.get_state() is None
     waiter, done = _in_thread(lambda: backend.wait_for_change(None, 30))
     started = time.monotonic()
-    _set(backend, b"x")
+    _, token, _ = _set(backend, b"x")
     waiter.join(10)
-    assert done == [None]
+    assert done == [(b"x", token)]
     assert time.monotonic() - started < 5
 
 
@@ -267,6 +289,75 @@ def test_wait_for_change_with_an_unusable_token_returns(backend):
     started = time.monotonic()
     backend.wait_for_change("invalid", 30)
     assert time.monotonic() - started < 1
+
+
+# -- node keys ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def keyed(conn: Transport, etcd_prefix: str) -> EtcdRendezvousBackend:
+    """A backend whose node keys land inside the test's prefix."""
+    return EtcdRendezvousBackend(conn, "run/1", f"{etcd_prefix}/rdzv")
+
+
+def test_node_keys_live_next_to_the_state_keys(keyed, etcd_prefix):
+    layout = keyed.nodes_layout
+    assert keyed.key == f"{etcd_prefix}/rdzv/run/1"
+    assert layout.nodes_dir == f"{etcd_prefix}/rdzv_nodes/run~2f1"
+    assert layout.node_key("h_1", 7, 0) == f"{etcd_prefix}/rdzv_nodes/run~2f1/h~5f1_7_0"
+    assert layout.aggregator_key == f"{etcd_prefix}/rdzv_nodes/run~2f1/aggregator"
+
+
+def test_announced_nodes_are_listed_oldest_first(keyed, conn):
+    assert keyed.list_nodes() == []
+    nodes = [NodeDesc("host-b", 2, 0), NodeDesc("host-a", 1, 5), NodeDesc("h:x/y_z", 3, 1)]
+    created = [keyed.announce_node(node, 30) for node in nodes]
+    assert created == sorted(created)
+    assert keyed.list_nodes() == [AnnouncedNode(n, i) for n, i in zip(nodes, created)]
+    key = keyed.nodes_layout.node_key("host-b", 2, 0)
+    assert json.loads(conn.get(key).value) == {"addr": "host-b", "pid": 2, "local_id": 0}
+    assert 0 < (conn.time_to_live(conn.get(key)) or 0) <= 30
+    # Announcing again (a retry) keeps the key and its place.
+    assert keyed.announce_node(nodes[0], 30) == created[0]
+
+
+def test_listing_skips_what_is_not_a_node_key(keyed, conn):
+    node = NodeDesc("h", 1, 0)
+    keyed.announce_node(node, 30)
+    nodes_dir = keyed.nodes_layout.nodes_dir
+    conn.set(f"{nodes_dir}/stray", json.dumps({"addr": "x", "pid": 1, "local_id": 1}))
+    conn.set(f"{nodes_dir}/h~41_2_0", "not the canonical spelling of A_2_0")
+    conn.set(f"{nodes_dir}/sub/h_3_0", json.dumps({"addr": "h", "pid": 3, "local_id": 0}))
+    assert keyed.claim_aggregator(node, 30)
+    assert [entry.node for entry in keyed.list_nodes()] == [node]
+
+
+def test_refresh_and_withdraw_a_node(keyed, conn):
+    node = NodeDesc("h", 1, 0)
+    assert not keyed.refresh_node(node, 30)
+    keyed.announce_node(node, 30)
+    assert keyed.refresh_node(node, 30)
+    keyed.withdraw_node(node)
+    assert keyed.list_nodes() == []
+    assert not keyed.refresh_node(node, 30)
+    keyed.withdraw_node(node)  # Gone already: nothing to do.
+
+
+def test_the_aggregator_lock(keyed, conn):
+    a, b = NodeDesc("a", 1, 0), NodeDesc("b", 1, 0)
+    assert keyed.aggregator() is None
+    assert not keyed.renew_aggregator(a, 30)
+    assert keyed.claim_aggregator(a, 30)
+    assert not keyed.claim_aggregator(b, 30)
+    assert keyed.aggregator() == a
+    assert keyed.renew_aggregator(a, 30)
+    lock = conn.get(keyed.nodes_layout.aggregator_key)
+    assert 0 < (conn.time_to_live(lock) or 0) <= 30
+    keyed.release_aggregator(b)  # Not b's: stays.
+    assert keyed.aggregator() == a
+    keyed.release_aggregator(a)
+    assert keyed.aggregator() is None
+    assert keyed.claim_aggregator(b, 30)
 
 
 # -- create_backend ----------------------------------------------------------------------------
@@ -438,9 +529,10 @@ def test_our_watch_sees_a_torch_write(torch_backend, etcd_server, run_id):
     ours, _ = create_backend(_params(etcd_server.get_endpoint(), run_id, read_timeout=10))
     _, token, _ = _set(ours, b"x")
     waiter, done = _in_thread(lambda: ours.wait_for_change(token, 30))
-    torch_backend.set_state(b"y", token)
+    _, torch_token, _ = torch_backend.set_state(b"y", token)
     waiter.join(10)
-    assert done == [None]
+    assert done == [(b"y", torch_token)]
+    ours.close()
 
 
 def test_create_backend_does_not_leave_the_state_key(etcd_server, run_id, conn):

@@ -31,8 +31,14 @@ attribute by attribute, and anything else raises
 :class:`~etcd_rendezvous.api.RendezvousStateError` naming the backend's key, before any
 code could run.
 
-What else differs from the reference, none of it visible on the wire:
+What else differs from the reference, none of it visible in the state:
 
+* With a backend that keeps node keys (this package's ``etcd-v2`` backend, see
+  :mod:`etcd_rendezvous._dynamic_admission`), a node does not add itself to the state:
+  it announces itself with a key of its own and the oldest waiting node admits every
+  announced node in one write; and one aggregator writes the heartbeats of all the
+  nodes whose keys are alive, once per interval. PyTorch's nodes in the same run keep
+  their own protocol; other backends get PyTorch's.
 * While waiting for other nodes, a backend that can watch (see
   :meth:`RendezvousBackend.wait_for_change`) wakes the node as soon as the state
   changes, or when a deadline, a heartbeat or a node expiry falls due, instead of
@@ -55,24 +61,31 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import io
 import logging
 import os
-import pickle
 import random
-import socket
 import sys
 import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from enum import Enum
 from typing import Any, ClassVar
 
-from ._retry import CONTENTION, Deadline
+from ._dynamic_admission import NodeKeys, NodeRegistry
+from ._dynamic_state import (
+    NodeDesc,
+    RendezvousState,
+    _encode_state,
+    _NodeDesc,
+    _NodeDescGenerator,
+    _RendezvousState,
+    decode_state,
+)
+from ._retry import CONTENTION, Deadline, Retry
 from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
     RendezvousClosedError,
@@ -82,7 +95,6 @@ from .api import (
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
-    RendezvousStateError,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
     Store,
@@ -118,6 +130,10 @@ _POLL_INTERVAL = 1.0
 #: seconds (rank 0 publishes it at once; see :meth:`DynamicRendezvousHandler.next_rendezvous`).
 _EXCHANGE_GRACE = 0.5
 
+#: Longest a node spends deleting its key when it leaves without a deadline of its own
+#: (``close()``, a failed ``next_rendezvous()``), in seconds: the key expires anyway.
+_WITHDRAW_TIMEOUT = 1.0
+
 #: Margin added to a wake-up time so that a strict comparison (``deadline < now``) holds
 #: when the node wakes up, instead of waking it a few microseconds too early.
 _WAKE_UP_MARGIN = 0.01
@@ -147,8 +163,9 @@ class RendezvousBackend(ABC):
 
     The state is an opaque byte string (the encoded :class:`_RendezvousState`), stored
     together with a fencing token that changes with every write. The abstract methods
-    are PyTorch's; :attr:`state_key`, :meth:`wait_for_change` and :meth:`close` are
-    optional additions with defaults that keep PyTorch's behaviour.
+    are PyTorch's; :attr:`state_key`, :meth:`wait_for_change`, :attr:`reports_changes`,
+    :meth:`bounded_by` and :meth:`close` are optional additions with defaults that keep
+    PyTorch's behaviour.
     """
 
     @property
@@ -206,19 +223,22 @@ class RendezvousBackend(ABC):
             RendezvousStateError: The rendezvous state is corrupt.
         """
 
-    def wait_for_change(self, token: Token | None, timeout: float) -> None:
+    def wait_for_change(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
         """Block until the state is no longer the one identified by ``token``, or ``timeout``.
 
         Called by a node that has nothing to do until another node writes the state
-        (or until ``timeout``, which the caller computes from its next deadline); the
-        caller reads the state with :meth:`get_state` afterwards. A backend that can
-        watch (such as etcd) overrides this to return as soon as a write after
-        ``token`` happens, or at once if one already did; ``token=None`` means "no
-        state yet", so the creation of the state counts as a change. It must not
-        write anything; returning early is harmless.
+        (or until ``timeout``, which the caller computes from its next deadline). A
+        backend that can watch (such as etcd) overrides this to return as soon as a
+        write after ``token`` happens, or at once if one already did; ``token=None``
+        means "no state yet", so the creation of the state counts as a change. It must
+        not write anything; returning early is harmless.
+
+        It may return the new state and its token, if the change brought them (as
+        :meth:`get_state` would return them); the caller then adopts them without
+        reading. With ``None``, the caller reads the state with :meth:`get_state`.
 
         The default implementation cannot watch: it sleeps ``min(timeout, 1 s)``, i.e.
-        PyTorch's polling once per second.
+        PyTorch's polling once per second, and returns ``None``.
 
         Args:
             token: The fencing token of the state the caller holds, or ``None``.
@@ -228,6 +248,14 @@ class RendezvousBackend(ABC):
             RendezvousConnectionError: The connection to the backend has failed.
         """
         _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
+        return None
+
+    @property
+    def reports_changes(self) -> bool:
+        """Whether :meth:`wait_for_change` returns the new states it sees, also with a
+        timeout of 0 for changes it already received: the handler then asks it before
+        reading the state (``False`` by default)."""
+        return False
 
     def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
         """A block in which every backend call of this thread ends by ``deadline``.
@@ -340,331 +368,7 @@ class RendezvousSettings:
     keep_alive_max_attempt: int
 
 
-# -- the shared state -----------------------------------------------------------------------
-
-
-@dataclass(eq=True, order=True, frozen=True)
-class _NodeDesc:
-    """Describe a node in the rendezvous.
-
-    Its order is the rank order. Pickles as PyTorch's class of the same name.
-
-    Attributes:
-        addr: The FQDN of the node or user specified local node address.
-        pid: The id of the process in which the rendezvous handler runs.
-        local_id: A process-wide unique id.
-    """
-
-    addr: str
-    pid: int
-    local_id: int
-
-    def __repr__(self) -> str:
-        return f"{self.addr}_{self.pid}_{self.local_id}"
-
-
-class _NodeDescGenerator:
-    """Generate node descriptors.
-
-    A node descriptor is a combination of an FQDN, a process id, and an auto-incremented
-    integer that uniquely identifies a node in the rendezvous.
-    """
-
-    _lock: threading.Lock
-    _local_id: int
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        # An integer that is incremented with each call to generate().
-        self._local_id = 0
-
-    def generate(self, local_addr: str | None = None) -> _NodeDesc:
-        """Return a descriptor unique to this process and call (thread-safe)."""
-        with self._lock:
-            local_id = self._local_id
-            self._local_id += 1
-
-        return _NodeDesc(local_addr or socket.getfqdn(), os.getpid(), local_id)
-
-
-class _RendezvousState:
-    """Hold the state of a rendezvous.
-
-    The attributes, their order and their types are PyTorch's wire format.
-
-    Attributes:
-        round: The current round of the rendezvous.
-        complete: Whether the current round of the rendezvous is complete.
-        deadline: The time at which the current round of the rendezvous will be
-            considered complete if it is still waiting for nodes to join.
-        closed: Whether the rendezvous is closed.
-        participants: The participants and their corresponding ranks.
-        wait_list: The nodes waiting to participate in the next round.
-        redundancy_list: The nodes that are redundant in the current round and can join
-            the next rendezvous without triggering re-rendezvous.
-        last_heartbeats: Each node's last heartbeat time.
-    """
-
-    round: int
-    complete: bool
-    deadline: datetime | None
-    closed: bool
-    participants: dict[_NodeDesc, int]
-    wait_list: set[_NodeDesc]
-    redundancy_list: set[_NodeDesc]
-    last_heartbeats: dict[_NodeDesc, datetime]
-
-    def __init__(self) -> None:
-        self.round = 0
-        self.complete = False
-        self.deadline = None
-        self.closed = False
-        self.participants = {}
-        self.wait_list = set()
-        self.redundancy_list = set()
-        self.last_heartbeats = {}
-
-
-#: The shared state as :func:`decode_state` returns it: PyTorch's private
-#: ``_RendezvousState`` (``round``, ``complete``, ``deadline``, ``closed``,
-#: ``participants`` with their ranks, ``wait_list``, ``redundancy_list`` and
-#: ``last_heartbeats``), under a public name for tools that read it.
-RendezvousState = _RendezvousState
-#: A node of the state (``addr``, ``pid``, ``local_id``; ordered by rank): PyTorch's
-#: private ``_NodeDesc``, under a public name for tools that read the state.
-NodeDesc = _NodeDesc
-
-
-# -- the state codec --------------------------------------------------------------------------
-
-#: The module under which PyTorch's state classes live; our classes pickle as if they were
-#: defined there.
-_TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
-
-_WIRE_NAMES: dict[type, tuple[str, str]] = {
-    _RendezvousState: (_TORCH_MODULE, "_RendezvousState"),
-    _NodeDesc: (_TORCH_MODULE, "_NodeDesc"),
-}
-
-#: Every global a rendezvous state pickle may name (protocols 3 to 5), mapped to what it
-#: is resolved to. Instances are created only through these; nothing else is importable.
-_ALLOWED_GLOBALS: dict[tuple[str, str], type] = {
-    (_TORCH_MODULE, "_RendezvousState"): _RendezvousState,
-    (_TORCH_MODULE, "_NodeDesc"): _NodeDesc,
-    ("datetime", "datetime"): datetime,
-    ("datetime", "timezone"): timezone,
-    ("datetime", "timedelta"): timedelta,
-    # Protocol 3 pickles a set as set([...]); protocols 4 and 5 have opcodes for it.
-    ("builtins", "set"): set,
-}
-
-_STATE_FIELDS = (
-    "round",
-    "complete",
-    "deadline",
-    "closed",
-    "participants",
-    "wait_list",
-    "redundancy_list",
-    "last_heartbeats",
-)
-_NODE_FIELDS = ("addr", "pid", "local_id")
-
-#: How much of a bad payload an error message quotes.
-_PREVIEW_BYTES = 80
-
-
-class _StatePickler(pickle._Pickler):
-    """A pickler that writes our state classes under PyTorch's names.
-
-    PyTorch's workers load the result with ``pickle.loads`` into their own classes. The
-    pure-Python pickler is used because it lets :meth:`save_global` be overridden; the C
-    one would import ``torch`` to check the class. Everything else is pickled by the
-    standard machinery, so the bytes are those of ``pickle.dumps`` in PyTorch.
-    """
-
-    def save_global(self, obj: Any, name: str | None = None) -> None:
-        """Write a reference to PyTorch's class for our state classes, else the default."""
-        wire_name = _WIRE_NAMES.get(obj) if isinstance(obj, type) else None
-        if wire_name is None or self.proto < 4:  # type: ignore[attr-defined]
-            # Protocols < 4 are never used for the state (see _encode_state).
-            super().save_global(obj, name)  # type: ignore[misc]
-            return
-        module, qualname = wire_name
-        # What pickle.Pickler does for a global with protocol 4 and later.
-        self.save(module)  # type: ignore[attr-defined]
-        self.save(qualname)  # type: ignore[attr-defined]
-        self.write(pickle.STACK_GLOBAL)  # type: ignore[attr-defined]
-        self.memoize(obj)  # type: ignore[attr-defined]
-
-
-def _encode_state(state: _RendezvousState) -> bytes:
-    """Encode ``state`` exactly as PyTorch's ``pickle.dumps(state)`` would.
-
-    The protocol is this interpreter's default, as in PyTorch (4 up to Python 3.13),
-    at least 4, which every supported Python reads.
-    """
-    buffer = io.BytesIO()
-    _StatePickler(buffer, protocol=max(4, pickle.DEFAULT_PROTOCOL)).dump(state)
-    return buffer.getvalue()
-
-
-class _ForbiddenGlobalError(pickle.UnpicklingError):
-    """A state pickle named a global outside the allow-list."""
-
-
-class _StateUnpickler(pickle.Unpickler):
-    """An unpickler that can only create the types a rendezvous state is made of.
-
-    ``find_class`` is the only way a pickle reaches callables; here it resolves the few
-    globals in :data:`_ALLOWED_GLOBALS` and refuses everything else, so a hostile pickle
-    fails before anything runs. Persistent ids and out-of-band buffers are refused by
-    the base class since neither hook is provided.
-    """
-
-    def find_class(self, module: str, name: str, /) -> Any:
-        """Resolve ``module.name`` if it is in the allow-list, else raise."""
-        try:
-            return _ALLOWED_GLOBALS[(module, name)]
-        except KeyError:
-            raise _ForbiddenGlobalError(
-                f"it refers to {module}.{name}, which is not part of a rendezvous state"
-            ) from None
-
-
-def _describe(value: object) -> str:
-    return type(value).__name__
-
-
-def _check_int(value: object, what: str) -> int:
-    if type(value) is not int:
-        raise RendezvousStateError(f"{what} must be an int, not {_describe(value)}")
-    return value
-
-
-def _check_time(value: object, what: str) -> datetime:
-    if type(value) is not datetime or value.utcoffset() is None:
-        raise RendezvousStateError(f"{what} must be a timezone-aware datetime, not {value!r}")
-    return value
-
-
-def _check_fields(obj: object, fields: Sequence[str], what: str) -> dict[str, Any]:
-    attributes = vars(obj)
-    if set(attributes) != set(fields):
-        missing = sorted(set(fields) - set(attributes), key=str)
-        extra = sorted(set(attributes) - set(fields), key=str)
-        raise RendezvousStateError(
-            f"{what} has missing attributes {missing} or unexpected attributes {extra}"
-        )
-    return attributes
-
-
-class _NodeInterner:
-    """Rebuilds decoded node descriptors as fresh, validated, shared instances."""
-
-    def __init__(self) -> None:
-        self._nodes: dict[tuple[str, int, int], _NodeDesc] = {}
-
-    def node(self, value: object, where: str) -> _NodeDesc:
-        if type(value) is not _NodeDesc:
-            raise RendezvousStateError(f"{where} must hold nodes, not {_describe(value)}")
-        fields = _check_fields(value, _NODE_FIELDS, f"a node in {where}")
-        addr = fields["addr"]
-        if type(addr) is not str:
-            raise RendezvousStateError(f"a node address in {where} must be a str, not {addr!r}")
-        key = (
-            addr,
-            _check_int(fields["pid"], f"a node pid in {where}"),
-            _check_int(fields["local_id"], f"a node local_id in {where}"),
-        )
-        node = self._nodes.get(key)
-        if node is None:
-            node = self._nodes[key] = _NodeDesc(*key)
-        return node
-
-
-def _validated_state(obj: object) -> _RendezvousState:
-    """Return a fresh :class:`_RendezvousState` equal to the decoded ``obj``, or raise.
-
-    Rebuilding every container and node means no object made by the unpickler survives,
-    so hashes computed before a node was fully built cannot haunt a set or a dict.
-
-    Raises:
-        RendezvousStateError: ``obj`` is not a well-formed state (without the key name).
-    """
-    if type(obj) is not _RendezvousState:
-        raise RendezvousStateError(f"it holds a {_describe(obj)}, not a rendezvous state")
-    fields = _check_fields(obj, _STATE_FIELDS, "the state")
-    nodes = _NodeInterner()
-    state = _RendezvousState()
-
-    state.round = _check_int(fields["round"], "'round'")
-    for flag in ("complete", "closed"):
-        if type(fields[flag]) is not bool:
-            raise RendezvousStateError(f"'{flag}' must be a bool, not {fields[flag]!r}")
-    state.complete = fields["complete"]
-    state.closed = fields["closed"]
-    deadline = fields["deadline"]
-    state.deadline = None if deadline is None else _check_time(deadline, "'deadline'")
-
-    participants = fields["participants"]
-    if type(participants) is not dict:
-        raise RendezvousStateError(f"'participants' must be a dict, not {_describe(participants)}")
-    state.participants = {
-        nodes.node(node, "'participants'"): _check_int(rank, "a rank in 'participants'")
-        for node, rank in participants.items()
-    }
-    for name in ("wait_list", "redundancy_list"):
-        members = fields[name]
-        if type(members) is not set:
-            raise RendezvousStateError(f"'{name}' must be a set, not {_describe(members)}")
-        setattr(state, name, {nodes.node(node, f"'{name}'") for node in members})
-    heartbeats = fields["last_heartbeats"]
-    if type(heartbeats) is not dict:
-        raise RendezvousStateError(f"'last_heartbeats' must be a dict, not {_describe(heartbeats)}")
-    state.last_heartbeats = {
-        nodes.node(node, "'last_heartbeats'"): _check_time(at, "a time in 'last_heartbeats'")
-        for node, at in heartbeats.items()
-    }
-    return state
-
-
-def _preview(data: bytes) -> str:
-    return repr(data if len(data) <= _PREVIEW_BYTES else data[:_PREVIEW_BYTES] + b"...")
-
-
-def decode_state(data: bytes, source: str) -> RendezvousState:
-    """Decode a state written by this module or by PyTorch, without ``pickle.loads``.
-
-    For tools that inspect a run: ``data`` is what a backend's
-    :meth:`~RendezvousBackend.get_state` returns. The result is read-only in spirit:
-    the handlers own the state in the backend.
-
-    Args:
-        data: The encoded state (a pickle).
-        source: Where it was read, for the error message (e.g. ``"etcd key '/a/b'"``).
-
-    Raises:
-        RendezvousStateError: ``data`` is not a rendezvous state, or names a type a
-            state does not contain; the message names ``source``. No code from ``data``
-            is run.
-    """
-    try:
-        obj = _StateUnpickler(io.BytesIO(data)).load()
-        return _validated_state(obj)
-    except RendezvousStateError as exc:
-        problem = str(exc)
-        cause: BaseException = exc
-    except _ForbiddenGlobalError as exc:
-        problem = str(exc)
-        cause = exc
-    except Exception as exc:  # Whatever a malformed pickle makes the unpickler raise.
-        problem = f"it is not a valid pickle ({type(exc).__name__}: {exc})"
-        cause = exc
-    raise RendezvousStateError(
-        f"The rendezvous state in {source} is corrupt: {problem}. Stored value "
-        f"({len(data)} bytes): {_preview(data)}. Nothing in it was executed."
-    ) from cause
+# The shared state (PyTorch's classes) and its codec live in _dynamic_state.
 
 
 # -- keeping the state in sync ------------------------------------------------------------
@@ -790,6 +494,9 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
                 state_bits, token, has_set = set_response
         else:
             has_set = None
+            if self._adopt_known_change():
+                # The backend's watch brought a newer state: no read needed.
+                return None
             if self._cache_duration > 0 and self._last_sync_time >= max(
                 time.monotonic() - self._cache_duration, 0
             ):
@@ -816,17 +523,37 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
     def wait_for_change(self, timeout: float) -> None:
         """Wait through the backend's :meth:`RendezvousBackend.wait_for_change`.
 
-        Afterwards the cache is invalidated, so that the next :meth:`sync` reads the
-        backend. A backend without the method is polled every second, as in PyTorch.
+        If the backend returns the new state, it becomes the local state (as a
+        :meth:`sync` would make it); otherwise the cache is invalidated, so that the
+        next :meth:`sync` reads the backend. A backend without the method is polled
+        every second, as in PyTorch.
         """
         if self._dirty:
             return
         wait = getattr(self._backend, "wait_for_change", None)
+        change = None
         if wait is None:
             super().wait_for_change(timeout)
         else:
-            wait(self._token, max(timeout, 0.0))
-        self._last_sync_time = -1
+            change = wait(self._token, max(timeout, 0.0))
+        if isinstance(change, tuple) and len(change) == 2:
+            # The backend knows the new state: adopt it without reading it again.
+            self._adopt(change[0], change[1])
+        else:
+            self._last_sync_time = -1
+
+    def _adopt_known_change(self) -> bool:
+        """Adopt a newer state the backend already received (from its watch), if it
+        returns one without waiting: then no read is needed (see
+        :attr:`RendezvousBackend.reports_changes`)."""
+        if self._token is None or not getattr(self._backend, "reports_changes", False):
+            return False
+        wait = getattr(self._backend, "wait_for_change", None)
+        change = None if wait is None else wait(self._token, 0.0)
+        if isinstance(change, tuple) and len(change) == 2:
+            self._adopt(change[0], change[1])
+            return True
+        return False
 
     def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
         """The backend's :meth:`RendezvousBackend.bounded_by`, if it has one."""
@@ -910,18 +637,27 @@ class _RendezvousContext:
             instance.
         state: The current state of the rendezvous.
         settings: The rendezvous settings.
+        keep_alive_period: How old the node's heartbeat may get before the node
+            refreshes it itself: ``keep_alive_interval``, as in PyTorch, unless another
+            node refreshes it (see :mod:`etcd_rendezvous._dynamic_admission`).
     """
 
     node: _NodeDesc
     state: _RendezvousState
     settings: RendezvousSettings
+    keep_alive_period: timedelta
 
     def __init__(
-        self, node: _NodeDesc, state: _RendezvousState, settings: RendezvousSettings
+        self,
+        node: _NodeDesc,
+        state: _RendezvousState,
+        settings: RendezvousSettings,
+        keep_alive_period: timedelta | None = None,
     ) -> None:
         self.node = node
         self.state = state
         self.settings = settings
+        self.keep_alive_period = keep_alive_period or settings.keep_alive_interval
 
 
 _StateHandler = Callable[[_RendezvousContext, float], _Action]
@@ -955,12 +691,18 @@ class _RendezvousOpExecutor(ABC):
 class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
     """Execute rendezvous operations using a shared state.
 
+    With ``node_keys`` (a backend with node keys, see
+    :mod:`etcd_rendezvous._dynamic_admission`), the node does not add itself to the
+    state: it announces itself and is admitted in a batch, by itself or by another node;
+    and its heartbeat refreshes its key, folded into the state by the aggregator.
+
     Args:
         node: The node descriptor associated with the current rendezvous handler
             instance.
         state_holder: The ``RendezvousStateHolder`` to use to sync the rendezvous state
             with other nodes.
         settings: The rendezvous settings.
+        node_keys: The node's key and admission protocol, or ``None`` for PyTorch's.
     """
 
     _node: _NodeDesc
@@ -973,14 +715,27 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         node: _NodeDesc,
         state_holder: _RendezvousStateHolder,
         settings: RendezvousSettings,
+        node_keys: NodeKeys | None = None,
     ) -> None:
         self._node = node
         self._state_holder = state_holder
         self._settings = settings
+        self._keys = node_keys
+        # Whether the node announced itself and waits for a batch to admit it.
+        self._awaiting_admission = False
+        # The nodes whose heartbeats the aggregator is writing into the state.
+        self._fold: set[_NodeDesc] | None = None
 
-    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+    def _record(
+        self,
+        message: str,
+        node_state: NodeState = NodeState.RUNNING,
+        *,
+        method: str | None = None,
+    ) -> None:
+        """Record an event named after ``method`` (by default, the caller)."""
         record_rdzv_event(
-            name=f"{type(self).__name__}.{sys._getframe(1).f_code.co_name}",
+            name=f"{type(self).__name__}.{method or sys._getframe(1).f_code.co_name}",
             run_id=self._settings.run_id,
             message=message,
             node_state=node_state,
@@ -1003,79 +758,206 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         retry = CONTENTION.start(Deadline.at(deadline))
         action = None
         while action != _Action.FINISH:
-            # Reads or writes the latest rendezvous state shared by all nodes in the
-            # rendezvous. Our local changes might get overridden by another node if that
-            # node synced its changes before us. The backend retries etcd failures (an
-            # election) until the step's deadline, then raises.
-            with self._state_holder.bounded_by(self._step_deadline(deadline)):
-                has_set = self._state_holder.sync()
-            if has_set is not None:
-                if has_set:
-                    retry.reset()
-                    msg = (
-                        f"The node '{self._node}' has successfully synced its local changes "
-                        f"with other nodes in the rendezvous '{self._settings.run_id}'."
-                    )
-                    self._record(message=msg)
-                    logger.debug(msg)
-                else:
-                    msg = (
-                        f"The node '{self._node}' has a stale state and failed to sync its "
-                        f"local changes with other nodes in the rendezvous "
-                        f"'{self._settings.run_id}'."
-                    )
-                    self._record(message=msg)
-                    logger.debug(msg)
-                    retry.pause()
+            has_set = self._sync(deadline, retry)
+            if self._refold(has_set) or self._heartbeat(deadline):
+                continue
 
-            self._state = self._state_holder.state
-
-            ctx = _RendezvousContext(self._node, self._state, self._settings)
-
+            ctx = _RendezvousContext(
+                self._node, self._state, self._settings, self._keep_alive_period()
+            )
             # Determine the next action to take based on the current state.
             action = state_handler(ctx, deadline)
+            self._note_admission(action)
 
             if action == _Action.FINISH:
                 continue
-
             if action == _Action.ERROR_CLOSED:
                 raise RendezvousClosedError
-
             if action == _Action.ERROR_TIMEOUT:
                 raise RendezvousTimeoutError
 
+            # Nothing to do until another node changes the state (for an admission: by
+            # admitting us) or one of our deadlines falls due.
             if action == _Action.SYNC:
-                # Nothing to do until another node changes the state or one of our
-                # deadlines falls due.
-                with self._state_holder.bounded_by(self._step_deadline(deadline)):
-                    self._state_holder.wait_for_change(self._time_to_next_event(deadline))
+                self._wait(deadline)
                 continue
-
-            if action == _Action.KEEP_ALIVE:
-                self._keep_alive()
-            elif action == _Action.ADD_TO_PARTICIPANTS:
-                self._add_to_participants()
-            elif action == _Action.ADD_TO_WAIT_LIST:
-                self._add_to_wait_list()
-            elif action == _Action.ADD_TO_REDUNDANCY_LIST:
-                self._add_to_redundancy_list()
-            elif action == _Action.REMOVE_FROM_PARTICIPANTS:
-                self._remove_from_participants()
-            elif action == _Action.REMOVE_FROM_WAIT_LIST:
-                self._remove_from_wait_list()
-            elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
-                self._remove_from_redundancy_list()
+            if action in _ADMISSIONS:
+                wait = self._admit(action, deadline)
+                if wait is not None:
+                    self._wait(deadline, at_most=wait)
+                    continue
+            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
                 # Update the deadline since the node may participate in the rendezvous.
-                if update_deadline:
-                    deadline = update_deadline(self._settings.timeout.join)
-                    retry = CONTENTION.start(Deadline.at(deadline))
-            elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
-                self._mark_rendezvous_complete()
-            elif action == _Action.MARK_RENDEZVOUS_CLOSED:
-                self._mark_rendezvous_closed()
+                deadline = update_deadline(self._settings.timeout.join)
+                retry = CONTENTION.start(Deadline.at(deadline))
+            if action not in _ADMISSIONS:
+                self._apply(action)
 
             # Attempt to sync our changes back to other nodes.
             self._state_holder.mark_dirty()
+
+    def _sync(self, deadline: float, retry: Retry) -> bool | None:
+        """Read the latest state shared by all nodes, or write ours back (which fails if
+        another node synced its changes first). The backend retries etcd failures (an
+        election) until the step's deadline, then raises. Returns what
+        :meth:`_RendezvousStateHolder.sync` returns."""
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            has_set = self._state_holder.sync()
+        if has_set is not None:
+            if has_set:
+                retry.reset()
+                msg = (
+                    f"The node '{self._node}' has successfully synced its local changes "
+                    f"with other nodes in the rendezvous '{self._settings.run_id}'."
+                )
+            else:
+                msg = (
+                    f"The node '{self._node}' has a stale state and failed to sync its "
+                    f"local changes with other nodes in the rendezvous "
+                    f"'{self._settings.run_id}'."
+                )
+            self._record(message=msg, method="run")
+            logger.debug(msg)
+            if not has_set:
+                retry.pause()
+        self._state = self._state_holder.state
+        return has_set
+
+    def _wait(self, deadline: float, at_most: float | None = None) -> None:
+        """Wait for another node to change the state, or until something is due."""
+        timeout = self._time_to_next_event(deadline)
+        if at_most is not None:
+            timeout = min(timeout, at_most + _WAKE_UP_MARGIN)
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            self._state_holder.wait_for_change(timeout)
+
+    def _apply(self, action: _Action) -> None:
+        """Carry out an action that changes the state (other than an admission)."""
+        if action == _Action.KEEP_ALIVE:
+            self._keep_alive(self._node)
+        elif action == _Action.REMOVE_FROM_PARTICIPANTS:
+            self._remove_from_participants()
+        elif action == _Action.REMOVE_FROM_WAIT_LIST:
+            self._remove_from_wait_list()
+        elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
+            self._remove_from_redundancy_list()
+        elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
+            self._mark_rendezvous_complete()
+        elif action == _Action.MARK_RENDEZVOUS_CLOSED:
+            self._mark_rendezvous_closed()
+
+    # -- admission and heartbeats ---------------------------------------------------------
+
+    def _admit(self, action: _Action, deadline: float) -> float | None:
+        """Take the admission ``action`` the join decision chose for this node: by itself
+        (PyTorch's protocol), or with node keys in a batch of every announced node, if
+        it is the oldest waiting. Returns ``None`` if it changed the state, or else the
+        longest to wait for another node to admit it before looking again (see
+        :meth:`NodeKeys.admission`)."""
+        keys = self._keys
+        if keys is None:
+            self._admit_node(self._node, action)
+            return None
+
+        def wants(node: _NodeDesc) -> bool:
+            return _admission_action(self._state, node, self._settings) is not None
+
+        state = self._state
+        mark = (state.round, len(state.participants), len(state.wait_list))
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            outcome = keys.admission(wants, (*mark, len(state.redundancy_list)))
+        if isinstance(outcome, float):
+            self._awaiting_admission = True
+            return outcome
+        for node in outcome:
+            # The join decision for each node, on the state as the batch left it.
+            admission = _admission_action(self._state, node, self._settings)
+            if admission is not None:
+                self._admit_node(node, admission)
+        # The same write refreshes the heartbeats of the nodes whose keys were listed
+        # (alive), as the aggregator does: a round completes with fresh heartbeats.
+        now, heartbeats = _now(), self._state.last_heartbeats
+        for node in keys.listed() & heartbeats.keys():
+            heartbeats[node] = now
+        return None
+
+    def _admit_node(self, node: _NodeDesc, action: _Action) -> None:
+        """Carry out the admission ``action`` for ``node``."""
+        if action == _Action.ADD_TO_PARTICIPANTS:
+            self._add_to_participants(node)
+        elif action == _Action.ADD_TO_WAIT_LIST:
+            self._add_to_wait_list(node)
+        elif action == _Action.ADD_TO_REDUNDANCY_LIST:
+            self._add_to_redundancy_list(node)
+
+    def _note_admission(self, action: _Action) -> None:
+        """Once a node that waited for its admission is in the state, record how (the
+        event a node records when it adds itself, saying who did)."""
+        if action in _ADMISSIONS or not self._awaiting_admission:
+            return
+        self._awaiting_admission = False
+        if self._keys is not None:
+            self._keys.admitted()
+        state, node = self._state, self._node
+        if node in state.participants:
+            where, method = f"the participants of round {state.round}", "_add_to_participants"
+        elif node in state.wait_list:
+            where, method = f"the wait list of round {state.round + 1}", "_add_to_wait_list"
+        elif node in state.redundancy_list:
+            where = f"the redundancy list of round {state.round + 1}"
+            method = "_add_to_redundancy_list"
+        else:
+            return
+        msg = (
+            f"The node '{node}' was added to {where} of the rendezvous "
+            f"'{self._settings.run_id}' by another node."
+        )
+        self._record(message=msg, method=method)
+        logger.debug(msg)
+
+    def _keep_alive_period(self) -> timedelta:
+        """How old our heartbeat in the state may get before we write it ourselves."""
+        interval = self._settings.keep_alive_interval
+        return interval if self._keys is None else self._keys.heartbeat_period(interval)
+
+    def _heartbeat(self, deadline: float) -> bool:
+        """With node keys: the node's heartbeat, if due (see :meth:`NodeKeys.tick`).
+        Returns whether the node, as the aggregator, refreshed heartbeats in the state
+        (to be written back)."""
+        keys = self._keys
+        if keys is None or not keys.tick_due():
+            return False
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            alive = keys.tick(self._state, _now())
+        if not alive:
+            return False
+        self._fold = alive
+        return self._refold(False)
+
+    def _refold(self, has_set: bool | None) -> bool:
+        """Refresh the heartbeats of the nodes the aggregator found alive, until the
+        state with them is written: again on the newer state after a lost race (the
+        fold does not wait for the next tick). Returns whether there is a fold to write."""
+        alive = self._fold
+        if alive is None or has_set is not False:
+            self._fold = None
+            return False
+        now = _now()
+        heartbeats = self._state.last_heartbeats
+        for node in alive:
+            if node in heartbeats:
+                heartbeats[node] = now
+        logger.debug(
+            "The node '%s' refreshed the heartbeats of %d node(s) with a live key in the "
+            "rendezvous '%s'. Pending sync.",
+            self._node,
+            len(alive),
+            self._settings.run_id,
+        )
+        self._state_holder.mark_dirty()
+        return True
+
+    # -- timing -------------------------------------------------------------------------
 
     def _step_deadline(self, deadline: float) -> Deadline:
         """The deadline of the backend calls of one step: the operation's.
@@ -1092,9 +974,10 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
     def _time_to_next_event(self, deadline: float) -> float:
         """Seconds until something may change the decision without a write by another node.
 
-        That is the operation deadline, the last-call deadline, our own next heartbeat,
-        or the expiry of another node's heartbeat. Events already past are ignored (they
-        were acted upon), and the wait is capped by the keep-alive interval.
+        That is the operation deadline, the last-call deadline, our own next heartbeat
+        (in the state, or of our key), or the expiry of another node's heartbeat. Events
+        already past are ignored (they were acted upon), and the wait is capped by the
+        keep-alive interval.
         """
         state = self._state
         settings = self._settings
@@ -1103,36 +986,50 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         if state.deadline is not None:
             waits.append((state.deadline - now).total_seconds())
         lifetime = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        own = self._keep_alive_period()
         for node, last_heartbeat in state.last_heartbeats.items():
-            due = last_heartbeat + (
-                settings.keep_alive_interval if node == self._node else lifetime
-            )
+            due = last_heartbeat + (own if node == self._node else lifetime)
             waits.append((due - now).total_seconds())
+        tick = None if self._keys is None else self._keys.seconds_to_tick()
+        if tick is not None:
+            waits.append(tick)
         return min((wait for wait in waits if wait > 0), default=_POLL_INTERVAL) + _WAKE_UP_MARGIN
 
-    def _keep_alive(self) -> None:
+    # -- the actions --------------------------------------------------------------------
+
+    def _tell(self, node: _NodeDesc, msg: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        """Record the event of an action on ``node`` (named after the caller); for an
+        action on another node (in a batch), only log it: that node records its own."""
+        if node == self._node:
+            self._record(message=msg, node_state=node_state, method=sys._getframe(1).f_code.co_name)
+        logger.debug(msg)
+
+    def _whom(self, node: _NodeDesc) -> str:
+        return "itself" if node == self._node else f"the node '{node}'"
+
+    def _keep_alive(self, node: _NodeDesc) -> None:
+        whose = "its" if node == self._node else "the"
+        of = "" if node == self._node else f" of the node '{node}'"
         msg = (
-            f"The node '{self._node}' updated its keep-alive heartbeat time for the "
+            f"The node '{self._node}' updated {whose} keep-alive heartbeat time{of} for the "
             f"rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
-        logger.debug(msg)
-        self._state.last_heartbeats[self._node] = _now()
+        self._tell(node, msg)
+        self._state.last_heartbeats[node] = _now()
 
-    def _add_to_participants(self) -> None:
+    def _add_to_participants(self, node: _NodeDesc) -> None:
         msg = (
-            f"The node '{self._node}' added itself to the participants of round "
+            f"The node '{self._node}' added {self._whom(node)} to the participants of round "
             f"{self._state.round} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
-        logger.debug(msg)
+        self._tell(node, msg)
         state = self._state
-        state.wait_list.discard(self._node)
+        state.wait_list.discard(node)
 
         # The ranks of the participants will be set once the rendezvous is complete.
-        state.participants[self._node] = 0
+        state.participants[node] = 0
 
-        self._keep_alive()
+        self._keep_alive(node)
 
         if len(state.participants) == self._settings.min_nodes:
             state.deadline = _now() + self._settings.timeout.last_call
@@ -1140,26 +1037,24 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         if len(state.participants) == self._settings.max_nodes:
             self._mark_rendezvous_complete()
 
-    def _add_to_wait_list(self) -> None:
+    def _add_to_wait_list(self, node: _NodeDesc) -> None:
         msg = (
-            f"The node '{self._node}' added itself to the wait list of round "
+            f"The node '{self._node}' added {self._whom(node)} to the wait list of round "
             f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
-        logger.debug(msg)
-        self._state.redundancy_list.discard(self._node)
-        self._state.wait_list.add(self._node)
-        self._keep_alive()
+        self._tell(node, msg)
+        self._state.redundancy_list.discard(node)
+        self._state.wait_list.add(node)
+        self._keep_alive(node)
 
-    def _add_to_redundancy_list(self) -> None:
+    def _add_to_redundancy_list(self, node: _NodeDesc) -> None:
         msg = (
-            f"The node '{self._node}' added itself to the redundancy list of round "
+            f"The node '{self._node}' added {self._whom(node)} to the redundancy list of round "
             f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
-        logger.debug(msg)
-        self._state.redundancy_list.add(self._node)
-        self._keep_alive()
+        self._tell(node, msg)
+        self._state.redundancy_list.add(node)
+        self._keep_alive(node)
 
     def _remove_from_participants(self) -> None:
         msg = (
@@ -1227,7 +1122,35 @@ def _should_keep_alive(ctx: _RendezvousContext) -> bool:
     except KeyError:
         return False
 
-    return last_heartbeat <= _now() - ctx.settings.keep_alive_interval
+    return last_heartbeat <= _now() - ctx.keep_alive_period
+
+
+#: The actions that add a node to the state (which a batch admission takes for others).
+_ADMISSIONS = frozenset(
+    {_Action.ADD_TO_PARTICIPANTS, _Action.ADD_TO_WAIT_LIST, _Action.ADD_TO_REDUNDANCY_LIST}
+)
+
+
+def _admission_action(
+    state: _RendezvousState, node: _NodeDesc, settings: RendezvousSettings
+) -> _Action | None:
+    """The action of :class:`_RendezvousJoinOp` that adds ``node`` to ``state``, if it
+    takes one (the decision before its deadline: a node past it does not join).
+
+    Not complete: a node that is not a participant joins the participants (leaving the
+    wait list). Complete: a node that is not a participant goes to the wait list if the
+    round has room, else to the redundancy list (unless it waits already). A closed
+    rendezvous and a node on the redundancy list (which leaves it first) add nobody.
+    """
+    if state.closed or node in state.redundancy_list:
+        return None
+    if not state.complete:
+        return None if node in state.participants else _Action.ADD_TO_PARTICIPANTS
+    if node in state.participants or node in state.wait_list:
+        return None
+    if len(state.participants) < settings.max_nodes:
+        return _Action.ADD_TO_WAIT_LIST
+    return _Action.ADD_TO_REDUNDANCY_LIST
 
 
 class _RendezvousExitOp:
@@ -1290,15 +1213,10 @@ class _RendezvousJoinOp:
                     return _Action.REMOVE_FROM_WAIT_LIST
             return _Action.ERROR_TIMEOUT
 
-        if state.complete:
-            # We are not part of the rendezvous. If it has capacity for additional
-            # participants, add ourselves to the wait list for the next round.
-            if len(state.participants) < ctx.settings.max_nodes:
-                if ctx.node not in state.wait_list:
-                    return _Action.ADD_TO_WAIT_LIST
-            elif ctx.node not in state.redundancy_list and ctx.node not in state.wait_list:
-                return _Action.ADD_TO_REDUNDANCY_LIST
-        elif is_participant:
+        admission = _admission_action(state, ctx.node, ctx.settings)
+        if admission is not None:
+            return admission
+        if not state.complete and is_participant:
             # If the rendezvous has enough participants including us, check whether we
             # have passed the last-call deadline. If yes, complete it.
             if (
@@ -1317,9 +1235,6 @@ class _RendezvousJoinOp:
                 logger.debug(
                     "The node '%s' can't complete rendezvous: not enough participants", ctx.node
                 )
-        else:
-            # The rendezvous is not complete yet and we are not part of it. Try to join.
-            return _Action.ADD_TO_PARTICIPANTS
 
         if _should_keep_alive(ctx):
             return _Action.KEEP_ALIVE
@@ -1360,7 +1275,9 @@ class _PeriodicTimer:
 
     As in PyTorch, the thread shares only a context object with the timer, so the timer
     can be garbage collected (which stops the thread through ``weakref.finalize``). Unlike
-    PyTorch's, an exception raised by the function is logged and the timer keeps going.
+    PyTorch's, an exception raised by the function is logged and the timer keeps going,
+    and the runs start every ``interval`` (not ``interval`` after the previous one
+    ended), right away after a run that took longer.
 
     Args:
         interval: The interval between runs.
@@ -1450,11 +1367,16 @@ class _PeriodicTimer:
 
     @staticmethod
     def _run(ctx: _PeriodicTimer._Context) -> None:
-        while not ctx.stop_event.wait(ctx.interval):
+        # Every interval from the start of the previous run (PyTorch waits an interval
+        # after each run, so that heartbeats drift by the time they take).
+        wait = ctx.interval
+        while not ctx.stop_event.wait(wait):
+            started = time.monotonic()
             try:
                 ctx.function(*ctx.args, **ctx.kwargs)
             except Exception:
                 logger.exception("The periodic function %r failed; will run it again", ctx.function)
+            wait = max(ctx.interval - (time.monotonic() - started), 0.0)
 
     @staticmethod
     def _stop_thread(thread: threading.Thread, stop_event: threading.Event) -> None:
@@ -1643,6 +1565,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
         state_holder = _BackendRendezvousStateHolder(backend, settings)
+        # A backend that keeps node keys gets batched admission and aggregated heartbeats.
+        node_keys = NodeKeys(backend, node, settings) if isinstance(backend, NodeRegistry) else None
 
         return cls(
             node,
@@ -1651,6 +1575,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store,
             state_holder,
             owned_backend=backend if owns_backend else None,
+            node_keys=node_keys,
         )
 
     def __init__(
@@ -1662,6 +1587,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         state_holder: _RendezvousStateHolder,
         *,
         owned_backend: RendezvousBackend | None = None,
+        node_keys: NodeKeys | None = None,
     ) -> None:
         if not settings.run_id:
             raise ValueError("The run id must be a non-empty string.")
@@ -1682,8 +1608,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._backend_name = backend_name
         self._store = store
         self._state_holder = state_holder
+        self._node_keys = node_keys
         self._op_executor = _DistributedRendezvousOpExecutor(
-            self._this_node, self._state_holder, self._settings
+            self._this_node, self._state_holder, self._settings, node_keys
         )
         self._heartbeat_lock = threading.Lock()
         # Guards starting and stopping the keep-alive timer.
@@ -1780,8 +1707,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
         exit_op = _RendezvousExitOp()
         join_op = _RendezvousJoinOp()
 
-        self._op_executor.run(exit_op, deadline)
-        self._op_executor.run(join_op, deadline, self._get_deadline)
+        keys = self._node_keys
+        if keys is not None:
+            keys.begin_join()
+        try:
+            self._op_executor.run(exit_op, deadline)
+            self._op_executor.run(join_op, deadline, self._get_deadline)
+        except RendezvousConnectionError:
+            raise  # etcd is out of reach: the key expires on its own.
+        except BaseException:
+            # Stop announcing the node, lest a batch admit it after all.
+            self._withdraw(Deadline(_WITHDRAW_TIMEOUT))
+            raise
+        finally:
+            if keys is not None:
+                keys.end_join()
 
         self._start_heartbeats()
 
@@ -1898,6 +1838,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             with self._locked(deadline, "close"):
                 self._close(deadline)
+                self._withdraw(Deadline.at(deadline))
         except RendezvousError as ex:
             msg = (
                 f"The node '{self._this_node}' has failed to shutdown the rendezvous "
@@ -1919,10 +1860,29 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 return
             self._closed = True
         self._stop_heartbeats()
+        self._withdraw(Deadline(_WITHDRAW_TIMEOUT))
         # Backends that do not derive from RendezvousBackend may lack close().
         close_backend = getattr(self._owned_backend, "close", None)
         if close_backend is not None:
             close_backend()
+
+    def _withdraw(self, deadline: Deadline) -> None:
+        """Delete the node's key (with node keys), by ``deadline``; a failure is only
+        logged: the key expires on its own."""
+        if self._node_keys is None:
+            return
+        try:
+            with self._state_holder.bounded_by(deadline):
+                self._node_keys.withdraw()
+        except RendezvousError as ex:
+            logger.warning(
+                "The node '%s' could not delete its key from the rendezvous '%s' (%s: %s); "
+                "it expires on its own.",
+                self._this_node,
+                self._settings.run_id,
+                type(ex).__name__,
+                ex,
+            )
 
     def _close(self, deadline: float) -> None:
         op = _RendezvousCloseOp()

@@ -25,7 +25,14 @@ differs:
 * a compare-and-swap on a key that expired or was deleted meanwhile reports "no state"
   instead of a connection error;
 * :meth:`EtcdRendezvousBackend.wait_for_change` lets the handler wait for the next
-  change of the state with an etcd watch instead of polling every second;
+  change of the state instead of polling every second: one watch stream on the state
+  key, opened at the first wait and kept until :meth:`EtcdRendezvousBackend.close`,
+  delivers every change (with the new state, so the handler needs no read after it);
+* the backend keeps our nodes' keys and the heartbeat aggregator's lock (see
+  :class:`~etcd_rendezvous.layout.EtcdV2NodesLayout` and
+  :mod:`etcd_rendezvous._dynamic_admission`), with which the handler joins in a constant
+  number of requests per node and heartbeats without writing the state; PyTorch's
+  workers do not see these keys and need not;
 * the store returned by :func:`create_backend` reads the keys it is asked for instead
   of the whole store directory, so it does not fail on a fresh etcd where
   ``/torch/elastic/store`` does not exist yet (PyTorch issue 132950).
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import binascii
 import contextlib
+import json
 import logging
 import threading
 from base64 import b64decode, b64encode
@@ -47,13 +55,20 @@ from ._client import (
     KeyNotFoundError,
     Node,
 )
+from ._dynamic_admission import AnnouncedNode
 from ._params import create_etcd_connection, seconds
 from ._retry import REWATCH, Deadline
-from ._transport import Transport
+from ._transport import Transport, WatchHistoryLostError, WatchStream
 from .api import RendezvousParameters, RendezvousStateError
-from .dynamic_rendezvous import RendezvousBackend, Token
+from .dynamic_rendezvous import NodeDesc, RendezvousBackend, Token
 from .etcd_store import EtcdStore
-from .layout import ETCD_V2_STATE_PREFIX, ETCD_V2_STORE_PREFIX, etcd_v2_state_key
+from .layout import (
+    ETCD_V2_STATE_PREFIX,
+    ETCD_V2_STORE_PREFIX,
+    EtcdV2NodesLayout,
+    etcd_v2_state_key,
+    parse_node_key_name,
+)
 
 __all__ = ["EtcdRendezvousBackend", "create_backend"]
 
@@ -109,14 +124,18 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._owns_conn = owns_connection or self._conn is not client
         self._close_lock = threading.Lock()
         self._closed = False
+        # The watch stream on the state key (opened by the first wait_for_change).
+        self._stream: WatchStream | None = None
+        self._watch_lock = threading.Lock()
         if not run_id:
             self.close()
             raise ValueError("The run id must be a non-empty string.")
         self._key = etcd_v2_state_key(run_id, key_prefix)
+        self._nodes = EtcdV2NodesLayout(run_id, key_prefix)
         self._ttl = ttl if ttl and ttl > 0 else self._DEFAULT_TTL
-        # The etcd index at which the key was last seen missing: a watch for its
-        # creation must start right after it (``None``: never seen missing).
-        self._absent_at: int | None = None
+        # What the last read or write saw: the state's modifiedIndex (``None``: no
+        # state) and the etcd index of that answer, from which a watch misses nothing.
+        self._observed: tuple[int | None, int] | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(key={self._key!r}, endpoints={self._conn.endpoints!r})"
@@ -136,6 +155,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
             if self._closed:
                 return
             self._closed = True
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
         if self._owns_conn:
             self._conn.close()
 
@@ -153,6 +175,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def state_key(self) -> str:
         """See base class: the etcd key holding the state (:attr:`key`)."""
         return self._key
+
+    @property
+    def reports_changes(self) -> bool:
+        """See base class: yes, from the watch stream on the state key."""
+        return True
 
     @property
     def ttl(self) -> int:
@@ -182,6 +209,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         except KeyNotFoundError as exc:
             self._note_absent(exc)
             return None
+        self._observed = (node.modified_index, node.etcd_index)
         return self._decode(node), node.modified_index
 
     def set_state(
@@ -216,64 +244,192 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 node = self._conn.create(self._key, value, ttl=self._ttl)
         except (CompareFailedError, KeyExistsError, KeyNotFoundError):
             return self._current_state()
+        self._observed = (node.modified_index, node.etcd_index)
         return bytes(state), node.modified_index, True
 
-    def wait_for_change(self, token: Token | None, timeout: float) -> None:
+    def wait_for_change(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
         """Block until the state changes after ``token``, or for ``timeout`` seconds.
 
         ``token`` is the token of the state the caller last saw (``None``: it saw no
-        state). Returns at once if the state already changed since then. Uses an etcd
-        watch starting right after ``token``, so no change can slip between the
-        caller's read and the wait. The caller re-reads the state afterwards; a
-        spurious early return is possible (e.g. on an unusable token) and harmless.
+        state). Returns the newest state and its token as soon as a change after
+        ``token`` is known (at once if one already happened), or ``None`` when
+        ``timeout`` passed, or when the state was deleted (the caller re-reads it). The
+        changes come from one watch stream on the state key, opened at the first call
+        (from right after ``token``, so no change can slip between the caller's read
+        and the wait) and kept open until :meth:`close`: one etcd request for every wait
+        of the rendezvous, unless the stream breaks. A spurious early return is possible
+        and harmless.
 
         Raises:
             RendezvousConnectionError: etcd was unreachable for longer than the read
                 timeout.
+            RendezvousStateError: the new value does not decode.
         """
-        rewatch = REWATCH.start(max(0.0, timeout))
-        deadline = rewatch.deadline
         expected: int | None = None
         if token:
             try:
                 expected = int(token)
             except (TypeError, ValueError):
-                return
-        since = expected if expected is not None else self._absent_at
+                return None
+        rewatch = REWATCH.start(max(0.0, timeout))
+        deadline = rewatch.deadline
+        with self._watch_lock:
+            while True:
+                if self._stream is None:
+                    changed, node = self._open_stream(expected)
+                    if changed:
+                        return None if node is None else self._as_state(node)
+                change = self._next_change(deadline)
+                if change is not None and (expected is None or change.modified_index > expected):
+                    return self._as_state(change)
+                if deadline.expired():
+                    return None
+                if self._stream is None:
+                    # The stream lost the history it needed: read, then watch again.
+                    rewatch.pause()
+
+    # -- node keys (see etcd_rendezvous._dynamic_admission) ------------------------------
+
+    @property
+    def nodes_layout(self) -> EtcdV2NodesLayout:
+        """Where the keys of our nodes and the aggregator lock live."""
+        return self._nodes
+
+    def announce_node(self, node: NodeDesc, ttl: int) -> int:
+        """Create the key of ``node`` (its descriptor as JSON) with ``ttl``; return the
+        etcd index at which it was created. A key already there is ours (same process,
+        same local id: from an earlier attempt whose answer was lost): its TTL is
+        restarted and its index returned."""
+        key = self._node_key(node)
         while True:
-            if since is None:
-                # No usable starting point: read the key to get one (or a change).
-                since = self._index_if_unchanged(expected)
-                if since is None:
-                    return
-            if deadline.expired():
-                return
-            if self._conn.watch(self._key, since + 1, deadline.remaining()) is not None:
-                return
-            if deadline.expired():
-                return
-            # etcd no longer holds the history since ``since`` (or the watch ended
-            # early): find out from the key itself, then watch from where it was read.
-            since = None
-            rewatch.pause()
+            try:
+                return self._conn.create(key, _node_value(node), ttl=ttl).created_index
+            except KeyExistsError:
+                pass
+            try:
+                self._conn.refresh(key, ttl)
+                return self._conn.get(key).created_index
+            except KeyNotFoundError:
+                continue  # Expired in between: create it again.
+
+    def refresh_node(self, node: NodeDesc, ttl: int) -> bool:
+        """Restart the TTL of the key of ``node`` (a v3 lease keep-alive); ``False`` if
+        the key is gone."""
+        try:
+            self._conn.refresh(self._node_key(node), ttl)
+        except KeyNotFoundError:
+            return False
+        return True
+
+    def withdraw_node(self, node: NodeDesc) -> None:
+        """Delete the key of ``node`` (nothing if it is gone)."""
+        self._conn.delete(self._node_key(node))
+
+    def list_nodes(self) -> list[AnnouncedNode]:
+        """The node keys of the run, oldest (lowest created index) first. Keys whose
+        names are not spelled as a node key's are left out."""
+        try:
+            listing = self._conn.list_dir(self._nodes.nodes_dir)
+        except KeyNotFoundError:
+            return []
+        nodes = []
+        for child in listing.children:
+            # The name spells the node (cheaper than its value, at a few hundred nodes).
+            fields = None if child.is_dir else parse_node_key_name(child.key.rsplit("/", 1)[-1])
+            if fields is not None:
+                nodes.append(AnnouncedNode(NodeDesc(*fields), child.created_index))
+        nodes.sort(key=lambda entry: entry.created_index)
+        return nodes
+
+    def aggregator(self) -> NodeDesc | None:
+        """The node holding the aggregator lock (``None``: nobody, or not a node)."""
+        lock = self._conn.try_get(self._nodes.aggregator_key)
+        return None if lock is None else _parse_node(lock)
+
+    def claim_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+        """Create the aggregator lock for ``node`` with ``ttl``; ``False`` if it exists."""
+        try:
+            self._conn.create(self._nodes.aggregator_key, _node_value(node), ttl=ttl)
+        except KeyExistsError:
+            return False
+        return True
+
+    def renew_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+        """Restart the TTL of the aggregator lock (held by ``node``); ``False`` if gone."""
+        try:
+            self._conn.refresh(self._nodes.aggregator_key, ttl)
+        except KeyNotFoundError:
+            return False
+        return True
+
+    def release_aggregator(self, node: NodeDesc) -> None:
+        """Delete the aggregator lock if ``node`` holds it."""
+        lock = self._conn.try_get(self._nodes.aggregator_key)
+        if lock is not None and _parse_node(lock) == node:
+            self._conn.compare_and_delete(self._nodes.aggregator_key, lock)
+
+    def _node_key(self, node: NodeDesc) -> str:
+        return self._nodes.node_key(node.addr, node.pid, node.local_id)
 
     # -- internals ------------------------------------------------------------------------
 
-    def _index_if_unchanged(self, expected: int | None) -> int | None:
-        """Read the key: the etcd index up to which it is still at ``expected``
-        (``None``: absent), or ``None`` if it changed."""
-        try:
-            node = self._conn.get(self._key)
-        except KeyNotFoundError as exc:
-            self._note_absent(exc)
-            return self._absent_at if expected is None else None
-        if node.modified_index != expected:
+    def _open_stream(self, expected: int | None) -> tuple[bool, Node | None]:
+        """Open the watch stream from right after the state ``expected`` (its token;
+        ``None``: no state) was seen. If that takes a read, and the read shows that the
+        state changed, return ``(True, the new node or None if deleted)`` instead."""
+        observed = self._observed
+        if observed is None or observed[0] != expected:
+            node: Node | None = None
+            try:
+                node = self._conn.get(self._key)
+            except KeyNotFoundError as exc:
+                self._note_absent(exc)
+            else:
+                self._observed = (node.modified_index, node.etcd_index)
+            observed = self._observed
+            if observed is None or observed[0] != expected:
+                return True, node
+        self._stream = self._conn.watch_stream(self._key, observed[1] + 1)
+        return False, None
+
+    def _next_change(self, deadline: Deadline) -> Node | None:
+        """The newest change the stream has by ``deadline`` (waiting for the first one,
+        taking the others already received), or ``None``. Drops the stream if it failed
+        (and for lost history, forgets what was observed, so that the next opening
+        reads the key)."""
+        stream = self._stream
+        if stream is None:
             return None
-        return node.etcd_index
+        change = None
+        try:
+            newest = stream.next(deadline.remaining())
+            while newest is not None:
+                change, newest = newest, stream.next(0.0)
+        except WatchHistoryLostError:
+            self._drop_stream()
+            self._observed = None
+        except BaseException:
+            self._drop_stream()
+            raise
+        return change
+
+    def _drop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
+    def _as_state(self, node: Node) -> tuple[bytes, Token] | None:
+        """The state a change (or a read) carries; ``None`` for a deletion or expiry."""
+        if node.value is None or node.action in ("delete", "expire", "compareAndDelete"):
+            self._observed = (None, node.modified_index)
+            return None
+        state = self._decode(node)
+        self._observed = (node.modified_index, max(node.modified_index, node.etcd_index))
+        return state, node.modified_index
 
     def _note_absent(self, exc: KeyNotFoundError) -> None:
         index = exc.etcd_index if exc.etcd_index is not None else self._conn.last_index
-        self._absent_at = index
+        self._observed = (None, index)
 
     def _current_state(self) -> tuple[bytes, Token, bool] | None:
         result = self.get_state()
@@ -298,6 +454,25 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 "base64: it was not written by a rendezvous backend. The key was left "
                 "untouched."
             ) from None
+
+
+def _node_value(node: NodeDesc) -> str:
+    """The value of a node key: the node descriptor as JSON."""
+    return json.dumps({"addr": node.addr, "pid": node.pid, "local_id": node.local_id})
+
+
+def _parse_node(key: Node) -> NodeDesc | None:
+    """The node descriptor a node key holds, or ``None`` if it holds something else."""
+    try:
+        fields = json.loads(key.value or "")
+    except ValueError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    addr, pid, local_id = fields.get("addr"), fields.get("pid"), fields.get("local_id")
+    if type(addr) is not str or type(pid) is not int or type(local_id) is not int:
+        return None
+    return NodeDesc(addr, pid, local_id)
 
 
 def _prev(key: str, index: int) -> Node:

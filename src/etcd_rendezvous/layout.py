@@ -21,7 +21,14 @@ The ``etcd-v2`` backend (:mod:`etcd_rendezvous.etcd_rendezvous_backend`) keeps a
 state in one key, ``/torch/elastic/rendezvous/<run_id>`` (:func:`etcd_v2_state_key`),
 and the store shared by all runs under ``/torch/elastic/store``. The dynamic rendezvous
 (:mod:`etcd_rendezvous.dynamic_rendezvous`) scopes round ``R`` of a run to the store
-prefix ``torch.rendezvous.<run_id>.<R>`` (:func:`dynamic_store_prefix`).
+prefix ``torch.rendezvous.<run_id>.<R>`` (:func:`dynamic_store_prefix`). Our ``etcd-v2``
+nodes (not PyTorch's) also keep a directory per run *next to* the state keys, since a v2
+key cannot have children (:class:`EtcdV2NodesLayout`)::
+
+    /torch/elastic/rendezvous/<run_id>                      the state (PyTorch's key)
+    /torch/elastic/rendezvous_nodes/<run_id>/               one key per node of ours
+    /torch/elastic/rendezvous_nodes/<run_id>/<addr>_<pid>_<local_id>   a node's key
+    /torch/elastic/rendezvous_nodes/<run_id>/aggregator     the heartbeat aggregator's lock
 
 An :class:`~etcd_rendezvous.etcd_store.EtcdStore` keeps store key ``k`` at
 ``<store prefix>/<base64 of k>`` (:func:`store_value_key`).
@@ -30,6 +37,7 @@ An :class:`~etcd_rendezvous.etcd_store.EtcdStore` keeps store key ``k`` at
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass
 
 __all__ = [
@@ -37,14 +45,18 @@ __all__ = [
     "ETCD_V2_STATE_PREFIX",
     "ETCD_V2_STORE_PREFIX",
     "MEMBER_NAME_PREFIX",
+    "EtcdV2NodesLayout",
     "LegacyLayout",
     "dynamic_store_prefix",
     "dynamic_store_round",
     "etcd_v2_state_key",
+    "is_node_key_name",
     "keep_alive_rank",
     "member_name",
     "new_member_name",
+    "node_key_name",
     "normalize_key",
+    "parse_node_key_name",
     "store_value_key",
 ]
 
@@ -192,6 +204,123 @@ def etcd_v2_state_key(run_id: str, key_prefix: str | None = ETCD_V2_STATE_PREFIX
     just ``run_id`` when ``key_prefix`` is empty or ``None``.
     """
     return f"{key_prefix}/{run_id}" if key_prefix else run_id
+
+
+#: The nodes directories of ``etcd-v2`` runs whose state keys have no prefix (the root).
+_ROOT_NODES_DIR = "/rendezvous_nodes"
+_NODES_DIR_SUFFIX = "_nodes"
+_AGGREGATOR_NAME = "aggregator"
+#: Characters a node key name or an escaped run id keeps as they are; every other byte
+#: becomes ``~`` and two hex digits. Neither ``%`` (which etcd's v2 HTTP API would
+#: decode) nor ``_`` (the separator, and on v2 the mark of a hidden key) nor ``/``
+#: survives, so a name is one key, visible, and maps back to one node only.
+_KEY_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
+#: A node key's name: an escaped address (``~`` alone for an empty one), pid, local id.
+_NODE_KEY_NAME = re.compile(r"([A-Za-z0-9.~-]+)_([0-9]+)_([0-9]+)")
+
+
+_SAFE_TEXT = re.compile(r"[A-Za-z0-9.-]*")
+
+
+def _escape(text: str) -> str:
+    """``text`` with every byte outside :data:`_KEY_SAFE` spelled ``~xx`` (injective)."""
+    if _SAFE_TEXT.fullmatch(text):
+        return text
+    return "".join(
+        chr(byte) if chr(byte) in _KEY_SAFE else f"~{byte:02x}" for byte in text.encode()
+    )
+
+
+@dataclass(frozen=True)
+class EtcdV2NodesLayout:
+    """The node keys of one ``etcd-v2`` run: ``<key_prefix>_nodes/<run_id>/...``.
+
+    Only this package's nodes write them (PyTorch's never read them): each of our nodes
+    keeps a key there while it is joining or in the rendezvous, with a TTL (its
+    heartbeat), and one of them holds the :attr:`aggregator_key` lock. The directory is
+    a sibling of the state keys' directory, so no run's state key can be one of them:
+    with the default prefix, ``/torch/elastic/rendezvous_nodes/<run_id>``; with an empty
+    (or root) prefix, ``/rendezvous_nodes/<run_id>``. The run id is escaped (a ``/`` in
+    it does not nest one run's directory in another's).
+
+    Args:
+        run_id: the job's run id.
+        key_prefix: the state keys' prefix, as given to
+            :func:`etcd_v2_state_key`.
+
+    Raises:
+        ValueError: ``run_id`` is empty.
+    """
+
+    run_id: str
+    key_prefix: str | None = ETCD_V2_STATE_PREFIX
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ValueError(f"run_id: must be a non-empty string, got {self.run_id!r}.")
+
+    @property
+    def nodes_dir(self) -> str:
+        """The run's directory of node keys."""
+        prefix = normalize_key(self.key_prefix or "/")
+        base = _ROOT_NODES_DIR if prefix == "/" else prefix + _NODES_DIR_SUFFIX
+        return f"{base}/{_escape(self.run_id)}"
+
+    def node_key(self, addr: str, pid: int, local_id: int) -> str:
+        """``<nodes_dir>/<addr>_<pid>_<local_id>``: the key of one node (``addr``
+        escaped)."""
+        return f"{self.nodes_dir}/{node_key_name(addr, pid, local_id)}"
+
+    @property
+    def aggregator_key(self) -> str:
+        """``<nodes_dir>/aggregator``: the lock of the node that folds the others'
+        heartbeats into the state (a name no node key can have)."""
+        return f"{self.nodes_dir}/{_AGGREGATOR_NAME}"
+
+
+def node_key_name(addr: str, pid: int, local_id: int) -> str:
+    """The last segment of a node's key: ``<escaped addr>_<pid>_<local_id>`` (an empty
+    address is spelled ``~``: a v2 key whose name starts with ``_`` is hidden)."""
+    return f"{_escape(addr) or '~'}_{int(pid)}_{int(local_id)}"
+
+
+def is_node_key_name(name: str) -> bool:
+    """Whether ``name`` (the last segment of a key) is spelled as a node key's is."""
+    return _NODE_KEY_NAME.fullmatch(name) is not None
+
+
+def parse_node_key_name(name: str) -> tuple[str, int, int] | None:
+    """The ``(addr, pid, local_id)`` a node key's name spells (the inverse of
+    :func:`node_key_name`); ``None`` for any other name."""
+    match = _NODE_KEY_NAME.fullmatch(name)
+    if match is None:
+        return None
+    escaped, pid, local_id = match.groups()
+    if "~" not in escaped:
+        addr = escaped
+    else:
+        try:
+            addr = _unescape(escaped)
+        except ValueError:
+            return None
+    if (pid[0] == "0" and pid != "0") or (local_id[0] == "0" and local_id != "0"):
+        return None  # Not how node_key_name spells a number.
+    if addr != escaped and _escape(addr) != escaped and escaped != "~":
+        return None  # Not the canonical spelling (e.g. "~41" for "A").
+    return addr, int(pid), int(local_id)
+
+
+def _unescape(text: str) -> str:
+    """The inverse of :func:`_escape` (``~`` alone: the empty address)."""
+    if text == "~":
+        return ""
+    raw = bytearray()
+    parts = text.split("~")
+    raw += parts[0].encode()
+    for part in parts[1:]:
+        raw.append(int(part[:2], 16))
+        raw += part[2:].encode()
+    return raw.decode()
 
 
 def dynamic_store_prefix(run_id: str, round_: int) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from etcd_rendezvous import _dynamic_state as codec
 from etcd_rendezvous import dynamic_rendezvous as dr
 from etcd_rendezvous.api import RendezvousStateError
 
@@ -87,7 +88,7 @@ def test_roundtrip_keeps_every_attribute() -> None:
     decoded = dr.decode_state(dr._encode_state(state), SOURCE)
     assert type(decoded) is dr._RendezvousState
     assert vars(decoded) == vars(state)
-    assert list(vars(decoded)) == list(dr._STATE_FIELDS)
+    assert list(vars(decoded)) == list(codec._STATE_FIELDS)
 
 
 def test_roundtrip_of_the_initial_state() -> None:
@@ -196,7 +197,7 @@ def test_pytorchs_globals_are_exactly_the_allow_list(torch_dr: Any) -> None:
     seen: set[tuple[str, str]] = set()
     for protocol in (3, 4, 5):
         seen |= globals_in(pickle.dumps(make_state(torch_dr), protocol=protocol))
-    assert seen == set(dr._ALLOWED_GLOBALS)
+    assert seen == set(codec._ALLOWED_GLOBALS)
 
 
 @pytest.mark.torch
@@ -303,7 +304,7 @@ def test_other_names_in_pytorchs_module_are_rejected() -> None:
 
 
 def test_persistent_ids_are_rejected() -> None:
-    class WithPid(dr._StatePickler):
+    class WithPid(codec._StatePickler):
         def persistent_id(self, obj: Any) -> Any:
             return "pid" if isinstance(obj, dr._NodeDesc) else None
 

@@ -16,14 +16,18 @@ from etcd_rendezvous.layout import (
     DEFAULT_PREFIX,
     ETCD_V2_STATE_PREFIX,
     ETCD_V2_STORE_PREFIX,
+    EtcdV2NodesLayout,
     LegacyLayout,
     dynamic_store_prefix,
     dynamic_store_round,
     etcd_v2_state_key,
+    is_node_key_name,
     keep_alive_rank,
     member_name,
     new_member_name,
+    node_key_name,
     normalize_key,
+    parse_node_key_name,
     store_value_key,
 )
 
@@ -200,6 +204,81 @@ def test_etcd_v2_state_key() -> None:
     assert etcd_v2_state_key("job1", "/custom/") == "/custom//job1"
 
 
+def test_etcd_v2_node_keys_with_the_default_prefix() -> None:
+    keys = EtcdV2NodesLayout("job1")
+    assert keys.nodes_dir == "/torch/elastic/rendezvous_nodes/job1"
+    assert keys.node_key("host1", 42, 0) == "/torch/elastic/rendezvous_nodes/job1/host1_42_0"
+    assert keys.aggregator_key == "/torch/elastic/rendezvous_nodes/job1/aggregator"
+
+
+@pytest.mark.parametrize(
+    ("key_prefix", "nodes_dir"),
+    [
+        ("/custom", "/custom_nodes/job1"),
+        ("/custom/", "/custom_nodes/job1"),
+        ("custom//x", "/custom/x_nodes/job1"),
+        # State keys at the root (no prefix: the bare run id) share one directory.
+        (None, "/rendezvous_nodes/job1"),
+        ("", "/rendezvous_nodes/job1"),
+        ("/", "/rendezvous_nodes/job1"),
+    ],
+)
+def test_etcd_v2_nodes_dir_is_a_sibling_of_the_state_keys(
+    key_prefix: str | None, nodes_dir: str
+) -> None:
+    assert EtcdV2NodesLayout("job1", key_prefix).nodes_dir == nodes_dir
+
+
+def test_etcd_v2_nodes_dir_is_never_a_state_key() -> None:
+    # Not below the state keys' directory: no run id makes it a state key.
+    for run_id in ("job1", "job1_nodes", "a/b", ".."):
+        nodes_dir = normalize_key(EtcdV2NodesLayout(run_id).nodes_dir)
+        assert not nodes_dir.startswith(ETCD_V2_STATE_PREFIX + "/")
+    # A "/" in the run id does not nest one run's directory in another's.
+    assert EtcdV2NodesLayout("a/b").nodes_dir == "/torch/elastic/rendezvous_nodes/a~2fb"
+
+
+@pytest.mark.parametrize(
+    ("addr", "name"),
+    [
+        ("node-1.example.com", "node-1.example.com_7_3"),
+        ("my_host", "my~5fhost_7_3"),
+        ("::1", "~3a~3a1_7_3"),
+        ("a/b%c~", "a~2fb~25c~7e_7_3"),
+        ("_hidden", "~5fhidden_7_3"),
+        ("h\u00f6st", "h~c3~b6st_7_3"),
+        ("", "~_7_3"),
+    ],
+)
+def test_node_key_names_escape_the_address(addr: str, name: str) -> None:
+    assert node_key_name(addr, 7, 3) == name
+    assert is_node_key_name(name)
+    assert parse_node_key_name(name) == (addr, 7, 3)
+
+
+@pytest.mark.parametrize("name", ["aggregator", "h_1", "h_x_1", "h_1_", "h/1_2_3", "h%41_1_2"])
+def test_other_names_are_not_node_key_names(name: str) -> None:
+    assert not is_node_key_name(name)
+    assert parse_node_key_name(name) is None
+
+
+@pytest.mark.parametrize("name", ["~41_1_2", "a~zz_1_2", "a~5_1_2", "~ff_1_2", "a_01_2"])
+def test_names_not_spelled_as_node_key_name_spells_them_are_not_parsed(name: str) -> None:
+    assert parse_node_key_name(name) is None
+
+
+def test_node_key_names_are_distinct() -> None:
+    names = {
+        node_key_name(addr, pid, 0) for addr in ("a", "a_1", "a~5f1", "a_1_1") for pid in (1, 2)
+    }
+    assert len(names) == 8
+
+
+def test_etcd_v2_nodes_layout_refuses_an_empty_run_id() -> None:
+    with pytest.raises(ValueError, match="run_id"):
+        EtcdV2NodesLayout("")
+
+
 def test_dynamic_store_prefix() -> None:
     assert dynamic_store_prefix("job1", 0) == "torch.rendezvous.job1.0"
     assert dynamic_store_prefix("job.1", 12) == "torch.rendezvous.job.1.12"
@@ -252,7 +331,7 @@ def test_layout_imports_nothing_that_does_io() -> None:
             imported.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.add("." * node.level + (node.module or ""))
-    assert imported == {"__future__", "dataclasses", "posixpath"}
+    assert imported == {"__future__", "dataclasses", "posixpath", "re"}
 
 
 def test_importing_layout_loads_no_etcd_client() -> None:
@@ -266,7 +345,7 @@ def test_importing_layout_loads_no_etcd_client() -> None:
 
 def test_every_public_name_is_exported_and_documented() -> None:
     public = {name for name in vars(layout) if not name.startswith("_")}
-    public -= {"annotations", "dataclass", "posixpath"}
+    public -= {"annotations", "dataclass", "posixpath", "re"}
     assert set(layout.__all__) == public
     for name in layout.__all__:
         value = getattr(layout, name)

@@ -1,0 +1,401 @@
+"""Batched admission and aggregated heartbeats for the dynamic rendezvous.
+
+PyTorch's dynamic rendezvous has every node compare-and-swap the one state key to add
+itself to the participants, and again every ``keep_alive_interval`` to refresh its entry
+in ``last_heartbeats``: O(N^2) writes per rendezvous, and a retry storm on one key in
+steady state. With a backend that implements :class:`NodeRegistry` (the ``etcd-v2``
+backend of this package), :class:`NodeKeys` lets a
+:class:`~etcd_rendezvous.dynamic_rendezvous.DynamicRendezvousHandler` do the same with a
+constant number of requests per node, writing the same state:
+
+* **Node keys.** A node that needs to join writes a key of its own (its descriptor, with
+  a TTL of ``keep_alive_interval * keep_alive_max_attempt``) and refreshes it every
+  ``keep_alive_interval`` from then on: that is its heartbeat. It deletes the key when it
+  leaves (``shutdown()``, ``close()``, or a ``next_rendezvous()`` that failed), and when it
+  finds itself dropped from the state, so that nobody admits it unasked.
+* **Batch admission.** Instead of adding itself, a node lists the announced nodes. The
+  node whose key is the oldest among those the state does not hold yet (in created
+  order) admits all of them with ONE state write: for each, exactly what
+  ``_RendezvousJoinOp`` would do for that node on the state as the batch left it. The
+  others wait for a state change; once every key older than theirs (in the listing they
+  took after announcing) is in the state or gone, they are the oldest and admit. The
+  batch's write also refreshes the heartbeats of every listed node in the state, and an
+  admitter takes the aggregator lock (below) if nobody holds it. When
+  no node at all was admitted (nor left) for :data:`ADMISSION_GRACE` seconds, the
+  oldest key blocking a node is taken for a node that died before its admission and
+  skipped (one such key per grace period); a node that was merely slow admits itself
+  later.
+* **Aggregated heartbeats.** Every ``keep_alive_interval`` each node refreshes its key,
+  and one of them, the *aggregator* (the holder of a lock key with a TTL of two
+  intervals, which it renews every interval; a node whose heartbeat in the state is
+  late reads it, and creates it when it is absent), sets ``last_heartbeats[n] = now`` in
+  ONE state write for every node ``n`` of the state whose key is alive. PyTorch's nodes
+  have no key: they heartbeat themselves, untouched. A node with a key compare-and-swaps
+  its own heartbeat only when it is older than
+  ``(keep_alive_max_attempt - 1.5) * keep_alive_interval`` (but at least one interval):
+  the aggregation failed. So liveness never depends on the aggregator, and the node
+  writes at least half an interval before its heartbeat expires (it looks once per
+  interval). With ``keep_alive_max_attempt`` below 3 the nodes write their heartbeats
+  every interval, as PyTorch's do.
+
+As a consequence a node that dies is dropped later than in PyTorch: its key lives up to
+``keep_alive_interval * keep_alive_max_attempt`` more seconds, during which the
+aggregator keeps its heartbeat fresh, and its heartbeat then lapses after as long again:
+at most about twice PyTorch's ``keep_alive_interval * keep_alive_max_attempt``.
+
+This module holds the bookkeeping of that protocol and its requests to the registry;
+what a batch does to the state is decided by the handler's module (the same code as
+for a node that adds itself). It does not import that module at run time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from .dynamic_rendezvous import NodeDesc, RendezvousSettings, RendezvousState
+
+__all__ = ["ADMISSION_GRACE", "AnnouncedNode", "NodeKeys", "NodeRegistry"]
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a node waits for the keys older than its own to be admitted, while no node
+#: is admitted at all, before it takes the oldest for a dead node's and skips it.
+ADMISSION_GRACE = 2.0
+
+
+#: How many keep-alive intervals old a node's heartbeat in the state is when the node
+#: takes it that nobody aggregates (and looks at the lock, to take it if it is free).
+_LATE = 1.25
+#: How many keep-alive intervals before its heartbeat in the state expires a node with a
+#: key writes it itself, at the latest: the aggregator failed. The node looks once per
+#: interval, so it writes between this and one interval less before the expiry.
+_FALLBACK_MARGIN = 1.5
+#: The TTL of the aggregator lock, in keep-alive intervals: the holder renews it every
+#: interval; if it dies, another node takes over within this time.
+_LOCK_INTERVALS = 2
+
+
+@dataclass(frozen=True)
+class AnnouncedNode:
+    """A node key as listed: the node and the etcd index at which its key was created."""
+
+    node: NodeDesc
+    created_index: int
+
+
+@runtime_checkable
+class NodeRegistry(Protocol):
+    """What a backend provides for node keys (see the module docstring).
+
+    A backend with all these methods gets batched admission and aggregated heartbeats;
+    any other backend (PyTorch's, a user's) keeps PyTorch's protocol. Every method may
+    raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
+    """
+
+    def announce_node(self, node: NodeDesc, ttl: int) -> int:
+        """Create the key of ``node`` (or find it made by an earlier attempt of ours);
+        return the index at which it was created."""
+
+    def refresh_node(self, node: NodeDesc, ttl: int) -> bool:
+        """Restart the TTL of the key of ``node``; ``False`` if the key is gone."""
+
+    def withdraw_node(self, node: NodeDesc) -> None:
+        """Delete the key of ``node`` (nothing if it is gone)."""
+
+    def list_nodes(self) -> list[AnnouncedNode]:
+        """Every node key of the run, oldest first."""
+
+    def aggregator(self) -> NodeDesc | None:
+        """The holder of the aggregator lock, or ``None`` if nobody holds it."""
+
+    def claim_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+        """Create the aggregator lock for ``node`` if nobody holds it; whether it did."""
+
+    def renew_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+        """Restart the TTL of the lock held by ``node``; ``False`` if it is gone."""
+
+    def release_aggregator(self, node: NodeDesc) -> None:
+        """Delete the aggregator lock if ``node`` holds it."""
+
+
+#: Tells whether the join decision for a node, on the state at hand, would admit it
+#: (add it to the participants, the wait list or the redundancy list).
+WantsAdmission = Callable[["NodeDesc"], bool]
+
+
+@dataclass
+class _Attempt:
+    """What a node knows while it waits to be admitted."""
+
+    #: The keys older than ours, from the listing taken after announcing, oldest first.
+    predecessors: dict[NodeDesc, int]
+    #: When the admissions last made progress (``time.monotonic()``).
+    progress_at: float
+    #: What the state's admissions looked like at the last look (see ``admission``).
+    mark: object = None
+    #: Predecessors taken for dead (they blocked us for a whole grace period).
+    suspects: set[NodeDesc] = field(default_factory=set)
+
+    def blockers(self, wants: WantsAdmission) -> list[NodeDesc]:
+        """The predecessors still waiting for admission, oldest first (suspects aside)."""
+        waiting = [n for n in self.predecessors if n not in self.suspects and wants(n)]
+        return sorted(waiting, key=self.predecessors.__getitem__)
+
+    def blocked(self, wants: WantsAdmission) -> bool:
+        """Whether a predecessor still waits for admission (suspects aside). Looks at
+        the youngest first: they are the likeliest to wait, and one is enough."""
+        return any(wants(node) for node in reversed(self.predecessors) if node not in self.suspects)
+
+
+class NodeKeys:
+    """The node-key protocol of one handler's node (see the module docstring).
+
+    The handler calls :meth:`begin_join` and :meth:`end_join` around
+    ``next_rendezvous()`` and :meth:`withdraw` when it leaves (or fails to join); its
+    operation executor
+    calls :meth:`admission` instead of adding the node itself, and :meth:`tick` when
+    :meth:`tick_due` says so. Thread-safe.
+
+    Args:
+        registry: the backend that keeps the keys.
+        node: this handler's node.
+        settings: the rendezvous settings (the keep-alive interval and attempts).
+        clock: the monotonic clock (replaceable in tests).
+    """
+
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        node: NodeDesc,
+        settings: RendezvousSettings,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry
+        self._node = node
+        interval = settings.keep_alive_interval.total_seconds()
+        attempts = settings.keep_alive_max_attempt
+        self._interval = interval
+        self._ttl = max(1, math.ceil(interval * attempts))
+        self._lock_ttl = max(1, math.ceil(interval * _LOCK_INTERVALS))
+        # A node with a live key compare-and-swaps its own heartbeat only this late
+        # (never earlier than PyTorch's interval).
+        self._period = settings.keep_alive_interval * max(1.0, attempts - _FALLBACK_MARGIN)
+        self._late = settings.keep_alive_interval * _LATE
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._created: int | None = None
+        self._next_tick = math.inf
+        self._joining = False
+        self._attempt: _Attempt | None = None
+        self._leading = False
+        self._listed: set[NodeDesc] = set()
+
+    @property
+    def node(self) -> NodeDesc:
+        """This handler's node."""
+        return self._node
+
+    @property
+    def announced(self) -> bool:
+        """Whether the node's key exists (as far as this node knows)."""
+        return self._created is not None
+
+    def heartbeat_period(self, default: timedelta) -> timedelta:
+        """How old the node's heartbeat in the state may get before the node writes it
+        itself: ``default`` without a key, later with one (the aggregator's job)."""
+        return self._period if self._created is not None else default
+
+    # -- joining and leaving --------------------------------------------------------------
+
+    def begin_join(self) -> None:
+        """``next_rendezvous()`` started: keep the key whatever the state says."""
+        with self._lock:
+            self._joining = True
+            self._attempt = None
+
+    def end_join(self) -> None:
+        """``next_rendezvous()`` ended (if it failed, the handler withdraws the node)."""
+        with self._lock:
+            self._joining = False
+            self._attempt = None
+
+    def withdraw(self) -> None:
+        """Delete the node's key and release the aggregator lock if the node holds it."""
+        with self._lock:
+            created, leading = self._created, self._leading
+            self._created, self._leading = None, False
+            self._next_tick = math.inf
+            self._attempt = None
+            if leading:
+                self._registry.release_aggregator(self._node)
+            if created is not None:
+                self._registry.withdraw_node(self._node)
+
+    def admitted(self) -> None:
+        """The join decision no longer adds the node: forget the attempt."""
+        with self._lock:
+            self._attempt = None
+
+    # -- admission --------------------------------------------------------------------
+
+    def admission(self, wants: WantsAdmission, mark: object) -> list[NodeDesc] | float:
+        """The nodes this node must admit now, oldest first; or else how long to wait
+        (at most) for another node to admit it, in seconds.
+
+        ``wants`` evaluates the join decision on the current state; ``mark`` sums up the
+        state's admissions (it changes whenever a node is admitted or leaves): while it
+        changes, the nodes ahead are making progress and none is taken for dead. The
+        first call of an attempt announces the node if needed and lists the keys; later
+        ones list again only to admit, or when a grace period passed without progress.
+        """
+        with self._lock:
+            listing: list[AnnouncedNode] | None = None
+            if self._created is None:
+                self._announce()
+            if self._attempt is None:
+                listing = self._registry.list_nodes()
+                self._attempt = self._new_attempt(listing)
+            attempt = self._attempt
+            now = self._clock()
+            if mark != attempt.mark:
+                attempt.mark, attempt.progress_at = mark, now
+            blocked = attempt.blocked(wants)
+            if blocked and now - attempt.progress_at >= ADMISSION_GRACE:
+                listing = self._registry.list_nodes()
+                blocked = bool(self._skip_the_stuck(attempt, listing, wants, now))
+            if blocked:
+                return max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0)
+            if listing is None:
+                listing = self._registry.list_nodes()
+            if not self._leading and self._registry.aggregator() is None:
+                # The first admitter aggregates from the start: the heartbeats of the
+                # nodes it admits are folded before any of them is late.
+                self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
+            return self._batch(attempt, listing, wants)
+
+    def _new_attempt(self, listing: list[AnnouncedNode]) -> _Attempt:
+        created = self._created if self._created is not None else math.inf
+        # Oldest first, as listed.
+        predecessors = {
+            entry.node: entry.created_index
+            for entry in listing
+            if entry.created_index < created and entry.node != self._node
+        }
+        return _Attempt(predecessors, self._clock())
+
+    def _skip_the_stuck(
+        self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission, now: float
+    ) -> list[NodeDesc]:
+        """A grace period passed without progress: forget the predecessors whose keys
+        are gone, and if some still block us, take the oldest for dead."""
+        alive = {entry.node for entry in listing}
+        attempt.predecessors = {n: i for n, i in attempt.predecessors.items() if n in alive}
+        blockers = attempt.blockers(wants)
+        if blockers:
+            logger.warning(
+                "The node '%s' waited %.1f s for the node '%s' to be admitted; taking it "
+                "for dead and admitting the nodes after it.",
+                self._node,
+                now - attempt.progress_at,
+                blockers[0],
+            )
+            attempt.suspects.add(blockers[0])
+            attempt.progress_at = now
+            blockers = blockers[1:]
+        return blockers
+
+    def listed(self) -> set[NodeDesc]:
+        """The nodes of the listing the last batch came from: their keys were alive, so
+        the batch's write refreshes their heartbeats too (as the aggregator would)."""
+        return self._listed
+
+    def _batch(
+        self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission
+    ) -> list[NodeDesc]:
+        self._listed = {entry.node for entry in listing}
+        batch = [e.node for e in listing if e.node not in attempt.suspects and wants(e.node)]
+        if self._node not in batch and wants(self._node):
+            # Our key vanished after we announced it (the refresh will re-create it).
+            batch.append(self._node)
+        return batch
+
+    def _announce(self) -> None:
+        self._created = self._registry.announce_node(self._node, self._ttl)
+        self._next_tick = self._clock() + self._interval
+        logger.debug("The node '%s' announced itself (index %s).", self._node, self._created)
+
+    # -- heartbeats -------------------------------------------------------------------
+
+    def seconds_to_tick(self) -> float | None:
+        """Seconds until the next :meth:`tick` is due (``None``: no key, no ticks)."""
+        if self._created is None:
+            return None
+        return max(self._next_tick - self._clock(), 0.0)
+
+    def tick_due(self) -> bool:
+        """Whether the next :meth:`tick` is due (within half an interval: the keep-alive
+        timer fires every interval, give or take a little)."""
+        return self._created is not None and self._next_tick - self._clock() <= self._interval / 2
+
+    def tick(self, state: RendezvousState, now: datetime) -> set[NodeDesc]:
+        """The node's heartbeat: refresh its key (re-create it if it expired) and, if the
+        node is (or becomes) the aggregator, return the nodes of ``state`` whose keys are
+        alive, whose heartbeats the caller refreshes in one state write (``now`` is the
+        time of the state's clock).
+
+        A node that is not joining and not in ``state`` was dropped (or left): its key
+        is deleted instead, so that no batch admits it unasked.
+        """
+        with self._lock:
+            if self._created is None:
+                return set()
+            self._next_tick = self._clock() + self._interval
+            if not self._joining and self._node not in state.last_heartbeats:
+                logger.info(
+                    "The node '%s' is no longer in the rendezvous; deleting its key.", self._node
+                )
+                self.withdraw()
+                return set()
+            if not self._registry.refresh_node(self._node, self._ttl):
+                logger.info("The key of the node '%s' expired; announcing it again.", self._node)
+                self._created = self._registry.announce_node(self._node, self._ttl)
+            if not self._lead(state, now):
+                return set()
+            alive = {entry.node for entry in self._registry.list_nodes()}
+            return {node for node in state.last_heartbeats if node in alive}
+
+    def _lead(self, state: RendezvousState, now: datetime) -> bool:
+        """Whether this node is the aggregator: it holds the lock (renewed here: the
+        lock can only have changed hands if it lapsed, and then the renewal fails) or
+        just took it because nobody held it.
+
+        A node that does not hold the lock looks at it only when its own heartbeat in
+        the state is late (:data:`_LATE` intervals old): while an aggregator folds the
+        heartbeats, nobody else reads or tries to take the lock.
+        """
+        if self._leading:
+            # Our lock, unless it lapsed: only then can another node have taken it.
+            if self._registry.renew_aggregator(self._node, self._lock_ttl):
+                return True
+            self._leading = False
+        beat = state.last_heartbeats.get(self._node)
+        if beat is not None and now - beat < self._late:
+            return False
+        holder = self._registry.aggregator()
+        if holder == self._node and self._registry.renew_aggregator(self._node, self._lock_ttl):
+            self._leading = True
+        elif holder is None or holder == self._node:
+            self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
+            if self._leading:
+                logger.info("The node '%s' aggregates the heartbeats now.", self._node)
+        else:
+            self._leading = False
+        return self._leading

@@ -1,0 +1,246 @@
+"""Unit tests of the node-key protocol (:mod:`etcd_rendezvous._dynamic_admission`) with an
+in-memory registry and a fake clock."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from etcd_rendezvous._dynamic_admission import (
+    ADMISSION_GRACE,
+    AnnouncedNode,
+    NodeKeys,
+    NodeRegistry,
+)
+from etcd_rendezvous.dynamic_rendezvous import (
+    NodeDesc,
+    RendezvousSettings,
+    RendezvousState,
+    RendezvousTimeout,
+)
+
+NOW = datetime(2000, 1, 1, tzinfo=timezone.utc)
+A, B, C, D = (NodeDesc("host", 1, i) for i in range(4))
+
+
+class MemoryRegistry:
+    """Node keys and the aggregator lock in a dict; counts the calls."""
+
+    def __init__(self) -> None:
+        self.keys: dict[NodeDesc, int] = {}
+        self.lock: NodeDesc | None = None
+        self.index = 0
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def announce_node(self, node: NodeDesc, ttl: int) -> int:
+        self._count("announce")
+        if node not in self.keys:
+            self.index += 1
+            self.keys[node] = self.index
+        return self.keys[node]
+
+    def refresh_node(self, node: NodeDesc, ttl: int) -> bool:
+        self._count("refresh")
+        return node in self.keys
+
+    def withdraw_node(self, node: NodeDesc) -> None:
+        self._count("withdraw")
+        self.keys.pop(node, None)
+
+    def list_nodes(self) -> list[AnnouncedNode]:
+        self._count("list")
+        return [AnnouncedNode(n, i) for n, i in sorted(self.keys.items(), key=lambda e: e[1])]
+
+    def aggregator(self) -> NodeDesc | None:
+        self._count("aggregator")
+        return self.lock
+
+    def claim_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+        self._count("claim")
+        if self.lock is None:
+            self.lock = node
+            return True
+        return False
+
+    def renew_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+        self._count("renew")
+        return self.lock == node
+
+    def release_aggregator(self, node: NodeDesc) -> None:
+        if self.lock == node:
+            self.lock = None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def settings(interval: int = 5, attempts: int = 3) -> RendezvousSettings:
+    return RendezvousSettings(
+        "run", 1, 8, RendezvousTimeout(), timedelta(seconds=interval), attempts
+    )
+
+
+def keys_of(node: NodeDesc, registry: MemoryRegistry, clock: Clock, **kw: int) -> NodeKeys:
+    return NodeKeys(registry, node, settings(**kw), clock)
+
+
+def wants_all_but(*admitted: NodeDesc):  # type: ignore[no-untyped-def]
+    return lambda node: node not in admitted
+
+
+def test_the_memory_registry_is_a_node_registry() -> None:
+    assert isinstance(MemoryRegistry(), NodeRegistry)
+
+
+def test_the_oldest_waiting_node_admits_everyone_announced() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
+    registry.announce_node(A, 15)  # A's key is the oldest (its answer was lost, say).
+    assert b.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE)
+    registry.announce_node(C, 15)  # Announced, not asking yet: admitted all the same.
+    assert a.admission(wants_all_but(), "m") == [A, B, C]
+    assert registry.calls["list"] == 2  # One listing each, none more for the admitter.
+
+
+def test_a_node_waits_until_its_predecessors_are_admitted() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
+    assert a.admission(wants_all_but(), "m0") == [A]
+    assert b.admission(wants_all_but(A), "m0") == [B]  # A was admitted before: B alone.
+    c = keys_of(C, registry, clock)
+    assert c.admission(wants_all_but(A), "m1") == pytest.approx(ADMISSION_GRACE)
+    clock.now += 1
+    assert c.admission(wants_all_but(A, B), "m2") == [C]
+
+
+def test_a_predecessor_stuck_for_the_grace_period_is_skipped() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    registry.announce_node(D, 15)  # Died after announcing.
+    a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
+    assert a.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE)
+    assert b.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE)
+    clock.now += ADMISSION_GRACE / 2
+    assert a.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE / 2)
+    clock.now += ADMISSION_GRACE / 2
+    # D is taken for dead; A is then the oldest and admits everyone but D.
+    assert a.admission(wants_all_but(), "m") == [A, B]
+    # B skips D as well but still waits for A (only one key per grace period).
+    assert b.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE)
+
+
+def test_admissions_of_others_reset_the_grace_period() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    registry.announce_node(D, 15)
+    b = keys_of(B, registry, clock)
+    assert b.admission(wants_all_but(), "m0") == pytest.approx(ADMISSION_GRACE)
+    clock.now += ADMISSION_GRACE - 0.1
+    assert b.admission(wants_all_but(), "m1") == pytest.approx(ADMISSION_GRACE)
+    clock.now += ADMISSION_GRACE - 0.1
+    assert b.admission(wants_all_but(), "m1") == pytest.approx(0.1)
+
+
+def test_a_predecessor_whose_key_is_gone_no_longer_blocks_after_the_grace_period() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    registry.announce_node(D, 15)
+    b = keys_of(B, registry, clock)
+    assert isinstance(b.admission(wants_all_but(), "m"), float)
+    registry.withdraw_node(D)
+    clock.now += ADMISSION_GRACE
+    assert b.admission(wants_all_but(), "m") == [B]
+
+
+def state_with(*nodes: NodeDesc, age: float = 0.0) -> RendezvousState:
+    state = RendezvousState()
+    for node in nodes:
+        state.participants[node] = 0
+        state.last_heartbeats[node] = NOW - timedelta(seconds=age)
+    return state
+
+
+def test_ticks_refresh_the_key_and_the_aggregator_folds_live_keys() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    a = keys_of(A, registry, clock)
+    assert not a.tick_due()
+    a.admission(wants_all_but(), "m")
+    assert registry.lock == A  # The first admitter aggregates from the start.
+    registry.announce_node(B, 15)
+    assert a.seconds_to_tick() == pytest.approx(5)
+    clock.now += 5
+    assert a.tick_due()
+    pytorch_node = NodeDesc("torch-host", 2, 0)  # No key: it heartbeats itself.
+    state = state_with(A, B, pytorch_node, age=7)
+    assert a.tick(state, NOW) == {A, B}
+    assert registry.lock == A
+    assert a.seconds_to_tick() == pytest.approx(5)
+    # Ticks renew the lock without reading it.
+    clock.now += 5
+    assert a.tick(state_with(A, B, age=1), NOW) == {A, B}
+    assert registry.calls["aggregator"] == 1
+    assert registry.calls["renew"] == 2
+
+
+def test_nobody_looks_at_the_lock_while_its_heartbeat_is_fresh() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    registry.announce_node(A, 15)
+    registry.lock = A
+    b = keys_of(B, registry, clock)
+    b.admission(wants_all_but(A), "m")
+    registry.calls.clear()
+    assert b.tick(state_with(A, B, age=5), NOW) == set()
+    assert "aggregator" not in registry.calls
+    assert registry.calls["refresh"] == 1
+    # Late: it looks, finds the lock held, and leaves it be.
+    assert b.tick(state_with(A, B, age=8), NOW) == set()
+    assert registry.calls["aggregator"] == 1
+    # The holder is gone (its lock lapsed): it takes over.
+    registry.lock = None
+    assert b.tick(state_with(A, B, age=8), NOW) == {A, B}
+    assert registry.lock == B
+
+
+def test_a_node_dropped_from_the_state_deletes_its_key() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    a = keys_of(A, registry, clock)
+    a.admission(wants_all_but(), "m")
+    registry.lock = A
+    a._leading = True
+    assert a.tick(state_with(B), NOW) == set()
+    assert A not in registry.keys
+    assert registry.lock is None
+    assert not a.announced
+    assert a.seconds_to_tick() is None
+
+
+def test_a_joining_node_keeps_its_key_and_an_expired_key_is_recreated() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    a = keys_of(A, registry, clock)
+    a.begin_join()
+    a.admission(wants_all_but(), "m")
+    del registry.keys[A]  # Expired.
+    assert a.tick(state_with(), NOW) == set()
+    assert A in registry.keys
+    a.end_join()
+
+
+def test_the_heartbeat_period_of_a_node_with_a_key() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    interval = timedelta(seconds=5)
+    a = keys_of(A, registry, clock, attempts=3)
+    assert a.heartbeat_period(interval) == interval
+    a.admission(wants_all_but(), "m")
+    assert a.heartbeat_period(interval) == 1.5 * interval
+    c = keys_of(C, registry, clock, attempts=5)
+    c.admission(wants_all_but(), "m")
+    assert c.heartbeat_period(interval) == 3.5 * interval
+    b = keys_of(B, registry, clock, attempts=1)
+    b.admission(wants_all_but(), "m")
+    assert b.heartbeat_period(interval) == interval
