@@ -818,7 +818,9 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
                 )
             self._record(message=msg, method="run")
             logger.debug(msg)
-            if not has_set:
+            if not has_set and self._fold is None:
+                # The aggregator's fold retries at once: it refreshes every node with a
+                # key, and each moment it waits more of them may write their own.
                 retry.pause()
         self._state = self._state_holder.state
         return has_set
