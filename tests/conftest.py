@@ -26,11 +26,14 @@ import contextlib
 import shutil
 import uuid
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
+import v3_gateway
 from etcd_rendezvous import events
+from etcd_rendezvous._client import EtcdConnection
 from etcd_rendezvous._connect import open_transport
 from etcd_rendezvous._transport import Transport
 from etcd_rendezvous.etcd_server import EtcdServer
@@ -159,3 +162,40 @@ def pytest_runtest_makereport(
         if log:
             title = f"private etcd server log ({server.client_url}, last {_LOG_TAIL_LINES} lines)"
             report.sections.append((title, log))
+
+
+# -- etcd history --------------------------------------------------------------------
+
+#: etcd v2 keeps the last 1000 events; a watch from an older index is refused.
+_EVENT_HISTORY = 1000
+
+
+@pytest.fixture(scope="module")
+def v2_history_cleared(etcd_server: EtcdServer) -> None:
+    """Make the session's etcd v2 store forget its first events (index 1 is out of its
+    history of the last 1000)."""
+    if not etcd_server.enable_v2:
+        return
+    conn = EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
+    try:
+        index = conn.set("/test/history-filler/0", "0").etcd_index
+        missing = _EVENT_HISTORY + 100 - index
+        if missing > 0:
+            with ThreadPoolExecutor(8, thread_name_prefix="history-filler") as pool:
+                list(pool.map(lambda i: conn.set(f"/test/history-filler/{i % 8}", str(i)),
+                              range(missing)))  # fmt: skip
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def cleared_history(api: str, etcd_server: EtcdServer, request: pytest.FixtureRequest) -> None:
+    """Make etcd forget its history up to now for the API under test: on v2 by pushing
+    index 1 out of the event history, on v3 by compacting at the current revision."""
+    if api == "v2":
+        request.getfixturevalue("v2_history_cleared")
+        return
+    url = etcd_server.client_url
+    v3_gateway.put(url, "/test/history-filler/0", "0")
+    revision = v3_gateway.call(url, "/v3/kv/range", {"key": "AA=="})["header"]["revision"]
+    v3_gateway.call(url, "/v3/kv/compaction", {"revision": revision})

@@ -17,12 +17,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
-import v3_gateway
 from etcd_rendezvous._client import EtcdConnection
 from etcd_rendezvous._transport import (
     CompareFailedError,
@@ -42,9 +40,6 @@ _V2 = pytest.param("v2", marks=pytest.mark.v2_only(reason="the v2 transport"), i
 _V3 = pytest.param("v3", id="v3")
 #: For a test whose subject exists on v2 only: run it with the v2 transport alone.
 only_v2 = pytest.mark.parametrize("api", [_V2], indirect=True)
-
-# etcd v2 keeps the last 1000 events; a watch from an older index is refused.
-_EVENT_HISTORY = 1000
 
 #: The action a v3 watch reports for a change v2 reports as the key's action.
 _V3_ACTION = {
@@ -174,35 +169,6 @@ def direct(etcd_server: EtcdServer, connect: Connect) -> Transport:
 @pytest.fixture
 def key(etcd_prefix: str) -> str:
     return f"{etcd_prefix}/key"
-
-
-@pytest.fixture(scope="module")
-def v2_history_cleared(etcd_server: EtcdServer) -> None:
-    """Make the session's etcd v2 store forget its first events (index 1 is out of its
-    history of the last 1000)."""
-    conn = EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
-    try:
-        index = conn.set("/test/history-filler/0", "0").etcd_index
-        missing = _EVENT_HISTORY + 100 - index
-        if missing > 0:
-            with ThreadPoolExecutor(8, thread_name_prefix="history-filler") as pool:
-                list(pool.map(lambda i: conn.set(f"/test/history-filler/{i % 8}", str(i)),
-                              range(missing)))  # fmt: skip
-    finally:
-        conn.close()
-
-
-@pytest.fixture
-def cleared_history(api: str, etcd_server: EtcdServer, request: pytest.FixtureRequest) -> None:
-    """Make etcd forget its history up to now for the API under test: on v2 by pushing
-    index 1 out of the event history, on v3 by compacting at the current revision."""
-    if api == "v2":
-        request.getfixturevalue("v2_history_cleared")
-        return
-    url = etcd_server.client_url
-    v3_gateway.put(url, "/test/history-filler/0", "0")
-    revision = v3_gateway.call(url, "/v3/kv/range", {"key": "AA=="})["header"]["revision"]
-    v3_gateway.call(url, "/v3/kv/compaction", {"revision": revision})
 
 
 # -- the fault proxy itself --------------------------------------------------------------

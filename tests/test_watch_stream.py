@@ -136,37 +136,6 @@ def drain(stream: WatchStream, count: int, timeout: float = 10.0) -> list[Node]:
     return changes
 
 
-@pytest.fixture(scope="module")
-def v2_history_cleared(etcd_server: EtcdServer) -> None:
-    """Make the session's etcd v2 store forget its first events (index 1 is out of its
-    history of the last 1000)."""
-    if not etcd_server.enable_v2:
-        return
-    conn = EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
-    try:
-        index = conn.set("/test/history-filler/0", "0").etcd_index
-        missing = _EVENT_HISTORY + 100 - index
-        if missing > 0:
-            with ThreadPoolExecutor(8, thread_name_prefix="history-filler") as pool:
-                list(pool.map(lambda i: conn.set(f"/test/history-filler/{i % 8}", str(i)),
-                              range(missing)))  # fmt: skip
-    finally:
-        conn.close()
-
-
-@pytest.fixture
-def cleared_history(api: str, etcd_server: EtcdServer, request: pytest.FixtureRequest) -> None:
-    """Make etcd forget its history up to now for the API under test: on v2 by pushing
-    index 1 out of the event history, on v3 by compacting at the current revision."""
-    if api == "v2":
-        request.getfixturevalue("v2_history_cleared")
-        return
-    url = etcd_server.client_url
-    v3_gateway.put(url, "/test/history-filler/0", "0")
-    revision = v3_gateway.call(url, "/v3/kv/range", {"key": "AA=="})["header"]["revision"]
-    v3_gateway.call(url, "/v3/kv/compaction", {"revision": revision})
-
-
 # -- delivery ----------------------------------------------------------------------------
 
 
