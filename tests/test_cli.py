@@ -268,6 +268,9 @@ def test_status_of_a_two_worker_rendezvous(
         assert report["key"] == f"{etcd_prefix}/run_{run_id}/rdzv/active_version"
         assert [(k["rank"], k["live"]) for k in report["keep_alives"]] == [(0, True), (1, True)]
         assert all(0 < k["ttl"] <= 10 for k in report["keep_alives"])
+        # The keep-alive keys are the member keys the workers announced themselves with.
+        assert [m["rank"] for m in report["members"]] == [0, 1]
+        assert [m["key"] for m in report["members"]] == [k["key"] for k in report["keep_alives"]]
     finally:
         for handler in handlers:
             handler.close()
@@ -285,8 +288,11 @@ def test_status_shows_a_lapsed_keep_alive(
         code, out, _ = _run_main(
             capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json")
         )
-        version = json.loads(out)["version"]
-        conn.delete(f"{etcd_prefix}/run_{run_id}/rdzv/v_{version}/rank_1")
+        report = json.loads(out)
+        # Our workers' keep-alive keys are their member keys; the report gives the rank.
+        (lapsed,) = [k["key"] for k in report["keep_alives"] if k["rank"] == 1]
+        assert lapsed.startswith(f"{etcd_prefix}/run_{run_id}/rdzv/v_{report['version']}/node_")
+        conn.delete(lapsed)
         code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
         assert code == 0, err
         assert re.search(r"^\s+rank 0: live", out, re.MULTILINE), out

@@ -216,9 +216,9 @@ def test_rendezvous_and_store_survive_losing_the_leader(etcd_cluster: EtcdCluste
 
     with create_rdzv_handler(_params(endpoint, run_id, 1)) as handler:
         info = handler.next_rendezvous()
-        rank_key = handler._rdzv_impl.get_path("/rdzv/v_1/rank_0")
         keeper = handler._rdzv_impl._lease_this_rank
         assert keeper is not None
+        rank_key = keeper.key  # the member key: the worker's keep-alive key
 
         leader.kill()
 

@@ -17,6 +17,7 @@ import pytest
 
 from etcd_rendezvous._client import EtcdConnection
 from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._legacy_admission import ADMISSION_GRACE
 from etcd_rendezvous._transport import KeyNotFoundError
 from etcd_rendezvous._v3 import EtcdV3Connection
 from etcd_rendezvous.api import (
@@ -28,11 +29,13 @@ from etcd_rendezvous.api import (
     _get_free_port,
 )
 from etcd_rendezvous.etcd_rendezvous import (
+    CONST_WORKER_KEEPALIVE_TTL,
     EtcdRendezvous,
     EtcdRendezvousHandler,
     create_rdzv_handler,
 )
 from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.layout import LegacyLayout, member_name, new_member_name, normalize_key
 from etcd_rendezvous.registry import get_rendezvous_handler
 from rdzv_helpers import Worker, expect_joined, wait_for_state, wait_until
 
@@ -175,6 +178,97 @@ def test_killed_member_is_detected_and_survivors_regroup(etcd_server, run_id, wo
     assert sorted(j["rank"] for j in regrouped) == [0, 1]
     assert {j["world_size"] for j in regrouped} == {2}
     assert {j["version"] for j in regrouped} == {"2"}
+
+
+# -- the batched join: announced workers that die, late workers ---------------------------
+
+
+def _member_keys(conn, run_id: str, version: str = "1") -> list[str]:
+    """The member keys (``node_<hex>``) in version ``version``'s directory, oldest first."""
+    listing = conn.list_dir(LegacyLayout("/torchelastic/p2p", run_id).version_dir(version))
+    members = [c for c in listing.children if member_name(c.key)]
+    return [normalize_key(c.key) for c in sorted(members, key=lambda c: c.created_index)]
+
+
+def test_workers_that_announced_and_died_are_left_out_after_the_grace(
+    etcd_server, run_id, workers, conn
+):
+    """The oldest announced keys belong to dead workers (one that never admitted anyone,
+    one SIGKILLed while waiting its turn): the others admit themselves without them once
+    the state stayed unchanged for the grace period, and neither becomes a participant."""
+    key = _state_key(run_id)
+    (first,) = _spawn(workers, etcd_server, run_id, 1, 3, 3)
+    first.send("join")
+    wait_for_state(conn, key, lambda s: s is not None and len(s.get("participants", [])) == 1)
+    # A worker that announced itself and died: its key lives out its TTL.
+    layout = LegacyLayout("/torchelastic/p2p", run_id)
+    dead = layout.member_key("1", new_member_name(0xDEAD))
+    conn.set(dead, None, ttl=CONST_WORKER_KEEPALIVE_TTL)
+    (victim,) = _spawn(workers, etcd_server, run_id, 1, 3, 3)
+    victim.send("join")
+    # The victim waits for the dead key's worker to admit it: kill it meanwhile.
+    wait_until(lambda: len(_member_keys(conn, run_id)) == 3, what="the victim's member key")
+    victim.kill()
+    victim_key = _member_keys(conn, run_id)[-1]
+    assert json.loads(conn.get(key).value)["participants"] == [0]
+
+    rest = _spawn(workers, etcd_server, run_id, 2, 3, 3)
+    joined = [expect_joined(w.next_event(), w) for w in [first, *_join_all_sent(rest)]]
+    assert sorted(j["rank"] for j in joined) == [0, 1, 2]
+    assert {(j["version"], j["world_size"]) for j in joined} == {("1", 3)}
+    # Left out after the grace period (a little longer for the worker behind both).
+    assert max(j["elapsed"] for j in joined[1:]) < 2 * ADMISSION_GRACE + 5
+    state = json.loads(conn.get(key).value)
+    assert state["status"] == "final"
+    names = set(state["members"])
+    assert member_name(dead) not in names
+    assert member_name(victim_key) not in names
+    assert dead not in state["keep_alives"]
+    assert victim_key not in state["keep_alives"]
+
+
+def _join_all_sent(group: list[Worker]) -> list[Worker]:
+    for worker in group:
+        worker.send("join")
+    return group
+
+
+@pytest.mark.slow
+def test_admitted_worker_killed_before_the_end_is_dropped_by_the_state_ttl(
+    etcd_server, run_id, workers, conn
+):
+    """A worker admitted as the last-call worker dies before the rendezvous ends: as
+    with PyTorch's join, the joinable state's TTL lapses and the others start over."""
+    key = _state_key(run_id)
+    first, victim = _spawn(workers, etcd_server, run_id, 2, 2, 3, last_call=5)
+    first.send("join")
+    wait_for_state(conn, key, lambda s: s is not None and len(s.get("participants", [])) == 1)
+    victim.send("join")
+    wait_for_state(conn, key, lambda s: s is not None and len(s.get("participants", [])) == 2)
+    victim.kill()
+    # Nobody renews the state's TTL: it lapses, and the survivor opens version 2.
+    wait_for_state(conn, key, lambda s: s is not None and s.get("version") == "2", timeout=40)
+    (second,) = _spawn(workers, etcd_server, run_id, 1, 2, 3, last_call=1)
+    second.send("join")
+    joined = [expect_joined(w.next_event(), w) for w in (first, second)]
+    assert sorted(j["rank"] for j in joined) == [0, 1]
+    assert {(j["version"], j["world_size"]) for j in joined} == {("2", 2)}
+
+
+def test_workers_beyond_max_workers_are_late_and_withdraw_their_key(
+    etcd_server, run_id, workers, conn
+):
+    group = _spawn(workers, etcd_server, run_id, 3, 2, 2)
+    for worker in group:
+        worker.send("join")
+    # Two are admitted (the state is final at once); the third waits for the next one.
+    state = wait_for_state(
+        conn, _state_key(run_id), lambda s: s is not None and s.get("num_workers_waiting") == 1
+    )
+    assert state is not None
+    assert state["participants"] == [0, 1]
+    assert sorted(_member_keys(conn, run_id)) == sorted(state["keep_alives"])
+    assert sorted(state["members"].values()) == [0, 1]
 
 
 def test_closed_rendezvous_rejects_workers(etcd_server, run_id, workers):
@@ -356,9 +450,12 @@ def test_keepalive_survives_a_frozen_etcd(run_id, private_etcd_server):
     with create_rdzv_handler(params) as handler:
         handler.next_rendezvous()
         rdzv = handler._rdzv_impl
-        rank_key = rdzv.get_path("/rdzv/v_1/rank_0")
         keeper = rdzv._lease_this_rank
         assert keeper is not None
+        # Our keep-alive key is the member key we announced ourselves with.
+        rank_key = keeper.key
+        assert member_name(rank_key) is not None
+        assert rank_key.startswith(rdzv.get_path("/rdzv/v_1/"))
 
         failed = threading.Event()
 
@@ -547,9 +644,14 @@ def test_lost_answer_to_the_final_confirmation_is_recognised(
     monkeypatch.setattr(transport, "compare_and_swap", cas_dropping_final_answer)
     with handler:
         version, rank, world_size = handler._rdzv_impl.rendezvous_barrier()
+        member_key = handler._rdzv_impl._lease_this_rank.key
 
     assert etcd_proxy.dropped_responses == 1
     assert (version, rank, world_size) == ("1", 0, 1)
     state = json.loads(conn.get(_state_key(run_id)).value)
     assert state["status"] == "final"
-    assert state["keep_alives"] == [f"/torchelastic/p2p/run_{run_id}/rdzv/v_1/rank_0"]
+    # A single worker creates the version and makes it final in one write: admitted as
+    # rank 0, its member key confirmed.
+    assert member_key.startswith(f"/torchelastic/p2p/run_{run_id}/rdzv/v_1/node_")
+    assert state["keep_alives"] == [member_key]
+    assert state["members"] == {member_name(member_key): 0}

@@ -69,8 +69,11 @@ def test_legacy_backend_reports_its_phase_changes(
                 lambda: any(e.name.endswith(".handle_existing_rendezvous") for e in received),
                 what="the late worker waiting",
             )
-            members[ranks.index(1)].close()
-            conn.delete(late.rendezvous.layout.keep_alive_key("1", 1))
+            leaving = members[ranks.index(1)].rendezvous
+            keep_alive = leaving._lease_this_rank
+            assert keep_alive is not None
+            leaving.close()
+            conn.delete(keep_alive.key)
             info = rejoined.result(timeout=30)
         assert (info.rank, info.world_size) == (0, 1)
         late.set_closed()
@@ -94,7 +97,7 @@ def test_legacy_backend_reports_its_phase_changes(
         }
     )
     messages = {e.name.rsplit(".", 1)[1]: e.message for e in received if e.run_id == run_id}
-    assert "/rdzv/v_1/rank_1 lapsed" in messages["wait_for_rendezvous_to_free"]
+    assert f"{keep_alive.key} lapsed" in messages["wait_for_rendezvous_to_free"]
     assert messages["rendezvous_barrier"].startswith("RendezvousClosedError: ")
     last_complete = [e for e in received if e.name.endswith(".confirm_phase")][-1]
     assert f"Version 2 of the rendezvous of run '{run_id}' is complete" in last_complete.message

@@ -104,9 +104,7 @@ def _rendezvous_together(handlers: list[Handler]) -> list[RendezvousInfo]:
         return [future.result(timeout=RENDEZVOUS_TIMEOUT + 30) for future in futures]
 
 
-# The legacy ``etcd`` backend's batched join (branch ``legacy``) is not on main yet: a
-# re-rendezvous with a late worker hung in CI under load. Add "etcd" back with it.
-@pytest.mark.parametrize("handlers", ["etcd-v2"], indirect=True)
+@pytest.mark.parametrize("handlers", ["etcd", "etcd-v2"], indirect=True)
 def test_rendezvous_of_64_nodes_costs_at_most_4_writes_and_8_reads_per_node(
     handlers: list[Handler], private_etcd_server: EtcdServer
 ) -> None:

@@ -7,13 +7,13 @@ Every worker of a job runs the same state machine over one etcd key,
 
 * **setup** (TTL 5 s): one worker holds the right to open the next version; it
   increments ``rdzv/version_counter`` and publishes ``joinable``.
-* **joinable**: workers append themselves to ``participants``; the list position is the
-  rank. Once ``min_workers`` joined, the key gets a 10 s TTL kept alive by the "last
-  call" worker (rank ``min_workers - 1``), which freezes the set after
+* **joinable**: workers are added to ``participants``; the list position is the rank.
+  Once ``min_workers`` joined, the key gets a 10 s TTL kept alive by the "last call"
+  worker (rank ``min_workers - 1``), which freezes the set after
   ``last_call_timeout``; reaching ``max_workers`` freezes it at once.
-* **frozen** (TTL 10 s): each participant creates its keep-alive key
-  ``rdzv/v_<version>/rank_<rank>`` (TTL 10 s, refreshed every 5 s) and adds it to
-  ``keep_alives``; the last one to do so makes the state **final** (no TTL).
+* **frozen** (TTL 10 s): each participant's keep-alive key (TTL 10 s, refreshed every
+  5 s) is added to ``keep_alives``; the write that completes the list makes the state
+  **final** (no TTL).
 * **final**: the rendezvous is complete. Late workers increment
   ``num_workers_waiting`` and wait; if a member's keep-alive key expires they delete the
   state so that the next version starts.
@@ -24,8 +24,19 @@ The key layout, the JSON encoding and the TTLs are PyTorch's, so workers using t
 module and workers using ``torch.distributed.elastic.rendezvous.etcd_rendezvous`` join
 the same rendezvous. What differs is how the states are driven:
 
-* waiting is done with etcd watches, and failed attempts back off with jitter instead
-  of sleeping a fixed second, so a rendezvous completes in milliseconds;
+* a PyTorch worker joins by appending itself to ``participants``, then confirms by
+  creating ``rdzv/v_<version>/rank_<rank>`` and appending it to ``keep_alives``: two
+  compare-and-swaps of the one state key each, which N workers make in O(N²) requests.
+  Ours announce themselves with a member key ``rdzv/v_<version>/node_<hex>`` (also
+  their keep-alive key) and one of them admits all that announced, ranks in announce
+  order recorded in the state's extra ``members`` field, in one compare-and-swap; the
+  write that freezes the state confirms them too. A worker joins in a few requests
+  whatever N (see :mod:`etcd_rendezvous._legacy_admission`);
+* a worker reads the state before trying to create it, and of many finding none at
+  once only a few try;
+* waiting is done with one etcd watch stream on the state, whose events carry the new
+  state, and failed attempts back off with jitter instead of sleeping a fixed second,
+  so a rendezvous completes in milliseconds;
 * compare-and-swap compares the modification index as well as the value, and a write
   whose answer was lost is recognised as applied (see :mod:`etcd_rendezvous._client`);
 * a corrupt state key raises :class:`~etcd_rendezvous.api.RendezvousStateError` naming
@@ -49,6 +60,7 @@ import json
 import logging
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -61,6 +73,19 @@ from ._client import (
     KeyNotFoundError,
     Node,
     OperationRefusedError,
+)
+from ._legacy_admission import (
+    CONST_ETCD_FROZEN_TTL,  # noqa: F401 (PyTorch's name, importable from here as there)
+    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
+    CONST_ETCD_SETUP_TTL,
+    CONST_WORKER_KEEPALIVE_TTL,
+    MEMBERS,
+    WRITES,
+    BatchJoin,
+    RestartAttempt,
+    StateFeed,
+    create_spread,
+    members_of,
 )
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
@@ -87,6 +112,7 @@ __all__ = [
     "EtcdRendezvousRetryImmediately",
     "EtcdRendezvousRetryableFailure",
     "create_rdzv_handler",
+    "member_ranks",
     "parse_state",
 ]
 
@@ -106,11 +132,8 @@ _DEFAULT_TIMEOUT: int = 600
 #: Default extra wait for more workers once ``min_workers`` joined, in seconds.
 _DEFAULT_LAST_CALL_TIMEOUT: int = 30
 
-# TTLs, in seconds. They are part of the protocol: PyTorch workers use the same ones.
-CONST_ETCD_SETUP_TTL = 5
-CONST_ETCD_FROZEN_TTL = 10
-CONST_ETCD_JOINABLE_EPHEMERAL_TTL = 10
-CONST_WORKER_KEEPALIVE_TTL = 10
+# The TTLs of the protocol (CONST_ETCD_SETUP_TTL, ...: PyTorch's workers use the same
+# ones) are defined with the join, in _legacy_admission, and importable from here.
 #: TTL of the run directory, which only serves to clean up after old runs.
 CONST_RUNID_SUBROOT_TTL = 7200
 
@@ -118,8 +141,6 @@ CONST_RUNID_SUBROOT_TTL = 7200
 #: (rank 0 publishes it at once; see :meth:`EtcdRendezvousHandler.next_rendezvous`).
 _EXCHANGE_GRACE = 0.5
 
-#: Watch actions after which the event's node holds the key's new value.
-_WRITES = frozenset({"set", "create", "update", "compareAndSwap"})
 _STATUSES = frozenset({"setup", "joinable", "frozen", "final", "closed"})
 
 
@@ -143,19 +164,23 @@ def _state_problem(state: Any) -> str | None:
         return None
     if not isinstance(state.get("version"), str):
         return f"'version' must be a string in a {status!r} state"
+    # type() is rather than isinstance(): bool is an int, and each worker validates
+    # every state it sees, of hundreds of entries at scale.
     participants = state.get("participants")
-    if not isinstance(participants, list) or not all(
-        isinstance(p, int) and not isinstance(p, bool) for p in participants
-    ):
+    if not isinstance(participants, list) or not all(type(p) is int for p in participants):
         return "'participants' must be a list of integers"
     if status in ("frozen", "final"):
         keep_alives = state.get("keep_alives")
-        if not isinstance(keep_alives, list) or not all(isinstance(k, str) for k in keep_alives):
+        if not isinstance(keep_alives, list) or not all(type(k) is str for k in keep_alives):
             return "'keep_alives' must be a list of strings"
     if status == "final":
         waiting = state.get("num_workers_waiting")
         if not isinstance(waiting, int) or isinstance(waiting, bool) or waiting < 0:
             return "'num_workers_waiting' must be a non-negative integer"
+    members = state.get(MEMBERS, {})
+    if not isinstance(members, dict) or not all(type(r) is int for r in members.values()):
+        # (JSON object keys are always strings.)
+        return f"'{MEMBERS}' must map member key names to ranks"
     return None
 
 
@@ -166,7 +191,8 @@ def parse_state(node: Node) -> dict[str, Any]:
     (:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), as read from etcd. The
     result is the JSON object PyTorch's workers write: ``status`` and, from
     ``joinable`` on, ``version`` and ``participants`` (then ``keep_alives`` and
-    ``num_workers_waiting``), each checked for its type.
+    ``num_workers_waiting``), each checked for its type, and the ``members`` our
+    workers add (member key name -> rank; see :mod:`etcd_rendezvous._legacy_admission`).
 
     Raises:
         RendezvousStateError: the value is not a valid state. The key is not modified.
@@ -185,6 +211,13 @@ def parse_state(node: Node) -> dict[str, Any]:
         )
     assert isinstance(state, dict)  # checked by _state_problem
     return state
+
+
+def member_ranks(state: dict[str, Any]) -> dict[str, int]:
+    """The ranks our workers were admitted with, by member key name (``node_<hex>``):
+    the ``members`` field of a state :func:`parse_state` returned (empty in a state only
+    PyTorch's workers wrote)."""
+    return dict(members_of(state))
 
 
 # -- keep-alive threads ------------------------------------------------------------------
@@ -350,6 +383,16 @@ class EtcdRendezvous:
             self._timeout = float(timeout)
             self._last_call_timeout = float(last_call_timeout)
             self._rendezvous_deadline = Deadline(self._timeout)
+            self._feed = StateFeed(self._conn, self._layout.state_key, parse_state)
+            self._join = BatchJoin(
+                self._conn,
+                self._layout,
+                self._feed,
+                min_workers=num_min_workers,
+                max_workers=num_max_workers,
+                keep_alive=self._keep_member_alive,
+                timeout_error=lambda: RendezvousTimeoutError(self._timeout_message()),
+            )
             logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
             with self._conn.bounded_by(self._rendezvous_deadline):
                 self._create_run_keys()
@@ -412,6 +455,14 @@ class EtcdRendezvous:
         keeper = _LeaseKeeper(self._conn, full_path, ttl)
         self._keepers.append(keeper)
         return keeper.stop_event
+
+    def _keep_member_alive(self, key: str) -> _LeaseKeeper:
+        """Keep our member key alive: it is this worker's keep-alive key of the version."""
+        self._keepers[:] = [k for k in self._keepers if not k.stop_event.is_set()]
+        keeper = _LeaseKeeper(self._conn, key, CONST_WORKER_KEEPALIVE_TTL)
+        self._keepers.append(keeper)
+        self._lease_this_rank = keeper
+        return keeper
 
     def stop_lease_renewals(self) -> None:
         """Stop every keep-alive thread of this rendezvous and wait briefly for them."""
@@ -477,8 +528,20 @@ class EtcdRendezvous:
         """
         self._rendezvous_deadline = Deadline(self._timeout)
         self._record(f"The worker attempts to join the next rendezvous of run '{self._run_id}'.")
+        if self._lease_this_rank is not None:
+            # Disown our keep-alive in the previous rendezvous: it lapses, telling the
+            # workers waiting on that version that we left it.
+            self._lease_this_rank.stop()
+            self._lease_this_rank = None
+        self._join.begin(self._rendezvous_deadline)
         with self._conn.bounded_by(self._rendezvous_deadline):
-            return self._barrier()
+            try:
+                return self._barrier()
+            except BaseException:
+                self._join.discard()
+                raise
+            finally:
+                self._feed.close()
 
     def _barrier(self) -> tuple[str, int, int]:
         """The loop of :meth:`rendezvous_barrier`: attempts until one succeeds."""
@@ -491,14 +554,9 @@ class EtcdRendezvous:
             retry.check()
             logger.info("Attempting to join next rendezvous")
             try:
-                if self._lease_this_rank is not None:
-                    # Disown our keep-alive in the previous rendezvous.
-                    self._lease_this_rank.stop()
-                    self._keepers.remove(self._lease_this_rank)
-                    self._lease_this_rank = None
                 return self.init_phase()
-            except EtcdRendezvousRetryImmediately:
-                pass
+            except (EtcdRendezvousRetryImmediately, RestartAttempt) as exc:
+                logger.debug("Rendezvous attempt starts over: %r", exc)
             except (EtcdRendezvousRetryableFailure, CompareFailedError, KeyNotFoundError) as exc:
                 logger.debug("Rendezvous attempt must be retried: %r", exc)
                 last_error = exc
@@ -518,7 +576,8 @@ class EtcdRendezvous:
         message = (
             f"The rendezvous of run {self._run_id!r} did not complete within "
             f"{self._timeout:g} s (min_workers={self._num_min_workers}, "
-            f"max_workers={self._num_max_workers}); last state seen: {self._last_state}."
+            f"max_workers={self._num_max_workers}); last state seen: "
+            f"{self._feed.last_state or self._last_state}."
         )
         if isinstance(last_error, RendezvousConnectionError):
             message += f" Last error: {last_error}"
@@ -554,73 +613,98 @@ class EtcdRendezvous:
 
         Raises:
             RendezvousClosedError: the rendezvous is closed.
-            EtcdRendezvousRetryableFailure: an intermediate state was observed.
-            EtcdRendezvousRetryImmediately: the state changed in a way that allows an
-                immediate retry.
+            EtcdRendezvousRetryImmediately: the state changed in a way that calls for a
+                new attempt.
         """
-        try:
-            active_version = self.try_create_rendezvous()
-            state = parse_state(active_version)
-            logger.info("New rendezvous state created: %s", state)
-        except KeyExistsError:
-            active_version, state = self.get_rdzv_state()
-            logger.info("Observed existing rendezvous state: %s", state)
-
+        observed = self._feed.current()
+        if observed.state is None:
+            created = self._create_or_follow()
+            if created is None:
+                raise EtcdRendezvousRetryImmediately("The rendezvous state was created.")
+            return self.join_phase(created)
+        state = observed.state
+        logger.info("Observed existing rendezvous state: %s", state)
         if state["status"] == "closed":
             raise RendezvousClosedError(f"The rendezvous of run {self._run_id!r} is closed.")
         if state["status"] == "joinable":
             return self.join_phase(state["version"])
         if state["status"] == "final":
             self.handle_existing_rendezvous(state["version"])
+            self._feed.invalidate()
             raise EtcdRendezvousRetryImmediately
-        self.try_wait_for_state_change(etcd_index=active_version.etcd_index + 1)
-        raise EtcdRendezvousRetryableFailure
+        # setup, or frozen without us: wait until that changes.
+        self._await_change()
+        raise EtcdRendezvousRetryImmediately
+
+    def _create_or_follow(self) -> str | None:
+        """There is no state: create it, unless another worker does so first.
+
+        Of many workers finding no state at once, about one should try to create it (a
+        failed try is a wasted write, two on v3): each watches the state for a random
+        moment first (:func:`~etcd_rendezvous._legacy_admission.create_spread`).
+
+        Returns:
+            The version we created (we are admitted to it), or ``None`` if another
+            worker created the state.
+        """
+        if self._feed.wait(create_spread(self._num_max_workers, self._feed.read_seconds)):
+            return None
+        try:
+            active_version = self.try_create_rendezvous()
+        except KeyExistsError:
+            self._await_change()
+            return None
+        state = self._feed.note(active_version).state or {}
+        logger.info("New rendezvous state created: %s", state)
+        return str(state["version"])
+
+    def _await_change(self) -> None:
+        """Wait for the state to change, until the rendezvous deadline."""
+        self._feed.wait(self._rendezvous_deadline.remaining())
+        self._check_deadline()
 
     def join_phase(self, expected_version: str) -> tuple[str, int, int]:
-        """Join the joinable rendezvous ``expected_version`` and wait for the others."""
-        active_version, this_rank = self.join_rendezvous(expected_version)
-        state = parse_state(active_version)
-        logger.info(
-            "Joined rendezvous version %s as rank %s. Full state: %s",
-            state["version"],
-            this_rank,
-            state,
-        )
+        """Join the joinable rendezvous ``expected_version`` and wait for the others.
+
+        We announce ourselves with a member key and are admitted with others in one
+        write (see :mod:`etcd_rendezvous._legacy_admission`).
+        """
+        this_rank = self._join.admit(expected_version)
+        logger.info("Joined rendezvous version %s as rank %s", expected_version, this_rank)
         self._record(
-            f"The worker joined version {state['version']} of the rendezvous of run "
+            f"The worker joined version {expected_version} of the rendezvous of run "
             f"'{self._run_id}' as rank {this_rank}.",
             rank=this_rank,
         )
-        # The worker that reached num_min_workers waits out the last call, then freezes
+        # The worker ranked num_min_workers - 1 waits out the last call, then freezes
         # the rendezvous. Should it die meanwhile, the state (now with a TTL) expires
         # and everyone starts over.
-        if this_rank == self._num_min_workers - 1 and state["status"] == "joinable":
+        if (
+            this_rank == self._num_min_workers - 1
+            and self._feed.current().status_in(expected_version) == "joinable"
+        ):
             logger.info("Rank %s is responsible for join last call.", this_rank)
             self.handle_join_last_call(expected_version, Deadline(self._last_call_timeout))
             logger.info("Rank %s finished join last call.", this_rank)
-
-        logger.info("Waiting for remaining peers.")
-        active_version = self.wait_for_peers(expected_version)
-        state = parse_state(active_version)
-        if state["version"] != expected_version:
-            raise EtcdRendezvousRetryableFailure("Rendezvous version changed while waiting.")
         return self.confirm_phase(expected_version, this_rank)
 
     def confirm_phase(self, expected_version: str, this_rank: int) -> tuple[str, int, int]:
-        """Confirm membership with a keep-alive key and wait until every member did."""
-        logger.info("All peers arrived. Confirming membership.")
-        self.confirm_membership(expected_version, this_rank)
+        """Wait until every member of ``expected_version`` confirmed (our members are
+        confirmed together; see :mod:`etcd_rendezvous._legacy_admission`)."""
         logger.info("Waiting for confirmations from all peers.")
-        active_version = self.wait_for_final(expected_version)
-        state = parse_state(active_version)
-        logger.info("Rendezvous version %s is complete. Final state: %s", state["version"], state)
+        world_size = self._join.confirm(expected_version, this_rank)
+        logger.info(
+            "Rendezvous version %s is complete. Final state: %s",
+            expected_version,
+            self._feed.last_state,
+        )
         self._record(
-            f"Version {state['version']} of the rendezvous of run '{self._run_id}' is complete: "
-            f"the worker is rank {this_rank} in a world of size {len(state['participants'])}.",
+            f"Version {expected_version} of the rendezvous of run '{self._run_id}' is "
+            f"complete: the worker is rank {this_rank} in a world of size {world_size}.",
             node_state=NodeState.SUCCEEDED,
             rank=this_rank,
         )
-        return state["version"], this_rank, len(state["participants"])
+        return expected_version, this_rank, world_size
 
     def handle_existing_rendezvous(self, expected_version: str) -> None:
         """Announce ourselves as waiting on a final rendezvous, then wait for it to end."""
@@ -634,7 +718,7 @@ class EtcdRendezvous:
         logger.info("Previously existing rendezvous state changed. Will re-try joining.")
 
     def try_create_rendezvous(self) -> Node:
-        """Create a new joinable rendezvous version.
+        """Create a new joinable rendezvous version, with us admitted to it.
 
         Raises:
             KeyExistsError: a rendezvous state already exists.
@@ -647,6 +731,27 @@ class EtcdRendezvous:
             ttl=CONST_ETCD_SETUP_TTL,
             value_is_unique=False,
         )
+        version = self._next_version()
+        version_dir = self._layout.version_dir(version)
+        if not self._conn.mkdir(version_dir):
+            raise RendezvousStateError(
+                f"{version_dir!r} already exists although the version counter "
+                f"{self._layout.counter_key!r} just handed out {version}: the counter went "
+                f"backwards. Delete {self._layout.run_dir!r} once no worker uses it."
+            )
+        self.create_path_if_not_exists(self._layout.store_dir(version))
+        opening = self._join.opening_state(version)
+        return self._conn.compare_and_swap(
+            self._layout.state_key, json.dumps(opening.state), active_version, ttl=opening.ttl
+        )
+
+    def _next_version(self) -> str:
+        """Increment the version counter; return the new version.
+
+        Raises:
+            RendezvousStateError: the counter is missing or corrupt.
+            EtcdRendezvousRetryableFailure: another worker incremented it first.
+        """
         counter_key = self._layout.counter_key
         try:
             counter = self._conn.get(counter_key)
@@ -667,140 +772,7 @@ class EtcdRendezvous:
         except (CompareFailedError, KeyNotFoundError):
             # Our setup state expired and another worker took over.
             raise EtcdRendezvousRetryableFailure("Lost the right to set up a rendezvous.") from None
-
-        version_dir = self._layout.version_dir(version)
-        if not self._conn.mkdir(version_dir):
-            raise RendezvousStateError(
-                f"{version_dir!r} already exists although the version counter "
-                f"{counter_key!r} just handed out {version}: the counter went backwards. "
-                f"Delete {self._layout.run_dir!r} once no worker uses it."
-            )
-        return self._conn.compare_and_swap(
-            self._layout.state_key,
-            json.dumps({"status": "joinable", "version": version, "participants": []}),
-            active_version,
-        )
-
-    def join_rendezvous(self, expected_version: str) -> tuple[Node, int]:
-        """Add ourselves to the participants of ``expected_version``.
-
-        Returns:
-            The new state node and our rank.
-        """
-        retry = self._contention_retry()
-        while True:
-            self._check_deadline()
-            active_version, state = self.get_rdzv_state()
-            if state["status"] != "joinable":
-                raise EtcdRendezvousRetryableFailure(
-                    "Rendezvous state became non-joinable before we could join. Must join next one."
-                )
-            if state["version"] != expected_version:
-                raise EtcdRendezvousRetryImmediately(
-                    "Rendezvous version changed. Must try join the new one."
-                )
-            if len(state["participants"]) >= self._num_max_workers:
-                raise RendezvousStateError(
-                    f"The joinable rendezvous in {active_version.key!r} already has "
-                    f"{len(state['participants'])} participants, the maximum for this worker "
-                    f"is {self._num_max_workers}: do all workers use the same max_workers?"
-                )
-            this_rank = len(state["participants"])
-            state["participants"].append(this_rank)
-            set_ttl: int | None = None
-            if len(state["participants"]) == self._num_max_workers:
-                state["status"] = "frozen"
-                state["keep_alives"] = []
-                set_ttl = CONST_ETCD_FROZEN_TTL
-            elif len(state["participants"]) >= self._num_min_workers:
-                set_ttl = CONST_ETCD_JOINABLE_EPHEMERAL_TTL
-            try:
-                # Another worker computing the same rank writes the same value, so a
-                # lost answer can't be told apart: it is then assumed not applied (a
-                # phantom participant is healed by the TTL; a duplicate rank would not be).
-                active_version = self._conn.compare_and_swap(
-                    active_version.key,
-                    json.dumps(state),
-                    active_version,
-                    ttl=set_ttl,
-                    value_is_unique=False,
-                )
-            except CompareFailedError:
-                logger.debug("Join rendezvous CAS unsuccessful, retrying")
-                retry.wait()
-                continue
-            return active_version, this_rank
-
-    def wait_for_peers(self, expected_version: str) -> Node:
-        """Wait until ``expected_version`` is frozen (all peers arrived)."""
-        return self._wait_for_status(expected_version, waiting="joinable", target="frozen")
-
-    def _wait_for_status(self, expected_version: str, *, waiting: str, target: str) -> Node:
-        """Watch the state while it is ``waiting``; return it once it is ``target``.
-
-        Raises:
-            EtcdRendezvousRetryableFailure: the state left ``expected_version``.
-        """
-        active_version, state = self.get_rdzv_state()
-        while state.get("version") == expected_version:
-            if state["status"] == target:
-                return active_version
-            if state["status"] != waiting:
-                break
-            active_version, state = self.try_wait_for_state_change(
-                etcd_index=active_version.etcd_index + 1
-            )
-        raise EtcdRendezvousRetryableFailure(
-            "Rendezvous state transition no longer possible. Must re-enter."
-        )
-
-    def confirm_membership(self, expected_version: str, this_rank: int) -> Node:
-        """Create our keep-alive key and add it to the frozen state's ``keep_alives``."""
-        retry = self._contention_retry()
-        this_lease_key = self._layout.keep_alive_key(expected_version, this_rank)
-        lease_set_at: Deadline | None = None
-        while True:
-            self._check_deadline()
-            active_version, state = self.get_rdzv_state()
-            if state["status"] != "frozen":
-                raise EtcdRendezvousRetryImmediately(
-                    "Rendezvous no longer frozen, before we confirmed. Must join next one"
-                )
-            if state["version"] != expected_version:
-                raise EtcdRendezvousRetryImmediately(
-                    "Rendezvous version changed. Must try join the new one."
-                )
-            if lease_set_at is None or lease_set_at.expired():
-                # Written once, and again only if contention made this loop outlast
-                # half its TTL (the keeper thread takes over once we are confirmed).
-                self._conn.set(this_lease_key, None, ttl=CONST_WORKER_KEEPALIVE_TTL)
-                lease_set_at = Deadline(CONST_WORKER_KEEPALIVE_TTL / 2)
-            if this_lease_key not in state["keep_alives"]:
-                state["keep_alives"].append(this_lease_key)
-            finalize = len(state["keep_alives"]) == len(state["participants"])
-            if finalize:
-                state["status"] = "final"
-                state["num_workers_waiting"] = 0
-            try:
-                active_version = self._conn.compare_and_swap(
-                    active_version.key,
-                    json.dumps(state),
-                    active_version,
-                    ttl=None if finalize else CONST_ETCD_FROZEN_TTL,
-                )
-            except CompareFailedError:
-                logger.debug("Confirm membership CAS unsuccessful, retrying")
-                retry.wait()
-                continue
-            self._lease_this_rank = _LeaseKeeper(
-                self._conn, this_lease_key, CONST_WORKER_KEEPALIVE_TTL
-            )
-            self._keepers.append(self._lease_this_rank)
-            return active_version
-
-    def wait_for_final(self, expected_version: str) -> Node:
-        """Wait until every member of ``expected_version`` confirmed."""
-        return self._wait_for_status(expected_version, waiting="frozen", target="final")
+        return version
 
     def announce_self_waiting(self, expected_version: str) -> Node:
         """Increment ``num_workers_waiting`` of the final rendezvous ``expected_version``."""
@@ -862,58 +834,53 @@ class EtcdRendezvous:
             active_version, state = self.get_rdzv_state()
 
     def handle_join_last_call(self, expected_version: str, deadline: Deadline) -> None:
-        """Keep the joinable state alive until ``deadline``, then freeze it.
+        """Keep the joinable state alive until ``deadline``, then freeze it, our live
+        members already confirmed.
 
-        Returns when the state is frozen (by us at the deadline, or by a worker that
-        reached ``max_workers`` earlier).
+        Returns when the state is frozen or final (by us at the deadline, or by a worker
+        that reached ``max_workers`` earlier).
 
         Raises:
             EtcdRendezvousRetryableFailure: the state changed in any other way.
         """
-        retry = self._contention_retry()
-        active_version, state = self.get_rdzv_state()
+        half_ttl = CONST_ETCD_JOINABLE_EPHEMERAL_TTL / 2
+        refreshed_at = float("-inf")
         while True:
-            if state["status"] == "frozen" and state["version"] == expected_version:
+            observed = self._feed.current()
+            status = observed.status_in(expected_version)
+            if status in ("frozen", "final"):
                 return
-            if state["status"] != "joinable" or state["version"] != expected_version:
+            if status != "joinable" or observed.node is None:
                 raise EtcdRendezvousRetryableFailure(
                     "Rendezvous state transition no longer possible. Must re-enter."
                 )
             if deadline.expired():
-                state["status"] = "frozen"
-                state["keep_alives"] = []
-                try:
-                    self._conn.compare_and_swap(
-                        active_version.key,
-                        json.dumps(state),
-                        active_version,
-                        ttl=CONST_ETCD_FROZEN_TTL,
-                    )
-                    return
-                except CompareFailedError:
-                    logger.debug("Join last-call transition CAS unsuccessful. Will retry")
-                    retry.wait()
-                    active_version, state = self.get_rdzv_state()
-                    continue
-            # Refresh the TTL, but only while the state is still the one we saw: hence a
-            # compare-and-swap that writes the same value.
-            try:
-                active_version = self._conn.compare_and_swap(
-                    active_version.key,
-                    active_version.value or "",
-                    active_version,
-                    ttl=CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
-                    value_is_unique=False,
-                )
-            except CompareFailedError:
-                logger.debug("Join last-call TTL refresh CAS unsuccessful, will retry")
-                retry.wait()
-                active_version, state = self.get_rdzv_state()
+                self._join.freeze(expected_version)
                 continue
-            timeout = min(CONST_ETCD_JOINABLE_EPHEMERAL_TTL / 2, deadline.remaining() + 0.01)
-            active_version, state = self.try_wait_for_state_change(
-                etcd_index=active_version.etcd_index + 1, timeout=timeout
+            # Every admission renews the state's TTL; we do when none did for half of it.
+            age = min(self._feed.quiet_for, time.monotonic() - refreshed_at)
+            if age >= half_ttl:
+                refreshed_at = time.monotonic()
+                self._refresh_state_ttl(observed.node)
+                continue
+            self._feed.wait(min(half_ttl - age, deadline.remaining() + 0.01))
+            self._check_deadline()
+
+    def _refresh_state_ttl(self, active_version: Node) -> None:
+        """Renew the joinable state's TTL, only if it is still ``active_version``: hence a
+        compare-and-swap that writes the same value."""
+        try:
+            node = self._conn.compare_and_swap(
+                active_version.key,
+                active_version.value or "",
+                active_version,
+                ttl=CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
+                value_is_unique=False,
             )
+        except CompareFailedError:
+            logger.debug("Join last-call TTL refresh CAS unsuccessful; the state changed")
+            return
+        self._feed.note(node)
 
     @_records_failure
     def set_closed(self, timeout: float | None = None) -> None:
@@ -997,7 +964,7 @@ class EtcdRendezvous:
         wait = overall if timeout is None else min(timeout, overall)
         change = self._conn.watch(self._layout.state_key, etcd_index, wait)
         self._check_deadline()
-        if change is not None and change.value is not None and change.action in _WRITES:
+        if change is not None and change.value is not None and change.action in WRITES:
             # The event carries the new state: no need to read it again. Callers watch
             # on from the event's own index, so no later change is missed.
             node = dataclasses.replace(change, etcd_index=change.modified_index)
@@ -1090,10 +1057,18 @@ class EtcdRendezvous:
             )
         return data
 
-    def setup_kv_store(self, rdzv_version: str) -> EtcdStore:
-        """Return the key-value store of rendezvous version ``rdzv_version``."""
+    def setup_kv_store(self, rdzv_version: str, *, create_dir: bool = True) -> EtcdStore:
+        """Return the key-value store of rendezvous version ``rdzv_version``.
+
+        Args:
+            create_dir: whether to create the store's directory if missing, as PyTorch's
+                workers do. The store works without it (etcd creates the directories
+                of a key written below them), and the worker that creates a version
+                creates it, so our workers skip that write.
+        """
         store_path = self._layout.store_dir(rdzv_version)
-        self.create_path_if_not_exists(store_path)
+        if create_dir:
+            self.create_path_if_not_exists(store_path)
         return EtcdStore(etcd_client=self._conn, etcd_store_prefix=store_path)
 
 
@@ -1171,7 +1146,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # moment even if the barrier completed right at the deadline.
         remaining = rdzv._rendezvous_deadline.remaining()
         with rdzv.connection.bounded_by(Deadline(max(remaining, _EXCHANGE_GRACE))):
-            store = rdzv.setup_kv_store(rdzv_version)
+            store = rdzv.setup_kv_store(rdzv_version, create_dir=False)
             bootstrap_store_info = RendezvousStoreInfo.build(
                 rank, store, local_addr=self._local_addr
             )

@@ -1,8 +1,10 @@
 """``etcd-rendezvous status``: show a run's rendezvous state, without changing it.
 
 For the ``etcd`` backend: the status (setup/joinable/frozen/final/closed), version,
-participants, which keep-alives are live or lapsed, workers waiting, the version
-counter and the run directory's TTL. For ``etcd-v2``: the round, participants, wait and
+participants, which keep-alives are live or lapsed (with the rank of each: PyTorch's
+keys name it, ours are looked up in the state's ``members``), the member keys our workers
+announced and which were admitted, workers waiting, the version counter and the run
+directory's TTL. For ``etcd-v2``: the round, participants, wait and
 redundancy lists and last heartbeats. As text, or as one JSON object with ``--json``.
 """
 
@@ -16,8 +18,8 @@ from typing import Any, TextIO
 
 from ..api import RendezvousStateError
 from ..dynamic_rendezvous import NodeDesc, RendezvousState
-from ..etcd_rendezvous import parse_state
-from ..layout import DEFAULT_PREFIX, LegacyLayout, keep_alive_rank, normalize_key
+from ..etcd_rendezvous import member_ranks, parse_state
+from ..layout import DEFAULT_PREFIX, LegacyLayout, keep_alive_rank, member_name, normalize_key
 from ._common import (
     CliError,
     Node,
@@ -37,7 +39,8 @@ HELP = "show the rendezvous state of a run"
 DESCRIPTION = (
     "Show a run's rendezvous: for the etcd backend its status "
     "(setup/joinable/frozen/final/closed), version, participants, which keep-alives "
-    "are live or lapsed, workers waiting, the version counter and the run dir's TTL; "
+    "are live or lapsed, the member keys announced and admitted, workers waiting, the "
+    "version counter and the run dir's TTL; "
     "for etcd-v2 its round, participants, wait and redundancy lists and last "
     "heartbeats. Reads only. Exits 1 if the run is unknown or its state is corrupt."
 )
@@ -89,8 +92,8 @@ class _EtcdRun:
     run_dir: Node | None
     state: Node | None
     version_counter: Node | None
-    #: ``rdzv/v_<version>`` of the version the state names: its ``rank_<r>`` children
-    #: are the keep-alive keys that have not lapsed.
+    #: ``rdzv/v_<version>`` of the version the state names: its ``rank_<r>`` and
+    #: ``node_<hex>`` children are the keep-alive keys that have not lapsed.
     version_dir: Node | None
 
 
@@ -160,6 +163,7 @@ def _describe_etcd_run(run: _EtcdRun) -> dict[str, Any]:
         "version": None,
         "participants": [],
         "keep_alives": [],
+        "members": [],
         "num_workers_waiting": None,
         "state_ttl": None,
     }
@@ -175,21 +179,32 @@ def _describe_etcd_run(run: _EtcdRun) -> dict[str, Any]:
     report["version"] = state.get("version")
     report["participants"] = list(state.get("participants", []))
     report["num_workers_waiting"] = state.get("num_workers_waiting")
-    live = {}
-    if run.version_dir is not None:
-        live = {normalize_key(child.key): child for child in run.version_dir.children}
-    keep_alives = sorted(state.get("keep_alives", []), key=lambda k: (keep_alive_rank(k) or 0, k))
-    for keep_alive in keep_alives:
-        child = live.get(normalize_key(keep_alive))
-        report["keep_alives"].append(
-            {
-                "key": keep_alive,
-                "rank": keep_alive_rank(keep_alive),
-                "live": child is not None,
-                "ttl": None if child is None else child.ttl,
-            }
-        )
+    children = () if run.version_dir is None else run.version_dir.children
+    report["keep_alives"], report["members"] = _keep_alives_and_members(state, children)
     return report
+
+
+def _keep_alives_and_members(
+    state: dict[str, Any], children: tuple[Node, ...]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The report's ``keep_alives`` (those the state lists, by rank, live if among
+    ``children``, the version directory's) and ``members`` (the member keys among
+    ``children``, oldest first, with their rank if admitted)."""
+    live = {normalize_key(child.key): child for child in children}
+    ranks = member_ranks(state)
+
+    def rank_of(key: str) -> int | None:
+        name = member_name(key)
+        return keep_alive_rank(key) if name is None else ranks.get(name)
+
+    keep_alives = []
+    for key in sorted(state.get("keep_alives", []), key=lambda k: (rank_of(k) or 0, k)):
+        child = live.get(normalize_key(key))
+        entry = {"key": key, "rank": rank_of(key), "live": child is not None}
+        keep_alives.append({**entry, "ttl": None if child is None else child.ttl})
+    announced = sorted((c for c in children if member_name(c.key)), key=lambda c: c.created_index)
+    members = [{"key": c.key, "rank": rank_of(c.key), "ttl": c.ttl} for c in announced]
+    return keep_alives, members
 
 
 def _format_etcd_status(report: dict[str, Any]) -> list[str]:
@@ -230,6 +245,10 @@ def _format_etcd_status(report: dict[str, Any]) -> list[str]:
             lines.append(f"  rank {rank}: {state:<30} {entry['key']}")
     elif status == "frozen":
         lines.append("keep-alives:      none yet (participants are confirming)")
+    members = report["members"]
+    if members:
+        admitted = sum(1 for entry in members if entry["rank"] is not None)
+        lines.append(f"member keys:      {len(members)} announced, {admitted} admitted")
     if report["num_workers_waiting"] is not None:
         lines.append(f"workers waiting:  {report['num_workers_waiting']}")
     lines.append(f"version counter:  {report['version_counter'] or '(none)'}")

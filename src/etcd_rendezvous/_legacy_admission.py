@@ -1,0 +1,723 @@
+"""Batched admission: how the legacy ``etcd`` backend joins in a few etcd requests per worker.
+
+PyTorch's workers join a rendezvous version by compare-and-swapping the state key
+twice each (``participants.append(rank)``, then ``keep_alives.append(key)``). Every
+write wakes every waiting worker, and all but one of the workers writing at the same
+time lose and try again: N workers make O(N²) requests. Ours announce themselves
+instead, and one of them admits everyone who announced, in one compare-and-swap:
+
+1. **Announce.** A worker joining version ``V`` writes its *member key*
+   ``rdzv/v_<V>/node_<16 hex digits>`` (:meth:`~etcd_rendezvous.layout.LegacyLayout.member_key`),
+   with the keep-alive TTL, and keeps it alive from then on. It is a direct child of
+   the version directory, so it is also the worker's keep-alive key: PyTorch's workers
+   check exactly that of every key in ``keep_alives``.
+2. **Admit.** The worker whose member key is the oldest one not yet admitted (lowest
+   created index, in a listing of the version directory taken after its own announce)
+   admits every announced key, in created order, with one compare-and-swap. It applies
+   the rules of a join: ranks ``len(participants)...`` are appended to ``participants``
+   and recorded in ``members``; from ``min_workers`` on the state gets its 10 s TTL;
+   reaching ``max_workers`` freezes it, and the keys beyond are late. A freezing write
+   puts the member keys of all our admitted workers (all alive: just listed) into
+   ``keep_alives`` and, if that completes the list, makes the state final at once. The
+   other workers watch the state; a worker left the oldest un-admitted one by a change
+   lists the directory again and admits. Should the state not change for
+   :data:`ADMISSION_GRACE` seconds (a little longer for workers further back in line)
+   while keys older than ours stay un-admitted (their workers died or are stuck), we
+   admit anyway, without those keys.
+3. **Confirm.** A state frozen by a PyTorch worker (it reached ``max_workers``, or ran
+   the last call) has empty ``keep_alives``: our lowest-ranked member whose key is
+   missing adds the keys of all our live members in one compare-and-swap (with the
+   same grace for the others), and PyTorch's members add their own.
+
+Workers wait on a :class:`StateFeed`: one watch stream on the state key for the whole
+join, whose events carry the new state, so that waiting costs no reads.
+
+**Wire format.** The state document gets one field PyTorch's workers do not know, and
+keep (they decode the JSON, change their fields and encode the same object back):
+``"members": {"node_<hex>": rank, ...}``, the names of the member keys admitted so far
+and their ranks. Our workers' ranks are their admission order, which is their announce
+order; PyTorch's workers still take ``len(participants)``. A worker's rank is
+``members[its name]`` and the world size ``len(participants)``, as for PyTorch's.
+
+The decisions (:func:`admission_step`, :func:`confirmation_step`, :func:`plan_admission`,
+:func:`plan_freeze`, :func:`plan_confirmation`) are plain functions of what a worker
+observed; :class:`BatchJoin` carries them out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ._retry import Deadline
+from ._transport import (
+    CompareFailedError,
+    KeyNotFoundError,
+    Node,
+    Transport,
+    WatchHistoryLostError,
+    WatchStream,
+)
+from .api import RendezvousError, RendezvousStateError
+from .layout import LegacyLayout, member_name, new_member_name, normalize_key
+
+__all__ = [
+    "ADMISSION_GRACE",
+    "CONST_ETCD_FROZEN_TTL",
+    "CONST_ETCD_JOINABLE_EPHEMERAL_TTL",
+    "CONST_ETCD_SETUP_TTL",
+    "CONST_WORKER_KEEPALIVE_TTL",
+    "MEMBERS",
+    "WRITES",
+    "Announced",
+    "BatchJoin",
+    "Observed",
+    "RestartAttempt",
+    "StateFeed",
+    "Step",
+    "Write",
+    "admission_step",
+    "announced",
+    "confirmation_step",
+    "create_spread",
+    "grace",
+    "members_of",
+    "plan_admission",
+    "plan_confirmation",
+    "plan_freeze",
+]
+
+logger = logging.getLogger(__name__)
+
+# TTLs, in seconds. They are part of the protocol: PyTorch's workers use the same ones.
+CONST_ETCD_SETUP_TTL = 5
+CONST_ETCD_FROZEN_TTL = 10
+CONST_ETCD_JOINABLE_EPHEMERAL_TTL = 10
+CONST_WORKER_KEEPALIVE_TTL = 10
+
+#: The state field mapping the names of our admitted member keys to their ranks.
+MEMBERS = "members"
+
+#: Seconds the state may stay unchanged before a worker admits (or confirms) without
+#: the older un-admitted keys (the lower-ranked unconfirmed members) it waits for.
+ADMISSION_GRACE = 2.0
+#: Each such key (member) adds this much to the grace, up to twice the grace: the
+#: worker next in line acts first, and its write spares the others the trouble.
+_GRACE_STAGGER = 0.1
+
+#: A worker that finds no state watches it for a random moment before creating it, so
+#: that of many workers arriving at once only a few try (a failed try costs a write, two
+#: on v3: the lease, then the transaction). The moment is drawn from a window of
+#: ``max_workers`` times this many etcd round trips (the initial read's), at least a
+#: millisecond each, and at most :data:`_CREATE_SPREAD_CAP` seconds: a loaded etcd
+#: answers slowly, and a creation then takes longer to be seen.
+_CREATE_SPREAD_ROUND_TRIPS = 3
+_CREATE_SPREAD_MIN = 0.001
+_CREATE_SPREAD_CAP = 2.0
+
+#: Watch actions after which the event's node holds the key's new value.
+WRITES = frozenset({"set", "create", "update", "compareAndSwap"})
+
+
+class RestartAttempt(Exception):  # noqa: N818 (a signal, as PyTorch's retry exceptions)
+    """The state left the version being joined: start the attempt over at once."""
+
+
+def grace(waited_for: int) -> float:
+    """Seconds of an unchanged state after which a worker stops waiting for the
+    ``waited_for`` workers ahead of it (see :data:`ADMISSION_GRACE`)."""
+    stagger = _GRACE_STAGGER * max(0, waited_for - 1)
+    return ADMISSION_GRACE + min(stagger, ADMISSION_GRACE)
+
+
+def create_spread(max_workers: int, round_trip: float) -> float:
+    """Seconds to watch a missing state before creating it: random, in a window that
+    grows with ``max_workers`` and with etcd's ``round_trip`` time (see
+    :data:`_CREATE_SPREAD_ROUND_TRIPS`)."""
+    per_worker = max(_CREATE_SPREAD_MIN, _CREATE_SPREAD_ROUND_TRIPS * round_trip)
+    window = min(_CREATE_SPREAD_CAP, per_worker * max_workers)
+    return window * secrets.randbelow(1 << 20) / (1 << 20)
+
+
+# -- what a worker observes ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The state key as last seen: its node and decoded state, or neither if missing."""
+
+    node: Node | None
+    state: dict[str, Any] | None
+    #: The modification index of this state, or the index at which the key was missing.
+    index: int
+
+    def status_in(self, version: str) -> str | None:
+        """The status, if the state is one of ``version``; ``None`` otherwise."""
+        if self.state is None or self.state.get("version") != version:
+            return None
+        return str(self.state["status"])
+
+
+@dataclass(frozen=True, order=True)
+class Announced:
+    """A member key found in a version directory (ordered by creation)."""
+
+    created_index: int
+    name: str
+    key: str
+
+
+def announced(listing: Node) -> list[Announced]:
+    """The member keys among the children of a version directory, oldest first (keys as
+    etcd spells them, which is the form :func:`~etcd_rendezvous.layout.normalize_key`
+    gives)."""
+    found = []
+    for child in listing.children:
+        name = member_name(child.key)
+        if name is not None and not child.is_dir:
+            found.append(Announced(child.created_index, name, child.key.rstrip("/")))
+    return sorted(found)
+
+
+def members_of(state: dict[str, Any]) -> dict[str, int]:
+    """The state's ``members`` (name -> rank); empty in a state PyTorch's workers made."""
+    members: dict[str, int] = state.get(MEMBERS) or {}
+    return members
+
+
+# -- the decisions ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Write:
+    """A state to compare-and-swap in, with its TTL (``None``: none)."""
+
+    state: dict[str, Any]
+    ttl: int | None
+
+
+def _with_ttl(state: dict[str, Any], min_workers: int) -> Write:
+    """``state`` with the TTL PyTorch's workers give a state of its status and size."""
+    if state["status"] == "final":
+        return Write(state, None)
+    if state["status"] == "frozen":
+        return Write(state, CONST_ETCD_FROZEN_TTL)
+    ephemeral = len(state["participants"]) >= min_workers
+    return Write(state, CONST_ETCD_JOINABLE_EPHEMERAL_TTL if ephemeral else None)
+
+
+def plan_admission(
+    state: dict[str, Any],
+    entries: Sequence[Announced],
+    *,
+    min_workers: int,
+    max_workers: int,
+    skip_older_than: int | None = None,
+) -> Write | None:
+    """Admit every un-admitted key of ``entries`` (a listing, oldest first) into the
+    joinable ``state``, up to ``max_workers``; ``None`` if there is none.
+
+    Keys created before ``skip_older_than`` are left out (their workers did not act
+    within the grace period). Reaching ``max_workers`` freezes the state
+    (:func:`plan_freeze`).
+
+    Raises:
+        RendezvousStateError: the state already has ``max_workers`` participants
+            (workers disagree about ``max_workers``).
+    """
+    participants = list(state["participants"])
+    members = dict(members_of(state))
+    room = max_workers - len(participants)
+    if room <= 0:
+        raise RendezvousStateError(
+            f"The joinable rendezvous state already has {len(participants)} participants, "
+            f"the maximum for this worker is {max_workers}: do all workers use the same "
+            "max_workers?"
+        )
+    floor = -1 if skip_older_than is None else skip_older_than
+    pending = [e for e in entries if e.name not in members and e.created_index >= floor]
+    if not pending:
+        return None
+    for entry in pending[:room]:
+        members[entry.name] = len(participants)
+        participants.append(len(participants))
+    admitted = {**state, "participants": participants, MEMBERS: members}
+    if len(participants) == max_workers:
+        return plan_freeze(admitted, entries, min_workers=min_workers)
+    return _with_ttl(admitted, min_workers)
+
+
+def plan_freeze(state: dict[str, Any], entries: Sequence[Announced], *, min_workers: int) -> Write:
+    """Freeze the joinable ``state``, with our live members already confirmed."""
+    frozen = {**state, "status": "frozen", "keep_alives": []}
+    return plan_confirmation(frozen, entries, min_workers=min_workers) or _with_ttl(
+        frozen, min_workers
+    )
+
+
+def plan_confirmation(
+    state: dict[str, Any],
+    entries: Sequence[Announced],
+    *,
+    min_workers: int,
+    skip_below_rank: int | None = None,
+) -> Write | None:
+    """Add the keys of our admitted members found in ``entries`` (a listing) to the frozen
+    ``state``'s ``keep_alives``; final if that completes them. ``None`` if none is missing.
+
+    Members ranked below ``skip_below_rank`` are left out (they did not confirm within
+    the grace period).
+    """
+    members = members_of(state)
+    keep_alives = list(state["keep_alives"])
+    confirmed = {normalize_key(key) for key in keep_alives}
+    floor = -1 if skip_below_rank is None else skip_below_rank
+    live = sorted(
+        (members[e.name], e.key)
+        for e in entries
+        if e.name in members and members[e.name] >= floor and e.key not in confirmed
+    )
+    if not live:
+        return None
+    keep_alives.extend(key for _, key in live)
+    confirming = {**state, "keep_alives": keep_alives}
+    if len(keep_alives) >= len(state["participants"]):
+        confirming.update(status="final", num_workers_waiting=0)
+    return _with_ttl(confirming, min_workers)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a worker does next: ``kind`` and its argument.
+
+    * ``admitted``/``done``: the rank we were admitted with / the world size;
+    * ``leave``: the version ended for us (``reason``);
+    * ``list``: list the version directory again, then decide again;
+    * ``admit``/``confirm``: write, leaving out older keys / lower-ranked members if
+      ``impatient``;
+    * ``wait``: wait for a change, at most ``timeout`` seconds (``None``: until one).
+    """
+
+    kind: str
+    value: int = 0
+    timeout: float | None = None
+    impatient: bool = False
+    reason: str = ""
+
+
+def admission_step(
+    observed: Observed,
+    version: str,
+    me: Announced,
+    entries: Sequence[Announced],
+    listed_at: int,
+    quiet_for: float,
+) -> Step:
+    """What a worker that announced ``me`` in ``version`` does next, given the state it
+    observed, its listing ``entries`` (taken when the state's index was ``listed_at``)
+    and the seconds the state has been unchanged."""
+    state = observed.state
+    status = observed.status_in(version)
+    if state is None or status not in ("joinable", "frozen", "final"):
+        return Step("leave", reason=f"version {version} ended before we were admitted")
+    members = members_of(state)
+    if me.name in members:
+        return Step("admitted", value=members[me.name])
+    if status != "joinable":
+        return Step("leave", reason=f"version {version} became {status} without us: late")
+    older = [
+        e
+        for e in entries
+        if e.created_index < me.created_index and e.name not in members and e.name != me.name
+    ]
+    patience = grace(len(older)) - quiet_for
+    if older and patience > 0:
+        return Step("wait", timeout=patience)
+    if listed_at < observed.index:
+        return Step("list")
+    return Step("admit", impatient=bool(older))
+
+
+def confirmation_step(
+    observed: Observed, version: str, me: str, version_dir: str, quiet_for: float
+) -> Step:
+    """What our admitted member named ``me`` does next until ``version`` is final."""
+    state = observed.state
+    status = observed.status_in(version)
+    ongoing = status in ("joinable", "frozen", "final")
+    if state is None or not ongoing or me not in members_of(state):
+        return Step("leave", reason="Rendezvous state transition no longer possible.")
+    if status == "final":
+        return Step("done", value=len(state["participants"]))
+    if status == "joinable":
+        return Step("wait")
+    confirmed = {normalize_key(key) for key in state["keep_alives"]}
+    missing = sorted(
+        (rank, name)
+        for name, rank in members_of(state).items()
+        if normalize_key(f"{version_dir}/{name}") not in confirmed
+    )
+    names = [name for _, name in missing]
+    if me not in names:
+        return Step("wait")
+    position = names.index(me)
+    patience = grace(position) - quiet_for
+    if position and patience > 0:
+        return Step("wait", timeout=patience)
+    return Step("confirm", impatient=position > 0)
+
+
+# -- the state feed --------------------------------------------------------------------
+
+
+class StateFeed:
+    """The rendezvous state as one watch stream delivers it: every change in order, each
+    with its new value, so that a waiting worker reads nothing.
+
+    :meth:`current` reads the state once and opens the stream right after that read;
+    :meth:`wait` takes in the changes; :meth:`note` takes in the answer to our own write.
+    After an error the feed starts again from a read at the next :meth:`current`.
+    """
+
+    def __init__(self, conn: Transport, key: str, parse: Callable[[Node], dict[str, Any]]) -> None:
+        self._conn = conn
+        self._key = key
+        self._parse = parse
+        self._stream: WatchStream | None = None
+        self._latest: Observed | None = None
+        self._last_state: dict[str, Any] | None = None
+        self._changed_at = time.monotonic()
+        #: Seconds the last read of the state took: a measure of etcd's load.
+        self.read_seconds = 0.0
+
+    @property
+    def last_state(self) -> dict[str, Any] | None:
+        """The latest state seen (kept after :meth:`close`), without reading."""
+        return self._last_state
+
+    @property
+    def quiet_for(self) -> float:
+        """Seconds since the state last changed (as far as we know)."""
+        return time.monotonic() - self._changed_at
+
+    def current(self) -> Observed:
+        """The latest state seen; read from etcd on first use and after an error."""
+        if self._latest is None or self._stream is None:
+            return self._restart()
+        return self._latest
+
+    def note(self, node: Node) -> Observed:
+        """Take in ``node``, the answer to our own write of the state key."""
+        self._take(Observed(node, self._parse(node), node.modified_index))
+        return self.current()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for a change newer than the latest state;
+        take in every change already delivered. Returns whether the state changed."""
+        self.current()
+        stream = self._stream
+        if stream is None:  # pragma: no cover (current() opened it)
+            return False
+        deadline = Deadline(max(0.0, timeout))
+        try:
+            while True:
+                event = stream.next(deadline.remaining())
+                if event is None:
+                    return False
+                if self._apply(event):
+                    while (more := stream.next(0.0)) is not None:
+                        self._apply(more)
+                    return True
+        except WatchHistoryLostError:
+            logger.info("etcd no longer holds the changes of %s; reading it again", self._key)
+            before = self._latest
+            return before is None or self._restart().index != before.index
+        except BaseException:
+            self.close()
+            raise
+
+    def invalidate(self) -> None:
+        """Forget what was seen: the next :meth:`current` reads the state again."""
+        self.close()
+
+    def close(self) -> None:
+        """Close the stream (idempotent); the feed reopens it when used again."""
+        stream, self._stream = self._stream, None
+        self._latest = None
+        if stream is not None:
+            stream.close()
+
+    def _restart(self) -> Observed:
+        self.close()
+        started = time.monotonic()
+        try:
+            node = self._conn.get(self._key)
+        except KeyNotFoundError as exc:
+            index = exc.etcd_index or self._conn.last_index
+            observed, start = Observed(None, None, index), index + 1
+        else:
+            observed = Observed(node, self._parse(node), node.modified_index)
+            start = node.etcd_index + 1
+        self.read_seconds = time.monotonic() - started
+        self._take(observed)
+        self._stream = self._conn.watch_stream(self._key, start)
+        return observed
+
+    def _apply(self, event: Node) -> bool:
+        """Take in one change; whether it was newer than what we knew."""
+        latest = self._latest
+        if latest is not None and event.modified_index <= latest.index:
+            return False
+        if event.action in WRITES and event.value is not None:
+            node = dataclasses.replace(event, etcd_index=event.modified_index)
+            self._take(Observed(node, self._parse(node), event.modified_index))
+        else:  # deleted, expired
+            self._take(Observed(None, None, event.modified_index))
+        return True
+
+    def _take(self, observed: Observed) -> None:
+        if self._latest is None or observed.index > self._latest.index:
+            if observed.state != self._last_state:
+                self._changed_at = time.monotonic()
+            self._latest = observed
+            self._last_state = observed.state
+
+
+# -- carrying the decisions out --------------------------------------------------------
+
+
+class KeepAlive(Protocol):
+    """What :class:`BatchJoin` needs of the thread that keeps a key alive."""
+
+    def stop(self, timeout: float = ...) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Member:
+    """Our member key in one version, and what keeps it alive."""
+
+    version: str
+    entry: Announced
+    keeper: KeepAlive
+
+
+class BatchJoin:
+    """One worker's side of the batched join (see the module docstring).
+
+    Args:
+        conn: the etcd connection.
+        layout: the run's keys.
+        feed: the state feed of the barrier in progress.
+        min_workers, max_workers: the rendezvous' bounds.
+        keep_alive: starts keeping a key alive (every TTL/2), returns the keeper.
+        timeout_error: the error to raise when the rendezvous deadline passes.
+    """
+
+    def __init__(
+        self,
+        conn: Transport,
+        layout: LegacyLayout,
+        feed: StateFeed,
+        *,
+        min_workers: int,
+        max_workers: int,
+        keep_alive: Callable[[str], KeepAlive],
+        timeout_error: Callable[[], Exception],
+    ) -> None:
+        self._conn = conn
+        self._layout = layout
+        self._feed = feed
+        self._min = min_workers
+        self._max = max_workers
+        self._keep_alive = keep_alive
+        self._timeout_error = timeout_error
+        self._deadline = Deadline.never()
+        self._member: _Member | None = None
+
+    @property
+    def member_key(self) -> str | None:
+        """Our member key in the version being joined (or joined), if any."""
+        return None if self._member is None else self._member.entry.key
+
+    def begin(self, deadline: Deadline) -> None:
+        """Start a barrier ending at ``deadline``. The member key of the previous one is
+        left to lapse (its keeper was stopped)."""
+        self._deadline = deadline
+        self._member = None
+
+    def opening_state(self, version: str) -> Write:
+        """Announce ourselves in the new ``version`` we are creating: its first joinable
+        state, with us admitted."""
+        me = self._announce(version)
+        opening = {"status": "joinable", "version": version, "participants": []}
+        write = plan_admission(opening, [me], min_workers=self._min, max_workers=self._max)
+        if write is None:  # pragma: no cover (an empty state has room for us)
+            raise RendezvousStateError(f"Could not admit ourselves into version {version}.")
+        return write
+
+    def admit(self, version: str) -> int:
+        """Announce ourselves in the joinable ``version`` (once) and wait until we are
+        admitted, admitting others when it is our turn. Returns our rank.
+
+        Raises:
+            RestartAttempt: the version ended, or froze without us (our key is deleted).
+        """
+        me = self._announce(version)
+        observed = self._feed.current()
+        if observed.status_in(version) and me.name in members_of(observed.state or {}):
+            return members_of(observed.state or {})[me.name]  # we created the version
+        listed_at, entries = self._list(version)
+        since = time.monotonic()
+        while True:
+            observed = self._feed.current()
+            me = self._require_member(version).entry  # as listed
+            step = admission_step(observed, version, me, entries, listed_at, self._quiet(since))
+            if step.kind == "admitted":
+                return step.value
+            if step.kind == "leave":
+                self.discard()
+                raise RestartAttempt(step.reason)
+            if step.kind == "list":
+                listed_at, entries = self._list(version)
+            elif step.kind == "admit":
+                skip = me.created_index if step.impatient else None
+                if step.impatient:
+                    logger.info("No admission for a while: admitting without the older keys")
+                write = plan_admission(
+                    observed.state or {},
+                    entries,
+                    min_workers=self._min,
+                    max_workers=self._max,
+                    skip_older_than=skip,
+                )
+                self._swap(observed, write)
+            else:
+                self._wait(step.timeout)
+
+    def confirm(self, version: str, rank: int) -> int:
+        """Wait until ``version`` is final, confirming our members if it was frozen
+        without them. Returns the world size.
+
+        Raises:
+            RestartAttempt: the version ended.
+        """
+        me = self._require_member(version).entry
+        version_dir = self._layout.version_dir(version)
+        since = time.monotonic()
+        while True:
+            observed = self._feed.current()
+            step = confirmation_step(observed, version, me.name, version_dir, self._quiet(since))
+            if step.kind == "done":
+                return step.value
+            if step.kind == "leave":
+                raise RestartAttempt(f"{step.reason} Must re-enter.")
+            if step.kind == "confirm":
+                _, entries = self._list(version)
+                write = plan_confirmation(
+                    observed.state or {},
+                    entries,
+                    min_workers=self._min,
+                    skip_below_rank=rank if step.impatient else None,
+                )
+                if write is None:
+                    raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
+                self._swap(observed, write)
+            else:
+                self._wait(step.timeout)
+
+    def freeze(self, version: str) -> bool:
+        """Freeze the joinable ``version`` at the end of the last call, our live members
+        confirmed. Returns whether our write won (if not, the state changed: decide again)."""
+        observed = self._feed.current()
+        if observed.status_in(version) != "joinable" or observed.state is None:
+            return False
+        _, entries = self._list(version)
+        return self._swap(observed, plan_freeze(observed.state, entries, min_workers=self._min))
+
+    def discard(self) -> None:
+        """Stop keeping our member key alive and delete it (a failure is only logged).
+
+        Past the rendezvous deadline the key is left to lapse (within its TTL) instead:
+        the caller is due to return.
+        """
+        member, self._member = self._member, None
+        if member is None:
+            return
+        member.keeper.stop()
+        if self._deadline.expired():
+            return
+        try:
+            self._conn.delete(member.entry.key)
+        except RendezvousError as exc:
+            logger.info("Could not delete our member key %s (it lapses): %s", member.entry.key, exc)
+
+    # -- the requests ------------------------------------------------------------------
+
+    def _announce(self, version: str) -> Announced:
+        """Write our member key in ``version`` unless we did; keep it alive from now on."""
+        if self._member is not None:
+            if self._member.version == version:
+                return self._member.entry
+            self.discard()
+        key = self._layout.member_key(version, new_member_name(secrets.randbits(64)))
+        node = self._conn.set(key, None, ttl=CONST_WORKER_KEEPALIVE_TTL)
+        entry = Announced(node.created_index, key.rsplit("/", 1)[1], normalize_key(key))
+        self._member = _Member(version, entry, self._keep_alive(key))
+        logger.info("Announced ourselves in rendezvous version %s as %s", version, key)
+        return entry
+
+    def _require_member(self, version: str) -> _Member:
+        if self._member is None or self._member.version != version:
+            raise RestartAttempt(f"We hold no member key in version {version}.")
+        return self._member
+
+    def _list(self, version: str) -> tuple[int, list[Announced]]:
+        """The index of the state we knew, and the member keys listed just after."""
+        listed_at = self._feed.current().index
+        entries = announced(self._conn.list_dir(self._layout.version_dir(version)))
+        member = self._require_member(version)
+        listed = [e for e in entries if e.name == member.entry.name]
+        if not listed:
+            self.discard()
+            raise RestartAttempt(f"Our member key {member.entry.key} is gone; must re-enter.")
+        # The listing has the key's creation index for sure (the answer to our write may
+        # have been to a second copy of it, sent after a connection failure).
+        self._member = dataclasses.replace(member, entry=listed[0])
+        return listed_at, entries
+
+    def _swap(self, observed: Observed, write: Write | None) -> bool:
+        """Compare-and-swap ``write`` in place of ``observed``; if another write came
+        first, wait until we see it. Returns whether ours won."""
+        if write is None or observed.node is None:
+            self._wait()
+            return False
+        try:
+            node = self._conn.compare_and_swap(
+                self._layout.state_key, json.dumps(write.state), observed.node, ttl=write.ttl
+            )
+        except (CompareFailedError, KeyNotFoundError):
+            logger.debug("Rendezvous state CAS unsuccessful; deciding again")
+            if self._feed.current().index <= observed.index:
+                self._wait()
+            return False
+        self._feed.note(node)
+        return True
+
+    def _quiet(self, since: float) -> float:
+        """Seconds the state has been unchanged while we waited (since ``since``)."""
+        return min(self._feed.quiet_for, time.monotonic() - since)
+
+    def _wait(self, timeout: float | None = None) -> bool:
+        """Wait for a change of the state, at most ``timeout`` seconds and never past the
+        rendezvous deadline."""
+        remaining = self._deadline.remaining()
+        changed = self._feed.wait(remaining if timeout is None else min(timeout, remaining))
+        if self._deadline.expired():
+            raise self._timeout_error()
+        return changed

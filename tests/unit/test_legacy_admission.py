@@ -1,0 +1,259 @@
+"""Unit tests of the batched legacy join's decisions (etcd_rendezvous._legacy_admission):
+plain functions of what a worker observed, so every case is spelled out here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from etcd_rendezvous._legacy_admission import (
+    ADMISSION_GRACE,
+    CONST_ETCD_FROZEN_TTL,
+    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
+    MEMBERS,
+    Announced,
+    Observed,
+    admission_step,
+    announced,
+    confirmation_step,
+    create_spread,
+    grace,
+    plan_admission,
+    plan_confirmation,
+    plan_freeze,
+)
+from etcd_rendezvous._transport import Node
+from etcd_rendezvous.api import RendezvousStateError
+from etcd_rendezvous.layout import LegacyLayout, new_member_name
+
+LAYOUT = LegacyLayout("/p", "r")
+VDIR = LAYOUT.version_dir("1")
+
+
+def entry(i: int, created: int | None = None) -> Announced:
+    """The member key ``node_<i>`` created at index ``created`` (default ``100 + i``)."""
+    name = new_member_name(i)
+    return Announced(100 + i if created is None else created, name, LAYOUT.member_key("1", name))
+
+
+A, B, C, D = (entry(i) for i in range(1, 5))
+
+
+def joinable(participants: int = 0, members: dict[str, int] | None = None) -> dict[str, Any]:
+    state: dict[str, Any] = {"status": "joinable", "version": "1"}
+    state["participants"] = list(range(participants))
+    if members is not None:
+        state[MEMBERS] = members
+    return state
+
+
+def observed(state: dict[str, Any] | None, index: int = 50) -> Observed:
+    node = None
+    if state is not None:
+        node = Node(LAYOUT.state_key, "{}", index, 1, index, None, False, (), "get")
+    return Observed(node, state, index)
+
+
+# -- the listing --------------------------------------------------------------------------
+
+
+def _child(key: str, created: int, is_dir: bool = False) -> Node:
+    return Node(key, None if is_dir else "", created, created, 200, 10, is_dir, (), "get")
+
+
+def test_announced_keeps_member_keys_oldest_first() -> None:
+    listing = Node(
+        VDIR,
+        None,
+        1,
+        1,
+        200,
+        None,
+        True,
+        (
+            _child(B.key, B.created_index),
+            _child(f"{VDIR}/rank_3", 90),
+            _child(f"{VDIR}/kv", 91, is_dir=True),
+            _child(f"{VDIR}/extra_data", 92),
+            _child(f"{VDIR}/node_xyz", 93),
+            _child(A.key + "/", A.created_index),
+        ),
+        "get",
+    )
+    assert announced(listing) == [A, B]
+
+
+# -- admission ----------------------------------------------------------------------------
+
+
+def test_admission_appends_ranks_in_announce_order_and_records_members() -> None:
+    state = joinable(1)  # a PyTorch worker joined first
+    write = plan_admission(state, [A, B, C], min_workers=5, max_workers=8)
+    assert write is not None
+    assert write.state["participants"] == [0, 1, 2, 3]
+    assert write.state[MEMBERS] == {A.name: 1, B.name: 2, C.name: 3}
+    assert write.state["status"] == "joinable"
+    assert write.ttl is None  # below min_workers: no TTL, as PyTorch's join writes it
+    assert state == joinable(1)  # not modified
+
+
+def test_admission_skips_admitted_keys_and_gives_the_joinable_ttl_from_min() -> None:
+    state = joinable(2, {A.name: 0})
+    write = plan_admission(state, [A, B], min_workers=3, max_workers=8)
+    assert write is not None
+    assert write.state[MEMBERS] == {A.name: 0, B.name: 2}
+    assert write.ttl == CONST_ETCD_JOINABLE_EPHEMERAL_TTL
+
+
+def test_admission_with_nothing_new_writes_nothing() -> None:
+    assert plan_admission(joinable(1, {A.name: 0}), [A], min_workers=1, max_workers=4) is None
+
+
+def test_admission_leaves_out_older_keys_when_impatient() -> None:
+    write = plan_admission(
+        joinable(), [A, B, C], min_workers=1, max_workers=8, skip_older_than=B.created_index
+    )
+    assert write is not None
+    assert write.state[MEMBERS] == {B.name: 0, C.name: 1}
+
+
+def test_admission_reaching_max_freezes_with_our_members_confirmed() -> None:
+    # Rank 0 is a PyTorch worker: it confirms itself, so the state stays frozen.
+    write = plan_admission(joinable(1), [A, B, C], min_workers=1, max_workers=3)
+    assert write is not None
+    assert write.state["status"] == "frozen"
+    assert write.state[MEMBERS] == {A.name: 1, B.name: 2}  # C is late
+    assert write.state["keep_alives"] == [A.key, B.key]
+    assert write.ttl == CONST_ETCD_FROZEN_TTL
+
+
+def test_admission_reaching_max_with_only_our_members_is_final_at_once() -> None:
+    write = plan_admission(joinable(1, {A.name: 0}), [A, B], min_workers=2, max_workers=2)
+    assert write is not None
+    assert write.state["status"] == "final"
+    assert write.state["keep_alives"] == [A.key, B.key]
+    assert write.state["num_workers_waiting"] == 0
+    assert write.ttl is None
+
+
+def test_freezing_leaves_out_members_whose_keys_are_gone() -> None:
+    # A's key lapsed: it is not in the listing, so only B is confirmed.
+    write = plan_freeze(joinable(2, {A.name: 0, B.name: 1}), [B], min_workers=1)
+    assert write.state["status"] == "frozen"
+    assert write.state["keep_alives"] == [B.key]
+    assert write.ttl == CONST_ETCD_FROZEN_TTL
+
+
+def test_admission_into_a_full_joinable_state_names_the_mismatch() -> None:
+    with pytest.raises(RendezvousStateError, match="max_workers"):
+        plan_admission(joinable(3), [A], min_workers=1, max_workers=3)
+
+
+# -- confirmation -------------------------------------------------------------------------
+
+
+def frozen(keep_alives: list[str], members: dict[str, int], participants: int) -> dict[str, Any]:
+    return {
+        "status": "frozen",
+        "version": "1",
+        "participants": list(range(participants)),
+        MEMBERS: members,
+        "keep_alives": keep_alives,
+    }
+
+
+def test_confirmation_adds_our_live_members_after_pytorchs() -> None:
+    torch_key = LAYOUT.keep_alive_key("1", 0)
+    state = frozen([torch_key], {A.name: 2, B.name: 1}, 3)
+    write = plan_confirmation(state, [A, B], min_workers=1)
+    assert write is not None
+    assert write.state["keep_alives"] == [torch_key, B.key, A.key]  # by rank
+    assert write.state["status"] == "final"
+    assert write.ttl is None
+
+
+def test_confirmation_can_leave_lower_ranks_out_and_stay_frozen() -> None:
+    state = frozen([], {A.name: 0, B.name: 1}, 2)
+    write = plan_confirmation(state, [A, B], min_workers=1, skip_below_rank=1)
+    assert write is not None
+    assert write.state["keep_alives"] == [B.key]
+    assert write.state["status"] == "frozen"
+    assert write.ttl == CONST_ETCD_FROZEN_TTL
+    assert plan_confirmation(write.state, [B], min_workers=1) is None
+
+
+# -- what a waiting worker does ------------------------------------------------------------
+
+
+def test_the_oldest_unadmitted_worker_admits_at_once() -> None:
+    step = admission_step(observed(joinable()), "1", A, [A, B], 50, 0.0)
+    assert (step.kind, step.impatient) == ("admit", False)
+
+
+def test_a_younger_worker_waits_for_the_older_ones_then_admits_without_them() -> None:
+    step = admission_step(observed(joinable()), "1", C, [A, B, C], 50, 0.5)
+    assert step.kind == "wait"
+    assert step.timeout == pytest.approx(grace(2) - 0.5)
+    step = admission_step(observed(joinable()), "1", C, [A, B, C], 50, grace(2))
+    assert (step.kind, step.impatient) == ("admit", True)
+
+
+def test_the_grace_grows_with_the_place_in_line_up_to_twice_its_length() -> None:
+    assert grace(1) == ADMISSION_GRACE
+    assert ADMISSION_GRACE < grace(2) < grace(3) < 2 * ADMISSION_GRACE
+    assert grace(1000) == 2 * ADMISSION_GRACE
+
+
+def test_a_worker_left_oldest_by_a_change_lists_again_first() -> None:
+    state = observed(joinable(2, {A.name: 0, B.name: 1}), index=60)
+    assert admission_step(state, "1", C, [A, B, C], 50, 0.0).kind == "list"
+    assert admission_step(state, "1", C, [A, B, C], 60, 0.0).kind == "admit"
+
+
+def test_an_admitted_worker_has_its_rank() -> None:
+    step = admission_step(observed(joinable(3, {B.name: 2})), "1", B, [A, B], 50, 0.0)
+    assert (step.kind, step.value) == ("admitted", 2)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        None,
+        {"status": "setup"},
+        {"status": "closed"},
+        {**joinable(), "version": "2"},
+        {**frozen([], {A.name: 0}, 1)},
+        {**frozen([A.key], {A.name: 0}, 1), "status": "final", "num_workers_waiting": 0},
+    ],
+)
+def test_a_worker_not_admitted_leaves_a_version_that_ended_or_filled(
+    state: dict[str, Any] | None,
+) -> None:
+    assert admission_step(observed(state), "1", B, [A, B], 50, 0.0).kind == "leave"
+
+
+def test_confirmation_steps() -> None:
+    members = {A.name: 0, B.name: 1, C.name: 2}
+    # PyTorch froze it: our lowest-ranked member confirms, the others wait their turn.
+    state = observed(frozen([], members, 4))
+    assert confirmation_step(state, "1", A.name, VDIR, 0.0).kind == "confirm"
+    wait = confirmation_step(state, "1", C.name, VDIR, 0.0)
+    assert (wait.kind, wait.timeout) == ("wait", grace(2))
+    late = confirmation_step(state, "1", C.name, VDIR, grace(2))
+    assert (late.kind, late.impatient) == ("confirm", True)
+    # Confirmed already: wait for the others (PyTorch's members confirm themselves).
+    state = observed(frozen([A.key, B.key, C.key], members, 4))
+    assert confirmation_step(state, "1", A.name, VDIR, 0.0).kind == "wait"
+    final = {**state.state, "status": "final", "num_workers_waiting": 0}  # type: ignore[dict-item]
+    done = confirmation_step(observed(final), "1", A.name, VDIR, 0.0)
+    assert (done.kind, done.value) == ("done", 4)
+    assert confirmation_step(observed(joinable(3, members)), "1", A.name, VDIR, 0).kind == "wait"
+    assert confirmation_step(observed(None), "1", A.name, VDIR, 0.0).kind == "leave"
+    assert confirmation_step(state, "1", D.name, VDIR, 0.0).kind == "leave"
+
+
+def test_create_spread_grows_with_workers_and_round_trips_and_is_capped() -> None:
+    assert all(0 <= create_spread(1, 0.0) <= 0.001 for _ in range(100))
+    assert all(0 <= create_spread(64, 0.001) <= 64 * 0.003 for _ in range(100))
+    assert max(create_spread(10_000, 1.0) for _ in range(100)) <= 2.0
