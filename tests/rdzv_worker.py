@@ -108,6 +108,21 @@ def _make_handler(args: argparse.Namespace) -> Any:
     return create_rdzv_handler(_parameters(RendezvousParameters, "etcd", args, config))
 
 
+def _log_to_file() -> None:
+    """With ``$RDZV_WORKER_LOG_DIR`` set, log everything (DEBUG) to ``<dir>/<pid>.log``:
+    the record of a worker that hung, for debugging."""
+    log_dir = os.environ.get("RDZV_WORKER_LOG_DIR")
+    if not log_dir:
+        return
+    import logging
+
+    logging.basicConfig(
+        filename=os.path.join(log_dir, f"{os.getpid()}.log"),
+        level=logging.DEBUG,
+        format="%(relativeCreated)8.0f %(threadName)s %(name)s %(levelname)s %(message)s",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=("ours", "torch"), default="ours")
@@ -125,6 +140,7 @@ def main() -> None:
     # importing PyTorch (seconds per process); most tests do not need it.
     parser.add_argument("--torch-store", choices=("auto", "true", "false"), default="false")
     args = parser.parse_args()
+    _log_to_file()
 
     handler = _make_handler(args)
     store: Any = None

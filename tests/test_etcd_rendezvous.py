@@ -160,6 +160,27 @@ def test_late_worker_is_counted_waiting_and_admitted_on_rerendezvous(
     assert {j["version"] for j in second} == {"2"}
 
 
+def test_waiter_whose_final_state_is_deleted_under_it_joins_the_next_version(
+    etcd_server, run_id, workers, conn
+):
+    """A worker waiting on a final version finds the state gone when it next reads it
+    (deleted by another worker, as when a keep-alive lapses, or by an operator): it must
+    take part in the next version. It used to keep deciding on the final state its state
+    feed last delivered, and never joined again."""
+    key = _state_key(run_id)
+    members = _spawn(workers, etcd_server, run_id, 2, 2, 2, timeout=20)
+    assert {j["world_size"] for j in _join_all(members)} == {2}
+    (late,) = _spawn(workers, etcd_server, run_id, 1, 2, 2, timeout=20)
+    late.send("join")
+    wait_for_state(conn, key, lambda s: s is not None and s.get("num_workers_waiting") == 1)
+
+    conn.delete(key)
+    members[0].send("join")
+    joined = [expect_joined(w.next_event(), w) for w in (members[0], late)]
+    assert sorted(j["rank"] for j in joined) == [0, 1]
+    assert {(j["version"], j["world_size"]) for j in joined} == {("2", 2)}
+
+
 @pytest.mark.slow
 def test_killed_member_is_detected_and_survivors_regroup(etcd_server, run_id, workers, conn):
     group = _spawn(workers, etcd_server, run_id, 3, 2, 3, last_call=1)

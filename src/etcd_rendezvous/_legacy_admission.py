@@ -407,10 +407,17 @@ class StateFeed:
         return time.monotonic() - self._changed_at
 
     def current(self) -> Observed:
-        """The latest state seen; read from etcd on first use and after an error."""
+        """The latest state known: read from etcd on first use and after an error, else
+        the newest change the stream already delivered (without waiting).
+
+        Taking in what was delivered matters: a caller that went round without waiting
+        (it read the key itself and found it changed or gone) would otherwise decide
+        again and again on a state that no longer exists.
+        """
         if self._latest is None or self._stream is None:
             return self._restart()
-        return self._latest
+        self._receive(0.0)
+        return self._latest if self._latest is not None else self._restart()
 
     def note(self, node: Node) -> Observed:
         """Take in ``node``, the answer to our own write of the state key."""
@@ -421,10 +428,16 @@ class StateFeed:
         """Wait at most ``timeout`` seconds for a change newer than the latest state;
         take in every change already delivered. Returns whether the state changed."""
         self.current()
+        return self._receive(max(0.0, timeout))
+
+    def _receive(self, timeout: float) -> bool:
+        """Take in the changes the open stream delivers within ``timeout`` seconds (every
+        one already delivered, and at most one wait); whether the state changed. After
+        lost history the state is read again; after any other error the feed is closed."""
         stream = self._stream
-        if stream is None:  # pragma: no cover (current() opened it)
+        if stream is None:  # pragma: no cover (callers opened it)
             return False
-        deadline = Deadline(max(0.0, timeout))
+        deadline = Deadline(timeout)
         try:
             while True:
                 event = stream.next(deadline.remaining())

@@ -629,8 +629,11 @@ class EtcdRendezvous:
         if state["status"] == "joinable":
             return self.join_phase(state["version"])
         if state["status"] == "final":
-            self.handle_existing_rendezvous(state["version"])
-            self._feed.invalidate()
+            try:
+                self.handle_existing_rendezvous(state["version"])
+            finally:
+                # It read the state itself: the next attempt starts from a fresh read.
+                self._feed.invalidate()
             raise EtcdRendezvousRetryImmediately
         # setup, or frozen without us: wait until that changes.
         self._await_change()
@@ -796,11 +799,14 @@ class EtcdRendezvous:
     def wait_for_rendezvous_to_free(self, expected_version: str) -> None:
         """Wait until the final rendezvous ``expected_version`` ends.
 
-        It ends when its state changes, or when a member stops renewing its keep-alive
-        key; in that case we delete the state (if it has not changed) so that a new
-        version can start.
+        It ends when its state changes or is deleted, or when a member stops renewing
+        its keep-alive key; in that case we delete the state (if it has not changed) so
+        that a new version can start.
         """
-        active_version, state = self.get_rdzv_state()
+        try:
+            active_version, state = self.get_rdzv_state()
+        except KeyNotFoundError:
+            return
         while True:
             if state["status"] != "final" or state["version"] != expected_version:
                 return
@@ -831,7 +837,10 @@ class EtcdRendezvous:
                 recursive=True,
             )
             self._check_deadline()
-            active_version, state = self.get_rdzv_state()
+            try:
+                active_version, state = self.get_rdzv_state()
+            except KeyNotFoundError:
+                return  # another worker (or an operator) ended the version
 
     def handle_join_last_call(self, expected_version: str, deadline: Deadline) -> None:
         """Keep the joinable state alive until ``deadline``, then freeze it, our live
