@@ -427,7 +427,8 @@ class StateFeed:
     def wait(self, timeout: float) -> bool:
         """Wait at most ``timeout`` seconds for a change newer than the latest state;
         take in every change already delivered. Returns whether the state changed."""
-        self.current()
+        if self._latest is None or self._stream is None:
+            self._restart()  # (not current(): what it took in would not count as a change)
         return self._receive(max(0.0, timeout))
 
     def _receive(self, timeout: float) -> bool:

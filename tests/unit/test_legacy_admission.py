@@ -3,6 +3,7 @@ plain functions of what a worker observed, so every case is spelled out here."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from etcd_rendezvous._legacy_admission import (
     MEMBERS,
     Announced,
     Observed,
+    StateFeed,
     admission_step,
     announced,
     confirmation_step,
@@ -257,3 +259,70 @@ def test_create_spread_grows_with_workers_and_round_trips_and_is_capped() -> Non
     assert all(0 <= create_spread(1, 0.0) <= 0.001 for _ in range(100))
     assert all(0 <= create_spread(64, 0.001) <= 64 * 0.003 for _ in range(100))
     assert max(create_spread(10_000, 1.0) for _ in range(100)) <= 2.0
+
+
+# -- the state feed -----------------------------------------------------------------------
+
+
+class _Stream:
+    """A watch stream whose changes the test hands over (``delivered``)."""
+
+    def __init__(self) -> None:
+        self.delivered: list[Node] = []
+        self.closed = False
+
+    def next(self, timeout: float) -> Node | None:
+        return self.delivered.pop(0) if self.delivered else None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Conn:
+    """What StateFeed asks of a transport: one read of the state, then a stream."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.node = Node(LAYOUT.state_key, json.dumps(state), 10, 1, 10, None, False, (), "get")
+        self.reads = 0
+        self.streams: list[_Stream] = []
+
+    def get(self, key: str) -> Node:
+        self.reads += 1
+        return self.node
+
+    def watch_stream(self, key: str, start_index: int) -> _Stream:
+        self.streams.append(_Stream())
+        return self.streams[-1]
+
+
+def _change(state: dict[str, Any] | None, index: int) -> Node:
+    if state is None:
+        return Node(LAYOUT.state_key, None, index, 1, index, None, False, (), "delete")
+    return Node(LAYOUT.state_key, json.dumps(state), index, 1, index, None, False, (), "set")
+
+
+def _feed(state: dict[str, Any]) -> tuple[StateFeed, _Conn]:
+    conn = _Conn(state)
+    feed = StateFeed(conn, LAYOUT.state_key, lambda node: json.loads(node.value or ""))  # type: ignore[arg-type]
+    return feed, conn
+
+
+def test_the_feed_hands_out_the_changes_its_stream_already_delivered() -> None:
+    """A caller that goes round without waiting (it read the key itself) must not decide
+    again on a state that is gone: current() takes in what the stream delivered."""
+    final = {"status": "final", "version": "1", "participants": [0]}
+    feed, conn = _feed(final)
+    assert feed.current().state == final
+    conn.streams[0].delivered.append(_change(None, 11))
+    assert feed.current().state is None
+    assert feed.current().index == 11
+    assert conn.reads == 1
+
+
+def test_a_change_delivered_before_the_wait_counts_as_one() -> None:
+    feed, conn = _feed(joinable(1))
+    feed.current()
+    conn.streams[0].delivered.append(_change(joinable(2), 11))
+    assert feed.wait(0.0) is True
+    assert feed.current().state == joinable(2)
+    assert feed.wait(0.0) is False
