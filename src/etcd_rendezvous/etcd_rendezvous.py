@@ -72,26 +72,25 @@ from ._client import (
     KeyExistsError,
     KeyNotFoundError,
     Node,
-    OperationRefusedError,
 )
+from ._lease_keeper import LeaseKeeper, stop_keepers
 from ._legacy_admission import (
     CONST_ETCD_FROZEN_TTL,  # noqa: F401 (PyTorch's name, importable from here as there)
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
     CONST_ETCD_SETUP_TTL,
     CONST_WORKER_KEEPALIVE_TTL,
-    MEMBERS,
     WRITES,
     BatchJoin,
     RestartAttempt,
     StateFeed,
     create_spread,
-    members_of,
 )
+from ._legacy_state import member_ranks, parse_state, preview
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
 from ._retry import CONNECTION, CONTENTION, Deadline, Retry
 from ._torch import adapt_store, torch_available, torch_store_wanted
-from ._transport import Transport, TransportClosedError
+from ._transport import Transport
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -140,156 +139,6 @@ CONST_RUNID_SUBROOT_TTL = 7200
 #: Least time given to the exchange of the master address after the barrier, in seconds
 #: (rank 0 publishes it at once; see :meth:`EtcdRendezvousHandler.next_rendezvous`).
 _EXCHANGE_GRACE = 0.5
-
-_STATUSES = frozenset({"setup", "joinable", "frozen", "final", "closed"})
-
-
-# -- state validation --------------------------------------------------------------------
-
-
-def _preview(value: str | None, limit: int = 200) -> str:
-    if value is None:
-        return "<no value>"
-    return repr(value if len(value) <= limit else value[:limit] + "...")
-
-
-def _state_problem(state: Any) -> str | None:
-    """Describe what is wrong with a decoded state, or return ``None`` if it is valid."""
-    if not isinstance(state, dict):
-        return "it is not a JSON object"
-    status = state.get("status")
-    if status not in _STATUSES:
-        return f"unknown status {status!r} (expected one of {sorted(_STATUSES)})"
-    if status in ("setup", "closed"):
-        return None
-    if not isinstance(state.get("version"), str):
-        return f"'version' must be a string in a {status!r} state"
-    # type() is rather than isinstance(): bool is an int, and each worker validates
-    # every state it sees, of hundreds of entries at scale.
-    participants = state.get("participants")
-    if not isinstance(participants, list) or not all(type(p) is int for p in participants):
-        return "'participants' must be a list of integers"
-    if status in ("frozen", "final"):
-        keep_alives = state.get("keep_alives")
-        if not isinstance(keep_alives, list) or not all(type(k) is str for k in keep_alives):
-            return "'keep_alives' must be a list of strings"
-    if status == "final":
-        waiting = state.get("num_workers_waiting")
-        if not isinstance(waiting, int) or isinstance(waiting, bool) or waiting < 0:
-            return "'num_workers_waiting' must be a non-negative integer"
-    members = state.get(MEMBERS, {})
-    if not isinstance(members, dict) or not all(type(r) is int for r in members.values()):
-        # (JSON object keys are always strings.)
-        return f"'{MEMBERS}' must map member key names to ranks"
-    return None
-
-
-def parse_state(node: Node) -> dict[str, Any]:
-    """Decode and validate the rendezvous state stored in ``node``.
-
-    ``node`` is the state key, ``<prefix>/run_<run_id>/rdzv/active_version``
-    (:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), as read from etcd. The
-    result is the JSON object PyTorch's workers write: ``status`` and, from
-    ``joinable`` on, ``version`` and ``participants`` (then ``keep_alives`` and
-    ``num_workers_waiting``), each checked for its type, and the ``members`` our
-    workers add (member key name -> rank; see :mod:`etcd_rendezvous._legacy_admission`).
-
-    Raises:
-        RendezvousStateError: the value is not a valid state. The key is not modified.
-    """
-    try:
-        state = json.loads(node.value) if node.value is not None else None
-    except ValueError as exc:
-        problem: str | None = f"it is not valid JSON ({exc})"
-    else:
-        problem = _state_problem(state)
-    if problem is not None:
-        raise RendezvousStateError(
-            f"The rendezvous state in etcd key {node.key!r} is invalid: {problem}. "
-            f"Stored value: {_preview(node.value)}. The key was left untouched; inspect "
-            "it, then delete it to let the workers start a new rendezvous version."
-        )
-    assert isinstance(state, dict)  # checked by _state_problem
-    return state
-
-
-def member_ranks(state: dict[str, Any]) -> dict[str, int]:
-    """The ranks our workers were admitted with, by member key name (``node_<hex>``):
-    the ``members`` field of a state :func:`parse_state` returned (empty in a state only
-    PyTorch's workers wrote)."""
-    return dict(members_of(state))
-
-
-# -- keep-alive threads ------------------------------------------------------------------
-
-
-class _LeaseKeeper:
-    """Keeps an etcd key alive by refreshing its TTL every ``ttl / 2`` seconds.
-
-    The thread rides out etcd outages and leader elections: a refresh that fails is
-    logged and tried again a second later, for as long as the key lives. Each attempt
-    gets at most a fifth of the TTL (and ``read_timeout``), so that a request stuck on a
-    member whose leader just died cannot use up the time the key has left; the next
-    attempt goes to the next endpoint. The thread stops when ``stop_event`` is set,
-    when the key is gone (it expired: the worker is then dropped, as it should be after
-    losing etcd for a whole TTL), or when etcd refuses to refresh it.
-    """
-
-    def __init__(self, conn: Transport, key: str, ttl: int) -> None:
-        self.key = key
-        self.ttl = ttl
-        self.stop_event = threading.Event()
-        self._conn = conn
-        self._attempt = max(1.0, min(ttl / 5, conn.read_timeout))
-        self._thread = threading.Thread(
-            target=self._run, name=f"etcd-rendezvous-lease:{key}", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        """Whether the refresh thread is still running."""
-        return self._thread.is_alive()
-
-    def stop(self, timeout: float = 2.0) -> None:
-        """Stop refreshing; wait up to ``timeout`` seconds for the thread to end."""
-        self.stop_event.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        wait: float | None = self.ttl / 2
-        while wait is not None and not self.stop_event.wait(wait):
-            wait = self._refresh()
-
-    def _refresh(self) -> float | None:
-        """Refresh the TTL once; return the seconds until the next refresh (``None``:
-        stop)."""
-        interval = self.ttl / 2
-        try:
-            self._conn.refresh(self.key, self.ttl, timeout=self._attempt)
-        except KeyNotFoundError:
-            logger.info("Keep-alive key %s is gone; no longer refreshing it", self.key)
-            return None
-        except OperationRefusedError as exc:
-            logger.warning("etcd refuses to refresh the TTL of %s (%s); giving up", self.key, exc)
-            return None
-        except TransportClosedError:
-            logger.info("The etcd connection was closed; no longer refreshing %s", self.key)
-            return None
-        except RendezvousConnectionError as exc:
-            logger.warning("Could not refresh the TTL of %s, will retry: %s", self.key, exc)
-            return min(1.0, interval)
-        except Exception:
-            logger.exception("Unexpected error refreshing the TTL of %s; will retry", self.key)
-            return min(1.0, interval)
-        return interval
-
-
-def _stop_keepers(keepers: list[_LeaseKeeper]) -> None:
-    for keeper in keepers:
-        keeper.stop_event.set()
-
 
 # -- the state machine -------------------------------------------------------------------
 
@@ -367,10 +216,10 @@ class EtcdRendezvous:
         self._owns_conn = owns_connection or self._conn is not client
         self._close_lock = threading.Lock()
         self._closed = False
-        self._keepers: list[_LeaseKeeper] = []
-        self._lease_this_rank: _LeaseKeeper | None = None
+        self._keepers: list[LeaseKeeper] = []
+        self._lease_this_rank: LeaseKeeper | None = None
         self._last_state: dict[str, Any] | None = None
-        self._finalizer = weakref.finalize(self, _stop_keepers, self._keepers)
+        self._finalizer = weakref.finalize(self, stop_keepers, self._keepers)
         try:
             _check_arguments(
                 prefix, run_id, num_min_workers, num_max_workers, timeout, last_call_timeout
@@ -452,14 +301,14 @@ class EtcdRendezvous:
         Returns:
             An event that stops the refreshing when set.
         """
-        keeper = _LeaseKeeper(self._conn, full_path, ttl)
+        keeper = LeaseKeeper(self._conn, full_path, ttl)
         self._keepers.append(keeper)
         return keeper.stop_event
 
-    def _keep_member_alive(self, key: str) -> _LeaseKeeper:
+    def _keep_member_alive(self, key: str) -> LeaseKeeper:
         """Keep our member key alive: it is this worker's keep-alive key of the version."""
         self._keepers[:] = [k for k in self._keepers if not k.stop_event.is_set()]
-        keeper = _LeaseKeeper(self._conn, key, CONST_WORKER_KEEPALIVE_TTL)
+        keeper = LeaseKeeper(self._conn, key, CONST_WORKER_KEEPALIVE_TTL)
         self._keepers.append(keeper)
         self._lease_this_rank = keeper
         return keeper
@@ -768,7 +617,7 @@ class EtcdRendezvous:
         except ValueError:
             raise RendezvousStateError(
                 f"The rendezvous version counter {counter_key!r} holds "
-                f"{_preview(counter.value)}, not an integer. The key was left untouched."
+                f"{preview(counter.value)}, not an integer. The key was left untouched."
             ) from None
         try:
             self._conn.compare_and_swap(counter_key, version, counter, value_is_unique=False)
@@ -1062,7 +911,7 @@ class EtcdRendezvous:
         if not isinstance(data, dict):
             raise RendezvousStateError(
                 f"etcd key {node.key!r} should hold a JSON object, but holds "
-                f"{_preview(node.value)}. The key was left untouched."
+                f"{preview(node.value)}. The key was left untouched."
             )
         return data
 

@@ -1,0 +1,95 @@
+"""The legacy ``etcd`` backend's rendezvous state: decoding and validating it.
+
+The state is the JSON object PyTorch's workers keep in ``rdzv/active_version``
+(:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), with the ``members`` field our
+workers add (see :mod:`etcd_rendezvous._legacy_admission`). Every worker checks every
+state it reads, so that a corrupt key is reported, naming it, instead of derailing the
+state machine of :mod:`etcd_rendezvous.etcd_rendezvous`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ._legacy_admission import MEMBERS, members_of
+from ._transport import Node
+from .api import RendezvousStateError
+
+__all__ = ["member_ranks", "parse_state", "preview"]
+
+_STATUSES = frozenset({"setup", "joinable", "frozen", "final", "closed"})
+
+
+def preview(value: str | None, limit: int = 200) -> str:
+    """``value`` for an error message: quoted, cut after ``limit`` characters."""
+    if value is None:
+        return "<no value>"
+    return repr(value if len(value) <= limit else value[:limit] + "...")
+
+
+def _state_problem(state: Any) -> str | None:
+    """Describe what is wrong with a decoded state, or return ``None`` if it is valid."""
+    if not isinstance(state, dict):
+        return "it is not a JSON object"
+    status = state.get("status")
+    if status not in _STATUSES:
+        return f"unknown status {status!r} (expected one of {sorted(_STATUSES)})"
+    if status in ("setup", "closed"):
+        return None
+    if not isinstance(state.get("version"), str):
+        return f"'version' must be a string in a {status!r} state"
+    # type() is rather than isinstance(): bool is an int, and each worker validates
+    # every state it sees, of hundreds of entries at scale.
+    participants = state.get("participants")
+    if not isinstance(participants, list) or not all(type(p) is int for p in participants):
+        return "'participants' must be a list of integers"
+    if status in ("frozen", "final"):
+        keep_alives = state.get("keep_alives")
+        if not isinstance(keep_alives, list) or not all(type(k) is str for k in keep_alives):
+            return "'keep_alives' must be a list of strings"
+    if status == "final":
+        waiting = state.get("num_workers_waiting")
+        if not isinstance(waiting, int) or isinstance(waiting, bool) or waiting < 0:
+            return "'num_workers_waiting' must be a non-negative integer"
+    members = state.get(MEMBERS, {})
+    if not isinstance(members, dict) or not all(type(r) is int for r in members.values()):
+        # (JSON object keys are always strings.)
+        return f"'{MEMBERS}' must map member key names to ranks"
+    return None
+
+
+def parse_state(node: Node) -> dict[str, Any]:
+    """Decode and validate the rendezvous state stored in ``node``.
+
+    ``node`` is the state key, ``<prefix>/run_<run_id>/rdzv/active_version``
+    (:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), as read from etcd. The
+    result is the JSON object PyTorch's workers write: ``status`` and, from
+    ``joinable`` on, ``version`` and ``participants`` (then ``keep_alives`` and
+    ``num_workers_waiting``), each checked for its type, and the ``members`` our
+    workers add (member key name -> rank; see :mod:`etcd_rendezvous._legacy_admission`).
+
+    Raises:
+        RendezvousStateError: the value is not a valid state. The key is not modified.
+    """
+    try:
+        state = json.loads(node.value) if node.value is not None else None
+    except ValueError as exc:
+        problem: str | None = f"it is not valid JSON ({exc})"
+    else:
+        problem = _state_problem(state)
+    if problem is not None:
+        raise RendezvousStateError(
+            f"The rendezvous state in etcd key {node.key!r} is invalid: {problem}. "
+            f"Stored value: {preview(node.value)}. The key was left untouched; inspect "
+            "it, then delete it to let the workers start a new rendezvous version."
+        )
+    assert isinstance(state, dict)  # checked by _state_problem
+    return state
+
+
+def member_ranks(state: dict[str, Any]) -> dict[str, int]:
+    """The ranks our workers were admitted with, by member key name (``node_<hex>``):
+    the ``members`` field of a state :func:`parse_state` returned (empty in a state only
+    PyTorch's workers wrote)."""
+    return dict(members_of(state))
