@@ -87,6 +87,7 @@ from ._legacy_admission import (
     create_spread,
     members_of,
 )
+from ._legacy_waiting import await_end_of_final
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
 from ._retry import CONNECTION, CONTENTION, Deadline, Retry
@@ -104,7 +105,7 @@ from .api import (
 )
 from .etcd_store import EtcdStore
 from .events import NodeState, _records_failure, record_rdzv_event
-from .layout import DEFAULT_PREFIX, LegacyLayout, normalize_key
+from .layout import DEFAULT_PREFIX, LegacyLayout
 
 __all__ = [
     "EtcdRendezvous",
@@ -801,46 +802,30 @@ class EtcdRendezvous:
 
         It ends when its state changes or is deleted, or when a member stops renewing
         its keep-alive key; in that case we delete the state (if it has not changed) so
-        that a new version can start.
+        that a new version can start. One read, one listing and one watch stream,
+        whatever the number of workers (see :mod:`etcd_rendezvous._legacy_waiting`).
         """
-        try:
-            active_version, state = self.get_rdzv_state()
-        except KeyNotFoundError:
-            return
-        while True:
-            if state["status"] != "final" or state["version"] != expected_version:
-                return
-            try:
-                members = self._conn.list_dir(self._layout.version_dir(expected_version))
-                alive = {normalize_key(child.key) for child in members.children}
-            except KeyNotFoundError:
-                alive = set()
-            for key in state["keep_alives"]:
-                if normalize_key(key) not in alive:
-                    logger.info("Keep-alive key %s is not renewed.", key)
-                    logger.info("Rendezvous version %s is incomplete. ", expected_version)
-                    logger.info("Attempting to destroy it.")
-                    self._record(
-                        f"The keep-alive key {key} lapsed: version {expected_version} of the "
-                        f"rendezvous of run '{self._run_id}' lost a member and is being destroyed."
-                    )
-                    if self._conn.compare_and_delete(active_version.key, active_version):
-                        logger.info(
-                            "Destroyed rendezvous version %s successfully.", expected_version
-                        )
-                    return
-            # The rendezvous is healthy: wait for any change below rdzv/.
-            self._conn.watch(
-                self._layout.rdzv_dir,
-                active_version.etcd_index + 1,
-                self._rendezvous_deadline.remaining() + 1.0,
-                recursive=True,
+
+        def lapsed(key: str) -> None:
+            logger.info("Keep-alive key %s is not renewed.", key)
+            logger.info(
+                "Rendezvous version %s is incomplete. Attempting to destroy it.", expected_version
             )
-            self._check_deadline()
-            try:
-                active_version, state = self.get_rdzv_state()
-            except KeyNotFoundError:
-                return  # another worker (or an operator) ended the version
+            self._record(
+                f"The keep-alive key {key} lapsed: version {expected_version} of the "
+                f"rendezvous of run '{self._run_id}' lost a member and is being destroyed.",
+                method="wait_for_rendezvous_to_free",
+            )
+
+        await_end_of_final(
+            self._conn,
+            self._layout,
+            expected_version,
+            parse=parse_state,
+            on_lapse=lapsed,
+            deadline=self._rendezvous_deadline,
+            timeout_error=lambda: RendezvousTimeoutError(self._timeout_message()),
+        )
 
     def handle_join_last_call(self, expected_version: str, deadline: Deadline) -> None:
         """Keep the joinable state alive until ``deadline``, then freeze it, our live
