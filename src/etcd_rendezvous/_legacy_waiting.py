@@ -70,15 +70,16 @@ def await_end_of_final(
         the error of ``timeout_error``: ``deadline`` passed first.
     """
     while True:
+        # The stream first, from now, then the reads: a stream opened from the index of
+        # a read would, on v2, cost a request per change made since (many workers are
+        # announcing themselves just then). Changes between the two are in both.
         try:
-            final, start = _observe(conn, layout, version, parse, on_lapse)
-        except KeyNotFoundError:
-            return  # the state is gone: the version ended
-        if final is None:
-            return
-        try:
-            with conn.watch_stream(layout.rdzv_dir, start, recursive=True) as stream:
-                if _follow(conn, stream, layout, final, parse, on_lapse, deadline):
+            with conn.watch_stream(layout.rdzv_dir, 0, recursive=True) as stream:
+                try:
+                    final = _observe(conn, layout, version, parse, on_lapse)
+                except KeyNotFoundError:
+                    return  # the state is gone: the version ended
+                if final is None or _follow(conn, stream, layout, final, parse, on_lapse, deadline):
                     return
         except WatchHistoryLostError:
             logger.info("etcd no longer holds the changes below %s; reading again", layout.rdzv_dir)
@@ -92,10 +93,9 @@ def _observe(
     version: str,
     parse: Callable[[Node], dict[str, Any]],
     on_lapse: Callable[[str], None],
-) -> tuple[_FinalVersion | None, int]:
-    """Read the state and list the version directory: the final version to wait on and
-    the index to watch from, or ``None`` if it already ended (ended by us if a
-    keep-alive key is missing).
+) -> _FinalVersion | None:
+    """Read the state and list the version directory: the final version to wait on, or
+    ``None`` if it already ended (ended by us if a keep-alive key is missing).
 
     Raises:
         KeyNotFoundError: there is no state.
@@ -103,7 +103,7 @@ def _observe(
     node = conn.get(layout.state_key)
     final = _FinalVersion(node, parse(node), version)
     if not final.ongoing:
-        return None, 0
+        return None
     try:
         alive = {
             normalize_key(child.key)
@@ -114,10 +114,8 @@ def _observe(
     lapsed = sorted(final.keep_alives - alive)
     if lapsed:
         _end(conn, final, lapsed[0], on_lapse)
-        return None, 0
-    # From just after the read of the state: a key that lapsed between the read and the
-    # listing was seen missing; a state written meanwhile comes with the stream.
-    return final, node.etcd_index + 1
+        return None
+    return final
 
 
 def _follow(
@@ -138,12 +136,13 @@ def _follow(
             continue
         key = normalize_key(event.key)
         if key == state_key:
+            if event.modified_index <= final.node.modified_index:
+                continue  # made before our read
             if event.action in ENDINGS or event.value is None:
                 return True
-            if event.modified_index > final.node.modified_index:
-                final = _FinalVersion(event, parse(event), final.version)
-                if not final.ongoing:
-                    return True
+            final = _FinalVersion(event, parse(event), final.version)
+            if not final.ongoing:
+                return True
         elif key in final.keep_alives and event.action in ENDINGS:
             _end(conn, final, key, on_lapse)
             return True
