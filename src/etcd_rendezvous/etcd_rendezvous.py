@@ -58,6 +58,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import secrets
 import sys
 import threading
 import time
@@ -87,7 +88,7 @@ from ._legacy_admission import (
     create_spread,
     members_of,
 )
-from ._legacy_waiting import await_end_of_final
+from ._legacy_waiting import WAITER_TTL, WAITING, await_end_of_final
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
 from ._retry import CONNECTION, CONTENTION, Deadline, Retry
@@ -105,7 +106,7 @@ from .api import (
 )
 from .etcd_store import EtcdStore
 from .events import NodeState, _records_failure, record_rdzv_event
-from .layout import DEFAULT_PREFIX, LegacyLayout
+from .layout import DEFAULT_PREFIX, LegacyLayout, new_waiter_name
 
 __all__ = [
     "EtcdRendezvous",
@@ -182,6 +183,9 @@ def _state_problem(state: Any) -> str | None:
     if not isinstance(members, dict) or not all(type(r) is int for r in members.values()):
         # (JSON object keys are always strings.)
         return f"'{MEMBERS}' must map member key names to ranks"
+    waiting = state.get(WAITING, [])
+    if not isinstance(waiting, list) or not all(type(name) is str for name in waiting):
+        return f"'{WAITING}' must be a list of wait key names"
     return None
 
 
@@ -711,14 +715,22 @@ class EtcdRendezvous:
         return expected_version, this_rank, world_size
 
     def handle_existing_rendezvous(self, expected_version: str) -> None:
-        """Announce ourselves as waiting on a final rendezvous, then wait for it to end."""
-        active_state = self.announce_self_waiting(expected_version)
-        logger.info("Added self to waiting list. Rendezvous full state: %s", active_state.value)
+        """Announce ourselves as waiting on a final rendezvous, then wait for it to end.
+
+        We announce ourselves with a wait key, and are counted in
+        ``num_workers_waiting`` with the others that did (one write for many; see
+        :mod:`etcd_rendezvous._legacy_waiting`), where PyTorch's workers each increment
+        it (:meth:`announce_self_waiting`).
+        """
+        waiter = new_waiter_name(secrets.randbits(64))
+        key = self._layout.waiter_key(expected_version, waiter)
+        self._conn.set(key, None, ttl=WAITER_TTL)
+        logger.info("Waiting on rendezvous version %s as %s", expected_version, key)
         self._record(
             f"The worker waits for the next rendezvous of run '{self._run_id}': version "
             f"{expected_version} is complete."
         )
-        self.wait_for_rendezvous_to_free(expected_version)
+        self._await_free(expected_version, waiter)
         logger.info("Previously existing rendezvous state changed. Will re-try joining.")
 
     def try_create_rendezvous(self) -> Node:
@@ -805,6 +817,11 @@ class EtcdRendezvous:
         that a new version can start. One read, one listing and one watch stream,
         whatever the number of workers (see :mod:`etcd_rendezvous._legacy_waiting`).
         """
+        self._await_free(expected_version, None)
+
+    def _await_free(self, expected_version: str, waiter: str | None) -> None:
+        """:meth:`wait_for_rendezvous_to_free`, counting the wait keys when our wait
+        key ``waiter`` calls for it."""
 
         def lapsed(key: str) -> None:
             logger.info("Keep-alive key %s is not renewed.", key)
@@ -825,6 +842,7 @@ class EtcdRendezvous:
             on_lapse=lapsed,
             deadline=self._rendezvous_deadline,
             timeout_error=lambda: RendezvousTimeoutError(self._timeout_message()),
+            waiter=waiter,
         )
 
     def handle_join_last_call(self, expected_version: str, deadline: Deadline) -> None:
