@@ -116,6 +116,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import multiprocessing
 import os
 import queue
@@ -264,6 +265,13 @@ def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any
     """One process of a row: create the handlers, report ready, then run each phase on
     the parent's signal (start, second round, release); reports go to ``out``."""
     start, second, done = signals
+    if os.environ.get("BENCH_LOG_DIR"):  # each process's log, for looking into a row
+        logging.basicConfig(
+            filename=os.path.join(os.environ["BENCH_LOG_DIR"], f"{os.getpid()}.log"),
+            level=logging.INFO,
+            format="%(relativeCreated)8.0f %(threadName)s %(name)s %(message)s",
+            force=True,
+        )
     deaths = ThreadDeaths()
     threading.excepthook = deaths
     make = handler_factory(plan.variant, plan.endpoint, plan.nodes, plan.options)

@@ -384,6 +384,35 @@ def test_compare_and_delete_whose_response_was_lost_returns_true(
     assert direct.try_get(key) is None
 
 
+def test_many_compare_and_deletes_of_a_large_value_at_once_have_one_winner(
+    etcd_server: EtcdServer, connect: Connect, direct: Transport, key: str
+) -> None:
+    """As when every worker waiting on a final state of 64 workers sees the same
+    keep-alive key lapse: etcd 3.5 reset the connections of v2 DELETEs carrying the ~7 KB
+    value as a condition (in the URL), so all but the winner failed as unreachable."""
+    prev = direct.set(key, "x" * 7000)
+    endpoint = (etcd_server.get_host(), etcd_server.get_port())
+    conns = [connect(endpoint) for _ in range(64)]
+    start = threading.Barrier(len(conns))
+    results: list[object] = []
+
+    def delete(conn: Transport) -> None:
+        start.wait()
+        try:
+            results.append(conn.compare_and_delete(key, prev))
+        except RendezvousConnectionError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=delete, args=(conn,)) for conn in conns]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert sorted(map(str, results)) == ["False"] * 63 + ["True"]
+    assert direct.try_get(key) is None
+
+
 # -- 2. no silent re-sends ---------------------------------------------------------------
 
 

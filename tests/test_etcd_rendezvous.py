@@ -35,7 +35,13 @@ from etcd_rendezvous.etcd_rendezvous import (
     create_rdzv_handler,
 )
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_rendezvous.layout import LegacyLayout, member_name, new_member_name, normalize_key
+from etcd_rendezvous.layout import (
+    LegacyLayout,
+    member_name,
+    new_member_name,
+    new_waiter_name,
+    normalize_key,
+)
 from etcd_rendezvous.registry import get_rendezvous_handler
 from rdzv_helpers import Worker, expect_joined, wait_for_state, wait_until
 
@@ -179,6 +185,32 @@ def test_waiter_whose_final_state_is_deleted_under_it_joins_the_next_version(
     joined = [expect_joined(w.next_event(), w) for w in (members[0], late)]
     assert sorted(j["rank"] for j in joined) == [0, 1]
     assert {(j["version"], j["world_size"]) for j in joined} == {("2", 2)}
+
+
+def test_late_workers_are_counted_together_with_a_dead_waiter_after_the_grace(
+    etcd_server, run_id, workers, conn
+):
+    """Late workers announce themselves with wait keys; the oldest uncounted one counts
+    them all in one write. The oldest wait key here belongs to a worker that died: the
+    others count it too once the state stayed unchanged for the grace period (it did
+    arrive), and num_nodes_waiting() is exact."""
+    key = _state_key(run_id)
+    members = _spawn(workers, etcd_server, run_id, 2, 2, 2)
+    assert {j["world_size"] for j in _join_all(members)} == {2}
+    dead = new_waiter_name(0xDEAD)
+    conn.set(LegacyLayout("/torchelastic/p2p", run_id).waiter_key("1", dead), None, ttl=60)
+    late = _spawn(workers, etcd_server, run_id, 3, 2, 2)
+    for worker in late:
+        worker.send("join")
+    started = time.monotonic()
+    state = wait_for_state(conn, key, lambda s: s is not None and s["num_workers_waiting"] >= 4)
+    assert time.monotonic() - started >= ADMISSION_GRACE * 0.9
+    assert state is not None
+    assert state["num_workers_waiting"] == 4
+    assert dead in state["waiting"]
+    assert len(set(state["waiting"])) == 4
+    assert state["status"] == "final"
+    assert members[0].request("waiting") == {"event": "waiting", "n": 4}
 
 
 @pytest.mark.slow

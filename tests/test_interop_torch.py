@@ -101,6 +101,45 @@ def test_late_torch_worker_makes_our_members_rerendezvous(etcd_server, run_id, w
     assert {j["version"] for j in second} == {"2"}
 
 
+def test_late_workers_of_both_kinds_are_counted_exactly_and_admitted(
+    etcd_server, run_id, workers, conn
+):
+    """Two PyTorch and two of our workers arrive at a final version together: PyTorch's
+    increment num_workers_waiting themselves, ours are counted in one write through
+    their wait keys (the 'waiting' field survives PyTorch's writes); every member sees
+    4, and the re-rendezvous admits all six."""
+    members = _spawn(
+        workers, ["ours", "torch"], etcd_server, run_id, 2, 6, last_call=LATE_JOINER_LAST_CALL
+    )
+    for worker in members:
+        worker.send("join")
+    assert {expect_joined(w.next_event(), w)["world_size"] for w in members} == {2}
+
+    late = _spawn(
+        workers,
+        ["torch", "ours", "torch", "ours"],
+        etcd_server,
+        run_id,
+        2,
+        6,
+        last_call=LATE_JOINER_LAST_CALL,
+    )
+    for worker in late:
+        worker.send("join")
+    key = f"/torchelastic/p2p/run_{run_id}/rdzv/active_version"
+    state = wait_for_state(conn, key, lambda s: s is not None and s["num_workers_waiting"] >= 4)
+    assert state is not None
+    assert state["num_workers_waiting"] == 4
+    assert len(state["waiting"]) == 2
+    assert [w.request("waiting") for w in members] == [{"event": "waiting", "n": 4}] * 2
+
+    for worker in members:
+        worker.send("join")
+    second = [expect_joined(w.next_event(), w) for w in [*members, *late]]
+    assert sorted(j["rank"] for j in second) == list(range(6))
+    assert {(j["version"], j["world_size"]) for j in second} == {("2", 6)}
+
+
 def test_torch_sees_a_rendezvous_closed_by_us(etcd_server, run_id, workers, conn):
     ours, theirs = _spawn(workers, ["ours", "torch"], etcd_server, run_id, 2, 2)
     for worker in (ours, theirs):

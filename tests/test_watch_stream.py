@@ -333,6 +333,54 @@ def test_twenty_changes_over_one_stream_cost_one_watch_request(
     assert watch_requests(api, private_etcd_server.client_url) - before == 1
 
 
+def test_a_stream_from_now_delivers_only_the_changes_after_it_opened(
+    conn: Transport, writer: Transport, key: str
+) -> None:
+    old = writer.set(key, "old")
+    with conn.watch_stream(key, 0) as stream:
+        assert stream.next_index > old.modified_index
+        new = writer.set(key, "new")
+        (change,) = drain(stream, 1)
+    assert (change.value, change.modified_index) == ("new", new.modified_index)
+
+
+def test_a_stream_from_now_costs_one_watch_request_while_the_key_changes_fast(
+    api: str, connect: Callable[..., Transport], private_etcd_server: EtcdServer, key: str
+) -> None:
+    """Opened from an index, a v2 stream that etcd's history has moved past answers with
+    one change and ends, once per change until it catches up: a key written without
+    pause keeps it reopening. From now, it is registered at once."""
+    endpoint = (private_etcd_server.get_host(), private_etcd_server.get_port())
+    conn, writer = connect(endpoint), connect(endpoint)
+    writer.set(key, "0")
+    stop = threading.Event()
+
+    def write() -> None:
+        for i in range(1, 400):  # bounded: at most a few seconds
+            if stop.is_set():
+                return
+            writer.set(key, str(i))
+
+    burst = threading.Thread(target=write)
+    burst.start()
+    try:
+        # As under load: by the time the stream opens, the key changed a few times more.
+        seen = int(conn.get(key).value or "")
+        wait_for(lambda: int(conn.get(key).value or "") >= seen + 5, "five more changes")
+        before = watch_requests(api, private_etcd_server.client_url)
+        with conn.watch_stream(key, 0) as stream:
+            read = conn.get(key)
+            later = [c for c in drain(stream, 20) if c.modified_index > read.modified_index]
+        opened = watch_requests(api, private_etcd_server.client_url) - before
+    finally:
+        stop.set()
+        burst.join()
+    assert later, "no change after the read came over the stream"
+    first = int(later[0].value or "")
+    assert [int(c.value or "") for c in later] == list(range(first, first + len(later)))
+    assert opened == 1
+
+
 # -- failures ----------------------------------------------------------------------------
 
 

@@ -582,13 +582,19 @@ class EtcdConnection(Transport):
         )
 
     def compare_and_delete(self, key: str, prev: Node) -> bool:
-        """Delete ``key`` only if it is still ``prev`` (same index and value).
+        """Delete ``key`` only if it is still ``prev`` (same modification index, which
+        every write changes).
 
         Returns whether it did. After a connection failure, a delete that etcd reports
         as failed is checked against the key's history, so an applied delete still
         returns ``True``.
+
+        The value is not compared: a DELETE carries its conditions in the URL, and etcd
+        3.5 resets connections when many DELETEs with URLs of several kilobytes arrive
+        at once (a final rendezvous state of 64 workers, deleted by all its waiting
+        workers when a keep-alive key lapses, is about 7 KB).
         """
-        conditions = _prev_conditions(prev)
+        conditions = {"prevIndex": prev.modified_index}
         ambiguous = False
 
         def note() -> None:

@@ -468,19 +468,24 @@ class StateFeed:
             stream.close()
 
     def _restart(self) -> Observed:
+        """Open the stream from now, then read the state: a stream opened from the
+        read's index would, on v2, cost a request per change made since (while many
+        workers write the state, that is many). Changes made between the two come in
+        both; the stream's copies are older than the read and are ignored."""
         self.close()
+        self._stream = self._conn.watch_stream(self._key, 0)
         started = time.monotonic()
         try:
             node = self._conn.get(self._key)
         except KeyNotFoundError as exc:
-            index = exc.etcd_index or self._conn.last_index
-            observed, start = Observed(None, None, index), index + 1
+            observed = Observed(None, None, exc.etcd_index or self._conn.last_index)
+        except BaseException:
+            self.close()
+            raise
         else:
             observed = Observed(node, self._parse(node), node.modified_index)
-            start = node.etcd_index + 1
         self.read_seconds = time.monotonic() - started
         self._take(observed)
-        self._stream = self._conn.watch_stream(self._key, start)
         return observed
 
     def _apply(self, event: Node) -> bool:

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from ._legacy_admission import MEMBERS, members_of
+from ._legacy_waiting import WAITING
 from ._transport import Node
 from .api import RendezvousStateError
 
@@ -56,6 +57,9 @@ def _state_problem(state: Any) -> str | None:
     if not isinstance(members, dict) or not all(type(r) is int for r in members.values()):
         # (JSON object keys are always strings.)
         return f"'{MEMBERS}' must map member key names to ranks"
+    waiting = state.get(WAITING, [])
+    if not isinstance(waiting, list) or not all(type(name) is str for name in waiting):
+        return f"'{WAITING}' must be a list of wait key names"
     return None
 
 
@@ -66,8 +70,10 @@ def parse_state(node: Node) -> dict[str, Any]:
     (:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), as read from etcd. The
     result is the JSON object PyTorch's workers write: ``status`` and, from
     ``joinable`` on, ``version`` and ``participants`` (then ``keep_alives`` and
-    ``num_workers_waiting``), each checked for its type, and the ``members`` our
-    workers add (member key name -> rank; see :mod:`etcd_rendezvous._legacy_admission`).
+    ``num_workers_waiting``), each checked for its type, and the fields our workers
+    add: ``members`` (member key name -> rank; see
+    :mod:`etcd_rendezvous._legacy_admission`) and ``waiting`` (the wait keys counted in
+    ``num_workers_waiting``; see :mod:`etcd_rendezvous._legacy_waiting`).
 
     Raises:
         RendezvousStateError: the value is not a valid state. The key is not modified.

@@ -189,7 +189,8 @@ class WatchStream(abc.ABC):
     def __init__(self, key: str, start_index: int, recursive: bool) -> None:
         self._key = key
         self._recursive = recursive
-        self._next_index = max(int(start_index), 1)
+        #: 0 until a stream opened "from now" knows where it stands.
+        self._next_index = max(int(start_index), 0)
         self._closed = False
 
     @property
@@ -204,7 +205,8 @@ class WatchStream(abc.ABC):
 
     @property
     def next_index(self) -> int:
-        """The index (revision) the stream will deliver changes from next."""
+        """The index (revision) the stream will deliver changes from next (0: a stream
+        opened from now that has not been answered yet)."""
         return self._next_index
 
     @property
@@ -472,9 +474,15 @@ class Transport(abc.ABC):
         """The changes of ``key`` (or of every key below it, with ``recursive``) with an
         index of ``start_index`` or later, in order, as a :class:`WatchStream`.
 
+        ``start_index`` 0 means "from now": the changes made after etcd registered the
+        watch, which it does before this returns. Opening from now, then reading, is
+        the way to follow a key that is changing fast: a v2 stream opened from an index
+        in etcd's history costs one request per change until it catches up.
+
         The caller closes the stream (or uses it as a context manager); closing the
         transport ends it too. This implementation waits once per change (one watch
-        request each); the transports override it with one request for all changes.
+        request each; ``start_index`` 0 is refused); the transports override it with one
+        request for all changes.
         """
         return _WaitingWatchStream(self, key, start_index, recursive)
 
@@ -724,6 +732,8 @@ class _WaitingWatchStream(WatchStream):
     """
 
     def __init__(self, transport: Transport, key: str, start_index: int, recursive: bool) -> None:
+        if start_index < 1:
+            raise ValueError(f"start_index: waiting watches need an index, got {start_index}.")
         super().__init__(key, start_index, recursive)
         self._transport = transport
 

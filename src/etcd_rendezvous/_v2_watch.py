@@ -15,6 +15,8 @@ Two behaviours of etcd's v2 store shape :class:`V2WatchStream`:
   answer's ``X-Etcd-Index``, so the stream reopens from the next index at once. A stream
   opened from the current index + 1 (as after a read) is registered and delivers every
   later change over one request.
+* **A stream opened from now** (no ``waitIndex``) is registered at once, at the
+  ``X-Etcd-Index`` of its answer, and reopens from the index after it.
 * **A slow watcher is dropped.** A watcher whose 100-change buffer overflows is removed,
   which ends the answer; the stream reopens from the index after the last change it
   received (the reader thread reads as fast as etcd writes, so this is rare).
@@ -53,7 +55,9 @@ class V2WatchStream(StreamingWatch):
     def _send(self, from_index: int, deadline: Deadline) -> tuple[int, Any, Batches]:
         conn = self._conn
         key = self._key if self._key.startswith("/") else f"/{self._key}"
-        fields = {"wait": "true", "stream": "true", "waitIndex": str(max(from_index, 1))}
+        fields = {"wait": "true", "stream": "true"}
+        if from_index > 0:  # else from now
+            fields["waitIndex"] = str(from_index)
         if self._recursive:
             fields["recursive"] = "true"
         # The read timeout is for the answer to start; then the reader waits forever.
@@ -89,7 +93,12 @@ class V2WatchStream(StreamingWatch):
             # changed yet; try again (after a pause) until the caller's deadline.
             raise _AmbiguousError(f"watch {key!r}: its parent directory is missing") from None
         hold_socket_open(response)
+        # Where etcd registered the watch (or, from an index in its history, the index
+        # that the one change it answers with is at or below).
         index = int(response.headers.get("X-Etcd-Index", 0) or 0)
+        if from_index == 0:
+            with self._cond:
+                self._registered_at(index)
         return idx, response, _batches(conn.endpoints[idx], response, index)
 
 

@@ -63,10 +63,9 @@ class V3WatchStream(StreamingWatch):
         conn = self._conn
         idx = conn._pick()
         where = f"watch {self._key!r}"
-        request: dict[str, Any] = {
-            "key": wire.b64(self._key),
-            "start_revision": str(max(from_index, 1)),
-        }
+        request: dict[str, Any] = {"key": wire.b64(self._key)}
+        if from_index > 0:  # else from now: the created message says where that is
+            request["start_revision"] = str(from_index)
         if self._recursive:
             request["range_end"] = wire.prefix_end(self._key)
         # The read timeout is for the answer to start; then the reader waits forever.
@@ -94,7 +93,8 @@ class V3WatchStream(StreamingWatch):
 def _batches(
     conn: EtcdV3Connection, idx: int, response: Any, key: str, recursive: bool, start: int
 ) -> Batches:
-    """The messages of one watch answer: ``None`` for ``created``, else its changes."""
+    """The messages of one watch answer: for ``created`` the store revision, else its
+    changes."""
     endpoint = conn.endpoints[idx]
     try:
         for message in wire.iter_objects(response.stream(64 * 1024)):
@@ -111,9 +111,10 @@ def _handle(
     key: str,
     recursive: bool,
     start: int,
-) -> list[Node] | None:
+) -> list[Node] | int:
     """The changes in ``message`` of ``key`` (or of keys below it: a recursive watch's
-    range also holds siblings such as ``key-2``); ``None`` if it confirms the watch."""
+    range also holds siblings such as ``key-2``); the store revision if it confirms the
+    watch."""
     from ._v3 import _ReauthError  # noqa: PLC0415
 
     where = f"watch {key!r}"
@@ -146,11 +147,11 @@ def _handle(
                 "username, password and the user's roles."
             )
         raise _AmbiguousError(f"{conn.endpoints[idx]}: watch canceled: {reason}")
-    if result.get("created"):
-        return None
-    events = result.get("events")
     header = result.get("header")
     revision = int(header.get("revision", 0)) if isinstance(header, dict) else 0
+    if result.get("created"):
+        return revision  # the watch is in place, from the revision after this one
+    events = result.get("events")
     below = key if key.endswith("/") else key + "/"
     nodes = [_event_node(event, revision) for event in events or () if isinstance(event, dict)]
     return [n for n in nodes if n.key == key or (recursive and n.key.startswith(below))]

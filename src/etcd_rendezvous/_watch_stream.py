@@ -52,8 +52,9 @@ __all__ = ["Batches", "StreamingWatch", "hold_socket_open", "shutdown_socket"]
 logger = logging.getLogger(__name__)
 
 #: What a subclass's parser yields for each message of an answer: the changes it
-#: carries (possibly none), or ``None`` for "etcd confirmed the watch" (v3's created).
-Batches = Iterator["list[Node] | None"]
+#: carries (possibly none), or, for "etcd confirmed the watch" (v3's created), the index
+#: it was registered at (``None`` where unknown).
+Batches = Iterator["list[Node] | int | None"]
 
 #: The reader stops reading while this many changes wait in the buffer, so that a
 #: stream nobody reads cannot grow without bound (etcd then drops or slows the watcher).
@@ -267,13 +268,15 @@ class StreamingWatch(WatchStream):
 
     # -- called by the reader thread --------------------------------------------------
 
-    def _take(self, feed: _Feed, batch: list[Node] | None) -> bool:
+    def _take(self, feed: _Feed, batch: list[Node] | int | None) -> bool:
         """Buffer what the reader parsed. Returns whether to keep reading."""
         with self._cond:
             if feed is not self._feed or self._closed:
                 return False
-            if batch is None:
+            if batch is None or isinstance(batch, int):
                 feed.ready = True
+                if isinstance(batch, int):
+                    self._registered_at(batch)
             else:
                 # After a reopen, etcd starts at _resume: nothing before it is new. The
                 # changes of one index (a v3 transaction) always come in one message.
@@ -286,6 +289,13 @@ class StreamingWatch(WatchStream):
                     self._cond.wait()
             self._cond.notify_all()
             return feed is self._feed and not self._closed
+
+    def _registered_at(self, index: int) -> None:
+        """etcd registered the watch at ``index``: a stream opened from now (``_resume``
+        0) delivers the changes after it, and reopens from there. Called with the lock
+        held, or before the answer's reader starts."""
+        if self._resume == 0 and index > 0:
+            self._resume = index + 1
 
     def _follow(self, feed: _Feed) -> None:
         """Replace ``feed``, which etcd ended after delivering changes (v2, for a change

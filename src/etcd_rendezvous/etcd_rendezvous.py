@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import sys
 import time
 from collections.abc import Mapping
@@ -84,6 +85,7 @@ from ._legacy_base import (
     EtcdRendezvousBase,
 )
 from ._legacy_state import member_ranks, parse_state, preview
+from ._legacy_waiting import WAITER_TTL, await_end_of_final
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
 from ._retry import CONNECTION, Deadline
@@ -99,7 +101,7 @@ from .api import (
     RendezvousTimeoutError,
 )
 from .events import NodeState, _records_failure, record_rdzv_event
-from .layout import DEFAULT_PREFIX, normalize_key
+from .layout import DEFAULT_PREFIX, new_waiter_name
 
 __all__ = [
     "EtcdRendezvous",
@@ -364,14 +366,22 @@ class EtcdRendezvous(EtcdRendezvousBase):
         return expected_version, this_rank, world_size
 
     def handle_existing_rendezvous(self, expected_version: str) -> None:
-        """Announce ourselves as waiting on a final rendezvous, then wait for it to end."""
-        active_state = self.announce_self_waiting(expected_version)
-        logger.info("Added self to waiting list. Rendezvous full state: %s", active_state.value)
+        """Announce ourselves as waiting on a final rendezvous, then wait for it to end.
+
+        We announce ourselves with a wait key, and are counted in
+        ``num_workers_waiting`` with the others that did (one write for many; see
+        :mod:`etcd_rendezvous._legacy_waiting`), where PyTorch's workers each increment
+        it (:meth:`announce_self_waiting`).
+        """
+        waiter = new_waiter_name(secrets.randbits(64))
+        key = self._layout.waiter_key(expected_version, waiter)
+        self._conn.set(key, None, ttl=WAITER_TTL)
+        logger.info("Waiting on rendezvous version %s as %s", expected_version, key)
         self._record(
             f"The worker waits for the next rendezvous of run '{self._run_id}': version "
             f"{expected_version} is complete."
         )
-        self.wait_for_rendezvous_to_free(expected_version)
+        self._await_free(expected_version, waiter)
         logger.info("Previously existing rendezvous state changed. Will re-try joining.")
 
     def try_create_rendezvous(self) -> Node:
@@ -455,46 +465,36 @@ class EtcdRendezvous(EtcdRendezvousBase):
 
         It ends when its state changes or is deleted, or when a member stops renewing
         its keep-alive key; in that case we delete the state (if it has not changed) so
-        that a new version can start.
+        that a new version can start. One read, one listing and one watch stream,
+        whatever the number of workers (see :mod:`etcd_rendezvous._legacy_waiting`).
         """
-        try:
-            active_version, state = self.get_rdzv_state()
-        except KeyNotFoundError:
-            return
-        while True:
-            if state["status"] != "final" or state["version"] != expected_version:
-                return
-            try:
-                members = self._conn.list_dir(self._layout.version_dir(expected_version))
-                alive = {normalize_key(child.key) for child in members.children}
-            except KeyNotFoundError:
-                alive = set()
-            for key in state["keep_alives"]:
-                if normalize_key(key) not in alive:
-                    logger.info("Keep-alive key %s is not renewed.", key)
-                    logger.info("Rendezvous version %s is incomplete. ", expected_version)
-                    logger.info("Attempting to destroy it.")
-                    self._record(
-                        f"The keep-alive key {key} lapsed: version {expected_version} of the "
-                        f"rendezvous of run '{self._run_id}' lost a member and is being destroyed."
-                    )
-                    if self._conn.compare_and_delete(active_version.key, active_version):
-                        logger.info(
-                            "Destroyed rendezvous version %s successfully.", expected_version
-                        )
-                    return
-            # The rendezvous is healthy: wait for any change below rdzv/.
-            self._conn.watch(
-                self._layout.rdzv_dir,
-                active_version.etcd_index + 1,
-                self._rendezvous_deadline.remaining() + 1.0,
-                recursive=True,
+        self._await_free(expected_version, None)
+
+    def _await_free(self, expected_version: str, waiter: str | None) -> None:
+        """:meth:`wait_for_rendezvous_to_free`, counting the wait keys when our wait
+        key ``waiter`` calls for it."""
+
+        def lapsed(key: str) -> None:
+            logger.info("Keep-alive key %s is not renewed.", key)
+            logger.info(
+                "Rendezvous version %s is incomplete. Attempting to destroy it.", expected_version
             )
-            self._check_deadline()
-            try:
-                active_version, state = self.get_rdzv_state()
-            except KeyNotFoundError:
-                return  # another worker (or an operator) ended the version
+            self._record(
+                f"The keep-alive key {key} lapsed: version {expected_version} of the "
+                f"rendezvous of run '{self._run_id}' lost a member and is being destroyed.",
+                method="wait_for_rendezvous_to_free",
+            )
+
+        await_end_of_final(
+            self._conn,
+            self._layout,
+            expected_version,
+            parse=parse_state,
+            on_lapse=lapsed,
+            deadline=self._rendezvous_deadline,
+            timeout_error=lambda: RendezvousTimeoutError(self._timeout_message()),
+            waiter=waiter,
+        )
 
     def handle_join_last_call(self, expected_version: str, deadline: Deadline) -> None:
         """Keep the joinable state alive until ``deadline``, then freeze it, our live

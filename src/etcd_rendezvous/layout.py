@@ -45,6 +45,7 @@ __all__ = [
     "ETCD_V2_STATE_PREFIX",
     "ETCD_V2_STORE_PREFIX",
     "MEMBER_NAME_PREFIX",
+    "WAITER_NAME_PREFIX",
     "EtcdV2NodesLayout",
     "LegacyLayout",
     "dynamic_store_prefix",
@@ -54,10 +55,12 @@ __all__ = [
     "keep_alive_rank",
     "member_name",
     "new_member_name",
+    "new_waiter_name",
     "node_key_name",
     "normalize_key",
     "parse_node_key_name",
     "store_value_key",
+    "waiter_name",
 ]
 
 #: Default key prefix of the ``etcd`` backend (``etcd_prefix``), as in PyTorch.
@@ -71,6 +74,9 @@ _KEEP_ALIVE_PREFIX = "rank_"
 #: What the name of a member key starts with; 16 lowercase hex digits follow.
 MEMBER_NAME_PREFIX = "node_"
 _MEMBER_NAME_DIGITS = 16
+#: What the name of a wait key starts with (a worker waiting on a final version); 16
+#: lowercase hex digits follow.
+WAITER_NAME_PREFIX = "wait_"
 _DYNAMIC_STORE_SCOPE = "torch.rendezvous"
 
 
@@ -161,6 +167,12 @@ class LegacyLayout:
         """
         return f"{self.version_dir(version)}/{name}"
 
+    def waiter_key(self, version: str, name: str) -> str:
+        """``.../rdzv/v_<version>/<name>``: the key a worker of this package waiting on the
+        final ``version`` announces itself with (``name`` is ``wait_<hex>``, see
+        :func:`waiter_name`), to be counted in ``num_workers_waiting``."""
+        return f"{self.version_dir(version)}/{name}"
+
     def extra_data_key(self, version: str) -> str:
         """``.../rdzv/v_<version>/extra_data``: the version's extra data (a JSON object)."""
         return f"{self.version_dir(version)}/extra_data"
@@ -182,19 +194,39 @@ def keep_alive_rank(key: str) -> int | None:
 def new_member_name(entropy: int) -> str:
     """The member name ``node_<16 hex digits>`` spelling ``entropy``, a random 64-bit
     number the caller draws (``secrets.randbits(64)``): unique among a run's workers."""
-    if not 0 <= entropy < 1 << (4 * _MEMBER_NAME_DIGITS):
-        raise ValueError(f"entropy: must be a 64-bit unsigned number, got {entropy!r}.")
-    return f"{MEMBER_NAME_PREFIX}{entropy:0{_MEMBER_NAME_DIGITS}x}"
+    return _hex_name(MEMBER_NAME_PREFIX, entropy)
 
 
 def member_name(key: str) -> str | None:
     """The name (``node_<16 hex digits>``) of a member key ``.../v_<N>/node_<hex>``, or of a
     bare name; ``None`` for any other key."""
+    return _named(MEMBER_NAME_PREFIX, key)
+
+
+def new_waiter_name(entropy: int) -> str:
+    """The wait key name ``wait_<16 hex digits>`` spelling ``entropy`` (as
+    :func:`new_member_name`)."""
+    return _hex_name(WAITER_NAME_PREFIX, entropy)
+
+
+def waiter_name(key: str) -> str | None:
+    """The name (``wait_<16 hex digits>``) of a wait key ``.../v_<N>/wait_<hex>``, or of a
+    bare name; ``None`` for any other key."""
+    return _named(WAITER_NAME_PREFIX, key)
+
+
+def _hex_name(prefix: str, entropy: int) -> str:
+    if not 0 <= entropy < 1 << (4 * _MEMBER_NAME_DIGITS):
+        raise ValueError(f"entropy: must be a 64-bit unsigned number, got {entropy!r}.")
+    return f"{prefix}{entropy:0{_MEMBER_NAME_DIGITS}x}"
+
+
+def _named(prefix: str, key: str) -> str | None:
     name = key.rstrip("/").rsplit("/", 1)[-1]
-    digits = name[len(MEMBER_NAME_PREFIX) :]
+    digits = name[len(prefix) :]
     # strip() in C rather than a loop in Python: workers list hundreds of these.
     is_hex = len(digits) == _MEMBER_NAME_DIGITS and not digits.strip("0123456789abcdef")
-    return name if name.startswith(MEMBER_NAME_PREFIX) and is_hex else None
+    return name if name.startswith(prefix) and is_hex else None
 
 
 def etcd_v2_state_key(run_id: str, key_prefix: str | None = ETCD_V2_STATE_PREFIX) -> str:

@@ -1,0 +1,291 @@
+"""Waiting for a final version of the legacy ``etcd`` rendezvous to end, in a constant
+number of etcd requests per worker.
+
+A worker that finds the rendezvous ``final`` (it came late, or it re-enters after its
+job failed) is counted in the state's ``num_workers_waiting`` (the agents of the
+members poll it through ``num_nodes_waiting()`` and re-rendezvous when it is positive),
+then waits for the version to end: its state changes or is deleted, or one of its
+members stops renewing the keep-alive key listed in ``keep_alives``, in which case the
+waiting workers delete the state so that a new version starts.
+
+PyTorch's workers each increment the count with a compare-and-swap of the state (N
+workers arriving together: O(N) attempts each, and N state writes that every waiting
+worker receives), then wait with one watch request per change below ``rdzv/``, reading
+the state and listing the version directory after each: O(N) requests per worker, and
+O(N²) bytes of state in all. Ours:
+
+1. **Announce.** A waiting worker writes its *wait key* ``rdzv/v_<V>/wait_<16 hex>``
+   (:meth:`~etcd_rendezvous.layout.LegacyLayout.waiter_key`, TTL
+   :data:`WAITER_TTL`).
+2. **Watch.** It opens one watch stream over ``rdzv/`` from now, then reads the state
+   and lists the version directory once. The stream's events carry the rest: new
+   states (with their value), wait keys, and the deletion or expiry of keep-alive keys.
+   Other changes (the running job's key-value store, say) cost only their delivery.
+3. **Count.** The worker whose wait key is the oldest not yet counted adds every
+   uncounted wait key to ``num_workers_waiting`` in one compare-and-swap, and records
+   their names in the state's ``waiting`` field (PyTorch's workers keep fields they do
+   not know; their own increments add to the same count). Should the state not change
+   for :func:`~etcd_rendezvous._legacy_admission.grace` seconds while our key waits
+   behind older uncounted ones (their workers died, or are slow), we count them all
+   ourselves: every wait key stands for a worker that did arrive.
+
+The version ends on the same evidence as for PyTorch's workers, so both kinds of
+waiting workers end it together. Keep-alive refreshes notify no watcher on either API.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ._legacy_admission import WRITES, grace
+from ._retry import Deadline
+from ._transport import (
+    CompareFailedError,
+    KeyNotFoundError,
+    Node,
+    Transport,
+    WatchHistoryLostError,
+    WatchStream,
+)
+from .layout import LegacyLayout, normalize_key, waiter_name
+
+__all__ = [
+    "ENDINGS",
+    "WAITER_TTL",
+    "WAITING",
+    "await_end_of_final",
+    "count_step",
+    "plan_count",
+    "waiters_of",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Watch actions by which a key stops existing.
+ENDINGS = frozenset({"delete", "expire", "compareAndDelete"})
+
+#: The state field listing the names of the wait keys counted in ``num_workers_waiting``.
+WAITING = "waiting"
+
+#: Seconds a wait key lives. It is counted within moments of being written; it only has
+#: to outlive a folding worker that died (then the next one, after the grace, counts it).
+WAITER_TTL = 60
+
+
+def waiters_of(state: dict[str, Any]) -> set[str]:
+    """The wait keys (names) already counted in ``state``."""
+    return set(state.get(WAITING) or ())
+
+
+def plan_count(state: dict[str, Any], waiting: dict[str, int]) -> dict[str, Any] | None:
+    """``state`` with every wait key of ``waiting`` (name -> created index) not yet counted
+    added to ``num_workers_waiting`` and to ``waiting``; ``None`` if all are counted."""
+    counted = waiters_of(state)
+    fresh = [name for name in waiting if name not in counted]
+    if not fresh:
+        return None
+    return {
+        **state,
+        "num_workers_waiting": int(state["num_workers_waiting"]) + len(fresh),
+        WAITING: sorted(counted.union(fresh)),
+    }
+
+
+def count_step(
+    state: dict[str, Any], waiting: dict[str, int], me: str | None, quiet_for: float
+) -> float | None:
+    """Seconds until we should count the uncounted wait keys (0: now), or ``None`` if it
+    is not up to us (we hold no wait key, or ours was counted)."""
+    counted = waiters_of(state)
+    if me is None or me in counted or me not in waiting:
+        return None
+    ahead = sum(
+        1
+        for name, created in waiting.items()
+        if name not in counted and (created, name) < (waiting[me], me)
+    )
+    return 0.0 if not ahead else max(0.0, grace(ahead) - quiet_for)
+
+
+class _FinalVersion:
+    """The final state being waited on, what it names, and the wait keys seen."""
+
+    def __init__(self, node: Node, state: dict[str, Any], version: str) -> None:
+        self.node = node
+        self.state = state
+        self.version = version
+        self.keep_alives = {normalize_key(key) for key in state.get("keep_alives", [])}
+        self.changed_at = time.monotonic()
+
+    @property
+    def ongoing(self) -> bool:
+        return bool(self.state["status"] == "final" and self.state["version"] == self.version)
+
+
+class _Wait:
+    """One worker's wait on a final version (see :func:`await_end_of_final`)."""
+
+    def __init__(
+        self,
+        conn: Transport,
+        layout: LegacyLayout,
+        version: str,
+        parse: Callable[[Node], dict[str, Any]],
+        on_lapse: Callable[[str], None],
+        me: str | None,
+    ) -> None:
+        self._conn = conn
+        self._layout = layout
+        self._version = version
+        self._parse = parse
+        self._on_lapse = on_lapse
+        self._me = me
+        self._state_key = normalize_key(layout.state_key)
+        self._version_dir = normalize_key(layout.version_dir(version))
+        #: Wait keys seen (name -> created index).
+        self.waiting: dict[str, int] = {}
+        self.final: _FinalVersion | None = None
+        #: The index of the state our count lost against: wait for a newer one.
+        self._lost_at: int | None = None
+
+    def observe(self) -> bool:
+        """Read the state and list the version directory; whether the version goes on
+        (it ended, by us if a keep-alive key is missing, if not).
+
+        Raises:
+            KeyNotFoundError: there is no state.
+        """
+        node = self._conn.get(self._layout.state_key)
+        final = _FinalVersion(node, self._parse(node), self._version)
+        if not final.ongoing:
+            return False
+        self.final = final
+        try:
+            listing = self._conn.list_dir(self._layout.version_dir(self._version)).children
+        except KeyNotFoundError:
+            listing = ()
+        for child in listing:
+            self._note_waiter(child)
+        lapsed = sorted(final.keep_alives - {normalize_key(child.key) for child in listing})
+        if lapsed:
+            self._end(lapsed[0])
+            return False
+        return True
+
+    def follow(self, stream: WatchStream, deadline: Deadline) -> bool:
+        """Count and take in the changes below ``rdzv/`` until the version ended
+        (``True``) or ``deadline`` passed (``False``)."""
+        while not deadline.expired():
+            final = self.final
+            if final is None:  # pragma: no cover (observe() set it)
+                return True
+            due = None
+            if self._lost_at != final.node.modified_index:
+                quiet_for = time.monotonic() - final.changed_at
+                due = count_step(final.state, self.waiting, self._me, quiet_for)
+            if due == 0.0:
+                self._count(final)
+                due = None
+            wait = deadline.remaining() if due is None else min(due, deadline.remaining())
+            event = stream.next(wait)
+            if event is not None and self._take(event):
+                return True
+        return False
+
+    def _take(self, event: Node) -> bool:
+        """Take in one change; whether the version ended."""
+        final = self.final
+        if final is None:  # pragma: no cover
+            return True
+        key = normalize_key(event.key)
+        if key == self._state_key:
+            if event.modified_index <= final.node.modified_index:
+                return False  # made before what we know
+            if event.action in ENDINGS or event.value is None:
+                return True
+            self.final = _FinalVersion(event, self._parse(event), self._version)
+            return not self.final.ongoing
+        if key in final.keep_alives and event.action in ENDINGS:
+            self._end(key)
+            return True
+        if event.action in WRITES and key.rsplit("/", 1)[0] == self._version_dir:
+            self._note_waiter(event)
+        return False
+
+    def _note_waiter(self, node: Node) -> None:
+        name = waiter_name(node.key)
+        if name is not None and not node.is_dir:
+            self.waiting.setdefault(name, node.created_index)
+
+    def _count(self, final: _FinalVersion) -> None:
+        """Count the uncounted wait keys in one compare-and-swap; if another write came
+        first, the stream brings it and we decide again."""
+        counting = plan_count(final.state, self.waiting)
+        if counting is None:
+            return
+        try:
+            node = self._conn.compare_and_swap(final.node.key, json.dumps(counting), final.node)
+        except (CompareFailedError, KeyNotFoundError):
+            logger.debug("Counting the waiting workers lost a race; deciding again")
+            self._lost_at = final.node.modified_index
+            return
+        logger.info(
+            "Counted %d waiting worker(s) in version %s",
+            len(counting[WAITING]) - len(waiters_of(final.state)),
+            self._version,
+        )
+        self.final = _FinalVersion(node, counting, self._version)
+
+    def _end(self, lapsed: str) -> None:
+        """A member's keep-alive key ``lapsed``: delete the state if it did not change."""
+        final = self.final
+        if final is None:  # pragma: no cover
+            return
+        self._on_lapse(lapsed)
+        if self._conn.compare_and_delete(final.node.key, final.node):
+            logger.info("Destroyed rendezvous version %s successfully.", self._version)
+
+
+def await_end_of_final(
+    conn: Transport,
+    layout: LegacyLayout,
+    version: str,
+    *,
+    parse: Callable[[Node], dict[str, Any]],
+    on_lapse: Callable[[str], None],
+    deadline: Deadline,
+    timeout_error: Callable[[], Exception],
+    waiter: str | None = None,
+) -> None:
+    """Return once the final ``version`` ended (see the module docstring), counting the
+    wait keys if ``waiter`` (the name of ours, already written) calls for it.
+
+    When a member's keep-alive key lapsed, ``on_lapse(key)`` is called, then the state is
+    deleted if it is still the one that named the key.
+
+    Raises:
+        RendezvousStateError: the state is corrupt (``parse`` says so).
+        the error of ``timeout_error``: ``deadline`` passed first.
+    """
+    while True:
+        wait = _Wait(conn, layout, version, parse, on_lapse, waiter)
+        # The stream first, from now, then the reads: a stream opened from the index of
+        # a read would, on v2, cost a request per change made since (many workers are
+        # announcing themselves just then). Changes between the two are in both.
+        try:
+            with conn.watch_stream(layout.rdzv_dir, 0, recursive=True) as stream:
+                try:
+                    if not wait.observe():
+                        return
+                except KeyNotFoundError:
+                    return  # the state is gone: the version ended
+                if wait.follow(stream, deadline):
+                    return
+        except WatchHistoryLostError:
+            logger.info("etcd no longer holds the changes below %s; reading again", layout.rdzv_dir)
+            continue
+        raise timeout_error()
