@@ -60,7 +60,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from .dynamic_rendezvous import NodeDesc, RendezvousSettings, RendezvousState
+    from ._dynamic_settings import RendezvousSettings
+    from ._dynamic_state import NodeDesc, RendezvousState
 
 __all__ = ["ADMISSION_GRACE", "AnnouncedNode", "NodeKeys", "NodeRegistry"]
 

@@ -63,19 +63,20 @@ import contextlib
 import importlib
 import logging
 import os
-import random
 import sys
 import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any
 
 from ._dynamic_admission import NodeKeys, NodeRegistry
+from ._dynamic_backend import _POLL_INTERVAL, RendezvousBackend, _delay
+from ._dynamic_backend import Token as _Token
+from ._dynamic_settings import RendezvousSettings, RendezvousTimeout, _now
 from ._dynamic_state import (
     NodeDesc,
     RendezvousState,
@@ -116,15 +117,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Token = Any
+# Bound (and documented) here, where users import it from.
+Token = _Token
 """An opaque fencing token used by the rendezvous backend."""
 
 #: Environment variable with which PyTorch opts out of sharing the agent's TCPStore.
 _DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-
-#: Longest a node waits for a state change before reading the state anyway, in seconds,
-#: when the backend cannot watch (PyTorch's fixed poll interval).
-_POLL_INTERVAL = 1.0
 
 #: Least time given to the exchange of the master address after a round completed, in
 #: seconds (rank 0 publishes it at once; see :meth:`DynamicRendezvousHandler.next_rendezvous`).
@@ -137,235 +135,6 @@ _WITHDRAW_TIMEOUT = 1.0
 #: Margin added to a wake-up time so that a strict comparison (``deadline < now``) holds
 #: when the node wakes up, instead of waking it a few microseconds too early.
 _WAKE_UP_MARGIN = 0.01
-
-
-def _now() -> datetime:
-    """Return the current UTC time (aware), the clock of deadlines and heartbeats."""
-    return datetime.now(timezone.utc)
-
-
-def _delay(seconds: float | tuple[float, float]) -> None:
-    """Suspend the current thread for ``seconds``, or a random time in a ``(low, high)`` range.
-
-    Delays under 10 ms are skipped, as in PyTorch.
-    """
-    if isinstance(seconds, tuple):
-        seconds = random.uniform(*seconds)
-    if seconds >= 0.01:
-        time.sleep(seconds)
-
-
-# -- the backend interface ----------------------------------------------------------------
-
-
-class RendezvousBackend(ABC):
-    """Represent a backend that holds the rendezvous state.
-
-    The state is an opaque byte string (the encoded :class:`_RendezvousState`), stored
-    together with a fencing token that changes with every write. The abstract methods
-    are PyTorch's; :attr:`state_key`, :meth:`wait_for_change`, :attr:`reports_changes`,
-    :meth:`bounded_by` and :meth:`close` are optional additions with defaults that keep
-    PyTorch's behaviour.
-    """
-
-    @property
-    @abstractmethod
-    def name(self) -> str:
-        """Get the name of the backend."""
-
-    @property
-    def state_key(self) -> str | None:
-        """Where the backend keeps the state (e.g. an etcd key), for error messages.
-
-        ``None`` (the default) if the backend has no such notion.
-        """
-        return None
-
-    @abstractmethod
-    def get_state(self) -> tuple[bytes, Token] | None:
-        """Get the rendezvous state.
-
-        Returns:
-            A tuple of the encoded rendezvous state and its fencing token or ``None`` if
-            no state is found in the backend.
-
-        Raises:
-            RendezvousConnectionError: The connection to the backend has failed.
-            RendezvousStateError: The rendezvous state is corrupt.
-        """
-
-    @abstractmethod
-    def set_state(
-        self, state: bytes, token: Token | None = None
-    ) -> tuple[bytes, Token, bool] | None:
-        """Set the rendezvous state.
-
-        The new rendezvous state is set conditionally:
-
-        - If ``token`` matches the fencing token stored in the backend, the state is
-          updated, and the new state is returned with its fencing token.
-        - If ``token`` does not match, the state is not updated; the existing state is
-          returned with its fencing token.
-        - If ``token`` is ``None``, the new state is set only if there is no existing
-          state. Either the new or the existing state is returned with its token.
-
-        Args:
-            state: The encoded rendezvous state.
-            token: An optional fencing token that was retrieved by a previous call to
-                :meth:`get_state` or ``set_state()``.
-
-        Returns:
-            A tuple of the serialized rendezvous state, its fencing token, and a
-            boolean value indicating whether our set attempt succeeded.
-
-        Raises:
-            RendezvousConnectionError: The connection to the backend has failed.
-            RendezvousStateError: The rendezvous state is corrupt.
-        """
-
-    def wait_for_change(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
-        """Block until the state is no longer the one identified by ``token``, or ``timeout``.
-
-        Called by a node that has nothing to do until another node writes the state
-        (or until ``timeout``, which the caller computes from its next deadline). A
-        backend that can watch (such as etcd) overrides this to return as soon as a
-        write after ``token`` happens, or at once if one already did; ``token=None``
-        means "no state yet", so the creation of the state counts as a change. It must
-        not write anything; returning early is harmless.
-
-        It may return the new state and its token, if the change brought them (as
-        :meth:`get_state` would return them); the caller then adopts them without
-        reading. With ``None``, the caller reads the state with :meth:`get_state`.
-
-        The default implementation cannot watch: it sleeps ``min(timeout, 1 s)``, i.e.
-        PyTorch's polling once per second, and returns ``None``.
-
-        Args:
-            token: The fencing token of the state the caller holds, or ``None``.
-            timeout: The longest to block, in seconds (may be 0).
-
-        Raises:
-            RendezvousConnectionError: The connection to the backend has failed.
-        """
-        _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
-        return None
-
-    @property
-    def reports_changes(self) -> bool:
-        """Whether :meth:`wait_for_change` returns the new states it sees, also with a
-        timeout of 0 for changes it already received: the handler then asks it before
-        reading the state (``False`` by default)."""
-        return False
-
-    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
-        """A block in which every backend call of this thread ends by ``deadline``.
-
-        The handler runs each step of an operation in such a block, so that a backend
-        that retries failures (such as etcd's, through an election) never outlives the
-        operation's deadline. The default does nothing.
-        """
-        return contextlib.nullcontext()
-
-    def close(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
-        """Release what the backend owns (such as its connection). Idempotent.
-
-        A handler calls it from its own ``close()`` only if it owns the backend (see
-        ``owns_backend`` of :func:`create_handler`). The default does nothing.
-        """
-
-
-# -- settings -------------------------------------------------------------------------------
-
-
-class RendezvousTimeout:
-    """Hold the timeout configuration of a rendezvous.
-
-    Args:
-        join: The time within which the rendezvous is expected to complete.
-        last_call: An additional wait amount before completing the rendezvous once the
-            rendezvous has the minimum number of required participants.
-        close: The time within which the rendezvous is expected to close after a call
-            to :meth:`RendezvousHandler.set_closed` or
-            :meth:`RendezvousHandler.shutdown`.
-        heartbeat: The time within which a keep-alive heartbeat is expected to
-            complete.
-
-    Raises:
-        ValueError: A timeout is not positive; the message names it.
-    """
-
-    _ZERO = timedelta(0)
-
-    _DEFAULT_TIMEOUTS: ClassVar[dict[str, timedelta]] = {
-        "join": timedelta(seconds=600),
-        "last_call": timedelta(seconds=30),
-        "close": timedelta(seconds=30),
-        "heartbeat": timedelta(seconds=5),
-    }
-
-    _join: timedelta
-    _last_call: timedelta
-    _close: timedelta
-    _heartbeat: timedelta
-
-    def __init__(
-        self,
-        join: timedelta | None = None,
-        last_call: timedelta | None = None,
-        close: timedelta | None = None,
-        heartbeat: timedelta | None = None,
-    ) -> None:
-        self._set_timeouts(join=join, last_call=last_call, close=close, heartbeat=heartbeat)
-
-    @property
-    def join(self) -> timedelta:
-        """Get the join timeout."""
-        return self._join
-
-    @property
-    def last_call(self) -> timedelta:
-        """Get the last call timeout."""
-        return self._last_call
-
-    @property
-    def close(self) -> timedelta:
-        """Get the close timeout."""
-        return self._close
-
-    @property
-    def heartbeat(self) -> timedelta:
-        """Get the keep-alive heartbeat timeout."""
-        return self._heartbeat
-
-    def _set_timeouts(self, **timeouts: timedelta | None) -> None:
-        for name, timeout in timeouts.items():
-            value = self._DEFAULT_TIMEOUTS[name] if timeout is None else timeout
-            if value <= self._ZERO:
-                raise ValueError(f"The {name} timeout ({value}) must be positive.")
-            setattr(self, "_" + name, value)
-
-
-@dataclass(repr=False, eq=False, frozen=True)
-class RendezvousSettings:
-    """Hold the settings of the rendezvous.
-
-    Attributes:
-        run_id: The run id of the rendezvous.
-        min_nodes: The minimum number of nodes to admit to the rendezvous.
-        max_nodes: The maximum number of nodes to admit to the rendezvous.
-        timeout: The timeout configuration of the rendezvous.
-        keep_alive_interval: The amount of time a node waits before sending a
-            heartbeat to keep it alive in the rendezvous.
-        keep_alive_max_attempt: The maximum number of failed heartbeat attempts after
-            which a node is considered dead.
-    """
-
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    timeout: RendezvousTimeout
-    keep_alive_interval: timedelta
-    keep_alive_max_attempt: int
 
 
 # The shared state (PyTorch's classes) and its codec live in _dynamic_state.
