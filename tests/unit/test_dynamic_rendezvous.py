@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous import dynamic_rendezvous as dr
+from etcd_rendezvous._prefix_store import _prefix_store, _PrefixStore
 from etcd_rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -1133,7 +1134,7 @@ def test_garbage_collected_handler_stops_its_heartbeats() -> None:
 
 def test_prefix_store_joins_keys_like_c10d() -> None:
     store = DictStore()
-    prefixed = dr._PrefixStore("torch.rendezvous.run.3", store)
+    prefixed = _PrefixStore("torch.rendezvous.run.3", store)
     prefixed.set("a", "1")
     assert store.data == {"torch.rendezvous.run.3/a": b"1"}
     assert prefixed.get("a") == b"1"
@@ -1144,7 +1145,7 @@ def test_prefix_store_joins_keys_like_c10d() -> None:
     prefixed.wait(["a"])
     prefixed.wait(["a"], timedelta(seconds=1))
     assert prefixed.underlying_store is store
-    assert dr._prefix_store("p", store).__class__ is dr._PrefixStore
+    assert _prefix_store("p", store).__class__ is _PrefixStore
 
 
 @pytest.mark.torch
@@ -1154,11 +1155,11 @@ def test_prefix_store_matches_torchs() -> None:
 
     hash_store = dist.HashStore()
     dist.PrefixStore("torch.rendezvous.run.0", hash_store).set("k", "theirs")
-    wrapped = dr._prefix_store("torch.rendezvous.run.0", hash_store)
+    wrapped = _prefix_store("torch.rendezvous.run.0", hash_store)
     assert isinstance(wrapped, dist.PrefixStore)  # A torch store gets torch's wrapper.
     assert wrapped.get("k") == b"theirs"
     # Ours writes the same key torch's reads.
-    dr._PrefixStore("torch.rendezvous.run.0", hash_store).set("j", "ours")  # type: ignore[arg-type]
+    _PrefixStore("torch.rendezvous.run.0", hash_store).set("j", "ours")  # type: ignore[arg-type]
     assert dist.PrefixStore("torch.rendezvous.run.0", hash_store).get("j") == b"ours"
     assert hash_store.get("torch.rendezvous.run.0/j") == b"ours"
 
