@@ -1,8 +1,11 @@
-"""The settings of a dynamic rendezvous, and the clock its deadlines and heartbeats use.
+"""The settings of a dynamic rendezvous, and what all the parts of its handler share.
 
 Part of :mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the protocol and
 re-exports :class:`RendezvousTimeout` and :class:`RendezvousSettings` (users import them
-from there).
+from there). The parts of the handler kept in private modules (the state holder, the
+operations and their executor) read the time from one clock (:func:`_now`), and log and
+name their events as that public module, as PyTorch's do (:data:`LOGGER_NAME`,
+:data:`EVENT_FILE`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,15 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import ClassVar
 
-__all__ = ["RendezvousSettings", "RendezvousTimeout", "_now"]
+__all__ = ["EVENT_FILE", "LOGGER_NAME", "RendezvousSettings", "RendezvousTimeout", "_now"]
+
+#: The logger of the dynamic rendezvous, whichever of its modules logs: the public
+#: module's, whose debug log users turn on (and which one event depends on).
+LOGGER_NAME = "etcd_rendezvous.dynamic_rendezvous"
+
+#: The file the events of the dynamic rendezvous are named after, whichever of its
+#: modules records them: ``dynamic_rendezvous.py:<Class>.<method>``, PyTorch's names.
+EVENT_FILE = LOGGER_NAME.rpartition(".")[2] + ".py"
 
 
 def _now() -> datetime:

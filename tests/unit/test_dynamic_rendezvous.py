@@ -19,7 +19,15 @@ from typing import Any
 
 import pytest
 
+from etcd_rendezvous import _dynamic_holder, _dynamic_settings
 from etcd_rendezvous import dynamic_rendezvous as dr
+from etcd_rendezvous._dynamic_holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
+from etcd_rendezvous._dynamic_state import (
+    _encode_state,
+    _NodeDesc,
+    _NodeDescGenerator,
+    _RendezvousState,
+)
 from etcd_rendezvous._prefix_store import _prefix_store, _PrefixStore
 from etcd_rendezvous.api import (
     RendezvousClosedError,
@@ -36,9 +44,7 @@ from etcd_rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     RendezvousTimeout,
     _Action,
-    _NodeDesc,
     _RendezvousContext,
-    _RendezvousState,
 )
 
 NOW = datetime(2000, 1, 1, tzinfo=timezone.utc)
@@ -61,7 +67,7 @@ class MemoryBackend(RendezvousBackend):
         self._key = key
         self.failures: list[Exception] = []
         self.calls: dict[str, int] = {"get": 0, "set": 0, "wait": 0}
-        self.writes: list[tuple[float, dr._RendezvousState]] = []
+        self.writes: list[tuple[float, _RendezvousState]] = []
 
     @property
     def name(self) -> str:
@@ -109,7 +115,7 @@ class MemoryBackend(RendezvousBackend):
 
     def store(self, state: _RendezvousState) -> None:
         with self._cond:
-            self._state = dr._encode_state(state)
+            self._state = _encode_state(state)
             self._token += 1
             self._cond.notify_all()
 
@@ -183,7 +189,8 @@ def make_settings(
 
 @pytest.fixture
 def frozen_now(monkeypatch: pytest.MonkeyPatch) -> datetime:
-    monkeypatch.setattr(dr, "_now", lambda: NOW)
+    for module in (dr, _dynamic_holder):
+        monkeypatch.setattr(module, "_now", lambda: NOW)
     return NOW
 
 
@@ -194,6 +201,11 @@ def _no_shared_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- settings and node descriptors ----------------------------------------------------------
+
+
+def test_the_private_modules_log_and_name_events_as_this_module() -> None:
+    assert dr.__name__ == _dynamic_settings.LOGGER_NAME
+    assert os.path.basename(dr.__file__) == _dynamic_settings.EVENT_FILE
 
 
 def test_timeout_keeps_given_values() -> None:
@@ -234,7 +246,7 @@ def test_node_desc_repr_hash_and_order() -> None:
 def test_node_desc_generator_counts_per_process() -> None:
     import socket
 
-    generator = dr._NodeDescGenerator()
+    generator = _NodeDescGenerator()
     for local_id in range(4):
         assert repr(generator.generate()) == f"{socket.getfqdn()}_{os.getpid()}_{local_id}"
     assert generator.generate("given-addr").addr == "given-addr"
@@ -267,8 +279,8 @@ def full_state() -> _RendezvousState:
 
 def make_holder(
     backend: RendezvousBackend, cache_duration: int = 0
-) -> dr._BackendRendezvousStateHolder:
-    return dr._BackendRendezvousStateHolder(backend, make_settings(), cache_duration)
+) -> _BackendRendezvousStateHolder:
+    return _BackendRendezvousStateHolder(backend, make_settings(), cache_duration)
 
 
 def test_holder_starts_empty_without_calling_the_backend() -> None:
@@ -360,7 +372,7 @@ def test_holder_polls_a_backend_without_wait_for_change(frozen_now: datetime) ->
         def set_state(self, state: bytes, token: Any = None) -> None:
             return None
 
-    holder = dr._BackendRendezvousStateHolder(Bare(), make_settings())  # type: ignore[arg-type]
+    holder = _BackendRendezvousStateHolder(Bare(), make_settings())  # type: ignore[arg-type]
     started = time.monotonic()
     holder.wait_for_change(0.05)
     assert 0.04 <= time.monotonic() - started < 1
@@ -418,7 +430,7 @@ def test_sync_raises_state_error_naming_a_keyless_backend() -> None:
 # -- _DistributedRendezvousOpExecutor ---------------------------------------------------------
 
 
-class FakeStateHolder(dr._RendezvousStateHolder):
+class FakeStateHolder(_RendezvousStateHolder):
     """Records calls; ``sync`` reports the dirty flag like a backend that always accepts."""
 
     def __init__(self, state: _RendezvousState | None = None) -> None:
@@ -878,7 +890,7 @@ def make_handler(
         ),
     )
     node = DynamicRendezvousHandler._node_desc_generator.generate(addr)
-    holder = dr._BackendRendezvousStateHolder(backend, settings)
+    holder = _BackendRendezvousStateHolder(backend, settings)
     return DynamicRendezvousHandler(node, settings, backend.name, store, holder)
 
 
@@ -1281,7 +1293,7 @@ def test_create_handler_rejects_bad_options(
     ],
 )
 def test_handler_validates_settings(settings: RendezvousSettings, message: str) -> None:
-    holder = dr._BackendRendezvousStateHolder(MemoryBackend(), settings)
+    holder = _BackendRendezvousStateHolder(MemoryBackend(), settings)
     with pytest.raises(ValueError, match=message):
         DynamicRendezvousHandler(ME, settings, "memory", DictStore(), holder)
 
