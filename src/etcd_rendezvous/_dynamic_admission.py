@@ -44,8 +44,9 @@ aggregator keeps its heartbeat fresh, and its heartbeat then lapses after as lon
 at most about twice PyTorch's ``keep_alive_interval * keep_alive_max_attempt``.
 
 This module holds the bookkeeping of that protocol and its requests to the registry;
-what a batch does to the state is decided by the handler's module (the same code as
-for a node that adds itself). It does not import that module at run time.
+what a batch does to the state is decided by :mod:`etcd_rendezvous._dynamic_ops` (the
+same code as for a node that adds itself) and done by the executor
+(:mod:`etcd_rendezvous._dynamic_executor`), which imports this module.
 """
 
 from __future__ import annotations

@@ -19,9 +19,18 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous import _dynamic_holder, _dynamic_settings
+from etcd_rendezvous import _dynamic_executor, _dynamic_holder, _dynamic_ops, _dynamic_settings
 from etcd_rendezvous import dynamic_rendezvous as dr
+from etcd_rendezvous._dynamic_executor import _DistributedRendezvousOpExecutor
 from etcd_rendezvous._dynamic_holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
+from etcd_rendezvous._dynamic_ops import (
+    _Action,
+    _RendezvousCloseOp,
+    _RendezvousContext,
+    _RendezvousExitOp,
+    _RendezvousJoinOp,
+    _RendezvousKeepAliveOp,
+)
 from etcd_rendezvous._dynamic_state import (
     _encode_state,
     _NodeDesc,
@@ -43,8 +52,6 @@ from etcd_rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     RendezvousSettings,
     RendezvousTimeout,
-    _Action,
-    _RendezvousContext,
 )
 
 NOW = datetime(2000, 1, 1, tzinfo=timezone.utc)
@@ -189,7 +196,7 @@ def make_settings(
 
 @pytest.fixture
 def frozen_now(monkeypatch: pytest.MonkeyPatch) -> datetime:
-    for module in (dr, _dynamic_holder):
+    for module in (_dynamic_holder, _dynamic_ops, _dynamic_executor):
         monkeypatch.setattr(module, "_now", lambda: NOW)
     return NOW
 
@@ -463,7 +470,7 @@ def run_action(
     update_deadline: Callable[[timedelta], float] | None = None,
 ) -> FakeStateHolder:
     holder = FakeStateHolder(state)
-    executor = dr._DistributedRendezvousOpExecutor(ME, holder, settings or make_settings())
+    executor = _DistributedRendezvousOpExecutor(ME, holder, settings or make_settings())
     actions = iter([action, _Action.FINISH])
     executor.run(
         lambda ctx, dl: next(actions),
@@ -492,7 +499,7 @@ def test_run_passes_context_and_deadline_to_the_operation() -> None:
         seen.append((ctx, deadline))
         return _Action.FINISH
 
-    dr._DistributedRendezvousOpExecutor(ME, holder, settings).run(op, 3)
+    _DistributedRendezvousOpExecutor(ME, holder, settings).run(op, 3)
     ((ctx, deadline),) = seen
     assert ctx.node is ME
     assert ctx.state is holder.state
@@ -648,7 +655,7 @@ def test_run_marks_rendezvous_closed() -> None:
 )
 def test_run_raises_on_error_actions(action: _Action, error: type[Exception]) -> None:
     holder = FakeStateHolder()
-    executor = dr._DistributedRendezvousOpExecutor(ME, holder, make_settings())
+    executor = _DistributedRendezvousOpExecutor(ME, holder, make_settings())
     with pytest.raises(error):
         executor.run(lambda ctx, dl: action, time.monotonic() + 100)
     assert holder.calls == ["sync"]
@@ -668,7 +675,7 @@ def test_run_waits_for_a_change_on_sync() -> None:
 
 def wait_time(state: _RendezvousState, deadline_in: float = 100.0, **settings: Any) -> float:
     holder = FakeStateHolder(state)
-    executor = dr._DistributedRendezvousOpExecutor(ME, holder, make_settings(**settings))
+    executor = _DistributedRendezvousOpExecutor(ME, holder, make_settings(**settings))
     executor._state = state
     return executor._time_to_next_event(time.monotonic() + deadline_in)
 
@@ -728,14 +735,14 @@ def base_state() -> _RendezvousState:
 
 def test_exit_op(frozen_now: datetime) -> None:
     state = base_state()
-    assert next_action(dr._RendezvousExitOp(), state) == _Action.FINISH
+    assert next_action(_RendezvousExitOp(), state) == _Action.FINISH
     state.participants[ME] = 1
-    assert next_action(dr._RendezvousExitOp(), state) == _Action.REMOVE_FROM_PARTICIPANTS
-    assert next_action(dr._RendezvousExitOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+    assert next_action(_RendezvousExitOp(), state) == _Action.REMOVE_FROM_PARTICIPANTS
+    assert next_action(_RendezvousExitOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
 
 
 def join(state: _RendezvousState, **kwargs: Any) -> _Action:
-    return next_action(dr._RendezvousJoinOp(), state, **kwargs)
+    return next_action(_RendezvousJoinOp(), state, **kwargs)
 
 
 def test_join_raises_closed_if_rendezvous_is_closed(frozen_now: datetime) -> None:
@@ -843,15 +850,15 @@ def test_join_times_out_after_rollback_period(frozen_now: datetime) -> None:
 
 def test_close_op(frozen_now: datetime) -> None:
     state = base_state()
-    assert next_action(dr._RendezvousCloseOp(), state) == _Action.MARK_RENDEZVOUS_CLOSED
-    assert next_action(dr._RendezvousCloseOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+    assert next_action(_RendezvousCloseOp(), state) == _Action.MARK_RENDEZVOUS_CLOSED
+    assert next_action(_RendezvousCloseOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
     state.closed = True
-    assert next_action(dr._RendezvousCloseOp(), state) == _Action.FINISH
+    assert next_action(_RendezvousCloseOp(), state) == _Action.FINISH
 
 
 def test_keep_alive_op(frozen_now: datetime) -> None:
     state = base_state()
-    op = dr._RendezvousKeepAliveOp()
+    op = _RendezvousKeepAliveOp()
     assert next_action(op, state) == _Action.FINISH  # No heartbeat of ours yet.
     state.last_heartbeats[ME] = NOW - timedelta(seconds=30)
     assert next_action(op, state) == _Action.KEEP_ALIVE
