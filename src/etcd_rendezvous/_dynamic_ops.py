@@ -154,15 +154,7 @@ class _RendezvousJoinOp:
             return _Action.ERROR_CLOSED
 
         if ctx.node in state.redundancy_list:
-            logger.debug("The node %s is in redundancy list", ctx.node)
-            # Do not apply the timeout logic here, to allow the node to rejoin.
-            if len(state.participants) == ctx.settings.max_nodes:
-                if _should_keep_alive(ctx):
-                    return _Action.KEEP_ALIVE
-                return _Action.SYNC
-            # Transition to the waiting state that respects timeouts.
-            logger.debug("The node %s is removed from redundancy list", ctx.node)
-            return _Action.REMOVE_FROM_REDUNDANCY_LIST
+            return self._redundant(ctx)
 
         is_participant = ctx.node in state.participants
 
@@ -173,42 +165,13 @@ class _RendezvousJoinOp:
 
         now = time.monotonic()
         if now > deadline:
-            rollback_period = 5  # seconds
-
-            # If we still have time to roll back (a short period on top of the operation
-            # deadline), try to remove ourselves from the rendezvous. It is okay if we
-            # cannot, as our keep-alive will eventually expire.
-            if now <= deadline + rollback_period:
-                # A participant could not find enough participants to complete on time.
-                if is_participant:
-                    return _Action.REMOVE_FROM_PARTICIPANTS
-                # A waiting node could not wait till the next round.
-                if ctx.node in state.wait_list:
-                    return _Action.REMOVE_FROM_WAIT_LIST
-            return _Action.ERROR_TIMEOUT
+            return self._late(ctx, now, deadline, is_participant)
 
         admission = _admission_action(state, ctx.node, ctx.settings)
         if admission is not None:
             return admission
-        if not state.complete and is_participant:
-            # If the rendezvous has enough participants including us, check whether we
-            # have passed the last-call deadline. If yes, complete it.
-            if (
-                ctx.settings.min_nodes <= len(state.participants) <= ctx.settings.max_nodes
-                and state.deadline is not None
-            ):
-                if state.deadline < _now():
-                    logger.debug(
-                        "The node '%s' marking the rendezvous complete, quorum established "
-                        "within deadline",
-                        ctx.node,
-                    )
-                    return _Action.MARK_RENDEZVOUS_COMPLETE
-                logger.debug("The node '%s' can't complete rendezvous: deadline reached", ctx.node)
-            else:
-                logger.debug(
-                    "The node '%s' can't complete rendezvous: not enough participants", ctx.node
-                )
+        if not state.complete and is_participant and self._may_complete(ctx):
+            return _Action.MARK_RENDEZVOUS_COMPLETE
 
         if _should_keep_alive(ctx):
             return _Action.KEEP_ALIVE
@@ -217,6 +180,65 @@ class _RendezvousJoinOp:
         # other participants to join; or it is complete but we are not part of it, so we
         # wait for the next round.
         return _Action.SYNC
+
+    @staticmethod
+    def _redundant(ctx: _RendezvousContext) -> _Action:
+        """The next action of a node on the redundancy list."""
+        state = ctx.state
+        logger.debug("The node %s is in redundancy list", ctx.node)
+        # Do not apply the timeout logic here, to allow the node to rejoin.
+        if len(state.participants) == ctx.settings.max_nodes:
+            if _should_keep_alive(ctx):
+                return _Action.KEEP_ALIVE
+            return _Action.SYNC
+        # Transition to the waiting state that respects timeouts.
+        logger.debug("The node %s is removed from redundancy list", ctx.node)
+        return _Action.REMOVE_FROM_REDUNDANCY_LIST
+
+    @staticmethod
+    def _late(
+        ctx: _RendezvousContext, now: float, deadline: float, is_participant: bool
+    ) -> _Action:
+        """The next action of a node past the operation's ``deadline``: roll back while
+        there is time, else time out."""
+        rollback_period = 5  # seconds
+
+        # If we still have time to roll back (a short period on top of the operation
+        # deadline), try to remove ourselves from the rendezvous. It is okay if we
+        # cannot, as our keep-alive will eventually expire.
+        if now <= deadline + rollback_period:
+            # A participant could not find enough participants to complete on time.
+            if is_participant:
+                return _Action.REMOVE_FROM_PARTICIPANTS
+            # A waiting node could not wait till the next round.
+            if ctx.node in ctx.state.wait_list:
+                return _Action.REMOVE_FROM_WAIT_LIST
+        return _Action.ERROR_TIMEOUT
+
+    @staticmethod
+    def _may_complete(ctx: _RendezvousContext) -> bool:
+        """Whether a participant of an incomplete round marks it complete (and if not,
+        log why)."""
+        state = ctx.state
+        # If the rendezvous has enough participants including us, check whether we
+        # have passed the last-call deadline. If yes, complete it.
+        if (
+            ctx.settings.min_nodes <= len(state.participants) <= ctx.settings.max_nodes
+            and state.deadline is not None
+        ):
+            if state.deadline < _now():
+                logger.debug(
+                    "The node '%s' marking the rendezvous complete, quorum established "
+                    "within deadline",
+                    ctx.node,
+                )
+                return True
+            logger.debug("The node '%s' can't complete rendezvous: deadline reached", ctx.node)
+        else:
+            logger.debug(
+                "The node '%s' can't complete rendezvous: not enough participants", ctx.node
+            )
+        return False
 
 
 class _RendezvousCloseOp:
