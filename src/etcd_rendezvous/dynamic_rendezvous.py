@@ -55,6 +55,18 @@ What else differs from the reference, none of it visible in the state:
   callbacks of :func:`~etcd_rendezvous.events.add_event_handler` and the log in any case.
 * PyTorch is never imported at import time; it is used only if installed, to share the
   agent's ``TCPStore`` and to wrap PyTorch stores in its ``PrefixStore``.
+
+**Where the code lives.** PyTorch keeps nearly all of it in one module. This one holds
+:class:`DynamicRendezvousHandler` and :func:`create_handler`, and re-exports the public
+names of the private modules that hold the rest: the backend interface
+(``_dynamic_backend``), the settings and the clock (``_dynamic_settings``), the state and
+its codec (``_dynamic_state``), the state holder (``_dynamic_holder``), the operations
+(``_dynamic_ops``, the decisions) and the executor that carries their actions out
+(``_dynamic_executor``), the node keys of batched admission (``_dynamic_admission``),
+the keep-alive timer (``_periodic``) and the store a round hands out
+(``_prefix_store``). The state holder, the operations and the executor log to this
+module's logger and name their events after this file, as PyTorch's do
+(``dynamic_rendezvous.py:<Class>.<method>``).
 """
 
 from __future__ import annotations
