@@ -44,8 +44,9 @@ aggregator keeps its heartbeat fresh, and its heartbeat then lapses after as lon
 at most about twice PyTorch's ``keep_alive_interval * keep_alive_max_attempt``.
 
 This module holds the bookkeeping of that protocol and its requests to the registry;
-what a batch does to the state is decided by the handler's module (the same code as
-for a node that adds itself). It does not import that module at run time.
+what a batch does to the state is decided by :mod:`etcd_rendezvous._dynamic_ops` (the
+same code as for a node that adds itself) and done by the executor
+(:mod:`etcd_rendezvous._dynamic_executor`), which imports this module.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from .dynamic_rendezvous import NodeDesc, RendezvousSettings, RendezvousState
+    from ._dynamic_settings import RendezvousSettings
+    from ._dynamic_state import NodeDesc, RendezvousState
 
 __all__ = ["ADMISSION_GRACE", "AnnouncedNode", "NodeKeys", "NodeRegistry"]
 

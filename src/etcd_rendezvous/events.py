@@ -163,6 +163,8 @@ def record_rdzv_event(
     master_endpoint: str = "",
     local_id: int | None = None,
     rank: int | None = None,
+    *,
+    file_name: str = "",
 ) -> None:
     """Record a rendezvous event; the arguments are those of PyTorch's
     ``construct_and_record_rdzv_event``, and so is the event built from them.
@@ -172,6 +174,11 @@ def record_rdzv_event(
     process, and a ``FAILED`` event carries the traceback being handled. The event then
     goes to PyTorch (if loaded), to the callbacks and to the log; see the module
     documentation.
+
+    ``file_name``, an addition to PyTorch's arguments, replaces the caller's file name:
+    for code that records events under another file's name, such as the parts of
+    :mod:`~etcd_rendezvous.dynamic_rendezvous` kept in private modules, whose events
+    PyTorch names after ``dynamic_rendezvous.py``.
     """
     torch_events = _torch_destination()
     handlers = _handlers.current
@@ -180,7 +187,7 @@ def record_rdzv_event(
 
     caller = sys._getframe(1).f_code
     event = RdzvEvent(
-        name=f"{os.path.basename(caller.co_filename)}:{name or caller.co_name}",
+        name=f"{file_name or os.path.basename(caller.co_filename)}:{name or caller.co_name}",
         run_id=run_id,
         message=message,
         hostname=hostname or _fqdn(),

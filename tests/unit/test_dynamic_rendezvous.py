@@ -19,7 +19,25 @@ from typing import Any
 
 import pytest
 
+from etcd_rendezvous import _dynamic_executor, _dynamic_holder, _dynamic_ops, _dynamic_settings
 from etcd_rendezvous import dynamic_rendezvous as dr
+from etcd_rendezvous._dynamic_executor import _DistributedRendezvousOpExecutor
+from etcd_rendezvous._dynamic_holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
+from etcd_rendezvous._dynamic_ops import (
+    _Action,
+    _RendezvousCloseOp,
+    _RendezvousContext,
+    _RendezvousExitOp,
+    _RendezvousJoinOp,
+    _RendezvousKeepAliveOp,
+)
+from etcd_rendezvous._dynamic_state import (
+    _encode_state,
+    _NodeDesc,
+    _NodeDescGenerator,
+    _RendezvousState,
+)
+from etcd_rendezvous._prefix_store import _prefix_store, _PrefixStore
 from etcd_rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -34,10 +52,6 @@ from etcd_rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
     RendezvousSettings,
     RendezvousTimeout,
-    _Action,
-    _NodeDesc,
-    _RendezvousContext,
-    _RendezvousState,
 )
 
 NOW = datetime(2000, 1, 1, tzinfo=timezone.utc)
@@ -60,7 +74,7 @@ class MemoryBackend(RendezvousBackend):
         self._key = key
         self.failures: list[Exception] = []
         self.calls: dict[str, int] = {"get": 0, "set": 0, "wait": 0}
-        self.writes: list[tuple[float, dr._RendezvousState]] = []
+        self.writes: list[tuple[float, _RendezvousState]] = []
 
     @property
     def name(self) -> str:
@@ -108,7 +122,7 @@ class MemoryBackend(RendezvousBackend):
 
     def store(self, state: _RendezvousState) -> None:
         with self._cond:
-            self._state = dr._encode_state(state)
+            self._state = _encode_state(state)
             self._token += 1
             self._cond.notify_all()
 
@@ -182,7 +196,8 @@ def make_settings(
 
 @pytest.fixture
 def frozen_now(monkeypatch: pytest.MonkeyPatch) -> datetime:
-    monkeypatch.setattr(dr, "_now", lambda: NOW)
+    for module in (_dynamic_holder, _dynamic_ops, _dynamic_executor):
+        monkeypatch.setattr(module, "_now", lambda: NOW)
     return NOW
 
 
@@ -193,6 +208,11 @@ def _no_shared_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- settings and node descriptors ----------------------------------------------------------
+
+
+def test_the_private_modules_log_and_name_events_as_this_module() -> None:
+    assert dr.__name__ == _dynamic_settings.LOGGER_NAME
+    assert os.path.basename(dr.__file__) == _dynamic_settings.EVENT_FILE
 
 
 def test_timeout_keeps_given_values() -> None:
@@ -233,7 +253,7 @@ def test_node_desc_repr_hash_and_order() -> None:
 def test_node_desc_generator_counts_per_process() -> None:
     import socket
 
-    generator = dr._NodeDescGenerator()
+    generator = _NodeDescGenerator()
     for local_id in range(4):
         assert repr(generator.generate()) == f"{socket.getfqdn()}_{os.getpid()}_{local_id}"
     assert generator.generate("given-addr").addr == "given-addr"
@@ -266,8 +286,8 @@ def full_state() -> _RendezvousState:
 
 def make_holder(
     backend: RendezvousBackend, cache_duration: int = 0
-) -> dr._BackendRendezvousStateHolder:
-    return dr._BackendRendezvousStateHolder(backend, make_settings(), cache_duration)
+) -> _BackendRendezvousStateHolder:
+    return _BackendRendezvousStateHolder(backend, make_settings(), cache_duration)
 
 
 def test_holder_starts_empty_without_calling_the_backend() -> None:
@@ -359,7 +379,7 @@ def test_holder_polls_a_backend_without_wait_for_change(frozen_now: datetime) ->
         def set_state(self, state: bytes, token: Any = None) -> None:
             return None
 
-    holder = dr._BackendRendezvousStateHolder(Bare(), make_settings())  # type: ignore[arg-type]
+    holder = _BackendRendezvousStateHolder(Bare(), make_settings())  # type: ignore[arg-type]
     started = time.monotonic()
     holder.wait_for_change(0.05)
     assert 0.04 <= time.monotonic() - started < 1
@@ -417,7 +437,7 @@ def test_sync_raises_state_error_naming_a_keyless_backend() -> None:
 # -- _DistributedRendezvousOpExecutor ---------------------------------------------------------
 
 
-class FakeStateHolder(dr._RendezvousStateHolder):
+class FakeStateHolder(_RendezvousStateHolder):
     """Records calls; ``sync`` reports the dirty flag like a backend that always accepts."""
 
     def __init__(self, state: _RendezvousState | None = None) -> None:
@@ -450,7 +470,7 @@ def run_action(
     update_deadline: Callable[[timedelta], float] | None = None,
 ) -> FakeStateHolder:
     holder = FakeStateHolder(state)
-    executor = dr._DistributedRendezvousOpExecutor(ME, holder, settings or make_settings())
+    executor = _DistributedRendezvousOpExecutor(ME, holder, settings or make_settings())
     actions = iter([action, _Action.FINISH])
     executor.run(
         lambda ctx, dl: next(actions),
@@ -479,7 +499,7 @@ def test_run_passes_context_and_deadline_to_the_operation() -> None:
         seen.append((ctx, deadline))
         return _Action.FINISH
 
-    dr._DistributedRendezvousOpExecutor(ME, holder, settings).run(op, 3)
+    _DistributedRendezvousOpExecutor(ME, holder, settings).run(op, 3)
     ((ctx, deadline),) = seen
     assert ctx.node is ME
     assert ctx.state is holder.state
@@ -635,7 +655,7 @@ def test_run_marks_rendezvous_closed() -> None:
 )
 def test_run_raises_on_error_actions(action: _Action, error: type[Exception]) -> None:
     holder = FakeStateHolder()
-    executor = dr._DistributedRendezvousOpExecutor(ME, holder, make_settings())
+    executor = _DistributedRendezvousOpExecutor(ME, holder, make_settings())
     with pytest.raises(error):
         executor.run(lambda ctx, dl: action, time.monotonic() + 100)
     assert holder.calls == ["sync"]
@@ -655,7 +675,7 @@ def test_run_waits_for_a_change_on_sync() -> None:
 
 def wait_time(state: _RendezvousState, deadline_in: float = 100.0, **settings: Any) -> float:
     holder = FakeStateHolder(state)
-    executor = dr._DistributedRendezvousOpExecutor(ME, holder, make_settings(**settings))
+    executor = _DistributedRendezvousOpExecutor(ME, holder, make_settings(**settings))
     executor._state = state
     return executor._time_to_next_event(time.monotonic() + deadline_in)
 
@@ -715,14 +735,14 @@ def base_state() -> _RendezvousState:
 
 def test_exit_op(frozen_now: datetime) -> None:
     state = base_state()
-    assert next_action(dr._RendezvousExitOp(), state) == _Action.FINISH
+    assert next_action(_RendezvousExitOp(), state) == _Action.FINISH
     state.participants[ME] = 1
-    assert next_action(dr._RendezvousExitOp(), state) == _Action.REMOVE_FROM_PARTICIPANTS
-    assert next_action(dr._RendezvousExitOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+    assert next_action(_RendezvousExitOp(), state) == _Action.REMOVE_FROM_PARTICIPANTS
+    assert next_action(_RendezvousExitOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
 
 
 def join(state: _RendezvousState, **kwargs: Any) -> _Action:
-    return next_action(dr._RendezvousJoinOp(), state, **kwargs)
+    return next_action(_RendezvousJoinOp(), state, **kwargs)
 
 
 def test_join_raises_closed_if_rendezvous_is_closed(frozen_now: datetime) -> None:
@@ -830,15 +850,15 @@ def test_join_times_out_after_rollback_period(frozen_now: datetime) -> None:
 
 def test_close_op(frozen_now: datetime) -> None:
     state = base_state()
-    assert next_action(dr._RendezvousCloseOp(), state) == _Action.MARK_RENDEZVOUS_CLOSED
-    assert next_action(dr._RendezvousCloseOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+    assert next_action(_RendezvousCloseOp(), state) == _Action.MARK_RENDEZVOUS_CLOSED
+    assert next_action(_RendezvousCloseOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
     state.closed = True
-    assert next_action(dr._RendezvousCloseOp(), state) == _Action.FINISH
+    assert next_action(_RendezvousCloseOp(), state) == _Action.FINISH
 
 
 def test_keep_alive_op(frozen_now: datetime) -> None:
     state = base_state()
-    op = dr._RendezvousKeepAliveOp()
+    op = _RendezvousKeepAliveOp()
     assert next_action(op, state) == _Action.FINISH  # No heartbeat of ours yet.
     state.last_heartbeats[ME] = NOW - timedelta(seconds=30)
     assert next_action(op, state) == _Action.KEEP_ALIVE
@@ -877,7 +897,7 @@ def make_handler(
         ),
     )
     node = DynamicRendezvousHandler._node_desc_generator.generate(addr)
-    holder = dr._BackendRendezvousStateHolder(backend, settings)
+    holder = _BackendRendezvousStateHolder(backend, settings)
     return DynamicRendezvousHandler(node, settings, backend.name, store, holder)
 
 
@@ -1133,7 +1153,7 @@ def test_garbage_collected_handler_stops_its_heartbeats() -> None:
 
 def test_prefix_store_joins_keys_like_c10d() -> None:
     store = DictStore()
-    prefixed = dr._PrefixStore("torch.rendezvous.run.3", store)
+    prefixed = _PrefixStore("torch.rendezvous.run.3", store)
     prefixed.set("a", "1")
     assert store.data == {"torch.rendezvous.run.3/a": b"1"}
     assert prefixed.get("a") == b"1"
@@ -1144,7 +1164,7 @@ def test_prefix_store_joins_keys_like_c10d() -> None:
     prefixed.wait(["a"])
     prefixed.wait(["a"], timedelta(seconds=1))
     assert prefixed.underlying_store is store
-    assert dr._prefix_store("p", store).__class__ is dr._PrefixStore
+    assert _prefix_store("p", store).__class__ is _PrefixStore
 
 
 @pytest.mark.torch
@@ -1154,11 +1174,11 @@ def test_prefix_store_matches_torchs() -> None:
 
     hash_store = dist.HashStore()
     dist.PrefixStore("torch.rendezvous.run.0", hash_store).set("k", "theirs")
-    wrapped = dr._prefix_store("torch.rendezvous.run.0", hash_store)
+    wrapped = _prefix_store("torch.rendezvous.run.0", hash_store)
     assert isinstance(wrapped, dist.PrefixStore)  # A torch store gets torch's wrapper.
     assert wrapped.get("k") == b"theirs"
     # Ours writes the same key torch's reads.
-    dr._PrefixStore("torch.rendezvous.run.0", hash_store).set("j", "ours")  # type: ignore[arg-type]
+    _PrefixStore("torch.rendezvous.run.0", hash_store).set("j", "ours")  # type: ignore[arg-type]
     assert dist.PrefixStore("torch.rendezvous.run.0", hash_store).get("j") == b"ours"
     assert hash_store.get("torch.rendezvous.run.0/j") == b"ours"
 
@@ -1280,7 +1300,7 @@ def test_create_handler_rejects_bad_options(
     ],
 )
 def test_handler_validates_settings(settings: RendezvousSettings, message: str) -> None:
-    holder = dr._BackendRendezvousStateHolder(MemoryBackend(), settings)
+    holder = _BackendRendezvousStateHolder(MemoryBackend(), settings)
     with pytest.raises(ValueError, match=message):
         DynamicRendezvousHandler(ME, settings, "memory", DictStore(), holder)
 

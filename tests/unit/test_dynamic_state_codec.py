@@ -18,6 +18,7 @@ import pytest
 
 from etcd_rendezvous import _dynamic_state as codec
 from etcd_rendezvous import dynamic_rendezvous as dr
+from etcd_rendezvous._dynamic_holder import _BackendRendezvousStateHolder
 from etcd_rendezvous.api import RendezvousStateError
 
 TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
@@ -25,7 +26,7 @@ SOURCE = "etcd key '/torch/elastic/rendezvous/run-1'"
 T0 = datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=timezone.utc)
 
 
-def make_state(module: Any = dr) -> Any:
+def make_state(module: Any = codec) -> Any:
     """A state using every attribute, built from ``module``'s classes (ours or torch's)."""
     state = module._RendezvousState()
     a = module._NodeDesc("host-a.example.com", 101, 0)
@@ -85,23 +86,23 @@ def globals_in(data: bytes) -> set[tuple[str, str]]:
 
 def test_roundtrip_keeps_every_attribute() -> None:
     state = make_state()
-    decoded = dr.decode_state(dr._encode_state(state), SOURCE)
-    assert type(decoded) is dr._RendezvousState
+    decoded = dr.decode_state(codec._encode_state(state), SOURCE)
+    assert type(decoded) is codec._RendezvousState
     assert vars(decoded) == vars(state)
     assert list(vars(decoded)) == list(codec._STATE_FIELDS)
 
 
 def test_roundtrip_of_the_initial_state() -> None:
-    decoded = dr.decode_state(dr._encode_state(dr._RendezvousState()), SOURCE)
-    assert vars(decoded) == vars(dr._RendezvousState())
+    decoded = dr.decode_state(codec._encode_state(codec._RendezvousState()), SOURCE)
+    assert vars(decoded) == vars(codec._RendezvousState())
 
 
 def test_decoded_nodes_are_usable_as_keys_and_shared() -> None:
-    decoded = dr.decode_state(dr._encode_state(make_state()), SOURCE)
-    a = dr._NodeDesc("host-a.example.com", 101, 0)
+    decoded = dr.decode_state(codec._encode_state(make_state()), SOURCE)
+    a = codec._NodeDesc("host-a.example.com", 101, 0)
     assert decoded.participants[a] == 0
     assert a in decoded.last_heartbeats
-    assert dr._NodeDesc("host-c.example.com", 303, 2) in decoded.wait_list
+    assert codec._NodeDesc("host-c.example.com", 303, 2) in decoded.wait_list
     # One object per node, as in the pickles PyTorch writes (they memoize the node).
     (in_participants,) = (n for n in decoded.participants if n == a)
     (in_heartbeats,) = (n for n in decoded.last_heartbeats if n == a)
@@ -109,7 +110,7 @@ def test_decoded_nodes_are_usable_as_keys_and_shared() -> None:
 
 
 def test_encoding_names_pytorch_classes_and_nothing_else() -> None:
-    data = dr._encode_state(make_state())
+    data = codec._encode_state(make_state())
     assert data[:2] == pickle.PROTO + bytes([max(4, pickle.DEFAULT_PROTOCOL)])
     assert globals_in(data) == {
         (TORCH_MODULE, "_RendezvousState"),
@@ -124,8 +125,8 @@ def test_encoding_names_pytorch_classes_and_nothing_else() -> None:
 def test_encoding_does_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "from etcd_rendezvous import dynamic_rendezvous as dr\n"
-        "data = dr._encode_state(dr._RendezvousState())\n"
+        "from etcd_rendezvous import _dynamic_state as codec, dynamic_rendezvous as dr\n"
+        "data = codec._encode_state(codec._RendezvousState())\n"
         "dr.decode_state(data, 'x')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
@@ -134,20 +135,20 @@ def test_encoding_does_not_import_torch() -> None:
 
 def test_encoded_size_is_within_pytorchs_limits() -> None:
     """The same bounds as PyTorch's own test (base64 of the state, as etcd-v2 stores it)."""
-    state = dr._RendezvousState()
+    state = codec._RendezvousState()
     state.round = 1
     state.complete = True
     state.deadline = T0
     state.closed = True
     for num_nodes, max_bytes in ((5, 2 * 2**10), (50, 16 * 2**10), (500, 160 * 2**10)):
         for i in range(num_nodes):
-            running = dr._NodeDesc(f"dummy{i}.dummy1-dummy1-dummy1-dummy1.com", 12345, i)
-            waiting = dr._NodeDesc(f"dummy{i}.dummy2-dummy2-dummy2-dummy2.com", 67890, i)
+            running = codec._NodeDesc(f"dummy{i}.dummy1-dummy1-dummy1-dummy1.com", 12345, i)
+            waiting = codec._NodeDesc(f"dummy{i}.dummy2-dummy2-dummy2-dummy2.com", 67890, i)
             state.participants[running] = i
             state.wait_list.add(waiting)
             state.last_heartbeats[running] = T0
             state.last_heartbeats[waiting] = T0
-        assert len(b64encode(dr._encode_state(state))) <= max_bytes, num_nodes
+        assert len(b64encode(codec._encode_state(state))) <= max_bytes, num_nodes
 
 
 # -- interoperability with PyTorch 2.13 ----------------------------------------------------------
@@ -163,7 +164,7 @@ def torch_dr() -> Any:
 
 @pytest.mark.torch
 def test_torch_loads_our_state_into_its_classes(torch_dr: Any) -> None:
-    loaded = pickle.loads(dr._encode_state(make_state()))
+    loaded = pickle.loads(codec._encode_state(make_state()))
     assert type(loaded) is torch_dr._RendezvousState
     assert as_plain(loaded) == as_plain(make_state())
     assert all(type(n) is torch_dr._NodeDesc for n in loaded.participants)
@@ -178,8 +179,10 @@ def test_torch_loads_our_state_into_its_classes(torch_dr: Any) -> None:
 
 @pytest.mark.torch
 def test_our_bytes_are_pytorchs_bytes(torch_dr: Any) -> None:
-    assert dr._encode_state(make_state()) == pickle.dumps(make_state(torch_dr))
-    assert dr._encode_state(dr._RendezvousState()) == pickle.dumps(torch_dr._RendezvousState())
+    assert codec._encode_state(make_state()) == pickle.dumps(make_state(torch_dr))
+    assert codec._encode_state(codec._RendezvousState()) == pickle.dumps(
+        torch_dr._RendezvousState()
+    )
 
 
 @pytest.mark.torch
@@ -187,7 +190,7 @@ def test_our_bytes_are_pytorchs_bytes(torch_dr: Any) -> None:
 def test_we_decode_pytorchs_state(torch_dr: Any, protocol: int) -> None:
     theirs = make_state(torch_dr)
     decoded = dr.decode_state(pickle.dumps(theirs, protocol=protocol), SOURCE)
-    assert type(decoded) is dr._RendezvousState
+    assert type(decoded) is codec._RendezvousState
     assert as_plain(decoded) == as_plain(theirs)
     assert vars(decoded) == vars(make_state())
 
@@ -225,7 +228,7 @@ def test_torch_state_written_by_pytorchs_holder_decodes(torch_dr: Any) -> None:
     holder.mark_dirty()
     holder.sync()
     decoded = dr.decode_state(written[0], SOURCE)
-    assert decoded.participants == {dr._NodeDesc("host-a", 1, 0): 0}
+    assert decoded.participants == {codec._NodeDesc("host-a", 1, 0): 0}
 
 
 # -- hostile and malformed payloads ------------------------------------------------------------
@@ -263,8 +266,8 @@ def test_hostile_pickle_is_rejected_and_not_executed(tmp_path: Path, kind: str, 
     else:
         # Hidden inside an otherwise valid state, as a participant's rank.
         state = make_state()
-        state.participants[dr._NodeDesc("evil", 1, 1)] = payload
-        data = dr._encode_state(state)
+        state.participants[codec._NodeDesc("evil", 1, 1)] = payload
+        data = codec._encode_state(state)
 
     with pytest.raises(RendezvousStateError) as excinfo:
         dr.decode_state(data, SOURCE)
@@ -306,7 +309,7 @@ def test_other_names_in_pytorchs_module_are_rejected() -> None:
 def test_persistent_ids_are_rejected() -> None:
     class WithPid(codec._StatePickler):
         def persistent_id(self, obj: Any) -> Any:
-            return "pid" if isinstance(obj, dr._NodeDesc) else None
+            return "pid" if isinstance(obj, codec._NodeDesc) else None
 
     buffer = io.BytesIO()
     WithPid(buffer, protocol=4).dump(make_state())
@@ -318,31 +321,31 @@ def _with(**changes: Any) -> bytes:
     state = make_state()
     for name, value in changes.items():
         setattr(state, name, value)
-    return dr._encode_state(state)
+    return codec._encode_state(state)
 
 
 def _node_with(**changes: Any) -> bytes:
     state = make_state()
-    node = dr._NodeDesc("host-x", 1, 9)
+    node = codec._NodeDesc("host-x", 1, 9)
     for name, value in changes.items():
         object.__setattr__(node, name, value)
     state.wait_list = {node}
-    return dr._encode_state(state)
+    return codec._encode_state(state)
 
 
 def _without(name: str) -> bytes:
     state = make_state()
     delattr(state, name)
-    return dr._encode_state(state)
+    return codec._encode_state(state)
 
 
-NODE = dr._NodeDesc("host-a", 1, 0)
+NODE = codec._NodeDesc("host-a", 1, 0)
 
 WRONG = {
     "bare list": (pickle.dumps([1, 2, 3]), "holds a list, not a rendezvous state"),
     "dict": (pickle.dumps({"round": 1}), "holds a dict"),
     "None": (pickle.dumps(None), "holds a NoneType"),
-    "a node": (dr._encode_state(NODE), "holds a _NodeDesc"),
+    "a node": (codec._encode_state(NODE), "holds a _NodeDesc"),
     "round str": (_with(round="3"), "'round' must be an int"),
     "round bool": (_with(round=True), "'round' must be an int"),
     "complete int": (_with(complete=1), "'complete' must be a bool"),
@@ -368,7 +371,7 @@ WRONG = {
     "extra attribute": (_with(shell="rm -rf /"), "unexpected attributes ['shell']"),
     "not a pickle": (b"corrupt_state", "not a valid pickle"),
     "empty": (b"", "not a valid pickle"),
-    "truncated": (dr._encode_state(make_state())[:-20], "not a valid pickle"),
+    "truncated": (codec._encode_state(make_state())[:-20], "not a valid pickle"),
 }
 
 
@@ -415,7 +418,7 @@ def test_holder_names_the_backends_key(tmp_path: Path) -> None:
             return None
 
     settings = dr.RendezvousSettings("run-1", 1, 1, dr.RendezvousTimeout(), timedelta(seconds=5), 3)
-    holder = dr._BackendRendezvousStateHolder(KeyedBackend(), settings)
+    holder = _BackendRendezvousStateHolder(KeyedBackend(), settings)
     with pytest.raises(
         RendezvousStateError, match=r"in etcd-v2 key '/torch/elastic/rendezvous/run-1' is corrupt"
     ):

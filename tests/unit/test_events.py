@@ -63,6 +63,13 @@ def test_an_explicit_name_and_node_are_kept(received: list[RdzvEvent]) -> None:
     )
 
 
+def test_a_file_name_replaces_the_callers(received: list[RdzvEvent]) -> None:
+    _record_from_a_function(node_state=NodeState.RUNNING, file_name="dynamic_rendezvous.py")
+
+    (event,) = received
+    assert event.name == "dynamic_rendezvous.py:_record_from_a_function"
+
+
 def test_a_failed_event_carries_the_traceback_being_handled(received: list[RdzvEvent]) -> None:
     try:
         raise RendezvousClosedError("closed for the test")

@@ -19,11 +19,11 @@ import pytest
 
 from etcd_rendezvous import _v3_http as wire
 from etcd_rendezvous._client import _is_transient_server_error
+from etcd_rendezvous._periodic import _PeriodicTimer
 from etcd_rendezvous._retry import Deadline
 from etcd_rendezvous._transport import Node, _AmbiguousError, _UnsentError, transient_answer
 from etcd_rendezvous._v3 import EtcdV3Connection
 from etcd_rendezvous.api import RendezvousConnectionError
-from etcd_rendezvous.dynamic_rendezvous import _PeriodicTimer
 from etcd_rendezvous.etcd_store import EtcdStore, _tagged
 
 # -- what an election answers ------------------------------------------------------------

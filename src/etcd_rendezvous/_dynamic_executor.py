@@ -1,0 +1,492 @@
+"""The executor of the dynamic rendezvous: it carries out the actions the operations of
+:mod:`etcd_rendezvous._dynamic_ops` decide, on the state shared by all nodes.
+
+:class:`_DistributedRendezvousOpExecutor` syncs the state, asks the operation for the
+next action, applies it and writes the state back, until the operation finishes. Between
+steps it waits for the other nodes (or for its next deadline); with node keys (see
+:mod:`etcd_rendezvous._dynamic_admission`) it admits the announced nodes in batches and
+folds their heartbeats into the state. Part of :mod:`etcd_rendezvous.dynamic_rendezvous`,
+which documents the protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from datetime import timedelta
+
+from ._dynamic_admission import NodeKeys
+from ._dynamic_backend import _POLL_INTERVAL
+from ._dynamic_holder import _remove_participant_epilogue, _RendezvousStateHolder
+from ._dynamic_ops import _ADMISSIONS, _Action, _admission_action, _RendezvousContext, _StateHandler
+from ._dynamic_settings import EVENT_FILE, LOGGER_NAME, RendezvousSettings, _now
+from ._dynamic_state import _NodeDesc, _RendezvousState
+from ._retry import CONTENTION, Deadline, Retry
+from .api import RendezvousClosedError, RendezvousTimeoutError
+from .events import NodeState, record_rdzv_event
+
+__all__ = ["_DistributedRendezvousOpExecutor", "_RendezvousOpExecutor"]
+
+logger = logging.getLogger(LOGGER_NAME)
+
+#: Margin added to a wake-up time so that a strict comparison (``deadline < now``) holds
+#: when the node wakes up, instead of waking it a few microseconds too early.
+_WAKE_UP_MARGIN = 0.01
+
+
+class _RendezvousOpExecutor(ABC):
+    """Execute rendezvous operations."""
+
+    @abstractmethod
+    def run(
+        self,
+        state_handler: _StateHandler,
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        """Execute a rendezvous operation.
+
+        An operation is run inside a state machine and is expected to transition the
+        rendezvous from one state to another.
+
+        Args:
+            state_handler: A callable that returns the next state transition action
+                based on the current state of the rendezvous.
+            deadline: The time, in seconds (``time.monotonic()``), at which the
+                operation will be considered timed-out.
+            update_deadline: Function to generate a new operation deadline if the
+                current node may participate in the next rendezvous.
+        """
+
+
+class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
+    """Execute rendezvous operations using a shared state.
+
+    With ``node_keys`` (a backend with node keys, see
+    :mod:`etcd_rendezvous._dynamic_admission`), the node does not add itself to the
+    state: it announces itself and is admitted in a batch, by itself or by another node;
+    and its heartbeat refreshes its key, folded into the state by the aggregator.
+
+    Args:
+        node: The node descriptor associated with the current rendezvous handler
+            instance.
+        state_holder: The ``RendezvousStateHolder`` to use to sync the rendezvous state
+            with other nodes.
+        settings: The rendezvous settings.
+        node_keys: The node's key and admission protocol, or ``None`` for PyTorch's.
+    """
+
+    _node: _NodeDesc
+    _state: _RendezvousState
+    _state_holder: _RendezvousStateHolder
+    _settings: RendezvousSettings
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        state_holder: _RendezvousStateHolder,
+        settings: RendezvousSettings,
+        node_keys: NodeKeys | None = None,
+    ) -> None:
+        self._node = node
+        self._state_holder = state_holder
+        self._settings = settings
+        self._keys = node_keys
+        # Whether the node announced itself and waits for a batch to admit it.
+        self._awaiting_admission = False
+        # The nodes whose heartbeats the aggregator is writing into the state.
+        self._fold: set[_NodeDesc] | None = None
+
+    def _record(
+        self,
+        message: str,
+        node_state: NodeState = NodeState.RUNNING,
+        *,
+        method: str | None = None,
+    ) -> None:
+        """Record an event named after ``method`` (by default, the caller)."""
+        record_rdzv_event(
+            name=f"{type(self).__name__}.{method or sys._getframe(1).f_code.co_name}",
+            file_name=EVENT_FILE,
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+            hostname=self._node.addr,
+            pid=self._node.pid,
+            local_id=self._node.local_id,
+        )
+
+    def run(
+        self,
+        state_handler: _StateHandler,
+        deadline: float,
+        update_deadline: Callable[[timedelta], float] | None = None,
+    ) -> None:
+        """See base class."""
+        # Losers of a write race retry at once with the newer state in PyTorch; a short
+        # jittered back-off spreads many contending nodes out instead. It only pauses:
+        # the operation decides what a passed deadline means (a joining node may still
+        # roll back, a redundant node waits on), returning ERROR_TIMEOUT when it is time.
+        retry = CONTENTION.start(Deadline.at(deadline))
+        action = None
+        while action != _Action.FINISH:
+            has_set = self._sync(deadline, retry)
+            if self._refold(has_set) or self._heartbeat(deadline):
+                continue
+
+            ctx = _RendezvousContext(
+                self._node, self._state, self._settings, self._keep_alive_period()
+            )
+            # Determine the next action to take based on the current state.
+            action = state_handler(ctx, deadline)
+            self._note_admission(action)
+
+            if action == _Action.FINISH:
+                continue
+            if action == _Action.ERROR_CLOSED:
+                raise RendezvousClosedError
+            if action == _Action.ERROR_TIMEOUT:
+                raise RendezvousTimeoutError
+
+            # Nothing to do until another node changes the state (for an admission: by
+            # admitting us) or one of our deadlines falls due.
+            if action == _Action.SYNC:
+                self._wait(deadline)
+                continue
+            if action in _ADMISSIONS:
+                wait = self._admit(action, deadline)
+                if wait is not None:
+                    self._wait(deadline, at_most=wait)
+                    continue
+            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
+                # Update the deadline since the node may participate in the rendezvous.
+                deadline = update_deadline(self._settings.timeout.join)
+                retry = CONTENTION.start(Deadline.at(deadline))
+            if action not in _ADMISSIONS:
+                self._apply(action)
+
+            # Attempt to sync our changes back to other nodes.
+            self._state_holder.mark_dirty()
+
+    def _sync(self, deadline: float, retry: Retry) -> bool | None:
+        """Read the latest state shared by all nodes, or write ours back (which fails if
+        another node synced its changes first). The backend retries etcd failures (an
+        election) until the step's deadline, then raises. Returns what
+        :meth:`_RendezvousStateHolder.sync` returns."""
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            has_set = self._state_holder.sync()
+        if has_set is not None:
+            if has_set:
+                retry.reset()
+                msg = (
+                    f"The node '{self._node}' has successfully synced its local changes "
+                    f"with other nodes in the rendezvous '{self._settings.run_id}'."
+                )
+            else:
+                msg = (
+                    f"The node '{self._node}' has a stale state and failed to sync its "
+                    f"local changes with other nodes in the rendezvous "
+                    f"'{self._settings.run_id}'."
+                )
+            self._record(message=msg, method="run")
+            logger.debug(msg)
+            if not has_set and self._fold is None:
+                # The aggregator's fold retries at once: it refreshes every node with a
+                # key, and each moment it waits more of them may write their own.
+                retry.pause()
+        self._state = self._state_holder.state
+        return has_set
+
+    def _wait(self, deadline: float, at_most: float | None = None) -> None:
+        """Wait for another node to change the state, or until something is due."""
+        timeout = self._time_to_next_event(deadline)
+        if at_most is not None:
+            timeout = min(timeout, at_most + _WAKE_UP_MARGIN)
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            self._state_holder.wait_for_change(timeout)
+
+    def _apply(self, action: _Action) -> None:
+        """Carry out an action that changes the state (other than an admission)."""
+        if action == _Action.KEEP_ALIVE:
+            self._keep_alive(self._node)
+        elif action == _Action.REMOVE_FROM_PARTICIPANTS:
+            self._remove_from_participants()
+        elif action == _Action.REMOVE_FROM_WAIT_LIST:
+            self._remove_from_wait_list()
+        elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
+            self._remove_from_redundancy_list()
+        elif action == _Action.MARK_RENDEZVOUS_COMPLETE:
+            self._mark_rendezvous_complete()
+        elif action == _Action.MARK_RENDEZVOUS_CLOSED:
+            self._mark_rendezvous_closed()
+
+    # -- admission and heartbeats ---------------------------------------------------------
+
+    def _admit(self, action: _Action, deadline: float) -> float | None:
+        """Take the admission ``action`` the join decision chose for this node: by itself
+        (PyTorch's protocol), or with node keys in a batch of every announced node, if
+        it is the oldest waiting. Returns ``None`` if it changed the state, or else the
+        longest to wait for another node to admit it before looking again (see
+        :meth:`NodeKeys.admission`)."""
+        keys = self._keys
+        if keys is None:
+            self._admit_node(self._node, action)
+            return None
+
+        def wants(node: _NodeDesc) -> bool:
+            return _admission_action(self._state, node, self._settings) is not None
+
+        state = self._state
+        mark = (state.round, len(state.participants), len(state.wait_list))
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            outcome = keys.admission(wants, (*mark, len(state.redundancy_list)))
+        if isinstance(outcome, float):
+            self._awaiting_admission = True
+            return outcome
+        for node in outcome:
+            # The join decision for each node, on the state as the batch left it.
+            admission = _admission_action(self._state, node, self._settings)
+            if admission is not None:
+                self._admit_node(node, admission)
+        # The same write refreshes the heartbeats of the nodes whose keys were listed
+        # (alive), as the aggregator does: a round completes with fresh heartbeats.
+        now, heartbeats = _now(), self._state.last_heartbeats
+        for node in keys.listed() & heartbeats.keys():
+            heartbeats[node] = now
+        return None
+
+    def _admit_node(self, node: _NodeDesc, action: _Action) -> None:
+        """Carry out the admission ``action`` for ``node``."""
+        if action == _Action.ADD_TO_PARTICIPANTS:
+            self._add_to_participants(node)
+        elif action == _Action.ADD_TO_WAIT_LIST:
+            self._add_to_wait_list(node)
+        elif action == _Action.ADD_TO_REDUNDANCY_LIST:
+            self._add_to_redundancy_list(node)
+
+    def _note_admission(self, action: _Action) -> None:
+        """Once a node that waited for its admission is in the state, record how (the
+        event a node records when it adds itself, saying who did)."""
+        if action in _ADMISSIONS or not self._awaiting_admission:
+            return
+        self._awaiting_admission = False
+        if self._keys is not None:
+            self._keys.admitted()
+        state, node = self._state, self._node
+        if node in state.participants:
+            where, method = f"the participants of round {state.round}", "_add_to_participants"
+        elif node in state.wait_list:
+            where, method = f"the wait list of round {state.round + 1}", "_add_to_wait_list"
+        elif node in state.redundancy_list:
+            where = f"the redundancy list of round {state.round + 1}"
+            method = "_add_to_redundancy_list"
+        else:
+            return
+        msg = (
+            f"The node '{node}' was added to {where} of the rendezvous "
+            f"'{self._settings.run_id}' by another node."
+        )
+        self._record(message=msg, method=method)
+        logger.debug(msg)
+
+    def _keep_alive_period(self) -> timedelta:
+        """How old our heartbeat in the state may get before we write it ourselves."""
+        interval = self._settings.keep_alive_interval
+        return interval if self._keys is None else self._keys.heartbeat_period(interval)
+
+    def _heartbeat(self, deadline: float) -> bool:
+        """With node keys: the node's heartbeat, if due (see :meth:`NodeKeys.tick`).
+        Returns whether the node, as the aggregator, refreshed heartbeats in the state
+        (to be written back)."""
+        keys = self._keys
+        if keys is None or not keys.tick_due():
+            return False
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            alive = keys.tick(self._state, _now())
+        if not alive:
+            return False
+        self._fold = alive
+        return self._refold(False)
+
+    def _refold(self, has_set: bool | None) -> bool:
+        """Refresh the heartbeats of the nodes the aggregator found alive, until the
+        state with them is written: again on the newer state after a lost race (the
+        fold does not wait for the next tick). Returns whether there is a fold to write."""
+        alive = self._fold
+        if alive is None or has_set is not False:
+            self._fold = None
+            return False
+        now = _now()
+        heartbeats = self._state.last_heartbeats
+        for node in alive:
+            if node in heartbeats:
+                heartbeats[node] = now
+        logger.debug(
+            "The node '%s' refreshed the heartbeats of %d node(s) with a live key in the "
+            "rendezvous '%s'. Pending sync.",
+            self._node,
+            len(alive),
+            self._settings.run_id,
+        )
+        self._state_holder.mark_dirty()
+        return True
+
+    # -- timing -------------------------------------------------------------------------
+
+    def _step_deadline(self, deadline: float) -> Deadline:
+        """The deadline of the backend calls of one step: the operation's.
+
+        Except for a node on the redundancy list, which waits for a free place without
+        a deadline (as in PyTorch): its steps get a join timeout each, so that it rides
+        out an etcd election like any other node.
+        """
+        if self._node in self._state_holder.state.redundancy_list:
+            join = self._settings.timeout.join.total_seconds()
+            return Deadline.at(max(deadline, time.monotonic() + join))
+        return Deadline.at(deadline)
+
+    def _time_to_next_event(self, deadline: float) -> float:
+        """Seconds until something may change the decision without a write by another node.
+
+        That is the operation deadline, the last-call deadline, our own next heartbeat
+        (in the state, or of our key), or the expiry of another node's heartbeat. Events
+        already past are ignored (they were acted upon), and the wait is capped by the
+        keep-alive interval.
+        """
+        state = self._state
+        settings = self._settings
+        now = _now()
+        waits = [settings.keep_alive_interval.total_seconds(), deadline - time.monotonic()]
+        if state.deadline is not None:
+            waits.append((state.deadline - now).total_seconds())
+        lifetime = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        own = self._keep_alive_period()
+        for node, last_heartbeat in state.last_heartbeats.items():
+            due = last_heartbeat + (own if node == self._node else lifetime)
+            waits.append((due - now).total_seconds())
+        tick = None if self._keys is None else self._keys.seconds_to_tick()
+        if tick is not None:
+            waits.append(tick)
+        return min((wait for wait in waits if wait > 0), default=_POLL_INTERVAL) + _WAKE_UP_MARGIN
+
+    # -- the actions --------------------------------------------------------------------
+
+    def _tell(self, node: _NodeDesc, msg: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        """Record the event of an action on ``node`` (named after the caller); for an
+        action on another node (in a batch), only log it: that node records its own."""
+        if node == self._node:
+            self._record(message=msg, node_state=node_state, method=sys._getframe(1).f_code.co_name)
+        logger.debug(msg)
+
+    def _whom(self, node: _NodeDesc) -> str:
+        return "itself" if node == self._node else f"the node '{node}'"
+
+    def _keep_alive(self, node: _NodeDesc) -> None:
+        whose = "its" if node == self._node else "the"
+        of = "" if node == self._node else f" of the node '{node}'"
+        msg = (
+            f"The node '{self._node}' updated {whose} keep-alive heartbeat time{of} for the "
+            f"rendezvous '{self._settings.run_id}'. Pending sync."
+        )
+        self._tell(node, msg)
+        self._state.last_heartbeats[node] = _now()
+
+    def _add_to_participants(self, node: _NodeDesc) -> None:
+        msg = (
+            f"The node '{self._node}' added {self._whom(node)} to the participants of round "
+            f"{self._state.round} of the rendezvous '{self._settings.run_id}'. Pending sync."
+        )
+        self._tell(node, msg)
+        state = self._state
+        state.wait_list.discard(node)
+
+        # The ranks of the participants will be set once the rendezvous is complete.
+        state.participants[node] = 0
+
+        self._keep_alive(node)
+
+        if len(state.participants) == self._settings.min_nodes:
+            state.deadline = _now() + self._settings.timeout.last_call
+
+        if len(state.participants) == self._settings.max_nodes:
+            self._mark_rendezvous_complete()
+
+    def _add_to_wait_list(self, node: _NodeDesc) -> None:
+        msg = (
+            f"The node '{self._node}' added {self._whom(node)} to the wait list of round "
+            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
+        )
+        self._tell(node, msg)
+        self._state.redundancy_list.discard(node)
+        self._state.wait_list.add(node)
+        self._keep_alive(node)
+
+    def _add_to_redundancy_list(self, node: _NodeDesc) -> None:
+        msg = (
+            f"The node '{self._node}' added {self._whom(node)} to the redundancy list of round "
+            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
+        )
+        self._tell(node, msg)
+        self._state.redundancy_list.add(node)
+        self._keep_alive(node)
+
+    def _remove_from_participants(self) -> None:
+        msg = (
+            f"The node '{self._node}' removed itself from the participants of round "
+            f"{self._state.round} of the rendezvous '{self._settings.run_id}'. Pending sync."
+        )
+        self._record(message=msg)
+        logger.debug(msg)
+        state = self._state
+        del state.participants[self._node]
+        del state.last_heartbeats[self._node]
+
+        # Common epilogue shared with _BackendRendezvousStateHolder._sanitize().
+        _remove_participant_epilogue(state, self._settings)
+
+    def _remove_from_wait_list(self) -> None:
+        msg = (
+            f"The node '{self._node}' removed itself from the wait list of round "
+            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
+        )
+        self._record(message=msg)
+        logger.debug(msg)
+        self._state.wait_list.remove(self._node)
+        del self._state.last_heartbeats[self._node]
+
+    def _remove_from_redundancy_list(self) -> None:
+        msg = (
+            f"The node '{self._node}' removed itself from the redundant list of round "
+            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
+        )
+        self._record(message=msg)
+        logger.debug(msg)
+        self._state.redundancy_list.remove(self._node)
+        del self._state.last_heartbeats[self._node]
+
+    def _mark_rendezvous_complete(self) -> None:
+        msg = (
+            f"The node '{self._node}' marked round {self._state.round} of the rendezvous "
+            f"'{self._settings.run_id}' as complete. Pending sync."
+        )
+        self._record(message=msg, node_state=NodeState.SUCCEEDED)
+        logger.debug(msg)
+        state = self._state
+        state.complete = True
+        state.deadline = None
+
+        # Assign the ranks.
+        for rank, node in enumerate(sorted(state.participants)):
+            state.participants[node] = rank
+
+    def _mark_rendezvous_closed(self) -> None:
+        msg = (
+            f"The node '{self._node}' marked the rendezvous '{self._settings.run_id}' as "
+            "closed. Pending sync."
+        )
+        self._record(message=msg, node_state=NodeState.SUCCEEDED)
+        logger.debug(msg)
+        self._state.closed = True

@@ -1,0 +1,265 @@
+"""The rendezvous state as a node holds it, kept in sync with the other nodes through the
+backend.
+
+:class:`_BackendRendezvousStateHolder` reads the state (or adopts the one a watching
+backend brought), writes the node's changes back with the fencing token it read, and
+drops the nodes whose heartbeats lapsed. Part of
+:mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from abc import ABC, abstractmethod
+
+from ._dynamic_backend import _POLL_INTERVAL, RendezvousBackend, Token, _delay
+from ._dynamic_settings import EVENT_FILE, LOGGER_NAME, RendezvousSettings, _now
+from ._dynamic_state import _encode_state, _NodeDesc, _RendezvousState, decode_state
+from ._retry import Deadline
+from .events import NodeState, record_rdzv_event
+
+__all__ = [
+    "_BackendRendezvousStateHolder",
+    "_RendezvousStateHolder",
+    "_remove_participant_epilogue",
+]
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+def _remove_participant_epilogue(state: _RendezvousState, settings: RendezvousSettings) -> None:
+    """Fix up the round after participants left (shared by sanitizing and exiting)."""
+    if state.complete:
+        # If we do not have any participants left, move to the next round.
+        if not state.participants:
+            logger.debug("No participants left in the rendezvous, marking rendezvous as incomplete")
+            state.complete = False
+            state.round += 1
+    elif len(state.participants) < settings.min_nodes:
+        logger.debug(
+            "Number of participants %d less than min_nodes %d, clearing deadline in state",
+            len(state.participants),
+            settings.min_nodes,
+        )
+        state.deadline = None
+
+
+class _RendezvousStateHolder(ABC):
+    """Hold the shared rendezvous state synced with other nodes."""
+
+    @property
+    @abstractmethod
+    def state(self) -> _RendezvousState:
+        """Get the local state."""
+
+    @abstractmethod
+    def sync(self) -> bool | None:
+        """Read or write the latest state.
+
+        Returns:
+            Whether the local state, if marked dirty, was successfully synced with
+            other nodes; ``None`` if it was not dirty.
+        """
+
+    @abstractmethod
+    def mark_dirty(self) -> None:
+        """Mark the local state as dirty."""
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for another node to change the state.
+
+        The next :meth:`sync` then returns the newest state. The default sleeps
+        ``min(timeout, 1 s)``, PyTorch's poll interval.
+        """
+        _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
+
+    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
+        """A block in which :meth:`sync` and :meth:`wait_for_change` end by ``deadline``
+        (the default: no bound)."""
+        return contextlib.nullcontext()
+
+
+class _BackendRendezvousStateHolder(_RendezvousStateHolder):
+    """Hold the rendezvous state synced with other nodes via a backend.
+
+    Args:
+        backend: The rendezvous backend to use.
+        settings: The rendezvous settings.
+        cache_duration: The amount of time, in seconds, to cache the last rendezvous
+            state before requesting it from the backend again.
+    """
+
+    _backend: RendezvousBackend
+    _state: _RendezvousState
+    _settings: RendezvousSettings
+    _cache_duration: int
+    _token: Token
+    _dirty: bool
+    _last_sync_time: float
+    _dead_nodes: list[_NodeDesc]
+
+    def __init__(
+        self,
+        backend: RendezvousBackend,
+        settings: RendezvousSettings,
+        cache_duration: int = 1,
+    ) -> None:
+        self._backend = backend
+        self._state = _RendezvousState()
+        self._settings = settings
+        self._cache_duration = cache_duration
+        self._token = None
+        self._dirty = False
+        self._last_sync_time = -1
+        self._dead_nodes = []
+
+    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        record_rdzv_event(
+            name=f"{type(self).__name__}.{sys._getframe(1).f_code.co_name}",
+            file_name=EVENT_FILE,
+            run_id=self._settings.run_id,
+            message=message,
+            node_state=node_state,
+        )
+
+    @property
+    def state(self) -> _RendezvousState:
+        """See base class."""
+        return self._state
+
+    def _source(self) -> str:
+        # Backends that do not derive from RendezvousBackend may lack the property.
+        key = getattr(self._backend, "state_key", None)
+        if key is None:
+            return f"the '{self._backend.name}' backend"
+        return f"{self._backend.name} key '{key}'"
+
+    def sync(self) -> bool | None:
+        """See base class."""
+        state_bits: bytes | None = None
+        token = None
+        has_set: bool | None
+
+        if self._dirty:
+            has_set = False
+            state_bits = _encode_state(self._state)
+            set_response = self._backend.set_state(state_bits, self._token)
+            if set_response is not None:
+                state_bits, token, has_set = set_response
+        else:
+            has_set = None
+            if self._adopt_known_change():
+                # The backend's watch brought a newer state: no read needed.
+                return None
+            if self._cache_duration > 0 and self._last_sync_time >= max(
+                time.monotonic() - self._cache_duration, 0
+            ):
+                # Avoid overloading the backend if we are asked to retrieve the state
+                # repeatedly. Serve the cached state.
+                return None
+            get_response = self._backend.get_state()
+            if get_response is not None:
+                state_bits, token = get_response
+
+        # As in PyTorch, the event is recorded only if the debug log is on.
+        if has_set and self._dead_nodes and logger.isEnabledFor(logging.DEBUG):
+            node_list = ", ".join(f"'{node}'" for node in self._dead_nodes)
+            msg = (
+                f"As part of the sync operation the node(s) {node_list} have been removed from "
+                f"the rendezvous '{self._settings.run_id}' since they had no heartbeat."
+            )
+            self._record(message=msg)
+            logger.debug(msg)
+
+        self._adopt(state_bits, token)
+        return has_set
+
+    def wait_for_change(self, timeout: float) -> None:
+        """Wait through the backend's :meth:`RendezvousBackend.wait_for_change`.
+
+        If the backend returns the new state, it becomes the local state (as a
+        :meth:`sync` would make it); otherwise the cache is invalidated, so that the
+        next :meth:`sync` reads the backend. A backend without the method is polled
+        every second, as in PyTorch.
+        """
+        if self._dirty:
+            return
+        wait = getattr(self._backend, "wait_for_change", None)
+        change = None
+        if wait is None:
+            super().wait_for_change(timeout)
+        else:
+            change = wait(self._token, max(timeout, 0.0))
+        if isinstance(change, tuple) and len(change) == 2:
+            # The backend knows the new state: adopt it without reading it again.
+            self._adopt(change[0], change[1])
+        else:
+            self._last_sync_time = -1
+
+    def _adopt_known_change(self) -> bool:
+        """Adopt a newer state the backend already received (from its watch), if it
+        returns one without waiting: then no read is needed (see
+        :attr:`RendezvousBackend.reports_changes`)."""
+        if self._token is None or not getattr(self._backend, "reports_changes", False):
+            return False
+        wait = getattr(self._backend, "wait_for_change", None)
+        change = None if wait is None else wait(self._token, 0.0)
+        if isinstance(change, tuple) and len(change) == 2:
+            self._adopt(change[0], change[1])
+            return True
+        return False
+
+    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
+        """The backend's :meth:`RendezvousBackend.bounded_by`, if it has one."""
+        # Backends that do not derive from RendezvousBackend may lack the method.
+        bound = getattr(self._backend, "bounded_by", None)
+        return contextlib.nullcontext() if bound is None else bound(deadline)
+
+    def _adopt(self, state_bits: bytes | None, token: Token) -> None:
+        """Make the decoded ``state_bits`` (or a new state if ``None``) the local state."""
+        if state_bits is not None:
+            self._state = decode_state(state_bits, self._source())
+        else:
+            self._state = _RendezvousState()
+        self._token = token
+        self._dirty = False
+        self._last_sync_time = time.monotonic()
+        self._sanitize()
+
+    def _sanitize(self) -> None:
+        """Remove the nodes whose heartbeats lapsed (locally; written with the next change)."""
+        state = self._state
+        expire_time = _now() - (
+            self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        )
+
+        self._dead_nodes = [
+            node
+            for node, last_heartbeat in state.last_heartbeats.items()
+            if last_heartbeat < expire_time
+        ]
+
+        participant_removed = False
+        for dead_node in self._dead_nodes:
+            logger.debug("Detected dead node '%s', removing it from the rendezvous", dead_node)
+            del state.last_heartbeats[dead_node]
+            if state.participants.pop(dead_node, None) is not None:
+                participant_removed = True
+            state.wait_list.discard(dead_node)
+            state.redundancy_list.discard(dead_node)
+
+        if participant_removed:
+            # Common epilogue shared with _DistributedRendezvousOpExecutor.
+            _remove_participant_epilogue(state, self._settings)
+
+    def mark_dirty(self) -> None:
+        """See base class.
+
+        If the local rendezvous state is dirty, the next sync call will try to write the
+        changes back to the backend. However this attempt might fail if another node,
+        which had the same state, also made changes and wrote them before us.
+        """
+        self._dirty = True

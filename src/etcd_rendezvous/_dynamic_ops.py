@@ -1,0 +1,263 @@
+"""The decisions of the dynamic rendezvous: what a node does next, a plain function of the
+state it holds.
+
+An operation (:class:`_RendezvousJoinOp`, :class:`_RendezvousExitOp`,
+:class:`_RendezvousCloseOp`, :class:`_RendezvousKeepAliveOp`) looks at a
+:class:`_RendezvousContext` and returns an :class:`_Action`: it reads no backend and
+changes nothing. The executor (:mod:`etcd_rendezvous._dynamic_executor`) carries the
+actions out. Part of :mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the
+protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from enum import Enum
+
+from ._dynamic_settings import LOGGER_NAME, RendezvousSettings, _now
+from ._dynamic_state import _NodeDesc, _RendezvousState
+from .api import RendezvousGracefulExitError
+
+__all__ = [
+    "_ADMISSIONS",
+    "_Action",
+    "_RendezvousCloseOp",
+    "_RendezvousContext",
+    "_RendezvousExitOp",
+    "_RendezvousJoinOp",
+    "_RendezvousKeepAliveOp",
+    "_StateHandler",
+    "_admission_action",
+    "_should_keep_alive",
+]
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+class _Action(Enum):
+    """Specifies the possible actions based on the state of the rendezvous."""
+
+    KEEP_ALIVE = 1
+    ADD_TO_PARTICIPANTS = 2
+    ADD_TO_WAIT_LIST = 3
+    ADD_TO_REDUNDANCY_LIST = 4
+    REMOVE_FROM_PARTICIPANTS = 5
+    REMOVE_FROM_WAIT_LIST = 6
+    REMOVE_FROM_REDUNDANCY_LIST = 7
+    MARK_RENDEZVOUS_COMPLETE = 8
+    MARK_RENDEZVOUS_CLOSED = 9
+    SYNC = 10
+    ERROR_CLOSED = 11
+    ERROR_TIMEOUT = 12
+    FINISH = 13
+
+
+class _RendezvousContext:
+    """Holds the context of the rendezvous.
+
+    Attributes:
+        node: The node descriptor associated with the current rendezvous handler
+            instance.
+        state: The current state of the rendezvous.
+        settings: The rendezvous settings.
+        keep_alive_period: How old the node's heartbeat may get before the node
+            refreshes it itself: ``keep_alive_interval``, as in PyTorch, unless another
+            node refreshes it (see :mod:`etcd_rendezvous._dynamic_admission`).
+    """
+
+    node: _NodeDesc
+    state: _RendezvousState
+    settings: RendezvousSettings
+    keep_alive_period: timedelta
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        state: _RendezvousState,
+        settings: RendezvousSettings,
+        keep_alive_period: timedelta | None = None,
+    ) -> None:
+        self.node = node
+        self.state = state
+        self.settings = settings
+        self.keep_alive_period = keep_alive_period or settings.keep_alive_interval
+
+
+_StateHandler = Callable[[_RendezvousContext, float], _Action]
+
+
+def _should_keep_alive(ctx: _RendezvousContext) -> bool:
+    """Determine whether a keep-alive heartbeat should be sent."""
+    try:
+        last_heartbeat = ctx.state.last_heartbeats[ctx.node]
+    except KeyError:
+        return False
+
+    return last_heartbeat <= _now() - ctx.keep_alive_period
+
+
+#: The actions that add a node to the state (which a batch admission takes for others).
+_ADMISSIONS = frozenset(
+    {_Action.ADD_TO_PARTICIPANTS, _Action.ADD_TO_WAIT_LIST, _Action.ADD_TO_REDUNDANCY_LIST}
+)
+
+
+def _admission_action(
+    state: _RendezvousState, node: _NodeDesc, settings: RendezvousSettings
+) -> _Action | None:
+    """The action of :class:`_RendezvousJoinOp` that adds ``node`` to ``state``, if it
+    takes one (the decision before its deadline: a node past it does not join).
+
+    Not complete: a node that is not a participant joins the participants (leaving the
+    wait list). Complete: a node that is not a participant goes to the wait list if the
+    round has room, else to the redundancy list (unless it waits already). A closed
+    rendezvous and a node on the redundancy list (which leaves it first) add nobody.
+    """
+    if state.closed or node in state.redundancy_list:
+        return None
+    if not state.complete:
+        return None if node in state.participants else _Action.ADD_TO_PARTICIPANTS
+    if node in state.participants or node in state.wait_list:
+        return None
+    if len(state.participants) < settings.max_nodes:
+        return _Action.ADD_TO_WAIT_LIST
+    return _Action.ADD_TO_REDUNDANCY_LIST
+
+
+class _RendezvousExitOp:
+    """Represent a rendezvous exit operation."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if ctx.node in ctx.state.participants:
+            if time.monotonic() > deadline:
+                return _Action.ERROR_TIMEOUT
+            return _Action.REMOVE_FROM_PARTICIPANTS
+        return _Action.FINISH
+
+
+class _RendezvousJoinOp:
+    """Represent a rendezvous join operation."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        state = ctx.state
+
+        # A closed rendezvous means that it no longer accepts new nodes.
+        if state.closed:
+            if ctx.node in state.redundancy_list:
+                raise RendezvousGracefulExitError(
+                    f"The rendezvous '{ctx.settings.run_id}' is closed, terminating pending "
+                    "rendezvous."
+                )
+            return _Action.ERROR_CLOSED
+
+        if ctx.node in state.redundancy_list:
+            return self._redundant(ctx)
+
+        is_participant = ctx.node in state.participants
+
+        # If we are part of the rendezvous and it is already complete there is no
+        # further action to take.
+        if state.complete and is_participant:
+            return _Action.FINISH
+
+        now = time.monotonic()
+        if now > deadline:
+            return self._late(ctx, now, deadline, is_participant)
+
+        admission = _admission_action(state, ctx.node, ctx.settings)
+        if admission is not None:
+            return admission
+        if not state.complete and is_participant and self._may_complete(ctx):
+            return _Action.MARK_RENDEZVOUS_COMPLETE
+
+        if _should_keep_alive(ctx):
+            return _Action.KEEP_ALIVE
+
+        # Either the rendezvous is not complete but we are part of it, so we wait for
+        # other participants to join; or it is complete but we are not part of it, so we
+        # wait for the next round.
+        return _Action.SYNC
+
+    @staticmethod
+    def _redundant(ctx: _RendezvousContext) -> _Action:
+        """The next action of a node on the redundancy list."""
+        state = ctx.state
+        logger.debug("The node %s is in redundancy list", ctx.node)
+        # Do not apply the timeout logic here, to allow the node to rejoin.
+        if len(state.participants) == ctx.settings.max_nodes:
+            if _should_keep_alive(ctx):
+                return _Action.KEEP_ALIVE
+            return _Action.SYNC
+        # Transition to the waiting state that respects timeouts.
+        logger.debug("The node %s is removed from redundancy list", ctx.node)
+        return _Action.REMOVE_FROM_REDUNDANCY_LIST
+
+    @staticmethod
+    def _late(
+        ctx: _RendezvousContext, now: float, deadline: float, is_participant: bool
+    ) -> _Action:
+        """The next action of a node past the operation's ``deadline``: roll back while
+        there is time, else time out."""
+        rollback_period = 5  # seconds
+
+        # If we still have time to roll back (a short period on top of the operation
+        # deadline), try to remove ourselves from the rendezvous. It is okay if we
+        # cannot, as our keep-alive will eventually expire.
+        if now <= deadline + rollback_period:
+            # A participant could not find enough participants to complete on time.
+            if is_participant:
+                return _Action.REMOVE_FROM_PARTICIPANTS
+            # A waiting node could not wait till the next round.
+            if ctx.node in ctx.state.wait_list:
+                return _Action.REMOVE_FROM_WAIT_LIST
+        return _Action.ERROR_TIMEOUT
+
+    @staticmethod
+    def _may_complete(ctx: _RendezvousContext) -> bool:
+        """Whether a participant of an incomplete round marks it complete (and if not,
+        log why)."""
+        state = ctx.state
+        # If the rendezvous has enough participants including us, check whether we
+        # have passed the last-call deadline. If yes, complete it.
+        if (
+            ctx.settings.min_nodes <= len(state.participants) <= ctx.settings.max_nodes
+            and state.deadline is not None
+        ):
+            if state.deadline < _now():
+                logger.debug(
+                    "The node '%s' marking the rendezvous complete, quorum established "
+                    "within deadline",
+                    ctx.node,
+                )
+                return True
+            logger.debug("The node '%s' can't complete rendezvous: deadline reached", ctx.node)
+        else:
+            logger.debug(
+                "The node '%s' can't complete rendezvous: not enough participants", ctx.node
+            )
+        return False
+
+
+class _RendezvousCloseOp:
+    """Represent a rendezvous close operation."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if ctx.state.closed:
+            return _Action.FINISH
+        if time.monotonic() > deadline:
+            return _Action.ERROR_TIMEOUT
+        return _Action.MARK_RENDEZVOUS_CLOSED
+
+
+class _RendezvousKeepAliveOp:
+    """Represent a rendezvous keep-alive update operation."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        if _should_keep_alive(ctx):
+            if time.monotonic() > deadline:
+                return _Action.ERROR_TIMEOUT
+            return _Action.KEEP_ALIVE
+        return _Action.FINISH
