@@ -358,16 +358,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._locked(deadline, "join"):
             pass
 
-        # Delay the execution for a small random amount of time if this is our first
-        # run. This slightly skews the rendezvous attempts across the nodes and reduces
-        # the load on the backend.
-        if self._state_holder.state.round == 0:
+        # PyTorch delays its first attempt by a random 0-0.3 s, to spread the nodes'
+        # compare-and-swaps of the state. A node that announces itself with a node key
+        # writes no state to join, so it does not wait (the wait was most of the time
+        # of a first rendezvous: the last of N nodes waited almost 0.3 s).
+        keys = self._node_keys
+        if keys is None and self._state_holder.state.round == 0:
             _delay(seconds=(0, 0.3))
 
         exit_op = _RendezvousExitOp()
         join_op = _RendezvousJoinOp()
 
-        keys = self._node_keys
         if keys is not None:
             keys.begin_join()
         try:
