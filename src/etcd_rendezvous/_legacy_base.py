@@ -101,6 +101,9 @@ class EtcdRendezvousBase:
         self._keepers: list[LeaseKeeper] = []
         self._lease_this_rank: LeaseKeeper | None = None
         self._last_state: dict[str, Any] | None = None
+        #: The final version we announced ourselves waiting on, and our wait key's name:
+        #: an attempt repeated after an etcd failure reuses it, and is counted once.
+        self._waiting_as: tuple[str, str] | None = None
         self._finalizer = weakref.finalize(self, stop_keepers, self._keepers)
         try:
             _check_arguments(

@@ -373,7 +373,9 @@ class EtcdRendezvous(EtcdRendezvousBase):
         :mod:`etcd_rendezvous._legacy_waiting`), where PyTorch's workers each increment
         it (:meth:`announce_self_waiting`).
         """
-        waiter = new_waiter_name(secrets.randbits(64))
+        if self._waiting_as is None or self._waiting_as[0] != expected_version:
+            self._waiting_as = (expected_version, new_waiter_name(secrets.randbits(64)))
+        waiter = self._waiting_as[1]
         key = self._layout.waiter_key(expected_version, waiter)
         self._conn.set(key, None, ttl=WAITER_TTL)
         logger.info("Waiting on rendezvous version %s as %s", expected_version, key)
