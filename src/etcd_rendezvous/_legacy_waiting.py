@@ -21,11 +21,13 @@ O(N²) bytes of state in all. Ours:
    and lists the version directory once. The stream's events carry the rest: new
    states (with their value), wait keys, and the deletion or expiry of keep-alive keys.
    Other changes (the running job's key-value store, say) cost only their delivery.
-3. **Count.** The worker whose wait key is the oldest not yet counted adds every
-   uncounted wait key to ``num_workers_waiting`` in one compare-and-swap, and records
-   their names in the state's ``waiting`` field (PyTorch's workers keep fields they do
-   not know; their own increments add to the same count). Should the state not change
-   for :func:`~etcd_rendezvous._legacy_admission.grace` seconds while our key waits
+3. **Count.** The worker whose wait key is the oldest not yet counted lets it age
+   :data:`GATHER` seconds (so that the workers arriving about together are counted
+   together), then adds every uncounted wait key to ``num_workers_waiting`` in one
+   compare-and-swap, and records their names in the state's ``waiting`` field
+   (PyTorch's workers keep fields they do not know; their own increments add to the
+   same count). Should the state not change for
+   :func:`~etcd_rendezvous._legacy_admission.grace` seconds while our key waits
    behind older uncounted ones (their workers died, or are slow), we count them all
    ourselves: every wait key stands for a worker that did arrive.
 
@@ -55,6 +57,7 @@ from .layout import LegacyLayout, normalize_key, waiter_name
 
 __all__ = [
     "ENDINGS",
+    "GATHER",
     "WAITER_TTL",
     "WAITING",
     "await_end_of_final",
@@ -74,6 +77,13 @@ WAITING = "waiting"
 #: Seconds a wait key lives. It is counted within moments of being written; it only has
 #: to outlive a folding worker that died (then the next one, after the grace, counts it).
 WAITER_TTL = 60
+
+#: Seconds the oldest uncounted waiter lets its own key age before counting, so that one
+#: write counts the workers arriving about together: the members of a rendezvous
+#: re-enter within one poll of their agents (torchrun's default monitor interval is
+#: 0.1 s), and counted one by one they would make one state write each, which every
+#: waiting worker receives.
+GATHER = 0.1
 
 
 def waiters_of(state: dict[str, Any]) -> set[str]:
@@ -96,10 +106,19 @@ def plan_count(state: dict[str, Any], waiting: dict[str, int]) -> dict[str, Any]
 
 
 def count_step(
-    state: dict[str, Any], waiting: dict[str, int], me: str | None, quiet_for: float
+    state: dict[str, Any],
+    waiting: dict[str, int],
+    me: str | None,
+    quiet_for: float,
+    waited_for: float,
 ) -> float | None:
     """Seconds until we should count the uncounted wait keys (0: now), or ``None`` if it
-    is not up to us (we hold no wait key, or ours was counted)."""
+    is not up to us (we hold no wait key, or ours was counted).
+
+    ``quiet_for``: seconds the state has been unchanged; ``waited_for``: seconds since we
+    wrote our wait key. The oldest uncounted waiter counts once its key is
+    :data:`GATHER` old; the others after the grace, if the state stays unchanged.
+    """
     counted = waiters_of(state)
     if me is None or me in counted or me not in waiting:
         return None
@@ -108,7 +127,9 @@ def count_step(
         for name, created in waiting.items()
         if name not in counted and (created, name) < (waiting[me], me)
     )
-    return 0.0 if not ahead else max(0.0, grace(ahead) - quiet_for)
+    if not ahead:
+        return max(0.0, GATHER - waited_for)
+    return max(0.0, grace(ahead) - quiet_for)
 
 
 class _FinalVersion:
@@ -151,6 +172,7 @@ class _Wait:
         self.final: _FinalVersion | None = None
         #: The index of the state our count lost against: wait for a newer one.
         self._lost_at: int | None = None
+        self._started = time.monotonic()
 
     def observe(self) -> bool:
         """Read the state and list the version directory; whether the version goes on
@@ -185,8 +207,10 @@ class _Wait:
                 return True
             due = None
             if self._lost_at != final.node.modified_index:
-                quiet_for = time.monotonic() - final.changed_at
-                due = count_step(final.state, self.waiting, self._me, quiet_for)
+                now = time.monotonic()
+                due = count_step(
+                    final.state, self.waiting, self._me, now - final.changed_at, now - self._started
+                )
             if due == 0.0:
                 self._count(final)
                 due = None

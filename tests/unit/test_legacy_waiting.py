@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from etcd_rendezvous._legacy_admission import ADMISSION_GRACE, grace
-from etcd_rendezvous._legacy_waiting import WAITING, count_step, plan_count, waiters_of
+from etcd_rendezvous._legacy_waiting import GATHER, WAITING, count_step, plan_count, waiters_of
 from etcd_rendezvous.layout import new_waiter_name
 
 A, B, C = (new_waiter_name(i) for i in (1, 2, 3))
@@ -49,22 +49,24 @@ def test_nothing_to_count_writes_nothing() -> None:
     assert plan_count(final(), {}) is None
 
 
-def test_the_oldest_uncounted_waiter_counts_at_once() -> None:
-    assert count_step(final(), {A: 10, B: 11}, A, quiet_for=0.0) == 0.0
+def test_the_oldest_uncounted_waiter_counts_once_its_key_aged_the_gathering_time() -> None:
+    assert count_step(final(), {A: 10, B: 11}, A, quiet_for=0.0, waited_for=0.0) == GATHER
+    assert count_step(final(), {A: 10, B: 11}, A, quiet_for=0.0, waited_for=0.04) == GATHER - 0.04
+    assert count_step(final(), {A: 10, B: 11}, A, quiet_for=0.0, waited_for=GATHER) == 0.0
 
 
 def test_a_younger_waiter_waits_the_grace_for_the_older_ones_then_counts() -> None:
     waiting = {A: 10, B: 11, C: 12}
-    assert count_step(final(), waiting, B, quiet_for=0.0) == ADMISSION_GRACE
-    assert count_step(final(), waiting, C, quiet_for=0.5) == grace(2) - 0.5
-    assert count_step(final(), waiting, C, quiet_for=grace(2)) == 0.0
+    assert count_step(final(), waiting, B, quiet_for=0.0, waited_for=5.0) == ADMISSION_GRACE
+    assert count_step(final(), waiting, C, quiet_for=0.5, waited_for=5.0) == grace(2) - 0.5
+    assert count_step(final(), waiting, C, quiet_for=grace(2), waited_for=5.0) == 0.0
 
 
 def test_older_keys_already_counted_do_not_hold_a_waiter_back() -> None:
-    assert count_step(final(1, [A]), {A: 10, B: 11}, B, quiet_for=0.0) == 0.0
+    assert count_step(final(1, [A]), {A: 10, B: 11}, B, quiet_for=0.0, waited_for=1.0) == 0.0
 
 
 def test_a_counted_waiter_or_one_without_a_key_has_nothing_to_do() -> None:
-    assert count_step(final(1, [A]), {A: 10}, A, quiet_for=0.0) is None
-    assert count_step(final(), {A: 10}, None, quiet_for=0.0) is None
-    assert count_step(final(), {A: 10}, B, quiet_for=0.0) is None  # ours not seen yet
+    assert count_step(final(1, [A]), {A: 10}, A, quiet_for=0.0, waited_for=1.0) is None
+    assert count_step(final(), {A: 10}, None, quiet_for=0.0, waited_for=1.0) is None
+    assert count_step(final(), {A: 10}, B, quiet_for=0.0, waited_for=1.0) is None
