@@ -9,6 +9,9 @@ Usage::
     python benchmarks/bench_scale.py --heartbeats [--heartbeat-nodes 256]
         [--keep-alive-interval 2] [--heartbeat-seconds 30]
 
+``BENCH_LOG_DIR=<dir>`` logs each node process to ``<dir>/<pid>.log`` (INFO;
+``BENCH_LOG_DEBUG=1`` adds the library's DEBUG messages, which slow a row down).
+
 One etcd 3.5 is started with the v2 API enabled, so it serves both APIs (bundled etcd
 3.5 unless ``ETCD_BINARY_PATH`` says otherwise). For each node count, backend
 (``etcd``, the legacy state machine; ``etcd-v2``, the dynamic rendezvous), etcd API and
@@ -272,6 +275,8 @@ def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any
             format="%(relativeCreated)8.0f %(threadName)s %(name)s %(message)s",
             force=True,
         )
+        if os.environ.get("BENCH_LOG_DEBUG"):  # the library's own DEBUG messages too
+            logging.getLogger("etcd_rendezvous").setLevel(logging.DEBUG)
     deaths = ThreadDeaths()
     threading.excepthook = deaths
     make = handler_factory(plan.variant, plan.endpoint, plan.nodes, plan.options)
