@@ -23,6 +23,7 @@ from etcd_rendezvous._v3 import EtcdV3Connection
 from etcd_rendezvous._v3_http import b64
 from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_requests import read_metrics, requests_since
 from faultproxy import FaultProxy
 
 Connect = Callable[..., EtcdV3Connection]
@@ -108,6 +109,35 @@ def test_refresh_follows_the_lease_another_writer_attached(
         v3.refresh(key, 2)
         time.sleep(1)
     assert v3.get(key).value == "b"
+
+
+def test_refresh_with_the_lease_of_our_own_write_is_one_request(
+    connect: Connect, private_etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A key only we write (a node's heartbeat key, a member key): its lease is kept
+    alive without reading the key first; the returned lease is the one to pass next."""
+    v3 = connect(endpoint_of(private_etcd_server))
+    key = f"{etcd_prefix}/ours"
+    lease = v3.set(key, "v", ttl=30).lease
+    before = read_metrics(private_etcd_server.client_url)
+    for _ in range(3):
+        lease = v3.refresh(key, 30, lease=lease).lease
+    requests = requests_since(private_etcd_server.client_url, before)
+    assert requests.by_method == {"v3 LeaseKeepAlive": 3}, requests.describe()
+    assert v3.get(key).lease == lease
+
+
+def test_refresh_with_a_lapsed_lease_reads_the_key(v3: EtcdV3Connection, etcd_prefix: str) -> None:
+    """The lease passed is gone (revoked, or lapsed with the key): the key is read, and
+    its absence reported; a key rewritten with a longer TTL is refreshed by its lease."""
+    key = f"{etcd_prefix}/ours"
+    lease = v3.set(key, "v", ttl=5).lease
+    v3.delete(key)
+    v3._call("revoke", key, "/v3/lease/revoke", {"ID": str(lease)})
+    with pytest.raises(KeyNotFoundError):
+        v3.refresh(key, 5, lease=lease)
+    current = v3.set(key, "w", ttl=5).lease
+    assert v3.refresh(key, 5, lease=lease).lease == current
 
 
 def test_a_directory_lease_reaches_every_key_written_below_it(

@@ -487,11 +487,11 @@ class EtcdConnection(Transport):
             self._v2("write", key, lambda c: _node(c.write(key, value, ttl=ttl)))
         )
 
-    def refresh(self, key: str, ttl: int, *, timeout: float | None = None) -> Node:
+    def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
         """Reset the TTL of an existing key without changing its value or notifying watchers.
 
         ``timeout`` bounds the time spent retrying connection failures (default: the
-        read timeout).
+        read timeout). ``lease`` is for v3 (v2 refreshes in one request anyway).
         """
         return self._note_index(
             self._v2(

@@ -32,11 +32,14 @@ class LeaseKeeper:
     losing etcd for a whole TTL), or when etcd refuses to refresh it.
     """
 
-    def __init__(self, conn: Transport, key: str, ttl: int) -> None:
+    def __init__(self, conn: Transport, key: str, ttl: int, *, lease: int = 0) -> None:
         self.key = key
         self.ttl = ttl
         self.stop_event = threading.Event()
         self._conn = conn
+        #: On v3, the lease of our own write of the key, if the key is ours alone: it is
+        #: kept alive without reading the key first (see Transport.refresh).
+        self._lease = lease
         self._attempt = max(1.0, min(ttl / 5, conn.read_timeout))
         self._thread = threading.Thread(
             target=self._run, name=f"etcd-rendezvous-lease:{key}", daemon=True
@@ -64,7 +67,9 @@ class LeaseKeeper:
         stop)."""
         interval = self.ttl / 2
         try:
-            self._conn.refresh(self.key, self.ttl, timeout=self._attempt)
+            node = self._conn.refresh(self.key, self.ttl, timeout=self._attempt, lease=self._lease)
+            if self._lease:
+                self._lease = node.lease or self._lease
         except KeyNotFoundError:
             logger.info("Keep-alive key %s is gone; no longer refreshing it", self.key)
             return None

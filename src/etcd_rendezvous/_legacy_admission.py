@@ -534,7 +534,8 @@ class BatchJoin:
         layout: the run's keys.
         feed: the state feed of the barrier in progress.
         min_workers, max_workers: the rendezvous' bounds.
-        keep_alive: starts keeping a key alive (every TTL/2), returns the keeper.
+        keep_alive: starts keeping a key alive (every TTL/2), given the key and the v3
+            lease of our write of it (0 on v2); returns the keeper.
         timeout_error: the error to raise when the rendezvous deadline passes.
     """
 
@@ -546,7 +547,7 @@ class BatchJoin:
         *,
         min_workers: int,
         max_workers: int,
-        keep_alive: Callable[[str], KeepAlive],
+        keep_alive: Callable[[str, int], KeepAlive],
         timeout_error: Callable[[], Exception],
     ) -> None:
         self._conn = conn
@@ -687,7 +688,7 @@ class BatchJoin:
         key = self._layout.member_key(version, new_member_name(secrets.randbits(64)))
         node = self._conn.set(key, None, ttl=CONST_WORKER_KEEPALIVE_TTL)
         entry = Announced(node.created_index, key.rsplit("/", 1)[1], normalize_key(key))
-        self._member = _Member(version, entry, self._keep_alive(key))
+        self._member = _Member(version, entry, self._keep_alive(key, node.lease))
         logger.info("Announced ourselves in rendezvous version %s as %s", version, key)
         return entry
 

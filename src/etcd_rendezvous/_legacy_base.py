@@ -184,10 +184,11 @@ class EtcdRendezvousBase:
         self._keepers.append(keeper)
         return keeper.stop_event
 
-    def _keep_member_alive(self, key: str) -> LeaseKeeper:
-        """Keep our member key alive: it is this worker's keep-alive key of the version."""
+    def _keep_member_alive(self, key: str, lease: int = 0) -> LeaseKeeper:
+        """Keep our member key alive: it is this worker's keep-alive key of the version,
+        written by us alone (``lease``: its v3 lease)."""
         self._keepers[:] = [k for k in self._keepers if not k.stop_event.is_set()]
-        keeper = LeaseKeeper(self._conn, key, CONST_WORKER_KEEPALIVE_TTL)
+        keeper = LeaseKeeper(self._conn, key, CONST_WORKER_KEEPALIVE_TTL, lease=lease)
         self._keepers.append(keeper)
         self._lease_this_rank = keeper
         return keeper

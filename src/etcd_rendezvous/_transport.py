@@ -499,10 +499,14 @@ class Transport(abc.ABC):
         """Unconditionally write ``key`` (with a TTL, or none)."""
 
     @abc.abstractmethod
-    def refresh(self, key: str, ttl: int, *, timeout: float | None = None) -> Node:
+    def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
         """Reset the TTL of an existing key without changing its value or waking watchers.
 
         ``timeout`` bounds the time spent retrying failures (default: the read timeout).
+        ``lease`` (v3): the lease of the caller's own last write of the key (the
+        ``lease`` of the :class:`Node` that write returned, or of the last refresh), for
+        a key no one else writes: it is kept alive without reading the key first. The
+        returned node's ``lease`` is the one to pass next time.
 
         Raises:
             KeyNotFoundError: the key (or its TTL) is gone.

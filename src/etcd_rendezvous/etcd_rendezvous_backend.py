@@ -132,6 +132,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             raise ValueError("The run id must be a non-empty string.")
         self._key = etcd_v2_state_key(run_id, key_prefix)
         self._nodes = EtcdV2NodesLayout(run_id, key_prefix)
+        #: The v3 lease of each node key we wrote (0 on v2), to refresh it without a read.
+        self._node_leases: dict[str, int] = {}
         self._ttl = ttl if ttl and ttl > 0 else self._DEFAULT_TTL
         # What the last read or write saw: the state's modifiedIndex (``None``: no
         # state) and the etcd index of that answer, from which a watch misses nothing.
@@ -303,11 +305,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
         key = self._node_key(node)
         while True:
             try:
-                return self._conn.create(key, _node_value(node), ttl=ttl).created_index
+                created = self._conn.create(key, _node_value(node), ttl=ttl)
             except KeyExistsError:
                 pass
+            else:
+                self._node_leases[key] = created.lease
+                return created.created_index
             try:
-                self._conn.refresh(key, ttl)
+                self._node_leases[key] = self._conn.refresh(key, ttl).lease
                 return self._conn.get(key).created_index
             except KeyNotFoundError:
                 continue  # Expired in between: create it again.
@@ -315,15 +320,21 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def refresh_node(self, node: NodeDesc, ttl: int) -> bool:
         """Restart the TTL of the key of ``node`` (a v3 lease keep-alive); ``False`` if
         the key is gone."""
+        key = self._node_key(node)
         try:
-            self._conn.refresh(self._node_key(node), ttl)
+            # Only this node writes its key: on v3 its lease is kept alive without a read.
+            refreshed = self._conn.refresh(key, ttl, lease=self._node_leases.get(key, 0))
         except KeyNotFoundError:
+            self._node_leases.pop(key, None)
             return False
+        self._node_leases[key] = refreshed.lease
         return True
 
     def withdraw_node(self, node: NodeDesc) -> None:
         """Delete the key of ``node`` (nothing if it is gone)."""
-        self._conn.delete(self._node_key(node))
+        key = self._node_key(node)
+        self._node_leases.pop(key, None)
+        self._conn.delete(key)
 
     def list_nodes(self) -> list[AnnouncedNode]:
         """The node keys of the run, oldest (lowest created index) first. Keys whose
