@@ -57,6 +57,7 @@ from typing import Any, Protocol
 
 from ._retry import Deadline
 from ._transport import (
+    WRITE_ACTIONS,
     CompareFailedError,
     KeyNotFoundError,
     Node,
@@ -74,7 +75,6 @@ __all__ = [
     "CONST_ETCD_SETUP_TTL",
     "CONST_WORKER_KEEPALIVE_TTL",
     "MEMBERS",
-    "WRITES",
     "Announced",
     "BatchJoin",
     "Observed",
@@ -120,9 +120,6 @@ _GRACE_STAGGER = 0.1
 _CREATE_SPREAD_ROUND_TRIPS = 3
 _CREATE_SPREAD_MIN = 0.001
 _CREATE_SPREAD_CAP = 2.0
-
-#: Watch actions after which the event's node holds the key's new value.
-WRITES = frozenset({"set", "create", "update", "compareAndSwap"})
 
 
 class RestartAttempt(Exception):  # noqa: N818 (a signal, as PyTorch's retry exceptions)
@@ -493,7 +490,7 @@ class StateFeed:
         latest = self._latest
         if latest is not None and event.modified_index <= latest.index:
             return False
-        if event.action in WRITES and event.value is not None:
+        if event.action in WRITE_ACTIONS and event.value is not None:
             node = dataclasses.replace(event, etcd_index=event.modified_index)
             self._take(Observed(node, self._parse(node), event.modified_index))
         else:  # deleted, expired

@@ -31,10 +31,10 @@ from typing import Any
 
 from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
 from ._lease_keeper import LeaseKeeper, stop_keepers
-from ._legacy_admission import CONST_WORKER_KEEPALIVE_TTL, WRITES, BatchJoin, StateFeed
+from ._legacy_admission import CONST_WORKER_KEEPALIVE_TTL, BatchJoin, StateFeed
 from ._legacy_state import parse_state, preview
 from ._retry import CONTENTION, Deadline, Retry
-from ._transport import Transport
+from ._transport import WRITE_ACTIONS, Transport
 from .api import RendezvousConnectionError, RendezvousStateError, RendezvousTimeoutError
 from .etcd_store import EtcdStore
 from .events import NodeState, _records_failure
@@ -295,7 +295,7 @@ class EtcdRendezvousBase:
         wait = overall if timeout is None else min(timeout, overall)
         change = self._conn.watch(self._layout.state_key, etcd_index, wait)
         self._check_deadline()
-        if change is not None and change.value is not None and change.action in WRITES:
+        if change is not None and change.value is not None and change.action in WRITE_ACTIONS:
             # The event carries the new state: no need to read it again. Callers watch
             # on from the event's own index, so no later change is missed.
             node = dataclasses.replace(change, etcd_index=change.modified_index)

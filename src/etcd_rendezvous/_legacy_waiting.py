@@ -43,9 +43,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._legacy_admission import WRITES, grace
+from ._legacy_admission import grace
 from ._retry import Deadline
 from ._transport import (
+    DELETE_ACTIONS,
+    WRITE_ACTIONS,
     CompareFailedError,
     KeyNotFoundError,
     Node,
@@ -56,7 +58,6 @@ from ._transport import (
 from .layout import LegacyLayout, normalize_key, waiter_name
 
 __all__ = [
-    "ENDINGS",
     "GATHER",
     "WAITER_TTL",
     "WAITING",
@@ -67,9 +68,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: Watch actions by which a key stops existing.
-ENDINGS = frozenset({"delete", "expire", "compareAndDelete"})
 
 #: The state field listing the names of the wait keys counted in ``num_workers_waiting``.
 WAITING = "waiting"
@@ -229,14 +227,14 @@ class _Wait:
         if key == self._state_key:
             if event.modified_index <= final.node.modified_index:
                 return False  # made before what we know
-            if event.action in ENDINGS or event.value is None:
+            if event.action in DELETE_ACTIONS or event.value is None:
                 return True
             self.final = _FinalVersion(event, self._parse(event), self._version)
             return not self.final.ongoing
-        if key in final.keep_alives and event.action in ENDINGS:
+        if key in final.keep_alives and event.action in DELETE_ACTIONS:
             self._end(key)
             return True
-        if event.action in WRITES and key.rsplit("/", 1)[0] == self._version_dir:
+        if event.action in WRITE_ACTIONS and key.rsplit("/", 1)[0] == self._version_dir:
             self._note_waiter(event)
         return False
 

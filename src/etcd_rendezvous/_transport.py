@@ -40,6 +40,8 @@ from ._retry import CONNECTION, Deadline
 from .api import RendezvousConnectionError, RendezvousError
 
 __all__ = [
+    "DELETE_ACTIONS",
+    "WRITE_ACTIONS",
     "CompareFailedError",
     "KeyExistsError",
     "KeyNotFoundError",
@@ -60,6 +62,11 @@ DEFAULT_CONNECT_TIMEOUT = 5.0
 
 #: The etcd APIs a transport can speak, and the ``etcd_api`` option's values.
 ETCD_APIS = ("auto", "v2", "v3")
+
+#: Actions (:attr:`Node.action`) of changes after which the node holds the key's new value.
+WRITE_ACTIONS = frozenset({"set", "create", "update", "compareAndSwap"})
+#: Actions of changes by which a key stops existing.
+DELETE_ACTIONS = frozenset({"delete", "expire", "compareAndDelete"})
 
 
 class _ConditionError(Exception):

@@ -58,7 +58,7 @@ from ._client import (
 from ._dynamic_admission import AnnouncedNode
 from ._params import create_etcd_connection, seconds
 from ._retry import REWATCH, Deadline
-from ._transport import Transport, WatchHistoryLostError, WatchStream
+from ._transport import DELETE_ACTIONS, Transport, WatchHistoryLostError, WatchStream
 from .api import RendezvousParameters, RendezvousStateError
 from .dynamic_rendezvous import NodeDesc, RendezvousBackend, Token
 from .etcd_store import EtcdStore
@@ -431,7 +431,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def _as_state(self, node: Node) -> tuple[bytes, Token] | None:
         """The state a change (or a read) carries; ``None`` for a deletion or expiry."""
-        if node.value is None or node.action in ("delete", "expire", "compareAndDelete"):
+        if node.value is None or node.action in DELETE_ACTIONS:
             self._observed = (None, node.modified_index)
             return None
         state = self._decode(node)
