@@ -153,6 +153,47 @@ def test_a_late_node_waits_for_the_next_round(handlers: Handlers, pool: ThreadPo
     assert late._state_holder.state.round == members[0]._state_holder.state.round > 0
 
 
+def _state_writes(
+    handler: DynamicRendezvousHandler, after: int, until: int
+) -> list[RendezvousState]:
+    """Every version of the state written after etcd index ``after`` up to ``until``."""
+    backend = _backend(handler)
+    versions, index = [], after
+    while index < until:
+        change = backend.connection.watch(backend.key, index + 1, 5)
+        assert change is not None, "the state's history ended early"
+        index = change.modified_index
+        versions.append(decode_state(b64decode(change.value or ""), "the test"))
+    return versions
+
+
+def test_nodes_leaving_a_round_are_taken_out_in_batches(
+    handlers: Handlers, pool: ThreadPoolExecutor
+):
+    """A node joins a complete round of 12: the 12 leave it (PyTorch: one write each) and
+    all 13 join the next round, in a few state writes."""
+    members = handlers(12, 12, 13, keep_alive_interval=5)
+    _check_ranks(members, [future.result(60) for future in _join(pool, members)])
+    (late,) = handlers(1, 12, 13, keep_alive_interval=5)
+    joining = pool.submit(late.next_rendezvous)
+    wait_until(lambda: members[0].num_nodes_waiting() == 1, timeout=30, what="a waiting node")
+    before = _backend(late).connection.get(_backend(late).key).modified_index
+    group = [*members, late]
+    second = [future.result(60) for future in [*_join(pool, members), joining]]
+    _check_ranks(group, second)
+    after = _backend(late).connection.get(_backend(late).key).modified_index
+    versions = _state_writes(late, before, after)
+    assert versions[-1].round == 1
+    assert len(versions[-1].participants) == 13
+    # A few writes: 2-3 measured. With PyTorch's exits, one write per member and then
+    # the admissions: 17-20 measured.
+    removed = [len(a.participants) - len(b.participants) for a, b in zip(versions, versions[1:])]
+    assert len(versions) <= 6, (len(versions), removed)
+    # Every member's key says it left round 0; the late node's says nothing.
+    leaving = {e.node: e.leaving for e in _backend(late).list_nodes()}
+    assert leaving == {**{h._this_node: 0 for h in members}, late._this_node: None}
+
+
 def test_a_node_beyond_max_nodes_is_redundant_until_closed(
     handlers: Handlers, pool: ThreadPoolExecutor
 ):
@@ -260,7 +301,9 @@ def test_steady_heartbeats_do_not_write_the_state_per_node(
 # -- a mixed fleet ----------------------------------------------------------------------------
 
 
-def _torch_handlers(etcd_server: EtcdServer, run_id: str, count: int, size: int) -> list[Any]:
+def _torch_handlers(
+    etcd_server: EtcdServer, run_id: str, count: int, size: int, max_nodes: int | None = None
+) -> list[Any]:
     """PyTorch 2.13's handlers (its etcd-v2 backend), on another address than ours so
     that the node descriptors of the two generators in this process differ."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters as TorchParameters
@@ -274,7 +317,7 @@ def _torch_handlers(etcd_server: EtcdServer, run_id: str, count: int, size: int)
             etcd_server.get_endpoint(),
             run_id,
             size,
-            size,
+            max_nodes or size,
             local_addr="127.0.0.2",
             join_timeout=60,
             last_call_timeout=1,
@@ -319,6 +362,36 @@ def test_a_mixed_fleet_rendezvous_and_keeps_each_other_alive(
             )
             node = change if change is not None else node
         assert ours[0].num_nodes_waiting() == 0
+    finally:
+        for handler in theirs:
+            handler._stop_heartbeats()
+
+
+@pytest.mark.torch
+@pytest.mark.v2_only(reason="PyTorch's etcd-v2 backend speaks only v2")
+def test_a_mixed_fleet_leaves_a_round_together(
+    etcd_server: EtcdServer, run_id: str, handlers: Handlers, pool: ThreadPoolExecutor
+):
+    """Our nodes leave a round in batches, PyTorch's by themselves: a late node makes a
+    mixed round of 8 rendezvous again, and all 9 form the next round."""
+    pytest.importorskip("torch.distributed.elastic.rendezvous.etcd_rendezvous_backend")
+    ours = handlers(4, 8, 9, keep_alive_interval=1, keep_alive_max_attempt=3)
+    theirs = _torch_handlers(etcd_server, run_id, 4, 8, 9)
+    try:
+        members = [node for pair in zip(ours, theirs) for node in pair]
+        assert {f.result(60).world_size for f in _join(pool, members)} == {8}
+        (late,) = handlers(1, 8, 9, keep_alive_interval=1, keep_alive_max_attempt=3)
+        joining = pool.submit(late.next_rendezvous)
+        wait_until(lambda: ours[0].num_nodes_waiting() == 1, timeout=30, what="a waiting node")
+        group = [*members, late]
+        infos = [future.result(60) for future in [*_join(pool, members), joining]]
+        nodes = [(h._this_node.addr, h._this_node.pid, h._this_node.local_id) for h in group]
+        assert [info.rank for info in infos] == [sorted(nodes).index(n) for n in nodes]
+        assert {info.world_size for info in infos} == {9}
+        assert len({h._state_holder.state.round for h in group}) == 1
+        # Our members asked to leave through their keys; PyTorch's left by themselves.
+        leaving = {e.node: e.leaving for e in _backend(late).list_nodes()}
+        assert leaving == {**{h._this_node: 0 for h in ours}, late._this_node: None}
     finally:
         for handler in theirs:
             handler._stop_heartbeats()

@@ -481,8 +481,9 @@ class EtcdConnection(Transport):
 
     # -- writes -----------------------------------------------------------------------
 
-    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
-        """Unconditionally write ``key`` (idempotent, so re-sent freely)."""
+    def set(self, key: str, value: str | None, *, ttl: int | None = None, lease: int = 0) -> Node:
+        """Unconditionally write ``key`` (idempotent, so re-sent freely). ``lease`` is
+        for v3 (v2 restarts the TTL)."""
         return self._note_index(
             self._v2("write", key, lambda c: _node(c.write(key, value, ttl=ttl)))
         )

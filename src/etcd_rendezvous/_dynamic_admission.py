@@ -25,6 +25,18 @@ constant number of requests per node, writing the same state:
   oldest key blocking a node is taken for a node that died before its admission and
   skipped (one such key per grace period); a node that was merely slow admits itself
   later.
+* **Batch exits.** ``next_rendezvous()`` first takes the node out of the round it was a
+  participant of (PyTorch's exit operation, one compare-and-swap per node: all N of a
+  round, at once, when a node joins or leaves). A node with a key leaving a *complete*
+  round instead writes its key saying so (``leaving``: the round), and is taken out by
+  a batch, as it would be admitted: the batch first removes every listed participant
+  whose key says it leaves the current round (the last one out ends the round, as
+  PyTorch's exit does), then admits every listed node the join decision admits on the
+  state as the exits left it (to the wait list, or to the next round's participants).
+  A node whose key says it leaves waits for admission like a joining node, and blocks
+  the younger ones alike; the listing taken just before a batch is checked again for
+  older nodes that asked to leave meanwhile (the oldest of them makes the batch).
+  Leaving an incomplete round (a rare rollback) stays PyTorch's own write.
 * **Aggregated heartbeats.** Every ``keep_alive_interval`` each node refreshes its key,
   and one of them, the *aggregator* (the holder of a lock key with a TTL of two
   intervals, which it renews every interval; a node whose heartbeat in the state is
@@ -87,10 +99,13 @@ _LOCK_INTERVALS = 2
 
 @dataclass(frozen=True)
 class AnnouncedNode:
-    """A node key as listed: the node and the etcd index at which its key was created."""
+    """A node key as listed: the node, the etcd index at which its key was created, and
+    the complete round the node asked to leave, if its key says so (see
+    :meth:`NodeRegistry.mark_leaving`)."""
 
     node: NodeDesc
     created_index: int
+    leaving: int | None = None
 
 
 @runtime_checkable
@@ -112,6 +127,10 @@ class NodeRegistry(Protocol):
     def withdraw_node(self, node: NodeDesc) -> None:
         """Delete the key of ``node`` (nothing if it is gone)."""
 
+    def mark_leaving(self, node: NodeDesc, round_: int, ttl: int) -> None:
+        """Write the key of ``node`` saying that the node leaves the complete round
+        ``round_`` (create it, with ``ttl``, if it is gone); listings report it."""
+
     def list_nodes(self) -> list[AnnouncedNode]:
         """Every node key of the run, oldest first."""
 
@@ -128,8 +147,9 @@ class NodeRegistry(Protocol):
         """Delete the aggregator lock if ``node`` holds it."""
 
 
-#: Tells whether the join decision for a node, on the state at hand, would admit it
-#: (add it to the participants, the wait list or the redundancy list).
+#: Tells whether a batch would do something for a node on the state at hand: take it
+#: out of the round it asked to leave, or admit it (the join decision adds it to the
+#: participants, the wait list or the redundancy list).
 WantsAdmission = Callable[["NodeDesc"], bool]
 
 
@@ -199,6 +219,10 @@ class NodeKeys:
         self._attempt: _Attempt | None = None
         self._leading = False
         self._listed: set[NodeDesc] = set()
+        # The complete round our key says we leave (see ``leave``), and what the keys of
+        # the last listing said.
+        self._leaving: int | None = None
+        self._marks: dict[NodeDesc, int] = {}
 
     @property
     def node(self) -> NodeDesc:
@@ -233,7 +257,7 @@ class NodeKeys:
         """Delete the node's key and release the aggregator lock if the node holds it."""
         with self._lock:
             created, leading = self._created, self._leading
-            self._created, self._leading = None, False
+            self._created, self._leading, self._leaving = None, False, None
             self._next_tick = math.inf
             self._attempt = None
             if leading:
@@ -246,24 +270,45 @@ class NodeKeys:
         with self._lock:
             self._attempt = None
 
+    def leave(self, round_: int) -> None:
+        """The node leaves the complete round ``round_`` (the exit of
+        ``next_rendezvous()``): write its key saying so (once per round), for a batch
+        to take it out (see :meth:`admission`)."""
+        with self._lock:
+            if self._created is None:
+                self._announce()
+            if self._leaving != round_:
+                self._registry.mark_leaving(self._node, round_, self._ttl)
+                self._leaving = round_
+
+    def leaving(self, node: NodeDesc) -> int | None:
+        """The complete round ``node`` asked to leave, as its key said in the last
+        listing (for this node: as it wrote it); ``None`` if it did not ask."""
+        if node == self._node:
+            return self._leaving
+        return self._marks.get(node)
+
     # -- admission --------------------------------------------------------------------
 
     def admission(self, wants: WantsAdmission, mark: object) -> list[NodeDesc] | float:
-        """The nodes this node must admit now, oldest first; or else how long to wait
-        (at most) for another node to admit it, in seconds.
+        """The nodes of the batch this node must make now: the listed nodes, oldest
+        first, but those taken for dead (for each, the caller takes it out if it leaves
+        and admits it if the join decision says so); or else how long to wait (at most)
+        for another node to make it, in seconds.
 
-        ``wants`` evaluates the join decision on the current state; ``mark`` sums up the
-        state's admissions (it changes whenever a node is admitted or leaves): while it
-        changes, the nodes ahead are making progress and none is taken for dead. The
-        first call of an attempt announces the node if needed and lists the keys; later
-        ones list again only to admit, or when a grace period passed without progress.
+        ``wants`` tells whether a batch would do something for a node on the current
+        state (take it out, or admit it); ``mark`` sums up the state's admissions (it
+        changes whenever a node is admitted or leaves): while it changes, the nodes
+        ahead are making progress and none is taken for dead. The first call of an
+        attempt announces the node if needed and lists the keys; later ones list again
+        only to make the batch, or when a grace period passed without progress.
         """
         with self._lock:
             listing: list[AnnouncedNode] | None = None
             if self._created is None:
                 self._announce()
             if self._attempt is None:
-                listing = self._registry.list_nodes()
+                listing = self._list()
                 self._attempt = self._new_attempt(listing)
             attempt = self._attempt
             now = self._clock()
@@ -271,17 +316,26 @@ class NodeKeys:
                 attempt.mark, attempt.progress_at = mark, now
             blocked = attempt.blocked(wants)
             if blocked and now - attempt.progress_at >= ADMISSION_GRACE:
-                listing = self._registry.list_nodes()
+                listing = self._list()
                 blocked = bool(self._skip_the_stuck(attempt, listing, wants, now))
-            if blocked:
+            if not blocked and listing is None:
+                listing = self._list()
+                # An older node that asked to leave since our last listing makes the
+                # batch (the oldest that asks does, after its own listing).
+                blocked = attempt.blocked(wants)
+            if blocked or listing is None:
                 return max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0)
-            if listing is None:
-                listing = self._registry.list_nodes()
             if not self._leading and self._registry.aggregator() is None:
                 # The first admitter aggregates from the start: the heartbeats of the
                 # nodes it admits are folded before any of them is late.
                 self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
             return self._batch(attempt, listing, wants)
+
+    def _list(self) -> list[AnnouncedNode]:
+        """List the node keys, and note which nodes asked to leave their round."""
+        listing = self._registry.list_nodes()
+        self._marks = {e.node: e.leaving for e in listing if e.leaving is not None}
+        return listing
 
     def _new_attempt(self, listing: list[AnnouncedNode]) -> _Attempt:
         created = self._created if self._created is not None else math.inf
@@ -323,8 +377,8 @@ class NodeKeys:
         self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission
     ) -> list[NodeDesc]:
         self._listed = {entry.node for entry in listing}
-        batch = [e.node for e in listing if e.node not in attempt.suspects and wants(e.node)]
-        if self._node not in batch and wants(self._node):
+        batch = [entry.node for entry in listing if entry.node not in attempt.suspects]
+        if self._node not in self._listed and wants(self._node):
             # Our key vanished after we announced it (the refresh will re-create it).
             batch.append(self._node)
         return batch
@@ -369,6 +423,7 @@ class NodeKeys:
             if not self._registry.refresh_node(self._node, self._ttl):
                 logger.info("The key of the node '%s' expired; announcing it again.", self._node)
                 self._created = self._registry.announce_node(self._node, self._ttl)
+                self._leaving = None
             if not self._lead(state, now):
                 return set()
             alive = {entry.node for entry in self._registry.list_nodes()}

@@ -95,8 +95,10 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._state_holder = state_holder
         self._settings = settings
         self._keys = node_keys
-        # Whether the node announced itself and waits for a batch to admit it.
+        # Whether the node announced itself and waits for a batch to admit it (or to
+        # take it out of the round it leaves: which one, then).
         self._awaiting_admission = False
+        self._awaiting_exit: int | None = None
         # The nodes whose heartbeats the aggregator is writing into the state.
         self._fold: set[_NodeDesc] | None = None
 
@@ -156,16 +158,16 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             if action == _Action.SYNC:
                 self._wait(deadline)
                 continue
-            if action in _ADMISSIONS:
+            if action in _ADMISSIONS or self._exits_in_batch(action):
                 wait = self._admit(action, deadline)
                 if wait is not None:
                     self._wait(deadline, at_most=wait)
                     continue
-            if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
-                # Update the deadline since the node may participate in the rendezvous.
-                deadline = update_deadline(self._settings.timeout.join)
-                retry = CONTENTION.start(Deadline.at(deadline))
-            if action not in _ADMISSIONS:
+            else:
+                if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
+                    # Update the deadline since the node may participate in the rendezvous.
+                    deadline = update_deadline(self._settings.timeout.join)
+                    retry = CONTENTION.start(Deadline.at(deadline))
                 self._apply(action)
 
             # Attempt to sync our changes back to other nodes.
@@ -213,7 +215,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         if action == _Action.KEEP_ALIVE:
             self._keep_alive(self._node)
         elif action == _Action.REMOVE_FROM_PARTICIPANTS:
-            self._remove_from_participants()
+            self._remove_from_participants(self._node)
         elif action == _Action.REMOVE_FROM_WAIT_LIST:
             self._remove_from_wait_list()
         elif action == _Action.REMOVE_FROM_REDUNDANCY_LIST:
@@ -225,27 +227,57 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
 
     # -- admission and heartbeats ---------------------------------------------------------
 
+    def _exits_in_batch(self, action: _Action) -> bool:
+        """Whether the node leaves its round in a batch (see
+        :mod:`etcd_rendezvous._dynamic_admission`): with node keys, from a complete
+        round. Leaving an incomplete round (a rollback) is the node's own write."""
+        return (
+            self._keys is not None
+            and action == _Action.REMOVE_FROM_PARTICIPANTS
+            and self._state.complete
+        )
+
+    def _leaves(self, node: _NodeDesc) -> bool:
+        """Whether ``node`` is a participant of the complete round its key says it leaves."""
+        state = self._state
+        return (
+            self._keys is not None
+            and state.complete
+            and node in state.participants
+            and self._keys.leaving(node) == state.round
+        )
+
     def _admit(self, action: _Action, deadline: float) -> float | None:
-        """Take the admission ``action`` the join decision chose for this node: by itself
-        (PyTorch's protocol), or with node keys in a batch of every announced node, if
-        it is the oldest waiting. Returns ``None`` if it changed the state, or else the
-        longest to wait for another node to admit it before looking again (see
-        :meth:`NodeKeys.admission`)."""
+        """Take the admission ``action`` the join decision chose for this node, or leave
+        the complete round: by itself (PyTorch's protocol), or with node keys in a
+        batch of every announced node, if it is the oldest waiting. Returns ``None`` if
+        it changed the state, or else the longest to wait for another node to make the
+        batch before looking again (see :meth:`NodeKeys.admission`)."""
         keys = self._keys
         if keys is None:
             self._admit_node(self._node, action)
             return None
 
         def wants(node: _NodeDesc) -> bool:
+            if self._leaves(node):
+                return True
             return _admission_action(self._state, node, self._settings) is not None
 
         state = self._state
         mark = (state.round, len(state.participants), len(state.wait_list))
         with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            if action == _Action.REMOVE_FROM_PARTICIPANTS:
+                keys.leave(state.round)
             outcome = keys.admission(wants, (*mark, len(state.redundancy_list)))
         if isinstance(outcome, float):
             self._awaiting_admission = True
+            if action == _Action.REMOVE_FROM_PARTICIPANTS:
+                self._awaiting_exit = state.round
             return outcome
+        # Those leaving first: the last one out ends the round, and the join decisions
+        # then admit everyone to the next one's participants.
+        for node in [node for node in outcome if self._leaves(node)]:
+            self._remove_from_participants(node)
         for node in outcome:
             # The join decision for each node, on the state as the batch left it.
             admission = _admission_action(self._state, node, self._settings)
@@ -268,14 +300,22 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             self._add_to_redundancy_list(node)
 
     def _note_admission(self, action: _Action) -> None:
-        """Once a node that waited for its admission is in the state, record how (the
-        event a node records when it adds itself, saying who did)."""
-        if action in _ADMISSIONS or not self._awaiting_admission:
+        """Once a node that waited for a batch was taken out of its round or admitted,
+        record how (the events a node records when it does it itself, saying who did)."""
+        if action in _ADMISSIONS or self._exits_in_batch(action) or not self._awaiting_admission:
             return
         self._awaiting_admission = False
         if self._keys is not None:
             self._keys.admitted()
         state, node = self._state, self._node
+        left, self._awaiting_exit = self._awaiting_exit, None
+        if left is not None and (node not in state.participants or state.round != left):
+            msg = (
+                f"The node '{node}' was removed from the participants of round {left} of "
+                f"the rendezvous '{self._settings.run_id}' by another node."
+            )
+            self._record(message=msg, method="_remove_from_participants")
+            logger.debug(msg)
         if node in state.participants:
             where, method = f"the participants of round {state.round}", "_add_to_participants"
         elif node in state.wait_list:
@@ -433,16 +473,16 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._state.redundancy_list.add(node)
         self._keep_alive(node)
 
-    def _remove_from_participants(self) -> None:
+    def _remove_from_participants(self, node: _NodeDesc) -> None:
         msg = (
-            f"The node '{self._node}' removed itself from the participants of round "
-            f"{self._state.round} of the rendezvous '{self._settings.run_id}'. Pending sync."
+            f"The node '{self._node}' removed {self._whom(node)} from the participants of "
+            f"round {self._state.round} of the rendezvous '{self._settings.run_id}'. "
+            "Pending sync."
         )
-        self._record(message=msg)
-        logger.debug(msg)
+        self._tell(node, msg)
         state = self._state
-        del state.participants[self._node]
-        del state.last_heartbeats[self._node]
+        del state.participants[node]
+        state.last_heartbeats.pop(node, None)
 
         # Common epilogue shared with _BackendRendezvousStateHolder._sanitize().
         _remove_participant_epilogue(state, self._settings)

@@ -128,10 +128,21 @@ def _admission_action(
 
 
 class _RendezvousExitOp:
-    """Represent a rendezvous exit operation."""
+    """Represent a rendezvous exit operation: leave the round the node is a participant
+    of when the operation starts.
+
+    Once the round it leaves is over, the operation is done even if the node is a
+    participant of the next one: a batch (see :mod:`etcd_rendezvous._dynamic_admission`)
+    may take the node out and admit it to the next round in one write.
+    """
+
+    def __init__(self) -> None:
+        self._round: int | None = None
 
     def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
-        if ctx.node in ctx.state.participants:
+        state = ctx.state
+        if ctx.node in state.participants and self._round in (None, state.round):
+            self._round = state.round
             if time.monotonic() > deadline:
                 return _Action.ERROR_TIMEOUT
             return _Action.REMOVE_FROM_PARTICIPANTS

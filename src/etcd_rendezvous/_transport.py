@@ -502,8 +502,14 @@ class Transport(abc.ABC):
         """Seconds until ``node`` expires, or ``None`` if it has no TTL (or is gone)."""
 
     @abc.abstractmethod
-    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
-        """Unconditionally write ``key`` (with a TTL, or none)."""
+    def set(self, key: str, value: str | None, *, ttl: int | None = None, lease: int = 0) -> Node:
+        """Unconditionally write ``key`` (with a TTL, or none).
+
+        ``lease`` (v3): the lease of the caller's own last write of the key (as for
+        :meth:`refresh`): the key is written with it, in one request, keeping its
+        remaining TTL; if that lease is gone, with a new one of ``ttl``. v2 always
+        restarts the TTL.
+        """
 
     @abc.abstractmethod
     def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:

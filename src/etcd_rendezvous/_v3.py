@@ -350,8 +350,16 @@ class EtcdV3Connection(Transport):
     def _lease_for(self, key: str, ttl: int | None) -> int:
         return self._grant(ttl, key) if ttl else self._inherited_lease(key)
 
-    def _with_lease(self, key: str, ttl: int | None, write: Callable[[int], Node]) -> Node:
-        """Run ``write(lease)``; if the lease vanished meanwhile, take a fresh one once."""
+    def _with_lease(
+        self, key: str, ttl: int | None, write: Callable[[int], Node], known: int = 0
+    ) -> Node:
+        """Run ``write(lease)``; if the lease vanished meanwhile, take a fresh one once.
+        ``known``: a lease to try first (the caller's own, see :meth:`set`)."""
+        if known:
+            try:
+                return write(known)
+            except _LeaseGoneError:
+                self._forget_lease(known)
         lease = self._lease_for(key, ttl)
         try:
             node = write(lease)
@@ -469,19 +477,20 @@ class EtcdV3Connection(Transport):
 
     # -- writes -----------------------------------------------------------------------
 
-    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
-        """Write ``key`` (idempotent, so re-sent freely); ``ttl`` attaches a new lease."""
+    def set(self, key: str, value: str | None, *, ttl: int | None = None, lease: int = 0) -> Node:
+        """Write ``key`` (idempotent, so re-sent freely); ``ttl`` attaches a new lease,
+        unless ``lease`` (the caller's own, still alive) is given: then one request."""
         text = "" if value is None else value
 
-        def write(lease: int) -> Node:
+        def write(attached: int) -> Node:
             body: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(text)}
-            if lease:
-                body["lease"] = str(lease)
+            if attached:
+                body["lease"] = str(attached)
             data = self._call("write", key, "/v3/kv/put", body)
             revision = wire.revision(data)
-            return wire.written(key, text, revision, revision, "set", lease)
+            return wire.written(key, text, revision, revision, "set", attached)
 
-        return self._with_lease(key, ttl, write)
+        return self._with_lease(key, ttl, write, lease)
 
     def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
         """Keep ``key``'s lease alive (its TTL starts again), without waking watchers.

@@ -76,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 # How much of a corrupt value to quote in an error message.
 _PREVIEW_CHARS = 60
+#: The field of a node key's value naming the complete round the node leaves.
+_LEAVING = "leaving"
 # The dynamic rendezvous's default join timeout, in seconds.
 _DEFAULT_JOIN_TIMEOUT = 600.0
 
@@ -336,6 +338,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._node_leases.pop(key, None)
         self._conn.delete(key)
 
+    def mark_leaving(self, node: NodeDesc, round_: int, ttl: int) -> None:
+        """Write the key of ``node`` with ``"leaving": round_`` added to its descriptor
+        (one request: on v3 with the lease of our last write of the key, on v2 restarting
+        its TTL); a key that is gone is created with ``ttl``."""
+        key = self._node_key(node)
+        written = self._conn.set(
+            key, _node_value(node, leaving=round_), ttl=ttl, lease=self._node_leases.get(key, 0)
+        )
+        self._node_leases[key] = written.lease
+
     def list_nodes(self) -> list[AnnouncedNode]:
         """The node keys of the run, oldest (lowest created index) first. Keys whose
         names are not spelled as a node key's are left out."""
@@ -348,7 +360,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             # The name spells the node (cheaper than its value, at a few hundred nodes).
             fields = None if child.is_dir else parse_node_key_name(child.key.rsplit("/", 1)[-1])
             if fields is not None:
-                nodes.append(AnnouncedNode(NodeDesc(*fields), child.created_index))
+                leaving = _leaving(child.value)
+                nodes.append(AnnouncedNode(NodeDesc(*fields), child.created_index, leaving))
         nodes.sort(key=lambda entry: entry.created_index)
         return nodes
 
@@ -467,9 +480,24 @@ class EtcdRendezvousBackend(RendezvousBackend):
             ) from None
 
 
-def _node_value(node: NodeDesc) -> str:
-    """The value of a node key: the node descriptor as JSON."""
-    return json.dumps({"addr": node.addr, "pid": node.pid, "local_id": node.local_id})
+def _node_value(node: NodeDesc, *, leaving: int | None = None) -> str:
+    """The value of a node key: the node descriptor as JSON, and the complete round the
+    node leaves, if it asked to (see :meth:`EtcdRendezvousBackend.mark_leaving`)."""
+    fields: dict[str, object] = {"addr": node.addr, "pid": node.pid, "local_id": node.local_id}
+    if leaving is not None:
+        fields[_LEAVING] = leaving
+    return json.dumps(fields)
+
+
+def _leaving(value: str | None) -> int | None:
+    """The round a node key's value says the node leaves (``None``: it does not say)."""
+    if not value or f'"{_LEAVING}"' not in value:
+        return None  # Most keys: no need to parse them.
+    try:
+        leaving = json.loads(value).get(_LEAVING)
+    except (ValueError, AttributeError):
+        return None
+    return leaving if type(leaving) is int else None
 
 
 def _parse_node(key: Node) -> NodeDesc | None:

@@ -29,6 +29,7 @@ class MemoryRegistry:
 
     def __init__(self) -> None:
         self.keys: dict[NodeDesc, int] = {}
+        self.leaving: dict[NodeDesc, int] = {}
         self.lock: NodeDesc | None = None
         self.index = 0
         self.calls: dict[str, int] = {}
@@ -50,10 +51,17 @@ class MemoryRegistry:
     def withdraw_node(self, node: NodeDesc) -> None:
         self._count("withdraw")
         self.keys.pop(node, None)
+        self.leaving.pop(node, None)
+
+    def mark_leaving(self, node: NodeDesc, round_: int, ttl: int) -> None:
+        self._count("mark")
+        self.announce_node(node, ttl)
+        self.leaving[node] = round_
 
     def list_nodes(self) -> list[AnnouncedNode]:
         self._count("list")
-        return [AnnouncedNode(n, i) for n, i in sorted(self.keys.items(), key=lambda e: e[1])]
+        keys = sorted(self.keys.items(), key=lambda e: e[1])
+        return [AnnouncedNode(n, i, self.leaving.get(n)) for n, i in keys]
 
     def aggregator(self) -> NodeDesc | None:
         self._count("aggregator")
@@ -115,11 +123,12 @@ def test_a_node_waits_until_its_predecessors_are_admitted() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
     assert a.admission(wants_all_but(), "m0") == [A]
-    assert b.admission(wants_all_but(A), "m0") == [B]  # A was admitted before: B alone.
+    # A was admitted before: B does not wait (its batch lists A; the caller skips it).
+    assert b.admission(wants_all_but(A), "m0") == [A, B]
     c = keys_of(C, registry, clock)
     assert c.admission(wants_all_but(A), "m1") == pytest.approx(ADMISSION_GRACE)
     clock.now += 1
-    assert c.admission(wants_all_but(A, B), "m2") == [C]
+    assert c.admission(wants_all_but(A, B), "m2") == [A, B, C]
 
 
 def test_a_predecessor_stuck_for_the_grace_period_is_skipped() -> None:
@@ -156,6 +165,74 @@ def test_a_predecessor_whose_key_is_gone_no_longer_blocks_after_the_grace_period
     registry.withdraw_node(D)
     clock.now += ADMISSION_GRACE
     assert b.admission(wants_all_but(), "m") == [B]
+
+
+def leaving(keys: NodeKeys, round_: int):  # type: ignore[no-untyped-def]
+    """What the executor asks, for nodes that are participants of complete ``round_``."""
+    return lambda node: keys.leaving(node) == round_
+
+
+def test_a_leaving_node_marks_its_key_once_per_round() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    a = keys_of(A, registry, clock)
+    a.leave(3)
+    a.leave(3)
+    assert registry.calls == {"announce": 2, "mark": 1}  # Announced by leave(), then marked.
+    assert registry.leaving == {A: 3}
+    assert a.leaving(A) == 3
+    assert a.leaving(B) is None
+    a.leave(4)
+    assert registry.calls["mark"] == 2
+    assert registry.leaving == {A: 4}
+    a.withdraw()
+    assert a.leaving(A) is None
+    assert registry.leaving == {}
+
+
+def test_the_oldest_leaving_node_takes_out_everyone_who_asked() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    a, b, c = (keys_of(n, registry, clock) for n in (A, B, C))
+    for keys in (a, b, c):
+        keys.begin_join()
+        registry.announce_node(keys.node, 15)
+    c.leave(3)
+    b.leave(3)
+    # C sees B asking to leave: B makes the batch.
+    assert c.admission(leaving(c, 3), "m") == pytest.approx(ADMISSION_GRACE)
+    # B sees nobody older asking (A is a participant that stays): its batch lists all;
+    # the leaving marks of the listing tell the caller whom to take out.
+    assert b.admission(leaving(b, 3), "m") == [A, B, C]
+    assert [n for n in (A, B, C) if b.leaving(n) == 3] == [B, C]
+
+
+class MarkAfterFirstListing(MemoryRegistry):
+    """A registry in which node A asks to leave round 3 just after the first listing."""
+
+    def list_nodes(self) -> list[AnnouncedNode]:
+        listing = super().list_nodes()
+        if self.calls["list"] == 1:
+            self.leaving[A] = 3
+        return listing
+
+
+def test_an_older_node_asking_to_leave_after_our_listing_makes_the_batch() -> None:
+    registry, clock = MarkAfterFirstListing(), Clock()
+    registry.announce_node(A, 15)
+    registry.announce_node(D, 15)  # Waits for its admission.
+    b = keys_of(B, registry, clock)
+    b.leave(3)
+
+    def wants(admitted: bool):  # type: ignore[no-untyped-def]
+        return lambda node: b.leaving(node) == 3 or (node == D and not admitted)
+
+    assert b.admission(wants(False), "m0") == pytest.approx(ADMISSION_GRACE)  # D's turn.
+    # D was admitted. The attempt's listing showed A staying; the listing taken for the
+    # batch shows it leaving: A makes the batch.
+    assert b.admission(wants(True), "m1") == pytest.approx(ADMISSION_GRACE)
+    assert registry.calls["list"] == 2
+    a = keys_of(A, registry, clock)
+    a.leave(3)
+    assert a.admission(leaving(a, 3), "m") == [A, D, B]
 
 
 def state_with(*nodes: NodeDesc, age: float = 0.0) -> RendezvousState:

@@ -741,6 +741,18 @@ def test_exit_op(frozen_now: datetime) -> None:
     assert next_action(_RendezvousExitOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
 
 
+def test_exit_op_is_done_once_the_round_it_leaves_is_over(frozen_now: datetime) -> None:
+    state = base_state()
+    state.round, state.complete = 3, True
+    state.participants[ME] = 1
+    op = _RendezvousExitOp()
+    assert next_action(op, state) == _Action.REMOVE_FROM_PARTICIPANTS
+    assert next_action(op, state) == _Action.REMOVE_FROM_PARTICIPANTS  # Not out yet.
+    # A batch took the node out of round 3 and admitted it to round 4 in one write.
+    state.round = 4
+    assert next_action(op, state) == _Action.FINISH
+
+
 def join(state: _RendezvousState, **kwargs: Any) -> _Action:
     return next_action(_RendezvousJoinOp(), state, **kwargs)
 
