@@ -332,6 +332,25 @@ def test_listing_skips_what_is_not_a_node_key(keyed, conn):
     assert [entry.node for entry in keyed.list_nodes()] == [node]
 
 
+def test_a_node_key_says_which_round_the_node_leaves(keyed, conn):
+    a, b = NodeDesc("a", 1, 0), NodeDesc("b", 1, 0)
+    created = [keyed.announce_node(node, 30) for node in (a, b)]
+    keyed.mark_leaving(b, 7, 30)
+    # The key keeps its place (created index), its TTL and its node; the mark is listed.
+    assert keyed.list_nodes() == [AnnouncedNode(a, created[0]), AnnouncedNode(b, created[1], 7)]
+    key = keyed.nodes_layout.node_key("b", 1, 0)
+    assert json.loads(conn.get(key).value) == {"addr": "b", "pid": 1, "local_id": 0, "leaving": 7}
+    assert 0 < (conn.time_to_live(conn.get(key)) or 0) <= 30
+    assert keyed.refresh_node(b, 30)
+    assert keyed.list_nodes()[1].leaving == 7  # A refresh keeps the value.
+    # A key that is gone is created by the mark; a value that is no JSON says nothing.
+    keyed.withdraw_node(a)
+    keyed.mark_leaving(a, 8, 30)
+    assert [(e.node, e.leaving) for e in keyed.list_nodes()] == [(b, 7), (a, 8)]
+    conn.set(key, '{"leaving": 3')  # (On v2, a plain write makes it the youngest key.)
+    assert {e.node: e.leaving for e in keyed.list_nodes()} == {b: None, a: 8}
+
+
 def test_refresh_and_withdraw_a_node(keyed, conn):
     node = NodeDesc("h", 1, 0)
     assert not keyed.refresh_node(node, 30)

@@ -140,6 +140,33 @@ def test_refresh_with_a_lapsed_lease_reads_the_key(v3: EtcdV3Connection, etcd_pr
     assert v3.refresh(key, 5, lease=lease).lease == current
 
 
+def test_update_with_the_lease_of_our_own_write_is_one_request(
+    connect: Connect, private_etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
+    """A node rewriting its own key (saying it leaves a round) keeps the key's lease and
+    creation revision: one Txn, no new lease; a lease that is gone is replaced by a new
+    one of ``ttl``; a key that is gone is not created."""
+    v3 = connect(endpoint_of(private_etcd_server))
+    key = f"{etcd_prefix}/ours"
+    written = v3.create(key, "v", ttl=7)
+    before = read_metrics(private_etcd_server.client_url)
+    assert v3.update(key, "w", ttl=7, lease=written.lease).lease == written.lease
+    requests = requests_since(private_etcd_server.client_url, before)
+    assert requests.by_method == {"v3 Txn": 1}, requests.describe()
+    current = v3.get(key)
+    assert (current.value, current.lease) == ("w", written.lease)
+    assert current.created_index == written.created_index
+    v3._call("revoke", key, "/v3/lease/revoke", {"ID": str(written.lease)})  # Key and all.
+    with pytest.raises(KeyNotFoundError):
+        v3.update(key, "x", ttl=7, lease=written.lease)
+    assert v3.try_get(key) is None
+    v3.set(key, "y", ttl=60)
+    fresh = v3.update(key, "z", ttl=7, lease=written.lease).lease  # Our lease is gone.
+    assert fresh not in (0, written.lease)
+    assert v3.get(key).lease == fresh
+    assert v3.time_to_live(v3.get(key)) in range(5, 8)
+
+
 def test_a_directory_lease_reaches_every_key_written_below_it(
     v3: EtcdV3Connection, connect: Connect, etcd_server: EtcdServer, etcd_prefix: str
 ) -> None:

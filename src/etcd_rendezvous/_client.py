@@ -481,11 +481,22 @@ class EtcdConnection(Transport):
 
     # -- writes -----------------------------------------------------------------------
 
-    def set(self, key: str, value: str | None, *, ttl: int | None = None, lease: int = 0) -> Node:
-        """Unconditionally write ``key`` (idempotent, so re-sent freely). ``lease`` is
-        for v3 (v2 restarts the TTL)."""
+    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
+        """Unconditionally write ``key`` (idempotent, so re-sent freely)."""
         return self._note_index(
             self._v2("write", key, lambda c: _node(c.write(key, value, ttl=ttl)))
+        )
+
+    def update(self, key: str, value: str, *, ttl: int, lease: int = 0) -> Node:
+        """Rewrite the existing ``key`` (``prevExist``: a plain write would give it a new
+        creation index); raises :class:`KeyNotFoundError` if it is gone. ``lease`` is
+        for v3 (v2 restarts the TTL)."""
+        return self._note_index(
+            self._v2(
+                "update",
+                key,
+                lambda c: _node(c.write(key, value, ttl=ttl, prevExist=True)),
+            )
         )
 
     def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:

@@ -502,13 +502,20 @@ class Transport(abc.ABC):
         """Seconds until ``node`` expires, or ``None`` if it has no TTL (or is gone)."""
 
     @abc.abstractmethod
-    def set(self, key: str, value: str | None, *, ttl: int | None = None, lease: int = 0) -> Node:
-        """Unconditionally write ``key`` (with a TTL, or none).
+    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
+        """Unconditionally write ``key`` (with a TTL, or none)."""
+
+    @abc.abstractmethod
+    def update(self, key: str, value: str, *, ttl: int, lease: int = 0) -> Node:
+        """Rewrite the existing ``key`` with ``value``, keeping its creation index (its
+        place among keys in created order); v2 restarts its TTL of ``ttl``.
 
         ``lease`` (v3): the lease of the caller's own last write of the key (as for
         :meth:`refresh`): the key is written with it, in one request, keeping its
-        remaining TTL; if that lease is gone, with a new one of ``ttl``. v2 always
-        restarts the TTL.
+        remaining TTL; if that lease is gone, with a new one of ``ttl``.
+
+        Raises:
+            KeyNotFoundError: the key is gone.
         """
 
     @abc.abstractmethod

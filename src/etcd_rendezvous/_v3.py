@@ -477,9 +477,8 @@ class EtcdV3Connection(Transport):
 
     # -- writes -----------------------------------------------------------------------
 
-    def set(self, key: str, value: str | None, *, ttl: int | None = None, lease: int = 0) -> Node:
-        """Write ``key`` (idempotent, so re-sent freely); ``ttl`` attaches a new lease,
-        unless ``lease`` (the caller's own, still alive) is given: then one request."""
+    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
+        """Write ``key`` (idempotent, so re-sent freely); ``ttl`` attaches a new lease."""
         text = "" if value is None else value
 
         def write(attached: int) -> Node:
@@ -489,6 +488,24 @@ class EtcdV3Connection(Transport):
             data = self._call("write", key, "/v3/kv/put", body)
             revision = wire.revision(data)
             return wire.written(key, text, revision, revision, "set", attached)
+
+        return self._with_lease(key, ttl, write)
+
+    def update(self, key: str, value: str, *, ttl: int, lease: int = 0) -> Node:
+        """Rewrite the existing ``key`` (a transaction on ``create_revision > 0``: a put
+        keeps the creation revision); a new lease of ``ttl`` unless ``lease`` (the
+        caller's own) is alive. Idempotent, so re-sent freely.
+
+        Raises:
+            KeyNotFoundError: the key is gone.
+        """
+
+        def write(attached: int) -> Node:
+            data = self._call("update", key, "/v3/kv/txn", wire.update_txn(key, value, attached))
+            revision = wire.revision(data)
+            if not data.get("succeeded"):
+                raise KeyNotFoundError(key, revision)
+            return wire.written(key, value, revision, revision, "update", attached)
 
         return self._with_lease(key, ttl, write, lease)
 

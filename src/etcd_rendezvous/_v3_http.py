@@ -227,6 +227,19 @@ def create_txn(key: str, value: str, lease: int) -> dict[str, Any]:
     }
 
 
+def update_txn(key: str, value: str, lease: int) -> dict[str, Any]:
+    """Put ``value`` if ``key`` exists (a put keeps the key's creation revision)."""
+    put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    return {
+        "compare": [
+            {"target": "CREATE", "result": "GREATER", "key": b64(key), "create_revision": "0"}
+        ],
+        "success": [{"request_put": put}],
+    }
+
+
 def guarded_txn(key: str, mod_revision: int, op: dict[str, Any]) -> dict[str, Any]:
     return {
         "compare": [

@@ -339,13 +339,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._conn.delete(key)
 
     def mark_leaving(self, node: NodeDesc, round_: int, ttl: int) -> None:
-        """Write the key of ``node`` with ``"leaving": round_`` added to its descriptor
-        (one request: on v3 with the lease of our last write of the key, on v2 restarting
-        its TTL); a key that is gone is created with ``ttl``."""
+        """Rewrite the key of ``node`` with ``"leaving": round_`` added to its descriptor,
+        keeping its place in created order (one request: on v3 with the lease of our last
+        write of the key, on v2 restarting its TTL); a key that is gone is created with
+        ``ttl``."""
         key = self._node_key(node)
-        written = self._conn.set(
-            key, _node_value(node, leaving=round_), ttl=ttl, lease=self._node_leases.get(key, 0)
-        )
+        value = _node_value(node, leaving=round_)
+        try:
+            written = self._conn.update(key, value, ttl=ttl, lease=self._node_leases.get(key, 0))
+        except KeyNotFoundError:
+            written = self._conn.set(key, value, ttl=ttl)
         self._node_leases[key] = written.lease
 
     def list_nodes(self) -> list[AnnouncedNode]:
