@@ -22,11 +22,11 @@ from ._dynamic_admission import NodeKeys
 from ._dynamic_backend import _POLL_INTERVAL
 from ._dynamic_holder import _remove_participant_epilogue, _RendezvousStateHolder
 from ._dynamic_ops import _ADMISSIONS, _Action, _admission_action, _RendezvousContext, _StateHandler
-from ._dynamic_settings import EVENT_FILE, LOGGER_NAME, RendezvousSettings, _now
+from ._dynamic_settings import LOGGER_NAME, RendezvousSettings, _now, record_event
 from ._dynamic_state import _NodeDesc, _RendezvousState
 from ._retry import CONTENTION, Deadline, Retry
 from .api import RendezvousClosedError, RendezvousTimeoutError
-from .events import NodeState, record_rdzv_event
+from .events import NodeState
 
 __all__ = ["_DistributedRendezvousOpExecutor", "_RendezvousOpExecutor"]
 
@@ -110,15 +110,8 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         method: str | None = None,
     ) -> None:
         """Record an event named after ``method`` (by default, the caller)."""
-        record_rdzv_event(
-            name=f"{type(self).__name__}.{method or sys._getframe(1).f_code.co_name}",
-            file_name=EVENT_FILE,
-            run_id=self._settings.run_id,
-            message=message,
-            node_state=node_state,
-            hostname=self._node.addr,
-            pid=self._node.pid,
-            local_id=self._node.local_id,
+        record_event(
+            self, self._settings.run_id, message, node_state, node=self._node, method=method
         )
 
     def run(

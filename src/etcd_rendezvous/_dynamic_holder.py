@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
 from abc import ABC, abstractmethod
 
 from ._dynamic_backend import _POLL_INTERVAL, RendezvousBackend, Token, _delay
-from ._dynamic_settings import EVENT_FILE, LOGGER_NAME, RendezvousSettings, _now
+from ._dynamic_settings import LOGGER_NAME, RendezvousSettings, _now, record_event
 from ._dynamic_state import _encode_state, _NodeDesc, _RendezvousState, decode_state
 from ._retry import Deadline
-from .events import NodeState, record_rdzv_event
+from .events import NodeState
 
 __all__ = [
     "_BackendRendezvousStateHolder",
@@ -117,13 +116,7 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         self._dead_nodes = []
 
     def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
-        record_rdzv_event(
-            name=f"{type(self).__name__}.{sys._getframe(1).f_code.co_name}",
-            file_name=EVENT_FILE,
-            run_id=self._settings.run_id,
-            message=message,
-            node_state=node_state,
-        )
+        record_event(self, self._settings.run_id, message, node_state)
 
     @property
     def state(self) -> _RendezvousState:

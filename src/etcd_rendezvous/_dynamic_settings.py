@@ -5,16 +5,27 @@ re-exports :class:`RendezvousTimeout` and :class:`RendezvousSettings` (users imp
 from there). The parts of the handler kept in private modules (the state holder, the
 operations and their executor) read the time from one clock (:func:`_now`), and log and
 name their events as that public module, as PyTorch's do (:data:`LOGGER_NAME`,
-:data:`EVENT_FILE`).
+:data:`EVENT_FILE`, :func:`record_event`).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import ClassVar
 
-__all__ = ["EVENT_FILE", "LOGGER_NAME", "RendezvousSettings", "RendezvousTimeout", "_now"]
+from ._dynamic_state import _NodeDesc
+from .events import NodeState, record_rdzv_event
+
+__all__ = [
+    "EVENT_FILE",
+    "LOGGER_NAME",
+    "RendezvousSettings",
+    "RendezvousTimeout",
+    "_now",
+    "record_event",
+]
 
 #: The logger of the dynamic rendezvous, whichever of its modules logs: the public
 #: module's, whose debug log users turn on (and which one event depends on).
@@ -23,6 +34,37 @@ LOGGER_NAME = "etcd_rendezvous.dynamic_rendezvous"
 #: The file the events of the dynamic rendezvous are named after, whichever of its
 #: modules records them: ``dynamic_rendezvous.py:<Class>.<method>``, PyTorch's names.
 EVENT_FILE = LOGGER_NAME.rpartition(".")[2] + ".py"
+
+
+def record_event(
+    owner: object,
+    run_id: str,
+    message: str,
+    node_state: NodeState,
+    *,
+    node: _NodeDesc | None = None,
+    rank: int | None = None,
+    method: str | None = None,
+) -> None:
+    """Record an event of the dynamic rendezvous under PyTorch's name,
+    ``dynamic_rendezvous.py:<owner's class>.<method>``, for ``node`` (by default, this
+    host and process).
+
+    ``method`` defaults to the caller's caller: the owner's ``_record`` methods call
+    this, and their events are named after the method that called them.
+    """
+    name = method or sys._getframe(2).f_code.co_name
+    record_rdzv_event(
+        name=f"{type(owner).__name__}.{name}",
+        file_name=EVENT_FILE,
+        run_id=run_id,
+        message=message,
+        node_state=node_state,
+        hostname="" if node is None else node.addr,
+        pid=None if node is None else node.pid,
+        local_id=None if node is None else node.local_id,
+        rank=rank,
+    )
 
 
 def _now() -> datetime:

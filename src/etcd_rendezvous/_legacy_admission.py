@@ -91,6 +91,7 @@ __all__ = [
     "plan_admission",
     "plan_confirmation",
     "plan_freeze",
+    "status_in",
 ]
 
 logger = logging.getLogger(__name__)
@@ -156,9 +157,14 @@ class Observed:
 
     def status_in(self, version: str) -> str | None:
         """The status, if the state is one of ``version``; ``None`` otherwise."""
-        if self.state is None or self.state.get("version") != version:
-            return None
-        return str(self.state["status"])
+        return status_in(self.state, version)
+
+
+def status_in(state: dict[str, Any] | None, version: str) -> str | None:
+    """The status of ``state``, if it is a state of ``version``; ``None`` otherwise."""
+    if state is None or state.get("version") != version:
+        return None
+    return str(state["status"])
 
 
 @dataclass(frozen=True, order=True)

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._legacy_admission import grace
+from ._legacy_admission import grace, status_in
 from ._retry import Deadline
 from ._transport import (
     DELETE_ACTIONS,
@@ -142,7 +142,7 @@ class _FinalVersion:
 
     @property
     def ongoing(self) -> bool:
-        return bool(self.state["status"] == "final" and self.state["version"] == self.version)
+        return status_in(self.state, self.version) == "final"
 
 
 class _Wait:

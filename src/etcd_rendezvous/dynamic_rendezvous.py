@@ -75,7 +75,6 @@ import contextlib
 import importlib
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
@@ -94,7 +93,7 @@ from ._dynamic_ops import (
     _RendezvousJoinOp,
     _RendezvousKeepAliveOp,
 )
-from ._dynamic_settings import RendezvousSettings, RendezvousTimeout
+from ._dynamic_settings import RendezvousSettings, RendezvousTimeout, record_event
 from ._dynamic_state import (
     NodeDesc,
     RendezvousState,
@@ -299,15 +298,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         method: str | None = None,
     ) -> None:
         """Record an event named after ``method`` (by default, the caller)."""
-        record_rdzv_event(
-            name=f"{type(self).__name__}.{method or sys._getframe(1).f_code.co_name}",
-            run_id=self._settings.run_id,
-            message=message,
-            node_state=node_state,
-            hostname=self._this_node.addr,
-            pid=self._this_node.pid,
-            local_id=self._this_node.local_id,
+        record_event(
+            self,
+            self._settings.run_id,
+            message,
+            node_state,
+            node=self._this_node,
             rank=rank,
+            method=method,
         )
 
     def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
