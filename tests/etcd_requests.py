@@ -13,8 +13,11 @@ Every request lands in one class:
 * **v2** (``etcd_http_received_total`` by ``method``): reads are GETs, writes PUT, POST
   and DELETE. Watches (GETs with ``wait=true``) are not in that counter; etcd's v2 store
   counts them in ``etcd_debugging_store_watch_requests_total`` (reads). TTL refreshes
-  (PUTs that the store records as ``action="update"``, even when they fail; neither
-  this library nor PyTorch issues other updates) are **keep-alive**, not writes.
+  (PUTs that the store records as ``action="update"``, even when they fail) are
+  **keep-alive**, not writes. The only other updates, of this library's ``etcd-v2``
+  nodes rewriting their own key to leave a round (one per node and re-rendezvous),
+  cannot be told apart from them in etcd's v2 counters: they are keep-alive too there
+  (on v3 they are Txn writes).
 * **v3** (``grpc_server_started_total`` by ``grpc_method``): reads Range, Watch (a
   stream per wait) and LeaseTimeToLive; writes Put, Txn, DeleteRange, LeaseGrant and
   LeaseRevoke; **keep-alive** LeaseKeepAlive.
@@ -50,7 +53,7 @@ _COUNTERS = (
 )
 #: v2 watches, which ``etcd_http_received_total`` leaves out.
 _V2_WATCHES = "etcd_debugging_store_watch_requests_total"
-#: v2 store writes by action; ``update`` is a TTL refresh.
+#: v2 store writes by action; ``update`` is a TTL refresh (or a node leaving a round).
 _V2_STORE_WRITES = "etcd_debugging_store_writes_total"
 
 _READ, _WRITE, _KEEPALIVE = "reads", "writes", "keepalives"

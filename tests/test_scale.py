@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Union
+from typing import Any, Union
 
 import pytest
 
@@ -66,11 +66,14 @@ def handlers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[list[Handler]]:
     """``NODES`` handlers of the backend the test is parametrized with (a name, or a name
-    and the size of the world, ``NODES`` unless said), on one run id; closed afterwards
-    (which does not close the rendezvous)."""
+    and the size of the world, ``NODES`` unless said, and options to change), on one run
+    id; closed afterwards (which does not close the rendezvous)."""
     # Rank 0 publishes its address through etcd and starts no TCPStore.
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    backend, world = (request.param, NODES) if isinstance(request.param, str) else request.param
+    param: tuple[Any, ...] = (request.param,) if isinstance(request.param, str) else request.param
+    backend: str = param[0]
+    world: int = param[1] if len(param) > 1 else NODES
+    changes: dict[str, str] = param[2] if len(param) > 2 else {}
     made: list[Handler] = []
     try:
         for _ in range(NODES):
@@ -83,7 +86,7 @@ def handlers(
                 local_addr="127.0.0.1",
                 etcd_api=etcd_api_under_test(),
                 torch_store="false",
-                **_OPTIONS[backend],
+                **{**_OPTIONS[backend], **changes},
             )
             made.append(_make_handler(params))
         yield made
@@ -126,10 +129,12 @@ def test_rendezvous_of_64_nodes_costs_at_most_4_writes_and_8_reads_per_node(
     assert reads <= MAX_READS_PER_NODE, counted
 
 
-#: A re-rendezvous costs more than a first one: the replacement waits on the final
-#: version, every member polls num_nodes_waiting() and then waits too, and the version
-#: is destroyed before the next one forms. Measured at 64 and 256 nodes: about 3 writes
-#: and 12 reads per node (benchmarks/bench_scale.py --rerendezvous).
+#: A re-rendezvous costs more than a first one: the replacement waits (legacy: on the
+#: final version; etcd-v2: on the redundancy list), every member polls
+#: num_nodes_waiting() and then leaves its round, and the next round forms. Measured at
+#: 64 and 256 nodes (benchmarks/bench_scale.py --rerendezvous): legacy about 3 writes
+#: and 12 reads per node; etcd-v2 about 1 write and 8 reads (16 and 23 before its nodes
+#: left a round in batches).
 MAX_RE_WRITES_PER_NODE = 6
 MAX_RE_READS_PER_NODE = 16
 #: Seconds between two polls of num_nodes_waiting(), as torchrun's agent does.
@@ -147,15 +152,26 @@ def _agent(handler: Handler) -> RendezvousInfo:
     return handler.next_rendezvous()
 
 
+#: etcd-v2 in a re-rendezvous: the dead node's heartbeats lapse after 3 intervals of 2 s
+#: (as in benchmarks/bench_scale.py), during which the heartbeats are counted.
+_QUICK_HEARTBEATS = {"keep_alive_interval": "2"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("handlers", [("etcd", NODES - 1)], indirect=True, ids=["etcd"])
+@pytest.mark.parametrize(
+    "handlers",
+    [("etcd", NODES - 1), ("etcd-v2", NODES - 1, _QUICK_HEARTBEATS)],
+    indirect=True,
+    ids=["etcd", "etcd-v2"],
+)
 def test_replacing_a_node_of_64_costs_a_constant_number_of_requests_per_node(
     handlers: list[Handler], private_etcd_server: EtcdServer
 ) -> None:
-    """One node of a complete legacy rendezvous of 64 dies (its keep-alive stops) and a
-    new one arrives: the members notice the waiting node, re-rendezvous, wait for the
-    dead node's keep-alive key to lapse and form the next version with the newcomer.
-    Each waiting worker is counted through its wait key, and waits on one stream."""
+    """One node of a complete rendezvous of 63 dies (its keep-alive stops) and a new one
+    arrives: the members notice the waiting node, re-rendezvous, wait for the dead node
+    to be dropped (legacy: its keep-alive key lapses; etcd-v2: its heartbeats) and form
+    the next round with the newcomer. Legacy: each waiting worker is counted through its
+    wait key, and waits on one stream; etcd-v2: the members leave the round in batches."""
     *members, newcomer = handlers
     first = _rendezvous_together(members)
     assert sorted(info.rank for info in first) == list(range(NODES - 1))

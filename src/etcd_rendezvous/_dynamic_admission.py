@@ -34,8 +34,10 @@ constant number of requests per node, writing the same state:
   PyTorch's exit does), then admits every listed node the join decision admits on the
   state as the exits left it (to the wait list, or to the next round's participants).
   A node whose key says it leaves waits for admission like a joining node, and blocks
-  the younger ones alike; the listing taken just before a batch is checked again for
-  older nodes that asked to leave meanwhile (the oldest of them makes the batch).
+  the younger ones alike. It lists the keys only :data:`EXIT_GATHER` seconds after it
+  asked (the others of the round ask meanwhile), and the listing taken just before a
+  batch is checked again for older nodes that asked since: the oldest of them makes
+  the batch.
   Leaving an incomplete round (a rare rollback) stays PyTorch's own write.
 * **Aggregated heartbeats.** Every ``keep_alive_interval`` each node refreshes its key,
   and one of them, the *aggregator* (the holder of a lock key with a TTL of two
@@ -76,7 +78,7 @@ if TYPE_CHECKING:
     from ._dynamic_settings import RendezvousSettings
     from ._dynamic_state import NodeDesc, RendezvousState
 
-__all__ = ["ADMISSION_GRACE", "AnnouncedNode", "NodeKeys", "NodeRegistry"]
+__all__ = ["ADMISSION_GRACE", "EXIT_GATHER", "AnnouncedNode", "NodeKeys", "NodeRegistry"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,13 @@ logger = logging.getLogger(__name__)
 #: is admitted at all, before it takes the oldest for a dead node's and skips it.
 ADMISSION_GRACE = 2.0
 
+
+#: Seconds a node that asked to leave its round waits before it lists the keys: the
+#: nodes of a round ask within moments of each other (each agent sees the same waiting
+#: node), and a node only waits for the older ones it sees asking, so without a pause
+#: several would make batches of their own at once (each a large state write, all but
+#: one lost).
+EXIT_GATHER = 0.1
 
 #: How many keep-alive intervals old a node's heartbeat in the state is when the node
 #: takes it that nobody aggregates (and looks at the lock, to take it if it is free).
@@ -222,6 +231,7 @@ class NodeKeys:
         # The complete round our key says we leave (see ``leave``), and what the keys of
         # the last listing said.
         self._leaving: int | None = None
+        self._left_at = -math.inf
         self._marks: dict[NodeDesc, int] = {}
 
     @property
@@ -279,7 +289,7 @@ class NodeKeys:
                 self._announce()
             if self._leaving != round_:
                 self._registry.mark_leaving(self._node, round_, self._ttl)
-                self._leaving = round_
+                self._leaving, self._left_at = round_, self._clock()
 
     def leaving(self, node: NodeDesc) -> int | None:
         """The complete round ``node`` asked to leave, as its key said in the last
@@ -307,6 +317,9 @@ class NodeKeys:
             listing: list[AnnouncedNode] | None = None
             if self._created is None:
                 self._announce()
+            gathering = self._left_at + EXIT_GATHER - self._clock()
+            if self._attempt is None and gathering > 0:
+                return gathering  # Let the others of the round ask to leave too.
             if self._attempt is None:
                 listing = self._list()
                 self._attempt = self._new_attempt(listing)

@@ -267,6 +267,8 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             if action == _Action.REMOVE_FROM_PARTICIPANTS:
                 self._awaiting_exit = state.round
             return outcome
+        # This node makes the batch: it records what it does to itself as it does it.
+        self._awaiting_admission, self._awaiting_exit = False, None
         # Those leaving first: the last one out ends the round, and the join decisions
         # then admit everyone to the next one's participants.
         for node in [node for node in outcome if self._leaves(node)]:

@@ -9,6 +9,7 @@ import pytest
 
 from etcd_rendezvous._dynamic_admission import (
     ADMISSION_GRACE,
+    EXIT_GATHER,
     AnnouncedNode,
     NodeKeys,
     NodeRegistry,
@@ -197,6 +198,10 @@ def test_the_oldest_leaving_node_takes_out_everyone_who_asked() -> None:
         registry.announce_node(keys.node, 15)
     c.leave(3)
     b.leave(3)
+    # Each lets the others of the round ask too before it lists the keys.
+    assert c.admission(leaving(c, 3), "m") == pytest.approx(EXIT_GATHER)
+    assert "list" not in registry.calls
+    clock.now += EXIT_GATHER
     # C sees B asking to leave: B makes the batch.
     assert c.admission(leaving(c, 3), "m") == pytest.approx(ADMISSION_GRACE)
     # B sees nobody older asking (A is a participant that stays): its batch lists all;
@@ -221,6 +226,7 @@ def test_an_older_node_asking_to_leave_after_our_listing_makes_the_batch() -> No
     registry.announce_node(D, 15)  # Waits for its admission.
     b = keys_of(B, registry, clock)
     b.leave(3)
+    clock.now += EXIT_GATHER
 
     def wants(admitted: bool):  # type: ignore[no-untyped-def]
         return lambda node: b.leaving(node) == 3 or (node == D and not admitted)
@@ -232,6 +238,7 @@ def test_an_older_node_asking_to_leave_after_our_listing_makes_the_batch() -> No
     assert registry.calls["list"] == 2
     a = keys_of(A, registry, clock)
     a.leave(3)
+    clock.now += EXIT_GATHER
     assert a.admission(leaving(a, 3), "m") == [A, D, B]
 
 
