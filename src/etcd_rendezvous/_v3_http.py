@@ -215,26 +215,26 @@ def norm(key: str) -> str:
 
 
 def create_txn(key: str, value: str, lease: int) -> dict[str, Any]:
-    put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
-    if lease:
-        put["lease"] = str(lease)
-    return {
-        "compare": [
-            {"target": "CREATE", "result": "EQUAL", "key": b64(key), "create_revision": "0"}
-        ],
-        "success": [{"request_put": put}],
-        "failure": [{"request_range": {"key": b64(key)}}],
-    }
+    """Put ``value`` if ``key`` does not exist; else read it."""
+    txn = _put_if_created(key, value, lease, "EQUAL")
+    txn["failure"] = [{"request_range": {"key": b64(key)}}]
+    return txn
 
 
 def update_txn(key: str, value: str, lease: int) -> dict[str, Any]:
     """Put ``value`` if ``key`` exists (a put keeps the key's creation revision)."""
+    return _put_if_created(key, value, lease, "GREATER")
+
+
+def _put_if_created(key: str, value: str, lease: int, result: str) -> dict[str, Any]:
+    """A transaction putting ``value`` (with ``lease``) if ``key``'s creation revision
+    compares to 0 as ``result`` says (``EQUAL``: absent; ``GREATER``: present)."""
     put: dict[str, Any] = {"key": b64(key), "value": b64(value)}
     if lease:
         put["lease"] = str(lease)
     return {
         "compare": [
-            {"target": "CREATE", "result": "GREATER", "key": b64(key), "create_revision": "0"}
+            {"target": "CREATE", "result": result, "key": b64(key), "create_revision": "0"}
         ],
         "success": [{"request_put": put}],
     }
