@@ -354,7 +354,7 @@ class EtcdV3Connection(Transport):
         self, key: str, ttl: int | None, write: Callable[[int], Node], known: int = 0
     ) -> Node:
         """Run ``write(lease)``; if the lease vanished meanwhile, take a fresh one once.
-        ``known``: a lease to try first (the caller's own, see :meth:`set`)."""
+        ``known``: a lease to try first (the caller's own, see :meth:`update`)."""
         if known:
             try:
                 return write(known)
@@ -481,13 +481,13 @@ class EtcdV3Connection(Transport):
         """Write ``key`` (idempotent, so re-sent freely); ``ttl`` attaches a new lease."""
         text = "" if value is None else value
 
-        def write(attached: int) -> Node:
+        def write(lease: int) -> Node:
             body: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(text)}
-            if attached:
-                body["lease"] = str(attached)
+            if lease:
+                body["lease"] = str(lease)
             data = self._call("write", key, "/v3/kv/put", body)
             revision = wire.revision(data)
-            return wire.written(key, text, revision, revision, "set", attached)
+            return wire.written(key, text, revision, revision, "set", lease)
 
         return self._with_lease(key, ttl, write)
 
