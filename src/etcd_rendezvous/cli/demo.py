@@ -2,7 +2,8 @@
 
 It starts an embedded etcd (unless ``--endpoint`` names one), launches N worker
 processes (see :mod:`etcd_rendezvous.cli._demo_worker`) that each create a rendezvous
-handler (``--backend etcd``, the default, or ``etcd-v2`` for the dynamic rendezvous),
+handler (``--backend etcd-v2``, the dynamic rendezvous and the default, or ``etcd``
+for the legacy one),
 call ``next_rendezvous()`` and exchange a value through the returned store, then prints
 a table of ranks, world sizes, rendezvous versions (the round, for ``etcd-v2``) and
 join times. The exit status is 0 when every worker agrees.
@@ -90,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
         choices=("etcd", "etcd-v2"),
-        default="etcd",
-        help="etcd: the etcd rendezvous; etcd-v2: the dynamic rendezvous on PyTorch's "
-        "etcd-v2 backend, with 1 s heartbeats (default: %(default)s)",
+        default="etcd-v2",
+        help="etcd-v2: the dynamic rendezvous on PyTorch's etcd-v2 backend, with 1 s "
+        "heartbeats; etcd: the legacy etcd rendezvous (default: %(default)s)",
     )
     parser.add_argument(
         "--timeout",
