@@ -104,6 +104,7 @@ from ._dynamic_state import (
 )
 from ._periodic import _PeriodicTimer
 from ._prefix_store import _prefix_store
+from ._progress import ProgressLog, progress_interval, seconds_left
 from ._retry import Deadline
 from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
@@ -369,9 +370,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         if keys is not None:
             keys.begin_join()
+        progress = ProgressLog(
+            lambda: self._describe_progress(deadline),
+            progress_interval(self._settings.timeout.join.total_seconds()),
+            run_id=self._settings.run_id,
+            log=logger,
+        )
         try:
-            self._op_executor.run(exit_op, deadline)
-            self._op_executor.run(join_op, deadline, self._get_deadline)
+            with progress:
+                self._op_executor.run(exit_op, deadline)
+                self._op_executor.run(join_op, deadline, self._get_deadline)
         except RendezvousConnectionError:
             raise  # etcd is out of reach: the key expires on its own.
         except BaseException:
@@ -391,6 +399,35 @@ class DynamicRendezvousHandler(RendezvousHandler):
         exchange = Deadline(max(deadline - time.monotonic(), _EXCHANGE_GRACE))
         with self._state_holder.bounded_by(exchange):
             return self._bootstrap(rank, world_size, store)
+
+    def _describe_progress(self, deadline: float) -> str | None:
+        """The progress line of a waiting :meth:`next_rendezvous`, from the state last
+        read (see :mod:`etcd_rendezvous._progress`)."""
+        state = self._state_holder.state
+        settings = self._settings
+        head = f"Rendezvous '{settings.run_id}' round {state.round}"
+        joined = len(state.participants)
+        left = seconds_left(deadline - time.monotonic())
+        if state.closed:
+            return None
+        if self._this_node in state.redundancy_list:
+            return (
+                f"{head}: complete with {joined} nodes, the most it takes; this node is on "
+                "the redundancy list, waiting for a place"
+            )
+        if state.complete:
+            return (
+                f"{head}: complete with {joined} nodes without this node; waiting for the "
+                f"next round ({len(state.wait_list)} nodes waiting); {left}"
+            )
+        if joined < settings.min_nodes:
+            wants = f"waiting for {settings.min_nodes - joined} more"
+        else:
+            wants = "in its last call for more nodes"
+        return (
+            f"{head}: {joined} of {settings.min_nodes} nodes joined (max {settings.max_nodes}), "
+            f"{wants}; {left}"
+        )
 
     def _bootstrap(self, rank: int, world_size: int, store: Store) -> RendezvousInfo:
         """The end of :meth:`next_rendezvous`: exchange the master address in the store."""

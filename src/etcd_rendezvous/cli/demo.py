@@ -110,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="extra wait for more workers once M joined; whole seconds, at least 1, for "
         "etcd-v2 (default: %(default)s)",
     )
+    parser.add_argument(
+        "--stagger",
+        type=non_negative_seconds,
+        default=0.0,
+        metavar="S",
+        help="start the workers S seconds apart: the early ones wait, and log their "
+        "progress (default: %(default)s)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log the library's steps")
 
 
@@ -233,7 +241,7 @@ def _launch_workers(
     ctx = multiprocessing.get_context("spawn")
     events = ctx.Queue()
     for index in range(args.nodes):
-        config = dict(base, verbose=args.verbose)
+        config = dict(base, verbose=args.verbose, start_delay=index * args.stagger)
         proc = ctx.Process(
             target=demo_worker,
             args=(index, config, events),
@@ -427,7 +435,7 @@ def _collect(
 ) -> tuple[list[WorkerResult], dict[int, str]]:
     """Wait for every worker's final report, showing progress; return results and failures."""
     started = time.monotonic()
-    deadline = started + args.timeout + _PARENT_SLACK
+    deadline = started + args.timeout + _PARENT_SLACK + args.nodes * args.stagger
     pending = set(range(len(processes)))
     joined = 0
     results: list[WorkerResult] = []
