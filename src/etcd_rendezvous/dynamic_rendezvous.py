@@ -119,6 +119,7 @@ from .api import (
 )
 from .events import NodeState, _records_failure, record_rdzv_event
 from .layout import dynamic_store_prefix
+from .metrics import MetricKind, record_metric
 
 __all__ = [
     "DynamicRendezvousHandler",
@@ -266,6 +267,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._this_node = node
         self._settings = settings
         self._backend_name = backend_name
+        #: The participants of the last round this node completed (for the metrics).
+        self._last_participants: set[_NodeDesc] = set()
         self._store = store
         self._state_holder = state_holder
         self._node_keys = node_keys
@@ -376,6 +379,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             run_id=self._settings.run_id,
             log=logger,
         )
+        started = time.monotonic()
         try:
             with progress:
                 self._op_executor.run(exit_op, deadline)
@@ -393,12 +397,26 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._start_heartbeats()
 
         rank, world_size = self._get_world()
+        self._record_round_metrics(time.monotonic() - started, world_size)
         store = self._get_store()
         # Rank 0 publishes its address in the store just after completing the round, so
         # the exchange gets a moment even if the round completed right at the deadline.
         exchange = Deadline(max(deadline - time.monotonic(), _EXCHANGE_GRACE))
         with self._state_holder.bounded_by(exchange):
             return self._bootstrap(rank, world_size, store)
+
+    def _record_round_metrics(self, seconds: float, world_size: int) -> None:
+        """The ``rendezvous.*`` metrics of a round this node completed (see
+        :mod:`etcd_rendezvous.metrics`)."""
+        labels = {"backend": self._backend_name}
+        participants = set(self._state_holder.state.participants)
+        previous = self._last_participants
+        self._last_participants = participants
+        record_metric("rendezvous.rounds", **labels)
+        record_metric("rendezvous.time_to_form", seconds, MetricKind.TIMING, **labels)
+        record_metric("rendezvous.world_size", world_size, MetricKind.GAUGE, **labels)
+        record_metric("rendezvous.nodes_admitted", len(participants - previous), **labels)
+        record_metric("rendezvous.nodes_removed", len(previous - participants), **labels)
 
     def _describe_progress(self, deadline: float) -> str | None:
         """The progress line of a waiting :meth:`next_rendezvous`, from the state last

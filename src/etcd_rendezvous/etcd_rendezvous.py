@@ -103,6 +103,7 @@ from .api import (
 )
 from .events import NodeState, _records_failure, record_rdzv_event
 from .layout import DEFAULT_PREFIX, new_waiter_name
+from .metrics import MetricKind, record_metric, timed
 
 __all__ = [
     "EtcdRendezvous",
@@ -232,7 +233,11 @@ class EtcdRendezvous(EtcdRendezvousBase):
         )
         with progress, self._conn.bounded_by(self._rendezvous_deadline):
             try:
-                return self._barrier()
+                with timed("rendezvous.time_to_form", backend="etcd"):
+                    version, rank, world_size = self._barrier()
+                record_metric("rendezvous.rounds", backend="etcd")
+                record_metric("rendezvous.world_size", world_size, MetricKind.GAUGE, backend="etcd")
+                return version, rank, world_size
             except BaseException:
                 self._join.discard()
                 raise
