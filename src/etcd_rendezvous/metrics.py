@@ -12,31 +12,12 @@ in the thread that produced it, to:
   ``<name>.<op>`` (or ``<name>`` without an ``op`` label) with its value, a timing as
   ``<name>.duration.ms`` in whole milliseconds, as PyTorch's ``@prof`` names them.
 
-The metrics (labels in brackets):
-
-==================================  =======  ==============================================
-``transport.requests``              counter  etcd requests sent, by operation [op, api]
-``transport.request_seconds``       timing   one operation, its retries included [op, api]
-``transport.retries``               counter  failed attempts sent again [op, api, outcome:
-                                             ``unsent`` or ``unknown``]
-``transport.failovers``             counter  switches to the next endpoint [api]
-``transport.outcome_unknown``       counter  conditional writes whose answer was lost [op]
-``transport.outcome_resolved``      counter  how those were resolved [op, result:
-                                             ``applied`` (by an earlier attempt),
-                                             ``resent`` (the retry applied it),
-                                             ``not_applied``]
-``transport.watch_restarts``        counter  watch streams reopened after they broke [api]
-``rendezvous.rounds``               counter  rendezvous this process completed [backend]
-``rendezvous.time_to_form``         timing   ``next_rendezvous()`` until it returned
-                                             [backend]
-``rendezvous.world_size``           gauge    the world size of the last rendezvous
-                                             [backend]
-``rendezvous.nodes_admitted``       counter  nodes in a round that were not in the
-                                             previous one this process saw [backend]
-                                             (``etcd-v2``, whose nodes have identities)
-``rendezvous.nodes_removed``        counter  nodes of the previous round not in the new
-                                             one [backend] (``etcd-v2``)
-==================================  =======  ==============================================
+The metrics: ``transport.requests``, ``transport.request_seconds``,
+``transport.retries``, ``transport.failovers``, ``transport.outcome_unknown``,
+``transport.outcome_resolved``, ``transport.watch_restarts``, ``rendezvous.rounds``,
+``rendezvous.time_to_form``, ``rendezvous.world_size``, ``rendezvous.nodes_admitted``
+and ``rendezvous.nodes_removed``; the documentation's *Monitoring* page (``metrics``)
+says what each counts, with which labels, and how to export them to Prometheus.
 
 Recording never breaks a rendezvous: a callback (or PyTorch's handler) that raises is
 logged at WARNING and ignored. With no callback and no PyTorch metrics loaded, recording
