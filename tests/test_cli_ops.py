@@ -346,3 +346,26 @@ def test_etcdctl_variables_and_the_password_prompt() -> None:
         resolve_connection(_namespace(endpoint="http://a:1,https://b:2"), {}, ask)
     with pytest.raises(UsageError, match="user name"):
         resolve_connection(_namespace(endpoint="a:1", password_prompt=True), {}, ask)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["list"], ["gc", "--older-than", "1d", "--dry-run"], ["delete", "--run-id", "r1", "--yes"]],
+)
+def test_unreachable_etcd_is_one_clear_line(command: list[str]) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+    options = ["--endpoint", endpoint, "--read-timeout", "1"]
+    result = subprocess.run(
+        [sys.executable, "-m", "etcd_rendezvous", *command, *options],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 1, result.stderr
+    assert endpoint in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
