@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport import KeyNotFoundError, Transport
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.cli import main
 from etcd_rendezvous.cli._common import UsageError, resolve_connection
@@ -203,6 +203,7 @@ def test_gc_of_etcd_v2_runs(
     code, out, err = _run_main(capsys, "list", *select, "--json")
     store_keys = {r["run_id"]: r["keys"] for r in json.loads(out)}[live_id]
     assert len([k for k in store_keys if k.startswith(ETCD_V2_STORE_PREFIX)]) >= 2, store_keys
+    assert nodes_dir in store_keys  # the node keys outlive the heartbeats by their TTL
 
     code, out, err = _run_main(
         capsys, "gc", *select, "--older-than", "0s", "--undated", "--yes", "--json"
@@ -214,7 +215,8 @@ def test_gc_of_etcd_v2_runs(
         assert conn.try_get(key) is None, key
     assert conn.try_get(f"{etcd_prefix}/{live_id}") is None
     assert conn.try_get(f"{etcd_prefix}/{planned_id}") is None
-    assert conn.try_get(nodes_dir) is None
+    with pytest.raises(KeyNotFoundError):
+        conn.list_dir(nodes_dir)
     code, out, err = _run_main(capsys, "list", *select, "--json")
     assert (code, json.loads(out)) == (0, []), err
 

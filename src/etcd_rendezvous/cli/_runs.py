@@ -288,7 +288,7 @@ def summarize_etcd_v2(
         recent = sum(1 for age in ages if age < HEARTBEAT_LIVE_SECONDS)
     live = max(len(node_keys), recent)
     keys = [(backend.key, False)]
-    if conn.try_get(nodes_dir) is not None or node_keys:
+    if _exists_below(conn, nodes_dir):  # node keys, the aggregator lock
         keys.append((nodes_dir, True))
     return RunSummary(
         backend="etcd-v2",
@@ -302,6 +302,14 @@ def summarize_etcd_v2(
         finished=status == "closed" or live == 0,
         keys=keys,
     )
+
+
+def _exists_below(conn: Transport, directory: str) -> bool:
+    """Whether ``directory`` (a v2 directory, a v3 prefix) holds anything."""
+    try:
+        return bool(conn.list_dir(directory).children)
+    except KeyNotFoundError:
+        return False
 
 
 def _v2_status(state: RendezvousState) -> str:
