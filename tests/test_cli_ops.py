@@ -371,3 +371,34 @@ def test_unreachable_etcd_is_one_clear_line(command: list[str]) -> None:
     assert endpoint in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_status_watch_of_an_etcd_v2_run_wakes_on_its_change(
+    etcd_server: EtcdServer, etcd_prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"watch-v2-{uuid.uuid4().hex[:8]}"
+    run = [*_endpoint(etcd_server), "--backend", "etcd-v2", "--prefix", etcd_prefix]
+    run += ["--run-id", run_id]
+    code, _, err = _run_main(capsys, "close", *run, "--create")
+    assert code == 0, err
+    follow = ["--watch", "--json", "--interval", "60", "--count", "2"]
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "etcd_rendezvous", "status", *run, *follow],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert watch.stdout is not None
+        assert json.loads(watch.stdout.readline())["status"] == "closed"
+        code, _, err = _run_main(capsys, "delete", *run, "--yes")
+        assert code == 0, err
+        # Well before the 60 s interval: the deletion woke the watch.
+        _, err = watch.communicate(timeout=30)
+        assert watch.returncode == 1, err
+        assert f"{etcd_prefix}/{run_id}" in err, err
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
