@@ -10,7 +10,7 @@ not timed); then every worker is told to join at once, and the time from the fir
 on a fresh run id). etcd is started by the script (bundled etcd 3.5 unless
 ``ETCD_BINARY_PATH`` says otherwise).
 
-Measured on 2026-11-23 on the 2-core x86_64 sandbox, etcd 3.5.1 (bundled), seconds from
+Measured on a 2-CPU x86_64 machine, etcd 3.5.1 (bundled), seconds from
 the first ``join`` to the last rank (median of 3; 64 nodes: median of 2 for torch)::
 
     python benchmarks/bench_rendezvous.py --nodes 4 16 64

@@ -1,4 +1,4 @@
-"""A rendezvous of 8 to 256 nodes: seconds, and etcd requests per node (issue 9).
+"""A rendezvous of 8 to 256 nodes: seconds, and etcd requests per node.
 
 Usage::
 
@@ -8,6 +8,9 @@ Usage::
         [--keep-alive-interval 2]
     python benchmarks/bench_scale.py --heartbeats [--heartbeat-nodes 256]
         [--keep-alive-interval 2] [--heartbeat-seconds 30]
+
+Each also takes ``--json FILE``: the rows as JSON, which ``benchmarks/plot_scale.py``
+draws (``docs/scale.rst`` shows the results and their plots).
 
 ``BENCH_LOG_DIR=<dir>`` logs each node process to ``<dir>/<pid>.log`` (INFO;
 ``BENCH_LOG_DEBUG=1`` adds the library's DEBUG messages, which slow a row down).
@@ -42,7 +45,7 @@ publishes its address through the etcd store and starts no TCPStore). Measured:
   node (the polls included) and **polls/node**. The legacy backend notices the departure
   when the node's keep-alive key lapses (TTL 10 s, refreshed every 5 s); ``etcd-v2``
   when its heartbeats are ``keep_alive_max_attempt`` (3) ``--keep-alive-interval`` old,
-  its default 2 s here: heartbeats during the interval are counted (as writes, today).
+  its default 2 s here: heartbeats during the interval are counted.
 * ``--heartbeats`` (``etcd-v2`` only): ``--heartbeat-nodes`` nodes complete a rendezvous
   with ``keep_alive_interval = --keep-alive-interval``, then for ``--heartbeat-seconds``
   the heartbeat threads run alone: requests per node **per minute**.
@@ -50,75 +53,13 @@ publishes its address through the etcd store and starts no TCPStore). Measured:
 ``--breakdown`` prints each row's requests by API and method, per node, and the CPU
 seconds of the row's busiest process in the measured interval: close to the row's
 seconds, the client's CPU is the bottleneck and more ``--procs`` help.
-
-Measured on 2026-11-23 with main at 556578a (before the batched-join protocols of
-issue 9), etcd 3.5.1 (bundled), on the 2-core x86_64 sandbox shared with other jobs
-(the seconds are noisy; the load average reached 20 during the run). The whole default
-run took 8 min 42 s::
-
-    python benchmarks/bench_scale.py --breakdown
-
-    backend  API impl    N  P  seconds writes/node reads/node keep-alive/node
-    etcd     v2  ours    8  1     0.40         9.0       18.4             0.0
-    etcd     v2  torch   8  1     1.47         7.4       24.9             1.0
-    etcd     v3  ours    8  1     0.75        15.1       19.6             0.0
-    etcd-v2  v2  ours    8  1     0.32         1.2       11.6             0.0
-    etcd-v2  v2  torch   8  1     1.28         1.4        5.5             0.0
-    etcd-v2  v3  ours    8  1     0.37         2.5       11.4             0.0
-    etcd     v2  ours   64  1     9.91        17.7       82.4             0.1
-    etcd     v2  torch  64  1    13.66        35.7      113.6             1.5
-    etcd     v3  ours   64  1    24.46        32.5       85.4             1.1
-    etcd-v2  v2  ours   64  1    12.94        11.5       64.3             0.0
-    etcd-v2  v2  torch  64  1    16.92        16.8       25.1             0.0
-    etcd-v2  v3  ours   64  1    17.78        12.1       52.7             0.0
-    (every row at N = 256, P = 2: timeout, all 256 nodes gave up after 60 s)
-
-At 64 nodes one process is CPU-bound (``--breakdown``: the busiest process used 8.5 to
-15 CPU s in rows of 10 to 25 s, about 1.5-2.5 ms of client CPU per request); two
-processes (``--procs 2``) halve each one's CPU but not the time on 2 cores shared with
-etcd (9.6 and 12.9 s with one process, 11.8 and 13.2 s with two, ours on v2).
-
-Re-rendezvous (same day and machine; the 64-node ``etcd-v2`` rows also with
-``--timeout 120``, with the same result)::
-
-    python benchmarks/bench_scale.py --rerendezvous --nodes 8 64
-
-    backend  API impl    N  P  seconds  detect writes/node reads/node keep-alive/node polls/node
-    etcd     v2  ours    8  1    10.36    0.10        13.2       36.6             0.0        0.9
-    etcd     v2  torch   8  1    11.33    0.10         8.4       40.1             1.0        0.9
-    etcd     v3  ours    8  1    10.86    0.11        21.1       28.5             0.0        0.9
-    etcd-v2  v2  ours    8  1     7.10    5.95        13.8       35.8             0.0       52.4
-    etcd-v2  v2  torch   8  1     8.48    5.59        10.5       14.1             0.0       51.6
-    etcd-v2  v3  ours    8  1     6.71    5.97        13.0       32.5             0.0       51.8
-    etcd     v2  ours   64  1    19.38    0.13        31.9      108.7             0.4        1.0
-    etcd     v2  torch  64  1    18.96    0.11        37.8      141.0             1.5        1.0
-    etcd     v3  ours   64  1 timeout (64 of 64 node(s) gave up after 60 s)
-    etcd-v2  v2  ours   64  1 first round: timeout (64 of 64 node(s) gave up after 120 s)
-    etcd-v2  v2  torch  64  1 first round: timeout (64 of 64 node(s) gave up after 120 s)
-    etcd-v2  v3  ours   64  1 first round: timeout (64 of 64 node(s) gave up after 120 s)
-
-With ``keep_alive_interval`` 2 s a 64-node ``etcd-v2`` rendezvous does not complete,
-ours or PyTorch's: joining takes longer than the 6 s after which a node's heartbeat
-counts as lapsed, and the heartbeats are writes of the contended state key. The legacy
-backend's re-rendezvous is the keep-alive key's TTL (10 s) plus the new round.
-
-Heartbeats (256 nodes cannot rendezvous with 2 s heartbeats today; 32 here)::
-
-    python benchmarks/bench_scale.py --heartbeats --heartbeat-nodes 32
-
-    backend  API impl    N  P  seconds writes/node reads/node keep-alive/node  (per minute)
-    etcd-v2  v2  ours   32  1     30.0        36.8       39.5             0.0
-    etcd-v2  v2  torch  32  1     30.0        30.9       30.9             0.0
-    etcd-v2  v3  ours   32  1     30.0        36.8       38.6             0.0
-
-A heartbeat is a read and a write of the state key (30 a minute at 2 s); ours loses
-more compare-and-swaps than PyTorch's (about 7 extra writes a minute per node).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import multiprocessing
 import os
@@ -563,6 +504,33 @@ def row(plan: Plan, procs: int, outcome: Outcome) -> str:
     return f"{start} {numbers}{other}"
 
 
+def record(plan: Plan, procs: int, outcome: Outcome) -> dict[str, Any]:
+    """One row as a JSON object, for ``--json`` (and ``plot_scale.py``): requests per
+    node (per node and minute for heartbeats); ``problem`` instead when there is none."""
+    variant = plan.variant
+    entry: dict[str, Any] = {
+        "mode": plan.mode,
+        "backend": variant.backend,
+        "api": variant.api,
+        "impl": variant.impl,
+        "nodes": plan.nodes,
+        "procs": procs,
+    }
+    requests = outcome.requests
+    if outcome.problem or requests is None:
+        return {**entry, "problem": outcome.problem}
+    scale = (60 / outcome.window if plan.mode == HEARTBEATS else 1) / plan.nodes
+    entry.update(
+        seconds=round(outcome.seconds, 3),
+        writes=round(requests.writes * scale, 2),
+        reads=round(requests.reads * scale, 2),
+        keepalives=round(requests.keepalives * scale, 2),
+    )
+    if plan.mode == RERENDEZVOUS:
+        entry.update(detect=round(outcome.detect, 3), polls=round(outcome.polls, 2))
+    return entry
+
+
 def breakdown(mode: str, nodes: int, outcome: Outcome) -> str:
     """A row's requests by method, per node (and minute, for heartbeats), and the CPU
     seconds of its busiest process."""
@@ -609,6 +577,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--heartbeat-nodes", type=int, default=256)
     parser.add_argument("--heartbeat-seconds", type=float, default=30.0)
+    parser.add_argument(
+        "--json",
+        type=Path,
+        metavar="FILE",
+        help="also write the rows to FILE as JSON (what benchmarks/plot_scale.py plots)",
+    )
     args = parser.parse_args()
     least = 2 if args.rerendezvous else 1
     if min(args.nodes) < least or args.heartbeat_nodes < 1 or (args.procs or 1) < 1:
@@ -630,6 +604,7 @@ def main() -> None:
         impls.remove("torch")
     counts = [args.heartbeat_nodes] if mode == HEARTBEATS else args.nodes
     backends = ["etcd-v2"] if mode == HEARTBEATS else args.backends
+    records: list[dict[str, Any]] = []
     with EtcdServer(enable_v2=True) as server:
         print(
             f"etcd {server.version} at {server.get_endpoint()} serving the v2 and v3 APIs; "
@@ -654,8 +629,12 @@ def main() -> None:
                 )
                 outcome = run_row(plan, procs, server, args.heartbeat_seconds, deaths)
                 print(row(plan, procs, outcome), flush=True)
+                records.append(record(plan, procs, outcome))
                 if args.breakdown and outcome.requests is not None:
                     print(breakdown(mode, nodes, outcome), flush=True)
+        if args.json is not None:
+            document = {"etcd": server.version, "cpus": os.cpu_count(), "rows": records}
+            args.json.write_text(json.dumps(document, indent=1) + "\n")
     deaths.report()
 
 

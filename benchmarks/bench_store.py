@@ -10,7 +10,7 @@ with each implementation (PyTorch's only if torch is installed) and prints the m
 latency. PyTorch 2.13's ``get`` reads the whole store directory on every call; ours
 reads the one key, so its cost does not depend on how many keys the store holds.
 
-Measured on 2026-11-23, 2-core x86_64 sandbox (busy: other jobs running), mean ms per
+Measured on a 2-CPU x86_64 machine (busy: other jobs running), mean ms per
 ``get``, two runs of ``--gets 500`` each:
 
 =================  ===========  ===========  ============  ============

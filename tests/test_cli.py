@@ -71,6 +71,8 @@ def _closed_port() -> int:
 @pytest.mark.slow
 def test_demo_against_an_etcd_endpoint(etcd_server: EtcdServer, etcd_prefix: str) -> None:
     result = _demo(
+        "--backend",
+        "etcd",
         "--nodes",
         "3",
         "--endpoint",
@@ -235,7 +237,7 @@ def test_status_of_a_two_worker_rendezvous(
     handlers, ranks = _etcd_rendezvous(etcd_server.get_endpoint(), etcd_prefix, run_id)
     try:
         assert ranks == [0, 1]
-        code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
+        code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "-v"))
         assert code == 0, err
         assert re.search(r"^status:\s+final$", out, re.MULTILINE), out
         assert re.search(r"^participants:\s+2 \(ranks 0, 1\)$", out, re.MULTILINE), out
@@ -293,11 +295,17 @@ def test_status_shows_a_lapsed_keep_alive(
         (lapsed,) = [k["key"] for k in report["keep_alives"] if k["rank"] == 1]
         assert lapsed.startswith(f"{etcd_prefix}/run_{run_id}/rdzv/v_{report['version']}/node_")
         conn.delete(lapsed)
+        # The summary names who is missing, and only them.
         code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
+        assert code == 0, err
+        assert re.search(r"^keep-alives:\s+1 live, 1 LAPSED$", out, re.MULTILINE), out
+        assert re.search(r"^\s+rank 1: LAPSED", out, re.MULTILINE), out
+        assert "rank 0:" not in out
+        assert "keep-alive lapsed" in out
+        code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "-v"))
         assert code == 0, err
         assert re.search(r"^\s+rank 0: live", out, re.MULTILINE), out
         assert re.search(r"^\s+rank 1: LAPSED", out, re.MULTILINE), out
-        assert "keep-alive lapsed" in out
 
         code, out, err = _run_main(
             capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json")
@@ -385,7 +393,9 @@ def test_close_of_a_run_without_state_creates_a_closed_one(
     etcd_server: EtcdServer, etcd_prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_id = f"preclose-{uuid.uuid4().hex[:8]}"
-    code, out, err = _run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
+    code, out, err = _run_main(
+        capsys, "close", *_base(etcd_server, etcd_prefix, run_id, "--create")
+    )
     assert code == 0, err
     assert "created a closed state" in out, out
     code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
@@ -423,7 +433,7 @@ def test_etcd_v2_status_and_close(
         infos = _in_threads(lambda i: handlers[i].next_rendezvous(), 2)
         assert sorted(info.rank for info in infos) == [0, 1]
 
-        code, out, err = _run_main(capsys, "status", *base)
+        code, out, err = _run_main(capsys, "status", *base, "-v")
         assert code == 0, err
         assert f"/torch/elastic/rendezvous/{run_id}" in out
         assert re.search(r"^status:\s+complete$", out, re.MULTILINE), out

@@ -67,7 +67,8 @@ def v3(etcd_server: EtcdServer, connect: Connect) -> EtcdV3Connection:
 def gateway(server: EtcdServer, path: str, body: dict[str, Any], token: str = "") -> Any:
     """One raw request to ``server``'s gateway (test set-up, outside the code under test)."""
     headers = {"Authorization": token} if token else {}
-    response = urllib3.request(
+    # A PoolManager rather than urllib3.request(), which urllib3 1.26 lacks.
+    response = urllib3.PoolManager().request(
         "POST", server.client_url + path, body=json.dumps(body).encode(), headers=headers
     )
     assert response.status == 200, (path, response.status, response.data)

@@ -49,7 +49,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import secrets
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -689,7 +691,10 @@ class BatchJoin:
                 return self._member.entry
             self.discard()
         key = self._layout.member_key(version, new_member_name(secrets.randbits(64)))
-        node = self._conn.set(key, None, ttl=CONST_WORKER_KEEPALIVE_TTL)
+        # The value says who we are, for operators (``etcd-rendezvous status -v``); no
+        # worker reads it.
+        who = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
+        node = self._conn.set(key, who, ttl=CONST_WORKER_KEEPALIVE_TTL)
         entry = Announced(node.created_index, key.rsplit("/", 1)[1], normalize_key(key))
         self._member = _Member(version, entry, self._keep_alive(key, node.lease))
         logger.info("Announced ourselves in rendezvous version %s as %s", version, key)

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from typing import Any, Callable, TypeVar
 
 from ._retry import CONNECTION, Deadline
 from .api import RendezvousConnectionError, RendezvousError
+from .metrics import MetricKind, record_metric
 
 __all__ = [
     "DELETE_ACTIONS",
@@ -146,6 +148,23 @@ ELECTION_MARKERS = (
     "server stopped",
     "unavailable",
 )
+
+
+#: The ``op`` label of an operation's metrics, by the verb its messages use.
+_OPS = {
+    "refresh the TTL of": "refresh",
+    "create the directory": "mkdir",
+    "grant a lease for": "lease_grant",
+    "read the lease of": "lease_read",
+    "query the version of": "version",
+    "query the status of": "status",
+}
+
+
+def op_name(what: str) -> str:
+    """The ``op`` label of the metrics of an operation described as ``what``
+    (``compare-and-swap`` -> ``compare_and_swap``)."""
+    return _OPS.get(what) or what.replace("-", "_").replace(" ", "_")
 
 
 def transient_answer(endpoint: str, text: str) -> Exception:
@@ -601,6 +620,7 @@ class Transport(abc.ABC):
         with self._lock:
             if self._current == failed and len(self._endpoints) > 1:
                 self._current = (failed + 1) % len(self._endpoints)
+                record_metric("transport.failovers", api=self.api)
                 logger.info(
                     "etcd endpoint %s failed; switching to %s",
                     self._endpoints[failed],
@@ -639,24 +659,42 @@ class Transport(abc.ABC):
         retry = dataclasses.replace(CONNECTION, sleep=self._sleep).start(deadline)
         floor = self._last_chance()
         failures: list[str] = []
+        labels = {"op": op_name(what), "api": self.api}
+        started = time.monotonic()
         while True:
             cap = min(self._read_timeout, max(deadline.remaining(), floor))
+            record_metric("transport.requests", **labels)
             try:
-                return attempt(cap if cap_requests else None)
+                result = attempt(cap if cap_requests else None)
             except _UnsentError as exc:
                 failures.append(str(exc))
+                outcome = "unsent"
             except _AmbiguousError as exc:
                 failures.append(str(exc))
+                outcome = "unknown"
                 if on_ambiguous is not None:
                     on_ambiguous()
+            except BaseException:  # an answer (a refused condition) or a permanent failure
+                self._record_duration(labels, started)
+                raise
+            else:
+                self._record_duration(labels, started)
+                return result
             if self._closed:
                 raise TransportClosedError(
                     f"Could not {what} {key!r}: the etcd connection was closed."
                 )
             if deadline.expired() and len(failures) > len(self._endpoints):
+                self._record_duration(labels, started)
                 raise RendezvousConnectionError(self._unreachable_message(what, key, failures))
             logger.debug("Could not %s %r (%s); retrying", what, key, failures[-1])
+            record_metric("transport.retries", outcome=outcome, **labels)
             retry.pause()
+
+    @staticmethod
+    def _record_duration(labels: dict[str, str], started: float) -> None:
+        elapsed = time.monotonic() - started
+        record_metric("transport.request_seconds", elapsed, MetricKind.TIMING, **labels)
 
     def _last_chance(self) -> float:
         """Seconds one attempt may wait for an answer once the deadline is (nearly) past.
@@ -710,11 +748,13 @@ class Transport(abc.ABC):
             nonlocal ambiguous
             ambiguous = True
 
+        op = op_name(what)
         try:
-            return self._note_index(send(note))
+            written = self._note_index(send(note))
         except (CompareFailedError, KeyExistsError, KeyNotFoundError):
             if not ambiguous:
                 raise
+            record_metric("transport.outcome_unknown", op=op)
             # An earlier attempt may have been applied, making this one fail. The first
             # change after the state we compared against is decisive: every copy we
             # sent compared against the same state, so at most one copy can be it.
@@ -722,6 +762,7 @@ class Transport(abc.ABC):
             if change is not None and change.value == value and change.action != "expire":
                 if value_is_unique:
                     logger.info("%s of %s was applied by an earlier attempt", what, key)
+                    record_metric("transport.outcome_resolved", op=op, result="applied")
                     return self._note_index(change)
                 logger.warning(
                     "%s of %s failed on the connection and an identical value is now "
@@ -730,7 +771,13 @@ class Transport(abc.ABC):
                     what,
                     key,
                 )
+            record_metric("transport.outcome_resolved", op=op, result="not_applied")
             raise
+        if ambiguous:
+            # A copy sent after the lost answer was applied (the lost one was not).
+            record_metric("transport.outcome_unknown", op=op)
+            record_metric("transport.outcome_resolved", op=op, result="resent")
+        return written
 
     def _change_to_examine(self, key: str, since: int | None) -> Node | None:
         if since is not None:

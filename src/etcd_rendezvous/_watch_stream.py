@@ -46,6 +46,7 @@ from ._transport import (
     _UnsentError,
 )
 from .api import RendezvousConnectionError, RendezvousError
+from .metrics import record_metric
 
 __all__ = ["Batches", "StreamingWatch", "hold_socket_open", "shutdown_socket"]
 
@@ -191,6 +192,8 @@ class StreamingWatch(WatchStream):
         ``at_deadline="none"``, ``False`` when etcd was unreachable until the deadline."""
         retired = None if feed is None else self._retire(feed, deadline)
         pending = [] if retired is None else [retired]
+        if feed is not None:
+            record_metric("transport.watch_restarts", api=self._transport.api)
 
         def attempt(_cap: float | None) -> None:
             if pending:

@@ -104,6 +104,7 @@ from ._dynamic_state import (
 )
 from ._periodic import _PeriodicTimer
 from ._prefix_store import _prefix_store
+from ._progress import ProgressLog, progress_interval, seconds_left
 from ._retry import Deadline
 from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
@@ -118,6 +119,7 @@ from .api import (
 )
 from .events import NodeState, _records_failure, record_rdzv_event
 from .layout import dynamic_store_prefix
+from .metrics import MetricKind, record_metric
 
 __all__ = [
     "DynamicRendezvousHandler",
@@ -265,6 +267,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._this_node = node
         self._settings = settings
         self._backend_name = backend_name
+        #: The participants of the last round this node completed (for the metrics).
+        self._last_participants: set[_NodeDesc] = set()
         self._store = store
         self._state_holder = state_holder
         self._node_keys = node_keys
@@ -369,9 +373,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         if keys is not None:
             keys.begin_join()
+        progress = ProgressLog(
+            lambda: self._describe_progress(deadline),
+            progress_interval(self._settings.timeout.join.total_seconds()),
+            run_id=self._settings.run_id,
+            log=logger,
+        )
+        started = time.monotonic()
         try:
-            self._op_executor.run(exit_op, deadline)
-            self._op_executor.run(join_op, deadline, self._get_deadline)
+            with progress:
+                self._op_executor.run(exit_op, deadline)
+                self._op_executor.run(join_op, deadline, self._get_deadline)
         except RendezvousConnectionError:
             raise  # etcd is out of reach: the key expires on its own.
         except BaseException:
@@ -385,12 +397,55 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._start_heartbeats()
 
         rank, world_size = self._get_world()
+        self._record_round_metrics(time.monotonic() - started, world_size)
         store = self._get_store()
         # Rank 0 publishes its address in the store just after completing the round, so
         # the exchange gets a moment even if the round completed right at the deadline.
         exchange = Deadline(max(deadline - time.monotonic(), _EXCHANGE_GRACE))
         with self._state_holder.bounded_by(exchange):
             return self._bootstrap(rank, world_size, store)
+
+    def _record_round_metrics(self, seconds: float, world_size: int) -> None:
+        """The ``rendezvous.*`` metrics of a round this node completed (see
+        :mod:`etcd_rendezvous.metrics`)."""
+        labels = {"backend": self._backend_name}
+        participants = set(self._state_holder.state.participants)
+        previous = self._last_participants
+        self._last_participants = participants
+        record_metric("rendezvous.rounds", **labels)
+        record_metric("rendezvous.time_to_form", seconds, MetricKind.TIMING, **labels)
+        record_metric("rendezvous.world_size", world_size, MetricKind.GAUGE, **labels)
+        record_metric("rendezvous.nodes_admitted", len(participants - previous), **labels)
+        record_metric("rendezvous.nodes_removed", len(previous - participants), **labels)
+
+    def _describe_progress(self, deadline: float) -> str | None:
+        """The progress line of a waiting :meth:`next_rendezvous`, from the state last
+        read (see :mod:`etcd_rendezvous._progress`)."""
+        state = self._state_holder.state
+        settings = self._settings
+        head = f"Rendezvous '{settings.run_id}' round {state.round}"
+        joined = len(state.participants)
+        left = seconds_left(deadline - time.monotonic())
+        if state.closed:
+            return None
+        if self._this_node in state.redundancy_list:
+            return (
+                f"{head}: complete with {joined} nodes, the most it takes; this node is on "
+                "the redundancy list, waiting for a place"
+            )
+        if state.complete:
+            return (
+                f"{head}: complete with {joined} nodes without this node; waiting for the "
+                f"next round ({len(state.wait_list)} nodes waiting); {left}"
+            )
+        if joined < settings.min_nodes:
+            wants = f"waiting for {settings.min_nodes - joined} more"
+        else:
+            wants = "in its last call for more nodes"
+        return (
+            f"{head}: {joined} of {settings.min_nodes} nodes joined (max {settings.max_nodes}), "
+            f"{wants}; {left}"
+        )
 
     def _bootstrap(self, rank: int, world_size: int, store: Store) -> RendezvousInfo:
         """The end of :meth:`next_rendezvous`: exchange the master address in the store."""

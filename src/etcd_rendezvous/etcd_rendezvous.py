@@ -88,6 +88,7 @@ from ._legacy_state import member_ranks, parse_state, preview
 from ._legacy_waiting import WAITER_TTL, await_end_of_final
 from ._params import create_etcd_connection as _create_etcd_connection
 from ._params import seconds as _seconds
+from ._progress import ProgressLog, progress_interval, seconds_left
 from ._retry import CONNECTION, Deadline
 from ._torch import adapt_store, torch_available, torch_store_wanted
 from .api import (
@@ -102,6 +103,7 @@ from .api import (
 )
 from .events import NodeState, _records_failure, record_rdzv_event
 from .layout import DEFAULT_PREFIX, new_waiter_name
+from .metrics import MetricKind, record_metric, timed
 
 __all__ = [
     "EtcdRendezvous",
@@ -223,14 +225,59 @@ class EtcdRendezvous(EtcdRendezvousBase):
             self._lease_this_rank.stop()
             self._lease_this_rank = None
         self._join.begin(self._rendezvous_deadline)
-        with self._conn.bounded_by(self._rendezvous_deadline):
+        progress = ProgressLog(
+            self._describe_progress,
+            progress_interval(self._timeout),
+            run_id=self._run_id,
+            log=logger,
+        )
+        with progress, self._conn.bounded_by(self._rendezvous_deadline):
             try:
-                return self._barrier()
+                with timed("rendezvous.time_to_form", backend="etcd"):
+                    version, rank, world_size = self._barrier()
+                record_metric("rendezvous.rounds", backend="etcd")
+                record_metric("rendezvous.world_size", world_size, MetricKind.GAUGE, backend="etcd")
+                return version, rank, world_size
             except BaseException:
                 self._join.discard()
                 raise
             finally:
                 self._feed.close()
+
+    def _describe_progress(self) -> str | None:
+        """The progress line of a waiting :meth:`rendezvous_barrier`, from the state last
+        read (see :mod:`etcd_rendezvous._progress`)."""
+        state = self._feed.last_state
+        left = seconds_left(self._rendezvous_deadline.remaining())
+        head = f"Rendezvous of run '{self._run_id}'"
+        if state is None:
+            return f"{head}: waiting for a worker to create the rendezvous state; {left}"
+        status, version = state.get("status"), state.get("version")
+        joined = len(state.get("participants", []))
+        if status == "joinable":
+            if joined < self._num_min_workers:
+                wants = f"waiting for {self._num_min_workers - joined} more"
+            else:
+                wants = "in its last call for more workers"
+            return (
+                f"{head}: {joined} of {self._num_min_workers} workers joined version {version} "
+                f"(max {self._num_max_workers}), {wants}; {left}"
+            )
+        if status == "frozen":
+            confirmed = len(state.get("keep_alives", []))
+            return (
+                f"{head}: version {version} is frozen with {joined} workers, {confirmed} "
+                f"confirmed; waiting for the others to confirm; {left}"
+            )
+        if status == "final":
+            return (
+                f"{head}: version {version} is complete with {joined} workers without us; "
+                f"waiting for it to end (a member leaving, or the job restarting), "
+                f"{state.get('num_workers_waiting', 0)} workers waiting; {left}"
+            )
+        if status == "setup":
+            return f"{head}: a worker is setting up a new version; {left}"
+        return None
 
     def _barrier(self) -> tuple[str, int, int]:
         """The loop of :meth:`rendezvous_barrier`: attempts until one succeeds."""

@@ -2,23 +2,29 @@
 
 ``etcd-rendezvous demo`` shows the library working on one machine: it starts an
 embedded etcd (unless ``--endpoint`` names one), launches N worker processes that each
-create a rendezvous handler (``--backend etcd``, the default, or ``etcd-v2`` for the
-dynamic rendezvous), call ``next_rendezvous()`` and exchange a value through the
-returned store, then prints a table of ranks, world sizes, rendezvous versions (the
-round, for ``etcd-v2``) and join times. The exit status is 0 when every worker agrees.
+create a rendezvous handler (``--backend etcd-v2``, the dynamic rendezvous and the
+default, or ``etcd`` for the legacy one), call ``next_rendezvous()`` and exchange a
+value through the returned store, then prints a table of ranks, world sizes, rendezvous
+versions (the round, for ``etcd-v2``) and join times. The exit status is 0 when every
+worker agrees.
 
-For running jobs: ``status`` reads a run's rendezvous state (``etcd`` or ``etcd-v2``
-backend) and shows it as text or JSON without changing anything, ``close`` closes a run
-as a worker's ``set_closed()`` does, and ``server`` runs an embedded etcd in the
-foreground. ``status`` and ``close`` take the library's connection options through one
-shared parent parser.
+For running jobs: ``list`` shows the runs under a prefix, ``status`` a run's
+rendezvous state (``etcd`` or ``etcd-v2`` backend) as a summary, every member (``-v``)
+or live (``--watch``), without changing anything; ``close`` closes a run as a worker's
+``set_closed()`` does; ``delete`` removes a finished run's keys and ``gc`` those of the
+finished runs idle for a given time. ``server`` runs an embedded etcd in the
+foreground. The commands that talk to etcd share one parent parser of connection
+options, filled from the ``ETCDCTL_*`` variables where a flag is absent; every command
+prints JSON with ``--json``.
 
 Errors the user can act on (etcd unreachable, no etcd binary, a closed run, a bad
 parameter) are reported as one line on stderr, without a traceback.
 
 This module parses the command line and dispatches; each command is a module of this
-package (:mod:`~etcd_rendezvous.cli.demo`, :mod:`~etcd_rendezvous.cli.status`,
-:mod:`~etcd_rendezvous.cli.close`, :mod:`~etcd_rendezvous.cli.server`) that reads the
+package (:mod:`~etcd_rendezvous.cli.demo`, :mod:`~etcd_rendezvous.cli.list_runs`,
+:mod:`~etcd_rendezvous.cli.status`, :mod:`~etcd_rendezvous.cli.close`,
+:mod:`~etcd_rendezvous.cli.delete`, :mod:`~etcd_rendezvous.cli.gc`,
+:mod:`~etcd_rendezvous.cli.server`) that reads the
 library through its public names and :mod:`etcd_rendezvous.layout` only.
 """
 
@@ -31,7 +37,7 @@ from collections.abc import Sequence
 
 from .. import __version__
 from ..api import RendezvousError
-from . import close, demo, server, status
+from . import close, delete, demo, gc, list_runs, server, status
 from ._common import EXIT_FAILED, PROG, CliError, UsageError, connection_options
 
 __all__ = ["main"]
@@ -53,8 +59,11 @@ def _build_parser() -> argparse.ArgumentParser:
     connection = connection_options()
     for name, module, parents in (
         ("demo", demo, [connection]),
+        ("list", list_runs, [connection]),
         ("status", status, [connection]),
         ("close", close, [connection]),
+        ("delete", delete, [connection]),
+        ("gc", gc, [connection]),
         ("server", server, []),
     ):
         command = commands.add_parser(
@@ -66,10 +75,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     """Run the command ``args`` names, writing to the standard streams."""
-    if args.command == "status":
-        return status.run(args, sys.stdout)
-    if args.command == "close":
-        return close.run(args, sys.stdout)
+    commands = {
+        "list": list_runs.run,
+        "status": status.run,
+        "close": close.run,
+        "delete": delete.run,
+        "gc": gc.run,
+    }
+    if args.command in commands:
+        return commands[args.command](args, sys.stdout)
     if args.command == "server":
         return server.run(args, sys.stdout, sys.stderr)
     return demo.run(args, sys.stdout, sys.stderr)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import getpass
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
 
 from .._params import create_etcd_connection
 from .._transport import KeyNotFoundError, Node, Transport
@@ -22,18 +25,23 @@ from ..layout import DEFAULT_PREFIX, ETCD_V2_STATE_PREFIX, normalize_key
 
 __all__ = [
     "BINARY_ENV_VARS",
+    "ETCDCTL_ENV",
     "EXIT_FAILED",
     "PROG",
     "CliError",
+    "KeyNotFoundError",
     "Node",
     "Transport",
     "UsageError",
+    "add_endpoint_option",
     "add_run_options",
+    "confirm",
     "connection_options",
     "etcd_errors",
     "non_negative_seconds",
     "open_connection",
     "read_dir",
+    "resolve_connection",
     "v2_backend",
     "v2_state",
     "with_ttl",
@@ -65,11 +73,30 @@ def non_negative_seconds(text: str) -> float:
     return value
 
 
+#: The ``etcdctl`` environment variables the commands read when a flag is absent, and
+#: the option each stands for (``ETCDCTL_USER`` may be ``user:password``, as for etcdctl).
+ETCDCTL_ENV = {
+    "endpoint": "ETCDCTL_ENDPOINTS",
+    "cacert": "ETCDCTL_CACERT",
+    "cert": "ETCDCTL_CERT",
+    "key": "ETCDCTL_KEY",
+    "username": "ETCDCTL_USER",
+    "password": "ETCDCTL_PASSWORD",
+}
+_SCHEMES = ("http://", "https://")
+
+
 def connection_options() -> argparse.ArgumentParser:
     """The parent parser of the connection options every etcd command shares
-    (``--endpoint`` is each command's own: optional for ``demo``, required elsewhere)."""
+    (``--endpoint`` is each command's own: optional for ``demo``, where it means "no
+    embedded etcd", and taken from ``ETCDCTL_ENDPOINTS`` elsewhere when absent)."""
     parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("etcd connection")
+    group = parent.add_argument_group(
+        "etcd connection",
+        "Absent flags are taken from ETCDCTL_ENDPOINTS, ETCDCTL_CACERT, ETCDCTL_CERT, "
+        "ETCDCTL_KEY, ETCDCTL_USER (user or user:password) and ETCDCTL_PASSWORD, as etcdctl "
+        "reads them.",
+    )
     group.add_argument(
         "--prefix",
         help=f"etcd key prefix (default: {DEFAULT_PREFIX} for etcd, "
@@ -84,8 +111,14 @@ def connection_options() -> argparse.ArgumentParser:
     group.add_argument("--cacert", metavar="FILE", help="CA bundle that verifies the server")
     group.add_argument("--cert", metavar="FILE", help="client certificate (https)")
     group.add_argument("--key", metavar="FILE", help="private key of --cert")
-    group.add_argument("--username", help="etcd user name")
+    group.add_argument("--username", "--user", help="etcd user name (or user:password)")
     group.add_argument("--password", help="etcd password")
+    group.add_argument(
+        "--password-prompt",
+        action="store_true",
+        help="ask for the password on the terminal (also done when a user name is given "
+        "without a password and stdin is a terminal)",
+    )
     group.add_argument(
         "--read-timeout",
         type=non_negative_seconds,
@@ -103,14 +136,21 @@ def connection_options() -> argparse.ArgumentParser:
     return parent
 
 
-def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """``--endpoint`` (required), ``--run-id`` and ``--backend`` of ``status``/``close``."""
+def add_endpoint_option(parser: argparse.ArgumentParser) -> None:
+    """``--endpoint`` of the commands that read or change a running job's keys."""
     parser.add_argument(
         "--endpoint",
+        "--endpoints",
         metavar="HOST:PORT",
-        required=True,
-        help="etcd endpoint(s), comma-separated (HOST[:PORT][,HOST[:PORT]...])",
+        help="etcd endpoint(s), comma-separated (HOST[:PORT][,HOST[:PORT]...], an "
+        "http:// or https:// scheme allowed); default: $ETCDCTL_ENDPOINTS",
     )
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """``--endpoint``, ``--run-id`` (required) and ``--backend`` of the commands that act
+    on one run."""
+    add_endpoint_option(parser)
     parser.add_argument("--run-id", metavar="R", required=True, help="the job's run id")
     parser.add_argument(
         "--backend",
@@ -120,10 +160,58 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def resolve_connection(
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    ask: Callable[[str], str] = getpass.getpass,
+) -> None:
+    """Fill the connection options left unset on the command line from the ``ETCDCTL_*``
+    variables of ``environ`` (``os.environ`` by default), split ``user:password``, strip
+    the endpoints' ``http://``/``https://`` (an ``https`` scheme sets ``--protocol``),
+    and ask for the password with ``ask`` when ``--password-prompt`` is given, or when a
+    user name comes without a password and stdin is a terminal.
+
+    Raises:
+        UsageError: no endpoint anywhere, or endpoints mixing schemes.
+    """
+    env = os.environ if environ is None else environ
+    for option, variable in ETCDCTL_ENV.items():
+        if getattr(args, option, None) is None and env.get(variable):
+            setattr(args, option, env[variable])
+    if not args.endpoint:
+        raise UsageError("no etcd endpoint: pass --endpoint HOST:PORT or set ETCDCTL_ENDPOINTS")
+    schemes = set()
+    endpoints = []
+    for given in args.endpoint.split(","):
+        endpoint = given.strip()
+        for scheme in _SCHEMES:
+            if endpoint.startswith(scheme):
+                schemes.add(scheme[: -len("://")])
+                endpoint = endpoint[len(scheme) :]
+        endpoints.append(endpoint.rstrip("/"))
+    if len(schemes) > 1:
+        raise UsageError(f"--endpoint mixes http:// and https://: {args.endpoint!r}")
+    if schemes and args.protocol is None:
+        args.protocol = schemes.pop()
+    args.endpoint = ",".join(endpoints)
+    if args.username is not None and ":" in args.username and args.password is None:
+        args.username, args.password = args.username.split(":", 1)
+    wants_prompt = args.password_prompt or (
+        args.username is not None and args.password is None and sys.stdin.isatty()
+    )
+    if wants_prompt and args.password is None:
+        if args.username is None:
+            raise UsageError("--password-prompt needs a user name (--user or ETCDCTL_USER)")
+        args.password = ask(f"Password for etcd user {args.username}: ")
+
+
 def open_connection(args: argparse.Namespace) -> Transport:
-    """The etcd connection described by the command's connection options."""
-    if not args.run_id or "/" in args.run_id:
-        raise UsageError(f"--run-id must be a non-empty string without '/', got {args.run_id!r}")
+    """The etcd connection described by the command's connection options (after
+    :func:`resolve_connection`)."""
+    run_id = getattr(args, "run_id", None)
+    if run_id is not None and (not run_id or "/" in run_id):
+        raise UsageError(f"--run-id must be a non-empty string without '/', got {run_id!r}")
+    resolve_connection(args)
     options = {
         "etcd_api": args.etcd_api,
         "protocol": args.protocol,
@@ -136,9 +224,9 @@ def open_connection(args: argparse.Namespace) -> Transport:
         "connect_timeout": args.connect_timeout,
     }
     params = RendezvousParameters(
-        backend=args.backend,
+        backend=getattr(args, "backend", None) or "etcd",
         endpoint=args.endpoint,
-        run_id=args.run_id,
+        run_id=run_id or "etcd-rendezvous-cli",
         min_nodes=1,
         max_nodes=1,
         **{name: value for name, value in options.items() if value is not None},
@@ -158,10 +246,28 @@ def etcd_errors(endpoint: str) -> Iterator[None]:
         raise CliError(f"cannot use etcd at {endpoint}: {exc}") from None
 
 
-def v2_backend(args: argparse.Namespace, conn: Transport) -> EtcdRendezvousBackend:
-    """The ``etcd-v2`` backend of ``--run-id`` (its state key below ``--prefix``)."""
+def v2_backend(
+    args: argparse.Namespace, conn: Transport, run_id: str | None = None
+) -> EtcdRendezvousBackend:
+    """The ``etcd-v2`` backend of ``run_id`` (default ``--run-id``), its state key below
+    ``--prefix``."""
     prefix = normalize_key(args.prefix or ETCD_V2_STATE_PREFIX).rstrip("/")
-    return EtcdRendezvousBackend(conn, args.run_id, key_prefix=prefix or None)
+    return EtcdRendezvousBackend(conn, run_id or args.run_id, key_prefix=prefix or None)
+
+
+def confirm(question: str, args: argparse.Namespace) -> bool:
+    """Whether the user agrees to ``question``: ``--yes`` agrees, otherwise the answer
+    typed on the terminal (``y``/``yes``).
+
+    Raises:
+        UsageError: neither ``--yes`` nor a terminal to ask on.
+    """
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise UsageError("refusing to delete without confirmation: pass --yes (or --dry-run)")
+    answer = input(f"{question} [y/N] ")
+    return answer.strip().lower() in ("y", "yes")
 
 
 def v2_state(backend: EtcdRendezvousBackend) -> RendezvousState | None:

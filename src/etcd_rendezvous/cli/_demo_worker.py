@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from .._progress import PROGRESS_THREAD_PREFIX
 from ..api import (
     RendezvousError,
     RendezvousHandler,
@@ -59,11 +60,23 @@ def demo_worker(index: int, config: dict[str, Any], events: Any) -> None:
     """
     # Ctrl-C reaches the whole process group; the parent handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log_format = f"[worker {index}] %(asctime)s %(name)s %(levelname)s: %(message)s"
     if config.pop("verbose", False):
-        logging.basicConfig(
-            level=logging.INFO,
-            format=f"[worker {index}] %(asctime)s %(name)s %(levelname)s: %(message)s",
+        logging.basicConfig(level=logging.INFO, format=log_format)
+    else:
+        # Without -v, only the progress lines of a waiting rendezvous (their thread says
+        # which they are): they show what a worker that waits is waiting for.
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(log_format))
+        handler.addFilter(
+            lambda record: (record.threadName or "").startswith(PROGRESS_THREAD_PREFIX)
         )
+        library = logging.getLogger("etcd_rendezvous")
+        library.addHandler(handler)
+        library.setLevel(logging.INFO)
+    start_delay = float(config.pop("start_delay", 0.0))
+    if start_delay:
+        time.sleep(start_delay)  # --stagger: the demo starts the workers one by one
     try:
         events.put(("done", index, _run_worker(index, config, events)))
     except RendezvousError as exc:

@@ -1,8 +1,9 @@
 """``etcd-rendezvous close``: close a run's rendezvous as a worker's ``set_closed()`` does.
 
 Its workers stop re-rendezvousing and ``next_rendezvous()`` raises
-:class:`~etcd_rendezvous.api.RendezvousClosedError`. A run without a state gets a
-closed one.
+:class:`~etcd_rendezvous.api.RendezvousClosedError`. A run etcd knows nothing of (a
+mistyped run id) is refused; ``--create`` closes it in advance, so that workers started
+later under that run id stop at once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..etcd_rendezvous import EtcdRendezvous, parse_state
 from ..etcd_store import EtcdStore
 from ..layout import DEFAULT_PREFIX, ETCD_V2_STORE_PREFIX, LegacyLayout
 from ._common import (
+    CliError,
     Transport,
     add_run_options,
     etcd_errors,
@@ -30,13 +32,26 @@ HELP = "mark a run's rendezvous closed"
 DESCRIPTION = (
     "Close a run's rendezvous as a worker's set_closed() does: its workers "
     "stop re-rendezvousing and next_rendezvous() raises RendezvousClosedError. A run "
-    "without a state gets a closed one."
+    "etcd has no key of is refused unless --create is given."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``close`` (the connection options come from a parent)."""
     add_run_options(parser)
+    parser.add_argument(
+        "--create",
+        action="store_true",
+        help="close a run etcd has no key of, by creating its closed state (workers "
+        "started later under this run id stop at once)",
+    )
+
+
+def _unknown_run(args: argparse.Namespace, where: str) -> CliError:
+    return CliError(
+        f"no run {args.run_id!r} ({where} does not exist): nothing closed; check --run-id, "
+        "--prefix and --backend, or pass --create to close it in advance"
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
@@ -64,6 +79,8 @@ def _close_etcd(args: argparse.Namespace, conn: Transport) -> str:
     previous = None if before is None else parse_state(before)
     if previous is not None and previous["status"] == "closed":
         return f"run {args.run_id!r} was already closed ({key})"
+    if previous is None and not had_run_dir and not args.create:
+        raise _unknown_run(args, run_dir)
     # The rendezvous's own set_closed: a compare-and-swap to "closed" that keeps the
     # rest of the state, or a new closed state when there is none.
     rdzv = EtcdRendezvous(
@@ -96,6 +113,8 @@ def _close_etcd_v2(args: argparse.Namespace, conn: Transport) -> str:
     before = v2_state(backend)
     if before is not None and before.closed:
         return f"run {args.run_id!r} was already closed (etcd-v2 key {backend.key})"
+    if before is None and not args.create:
+        raise _unknown_run(args, f"etcd-v2 key {backend.key}")
     handler = DynamicRendezvousHandler.from_backend(
         run_id=args.run_id,
         store=EtcdStore(conn, ETCD_V2_STORE_PREFIX),

@@ -2,7 +2,8 @@
 
 It starts an embedded etcd (unless ``--endpoint`` names one), launches N worker
 processes (see :mod:`etcd_rendezvous.cli._demo_worker`) that each create a rendezvous
-handler (``--backend etcd``, the default, or ``etcd-v2`` for the dynamic rendezvous),
+handler (``--backend etcd-v2``, the dynamic rendezvous and the default, or ``etcd``
+for the legacy one),
 call ``next_rendezvous()`` and exchange a value through the returned store, then prints
 a table of ranks, world sizes, rendezvous versions (the round, for ``etcd-v2``) and
 join times. The exit status is 0 when every worker agrees.
@@ -90,9 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
         choices=("etcd", "etcd-v2"),
-        default="etcd",
-        help="etcd: the etcd rendezvous; etcd-v2: the dynamic rendezvous on PyTorch's "
-        "etcd-v2 backend, with 1 s heartbeats (default: %(default)s)",
+        default="etcd-v2",
+        help="etcd-v2: the dynamic rendezvous on PyTorch's etcd-v2 backend, with 1 s "
+        "heartbeats; etcd: the legacy etcd rendezvous (default: %(default)s)",
     )
     parser.add_argument(
         "--timeout",
@@ -108,6 +109,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="extra wait for more workers once M joined; whole seconds, at least 1, for "
         "etcd-v2 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--stagger",
+        type=non_negative_seconds,
+        default=0.0,
+        metavar="S",
+        help="start the workers S seconds apart: the early ones wait, and log their "
+        "progress (default: %(default)s)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log the library's steps")
 
@@ -232,7 +241,7 @@ def _launch_workers(
     ctx = multiprocessing.get_context("spawn")
     events = ctx.Queue()
     for index in range(args.nodes):
-        config = dict(base, verbose=args.verbose)
+        config = dict(base, verbose=args.verbose, start_delay=index * args.stagger)
         proc = ctx.Process(
             target=demo_worker,
             args=(index, config, events),
@@ -426,7 +435,7 @@ def _collect(
 ) -> tuple[list[WorkerResult], dict[int, str]]:
     """Wait for every worker's final report, showing progress; return results and failures."""
     started = time.monotonic()
-    deadline = started + args.timeout + _PARENT_SLACK
+    deadline = started + args.timeout + _PARENT_SLACK + args.nodes * args.stagger
     pending = set(range(len(processes)))
     joined = 0
     results: list[WorkerResult] = []

@@ -1,18 +1,21 @@
 """``etcd-rendezvous status``: show a run's rendezvous state, without changing it.
 
-For the ``etcd`` backend: the status (setup/joinable/frozen/final/closed), version,
-participants, which keep-alives are live or lapsed (with the rank of each: PyTorch's
-keys name it, ours are looked up in the state's ``members``), the member keys our workers
-announced and which were admitted, workers waiting, the version counter and the run
-directory's TTL. For ``etcd-v2``: the round, participants, wait and
-redundancy lists and last heartbeats. As text, or as one JSON object with ``--json``.
+By default a summary that stays short at hundreds of nodes: the phase, the counts, and
+who is missing. For the ``etcd`` backend: the status (setup/joinable/frozen/final/
+closed), version, participants, the keep-alives that lapsed (rank and key), the member
+keys our workers announced and how many were admitted, workers waiting, the version
+counter and the run directory's TTL. For ``etcd-v2``: the round, participants, wait and
+redundancy lists, how fresh the heartbeats are and our nodes' node keys (and those
+marked as leaving). ``-v`` lists every member, ``--watch`` shows the run again at each
+change (at least every ``--interval`` seconds), ``--json`` prints one JSON object (one
+per refresh with ``--watch``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+import time
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
@@ -26,23 +29,24 @@ from ._common import (
     Transport,
     add_run_options,
     etcd_errors,
+    non_negative_seconds,
     open_connection,
-    read_dir,
     v2_backend,
     v2_state,
     with_ttl,
 )
+from ._runs import HEARTBEAT_LIVE_SECONDS, EtcdRun, node_keys_report, read_etcd_run
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
 HELP = "show the rendezvous state of a run"
 DESCRIPTION = (
-    "Show a run's rendezvous: for the etcd backend its status "
-    "(setup/joinable/frozen/final/closed), version, participants, which keep-alives "
-    "are live or lapsed, the member keys announced and admitted, workers waiting, the "
-    "version counter and the run dir's TTL; "
-    "for etcd-v2 its round, participants, wait and redundancy lists and last "
-    "heartbeats. Reads only. Exits 1 if the run is unknown or its state is corrupt."
+    "Show a run's rendezvous as a summary: for the etcd backend its status "
+    "(setup/joinable/frozen/final/closed), version, participants, the keep-alives that "
+    "lapsed, the member keys announced and admitted, workers waiting, the version counter "
+    "and the run dir's TTL; for etcd-v2 its round, participants, wait and redundancy "
+    "lists, stale heartbeats and node keys. -v lists every member; --watch follows the "
+    "run live. Reads only. Exits 1 if the run is unknown or its state is corrupt."
 )
 
 
@@ -50,94 +54,89 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``status`` (the connection options come from a parent)."""
     add_run_options(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="list every member, not only the missing"
+    )
+    parser.add_argument(
+        "--watch",
+        action="store_true",
+        help="show the run again at each change (Ctrl-C stops)",
+    )
+    parser.add_argument(
+        "--interval",
+        type=non_negative_seconds,
+        default=2.0,
+        metavar="S",
+        help="with --watch: refresh at least every S seconds (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--count",
+        type=int,
+        metavar="N",
+        help="with --watch: stop after N reports (default: until interrupted)",
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
-    """Print the run's status report and return 0.
+    """Print the run's status report (again at each change with ``--watch``); return 0.
 
     Raises:
         CliError: the run is unknown, or its state is corrupt (then after the report).
     """
     conn = open_connection(args)
+    shown = 0
     try:
-        with etcd_errors(args.endpoint):
-            if args.backend == "etcd-v2":
-                report = _status_etcd_v2(args, conn)
-                lines = _format_etcd_v2_status(report)
+        while True:
+            with etcd_errors(args.endpoint):
+                report = _report(args, conn)
+            if args.json:
+                indent = None if args.watch else 2  # one line per report when following
+                print(json.dumps(report, indent=indent, sort_keys=True), file=out)
             else:
-                report = _status_etcd(args, conn)
-                lines = _format_etcd_status(report)
+                if args.watch:
+                    print(f"--- {datetime.now().astimezone():%Y-%m-%d %H:%M:%S %Z}", file=out)
+                print("\n".join(_format(report, verbose=args.verbose)), file=out)
+            out.flush()
+            shown += 1
+            if not report["valid"]:
+                # The report is out; the error line says what is wrong and names the key.
+                raise CliError(report["error"])
+            if not args.watch or (args.count is not None and shown >= args.count):
+                return 0
+            with etcd_errors(args.endpoint):
+                _wait_for_change(args, conn, report)
     finally:
         conn.close()
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True), file=out)
-    else:
-        print("\n".join(lines), file=out)
-    if not report["valid"]:
-        # The report is out; the error line says what is wrong and names the key.
-        raise CliError(report["error"])
-    return 0
+
+
+def _report(args: argparse.Namespace, conn: Transport) -> dict[str, Any]:
+    if args.backend == "etcd-v2":
+        return _status_etcd_v2(args, conn)
+    return _status_etcd(args, conn)
+
+
+def _format(report: dict[str, Any], *, verbose: bool) -> list[str]:
+    if report["backend"] == "etcd-v2":
+        return _format_etcd_v2_status(report, verbose=verbose)
+    return _format_etcd_status(report, verbose=verbose)
+
+
+def _wait_for_change(args: argparse.Namespace, conn: Transport, report: dict[str, Any]) -> None:
+    """Wait until something of the run changes, or ``--interval`` seconds pass (a watch
+    on the run's directory or state key from the last index read)."""
+    key = report["run_dir"] if report["backend"] == "etcd" else report["key"]
+    started = time.monotonic()
+    conn.watch(key, conn.last_index + 1, timeout=args.interval, recursive=True)
+    # A burst of changes (a rendezvous forming) is shown at most once a second.
+    pause = min(1.0, args.interval) - (time.monotonic() - started)
+    if pause > 0:
+        time.sleep(pause)
 
 
 # -- the etcd backend ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _EtcdRun:
-    """The etcd nodes ``status`` reads for a run of the ``etcd`` backend (each ``None``
-    when missing)."""
-
-    run_id: str
-    prefix: str
-    run_dir: Node | None
-    state: Node | None
-    version_counter: Node | None
-    #: ``rdzv/v_<version>`` of the version the state names: its ``rank_<r>`` and
-    #: ``node_<hex>`` children are the keep-alive keys that have not lapsed.
-    version_dir: Node | None
-
-
-def _named_version(state: Node | None) -> str | None:
-    """The version a state node names, if it decodes far enough to tell."""
-    if state is None or state.value is None:
-        return None
-    try:
-        decoded = json.loads(state.value)
-    except ValueError:
-        return None
-    version = decoded.get("version") if isinstance(decoded, dict) else None
-    if isinstance(version, str) and version and "/" not in version:
-        return version
-    return None
-
-
-def _read_etcd_run(conn: Transport, prefix: str, run_id: str) -> _EtcdRun:
-    """Read, without changing anything, what describes the run in etcd."""
-    layout = LegacyLayout(prefix, run_id)
-    run_dir = with_ttl(conn, conn.try_get(layout.run_dir))
-    state = conn.try_get(layout.state_key)
-    # On v3 a key written below the run dir without a TTL shares the run dir's lease:
-    # it lives as long as the run dir, as on v2, and has no TTL of its own to show.
-    shares_run_dir_lease = (
-        state is not None
-        and run_dir is not None
-        and state.lease != 0
-        and state.lease == run_dir.lease
-    )
-    if not shares_run_dir_lease:
-        state = with_ttl(conn, state)
-    version = _named_version(state)
-    return _EtcdRun(
-        run_id=run_id,
-        prefix=prefix,
-        run_dir=run_dir,
-        state=state,
-        version_counter=conn.try_get(layout.counter_key),
-        version_dir=None if version is None else read_dir(conn, layout.version_dir(version)),
-    )
-
-
-def _describe_etcd_run(run: _EtcdRun) -> dict[str, Any]:
+def _describe_etcd_run(run: EtcdRun) -> dict[str, Any]:
     """The ``status`` report of an ``etcd`` run, as a JSON-serialisable dict.
 
     Raises:
@@ -203,13 +202,35 @@ def _keep_alives_and_members(
         entry = {"key": key, "rank": rank_of(key), "live": child is not None}
         keep_alives.append({**entry, "ttl": None if child is None else child.ttl})
     announced = sorted((c for c in children if member_name(c.key)), key=lambda c: c.created_index)
-    members = [{"key": c.key, "rank": rank_of(c.key), "ttl": c.ttl} for c in announced]
+    members = [
+        {"key": c.key, "rank": rank_of(c.key), "ttl": c.ttl, **_member_host(c.value)}
+        for c in announced
+    ]
     return keep_alives, members
 
 
-def _format_etcd_status(report: dict[str, Any]) -> list[str]:
+def _member_host(value: str | None) -> dict[str, Any]:
+    """The ``host`` and ``pid`` a member key of ours holds (``None`` each if it holds
+    nothing readable: a key written by an older version)."""
+    try:
+        fields = json.loads(value or "")
+    except ValueError:
+        fields = None
+    if not isinstance(fields, dict):
+        fields = {}
+    host, pid = fields.get("host"), fields.get("pid")
+    return {
+        "host": host if isinstance(host, str) else None,
+        "pid": pid if type(pid) is int else None,
+    }
+
+
+def _format_etcd_status(report: dict[str, Any], *, verbose: bool) -> list[str]:
     """The text form of :func:`_describe_etcd_run`'s report."""
-    lines = [f"run:              {report['run_id']} (prefix {report['prefix']})"]
+    lines = [
+        f"run:              {report['run_id']} (backend etcd, prefix {report['prefix']}, "
+        f"API {report['api']})"
+    ]
     lines.append(f"state key:        {report['key']}")
     status = report["status"]
     if not report["valid"]:
@@ -233,9 +254,12 @@ def _format_etcd_status(report: dict[str, Any]) -> list[str]:
             + (f" (ranks {', '.join(map(str, participants))})" if participants else "")
         )
     keep_alives = report["keep_alives"]
+    lapsed = [entry for entry in keep_alives if not entry["live"]]
     if keep_alives:
-        lines.append("keep-alives:")
-        for entry in keep_alives:
+        lines.append(
+            f"keep-alives:      {len(keep_alives) - len(lapsed)} live, {len(lapsed)} LAPSED"
+        )
+        for entry in keep_alives if verbose else lapsed:
             rank = "?" if entry["rank"] is None else entry["rank"]
             state = (
                 f"live (expires in {entry['ttl']} s)"
@@ -249,6 +273,11 @@ def _format_etcd_status(report: dict[str, Any]) -> list[str]:
     if members:
         admitted = sum(1 for entry in members if entry["rank"] is not None)
         lines.append(f"member keys:      {len(members)} announced, {admitted} admitted")
+        for entry in members if verbose else ():
+            rank = "-" if entry["rank"] is None else entry["rank"]
+            where = "?" if entry["host"] is None else f"{entry['host']} pid {entry['pid']}"
+            ttl = "" if entry["ttl"] is None else f" (expires in {entry['ttl']} s)"
+            lines.append(f"  rank {rank}: {where}{ttl}  {member_name(entry['key'])}")
     if report["num_workers_waiting"] is not None:
         lines.append(f"workers waiting:  {report['num_workers_waiting']}")
     lines.append(f"version counter:  {report['version_counter'] or '(none)'}")
@@ -257,7 +286,7 @@ def _format_etcd_status(report: dict[str, Any]) -> list[str]:
         lines.append(f"run dir TTL:      {ttl} s ({report['run_dir']})")
     else:
         lines.append(f"run dir TTL:      none: delete {report['run_dir']} once the job is over")
-    if any(not entry["live"] for entry in keep_alives) and status == "final":
+    if lapsed and status == "final":
         lines.append(
             f"note: a member's keep-alive lapsed; the next worker to arrive discards version "
             f"{report['version']} and starts a new rendezvous"
@@ -267,7 +296,9 @@ def _format_etcd_status(report: dict[str, Any]) -> list[str]:
 
 def _status_etcd(args: argparse.Namespace, conn: Transport) -> dict[str, Any]:
     prefix = args.prefix or DEFAULT_PREFIX
-    return _describe_etcd_run(_read_etcd_run(conn, prefix, args.run_id))
+    report = _describe_etcd_run(read_etcd_run(conn, prefix, args.run_id))
+    report["api"] = conn.api
+    return report
 
 
 # -- the etcd-v2 backend ----------------------------------------------------------------------
@@ -316,6 +347,13 @@ def _describe_v2_state(
             }
             for n, beat in heartbeats
         },
+        # Participants whose heartbeat is older than HEARTBEAT_LIVE_SECONDS (or absent).
+        "missing": sorted(
+            _node_name(n)
+            for n, _ in participants
+            if n not in state.last_heartbeats
+            or (now - state.last_heartbeats[n]).total_seconds() > HEARTBEAT_LIVE_SECONDS
+        ),
     }
 
 
@@ -341,15 +379,20 @@ def _status_etcd_v2(args: argparse.Namespace, conn: Transport) -> dict[str, Any]
             "status": None,
             "version": None,
             "participants": {},
+            "api": conn.api,
         }
     if state is None:  # deleted between the two reads
         raise CliError(f"no run {args.run_id!r}: etcd key {backend.key} was just deleted")
-    return _describe_v2_state(args.run_id, backend.key, node, state, datetime.now(timezone.utc))
+    report = _describe_v2_state(args.run_id, backend.key, node, state, datetime.now(timezone.utc))
+    report["api"] = conn.api
+    report["nodes_dir"] = backend.nodes_layout.nodes_dir
+    report["node_keys"] = node_keys_report(backend)
+    return report
 
 
-def _format_etcd_v2_status(report: dict[str, Any]) -> list[str]:
-    """The text form of an ``etcd-v2`` status report."""
-    lines = [f"run:              {report['run_id']} (backend etcd-v2)"]
+def _format_etcd_v2_status(report: dict[str, Any], *, verbose: bool) -> list[str]:
+    """The text form of an ``etcd-v2`` status report (every member with ``verbose``)."""
+    lines = [f"run:              {report['run_id']} (backend etcd-v2, API {report['api']})"]
     lines.append(f"state key:        {report['key']}")
     if not report["valid"]:
         lines.append("status:           INVALID (the key does not hold a rendezvous state)")
@@ -365,18 +408,43 @@ def _format_etcd_v2_status(report: dict[str, Any]) -> list[str]:
         lines.append(f"deadline:         {report['deadline']} (in {report['deadline_in']:g} s)")
     participants = report["participants"]
     lines.append(f"participants:     {len(participants)}")
-    lines.extend(f"  rank {rank}: {name}" for name, rank in participants.items())
+    if verbose:
+        lines.extend(f"  rank {rank}: {name}" for name, rank in participants.items())
     for title, names in (
         ("wait list", report["wait_list"]),
         ("redundancy", report["redundancy_list"]),
     ):
         lines.append(f"{title + ':':<17} {len(names)}")
-        lines.extend(f"  {name}" for name in names)
-    lines.append("last heartbeats:")
-    if not report["last_heartbeats"]:
-        lines.append("  none")
-    for name, beat in report["last_heartbeats"].items():
-        lines.append(f"  {name}: {beat['age']:g} s ago ({beat['time']})")
+        lines.extend(f"  {name}" for name in (names if verbose else ()))
+    beats = report["last_heartbeats"]
+    ages = [beat["age"] for beat in beats.values()]
+    if ages:
+        lines.append(
+            f"heartbeats:       {len(ages)}, newest {min(ages):g} s ago, oldest {max(ages):g} s ago"
+        )
+    else:
+        lines.append("heartbeats:       none")
+    missing = report["missing"]
+    if missing:
+        lines.append(
+            f"missing:          {len(missing)} participant(s) without a heartbeat for "
+            f"{HEARTBEAT_LIVE_SECONDS:g} s"
+        )
+        lines.extend(f"  {name}" for name in missing)
+    if verbose:
+        lines.append("last heartbeats:")
+        lines.extend(
+            f"  {name}: {beat['age']:g} s ago ({beat['time']})" for name, beat in beats.items()
+        )
+    node_keys = report["node_keys"]
+    leaving = [entry for entry in node_keys if entry["leaving"] is not None]
+    lines.append(
+        f"node keys:        {len(node_keys)} in {report['nodes_dir']}"
+        + (f", {len(leaving)} marked as leaving" if leaving else "")
+    )
+    for entry in node_keys if verbose else leaving:
+        mark = "" if entry["leaving"] is None else f"  leaving after round {entry['leaving']}"
+        lines.append(f"  {entry['node']}{mark}")
     ttl = report["key_ttl"]
     lines.append(f"key TTL:          {'none' if ttl is None else f'{ttl} s'}")
     return lines

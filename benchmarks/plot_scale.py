@@ -1,0 +1,98 @@
+"""Draw the results of ``bench_scale.py --json`` as the PNGs ``docs/scale.rst`` shows.
+
+Usage::
+
+    pip install -e ".[bench]"        # matplotlib
+    python benchmarks/bench_scale.py --breakdown --json benchmarks/results/scale-first.json
+    python benchmarks/bench_scale.py --rerendezvous --breakdown \\
+        --json benchmarks/results/scale-rerendezvous.json
+    python benchmarks/plot_scale.py  # writes docs/_static/scale-*.png
+
+For each results file (default: both of ``benchmarks/results/``) one figure of two
+panels against the number of nodes: the seconds the rendezvous took, and the etcd
+requests per node (writes and reads). One line per backend, API and implementation;
+a row that timed out is left out of its line and marked in the legend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # after choosing the backend
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+OUT = HERE.parent / "docs" / "_static"
+TITLES = {
+    "first": "First rendezvous",
+    "rerendezvous": "Re-rendezvous (one node replaced)",
+    "heartbeats": "etcd-v2 heartbeats",
+}
+
+
+def _series(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The rows by ``backend api impl``, in node order."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for entry in sorted(rows, key=lambda r: r["nodes"]):
+        name = f"{entry['backend']} {entry['api']} {entry['impl']}"
+        series.setdefault(name, []).append(entry)
+    return series
+
+
+def plot(results: Path, out_dir: Path) -> Path:
+    """Draw one results file; return the PNG's path."""
+    document = json.loads(results.read_text())
+    rows = document["rows"]
+    mode = rows[0]["mode"]
+    figure, (seconds_ax, requests_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, entries in _series(rows).items():
+        done = [e for e in entries if "problem" not in e]
+        failed = [e["nodes"] for e in entries if "problem" in e]
+        label = name + (f" (timeout at N={', '.join(map(str, failed))})" if failed else "")
+        style = "--" if "torch" in name else "-"
+        nodes = [e["nodes"] for e in done]
+        seconds_ax.plot(nodes, [e["seconds"] for e in done], style, marker="o", label=label)
+        requests_ax.plot(
+            nodes, [e["writes"] + e["reads"] for e in done], style, marker="o", label=label
+        )
+    for ax in (seconds_ax, requests_ax):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("nodes (N)")
+        ax.set_xticks(sorted({r["nodes"] for r in rows}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(True, which="both", alpha=0.3)
+    seconds_ax.set_ylabel("seconds to the last rank")
+    requests_ax.set_ylabel("etcd requests per node (writes + reads)")
+    requests_ax.legend(fontsize=7, loc="upper left")
+    figure.suptitle(
+        f"{TITLES.get(mode, mode)}: etcd {document.get('etcd', '?')}, "
+        f"{document.get('cpus', '?')} CPUs (PyTorch 2.13 dashed)"
+    )
+    figure.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / f"scale-{mode}.png"
+    figure.savefig(target, dpi=110)
+    plt.close(figure)
+    return target
+
+
+def main() -> None:
+    """Draw every results file given (default: those of ``benchmarks/results``)."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("results", nargs="*", type=Path, help="bench_scale.py --json files")
+    parser.add_argument("--out", type=Path, default=OUT, help="directory of the PNGs")
+    args = parser.parse_args()
+    files = args.results or sorted(RESULTS.glob("scale-*.json"))
+    for results in files:
+        print(plot(results, args.out))
+
+
+if __name__ == "__main__":
+    main()

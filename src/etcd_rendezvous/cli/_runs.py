@@ -1,0 +1,352 @@
+"""The runs under a prefix, read without changing anything: what ``list``, ``status``,
+``delete`` and ``gc`` know about a run.
+
+A run of the ``etcd`` backend is the directory ``<prefix>/run_<run_id>``
+(:class:`~etcd_rendezvous.layout.LegacyLayout`); a run of ``etcd-v2`` is its state key
+``<prefix>/<run_id>``, the directory of its node keys
+(:class:`~etcd_rendezvous.layout.EtcdV2NodesLayout`) and its rounds' keys in the shared
+store (:func:`~etcd_rendezvous.layout.dynamic_store_prefix`).
+
+A run is *finished* when nothing keeps it going: it is closed, or no key of a live
+worker is left (keep-alive, member, wait or node key; a state with a TTL, which workers
+write while they join) and, for ``etcd-v2``, no heartbeat is recent. Only a finished
+run may be deleted without ``--force``.
+"""
+
+from __future__ import annotations
+
+import binascii
+import json
+from base64 import b64decode
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ..api import RendezvousStateError
+from ..dynamic_rendezvous import RendezvousState
+from ..etcd_rendezvous import parse_state
+from ..etcd_rendezvous_backend import EtcdRendezvousBackend
+from ..layout import (
+    DEFAULT_PREFIX,
+    ETCD_V2_STATE_PREFIX,
+    ETCD_V2_STORE_PREFIX,
+    LegacyLayout,
+    dynamic_store_prefix,
+    dynamic_store_round,
+    keep_alive_rank,
+    member_name,
+    normalize_key,
+    waiter_name,
+)
+from ._common import KeyNotFoundError, Node, Transport, read_dir, v2_state, with_ttl
+
+__all__ = [
+    "HEARTBEAT_LIVE_SECONDS",
+    "EtcdRun",
+    "RunSummary",
+    "etcd_v2_store_keys",
+    "find_runs",
+    "is_worker_key",
+    "list_etcd_runs",
+    "list_etcd_v2_run_ids",
+    "node_keys_report",
+    "read_etcd_run",
+    "summarize_etcd",
+    "summarize_etcd_v2",
+]
+
+#: A heartbeat of an ``etcd-v2`` node younger than this says the run is alive
+#: (PyTorch's default keep-alive is every 5 s, 3 attempts).
+HEARTBEAT_LIVE_SECONDS = 60.0
+_RUN_DIR_PREFIX = "run_"
+
+
+@dataclass(frozen=True)
+class EtcdRun:
+    """The etcd nodes that describe a run of the ``etcd`` backend (each ``None`` when
+    missing)."""
+
+    run_id: str
+    prefix: str
+    run_dir: Node | None
+    state: Node | None
+    version_counter: Node | None
+    #: ``rdzv/v_<version>`` of the version the state names: its ``rank_<r>``,
+    #: ``node_<hex>`` and ``wait_<hex>`` children are the keys of live workers.
+    version_dir: Node | None
+
+
+@dataclass
+class RunSummary:
+    """One line of ``list``: a run as an operator sees it (JSON-serialisable by
+    :meth:`as_dict`)."""
+
+    backend: str
+    run_id: str
+    api: str
+    #: ``setup``/``joinable``/``frozen``/``final``/``closed`` (``etcd``),
+    #: ``joining``/``complete``/``closed``/``empty`` (``etcd-v2``), ``none`` (no state:
+    #: only keys around it) or ``invalid`` (a state that does not decode).
+    status: str
+    #: Participants of the current version (round).
+    world_size: int
+    #: The version (``etcd``) or round (``etcd-v2``).
+    version: str | None
+    #: Keys of live workers (``etcd``) or nodes with a recent heartbeat or a node key
+    #: (``etcd-v2``).
+    live: int
+    #: Seconds since the newest sign of life etcd holds a time for (``etcd-v2``
+    #: heartbeats); ``None`` where etcd keeps no time (the ``etcd`` backend).
+    idle_seconds: float | None
+    finished: bool
+    #: What :func:`delete` removes: (key, recursive) pairs.
+    keys: list[tuple[str, bool]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The summary as a dict for ``--json`` (keys as a list of key names)."""
+        return {
+            "backend": self.backend,
+            "run_id": self.run_id,
+            "api": self.api,
+            "status": self.status,
+            "world_size": self.world_size,
+            "version": self.version,
+            "live": self.live,
+            "idle_seconds": None if self.idle_seconds is None else round(self.idle_seconds, 1),
+            "finished": self.finished,
+            "keys": [key for key, _ in self.keys],
+        }
+
+
+# -- the etcd backend ------------------------------------------------------------------
+
+
+def _named_version(state: Node | None) -> str | None:
+    """The version a state node names, if it decodes far enough to tell."""
+    if state is None or state.value is None:
+        return None
+    try:
+        decoded = json.loads(state.value)
+    except ValueError:
+        return None
+    version = decoded.get("version") if isinstance(decoded, dict) else None
+    if isinstance(version, str) and version and "/" not in version:
+        return version
+    return None
+
+
+def read_etcd_run(conn: Transport, prefix: str, run_id: str) -> EtcdRun:
+    """Read, without changing anything, what describes the run in etcd."""
+    layout = LegacyLayout(prefix, run_id)
+    run_dir = with_ttl(conn, conn.try_get(layout.run_dir))
+    state = conn.try_get(layout.state_key)
+    # On v3 a key written below the run dir without a TTL shares the run dir's lease:
+    # it lives as long as the run dir, as on v2, and has no TTL of its own to show.
+    shares_run_dir_lease = (
+        state is not None
+        and run_dir is not None
+        and state.lease != 0
+        and state.lease == run_dir.lease
+    )
+    if not shares_run_dir_lease:
+        state = with_ttl(conn, state)
+    version = _named_version(state)
+    return EtcdRun(
+        run_id=run_id,
+        prefix=prefix,
+        run_dir=run_dir,
+        state=state,
+        version_counter=conn.try_get(layout.counter_key),
+        version_dir=None if version is None else read_dir(conn, layout.version_dir(version)),
+    )
+
+
+def is_worker_key(key: str) -> bool:
+    """Whether ``key`` is a live worker's key in a version directory of the ``etcd``
+    backend (keep-alive, member or wait key)."""
+    return (
+        keep_alive_rank(key) is not None
+        or member_name(key) is not None
+        or waiter_name(key) is not None
+    )
+
+
+def list_etcd_runs(conn: Transport, prefix: str) -> list[str]:
+    """The run ids of the ``etcd`` backend under ``prefix`` (``run_<id>`` directories)."""
+    try:
+        listing = conn.list_dir(normalize_key(prefix))
+    except KeyNotFoundError:
+        return []
+    names = (child.key.rstrip("/").rsplit("/", 1)[-1] for child in listing.children)
+    return sorted(
+        name[len(_RUN_DIR_PREFIX) :]
+        for name in names
+        if name.startswith(_RUN_DIR_PREFIX) and len(name) > len(_RUN_DIR_PREFIX)
+    )
+
+
+def summarize_etcd(run: EtcdRun, api: str) -> RunSummary:
+    """The :class:`RunSummary` of an ``etcd`` run."""
+    layout = LegacyLayout(run.prefix, run.run_id)
+    children = () if run.version_dir is None else run.version_dir.children
+    live = sum(1 for child in children if is_worker_key(child.key))
+    status, version, world = "none", None, 0
+    if run.state is not None:
+        try:
+            state = parse_state(run.state)
+        except RendezvousStateError:
+            status = "invalid"
+        else:
+            status = state["status"]
+            version = state.get("version")
+            world = len(state.get("participants", []))
+    # Workers write a joining state (setup, joinable, frozen) with a TTL: it is theirs.
+    joining = run.state is not None and run.state.ttl is not None and status != "final"
+    finished = status == "closed" or (live == 0 and not joining)
+    return RunSummary(
+        backend="etcd",
+        run_id=run.run_id,
+        api=api,
+        status=status,
+        world_size=world,
+        version=version,
+        live=live,
+        idle_seconds=None,
+        finished=finished,
+        keys=[(layout.run_dir, True)] if run.run_dir is not None else [(layout.state_key, False)],
+    )
+
+
+# -- the etcd-v2 backend ---------------------------------------------------------------
+
+
+def list_etcd_v2_run_ids(conn: Transport, state_prefix: str) -> list[str]:
+    """The run ids of ``etcd-v2`` runs: the keys (not directories) directly below the
+    state prefix."""
+    try:
+        listing = conn.list_dir(normalize_key(state_prefix))
+    except KeyNotFoundError:
+        return []
+    return sorted(
+        child.key.rstrip("/").rsplit("/", 1)[-1] for child in listing.children if not child.is_dir
+    )
+
+
+def _leaves(node: Node) -> list[Node]:
+    if not node.is_dir:
+        return [node]
+    return [leaf for child in node.children for leaf in _leaves(child)]
+
+
+def etcd_v2_store_keys(conn: Transport) -> dict[str, list[str]]:
+    """The keys of the shared ``etcd-v2`` store by the run they belong to: a key whose
+    decoded name starts with ``torch.rendezvous.<run_id>.<round>/`` is ``run_id``'s
+    (:func:`~etcd_rendezvous.layout.dynamic_store_round`). One recursive read."""
+    store = normalize_key(ETCD_V2_STORE_PREFIX)
+    try:
+        listing = conn.list_dir(store, recursive=True)
+    except KeyNotFoundError:
+        return {}
+    scope = dynamic_store_prefix("", 0).rsplit(".", 2)[0] + "."  # "torch.rendezvous."
+    found: dict[str, list[str]] = {}
+    for leaf in _leaves(listing):
+        encoded = normalize_key(leaf.key)[len(store) + 1 :]
+        try:
+            name = b64decode(encoded, validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):
+            continue
+        head = name.partition("/")[0]
+        run_id = head[len(scope) :].rpartition(".")[0]
+        if head.startswith(scope) and dynamic_store_round(head, run_id) is not None:
+            found.setdefault(run_id, []).append(leaf.key)
+    return found
+
+
+def summarize_etcd_v2(
+    run_id: str,
+    backend: EtcdRendezvousBackend,
+    conn: Transport,
+    api: str,
+    now: datetime | None = None,
+) -> RunSummary:
+    """The :class:`RunSummary` of an ``etcd-v2`` run (store keys not included: see
+    :func:`etcd_v2_store_keys`)."""
+    now = now or datetime.now(timezone.utc)
+    nodes_dir = backend.nodes_layout.nodes_dir
+    node_keys = [n for n in backend.list_nodes() if n.leaving is None]
+    state: RendezvousState | None
+    try:
+        state = v2_state(backend)
+        status = "empty" if state is None else _v2_status(state)
+    except RendezvousStateError:
+        state, status = None, "invalid"
+    idle: float | None = None
+    recent = 0
+    if state is not None and state.last_heartbeats:
+        ages = [(now - beat).total_seconds() for beat in state.last_heartbeats.values()]
+        idle = max(0.0, min(ages))
+        recent = sum(1 for age in ages if age < HEARTBEAT_LIVE_SECONDS)
+    live = max(len(node_keys), recent)
+    keys = [(backend.key, False)]
+    if _exists_below(conn, nodes_dir):  # node keys, the aggregator lock
+        keys.append((nodes_dir, True))
+    return RunSummary(
+        backend="etcd-v2",
+        run_id=run_id,
+        api=api,
+        status=status,
+        world_size=0 if state is None else len(state.participants),
+        version=None if state is None else str(state.round),
+        live=live,
+        idle_seconds=idle,
+        finished=status == "closed" or live == 0,
+        keys=keys,
+    )
+
+
+def _exists_below(conn: Transport, directory: str) -> bool:
+    """Whether ``directory`` (a v2 directory, a v3 prefix) holds anything."""
+    try:
+        return bool(conn.list_dir(directory).children)
+    except KeyNotFoundError:
+        return False
+
+
+def _v2_status(state: RendezvousState) -> str:
+    if state.closed:
+        return "closed"
+    if state.complete:
+        return "complete"
+    return "joining" if state.participants else "empty"
+
+
+def node_keys_report(backend: EtcdRendezvousBackend) -> list[dict[str, Any]]:
+    """The ``etcd-v2`` node keys of our nodes, oldest first, with their marks."""
+    return [
+        {
+            "node": f"{entry.node.addr}_{entry.node.pid}_{entry.node.local_id}",
+            "created_index": entry.created_index,
+            "leaving": entry.leaving,
+        }
+        for entry in backend.list_nodes()
+    ]
+
+
+def find_runs(conn: Transport, backends: list[str], prefix: str | None) -> list[RunSummary]:
+    """The runs of ``backends`` (``etcd``, ``etcd-v2``) under ``prefix`` (each backend's
+    default prefix when ``None``), sorted by backend and run id; ``etcd-v2`` runs with
+    their store keys."""
+    summaries = []
+    if "etcd" in backends:
+        legacy_prefix = prefix or DEFAULT_PREFIX
+        for run_id in list_etcd_runs(conn, legacy_prefix):
+            summaries.append(summarize_etcd(read_etcd_run(conn, legacy_prefix, run_id), conn.api))
+    if "etcd-v2" in backends:
+        store_keys = etcd_v2_store_keys(conn)
+        state_prefix = normalize_key(prefix or ETCD_V2_STATE_PREFIX).rstrip("/")
+        for run_id in list_etcd_v2_run_ids(conn, state_prefix or "/"):
+            backend = EtcdRendezvousBackend(conn, run_id, key_prefix=state_prefix or None)
+            summary = summarize_etcd_v2(run_id, backend, conn, conn.api)
+            summary.keys.extend((key, False) for key in store_keys.get(run_id, ()))
+            summaries.append(summary)
+    return summaries

@@ -1,0 +1,79 @@
+"""``etcd-rendezvous gc``: delete the finished runs nobody has touched for a while.
+
+A run is collected when it is finished (see :mod:`etcd_rendezvous.cli._runs`) and idle
+for at least ``--older-than``: for ``etcd-v2``, since its newest heartbeat. The ``etcd``
+backend keeps no time in etcd, so its finished runs (and ``etcd-v2`` runs without any
+heartbeat) have no age: they are collected only with ``--undated``. As ``delete``, it
+asks first unless ``--yes``, and ``--dry-run`` deletes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import TextIO
+
+from ._common import etcd_errors, open_connection
+from ._runs import RunSummary
+from .delete import add_deletion_options, delete_runs
+from .list_runs import add_selection, select_runs
+
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "duration", "run"]
+
+HELP = "delete the finished runs idle for longer than a given time"
+DESCRIPTION = (
+    "Delete the finished runs (closed, or no worker left) idle for at least "
+    "--older-than (etcd-v2: since the newest heartbeat). Runs without a time in etcd "
+    "(the etcd backend) only with --undated. Asks first unless --yes; --dry-run only lists."
+)
+
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*([smhd]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """The argparse type of ``--older-than``: seconds, or a number with ``s``, ``m``,
+    ``h`` or ``d``."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a duration like 90, 30m, 12h or 7d, got {text!r}"
+        )
+    return float(match[1]) * _UNITS[match[2]]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``gc`` (the connection options come from a parent)."""
+    add_selection(parser)
+    parser.add_argument(
+        "--older-than",
+        type=duration,
+        required=True,
+        metavar="DURATION",
+        help="idle time after which a finished run is deleted (90, 30m, 12h, 7d)",
+    )
+    parser.add_argument(
+        "--undated",
+        action="store_true",
+        help="also delete finished runs whose idle time etcd cannot tell (etcd backend)",
+    )
+    add_deletion_options(parser)
+
+
+def _collectable(summary: RunSummary, older_than: float, undated: bool) -> bool:
+    if not summary.finished:
+        return False
+    if summary.idle_seconds is None:
+        return undated
+    return summary.idle_seconds >= older_than
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    """Delete (after asking) the runs to collect; return the exit status."""
+    runs = [r for r in select_runs(args) if _collectable(r, args.older_than, args.undated)]
+    conn = open_connection(args)
+    try:
+        with etcd_errors(args.endpoint):
+            return delete_runs(args, conn, runs, out)
+    finally:
+        conn.close()

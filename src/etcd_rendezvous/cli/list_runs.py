@@ -1,0 +1,100 @@
+"""``etcd-rendezvous list``: the runs under a prefix, one line each, without changing
+anything.
+
+For each run: its backend, the etcd API spoken, its status, the size of its world, its
+version (``etcd``) or round (``etcd-v2``), how many workers are live, how long since the
+last heartbeat (``etcd-v2``; the ``etcd`` backend keeps no time in etcd) and whether it
+is finished (see :mod:`etcd_rendezvous.cli._runs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import TextIO
+
+from ._common import UsageError, add_endpoint_option, etcd_errors, open_connection
+from ._runs import RunSummary, find_runs
+
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "add_selection", "format_idle", "run"]
+
+HELP = "list the runs under a prefix"
+DESCRIPTION = (
+    "List the rendezvous runs etcd holds: backend, API, status, world size, "
+    "version (round for etcd-v2), live workers, idle time and whether the run is "
+    "finished. Both backends under their default prefixes unless --backend is given. "
+    "Reads only."
+)
+
+
+def add_selection(parser: argparse.ArgumentParser) -> None:
+    """``--endpoint`` and ``--backend`` (both backends by default) of ``list`` and ``gc``."""
+    add_endpoint_option(parser)
+    parser.add_argument(
+        "--backend",
+        choices=("etcd", "etcd-v2"),
+        help="only the runs of this backend (needed with --prefix; default: both)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``list`` (the connection options come from a parent)."""
+    add_selection(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON array")
+
+
+def select_runs(args: argparse.Namespace) -> list[RunSummary]:
+    """The runs ``--backend`` and ``--prefix`` select, read through a new connection."""
+    if args.prefix is not None and args.backend is None:
+        raise UsageError("--prefix needs --backend: the two backends use different prefixes")
+    backends = [args.backend] if args.backend else ["etcd", "etcd-v2"]
+    conn = open_connection(args)
+    try:
+        with etcd_errors(args.endpoint):
+            return find_runs(conn, backends, args.prefix)
+    finally:
+        conn.close()
+
+
+def format_idle(summary: RunSummary) -> str:
+    """The idle column: seconds since the last heartbeat, ``live`` or ``?``."""
+    if summary.idle_seconds is not None:
+        return _duration(summary.idle_seconds)
+    return "?" if summary.live == 0 else "-"
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    """Print the runs, as a table or (``--json``) a JSON array; return 0."""
+    summaries = select_runs(args)
+    if args.json:
+        print(json.dumps([s.as_dict() for s in summaries], indent=2, sort_keys=True), file=out)
+        return 0
+    if not summaries:
+        print("no runs", file=out)
+        return 0
+    header = ("BACKEND", "RUN ID", "API", "STATUS", "WORLD", "VERSION", "LIVE", "IDLE", "DONE")
+    rows = [header] + [
+        (
+            s.backend,
+            s.run_id,
+            s.api,
+            s.status,
+            str(s.world_size),
+            s.version or "-",
+            str(s.live),
+            format_idle(s),
+            "yes" if s.finished else "no",
+        )
+        for s in summaries
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
+    return 0
