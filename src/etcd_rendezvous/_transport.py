@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ _T = TypeVar("_T")
 
 DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
+#: Seconds a member may stay silent before the next endpoint is tried (see
+#: :attr:`Transport.silence_timeout`).
+DEFAULT_SILENCE_TIMEOUT = 3.0
 
 #: The etcd APIs a transport can speak, and the ``etcd_api`` option's values.
 ETCD_APIS = ("auto", "v2", "v3")
@@ -273,7 +277,9 @@ class Transport(abc.ABC):
     Every operation retries failures that are worth retrying (unreachable endpoint,
     leader election, a lost answer) on the same or the next endpoint until its deadline:
     the innermost :meth:`bounded_by` deadline of the calling thread, or else
-    ``read_timeout`` seconds. ``read_timeout`` also bounds each single request. A
+    ``read_timeout`` seconds. ``silence_timeout`` bounds each single request (and how
+    long a waiting watch may hear nothing from its member): a member that stops
+    answering without closing its connections costs seconds, not the whole deadline. A
     transport is closed by its owner with :meth:`close` (or by using it as a context
     manager).
     """
@@ -292,6 +298,7 @@ class Transport(abc.ABC):
         password: str | None,
         read_timeout: float,
         connect_timeout: float,
+        silence_timeout: float,
         sleep: Callable[[float], None],
     ) -> None:
         """Check the options both transports share; subclasses add their clients."""
@@ -303,13 +310,18 @@ class Transport(abc.ABC):
             raise ValueError(f"read_timeout: must be positive, got {read_timeout!r}.")
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout: must be positive, got {connect_timeout!r}.")
+        if silence_timeout <= 0:
+            raise ValueError(f"silence_timeout: must be positive, got {silence_timeout!r}.")
         self._protocol = protocol
         self._endpoints = [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints]
         self._read_timeout = float(read_timeout)
         self._connect_timeout = float(connect_timeout)
+        self._silence_timeout = min(float(silence_timeout), self._read_timeout)
         self._sleep = sleep
         self._lock = threading.Lock()
         self._current = 0
+        #: When each endpoint last answered (``time.monotonic()``; 0: never).
+        self._heard = [0.0] * len(self._endpoints)
         self._last_index = 0
         self._closed = False
         self._scope = threading.local()
@@ -324,8 +336,18 @@ class Transport(abc.ABC):
 
     @property
     def read_timeout(self) -> float:
-        """Per-request read timeout, and the retry budget outside :meth:`bounded_by`."""
+        """The retry budget of an operation outside :meth:`bounded_by`, and the longest
+        any request may wait for an answer."""
         return self._read_timeout
+
+    @property
+    def silence_timeout(self) -> float:
+        """Seconds a member may stay silent: one request waits that long for an answer
+        (then the next endpoint is tried), and a waiting watch that heard nothing from
+        its member for that long is re-armed, from the last index it saw, with a new
+        request that the member must answer as quickly (never more than
+        :attr:`read_timeout`)."""
+        return self._silence_timeout
 
     @property
     def connect_timeout(self) -> float:
@@ -597,15 +619,33 @@ class Transport(abc.ABC):
         with self._lock:
             return self._current
 
-    def _rotate(self, failed: int) -> None:
+    def _heard_from(self, idx: int) -> None:
+        """Endpoint ``idx`` answered (a request, or a message on a watch stream)."""
+        self._heard[idx] = time.monotonic()
+
+    def _silent_for(self, idx: int) -> float:
+        """Seconds since endpoint ``idx`` last answered anything on this connection."""
+        return time.monotonic() - self._heard[idx]
+
+    def _rotate(self, failed: int, why: str = "failed") -> None:
+        """Move on from endpoint ``failed`` to the next, if it is still the current one;
+        ``why`` completes the log line ("etcd endpoint <url> <why>; switching to ...")."""
         with self._lock:
             if self._current == failed and len(self._endpoints) > 1:
                 self._current = (failed + 1) % len(self._endpoints)
                 logger.info(
-                    "etcd endpoint %s failed; switching to %s",
+                    "etcd endpoint %s %s; switching to %s",
                     self._endpoints[failed],
+                    why,
                     self._endpoints[self._current],
                 )
+
+    def _leave_silent(self, idx: int, what: str) -> None:
+        """A wait (``what``) heard nothing from endpoint ``idx`` for ``silence_timeout``:
+        go on with the next endpoint. A frozen member and an idle one look the same
+        from here, and any member serves a wait as well as another."""
+        silent = self._silent_for(idx)
+        self._rotate(idx, f"said nothing for {silent:.1f} s while {what}")
 
     def _retrying(
         self,
@@ -640,7 +680,7 @@ class Transport(abc.ABC):
         floor = self._last_chance()
         failures: list[str] = []
         while True:
-            cap = min(self._read_timeout, max(deadline.remaining(), floor))
+            cap = min(self._silence_timeout, max(deadline.remaining(), floor))
             try:
                 return attempt(cap if cap_requests else None)
             except _UnsentError as exc:
@@ -667,7 +707,7 @@ class Transport(abc.ABC):
         caller's deadline by more than a second or so.
         """
         share = max(0.25, 1.0 / (len(self._endpoints) + 1))
-        return min(share, self._read_timeout)
+        return min(share, self._silence_timeout)
 
     def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
         tried = ", ".join(dict.fromkeys(f.split(": ", 1)[0] for f in failures))

@@ -55,6 +55,7 @@ from ._retry import Deadline
 from ._transport import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
+    DEFAULT_SILENCE_TIMEOUT,
     KeyExistsError,
     KeyNotFoundError,
     Node,
@@ -100,9 +101,12 @@ class EtcdV3Connection(Transport):
         username: etcd user (needs ``password``); authenticated through
             ``/v3/auth/authenticate``, and again whenever the token expires.
         password: password for ``username``.
-        read_timeout: seconds one request may wait for an answer, and the retry budget
-            of an operation outside :meth:`~etcd_rendezvous._transport.Transport.bounded_by`.
+        read_timeout: the retry budget of an operation outside
+            :meth:`~etcd_rendezvous._transport.Transport.bounded_by`.
         connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
+        silence_timeout: seconds one request waits for an answer before the next
+            endpoint is tried, and a waiting watch may hear nothing from its member
+            (see :attr:`~etcd_rendezvous._transport.Transport.silence_timeout`).
     """
 
     api = "v3"
@@ -119,6 +123,7 @@ class EtcdV3Connection(Transport):
         password: str | None = None,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         super().__init__(
@@ -130,6 +135,7 @@ class EtcdV3Connection(Transport):
             password=password,
             read_timeout=read_timeout,
             connect_timeout=connect_timeout,
+            silence_timeout=silence_timeout,
             sleep=sleep,
         )
         pool_kw: dict[str, Any] = {"retries": False, "maxsize": 8}
@@ -178,7 +184,7 @@ class EtcdV3Connection(Transport):
         ``where`` says what the request was for, for error messages ("read '/k'").
         """
         endpoint = self._endpoints[idx]
-        read = self._read_timeout if cap is None else cap
+        read = self._silence_timeout if cap is None else cap
         timeout = urllib3.Timeout(connect=min(self._connect_timeout, read), read=read)
         headers = self._headers()
         if path == _AUTHENTICATE:
@@ -195,6 +201,7 @@ class EtcdV3Connection(Transport):
             )
         except BaseException as exc:
             raise self._transport_failure(idx, exc, where) from None
+        self._heard_from(idx)
         if response.status == 200:
             try:
                 data = json.loads(response.data)
@@ -709,7 +716,7 @@ class EtcdV3Connection(Transport):
         )
         self._version = str(version.get("etcdserver", ""))
         idx = self._pick()
-        read = max(budget.remaining(), self._last_chance())
+        read = min(self._silence_timeout, max(budget.remaining(), self._last_chance()))
         try:
             response = self._pool.request(
                 "GET",

@@ -68,8 +68,9 @@ class V3WatchStream(StreamingWatch):
             request["start_revision"] = str(from_index)
         if self._recursive:
             request["range_end"] = wire.prefix_end(self._key)
-        # The read timeout is for the answer to start; then the reader waits forever.
-        wait = min(conn.read_timeout, max(deadline.remaining(), conn._last_chance()))
+        # A live member starts its answer at once; then the reader waits for as long
+        # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
+        wait = min(conn.silence_timeout, max(deadline.remaining(), conn._last_chance()))
         try:
             response = conn._pool.urlopen(
                 "POST",
@@ -82,6 +83,7 @@ class V3WatchStream(StreamingWatch):
             )
         except BaseException as exc:
             raise conn._transport_failure(idx, exc, where) from None
+        conn._heard_from(idx)
         if response.status != 200:
             error = wire.parse_error(response.status, response.read())
             response.close()

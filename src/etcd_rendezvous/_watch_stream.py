@@ -150,7 +150,15 @@ class StreamingWatch(WatchStream):
 
     def next(self, timeout: float) -> Node | None:
         """The next change, or ``None`` after ``timeout`` seconds (see
-        :meth:`WatchStream.next`)."""
+        :meth:`WatchStream.next`).
+
+        A wait that heard nothing from its member for the transport's
+        ``silence_timeout`` (neither on this stream nor in answer to any other request
+        of the connection), or whose member the connection left after a failure, is
+        re-armed on the next endpoint: a new answer from the index after the last
+        change received. A frozen member cannot be told from an idle one, and any
+        member serves a watch as well as another.
+        """
         deadline = self._transport._budget(Deadline(timeout))
         while True:
             with self._cond:
@@ -165,8 +173,13 @@ class StreamingWatch(WatchStream):
                 if feed is not None and not feed.ended:
                     if deadline.expired():
                         return None
-                    self._cond.wait(deadline.remaining())
-                    continue
+                    patience = self._patience(feed)
+                    if patience > 0:
+                        self._cond.wait(min(deadline.remaining(), patience))
+                        continue
+                    self._feed = None  # re-armed below
+                    self._abandon(feed)
+                    feed = None
             if deadline.expired() or not self._reopen(feed, deadline, at_deadline="none"):
                 return None
 
@@ -184,6 +197,22 @@ class StreamingWatch(WatchStream):
             feed.stop()
 
     # -- opening and reopening --------------------------------------------------------
+
+    def _patience(self, feed: _Feed) -> float:
+        """Seconds a wait may still listen to ``feed`` before re-arming (0: now)."""
+        transport = self._transport
+        if transport._pick() != feed.endpoint:
+            return 0.0  # a request to that member failed: the connection moved on
+        return transport.silence_timeout - transport._silent_for(feed.endpoint)
+
+    def _abandon(self, feed: _Feed) -> None:
+        """Stop ``feed``, whose member went silent (or was left), to re-arm the stream
+        on the next endpoint."""
+        transport = self._transport
+        if transport._pick() == feed.endpoint:
+            transport._leave_silent(feed.endpoint, f"watching {self._key!r}")
+        logger.debug("Watch of %s re-armed from index %d", self._key, self._resume)
+        feed.stop()
 
     def _reopen(self, feed: _Feed | None, deadline: Deadline, *, at_deadline: str) -> bool:
         """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
@@ -256,9 +285,21 @@ class StreamingWatch(WatchStream):
             daemon=True,
         )
         thread.start()
+        # A live member confirms a new watch at once: one that does not within
+        # silence_timeout is left for the next endpoint.
+        confirm = deadline.earliest(self._transport.silence_timeout)
         with self._cond:
-            while not (feed.ready or feed.ended or deadline.expired()):
-                self._cond.wait(deadline.remaining())
+            while not (feed.ready or feed.ended or confirm.expired()):
+                self._cond.wait(confirm.remaining())
+            if not (feed.ready or feed.ended or deadline.expired()):
+                if self._feed is feed:
+                    self._feed = None
+                feed.stop()
+                self._transport._rotate(endpoint)
+                raise _AmbiguousError(
+                    f"{self._transport.endpoints[endpoint]}: the watch of {self._key!r} was "
+                    f"not confirmed within {self._transport.silence_timeout:g} s"
+                )
             if feed.ended and isinstance(feed.failure, Exception):
                 # Refused when it was created (an expired token, say): the caller
                 # classifies it as for any request.
@@ -270,6 +311,7 @@ class StreamingWatch(WatchStream):
 
     def _take(self, feed: _Feed, batch: list[Node] | int | None) -> bool:
         """Buffer what the reader parsed. Returns whether to keep reading."""
+        self._transport._heard_from(feed.endpoint)
         with self._cond:
             if feed is not self._feed or self._closed:
                 return False
