@@ -40,6 +40,7 @@ from ._retry import Deadline
 from ._transport import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
     DEFAULT_SILENCE_TIMEOUT,
     ELECTION_MARKERS,
     CompareFailedError,
@@ -183,9 +184,11 @@ class EtcdConnection(Transport):
             (unless the caller set a deadline with
             :meth:`~etcd_rendezvous._transport.Transport.bounded_by`).
         connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
-        silence_timeout: seconds one request waits for an answer before the next
-            endpoint is tried, and a waiting watch may hear nothing from its member
-            (see :attr:`~etcd_rendezvous._transport.Transport.silence_timeout`).
+        request_timeout: seconds one request waits for an answer before the next
+            endpoint is tried.
+        silence_timeout: seconds a wait may hear nothing from its member before it is
+            re-armed on the next endpoint (see
+            :attr:`~etcd_rendezvous._transport.Transport.silence_timeout`).
     """
 
     api = "v2"
@@ -202,6 +205,7 @@ class EtcdConnection(Transport):
         password: str | None = None,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -214,6 +218,7 @@ class EtcdConnection(Transport):
             password=password,
             read_timeout=read_timeout,
             connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
             silence_timeout=silence_timeout,
             sleep=sleep,
         )
@@ -426,11 +431,13 @@ class EtcdConnection(Transport):
         deadline = self._budget(Deadline(timeout))
         while not deadline.expired():
             idx = self._pick()
-            poll = min(deadline.remaining(), self._silence_timeout)
+            remaining = deadline.remaining()
+            poll = min(remaining, self._silence_timeout)
             try:
                 return self._poll(key, index, poll, recursive, self._watch_budget(deadline))
             except etcd.EtcdWatchTimedOut:
-                pass
+                if poll >= remaining:
+                    return None  # that poll was the whole wait
             except RendezvousConnectionError:
                 if deadline.expired():
                     return None

@@ -60,9 +60,12 @@ _T = TypeVar("_T")
 
 DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
-#: Seconds a member may stay silent before the next endpoint is tried (see
-#: :attr:`Transport.silence_timeout`).
-DEFAULT_SILENCE_TIMEOUT = 3.0
+#: Seconds one request waits for an answer before the next endpoint is tried (see
+#: :attr:`Transport.request_timeout`).
+DEFAULT_REQUEST_TIMEOUT = 3.0
+#: Seconds a wait may hear nothing from its member before it is re-armed on the next
+#: endpoint (see :attr:`Transport.silence_timeout`).
+DEFAULT_SILENCE_TIMEOUT = 10.0
 
 #: The etcd APIs a transport can speak, and the ``etcd_api`` option's values.
 ETCD_APIS = ("auto", "v2", "v3")
@@ -277,9 +280,9 @@ class Transport(abc.ABC):
     Every operation retries failures that are worth retrying (unreachable endpoint,
     leader election, a lost answer) on the same or the next endpoint until its deadline:
     the innermost :meth:`bounded_by` deadline of the calling thread, or else
-    ``read_timeout`` seconds. ``silence_timeout`` bounds each single request (and how
-    long a waiting watch may hear nothing from its member): a member that stops
-    answering without closing its connections costs seconds, not the whole deadline. A
+    ``read_timeout`` seconds. ``request_timeout`` bounds each single request, and
+    ``silence_timeout`` how long a wait may hear nothing from its member: a member that
+    stops answering without closing its connections costs seconds, not the deadline. A
     transport is closed by its owner with :meth:`close` (or by using it as a context
     manager).
     """
@@ -298,6 +301,7 @@ class Transport(abc.ABC):
         password: str | None,
         read_timeout: float,
         connect_timeout: float,
+        request_timeout: float,
         silence_timeout: float,
         sleep: Callable[[float], None],
     ) -> None:
@@ -310,12 +314,15 @@ class Transport(abc.ABC):
             raise ValueError(f"read_timeout: must be positive, got {read_timeout!r}.")
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout: must be positive, got {connect_timeout!r}.")
+        if request_timeout <= 0:
+            raise ValueError(f"request_timeout: must be positive, got {request_timeout!r}.")
         if silence_timeout <= 0:
             raise ValueError(f"silence_timeout: must be positive, got {silence_timeout!r}.")
         self._protocol = protocol
         self._endpoints = [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints]
         self._read_timeout = float(read_timeout)
         self._connect_timeout = float(connect_timeout)
+        self._request_timeout = min(float(request_timeout), self._read_timeout)
         self._silence_timeout = min(float(silence_timeout), self._read_timeout)
         self._sleep = sleep
         self._lock = threading.Lock()
@@ -341,11 +348,17 @@ class Transport(abc.ABC):
         return self._read_timeout
 
     @property
+    def request_timeout(self) -> float:
+        """Seconds one request waits for an answer before the next endpoint is tried
+        (the opening of a watch included; never more than :attr:`read_timeout`)."""
+        return self._request_timeout
+
+    @property
     def silence_timeout(self) -> float:
-        """Seconds a member may stay silent: one request waits that long for an answer
-        (then the next endpoint is tried), and a waiting watch that heard nothing from
-        its member for that long is re-armed, from the last index it saw, with a new
-        request that the member must answer as quickly (never more than
+        """Seconds a wait (a watch, v2's long poll) may hear nothing from its member --
+        neither on the watch nor in answer to any other request of this connection --
+        before it is re-armed, from the last index it saw, on the next endpoint: a
+        frozen member cannot be told from an idle one (never more than
         :attr:`read_timeout`)."""
         return self._silence_timeout
 
@@ -680,7 +693,7 @@ class Transport(abc.ABC):
         floor = self._last_chance()
         failures: list[str] = []
         while True:
-            cap = min(self._silence_timeout, max(deadline.remaining(), floor))
+            cap = min(self._request_timeout, max(deadline.remaining(), floor))
             try:
                 return attempt(cap if cap_requests else None)
             except _UnsentError as exc:
@@ -707,7 +720,7 @@ class Transport(abc.ABC):
         caller's deadline by more than a second or so.
         """
         share = max(0.25, 1.0 / (len(self._endpoints) + 1))
-        return min(share, self._silence_timeout)
+        return min(share, self._request_timeout)
 
     def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
         tried = ", ".join(dict.fromkeys(f.split(": ", 1)[0] for f in failures))

@@ -62,7 +62,7 @@ class V2WatchStream(StreamingWatch):
             fields["recursive"] = "true"
         # A live member starts its answer at once; then the reader waits for as long
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
-        wait = min(conn.silence_timeout, max(deadline.remaining(), conn._last_chance()))
+        wait = min(conn.request_timeout, max(deadline.remaining(), conn._last_chance()))
         timeout = urllib3.Timeout(connect=min(conn.connect_timeout, wait), read=wait)
 
         def call(client: Any) -> tuple[int, Any]:

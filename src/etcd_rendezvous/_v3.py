@@ -55,6 +55,7 @@ from ._retry import Deadline
 from ._transport import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
     DEFAULT_SILENCE_TIMEOUT,
     KeyExistsError,
     KeyNotFoundError,
@@ -104,9 +105,11 @@ class EtcdV3Connection(Transport):
         read_timeout: the retry budget of an operation outside
             :meth:`~etcd_rendezvous._transport.Transport.bounded_by`.
         connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
-        silence_timeout: seconds one request waits for an answer before the next
-            endpoint is tried, and a waiting watch may hear nothing from its member
-            (see :attr:`~etcd_rendezvous._transport.Transport.silence_timeout`).
+        request_timeout: seconds one request waits for an answer before the next
+            endpoint is tried.
+        silence_timeout: seconds a wait may hear nothing from its member before it is
+            re-armed on the next endpoint (see
+            :attr:`~etcd_rendezvous._transport.Transport.silence_timeout`).
     """
 
     api = "v3"
@@ -123,6 +126,7 @@ class EtcdV3Connection(Transport):
         password: str | None = None,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -135,6 +139,7 @@ class EtcdV3Connection(Transport):
             password=password,
             read_timeout=read_timeout,
             connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
             silence_timeout=silence_timeout,
             sleep=sleep,
         )
@@ -184,7 +189,7 @@ class EtcdV3Connection(Transport):
         ``where`` says what the request was for, for error messages ("read '/k'").
         """
         endpoint = self._endpoints[idx]
-        read = self._silence_timeout if cap is None else cap
+        read = self._request_timeout if cap is None else cap
         timeout = urllib3.Timeout(connect=min(self._connect_timeout, read), read=read)
         headers = self._headers()
         if path == _AUTHENTICATE:
@@ -716,7 +721,7 @@ class EtcdV3Connection(Transport):
         )
         self._version = str(version.get("etcdserver", ""))
         idx = self._pick()
-        read = min(self._silence_timeout, max(budget.remaining(), self._last_chance()))
+        read = min(self._request_timeout, max(budget.remaining(), self._last_chance()))
         try:
             response = self._pool.request(
                 "GET",

@@ -70,7 +70,7 @@ class V3WatchStream(StreamingWatch):
             request["range_end"] = wire.prefix_end(self._key)
         # A live member starts its answer at once; then the reader waits for as long
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
-        wait = min(conn.silence_timeout, max(deadline.remaining(), conn._last_chance()))
+        wait = min(conn.request_timeout, max(deadline.remaining(), conn._last_chance()))
         try:
             response = conn._pool.urlopen(
                 "POST",

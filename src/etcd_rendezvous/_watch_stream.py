@@ -60,6 +60,10 @@ Batches = Iterator["list[Node] | int | None"]
 #: stream nobody reads cannot grow without bound (etcd then drops or slows the watcher).
 _MAX_BUFFERED = 10_000
 
+#: Seconds between two looks of a waiting :meth:`StreamingWatch.next` at whether its
+#: member went silent or was left (no I/O: a look reads two numbers).
+_RECHECK = 0.5
+
 
 class _Feed:
     """One watch answer and the state of the thread that reads it."""
@@ -175,7 +179,8 @@ class StreamingWatch(WatchStream):
                         return None
                     patience = self._patience(feed)
                     if patience > 0:
-                        self._cond.wait(min(deadline.remaining(), patience))
+                        # Look again soon: another request may leave the member meanwhile.
+                        self._cond.wait(min(deadline.remaining(), patience, _RECHECK))
                         continue
                     self._feed = None  # re-armed below
                     self._abandon(feed)
@@ -286,8 +291,8 @@ class StreamingWatch(WatchStream):
         )
         thread.start()
         # A live member confirms a new watch at once: one that does not within
-        # silence_timeout is left for the next endpoint.
-        confirm = deadline.earliest(self._transport.silence_timeout)
+        # request_timeout is left for the next endpoint.
+        confirm = deadline.earliest(self._transport.request_timeout)
         with self._cond:
             while not (feed.ready or feed.ended or confirm.expired()):
                 self._cond.wait(confirm.remaining())
@@ -298,7 +303,7 @@ class StreamingWatch(WatchStream):
                 self._transport._rotate(endpoint)
                 raise _AmbiguousError(
                     f"{self._transport.endpoints[endpoint]}: the watch of {self._key!r} was "
-                    f"not confirmed within {self._transport.silence_timeout:g} s"
+                    f"not confirmed within {self._transport.request_timeout:g} s"
                 )
             if feed.ended and isinstance(feed.failure, Exception):
                 # Refused when it was created (an expired token, say): the caller
