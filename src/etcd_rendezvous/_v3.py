@@ -82,6 +82,18 @@ _SHARED_LEASE_MIN_TTL = 60
 _SHARED_LEASE_FRESHNESS = 0.9
 
 
+#: The permission (as ``etcdctl role grant-permission`` names it) a request of each path
+#: needs on its key; a transaction compares (reads) and writes.
+_PERMISSIONS = {
+    "/v3/kv/range": "read",
+    "/v3/watch": "read",
+    "/v3/kv/put": "write",
+    "/v3/kv/deleterange": "write",
+    "/v3/lease/revoke": "write",
+    "/v3/kv/txn": "readwrite",
+}
+
+
 class _ReauthError(Exception):
     """The request was refused for want of a valid auth token."""
 
@@ -256,12 +268,27 @@ class EtcdV3Connection(Transport):
                 f"answered 404) while trying to {where}. etcd 3.4 or later serves it; use "
                 "etcd_api=v2 for older servers."
             )
+        if error.code == wire.PERMISSION_DENIED and self._username is not None:
+            return self.refusal(idx, where, _PERMISSIONS.get(path, "readwrite"), str(error))
         if error.code in (wire.PERMISSION_DENIED, wire.UNAUTHENTICATED) or error.needs_reauth:
             return RendezvousConnectionError(
                 f"etcd endpoint {endpoint} refused to {where}: {error}. Check username, "
                 "password and the user's roles."
             )
         return OperationRefusedError(f"etcd endpoint {endpoint} refused to {where}: {error}")
+
+    def refusal(
+        self, idx: int, where: str, permission: str, detail: str
+    ) -> RendezvousConnectionError:
+        """The error for a request to ``where`` ("write '/k'") that endpoint ``idx``
+        refused because the user lacks ``permission`` (``read``, ``write`` or
+        ``readwrite``) on its key."""
+        return RendezvousConnectionError(
+            f"etcd endpoint {self._endpoints[idx]} refused to {where}: user "
+            f"{self._username!r} has no {permission} permission on that key ({detail}). "
+            f"Grant it to one of the user's roles: etcdctl role grant-permission <role> "
+            f"{permission} <key> (add --prefix for every key below a prefix)."
+        )
 
     def _authenticate(self, idx: int, cap: float | None) -> None:
         """Get a fresh auth token from endpoint ``idx``."""

@@ -53,11 +53,8 @@ class V3WatchStream(StreamingWatch):
                 return
             except _ReauthError as exc:
                 if renewal:
-                    raise RendezvousConnectionError(
-                        f"etcd endpoint {conn.endpoints[idx]} refused to watch {self._key!r} "
-                        f"with a fresh auth token ({str(exc).split(': ', 1)[-1]}). Check the "
-                        "user's roles."
-                    ) from None
+                    detail = f"{str(exc).split(': ', 1)[-1]}, with a fresh auth token"
+                    raise conn.refusal(idx, f"watch {self._key!r}", "read", detail) from None
 
     def _send(self, from_index: int, deadline: Deadline) -> tuple[int, Any, Batches]:
         conn = self._conn
