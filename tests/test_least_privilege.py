@@ -19,9 +19,9 @@ import json
 import re
 import time
 import uuid
-from datetime import timedelta
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -39,7 +39,7 @@ from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 from etcd_rendezvous.layout import (
     DEFAULT_PREFIX,
-        ETCD_V2_STORE_PREFIX,
+    ETCD_V2_STORE_PREFIX,
     EtcdV2NodesLayout,
     LegacyLayout,
     etcd_v2_state_key,
