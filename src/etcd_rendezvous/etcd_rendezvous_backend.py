@@ -545,8 +545,12 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     option           meaning                                                     default
     ===============  ==========================================================  =======
     join_timeout     creation, too, ends within it (see below)                   600
-    read_timeout     seconds one etcd request waits for an answer (then the      60
+    read_timeout     the longest one etcd request may wait, and how long         60
+                     failures are retried outside a deadline
+    request_timeout  seconds one etcd request waits for an answer (then the      3
                      next endpoint is tried)
+    silence_timeout  seconds a wait may hear nothing from its member (then it    10
+                     is re-armed on the next endpoint)
     connect_timeout  seconds to connect to one endpoint                          5
     protocol         ``http`` or ``https``                                       http
     ssl_cert         client certificate file (https)
