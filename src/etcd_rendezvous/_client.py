@@ -164,6 +164,10 @@ def _is_transient_server_error(exc: etcd.EtcdException) -> bool:
     return isinstance(status, int) and status >= 500
 
 
+#: What the requests that only read are for (``what`` of :meth:`EtcdConnection._once`):
+#: a refusal of one of them is for want of read permission, of any other, write.
+_READS = frozenset({"read", "watch", "query the version of"})
+
 Endpoint = tuple[str, int]
 _Cert = Union[str, tuple[str, str], None]
 
@@ -359,9 +363,18 @@ class EtcdConnection(Transport):
                 raise _UnsentError(message) from None
             raise _AmbiguousError(message) from None
         except etcd.EtcdInsufficientPermissions as exc:
+            if client.username is None:
+                raise RendezvousConnectionError(
+                    f"etcd endpoint {endpoint} refused to {what} {key!r}: {exc}. "
+                    "Check username and password."
+                ) from None
+            permission = "read" if what in _READS else "write"
             raise RendezvousConnectionError(
-                f"etcd endpoint {endpoint} refused to {what} {key!r}: {exc}. "
-                "Check username and password."
+                f"etcd endpoint {endpoint} refused to {what} {key!r}: user "
+                f"{client.username!r} has no {permission} permission on that key ({exc}), "
+                "or a wrong password. Grant it to one of the user's roles (etcd's v2 "
+                f"auth: a {permission} pattern of the role's kv permissions; '<key>*' for "
+                "every key below a prefix)."
             ) from None
         except etcd.EtcdClusterIdChanged as exc:
             raise RendezvousConnectionError(
