@@ -165,6 +165,7 @@ class StreamingWatch(WatchStream):
         """
         deadline = self._transport._budget(Deadline(timeout))
         while True:
+            silent: _Feed | None = None
             with self._cond:
                 self._check_open(self._transport)
                 if self._events:
@@ -183,8 +184,9 @@ class StreamingWatch(WatchStream):
                         self._cond.wait(min(deadline.remaining(), patience, _RECHECK))
                         continue
                     self._feed = None  # re-armed below
-                    self._abandon(feed)
-                    feed = None
+                    silent, feed = feed, None
+            if silent is not None:
+                self._abandon(silent)
             if deadline.expired() or not self._reopen(feed, deadline, at_deadline="none"):
                 return None
 
