@@ -364,15 +364,19 @@ def test_a_user_limited_to_the_store_prefix_uses_the_store(
 # -- one permission missing: a clear error at once, nothing written ----------------------
 
 
-@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+@pytest.mark.parametrize(
+    ("backend", "missing"),
+    [("etcd", 0), ("etcd-v2", 0), ("etcd-v2", 1), ("etcd-v2", 2)],
+    ids=["etcd-run-dir", "etcd-v2-state", "etcd-v2-nodes", "etcd-v2-store"],
+)
 def test_a_missing_permission_is_named_at_once_and_nothing_is_written(
-    backend: str, auth_server: tuple[EtcdServer, str], root: Admin
+    backend: str, missing: int, auth_server: tuple[EtcdServer, str], root: Admin
 ) -> None:
     server, _ = auth_server
     run_id = f"lp-{uuid.uuid4().hex[:8]}"
     grants = legacy_grants(run_id) if backend == "etcd" else dynamic_grants(run_id)
-    # etcd: the run directory (its only grant); etcd-v2: the state key.
-    missing, *kept = grants
+    key = grants[missing][0].rstrip("/")
+    kept = [grant for i, grant in enumerate(grants) if i != missing]
     user = root.user_with_grants(kept)
     started = time.monotonic()
     with pytest.raises(RendezvousError) as info:
@@ -380,7 +384,7 @@ def test_a_missing_permission_is_named_at_once_and_nothing_is_written(
     took = time.monotonic() - started
     message = str(info.value)
     assert isinstance(info.value, RendezvousConnectionError), message
-    assert f"'{missing[0]}" in message, message  # v2 spells a directory with a "/"
+    assert f"'{key}" in message, message  # (v2 spells a directory with a "/")
     assert re.search(r"\b(read|write|readwrite) permission\b", message), message
     assert user in message, message
     assert took < REFUSAL_BOUND, f"{took:.2f} s: {message}"

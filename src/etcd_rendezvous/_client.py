@@ -29,6 +29,7 @@ import logging
 import ssl
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar, Union
 
@@ -371,7 +372,7 @@ class EtcdConnection(Transport):
             permission = "read" if what in _READS else "write"
             raise RendezvousConnectionError(
                 f"etcd endpoint {endpoint} refused to {what} {key!r}: user "
-                f"{client.username!r} has no {permission} permission on that key ({exc}), "
+                f"{client.username!r} has no {permission} permission on it ({exc}), "
                 "or a wrong password. Grant it to one of the user's roles (etcd's v2 "
                 f"auth: a {permission} pattern of the role's kv permissions; '<key>*' for "
                 "every key below a prefix)."
@@ -663,6 +664,15 @@ class EtcdConnection(Transport):
                     return True
             return False
         return True
+
+    def check_writable(self, prefix: str) -> None:
+        """A compare-and-swap below ``prefix`` that cannot apply (on a key that no one
+        writes, from an index it cannot have): etcd checks the user's permission first."""
+        probe = f"{prefix.rstrip('/')}/_permission-check-{uuid.uuid4().hex}"
+        try:
+            self._v2("write below", prefix, lambda c: c.write(probe, "", prevIndex=1))
+        except (KeyNotFoundError, CompareFailedError):
+            return
 
     def delete(self, key: str, *, recursive: bool = False) -> bool:
         """Delete ``key`` (a directory with ``recursive``). Returns whether it existed."""

@@ -528,6 +528,16 @@ class Transport(abc.ABC):
         """
         return _WaitingWatchStream(self, key, start_index, recursive)
 
+    @abc.abstractmethod
+    def check_writable(self, prefix: str) -> None:
+        """Ask etcd whether this connection's user may write below ``prefix``, with a
+        conditional write that cannot apply: nothing is written either way.
+
+        Raises:
+            RendezvousConnectionError: etcd refused it; the message names ``prefix``,
+                the user and the permission missing.
+        """
+
     def first_change_after(self, key: str, index: int) -> Node | None:
         """The first recorded change of ``key`` after ``index``, if etcd still has it."""
         return self.watch(key, index + 1, timeout=0.5)

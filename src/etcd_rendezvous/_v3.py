@@ -94,6 +94,10 @@ _PERMISSIONS = {
 }
 
 
+#: The key :meth:`EtcdV3Connection.check_writable` would write (it never does).
+_PROBE_NAME = "_permission-check"
+
+
 class _ReauthError(Exception):
     """The request was refused for want of a valid auth token."""
 
@@ -285,7 +289,7 @@ class EtcdV3Connection(Transport):
         ``readwrite``) on its key."""
         return RendezvousConnectionError(
             f"etcd endpoint {self._endpoints[idx]} refused to {where}: user "
-            f"{self._username!r} has no {permission} permission on that key ({detail}). "
+            f"{self._username!r} has no {permission} permission on it ({detail}). "
             f"Grant it to one of the user's roles: etcdctl role grant-permission <role> "
             f"{permission} <key> (add --prefix for every key below a prefix)."
         )
@@ -731,6 +735,15 @@ class EtcdV3Connection(Transport):
             for response in data.get("responses") or []
         )
         return deleted > 0
+
+    def check_writable(self, prefix: str) -> None:
+        """A transaction whose put below ``prefix`` cannot apply (its key's version is
+        compared with "less than 0"): etcd checks the permissions of every operation
+        of a transaction, applied or not."""
+        probe = f"{prefix.rstrip('/')}/{_PROBE_NAME}"
+        never = {"key": wire.b64(probe), "target": "VERSION", "result": "LESS", "version": "0"}
+        put = {"request_put": {"key": wire.b64(probe), "value": ""}}
+        self._call("write below", prefix, "/v3/kv/txn", {"compare": [never], "success": [put]})
 
     # -- discovery --------------------------------------------------------------------
 
