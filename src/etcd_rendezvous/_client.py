@@ -29,6 +29,7 @@ import logging
 import ssl
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar, Union
 
@@ -40,6 +41,8 @@ from ._retry import Deadline
 from ._transport import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
+    DEFAULT_SILENCE_TIMEOUT,
     ELECTION_MARKERS,
     CompareFailedError,
     KeyExistsError,
@@ -162,6 +165,10 @@ def _is_transient_server_error(exc: etcd.EtcdException) -> bool:
     return isinstance(status, int) and status >= 500
 
 
+#: What the requests that only read are for (``what`` of :meth:`EtcdConnection._once`):
+#: a refusal of one of them is for want of read permission, of any other, write.
+_READS = frozenset({"read", "watch", "query the version of"})
+
 Endpoint = tuple[str, int]
 _Cert = Union[str, tuple[str, str], None]
 
@@ -177,11 +184,16 @@ class EtcdConnection(Transport):
         cacert: CA bundle used to verify the server.
         username: user name for etcd authentication (needs ``password``).
         password: password for ``username``.
-        read_timeout: seconds one request may wait for an answer, and the time budget
-            for retrying a failed operation across endpoints before giving up with
-            :class:`~etcd_rendezvous.api.RendezvousConnectionError` (unless the caller
-            set a deadline with :meth:`~etcd_rendezvous._transport.Transport.bounded_by`).
+        read_timeout: the time budget for retrying a failed operation across endpoints
+            before giving up with :class:`~etcd_rendezvous.api.RendezvousConnectionError`
+            (unless the caller set a deadline with
+            :meth:`~etcd_rendezvous._transport.Transport.bounded_by`).
         connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
+        request_timeout: seconds one request waits for an answer before the next
+            endpoint is tried.
+        silence_timeout: seconds a wait may hear nothing from its member before it is
+            re-armed on the next endpoint (see
+            :attr:`~etcd_rendezvous._transport.Transport.silence_timeout`).
     """
 
     api = "v2"
@@ -198,6 +210,8 @@ class EtcdConnection(Transport):
         password: str | None = None,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         super().__init__(
@@ -209,6 +223,8 @@ class EtcdConnection(Transport):
             password=password,
             read_timeout=read_timeout,
             connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
+            silence_timeout=silence_timeout,
             sleep=sleep,
         )
         client_cert: _Cert = (cert, key) if cert and key else cert
@@ -321,12 +337,17 @@ class EtcdConnection(Transport):
         endpoint = self._endpoints[idx]
         client.http.read_cap.value = cap
         try:
-            return call(client)
+            result = call(client)
+            self._heard_from(idx)
+            return result
         except etcd.EtcdKeyNotFound as exc:
+            self._heard_from(idx)
             raise KeyNotFoundError(key, _payload_index(exc)) from None
         except etcd.EtcdAlreadyExist as exc:
+            self._heard_from(idx)
             raise KeyExistsError(key, _payload_index(exc)) from None
         except etcd.EtcdCompareFailed as exc:
+            self._heard_from(idx)
             raise CompareFailedError(key, _payload_index(exc)) from None
         except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
             raise
@@ -343,9 +364,18 @@ class EtcdConnection(Transport):
                 raise _UnsentError(message) from None
             raise _AmbiguousError(message) from None
         except etcd.EtcdInsufficientPermissions as exc:
+            if client.username is None:
+                raise RendezvousConnectionError(
+                    f"etcd endpoint {endpoint} refused to {what} {key!r}: {exc}. "
+                    "Check username and password."
+                ) from None
+            permission = "read" if what in _READS else "write"
             raise RendezvousConnectionError(
-                f"etcd endpoint {endpoint} refused to {what} {key!r}: {exc}. "
-                "Check username and password."
+                f"etcd endpoint {endpoint} refused to {what} {key!r}: user "
+                f"{client.username!r} has no {permission} permission on it ({exc}), "
+                "or a wrong password. Grant it to one of the user's roles (etcd's v2 "
+                f"auth: a {permission} pattern of the role's kv permissions; '<key>*' for "
+                "every key below a prefix)."
             ) from None
         except etcd.EtcdClusterIdChanged as exc:
             raise RendezvousConnectionError(
@@ -404,46 +434,53 @@ class EtcdConnection(Transport):
         longer than the read timeout (outside a ``bounded_by`` block),
         :class:`RendezvousConnectionError` is raised.
 
+        A v2 wait is a long poll, which a member answers only when the key changes: a
+        poll lasts at most ``silence_timeout`` and is then sent again from ``index``;
+        when nothing else was heard from its member meanwhile either, the next poll
+        goes to the next endpoint (a frozen member and an idle one look the same).
+
         Raises:
             WatchHistoryLostError: etcd answered "event index cleared" (401).
         """
         deadline = self._budget(Deadline(timeout))
-        if deadline.expired():
-            return None
+        while not deadline.expired():
+            idx = self._pick()
+            remaining = deadline.remaining()
+            poll = min(remaining, self._silence_timeout)
+            try:
+                return self._poll(key, index, poll, recursive, self._watch_budget(deadline))
+            except etcd.EtcdWatchTimedOut:
+                if poll >= remaining:
+                    return None  # that poll was the whole wait
+            except RendezvousConnectionError:
+                if deadline.expired():
+                    return None
+                raise
+            if self._silent_for(idx) >= self._silence_timeout:
+                self._leave_silent(idx, f"watching {key!r}")
+        return None
+
+    def _poll(
+        self, key: str, index: int, seconds: float, recursive: bool, budget: Deadline
+    ) -> Node | None:
+        """One long poll of at most ``seconds`` (connection failures retried within
+        ``budget``); raises ``etcd.EtcdWatchTimedOut`` if nothing changed."""
 
         def call(client: Any) -> Node:
             # python-etcd treats a timeout of 0 as "wait forever".
             result = client.read(
-                key,
-                wait=True,
-                waitIndex=index,
-                recursive=recursive,
-                timeout=max(deadline.remaining(), 0.001),
+                key, wait=True, waitIndex=index, recursive=recursive, timeout=max(seconds, 0.001)
             )
             return _node(result)
 
         try:
-            return self._note_index(
-                self._v2(
-                    "watch",
-                    key,
-                    call,
-                    budget=self._watch_budget(deadline),
-                    cap_requests=False,
-                )
-            )
-        except etcd.EtcdWatchTimedOut:
-            return None
+            return self._note_index(self._v2("watch", key, call, budget=budget, cap_requests=False))
         except etcd.EtcdEventIndexCleared as exc:
             raise WatchHistoryLostError(key, index, str(exc)) from None
         except KeyNotFoundError:
             # Watching a missing key works in etcd; this only happens for a
             # missing parent directory on some versions. Treat as "no change yet".
             return None
-        except RendezvousConnectionError:
-            if deadline.expired():
-                return None
-            raise
 
     def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
         """The changes of ``key`` (or below it) from etcd index ``start_index`` on, over
@@ -627,6 +664,15 @@ class EtcdConnection(Transport):
                     return True
             return False
         return True
+
+    def check_writable(self, prefix: str) -> None:
+        """A compare-and-swap below ``prefix`` that cannot apply (on a key that no one
+        writes, from an index it cannot have): etcd checks the user's permission first."""
+        probe = f"{prefix.rstrip('/')}/_permission-check-{uuid.uuid4().hex}"
+        try:
+            self._v2("write below", prefix, lambda c: c.write(probe, "", prevIndex=1))
+        except (KeyNotFoundError, CompareFailedError):
+            return
 
     def delete(self, key: str, *, recursive: bool = False) -> bool:
         """Delete ``key`` (a directory with ``recursive``). Returns whether it existed."""

@@ -18,7 +18,14 @@ from typing import Any
 
 from ._client import EtcdConnection
 from ._retry import Deadline
-from ._transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT, ETCD_APIS, Transport
+from ._transport import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
+    DEFAULT_SILENCE_TIMEOUT,
+    ETCD_APIS,
+    Transport,
+)
 from ._v3 import EtcdV3Connection
 from .api import RendezvousConnectionError
 
@@ -54,6 +61,8 @@ def open_transport(
     password: str | None = None,
     read_timeout: float = DEFAULT_READ_TIMEOUT,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
     deadline: Deadline | None = None,
 ) -> Transport:
     """Open a connection to the etcd cluster at ``endpoints`` over the chosen API.
@@ -77,6 +86,8 @@ def open_transport(
         "password": password,
         "read_timeout": read_timeout,
         "connect_timeout": connect_timeout,
+        "request_timeout": request_timeout,
+        "silence_timeout": silence_timeout,
     }
     probe = EtcdV3Connection(endpoints, **options)
     try:

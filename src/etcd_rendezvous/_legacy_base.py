@@ -137,10 +137,13 @@ class EtcdRendezvousBase:
     # -- set-up and tear-down ---------------------------------------------------------
 
     def _create_run_keys(self) -> None:
-        """Create the run's directories and version counter, if missing."""
+        """Create the run's directories and version counter, if missing.
+
+        Only keys of the run are written: not the prefix's own directory, which v2
+        creates with the run's and v3 does not need, so that a user whose role covers
+        the run's keys alone can run the job.
+        """
         layout = self._layout
-        if layout.prefix != "/":
-            self.create_path_if_not_exists(layout.prefix_dir)
         self._setup_run_dir()
         self.create_path_if_not_exists(layout.rdzv_dir)
         with contextlib.suppress(KeyExistsError):

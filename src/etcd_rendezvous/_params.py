@@ -12,7 +12,7 @@ import os
 
 from ._connect import check_etcd_api, open_transport
 from ._retry import Deadline
-from ._transport import Transport
+from ._transport import DEFAULT_REQUEST_TIMEOUT, DEFAULT_SILENCE_TIMEOUT, Transport
 from .api import RendezvousParameters
 from .utils import parse_rendezvous_endpoints
 
@@ -69,10 +69,11 @@ def create_etcd_connection(
 
     ``params.endpoint`` may list several endpoints, comma-separated. The options read
     are ``etcd_api`` (``auto``, ``v2`` or ``v3``; see :mod:`etcd_rendezvous._connect`),
-    ``protocol``, ``username``, ``password``, ``read_timeout``, ``connect_timeout``
-    and the TLS files, whose option names differ between backends (``cert``/``key``/
-    ``cacert`` for ``etcd``, ``ssl_cert``/``ssl_cert_key``/``ca_cert`` for ``etcd-v2``)
-    and are given by the ``*_option`` arguments.
+    ``protocol``, ``username``, ``password``, ``read_timeout``, ``connect_timeout``,
+    ``request_timeout``, ``silence_timeout`` and the TLS files, whose option names
+    differ between backends (``cert``/``key``/``cacert`` for ``etcd``,
+    ``ssl_cert``/``ssl_cert_key``/``ca_cert`` for ``etcd-v2``) and are given by the
+    ``*_option`` arguments.
 
     The server is asked once which API it serves, for at most ``connect_timeout``
     seconds and never past ``deadline`` (the caller's, e.g. the rendezvous timeout):
@@ -104,6 +105,8 @@ def create_etcd_connection(
         raise ValueError(f"{missing}: username and password must be given together.")
     read_timeout = seconds(params, "read_timeout", 60.0)
     connect_timeout = seconds(params, "connect_timeout", 5.0)
+    request_timeout = seconds(params, "request_timeout", DEFAULT_REQUEST_TIMEOUT)
+    silence_timeout = seconds(params, "silence_timeout", DEFAULT_SILENCE_TIMEOUT)
     probe = Deadline(connect_timeout) if deadline is None else deadline.earliest(connect_timeout)
     return open_transport(
         endpoints,
@@ -116,5 +119,7 @@ def create_etcd_connection(
         password=None if password is None else str(password),
         read_timeout=read_timeout,
         connect_timeout=connect_timeout,
+        request_timeout=request_timeout,
+        silence_timeout=silence_timeout,
         deadline=probe,
     )

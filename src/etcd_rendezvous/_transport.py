@@ -61,6 +61,12 @@ _T = TypeVar("_T")
 
 DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
+#: Seconds one request waits for an answer before the next endpoint is tried (see
+#: :attr:`Transport.request_timeout`).
+DEFAULT_REQUEST_TIMEOUT = 3.0
+#: Seconds a wait may hear nothing from its member before it is re-armed on the next
+#: endpoint (see :attr:`Transport.silence_timeout`).
+DEFAULT_SILENCE_TIMEOUT = 10.0
 
 #: The etcd APIs a transport can speak, and the ``etcd_api`` option's values.
 ETCD_APIS = ("auto", "v2", "v3")
@@ -292,7 +298,9 @@ class Transport(abc.ABC):
     Every operation retries failures that are worth retrying (unreachable endpoint,
     leader election, a lost answer) on the same or the next endpoint until its deadline:
     the innermost :meth:`bounded_by` deadline of the calling thread, or else
-    ``read_timeout`` seconds. ``read_timeout`` also bounds each single request. A
+    ``read_timeout`` seconds. ``request_timeout`` bounds each single request, and
+    ``silence_timeout`` how long a wait may hear nothing from its member: a member that
+    stops answering without closing its connections costs seconds, not the deadline. A
     transport is closed by its owner with :meth:`close` (or by using it as a context
     manager).
     """
@@ -311,6 +319,8 @@ class Transport(abc.ABC):
         password: str | None,
         read_timeout: float,
         connect_timeout: float,
+        request_timeout: float,
+        silence_timeout: float,
         sleep: Callable[[float], None],
     ) -> None:
         """Check the options both transports share; subclasses add their clients."""
@@ -322,13 +332,21 @@ class Transport(abc.ABC):
             raise ValueError(f"read_timeout: must be positive, got {read_timeout!r}.")
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout: must be positive, got {connect_timeout!r}.")
+        if request_timeout <= 0:
+            raise ValueError(f"request_timeout: must be positive, got {request_timeout!r}.")
+        if silence_timeout <= 0:
+            raise ValueError(f"silence_timeout: must be positive, got {silence_timeout!r}.")
         self._protocol = protocol
         self._endpoints = [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints]
         self._read_timeout = float(read_timeout)
         self._connect_timeout = float(connect_timeout)
+        self._request_timeout = min(float(request_timeout), self._read_timeout)
+        self._silence_timeout = min(float(silence_timeout), self._read_timeout)
         self._sleep = sleep
         self._lock = threading.Lock()
         self._current = 0
+        #: When each endpoint last answered (``time.monotonic()``; 0: never).
+        self._heard = [0.0] * len(self._endpoints)
         self._last_index = 0
         self._closed = False
         self._scope = threading.local()
@@ -343,8 +361,24 @@ class Transport(abc.ABC):
 
     @property
     def read_timeout(self) -> float:
-        """Per-request read timeout, and the retry budget outside :meth:`bounded_by`."""
+        """The retry budget of an operation outside :meth:`bounded_by`, and the longest
+        any request may wait for an answer."""
         return self._read_timeout
+
+    @property
+    def request_timeout(self) -> float:
+        """Seconds one request waits for an answer before the next endpoint is tried
+        (the opening of a watch included; never more than :attr:`read_timeout`)."""
+        return self._request_timeout
+
+    @property
+    def silence_timeout(self) -> float:
+        """Seconds a wait (a watch, v2's long poll) may hear nothing from its member --
+        neither on the watch nor in answer to any other request of this connection --
+        before it is re-armed, from the last index it saw, on the next endpoint: a
+        frozen member cannot be told from an idle one (never more than
+        :attr:`read_timeout`)."""
+        return self._silence_timeout
 
     @property
     def connect_timeout(self) -> float:
@@ -512,6 +546,16 @@ class Transport(abc.ABC):
         """
         return _WaitingWatchStream(self, key, start_index, recursive)
 
+    @abc.abstractmethod
+    def check_writable(self, prefix: str) -> None:
+        """Ask etcd whether this connection's user may write below ``prefix``, with a
+        conditional write that cannot apply: nothing is written either way.
+
+        Raises:
+            RendezvousConnectionError: etcd refused it; the message names ``prefix``,
+                the user and the permission missing.
+        """
+
     def first_change_after(self, key: str, index: int) -> Node | None:
         """The first recorded change of ``key`` after ``index``, if etcd still has it."""
         return self.watch(key, index + 1, timeout=0.5)
@@ -616,16 +660,34 @@ class Transport(abc.ABC):
         with self._lock:
             return self._current
 
-    def _rotate(self, failed: int) -> None:
+    def _heard_from(self, idx: int) -> None:
+        """Endpoint ``idx`` answered (a request, or a message on a watch stream)."""
+        self._heard[idx] = time.monotonic()
+
+    def _silent_for(self, idx: int) -> float:
+        """Seconds since endpoint ``idx`` last answered anything on this connection."""
+        return time.monotonic() - self._heard[idx]
+
+    def _rotate(self, failed: int, why: str = "failed") -> None:
+        """Move on from endpoint ``failed`` to the next, if it is still the current one;
+        ``why`` completes the log line ("etcd endpoint <url> <why>; switching to ...")."""
         with self._lock:
             if self._current == failed and len(self._endpoints) > 1:
                 self._current = (failed + 1) % len(self._endpoints)
                 record_metric("transport.failovers", api=self.api)
                 logger.info(
-                    "etcd endpoint %s failed; switching to %s",
+                    "etcd endpoint %s %s; switching to %s",
                     self._endpoints[failed],
+                    why,
                     self._endpoints[self._current],
                 )
+
+    def _leave_silent(self, idx: int, what: str) -> None:
+        """A wait (``what``) heard nothing from endpoint ``idx`` for ``silence_timeout``:
+        go on with the next endpoint. A frozen member and an idle one look the same
+        from here, and any member serves a wait as well as another."""
+        silent = self._silent_for(idx)
+        self._rotate(idx, f"said nothing for {silent:.1f} s while {what}")
 
     def _retrying(
         self,
@@ -662,7 +724,7 @@ class Transport(abc.ABC):
         labels = {"op": op_name(what), "api": self.api}
         started = time.monotonic()
         while True:
-            cap = min(self._read_timeout, max(deadline.remaining(), floor))
+            cap = min(self._request_timeout, max(deadline.remaining(), floor))
             record_metric("transport.requests", **labels)
             try:
                 result = attempt(cap if cap_requests else None)
@@ -705,7 +767,7 @@ class Transport(abc.ABC):
         caller's deadline by more than a second or so.
         """
         share = max(0.25, 1.0 / (len(self._endpoints) + 1))
-        return min(share, self._read_timeout)
+        return min(share, self._request_timeout)
 
     def _unreachable_message(self, what: str, key: str, failures: list[str]) -> str:
         tried = ", ".join(dict.fromkeys(f.split(": ", 1)[0] for f in failures))

@@ -60,8 +60,9 @@ class V2WatchStream(StreamingWatch):
             fields["waitIndex"] = str(from_index)
         if self._recursive:
             fields["recursive"] = "true"
-        # The read timeout is for the answer to start; then the reader waits forever.
-        wait = min(conn.read_timeout, max(deadline.remaining(), conn._last_chance()))
+        # A live member starts its answer at once; then the reader waits for as long
+        # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
+        wait = min(conn.request_timeout, max(deadline.remaining(), conn._last_chance()))
         timeout = urllib3.Timeout(connect=min(conn.connect_timeout, wait), read=wait)
 
         def call(client: Any) -> tuple[int, Any]:

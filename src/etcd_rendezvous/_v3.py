@@ -55,6 +55,8 @@ from ._retry import Deadline
 from ._transport import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
+    DEFAULT_SILENCE_TIMEOUT,
     KeyExistsError,
     KeyNotFoundError,
     Node,
@@ -80,6 +82,22 @@ _SHARED_LEASE_MIN_TTL = 60
 _SHARED_LEASE_FRESHNESS = 0.9
 
 
+#: The permission (as ``etcdctl role grant-permission`` names it) a request of each path
+#: needs on its key; a transaction compares (reads) and writes.
+_PERMISSIONS = {
+    "/v3/kv/range": "read",
+    "/v3/watch": "read",
+    "/v3/kv/put": "write",
+    "/v3/kv/deleterange": "write",
+    "/v3/lease/revoke": "write",
+    "/v3/kv/txn": "readwrite",
+}
+
+
+#: The key :meth:`EtcdV3Connection.check_writable` would write (it never does).
+_PROBE_NAME = "_permission-check"
+
+
 class _ReauthError(Exception):
     """The request was refused for want of a valid auth token."""
 
@@ -100,9 +118,14 @@ class EtcdV3Connection(Transport):
         username: etcd user (needs ``password``); authenticated through
             ``/v3/auth/authenticate``, and again whenever the token expires.
         password: password for ``username``.
-        read_timeout: seconds one request may wait for an answer, and the retry budget
-            of an operation outside :meth:`~etcd_rendezvous._transport.Transport.bounded_by`.
+        read_timeout: the retry budget of an operation outside
+            :meth:`~etcd_rendezvous._transport.Transport.bounded_by`.
         connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
+        request_timeout: seconds one request waits for an answer before the next
+            endpoint is tried.
+        silence_timeout: seconds a wait may hear nothing from its member before it is
+            re-armed on the next endpoint (see
+            :attr:`~etcd_rendezvous._transport.Transport.silence_timeout`).
     """
 
     api = "v3"
@@ -119,6 +142,8 @@ class EtcdV3Connection(Transport):
         password: str | None = None,
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         super().__init__(
@@ -130,6 +155,8 @@ class EtcdV3Connection(Transport):
             password=password,
             read_timeout=read_timeout,
             connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
+            silence_timeout=silence_timeout,
             sleep=sleep,
         )
         pool_kw: dict[str, Any] = {"retries": False, "maxsize": 8}
@@ -178,7 +205,7 @@ class EtcdV3Connection(Transport):
         ``where`` says what the request was for, for error messages ("read '/k'").
         """
         endpoint = self._endpoints[idx]
-        read = self._read_timeout if cap is None else cap
+        read = self._request_timeout if cap is None else cap
         timeout = urllib3.Timeout(connect=min(self._connect_timeout, read), read=read)
         headers = self._headers()
         if path == _AUTHENTICATE:
@@ -195,6 +222,7 @@ class EtcdV3Connection(Transport):
             )
         except BaseException as exc:
             raise self._transport_failure(idx, exc, where) from None
+        self._heard_from(idx)
         if response.status == 200:
             try:
                 data = json.loads(response.data)
@@ -244,12 +272,27 @@ class EtcdV3Connection(Transport):
                 f"answered 404) while trying to {where}. etcd 3.4 or later serves it; use "
                 "etcd_api=v2 for older servers."
             )
+        if error.code == wire.PERMISSION_DENIED and self._username is not None:
+            return self.refusal(idx, where, _PERMISSIONS.get(path, "readwrite"), str(error))
         if error.code in (wire.PERMISSION_DENIED, wire.UNAUTHENTICATED) or error.needs_reauth:
             return RendezvousConnectionError(
                 f"etcd endpoint {endpoint} refused to {where}: {error}. Check username, "
                 "password and the user's roles."
             )
         return OperationRefusedError(f"etcd endpoint {endpoint} refused to {where}: {error}")
+
+    def refusal(
+        self, idx: int, where: str, permission: str, detail: str
+    ) -> RendezvousConnectionError:
+        """The error for a request to ``where`` ("write '/k'") that endpoint ``idx``
+        refused because the user lacks ``permission`` (``read``, ``write`` or
+        ``readwrite``) on its key."""
+        return RendezvousConnectionError(
+            f"etcd endpoint {self._endpoints[idx]} refused to {where}: user "
+            f"{self._username!r} has no {permission} permission on it ({detail}). "
+            f"Grant it to one of the user's roles: etcdctl role grant-permission <role> "
+            f"{permission} <key> (add --prefix for every key below a prefix)."
+        )
 
     def _authenticate(self, idx: int, cap: float | None) -> None:
         """Get a fresh auth token from endpoint ``idx``."""
@@ -693,6 +736,15 @@ class EtcdV3Connection(Transport):
         )
         return deleted > 0
 
+    def check_writable(self, prefix: str) -> None:
+        """A transaction whose put below ``prefix`` cannot apply (its key's version is
+        compared with "less than 0"): etcd checks the permissions of every operation
+        of a transaction, applied or not."""
+        probe = f"{prefix.rstrip('/')}/{_PROBE_NAME}"
+        never = {"key": wire.b64(probe), "target": "VERSION", "result": "LESS", "version": "0"}
+        put = {"request_put": {"key": wire.b64(probe), "value": ""}}
+        self._call("write below", prefix, "/v3/kv/txn", {"compare": [never], "success": [put]})
+
     # -- discovery --------------------------------------------------------------------
 
     def probe(self, budget: Deadline) -> tuple[str, bool]:
@@ -709,7 +761,7 @@ class EtcdV3Connection(Transport):
         )
         self._version = str(version.get("etcdserver", ""))
         idx = self._pick()
-        read = max(budget.remaining(), self._last_chance())
+        read = min(self._request_timeout, max(budget.remaining(), self._last_chance()))
         try:
             response = self._pool.request(
                 "GET",

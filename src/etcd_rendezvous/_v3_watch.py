@@ -53,11 +53,8 @@ class V3WatchStream(StreamingWatch):
                 return
             except _ReauthError as exc:
                 if renewal:
-                    raise RendezvousConnectionError(
-                        f"etcd endpoint {conn.endpoints[idx]} refused to watch {self._key!r} "
-                        f"with a fresh auth token ({str(exc).split(': ', 1)[-1]}). Check the "
-                        "user's roles."
-                    ) from None
+                    detail = f"{str(exc).split(': ', 1)[-1]}, with a fresh auth token"
+                    raise conn.refusal(idx, f"watch {self._key!r}", "read", detail) from None
 
     def _send(self, from_index: int, deadline: Deadline) -> tuple[int, Any, Batches]:
         conn = self._conn
@@ -68,8 +65,9 @@ class V3WatchStream(StreamingWatch):
             request["start_revision"] = str(from_index)
         if self._recursive:
             request["range_end"] = wire.prefix_end(self._key)
-        # The read timeout is for the answer to start; then the reader waits forever.
-        wait = min(conn.read_timeout, max(deadline.remaining(), conn._last_chance()))
+        # A live member starts its answer at once; then the reader waits for as long
+        # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
+        wait = min(conn.request_timeout, max(deadline.remaining(), conn._last_chance()))
         try:
             response = conn._pool.urlopen(
                 "POST",
@@ -82,6 +80,7 @@ class V3WatchStream(StreamingWatch):
             )
         except BaseException as exc:
             raise conn._transport_failure(idx, exc, where) from None
+        conn._heard_from(idx)
         if response.status != 200:
             error = wire.parse_error(response.status, response.read())
             response.close()

@@ -61,6 +61,10 @@ Batches = Iterator["list[Node] | int | None"]
 #: stream nobody reads cannot grow without bound (etcd then drops or slows the watcher).
 _MAX_BUFFERED = 10_000
 
+#: Seconds between two looks of a waiting :meth:`StreamingWatch.next` at whether its
+#: member went silent or was left (no I/O: a look reads two numbers).
+_RECHECK = 0.5
+
 
 class _Feed:
     """One watch answer and the state of the thread that reads it."""
@@ -151,9 +155,18 @@ class StreamingWatch(WatchStream):
 
     def next(self, timeout: float) -> Node | None:
         """The next change, or ``None`` after ``timeout`` seconds (see
-        :meth:`WatchStream.next`)."""
+        :meth:`WatchStream.next`).
+
+        A wait that heard nothing from its member for the transport's
+        ``silence_timeout`` (neither on this stream nor in answer to any other request
+        of the connection), or whose member the connection left after a failure, is
+        re-armed on the next endpoint: a new answer from the index after the last
+        change received. A frozen member cannot be told from an idle one, and any
+        member serves a watch as well as another.
+        """
         deadline = self._transport._budget(Deadline(timeout))
         while True:
+            silent: _Feed | None = None
             with self._cond:
                 self._check_open(self._transport)
                 if self._events:
@@ -166,8 +179,15 @@ class StreamingWatch(WatchStream):
                 if feed is not None and not feed.ended:
                     if deadline.expired():
                         return None
-                    self._cond.wait(deadline.remaining())
-                    continue
+                    patience = self._patience(feed)
+                    if patience > 0:
+                        # Look again soon: another request may leave the member meanwhile.
+                        self._cond.wait(min(deadline.remaining(), patience, _RECHECK))
+                        continue
+                    self._feed = None  # re-armed below
+                    silent, feed = feed, None
+            if silent is not None:
+                self._abandon(silent)
             if deadline.expired() or not self._reopen(feed, deadline, at_deadline="none"):
                 return None
 
@@ -185,6 +205,22 @@ class StreamingWatch(WatchStream):
             feed.stop()
 
     # -- opening and reopening --------------------------------------------------------
+
+    def _patience(self, feed: _Feed) -> float:
+        """Seconds a wait may still listen to ``feed`` before re-arming (0: now)."""
+        transport = self._transport
+        if transport._pick() != feed.endpoint:
+            return 0.0  # a request to that member failed: the connection moved on
+        return transport.silence_timeout - transport._silent_for(feed.endpoint)
+
+    def _abandon(self, feed: _Feed) -> None:
+        """Stop ``feed``, whose member went silent (or was left), to re-arm the stream
+        on the next endpoint."""
+        transport = self._transport
+        if transport._pick() == feed.endpoint:
+            transport._leave_silent(feed.endpoint, f"watching {self._key!r}")
+        logger.debug("Watch of %s re-armed from index %d", self._key, self._resume)
+        feed.stop()
 
     def _reopen(self, feed: _Feed | None, deadline: Deadline, *, at_deadline: str) -> bool:
         """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
@@ -259,9 +295,21 @@ class StreamingWatch(WatchStream):
             daemon=True,
         )
         thread.start()
+        # A live member confirms a new watch at once: one that does not within
+        # request_timeout is left for the next endpoint.
+        confirm = deadline.earliest(self._transport.request_timeout)
         with self._cond:
-            while not (feed.ready or feed.ended or deadline.expired()):
-                self._cond.wait(deadline.remaining())
+            while not (feed.ready or feed.ended or confirm.expired()):
+                self._cond.wait(confirm.remaining())
+            if not (feed.ready or feed.ended or deadline.expired()):
+                if self._feed is feed:
+                    self._feed = None
+                feed.stop()
+                self._transport._rotate(endpoint)
+                raise _AmbiguousError(
+                    f"{self._transport.endpoints[endpoint]}: the watch of {self._key!r} was "
+                    f"not confirmed within {self._transport.request_timeout:g} s"
+                )
             if feed.ended and isinstance(feed.failure, Exception):
                 # Refused when it was created (an expired token, say): the caller
                 # classifies it as for any request.
@@ -273,6 +321,7 @@ class StreamingWatch(WatchStream):
 
     def _take(self, feed: _Feed, batch: list[Node] | int | None) -> bool:
         """Buffer what the reader parsed. Returns whether to keep reading."""
+        self._transport._heard_from(feed.endpoint)
         with self._cond:
             if feed is not self._feed or self._closed:
                 return False

@@ -779,8 +779,12 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     cacert               CA bundle that verifies the server (https)
     cert, key            client certificate and its key (https)
     username, password   etcd authentication
-    read_timeout         seconds one etcd request waits for an answer         60
+    read_timeout         the longest one etcd request may wait, and how       60
+                         long failures are retried outside a deadline
+    request_timeout      seconds one etcd request waits for an answer         3
                          (then the next endpoint is tried)
+    silence_timeout      seconds a wait may hear nothing from its member      10
+                         (then it is re-armed on the next endpoint)
     connect_timeout      seconds to connect to one endpoint                   5
     torch_store          hand out a ``torch.distributed.Store``: auto,        auto
                          true or false (auto: if PyTorch is installed)

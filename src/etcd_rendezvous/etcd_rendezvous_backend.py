@@ -545,8 +545,12 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     option           meaning                                                     default
     ===============  ==========================================================  =======
     join_timeout     creation, too, ends within it (see below)                   600
-    read_timeout     seconds one etcd request waits for an answer (then the      60
+    read_timeout     the longest one etcd request may wait, and how long         60
+                     failures are retried outside a deadline
+    request_timeout  seconds one etcd request waits for an answer (then the      3
                      next endpoint is tried)
+    silence_timeout  seconds a wait may hear nothing from its member (then it    10
+                     is re-armed on the next endpoint)
     connect_timeout  seconds to connect to one endpoint                          5
     protocol         ``http`` or ``https``                                       http
     ssl_cert         client certificate file (https)
@@ -560,7 +564,10 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     ``/torch/elastic/store``, as in PyTorch. The endpoints are contacted once, so a
     wrong address fails here rather than in the first rendezvous: within
     ``connect_timeout`` for an endpoint that refuses connections or never answers, and
-    within ``join_timeout`` (plus about a second) however etcd fails.
+    within ``join_timeout`` (plus about a second) however etcd fails. With a
+    ``username``, etcd is also asked whether the user may write the store (a
+    conditional write that cannot apply), so that a role without it is refused here,
+    before the rendezvous writes anything.
 
     Both share one connection, owned by the backend: :meth:`EtcdRendezvousBackend.close`
     releases it (the store borrows it and its ``close()`` leaves it open). Pass
@@ -570,7 +577,8 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     Raises:
         ValueError: an option or the endpoint is invalid; the message names it.
         RendezvousConnectionError: etcd cannot be reached at any endpoint (or does not
-            serve the v2 API); the message names the endpoints.
+            serve the v2 API); the message names the endpoints. Or the user lacks a
+            permission on the state key or the store; the message names the key.
     """
     deadline = Deadline(seconds(params, "join_timeout", _DEFAULT_JOIN_TIMEOUT))
     conn = create_etcd_connection(
@@ -587,6 +595,10 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
         # Fail early, as PyTorch's client does when it connects: one read of the key.
         with conn.bounded_by(deadline):
             conn.try_get(backend.key)
+            if params.get("username") is not None:
+                # A user whose role misses the store (shared by all runs, so easily
+                # forgotten) learns it now, before the rendezvous writes anything.
+                conn.check_writable(ETCD_V2_STORE_PREFIX)
     except BaseException:
         backend.close()
         raise
