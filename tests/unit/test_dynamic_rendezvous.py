@@ -661,6 +661,50 @@ def test_run_raises_on_error_actions(action: _Action, error: type[Exception]) ->
     assert holder.calls == ["sync"]
 
 
+@pytest.mark.parametrize(
+    ("op", "action", "error", "words"),
+    [
+        (_RendezvousJoinOp(), _Action.ERROR_CLOSED, RendezvousClosedError, "is closed"),
+        (
+            _RendezvousJoinOp(),
+            _Action.ERROR_TIMEOUT,
+            RendezvousTimeoutError,
+            "join_timeout (600 s)",
+        ),
+        (
+            _RendezvousExitOp(),
+            _Action.ERROR_TIMEOUT,
+            RendezvousTimeoutError,
+            "join_timeout (600 s)",
+        ),
+        (
+            _RendezvousCloseOp(),
+            _Action.ERROR_TIMEOUT,
+            RendezvousTimeoutError,
+            "close_timeout (30 s)",
+        ),
+        (
+            _RendezvousKeepAliveOp(),
+            _Action.ERROR_TIMEOUT,
+            RendezvousTimeoutError,
+            "heartbeat timeout (5 s)",
+        ),
+    ],
+    ids=["closed", "join", "exit", "close", "keep-alive"],
+)
+def test_error_actions_name_the_run_and_the_limit(
+    op: Callable[..., _Action], action: _Action, error: type[Exception], words: str
+) -> None:
+    executor = _DistributedRendezvousOpExecutor(ME, FakeStateHolder(), make_settings())
+    # The operation's type tells the limit; its decision here is the error.
+    decide = type(type(op).__name__, (type(op),), {"__call__": lambda self, ctx, dl: action})
+    with pytest.raises(error) as raised:
+        executor.run(decide(), time.monotonic() + 100)
+    assert f"rendezvous '{make_settings().run_id}'" in str(raised.value)
+    assert words in str(raised.value)
+    assert str(ME) in str(raised.value)
+
+
 def test_run_waits_for_a_change_on_sync() -> None:
     holder = run_action(_Action.SYNC, _RendezvousState())
     assert holder.calls[0] == "sync"
