@@ -9,7 +9,7 @@ Each agent is ``python -m torch.distributed.run`` on localhost with one gloo wor
 (``tests/torchrun_worker.py``, a step every 0.2 s), ``--max-restarts=3``,
 ``--monitor-interval=0.5`` and ``--rdzv-conf=last_call_timeout=2,join_timeout=90,
 timeout=90`` (the dynamic backends' keep-alive at its default: every 5 s, 3 attempts)
-and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see :data:`AGENT_ENV`). With
+and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, ``LOGLEVEL=INFO`` (see :data:`AGENT_ENV`). With
 ``BENCH_LOG_DEBUG=1`` the agent logs (their paths are printed) have this package's DEBUG
 messages.
 The variants are this package's ``etcd`` and ``etcd-v2`` (as the torchrun plugins
@@ -26,7 +26,9 @@ and one without v2 (``@v3``), and PyTorch's ``etcd``, ``etcd-v2`` (on the v2 etc
   imports included) to the first step of the three-node world;
 * ``surplus``: ``--nnodes=1:2``, two agents train and a third waits as a spare; the job
   ends. Seconds from the last worker's end to the spare agent's exit, and how it exited
-  (``graceful``: code 0 after torch's "Rendezvous gracefully exited").
+  (torch's agent logs "Rendezvous gracefully exited" when it catches torch's
+  ``RendezvousGracefulExitError``; torch 2.13's launcher then fails on the ``None``
+  result, exit code 1).
 
 etcd 3.5 (bundled; ``ETCD_BINARY_PATH`` chooses another) is started by the script. The
 run is CPU-heavy (three agents importing torch at once): run it on a quiet machine.
@@ -60,9 +62,9 @@ MONITOR_INTERVAL = 0.5
 MAX_RESTARTS = 3
 STEP_SECONDS = 0.2
 #: The workers' TCPStore is rank 0's own in every world (a fresh one each time): torch's
-#: agent store outlives a world while its host survives, and a later world of the same
-#: restart count then reads the gloo addresses the previous one left in it.
-AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+#: agent store outlives a world while its host survives, and the workers use it without
+#: a prefix per attempt, so the next world reads the gloo addresses the last one left.
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"}
 #: ``BENCH_LOG_DEBUG=1``: torchrun with this package's DEBUG messages in the agent logs.
 DEBUG_LAUNCHER = [
     sys.executable,
@@ -220,8 +222,12 @@ def surplus(run: Run) -> Outcome:
     finished = [r["finished_at"] for r in run.results()]
     if len(finished) != 2 or {a.process.returncode for a in members} != {0}:
         return Outcome(None, f"job failed: {len(finished)} results")
-    graceful = code == 0 and "Rendezvous gracefully exited" in spare.log(tail=400)
-    how = "graceful" if graceful else f"exit code {code}"
+    log = spare.log(tail=400)
+    # torch 2.13's launcher fails on the None agent.run() returns after a graceful exit.
+    how = "torch's graceful exit" if "Rendezvous gracefully exited" in log else "error"
+    how += f", exit code {code}"
+    if "etcd_rendezvous.api.RendezvousGracefulExitError" in log:
+        how += " (traceback of ours)"
     # Upper bound: the exit is noticed by polling (0.05 s).
     return Outcome(exited_at - max(finished), how)
 

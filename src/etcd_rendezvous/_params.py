@@ -112,9 +112,9 @@ def create_etcd_connection(
     are ``etcd_api`` (``auto``, ``v2`` or ``v3``; see :mod:`etcd_rendezvous._connect`),
     ``protocol``, ``username``, ``password`` (or ``password_file``, or the environment
     variable :data:`PASSWORD_ENV`: see :func:`etcd_password`), ``read_timeout``,
-    ``connect_timeout`` and the TLS files, whose option names differ between backends (``cert``/``key``/
-    ``cacert`` for ``etcd``, ``ssl_cert``/``ssl_cert_key``/``ca_cert`` for ``etcd-v2``)
-    and are given by the ``*_option`` arguments.
+    ``connect_timeout`` and the TLS files, whose option names differ between backends
+    (``cert``/``key``/``cacert`` for ``etcd``, ``ssl_cert``/``ssl_cert_key``/``ca_cert``
+    for ``etcd-v2``) and are given by the ``*_option`` arguments.
 
     The server is asked once which API it serves, for at most ``connect_timeout``
     seconds and never past ``deadline`` (the caller's, e.g. the rendezvous timeout):
