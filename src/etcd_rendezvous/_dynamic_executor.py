@@ -196,7 +196,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         elif isinstance(op, _RendezvousKeepAliveOp):
             what, option, limit = (
                 "write its heartbeat to",
-                "the heartbeat timeout",
+                "heartbeat_timeout",
                 timeout.heartbeat,
             )
         within = option if limit is None else f"{option} ({limit.total_seconds():g} s)"
