@@ -163,7 +163,8 @@ class NodeRegistry(Protocol):
 
     def expires_in(self, node: NodeDesc) -> int | None:
         """Whole seconds until the key of ``node`` expires, as far as the last listing
-        tells (on v3: one request for its lease); ``None`` if unknown or gone."""
+        tells (on v3: one request for its lease); ``0`` or ``None`` if its time is up
+        (or it is gone)."""
 
     def aggregator(self) -> NodeDesc | None:
         """The holder of the aggregator lock, or ``None`` if nobody holds it."""
@@ -384,9 +385,10 @@ class NodeKeys:
 
         ``blockers`` are the participants of the complete round ``round_`` that did not
         ask to leave it, while this node waits for the next round. A node is judged only
-        if a listing showed its key before (PyTorch's nodes have none). Looks again when
-        the first key may expire, and at least every keep-alive interval; a state change
-        does not make it look earlier.
+        if a listing showed its key before (PyTorch's nodes have none); a key with less
+        than a whole second to live counts as gone. Looks again when the first key may
+        expire, and at least every keep-alive interval; a state change does not make it
+        look earlier.
         """
         with self._lock:
             now = self._clock()
@@ -400,8 +402,15 @@ class NodeKeys:
             if gone:
                 return gone
             keyed = [node for node in blockers if node in alive]
-            # A listed key without a lifetime is past its expiry, not yet deleted by etcd.
-            lifetimes = [self._registry.expires_in(node) or 0 for node in keyed[:_REAP_PROBES]]
+            probed = {node: self._registry.expires_in(node) or 0 for node in keyed[:_REAP_PROBES]}
+            # A key without a whole second left is as good as gone: its node, which
+            # refreshes it every interval, missed all but the last second of its lifetime
+            # (v2 lists a key past its expiry until it deletes it; a v3 lease counts down
+            # in whole seconds and cannot be renewed once expired).
+            expired = [node for node, ttl in probed.items() if ttl <= 0]
+            if expired:
+                return expired
+            lifetimes = list(probed.values())
             wait = self._interval
             if lifetimes:
                 wait = max(min(lifetimes) - 1.0, 0.0) + _REAP_STEP

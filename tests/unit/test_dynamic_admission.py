@@ -34,7 +34,7 @@ class MemoryRegistry:
         self.leaving: dict[NodeDesc, int] = {}
         self.lock: NodeDesc | None = None
         #: What ``expires_in`` answers for a node (unknown if absent).
-        self.lifetimes: dict[NodeDesc, int] = {}
+        self.lifetimes: dict[NodeDesc, int | None] = {}
         self.index = 0
         self.calls: dict[str, int] = {}
 
@@ -69,7 +69,7 @@ class MemoryRegistry:
 
     def expires_in(self, node: NodeDesc) -> int | None:
         self._count("expires_in")
-        return self.lifetimes.get(node) if node in self.keys else None
+        return self.lifetimes.get(node, 15) if node in self.keys else None
 
     def aggregator(self) -> NodeDesc | None:
         self._count("aggregator")
@@ -354,6 +354,16 @@ def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired() -> N
     assert registry.calls["list"] == 1
     clock.now += 4 + _REAP_STEP
     registry.keys.pop(C)  # expired
+    assert b.reap(3, [C]) == [C]
+
+
+@pytest.mark.parametrize("lifetime", [0, None], ids=["v3-last-second", "v2-past-expiry"])
+def test_a_listed_key_without_a_whole_second_left_counts_as_gone(lifetime: int | None) -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    for node in (B, C):
+        registry.announce_node(node, 15)
+    registry.lifetimes[C] = lifetime
+    b = keys_of(B, registry, clock)
     assert b.reap(3, [C]) == [C]
 
 
