@@ -21,9 +21,10 @@ and one without v2 (``@v3``), and PyTorch's ``etcd``, ``etcd-v2`` (on the v2 etc
   SIGKILLed with its worker. Reported: seconds from the kill to the first step of the
   two-node world, and the failure detection in it (the time a dead node keeps its place:
   the legacy backend's 10 s member key TTL; the dynamic backends' ``keep_alive_interval
-  x keep_alive_max_attempt``, 15 s) as a share of that;
+  x keep_alive_max_attempt``, 15 s) as a share of that, and the seconds until the
+  survivors' agents logged the new world's rendezvous (before their workers start);
 * ``scale-up``: two agents train; a third is started. Seconds from its start (its
-  imports included) to the first step of the three-node world;
+  imports included) to the first step of the three-node world, and to its rendezvous;
 * ``surplus``: ``--nnodes=1:2``, two agents train and a third waits as a spare; the job
   ends. Seconds from the last worker's end to the spare agent's exit, and how it exited
   (torch's agent logs "Rendezvous gracefully exited" when it catches torch's
@@ -48,6 +49,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,8 @@ class Outcome:
 
     seconds: float | None
     note: str = ""
+    #: Seconds from the event to the new world's rendezvous (its workers not started).
+    rendezvous: float | None = None
 
 
 class Run:
@@ -173,6 +177,29 @@ class Run:
         ]
         return min(starts) if len(starts) == size else None
 
+    def rendezvous_done(self, names: list[str], after: float) -> float | None:
+        """The wall time by which each of the agents ``names`` logged (at INFO) its first
+        "Rendezvous complete" after ``after``: the new world formed, workers not started."""
+        done = []
+        for agent in self.agents:
+            if agent.name not in names:
+                continue
+            first = None
+            for line in agent.log_path.read_text(errors="replace").splitlines():
+                if "Rendezvous complete for workers" not in line:
+                    continue
+                # glog style: I<MMDD> <HH:MM:SS.micro> <pid> ... (local time)
+                stamp = " ".join(line[1:].split()[:2])
+                year = time.localtime(after).tm_year
+                at = datetime.strptime(f"{year}{stamp}", "%Y%m%d %H:%M:%S.%f").timestamp()
+                if at > after:
+                    first = at
+                    break
+            if first is None:
+                return None
+            done.append(first)
+        return max(done) if done else None
+
     def stop(self) -> None:
         for agent in self.agents:
             agent.stop()
@@ -194,7 +221,10 @@ def node_loss(run: Run) -> Outcome:
     assert started is not None
     seconds = started - killed_at
     share = run.variant.detection / seconds
-    return Outcome(seconds, f"detection {run.variant.detection:.0f} s ({share:.0%})")
+    formed = run.rendezvous_done(["a", "b"], killed_at)
+    rendezvous = "-" if formed is None else f"{formed - killed_at:.1f}"
+    note = f"detection <= {run.variant.detection:.0f} s ({share:.0%}); rendezvous {rendezvous} s"
+    return Outcome(seconds, note, None if formed is None else formed - killed_at)
 
 
 def scale_up(run: Run) -> Outcome:
@@ -206,7 +236,10 @@ def scale_up(run: Run) -> Outcome:
     run.wait(lambda: run.new_world_started(3, started_at) is not None, "three-node world")
     started = run.new_world_started(3, started_at)
     assert started is not None
-    return Outcome(started - started_at)
+    formed = run.rendezvous_done(["a", "b", "c"], started_at)
+    rendezvous = None if formed is None else formed - started_at
+    note = "" if rendezvous is None else f"rendezvous {rendezvous:.1f} s"
+    return Outcome(started - started_at, note, rendezvous)
 
 
 def surplus(run: Run) -> Outcome:
@@ -276,13 +309,15 @@ def main() -> None:
                     print(f"{'':10} logs: {run.out}", flush=True)
                     table.setdefault((scenario, key), []).append(outcome)
 
-    print(f"\n{'scenario':10} {'variant':20} {'median':>7}  runs")
+    print(f"\n{'scenario':10} {'variant':20} {'median':>7} {'rdzv':>7}  runs")
     for (scenario, key), outcomes in table.items():
         seconds = [o.seconds for o in outcomes if o.seconds is not None]
         median = f"{statistics.median(seconds):.1f}" if seconds else "-"
         runs = ", ".join("-" if o.seconds is None else f"{o.seconds:.1f}" for o in outcomes)
-        notes = "; ".join(sorted({o.note for o in outcomes if o.note}))
-        print(f"{scenario:10} {variants[key].name:20} {median:>7}  {runs}  {notes}")
+        formed = [o.rendezvous for o in outcomes if o.rendezvous is not None]
+        rdzv = f"{statistics.median(formed):.1f}" if formed else "-"
+        notes = "; ".join(sorted({o.note.split(";")[0] for o in outcomes if o.note}))
+        print(f"{scenario:10} {variants[key].name:20} {median:>7} {rdzv:>7}  {runs}  {notes}")
 
 
 if __name__ == "__main__":
