@@ -259,6 +259,9 @@ class NodeKeys:
         # Every node listed with a key so far (ours, not PyTorch's), and when to look at
         # the keys of the participants of which complete round again (see ``reap``).
         self._seen: set[NodeDesc] = set()
+        # The keys taken for dead (node: created index) while etcd still lists them:
+        # no batch admits them, and they block nobody (see ``reap``).
+        self._dead: dict[NodeDesc, int] = {}
         self._reap_round: int | None = None
         self._reap_at = -math.inf
 
@@ -375,8 +378,11 @@ class NodeKeys:
     def _list(self) -> list[AnnouncedNode]:
         """List the node keys, and note which nodes asked to leave their round."""
         listing = self._registry.list_nodes()
-        self._marks = {e.node: e.leaving for e in listing if e.leaving is not None}
         self._seen.update(entry.node for entry in listing)
+        listed = {entry.node: entry.created_index for entry in listing}
+        self._dead = {n: i for n, i in self._dead.items() if listed.get(n) == i}
+        listing = [e for e in listing if self._dead.get(e.node) != e.created_index]
+        self._marks = {e.node: e.leaving for e in listing if e.leaving is not None}
         return listing
 
     def reap(self, round_: int, blockers: list[NodeDesc]) -> list[NodeDesc] | float:
@@ -397,7 +403,7 @@ class NodeKeys:
             if now < self._reap_at:
                 return self._reap_at - now
             seen = set(self._seen)
-            alive = {entry.node for entry in self._list()}
+            alive = {entry.node: entry.created_index for entry in self._list()}
             gone = [node for node in blockers if node in seen and node not in alive]
             if gone:
                 return gone
@@ -406,9 +412,11 @@ class NodeKeys:
             # A key without a whole second left is as good as gone: its node, which
             # refreshes it every interval, missed all but the last second of its lifetime
             # (v2 lists a key past its expiry until it deletes it; a v3 lease counts down
-            # in whole seconds and cannot be renewed once expired).
+            # in whole seconds and cannot be renewed once expired). Until etcd deletes it,
+            # our listings leave it out, lest a batch admit the dead node again.
             expired = [node for node, ttl in probed.items() if ttl <= 0]
             if expired:
+                self._dead.update((node, alive[node]) for node in expired)
                 return expired
             lifetimes = list(probed.values())
             wait = self._interval
@@ -520,7 +528,7 @@ class NodeKeys:
                 self._leaving = None
             if not self._lead(state, now):
                 return set()
-            alive = {entry.node for entry in self._registry.list_nodes()}
+            alive = {entry.node for entry in self._list()}
             return {node for node in state.last_heartbeats if node in alive}
 
     def _lead(self, state: RendezvousState, now: datetime) -> bool:

@@ -388,3 +388,21 @@ def test_reaping_reads_at_most_two_lifetimes_and_looks_each_interval_for_the_res
     assert registry.calls["expires_in"] == 2
     # A new round starts afresh.
     assert b.reap(4, [D]) == pytest.approx(1 + _REAP_STEP)
+
+
+def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    for node in (B, C):
+        registry.announce_node(node, 15)
+    registry.lifetimes[C] = 0
+    b = keys_of(B, registry, clock)
+    assert b.reap(3, [C]) == [C]
+    # etcd still lists C's key: the next round's batch must not admit C again.
+    assert b.admission(wants_all_but(), "m") == [B]
+    # Once etcd deleted it, a key C announces again (a new index) is C's to use.
+    registry.keys.pop(C)
+    b.admitted()
+    assert b.admission(wants_all_but(), "m2") == [B]
+    registry.announce_node(C, 15)
+    b.admitted()
+    assert b.admission(wants_all_but(), "m3") == [B, C]
