@@ -58,10 +58,12 @@ constant number of requests per node, writing the same state:
   leave it, the first node of its wait list (the survivors of a node loss, whose workers
   failed, or a newcomer) looks at their keys: it lists them when the first of those
   keys may expire (as the listing or, on v3, the key's lease tells) and takes out, in
-  one write, every such participant whose key is gone: it died (its key expired,
-  ``keep_alive_interval * keep_alive_max_attempt`` after its last refresh, as its
-  heartbeat lapses in PyTorch) or withdrew. Participants never listed with a key
-  (PyTorch's nodes) are left to their heartbeats.
+  one write, every such participant whose key is gone or has less than a whole second
+  to live: it died (its key expires ``keep_alive_interval * keep_alive_max_attempt``
+  after its last refresh, as its heartbeat lapses in PyTorch) or withdrew. Until etcd
+  deletes such a key, the node's listings leave it out, so that no batch admits the
+  dead node again. Participants never listed with a key (PyTorch's nodes) are left to
+  their heartbeats.
 
 Elsewhere (a node that dies in a round being formed, or on the wait or redundancy list)
 a dead node is dropped later than in PyTorch: its key lives up to
