@@ -10,6 +10,8 @@ Skipped when PyTorch is not installed (CI installs ``torch==2.13.0``).
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -279,3 +281,151 @@ def test_insisting_on_v2_against_an_etcd_without_it_fails_naming_etcd_api(
     assert "etcd_api=v2, but etcd" in last, log
     assert server.get_endpoint() in last, log
     assert _results(tmp_path) == []
+
+
+# -- membership changes over v3, and torch's graceful exit --------------------------------
+
+V3_CONF = {backend: {**conf, "etcd_api": "v3"} for backend, conf in CONF.items()}
+
+
+def _world(out: Path, size: int, after: float = 0.0) -> list[dict[str, Any]]:
+    """The latest progress of each rank of a world of ``size`` begun after ``after``."""
+    return [p for p in _progress(out) if p["world_size"] == size and p["first_step_at"] > after]
+
+
+@pytest.mark.parametrize("backend", [LEGACY, V2])
+def test_over_v3_the_survivors_of_a_node_loss_train_as_a_world_of_two(
+    etcd_server: EtcdServer, run_id: str, tmp_path: Path, agents: list[Agent], backend: str
+) -> None:
+    group = _start(
+        agents,
+        ["a", "b", "c"],
+        tmp_path,
+        backend=backend,
+        endpoint=etcd_server.get_endpoint(),
+        run_id=run_id,
+        nnodes="2:3",
+        nproc_per_node=1,
+        rdzv_conf=V3_CONF[backend],
+        max_restarts=3,
+        steps=10_000,
+        step_seconds=0.1,
+    )
+    wait_for(lambda: len(_world(tmp_path, 3)) == 3, 120, "three nodes training", group)
+    # Agent c is the youngest: its worker is not rank 0 (in most runs), so rank 0's agent,
+    # hosting the workers' TCPStore, survives and must start a new one for the next world.
+    victim = next(a for a in group if a.name == "c")
+    victim.kill_node()
+    killed_at = time.time()
+    survivors = [a for a in group if a is not victim]
+    wait_for(lambda: len(_world(tmp_path, 2, killed_at)) == 2, 120, "a world of two", survivors)
+    world = _world(tmp_path, 2, killed_at)
+    assert sorted(p["agent"] for p in world) == ["a", "b"]
+    ranks = sorted(int(path.stem.rsplit("-", 1)[1]) for path in _progress_files(tmp_path, world))
+    assert ranks == [0, 1]
+
+
+@pytest.mark.parametrize("backend", [LEGACY, V2])
+def test_over_v3_a_third_agent_joins_two_that_train(
+    etcd_server: EtcdServer, run_id: str, tmp_path: Path, agents: list[Agent], backend: str
+) -> None:
+    common: dict[str, Any] = {
+        "backend": backend,
+        "endpoint": etcd_server.get_endpoint(),
+        "run_id": run_id,
+        "nnodes": "2:3",
+        "nproc_per_node": 1,
+        "rdzv_conf": V3_CONF[backend],
+        "max_restarts": 3,
+        "steps": 10_000,
+        "step_seconds": 0.1,
+    }
+    group = _start(agents, ["a", "b"], tmp_path, **common)
+    wait_for(lambda: len(_world(tmp_path, 2)) == 2, 120, "two nodes training", group)
+    started_at = time.time()
+    group += _start(agents, ["c"], tmp_path, **common)
+    wait_for(lambda: len(_world(tmp_path, 3, started_at)) == 3, 120, "a world of three", group)
+    world = _world(tmp_path, 3, started_at)
+    assert sorted(p["agent"] for p in world) == ["a", "b", "c"]
+    ranks = sorted(int(path.stem.rsplit("-", 1)[1]) for path in _progress_files(tmp_path, world))
+    assert ranks == [0, 1, 2]
+
+
+def test_over_v3_a_surplus_etcd_v2_agent_exits_through_torch_s_graceful_exit(
+    etcd_server: EtcdServer, run_id: str, tmp_path: Path, agents: list[Agent]
+) -> None:
+    common: dict[str, Any] = {
+        "backend": V2,
+        "endpoint": etcd_server.get_endpoint(),
+        "run_id": run_id,
+        "nnodes": "1:2",
+        "nproc_per_node": 1,
+        "rdzv_conf": V3_CONF[V2],
+        "steps": 40,
+        "step_seconds": 0.2,
+        # torch's agent says "Rendezvous gracefully exited" at INFO.
+        "env": {"LOGLEVEL": "INFO"},
+    }
+    members = _start(agents, ["a", "b"], tmp_path, **common)
+    wait_for(lambda: len(_world(tmp_path, 2)) == 2, 120, "two nodes training", members)
+    (spare,) = _start(agents, ["c"], tmp_path, **common)
+    _expect_success(members)
+    code = spare.wait(AGENT_TIMEOUT)
+    log = spare.log(tail=400)
+    # torch's agent caught torch's RendezvousGracefulExitError (ours, re-classed)...
+    assert "Rendezvous gracefully exited" in log, log
+    assert "etcd_rendezvous.api.RendezvousGracefulExitError" not in log, log
+    # ... and then torch 2.13's launcher fails on the None that agent.run() returns
+    # after it (as with torch's own etcd-v2): that is the only error allowed.
+    if code != 0:
+        assert "'NoneType' object has no attribute 'is_failed'" in log, log
+    results = _results(tmp_path)
+    assert sorted(r["agent"] for r in results) == ["a", "b"]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+
+
+def _progress_files(out: Path, world: list[dict[str, Any]]) -> list[Path]:
+    """The progress files (``progress-<restart>-<rank>.json``) of the workers in ``world``."""
+    pids = {p["pid"] for p in world}
+    found = []
+    for path in out.glob("progress-*.json"):
+        try:
+            if json.loads(path.read_text())["pid"] in pids:
+                found.append(path)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+# -- etcd-torchrun ------------------------------------------------------------------------
+
+
+def _etcd_torchrun() -> list[str]:
+    """The ``etcd-torchrun`` console script next to this Python, else its module."""
+    script = Path(sys.executable).with_name("etcd-torchrun")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "etcd_rendezvous.torchrun"]
+
+
+def test_etcd_torchrun_serves_torch_s_etcd_v2_name_against_an_etcd_without_v2(
+    etcd_server: EtcdServer, run_id: str, tmp_path: Path, agents: list[Agent]
+) -> None:
+    # PyTorch's own etcd-v2 cannot work here: it speaks v2 only.
+    with EtcdServer(etcd_binary=etcd_server.binary, enable_v2=False) as server:
+        results = _train_on_two_agents(
+            agents,
+            tmp_path,
+            "etcd-v2",
+            server.get_endpoint(),
+            run_id,
+            nproc_per_node=1,
+            rdzv_conf=CONF[V2],
+            launcher=_etcd_torchrun(),
+        )
+        endpoint = [(server.get_host(), server.get_port())]
+        with open_transport(endpoint, etcd_api="v3") as v3:
+            assert v3.get(_state_key(V2, run_id)).value
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert {r["sum"] for r in results} == {3.0}
+    assert {r["run_id"] for r in results} == {run_id}

@@ -39,6 +39,7 @@ class Agent:
         step_seconds: float = 0.0,
         env: Mapping[str, str] | None = None,
         launcher: list[str] | None = None,
+        monitor_interval: float = 0.2,
     ) -> None:
         self.name = name
         self.log_path = out / f"agent-{name}.log"
@@ -52,7 +53,7 @@ class Agent:
             f"--rdzv-id={run_id}",
             f"--rdzv-conf={conf}",
             f"--max-restarts={max_restarts}",
-            "--monitor-interval=0.2",
+            f"--monitor-interval={monitor_interval}",
             "--local-addr=127.0.0.1",
             str(WORKER),
             f"--out={out}",
@@ -63,6 +64,7 @@ class Agent:
         # The tests of other modules opt out of TCPStore sharing; here torchrun decides.
         child_env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         child_env.update({"TEST_AGENT_ID": name, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+
         child_env.update(env or {})
         self.command = command
         with open(self.log_path, "wb") as log:

@@ -7,7 +7,8 @@ the previous one stopped, as real training resumes from a checkpoint.
 
 Files written in ``--out``:
 
-* ``progress-<restart>-<rank>.json`` after every step (what the tests wait on);
+* ``progress-<restart>-<rank>.json`` after every step (what the tests wait on), with the
+  wall-clock time of this worker's first step (``first_step_at``);
 * ``result-<agent>-<restart>-<local_rank>.json`` when the run finishes;
 * ``checkpoint.json`` (rank 0).
 """
@@ -50,15 +51,23 @@ def main() -> None:
     checkpoint = args.out / "checkpoint.json"
     start = json.loads(checkpoint.read_text())["step"] if checkpoint.exists() else 0
     total = torch.zeros(1)
+    first_step_at: float | None = None
     for step in range(start, args.steps):
         total = torch.tensor([float(rank + 1)])
         dist.all_reduce(total)
         expected = world_size * (world_size + 1) / 2
         if total.item() != expected:
             raise SystemExit(f"rank {rank}: all_reduce gave {total.item()}, expected {expected}")
+        first_step_at = first_step_at or time.time()
         _write_json(
             args.out / f"progress-{restart}-{rank}.json",
-            {"step": step, "world_size": world_size, "agent": agent, "pid": os.getpid()},
+            {
+                "step": step,
+                "world_size": world_size,
+                "agent": agent,
+                "pid": os.getpid(),
+                "first_step_at": first_step_at,
+            },
         )
         if rank == 0:
             _write_json(checkpoint, {"step": step + 1})
@@ -78,6 +87,7 @@ def main() -> None:
             "resumed_from": start,
             "use_agent_store": env["TORCHELASTIC_USE_AGENT_STORE"],
             "run_id": env["TORCHELASTIC_RUN_ID"],
+            "finished_at": time.time(),
         },
     )
     dist.destroy_process_group()

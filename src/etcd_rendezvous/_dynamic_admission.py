@@ -52,10 +52,23 @@ constant number of requests per node, writing the same state:
   interval). With ``keep_alive_max_attempt`` below 3 the nodes write their heartbeats
   every interval, as PyTorch's do.
 
-As a consequence a node that dies is dropped later than in PyTorch: its key lives up to
+* **Dead participants.** The aggregator keeps the heartbeat of a node fresh as long as
+  its key is alive, so a heartbeat in the state says nothing about a node that died:
+  its key does. While a complete round still lists participants that did not ask to
+  leave it, the first node of its wait list (the survivors of a node loss, whose workers
+  failed, or a newcomer) looks at their keys: it lists them when the first of those
+  keys may expire (as the listing or, on v3, the key's lease tells) and takes out, in
+  one write, every such participant whose key is gone or has less than a whole second
+  to live: it died (its key expires ``keep_alive_interval * keep_alive_max_attempt``
+  after its last refresh, as its heartbeat lapses in PyTorch) or withdrew. Until etcd
+  deletes such a key, the node's listings leave it out, so that no batch admits the
+  dead node again. Participants never listed with a key (PyTorch's nodes) are left to
+  their heartbeats.
+
+Elsewhere (a node that dies in a round being formed, or on the wait or redundancy list)
+a dead node is dropped later than in PyTorch: its key lives up to
 ``keep_alive_interval * keep_alive_max_attempt`` more seconds, during which the
-aggregator keeps its heartbeat fresh, and its heartbeat then lapses after as long again:
-at most about twice PyTorch's ``keep_alive_interval * keep_alive_max_attempt``.
+aggregator keeps its heartbeat fresh, and its heartbeat then lapses after as long again.
 
 This module holds the bookkeeping of that protocol and its requests to the registry;
 what a batch does to the state is decided by :mod:`etcd_rendezvous._dynamic_ops` (the
@@ -93,6 +106,13 @@ ADMISSION_GRACE = 2.0
 #: several would make batches of their own at once (each a large state write, all but
 #: one lost).
 EXIT_GATHER = 0.1
+
+#: How many participants' key lifetimes a waiting node reads to know when to look at
+#: the keys again (on v3 each is a request; the others are looked at every interval).
+_REAP_PROBES = 2
+#: Seconds after a key's expiry as a listing (or its lease) tells it, whole seconds,
+#: when the node looks again; and between looks at a key that is due to expire.
+_REAP_STEP = 0.3
 
 #: How many keep-alive intervals old a node's heartbeat in the state is when the node
 #: takes it that nobody aggregates (and looks at the lock, to take it if it is free).
@@ -142,6 +162,11 @@ class NodeRegistry(Protocol):
 
     def list_nodes(self) -> list[AnnouncedNode]:
         """Every node key of the run, oldest first."""
+
+    def expires_in(self, node: NodeDesc) -> int | None:
+        """Whole seconds until the key of ``node`` expires, as far as the last listing
+        tells (on v3: one request for its lease); ``0`` or ``None`` if its time is up
+        (or it is gone)."""
 
     def aggregator(self) -> NodeDesc | None:
         """The holder of the aggregator lock, or ``None`` if nobody holds it."""
@@ -233,6 +258,14 @@ class NodeKeys:
         self._leaving: int | None = None
         self._left_at = -math.inf
         self._marks: dict[NodeDesc, int] = {}
+        # Every node listed with a key so far (ours, not PyTorch's), and when to look at
+        # the keys of the participants of which complete round again (see ``reap``).
+        self._seen: set[NodeDesc] = set()
+        # The keys taken for dead (node: created index) while etcd still lists them:
+        # no batch admits them, and they block nobody (see ``reap``).
+        self._dead: dict[NodeDesc, int] = {}
+        self._reap_round: int | None = None
+        self._reap_at = -math.inf
 
     @property
     def node(self) -> NodeDesc:
@@ -347,8 +380,63 @@ class NodeKeys:
     def _list(self) -> list[AnnouncedNode]:
         """List the node keys, and note which nodes asked to leave their round."""
         listing = self._registry.list_nodes()
+        self._seen.update(entry.node for entry in listing)
+        listed = {entry.node: entry.created_index for entry in listing}
+        self._dead = {n: i for n, i in self._dead.items() if listed.get(n) == i}
+        listing = [e for e in listing if self._dead.get(e.node) != e.created_index]
         self._marks = {e.node: e.leaving for e in listing if e.leaving is not None}
         return listing
+
+    def reap(self, round_: int, blockers: list[NodeDesc]) -> list[NodeDesc] | float:
+        """The nodes among ``blockers`` whose keys are gone, or else how long to wait
+        before looking again, in seconds (see "Dead participants" in the module docs).
+
+        ``blockers`` are the participants of the complete round ``round_`` that did not
+        ask to leave it, while this node waits for the next round. A node is judged only
+        if a listing showed its key before (PyTorch's nodes have none); a key with less
+        than a whole second to live counts as gone. Looks again when the first key may
+        expire, and at least every keep-alive interval; a state change does not make it
+        look earlier.
+        """
+        with self._lock:
+            now = self._clock()
+            if round_ != self._reap_round:
+                self._reap_round, self._reap_at = round_, -math.inf
+            if now < self._reap_at:
+                return self._reap_at - now
+            seen = set(self._seen)
+            alive = {entry.node: entry.created_index for entry in self._list()}
+            gone = [node for node in blockers if node in seen and node not in alive]
+            if gone:
+                return gone
+            keyed = [node for node in blockers if node in alive]
+            probed = {node: self._registry.expires_in(node) or 0 for node in keyed[:_REAP_PROBES]}
+            # A key without a whole second left is as good as gone: its node, which
+            # refreshes it every interval, missed all but the last second of its lifetime
+            # (v2 lists a key past its expiry until it deletes it; a v3 lease counts down
+            # in whole seconds and cannot be renewed once expired). Until etcd deletes it,
+            # our listings leave it out, lest a batch admit the dead node again.
+            expired = [node for node, ttl in probed.items() if ttl <= 0]
+            if expired:
+                self._dead.update((node, alive[node]) for node in expired)
+                return expired
+            lifetimes = list(probed.values())
+            wait = self._interval
+            if lifetimes:
+                wait = max(min(lifetimes) - 1.0, 0.0) + _REAP_STEP
+                if len(lifetimes) < len(keyed):
+                    wait = min(wait, self._interval)
+            self._reap_at = now + wait
+            logger.debug(
+                "The node '%s' waits for %d participant(s) of round %d with a live key to "
+                "leave it (lifetimes read: %s); looking again in %.1f s.",
+                self._node,
+                len(keyed),
+                round_,
+                lifetimes,
+                wait,
+            )
+            return wait
 
     def _new_attempt(self, listing: list[AnnouncedNode]) -> _Attempt:
         created = self._created if self._created is not None else math.inf
@@ -390,6 +478,9 @@ class NodeKeys:
         self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission
     ) -> list[NodeDesc]:
         self._listed = {entry.node for entry in listing}
+        # This attempt is over: a later admission (the next round) lists afresh, lest it
+        # wait for predecessors of this one that are gone.
+        self._attempt = None
         batch = [entry.node for entry in listing if entry.node not in attempt.suspects]
         if self._node not in self._listed and wants(self._node):
             # Our key vanished after we announced it (the refresh will re-create it).
@@ -439,7 +530,7 @@ class NodeKeys:
                 self._leaving = None
             if not self._lead(state, now):
                 return set()
-            alive = {entry.node for entry in self._registry.list_nodes()}
+            alive = {entry.node for entry in self._list()}
             return {node for node in state.last_heartbeats if node in alive}
 
     def _lead(self, state: RendezvousState, now: datetime) -> bool:

@@ -12,6 +12,7 @@ which documents the protocol.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from abc import ABC, abstractmethod
@@ -21,7 +22,17 @@ from datetime import timedelta
 from ._dynamic_admission import NodeKeys
 from ._dynamic_backend import _POLL_INTERVAL
 from ._dynamic_holder import _remove_participant_epilogue, _RendezvousStateHolder
-from ._dynamic_ops import _ADMISSIONS, _Action, _admission_action, _RendezvousContext, _StateHandler
+from ._dynamic_ops import (
+    _ADMISSIONS,
+    _Action,
+    _admission_action,
+    _RendezvousCloseOp,
+    _RendezvousContext,
+    _RendezvousExitOp,
+    _RendezvousJoinOp,
+    _RendezvousKeepAliveOp,
+    _StateHandler,
+)
 from ._dynamic_settings import LOGGER_NAME, RendezvousSettings, _now, record_event
 from ._dynamic_state import _NodeDesc, _RendezvousState
 from ._retry import CONTENTION, Deadline, Retry
@@ -142,14 +153,21 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             if action == _Action.FINISH:
                 continue
             if action == _Action.ERROR_CLOSED:
-                raise RendezvousClosedError
+                raise RendezvousClosedError(
+                    f"The rendezvous '{self._settings.run_id}' is closed: the node "
+                    f"'{self._node}' cannot join a new round of it."
+                )
             if action == _Action.ERROR_TIMEOUT:
-                raise RendezvousTimeoutError
+                raise RendezvousTimeoutError(self._timeout_message(state_handler))
 
             # Nothing to do until another node changes the state (for an admission: by
             # admitting us) or one of our deadlines falls due.
             if action == _Action.SYNC:
-                self._wait(deadline)
+                wait = self._reap(deadline)
+                if wait is not None:
+                    self._wait(deadline, at_most=wait)
+                    continue
+                self._state_holder.mark_dirty()
                 continue
             if action in _ADMISSIONS or self._exits_in_batch(action):
                 wait = self._admit(action, deadline)
@@ -165,6 +183,27 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
 
             # Attempt to sync our changes back to other nodes.
             self._state_holder.mark_dirty()
+
+    def _timeout_message(self, op: _StateHandler) -> str:
+        """The error message of ``op`` past its deadline: the run, what the node could not
+        do, and the option that limits it."""
+        timeout = self._settings.timeout
+        what, option, limit = "complete its operation on", "its deadline", None
+        if isinstance(op, (_RendezvousJoinOp, _RendezvousExitOp)):
+            what, option, limit = "join", "join_timeout", timeout.join
+        elif isinstance(op, _RendezvousCloseOp):
+            what, option, limit = "close", "close_timeout", timeout.close
+        elif isinstance(op, _RendezvousKeepAliveOp):
+            what, option, limit = (
+                "write its heartbeat to",
+                "heartbeat_timeout",
+                timeout.heartbeat,
+            )
+        within = option if limit is None else f"{option} ({limit.total_seconds():g} s)"
+        return (
+            f"The node '{self._node}' could not {what} the rendezvous "
+            f"'{self._settings.run_id}' within {within}."
+        )
 
     def _sync(self, deadline: float, retry: Retry) -> bool | None:
         """Read the latest state shared by all nodes, or write ours back (which fails if
@@ -283,6 +322,40 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         now, heartbeats = _now(), self._state.last_heartbeats
         for node in keys.listed() & heartbeats.keys():
             heartbeats[node] = now
+        return None
+
+    def _reap(self, deadline: float) -> float | None:
+        """With node keys, while this node is the first of the wait list of a complete
+        round: take out the participants whose keys are gone (see "Dead participants" in
+        :mod:`etcd_rendezvous._dynamic_admission`). Returns ``None`` if it changed the
+        state (to be written), or else the longest to wait before looking again
+        (``inf``: nothing to look at)."""
+        keys, state = self._keys, self._state
+        if (
+            keys is None
+            or state.closed
+            or not state.complete
+            or not state.wait_list
+            or min(state.wait_list) != self._node
+        ):
+            return math.inf
+        blockers = [n for n in sorted(state.participants) if keys.leaving(n) != state.round]
+        if not blockers:
+            return math.inf
+        with self._state_holder.bounded_by(self._step_deadline(deadline)):
+            outcome = keys.reap(state.round, blockers)
+        if isinstance(outcome, float):
+            return outcome
+        for node in outcome:
+            logger.info(
+                "The key of the node '%s' is gone (it died or left): the node '%s' takes it "
+                "out of round %d of the rendezvous '%s'.",
+                node,
+                self._node,
+                state.round,
+                self._settings.run_id,
+            )
+            self._remove_from_participants(node)
         return None
 
     def _admit_node(self, node: _NodeDesc, action: _Action) -> None:

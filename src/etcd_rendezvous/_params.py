@@ -16,7 +16,14 @@ from ._transport import DEFAULT_REQUEST_TIMEOUT, DEFAULT_SILENCE_TIMEOUT, Transp
 from .api import RendezvousParameters
 from .utils import parse_rendezvous_endpoints
 
-__all__ = ["DEFAULT_PORT", "create_etcd_connection", "existing_file", "seconds"]
+__all__ = [
+    "DEFAULT_PORT",
+    "PASSWORD_ENV",
+    "create_etcd_connection",
+    "etcd_password",
+    "existing_file",
+    "seconds",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,40 @@ def existing_file(params: RendezvousParameters, key: str) -> str | None:
     return path
 
 
+#: The environment variable holding the etcd password when neither ``password`` nor
+#: ``password_file`` is given (torchrun logs ``--rdzv-conf``, so a password given there
+#: would be in the agent's log).
+PASSWORD_ENV = "ETCD_RENDEZVOUS_PASSWORD"
+
+
+def etcd_password(params: RendezvousParameters) -> str | None:
+    """The etcd password: the ``password`` option, or else the first line of the file
+    named by ``password_file``, or else the environment variable :data:`PASSWORD_ENV`
+    (when ``username`` is given); ``None`` if there is none.
+
+    Raises:
+        ValueError: both ``password`` and ``password_file`` are given, or the file
+            cannot be read or is empty; the message names the option (never the
+            password).
+    """
+    password = params.get("password")
+    path = params.get("password_file")
+    if password is not None and path:
+        raise ValueError("password, password_file: give one of them, not both.")
+    if path:
+        try:
+            with open(str(path), encoding="utf-8") as file:
+                first_line = file.readline().rstrip("\r\n")
+        except OSError as exc:
+            raise ValueError(f"password_file: cannot read {str(path)!r}: {exc.strerror}.") from None
+        if not first_line:
+            raise ValueError(f"password_file: {str(path)!r} is empty.")
+        return first_line
+    if password is None and params.get("username") is not None:
+        return os.environ.get(PASSWORD_ENV) or None
+    return None if password is None else str(password)
+
+
 def create_etcd_connection(
     params: RendezvousParameters,
     *,
@@ -69,9 +110,10 @@ def create_etcd_connection(
 
     ``params.endpoint`` may list several endpoints, comma-separated. The options read
     are ``etcd_api`` (``auto``, ``v2`` or ``v3``; see :mod:`etcd_rendezvous._connect`),
-    ``protocol``, ``username``, ``password``, ``read_timeout``, ``connect_timeout``,
-    ``request_timeout``, ``silence_timeout`` and the TLS files, whose option names
-    differ between backends (``cert``/``key``/``cacert`` for ``etcd``,
+    ``protocol``, ``username``, ``password`` (or ``password_file``, or the environment
+    variable :data:`PASSWORD_ENV`: see :func:`etcd_password`), ``read_timeout``,
+    ``connect_timeout``, ``request_timeout``, ``silence_timeout`` and the TLS files, whose
+    option names differ between backends (``cert``/``key``/``cacert`` for ``etcd``,
     ``ssl_cert``/``ssl_cert_key``/``ca_cert`` for ``etcd-v2``) and are given by the
     ``*_option`` arguments.
 
@@ -99,7 +141,7 @@ def create_etcd_connection(
             "%s/%s are ignored with protocol=http; did you mean https?", cert_option, cacert_option
         )
     username = params.get("username")
-    password = params.get("password")
+    password = etcd_password(params)
     if (username is None) != (password is None):
         missing = "password" if password is None else "username"
         raise ValueError(f"{missing}: username and password must be given together.")

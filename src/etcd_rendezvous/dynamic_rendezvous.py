@@ -467,13 +467,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # PyTorch builds the bootstrap info only in a node's first round, so a node
         # admitted in a later round waits for a MASTER_ADDR that rank 0 never publishes
         # under the new round's prefix (until the store times out). Here rank 0 hosts
-        # the shared TCPStore (starting it when it first becomes rank 0) and publishes
-        # its address every round, and the other ranks read it every round.
+        # the shared TCPStore and publishes its address every round, and the other ranks
+        # read it every round. The server is a new one every round: torch's workers use
+        # it without a prefix per attempt, so a server kept from the last round would
+        # hand the new world's workers the last world's keys (gloo's addresses among
+        # them: they fail to connect). A node no longer rank 0 stops its server.
+        self._shared_tcp_store_server = None
         if rank == 0:
-            if self._shared_tcp_store_server is None:
-                self._shared_tcp_store_server = self._create_tcp_store_server(
-                    self._this_node.addr, 0
-                )
+            self._shared_tcp_store_server = self._create_tcp_store_server(self._this_node.addr, 0)
             self._bootstrap_store_info = RendezvousStoreInfo.build(
                 rank,
                 store,

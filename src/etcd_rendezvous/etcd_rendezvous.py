@@ -91,6 +91,7 @@ from ._params import seconds as _seconds
 from ._progress import ProgressLog, progress_interval, seconds_left
 from ._retry import CONNECTION, Deadline
 from ._torch import adapt_store, torch_available, torch_store_wanted
+from ._torch_errors import torch_errors
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -652,6 +653,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Return the backend name: ``"etcd"`` unless created under another name."""
         return self._backend_name
 
+    @torch_errors
     def next_rendezvous(self) -> RendezvousInfo:
         """Join the next rendezvous and return its store, our rank and the world size.
 
@@ -677,6 +679,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             adapt_store(store, self._torch_store), rank, world_size, bootstrap_store_info
         )
 
+    @torch_errors
     def is_closed(self) -> bool:
         """Whether the rendezvous of this run is closed (asking etcd for at most the
         rendezvous ``timeout``)."""
@@ -687,10 +690,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
             return False
         return bool(state["status"] == "closed")
 
+    @torch_errors
     def set_closed(self) -> None:
         """Close the rendezvous of this run."""
         self._rdzv_impl.set_closed()
 
+    @torch_errors
     def num_nodes_waiting(self) -> int:
         """Number of workers waiting to join while the current rendezvous is final.
 

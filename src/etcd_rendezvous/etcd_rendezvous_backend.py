@@ -136,6 +136,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._nodes = EtcdV2NodesLayout(run_id, key_prefix)
         #: The v3 lease of each node key we wrote (0 on v2), to refresh it without a read.
         self._node_leases: dict[str, int] = {}
+        # The node keys of the last listing (for ``expires_in``).
+        self._listed_keys: dict[NodeDesc, Node] = {}
         self._ttl = ttl if ttl and ttl > 0 else self._DEFAULT_TTL
         # What the last read or write saw: the state's modifiedIndex (``None``: no
         # state) and the etcd index of that answer, from which a watch misses nothing.
@@ -359,14 +361,23 @@ class EtcdRendezvousBackend(RendezvousBackend):
         except KeyNotFoundError:
             return []
         nodes = []
+        self._listed_keys = {}
         for child in listing.children:
             # The name spells the node (cheaper than its value, at a few hundred nodes).
             fields = None if child.is_dir else parse_node_key_name(child.key.rsplit("/", 1)[-1])
             if fields is not None:
                 leaving = _leaving(child.value)
                 nodes.append(AnnouncedNode(NodeDesc(*fields), child.created_index, leaving))
+                self._listed_keys[nodes[-1].node] = child
         nodes.sort(key=lambda entry: entry.created_index)
         return nodes
+
+    def expires_in(self, node: NodeDesc) -> int | None:
+        """Whole seconds until the key of ``node`` expires: on v2 as the last listing
+        reported it, on v3 read from its lease (one request); ``None`` if the last
+        listing did not have the key, or its lease is gone."""
+        key = self._listed_keys.get(node)
+        return None if key is None else self._conn.time_to_live(key)
 
     def aggregator(self) -> NodeDesc | None:
         """The node holding the aggregator lock (``None``: nobody, or not a node)."""

@@ -48,6 +48,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar, cast
 
+from ._torch_errors import as_torch_error
+
 __all__ = [
     "EventHandler",
     "NodeState",
@@ -245,7 +247,9 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 def _records_failure(method: _Method) -> _Method:
     """Make ``method`` record a ``FAILED`` event for any exception it raises, as
-    PyTorch's handler does (``"<ExceptionType>: <message>"``), then re-raise it.
+    PyTorch's handler does (``"<ExceptionType>: <message>"``), then re-raise it: where
+    torch's rendezvous is loaded, this package's rendezvous errors as torch's too (see
+    :func:`etcd_rendezvous._torch_errors.as_torch_error`), so torch's agent catches them.
 
     For methods of classes with a ``_record(message, node_state, *, method)`` method.
     """
@@ -260,6 +264,7 @@ def _records_failure(method: _Method) -> _Method:
                 node_state=NodeState.FAILED,
                 method=method.__name__,
             )
+            as_torch_error(e)
             raise
 
     return cast(_Method, recorded)

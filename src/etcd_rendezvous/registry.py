@@ -5,16 +5,24 @@ under their torchrun plugin names ``etcd-rendezvous`` and ``etcd-rendezvous-v2``
 :data:`~etcd_rendezvous.api.rendezvous_handler_registry`, as torch's rendezvous package
 does on import. Backends are imported only when a handler is created, so importing
 this module does not import python-etcd.
+
+Where torch's rendezvous is loaded (a handler made for torch's agent, through its
+registry or ``torchrun``), the handlers and their creators raise this package's errors
+as torch's too: a class deriving from both, so that ``except`` clauses written for
+either package catch them (a surplus node of ``etcd-v2`` ends with torch's "Rendezvous
+gracefully exited").
 """
 
 from __future__ import annotations
 
+from ._torch_errors import torch_errors
 from .api import RendezvousHandler, RendezvousParameters
 from .api import rendezvous_handler_registry as handler_registry
 
 __all__ = ["get_rendezvous_handler"]
 
 
+@torch_errors
 def _create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd`` backend's handler, importing its module on first use."""
     # Imported here so that importing the registry does not import python-etcd.
@@ -23,6 +31,7 @@ def _create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
     return create_rdzv_handler(params)
 
 
+@torch_errors
 def _create_etcd_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the dynamic rendezvous handler over the ``etcd-v2`` backend, lazily.
 

@@ -16,7 +16,15 @@ PyTorch already owns the names ``etcd`` and ``etcd-v2`` and checks that a handle
 were created under. To run this package's handlers under PyTorch's names instead, call
 :func:`replace_torch_etcd_backends` in the launcher process before the agent starts.
 
-Nothing here imports PyTorch at import time; :func:`replace_torch_etcd_backends` does.
+The console script ``etcd-torchrun`` (:func:`main`) is ``torchrun`` with those names
+already replaced, for launchers that only pass PyTorch's names (Kubeflow's PyTorchJob,
+TorchX)::
+
+    etcd-torchrun --nnodes=1:4 --nproc-per-node=8 --rdzv-backend=etcd-v2 \\
+        --rdzv-endpoint=etcd:2379 --rdzv-id=job-42 train.py
+
+Nothing here imports PyTorch at import time; :func:`replace_torch_etcd_backends` and
+:func:`main` do.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ __all__ = [
     "create_etcd_rendezvous_v2_handler",
     "etcd_rendezvous_handler",
     "etcd_rendezvous_v2_handler",
+    "main",
     "replace_torch_etcd_backends",
 ]
 
@@ -142,3 +151,21 @@ def replace_torch_etcd_backends(registry: Any = None) -> None:
     ):
         entries.pop(name, None)
         registry.register(name, creator)
+
+
+def main(args: list[str] | None = None) -> None:
+    """The ``etcd-torchrun`` console script: ``torchrun`` (same arguments, same exit
+    codes) with PyTorch's ``etcd`` and ``etcd-v2`` backend names served by this package.
+
+    ``args`` are torchrun's arguments (``sys.argv[1:]`` if ``None``). The etcd password
+    is best given by ``--rdzv-conf=password_file=<path>`` or the environment variable
+    ``ETCD_RENDEZVOUS_PASSWORD`` rather than ``password=``: torchrun logs ``--rdzv-conf``.
+    """
+    # Imported by name: PyTorch is optional, and mypy must not analyse it.
+    run = importlib.import_module("torch.distributed.run")
+    replace_torch_etcd_backends()
+    run.main(args)
+
+
+if __name__ == "__main__":
+    main()

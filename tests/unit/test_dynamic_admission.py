@@ -8,6 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from etcd_rendezvous._dynamic_admission import (
+    _REAP_STEP,
     ADMISSION_GRACE,
     EXIT_GATHER,
     AnnouncedNode,
@@ -32,6 +33,8 @@ class MemoryRegistry:
         self.keys: dict[NodeDesc, int] = {}
         self.leaving: dict[NodeDesc, int] = {}
         self.lock: NodeDesc | None = None
+        #: What ``expires_in`` answers for a node (unknown if absent).
+        self.lifetimes: dict[NodeDesc, int | None] = {}
         self.index = 0
         self.calls: dict[str, int] = {}
 
@@ -63,6 +66,10 @@ class MemoryRegistry:
         self._count("list")
         keys = sorted(self.keys.items(), key=lambda e: e[1])
         return [AnnouncedNode(n, i, self.leaving.get(n)) for n, i in keys]
+
+    def expires_in(self, node: NodeDesc) -> int | None:
+        self._count("expires_in")
+        return self.lifetimes.get(node, 15) if node in self.keys else None
 
     def aggregator(self) -> NodeDesc | None:
         self._count("aggregator")
@@ -328,3 +335,74 @@ def test_the_heartbeat_period_of_a_node_with_a_key() -> None:
     b = keys_of(B, registry, clock, attempts=1)
     b.admission(wants_all_but(), "m")
     assert b.heartbeat_period(interval) == interval
+
+
+def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    for node in (A, B, C):
+        registry.announce_node(node, 15)
+    registry.lifetimes[C] = 9
+    b = keys_of(B, registry, clock)
+    # Round 3 is complete; A and B left it and wait; C did not ask (it died).
+    # C's key has 9 s to live: look again when it may have expired (whole seconds, so
+    # up to one second early, and then every _REAP_STEP seconds).
+    assert b.reap(3, [C]) == pytest.approx(8 + _REAP_STEP)
+    assert registry.calls["list"] == 1
+    # A state change in between does not make it list again.
+    clock.now += 4
+    assert b.reap(3, [C]) == pytest.approx(4 + _REAP_STEP)
+    assert registry.calls["list"] == 1
+    clock.now += 4 + _REAP_STEP
+    registry.keys.pop(C)  # expired
+    assert b.reap(3, [C]) == [C]
+
+
+@pytest.mark.parametrize("lifetime", [0, None], ids=["v3-last-second", "v2-past-expiry"])
+def test_a_listed_key_without_a_whole_second_left_counts_as_gone(lifetime: int | None) -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    for node in (B, C):
+        registry.announce_node(node, 15)
+    registry.lifetimes[C] = lifetime
+    b = keys_of(B, registry, clock)
+    assert b.reap(3, [C]) == [C]
+
+
+def test_a_participant_never_listed_with_a_key_is_left_to_its_heartbeat() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    registry.announce_node(B, 15)
+    b = keys_of(B, registry, clock, interval=5)
+    # D is PyTorch's node (no key): not judged; B looks again every interval.
+    assert b.reap(3, [D]) == pytest.approx(5)
+    clock.now += 5
+    assert b.reap(3, [D]) == pytest.approx(5)
+
+
+def test_reaping_reads_at_most_two_lifetimes_and_looks_each_interval_for_the_rest() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    for node in (A, B, C, D):
+        registry.announce_node(node, 15)
+    registry.lifetimes.update({A: 14, C: 14, D: 2})
+    b = keys_of(B, registry, clock, interval=5)
+    # A and C are probed (14 s left); D, which would expire first, is not: the interval.
+    assert b.reap(3, [A, C, D]) == pytest.approx(5)
+    assert registry.calls["expires_in"] == 2
+    # A new round starts afresh.
+    assert b.reap(4, [D]) == pytest.approx(1 + _REAP_STEP)
+
+
+def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    for node in (B, C):
+        registry.announce_node(node, 15)
+    registry.lifetimes[C] = 0
+    b = keys_of(B, registry, clock)
+    assert b.reap(3, [C]) == [C]
+    # etcd still lists C's key: the next round's batch must not admit C again.
+    assert b.admission(wants_all_but(), "m") == [B]
+    # Once etcd deleted it, a key C announces again (a new index) is C's to use.
+    registry.keys.pop(C)
+    b.admitted()
+    assert b.admission(wants_all_but(), "m2") == [B]
+    registry.announce_node(C, 15)
+    b.admitted()
+    assert b.admission(wants_all_but(), "m3") == [B, C]

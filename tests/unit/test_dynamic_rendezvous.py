@@ -21,6 +21,7 @@ import pytest
 
 from etcd_rendezvous import _dynamic_executor, _dynamic_holder, _dynamic_ops, _dynamic_settings
 from etcd_rendezvous import dynamic_rendezvous as dr
+from etcd_rendezvous._dynamic_admission import NodeKeys
 from etcd_rendezvous._dynamic_executor import _DistributedRendezvousOpExecutor
 from etcd_rendezvous._dynamic_holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
 from etcd_rendezvous._dynamic_ops import (
@@ -53,6 +54,8 @@ from etcd_rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     RendezvousTimeout,
 )
+
+from .test_dynamic_admission import Clock, MemoryRegistry
 
 NOW = datetime(2000, 1, 1, tzinfo=timezone.utc)
 ME = _NodeDesc("this_node", 1, 1)
@@ -659,6 +662,50 @@ def test_run_raises_on_error_actions(action: _Action, error: type[Exception]) ->
     with pytest.raises(error):
         executor.run(lambda ctx, dl: action, time.monotonic() + 100)
     assert holder.calls == ["sync"]
+
+
+@pytest.mark.parametrize(
+    ("op", "action", "error", "words"),
+    [
+        (_RendezvousJoinOp(), _Action.ERROR_CLOSED, RendezvousClosedError, "is closed"),
+        (
+            _RendezvousJoinOp(),
+            _Action.ERROR_TIMEOUT,
+            RendezvousTimeoutError,
+            "join_timeout (600 s)",
+        ),
+        (
+            _RendezvousExitOp(),
+            _Action.ERROR_TIMEOUT,
+            RendezvousTimeoutError,
+            "join_timeout (600 s)",
+        ),
+        (
+            _RendezvousCloseOp(),
+            _Action.ERROR_TIMEOUT,
+            RendezvousTimeoutError,
+            "close_timeout (30 s)",
+        ),
+        (
+            _RendezvousKeepAliveOp(),
+            _Action.ERROR_TIMEOUT,
+            RendezvousTimeoutError,
+            "heartbeat_timeout (5 s)",
+        ),
+    ],
+    ids=["closed", "join", "exit", "close", "keep-alive"],
+)
+def test_error_actions_name_the_run_and_the_limit(
+    op: Callable[..., _Action], action: _Action, error: type[Exception], words: str
+) -> None:
+    executor = _DistributedRendezvousOpExecutor(ME, FakeStateHolder(), make_settings())
+    # The operation's type tells the limit; its decision here is the error.
+    decide = type(type(op).__name__, (type(op),), {"__call__": lambda self, ctx, dl: action})
+    with pytest.raises(error) as raised:
+        executor.run(decide(), time.monotonic() + 100)
+    assert f"rendezvous '{make_settings().run_id}'" in str(raised.value)
+    assert words in str(raised.value)
+    assert str(ME) in str(raised.value)
 
 
 def test_run_waits_for_a_change_on_sync() -> None:
@@ -1358,3 +1405,67 @@ def test_mixed_fleet_with_pytorchs_handler(handlers: list[DynamicRendezvousHandl
     infos[2].store.set("from-ours", b"1")
     assert infos[0].store.get("from-ours") == b"1"
     assert store.get("torch.rendezvous.mixed.0/from-ours") == b"1"
+
+
+def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired(
+    frozen_now: datetime,
+) -> None:
+    """With node keys: a complete round that lists a dead participant (its key expired)
+    while we wait for the next round loses it in one write by the first waiting node."""
+    dead, other = _NodeDesc("dead", 1, 1), _NodeDesc("zzz_waiting", 1, 1)
+    registry, clock = MemoryRegistry(), Clock()
+    for node in (dead, ME, other):
+        registry.announce_node(node, 15)
+    registry.lifetimes[dead] = 3
+    state = _RendezvousState()
+    state.round, state.complete = 3, True
+    state.participants[dead] = 0
+    state.wait_list.update({ME, other})
+    state.last_heartbeats.update({dead: NOW, ME: NOW, other: NOW})
+    holder = FakeStateHolder(state)
+    settings = make_settings(1, 3, interval=timedelta(seconds=5))
+    keys = NodeKeys(registry, ME, settings, clock)
+    executor = _DistributedRendezvousOpExecutor(ME, holder, settings, keys)
+    waits = 0
+
+    def op(ctx: _RendezvousContext, deadline: float) -> _Action:
+        nonlocal waits
+        if dead not in ctx.state.participants:
+            return _Action.FINISH
+        waits += 1
+        assert waits < 5, "the dead participant was never taken out"
+        if waits == 2:
+            registry.keys.pop(dead)  # its key expired while we waited
+            clock.now += 2.3
+        return _Action.SYNC
+
+    executor.run(op, time.monotonic() + 100)
+
+    # First look: the key lives 3 s more; we wait until then (whole seconds: 2.3 s).
+    assert holder.calls[1][0] == "wait"
+    assert holder.calls[1][1] == pytest.approx(2 + 0.3 + 0.01, abs=0.05)
+    # Second look (the wait is over in this fake): the key is gone; the write takes the
+    # dead node out, and the round (now empty) ends.
+    assert holder.calls[2:] == ["sync", "mark", "sync"]
+    assert dead not in state.participants
+    assert dead not in state.last_heartbeats
+    assert (state.round, state.complete) == (4, False)
+    assert registry.calls["list"] == 2
+
+
+def test_only_the_first_of_the_wait_list_looks_at_the_keys(frozen_now: datetime) -> None:
+    dead, first = _NodeDesc("dead", 1, 1), _NodeDesc("a_first", 1, 1)
+    registry = MemoryRegistry()
+    state = _RendezvousState()
+    state.round, state.complete = 3, True
+    state.participants[dead] = 0
+    state.wait_list.update({ME, first})
+    state.last_heartbeats.update({dead: NOW, ME: NOW, first: NOW})
+    holder = FakeStateHolder(state)
+    settings = make_settings(1, 3)
+    keys = NodeKeys(registry, ME, settings)
+    executor = _DistributedRendezvousOpExecutor(ME, holder, settings, keys)
+    actions = iter([_Action.SYNC, _Action.FINISH])
+    executor.run(lambda ctx, dl: next(actions), time.monotonic() + 100)
+    assert "list" not in registry.calls
+    assert holder.calls[1][0] == "wait"
