@@ -273,9 +273,8 @@ def test_signals_need_a_live_process(server: EtcdServer) -> None:
 
 def test_start_failure_reports_log() -> None:
     srv = EtcdServer(extra_args=["--no-such-flag"])
-    with pytest.raises(EtcdServerError, match="no-such-flag") as excinfo:
+    with pytest.raises(EtcdServerError, match="does not accept the flag --no-such-flag"):
         srv.start(timeout=30)
-    assert "exited with code" in str(excinfo.value)
     assert not srv.running
     assert srv.base_dir is None
     assert "no-such-flag" in srv.read_log()

@@ -46,8 +46,10 @@ from ._etcd_process import (
     member_status,
     probe_member,
     read_log_from,
+    removed_flag_problem,
     stop_process,
     terminate,
+    unknown_flag_problem,
     v2_flags,
     wait_ready,
 )
@@ -346,6 +348,9 @@ class EtcdClusterMember:
             if ADDRESS_IN_USE.search(output):
                 logger.info("etcd member %s could not bind its ports; trying again", self._name)
                 return False
+            refused = unknown_flag_problem(self._command[0], output)
+            if refused:
+                raise EtcdServerError(f"{refused}; command: {self._command}") from None
             raise EtcdServerError(
                 f"etcd member {self._name} exited with code {proc.returncode} during start-up "
                 f"(command: {self._command}). Last lines of {self.log_path}:\n"
@@ -495,12 +500,18 @@ class EtcdCluster:
 
         Raises:
             EtcdServerTimeoutError: if the cluster is not ready within ``timeout``.
-            EtcdServerError: if a member exits during start-up; the message has the
-                tail of its log.
+            EtcdServerError: if a member exits during start-up (the message has the
+                tail of its log), or if the etcd binary does not accept a flag
+                (``enable_v2`` on etcd 3.6 or later; the message names the flag).
         """
         with self._lock:
             if self._state.base_dir is not None:
                 return self
+            problem = removed_flag_problem(
+                self._binary, [*v2_flags(self._enable_v2), *self._extra_args]
+            )
+            if problem:
+                raise EtcdServerError(problem)
             self._state.base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-cluster-")
             started = time.monotonic()
             try:

@@ -41,8 +41,10 @@ from ._etcd_process import (
     last_lines,
     probe_member,
     read_log_from,
+    removed_flag_problem,
     stop_process,
     terminate,
+    unknown_flag_problem,
     v2_flags,
     wait_ready,
 )
@@ -214,7 +216,8 @@ class EtcdServer:
         enable_v2: serve etcd's v2 API (``--enable-v2=true``), which python-etcd and
             PyTorch's etcd backends need. ``False`` leaves the flag out, which gives a
             server with the v3 API only, like etcd 3.6 (which no longer has the flag);
-            :meth:`get_client` then refuses to make a client.
+            :meth:`get_client` then refuses to make a client. etcd 3.6 and later
+            have no v2 API: with them, :meth:`start` refuses ``True``.
 
     Raises:
         EtcdBinaryNotFoundError: if no etcd binary can be found.
@@ -370,7 +373,10 @@ class EtcdServer:
 
         Raises:
             EtcdServerTimeoutError: if the server does not answer within ``timeout``.
-            EtcdServerError: if etcd exits during start-up; the message has the log tail.
+            EtcdServerError: if etcd exits during start-up (the message has the log
+                tail), or if the binary does not accept a flag: ``enable_v2`` on etcd
+                3.6 or later, a flag of ``extra_args`` it removed or does not know (the
+                message names the flag and the version).
             ValueError: if ``stderr`` is ``subprocess.PIPE``.
         """
         if stderr == subprocess.PIPE:
@@ -384,6 +390,9 @@ class EtcdServer:
                     f"etcd (pid {proc.pid}) exited with code {proc.returncode}; "
                     "call restart() to start it again on the same port, or stop()"
                 )
+            problem = removed_flag_problem(self._binary, self._command_flags())
+            if problem:
+                raise EtcdServerError(problem)
             self._make_base_dir()
             started = time.monotonic()
             try:
@@ -565,6 +574,10 @@ class EtcdServer:
             shutil.rmtree(self._state.base_dir, ignore_errors=True)
         self._state.base_dir = None
 
+    def _command_flags(self) -> list[str]:
+        """The flags chosen by the caller (``enable_v2``, ``extra_args``)."""
+        return [*v2_flags(self._enable_v2), *self._extra_args]
+
     def _command(self) -> list[str]:
         scheme = self.protocol
         client_url = f"{scheme}://{HOST}:{self._port}"
@@ -641,6 +654,9 @@ class EtcdServer:
             if stderr is not None or ADDRESS_IN_USE.search(output):
                 logger.info("etcd could not bind port %d; %s", self._port, "trying again")
                 return False
+            refused = unknown_flag_problem(self._binary, output)
+            if refused:
+                raise EtcdServerError(f"{refused}; command: {cmd}") from None
             raise EtcdServerError(
                 f"etcd exited with code {proc.returncode} during start-up (command: {cmd}). "
                 f"Last lines of {log_path}:\n{last_lines(output, _LOG_TAIL_LINES)}"
