@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import etcd
 import pytest
 import urllib3
 
+import etcd
 import v3_gateway
 from etcd_rendezvous import etcd_server as etcd_server_module
+from etcd_rendezvous.etcd_cluster import EtcdCluster
 from etcd_rendezvous.etcd_server import (
     EtcdBinaryNotFoundError,
     EtcdServer,
@@ -278,6 +279,61 @@ def test_start_failure_reports_log() -> None:
     assert not srv.running
     assert srv.base_dir is None
     assert "no-such-flag" in srv.read_log()
+
+
+def fake_etcd(tmp_path: Path, version: str) -> str:
+    """A stand-in etcd binary of ``version``: answers ``--version`` as etcd does and,
+    like etcd, exits 2 naming the first ``--enable-v2`` or ``--experimental-*`` flag."""
+    path = tmp_path / version / "etcd"
+    path.parent.mkdir()
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            #!/bin/sh
+            if [ "$1" = --version ]; then echo "etcd Version: {version}"; exit 0; fi
+            for arg; do
+              case "$arg" in --enable-v2*|--experimental-*)
+                echo "flag provided but not defined: -${{arg#--}}" | sed 's/=.*//' >&2; exit 2;;
+              esac
+            done
+            exit 3
+            """
+        )
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("version", ["3.6.16", "3.7.3"])
+def test_v2_on_etcd_36_or_later_is_refused_naming_the_flag(tmp_path: Path, version: str) -> None:
+    binary = fake_etcd(tmp_path, version)
+    for server in (EtcdServer(etcd_binary=binary), EtcdCluster(3, etcd_binary=binary)):
+        with pytest.raises(EtcdServerError, match=r"etcd .* does not accept --enable-v2") as info:
+            server.start(timeout=10)
+        assert f"etcd {version} ({binary})" in str(info.value)
+        assert "enable_v2=False" in str(info.value)
+
+
+def test_experimental_flags_are_refused_on_etcd_37_only(tmp_path: Path) -> None:
+    flag = "--experimental-initial-corrupt-check=true"
+    binary = fake_etcd(tmp_path, "3.7.3")
+    server = EtcdServer(etcd_binary=binary, enable_v2=False, extra_args=[flag])
+    with pytest.raises(EtcdServerError, match="does not accept --experimental-initial-corrupt"):
+        server.start(timeout=10)
+    # etcd 3.6 still accepts them (deprecated): this stand-in refuses the flag when run,
+    # and the error names it from etcd's own words.
+    server = EtcdServer(
+        etcd_binary=fake_etcd(tmp_path, "3.6.16"), enable_v2=False, extra_args=[flag]
+    )
+    with pytest.raises(EtcdServerError, match="does not accept the flag --experimental-initial"):
+        server.start(timeout=10)
+
+
+def test_v2_on_etcd_35_is_not_refused_by_version(tmp_path: Path) -> None:
+    binary = fake_etcd(tmp_path, "3.5.21")
+    with pytest.raises(EtcdServerError, match="does not accept the flag --enable-v2") as info:
+        EtcdServer(etcd_binary=binary).start(timeout=10)
+    assert "etcd 3.5.21" in str(info.value)  # etcd's own refusal, not a guess
 
 
 def test_port_race_is_retried(monkeypatch: pytest.MonkeyPatch) -> None:

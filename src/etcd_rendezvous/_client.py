@@ -32,9 +32,10 @@ import time
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar, Union
 
-import etcd
 import urllib3
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
+
+import etcd
 
 from ._retry import Deadline
 from ._transport import (

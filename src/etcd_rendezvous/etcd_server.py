@@ -28,8 +28,9 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import IO, Any, Union
 
-import etcd
 import urllib3
+
+import etcd
 
 from ._etcd_process import (
     ADDRESS_IN_USE,

@@ -85,7 +85,9 @@ def _stamp(version: str, tool: str) -> str:
 
 def _go(go: str, args: list[str], cwd: Path) -> None:
     env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": os.environ.get("GOFLAGS", "")}
-    result = subprocess.run([go, *args], cwd=cwd, env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [go, *args], cwd=cwd, env=env, capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         raise BuildError(
             f"`go {' '.join(args)}` failed in {cwd} (status {result.returncode}):\n"
@@ -162,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for tool in tools:
             if args.pin:
-                print(f"pinned {tool} v{args.version} in {pin(args.version, tool)}", file=sys.stderr)
+                print(
+                    f"pinned {tool} v{args.version} in {pin(args.version, tool)}", file=sys.stderr
+                )
             print(build(args.version, tool))
     except BuildError as error:
         print(f"{Path(__file__).name}: {error}", file=sys.stderr)
