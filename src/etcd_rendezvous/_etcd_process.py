@@ -94,10 +94,14 @@ def binary_version(binary: str) -> tuple[int, int, int] | None:
             match = _VERSION_LINE.search(result.stdout.decode(errors="replace"))
         except (OSError, subprocess.TimeoutExpired):
             match = None
-        _versions[key] = (
-            None if match is None else (int(match[1]), int(match[2]), int(match[3]))
-        )
+        _versions[key] = None if match is None else (int(match[1]), int(match[2]), int(match[3]))
     return _versions[key]
+
+
+def has_v2_api(binary: str) -> bool:
+    """Whether etcd ``binary`` can serve the v2 API: releases before 3.6 (or unknown)."""
+    version = binary_version(binary)
+    return version is None or version[:2] < (3, 6)
 
 
 def removed_flag_problem(binary: str, args: Sequence[str]) -> str | None:

@@ -42,6 +42,7 @@ from ._etcd_process import (
     ProcessExitedError,
     continue_process,
     free_ports,
+    has_v2_api,
     last_lines,
     member_status,
     probe_member,
@@ -394,7 +395,9 @@ class EtcdCluster:
             :func:`~etcd_rendezvous.etcd_server.find_etcd_binary` for the fallbacks.
         enable_v2: serve etcd's v2 API (``--enable-v2=true``) on every member.
             ``False`` leaves the flag out: the members serve the v3 API only, like
-            etcd 3.6.
+            etcd 3.6. ``None`` (the default): ``True`` for etcd before 3.6, ``False``
+            for 3.6 and later, which have no v2 API (:meth:`start` refuses ``True``
+            with them, naming the flag).
         extra_args: more command-line arguments for every member, appended last
             (they may override the short ``--heartbeat-interval=50`` and
             ``--election-timeout=500`` the cluster uses).
@@ -409,7 +412,7 @@ class EtcdCluster:
         size: int = 3,
         *,
         etcd_binary: str | None = None,
-        enable_v2: bool = True,
+        enable_v2: bool | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
         if size < 1:
@@ -418,7 +421,7 @@ class EtcdCluster:
             raise TypeError("extra_args must be a sequence of arguments, not a string")
         self._size = size
         self._binary = find_etcd_binary(etcd_binary)
-        self._enable_v2 = enable_v2
+        self._enable_v2 = has_v2_api(self._binary) if enable_v2 is None else enable_v2
         self._extra_args = list(extra_args)
         self._name = f"etcd-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()

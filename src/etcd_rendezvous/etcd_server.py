@@ -39,6 +39,7 @@ from ._etcd_process import (
     ProcessExitedError,
     continue_process,
     free_ports,
+    has_v2_api,
     last_lines,
     probe_member,
     read_log_from,
@@ -217,8 +218,11 @@ class EtcdServer:
         enable_v2: serve etcd's v2 API (``--enable-v2=true``), which python-etcd and
             PyTorch's etcd backends need. ``False`` leaves the flag out, which gives a
             server with the v3 API only, like etcd 3.6 (which no longer has the flag);
-            :meth:`get_client` then refuses to make a client. etcd 3.6 and later
-            have no v2 API: with them, :meth:`start` refuses ``True``.
+            :meth:`get_client` then refuses to make a client. ``None`` (the default):
+            ``True`` for etcd before 3.6 (as PyTorch's ``EtcdServer``), ``False`` for
+            3.6 and later (the release comes from ``etcd --version``). etcd 3.6 and
+            later have no v2 API: with them, :meth:`start` refuses ``True``, naming
+            the flag.
 
     Raises:
         EtcdBinaryNotFoundError: if no etcd binary can be found.
@@ -236,7 +240,7 @@ class EtcdServer:
         client_cert_auth: bool = False,
         client_cert_file: str | None = None,
         client_key_file: str | None = None,
-        enable_v2: bool = True,
+        enable_v2: bool | None = None,
     ) -> None:
         if isinstance(extra_args, str):
             raise TypeError("extra_args must be a sequence of arguments, not a string")
@@ -245,6 +249,7 @@ class EtcdServer:
         if client_cert_auth and (cert_file is None or trusted_ca_file is None):
             raise ValueError("client_cert_auth needs cert_file, key_file and trusted_ca_file")
         self._binary = find_etcd_binary(etcd_binary)
+        self._enable_v2 = has_v2_api(self._binary) if enable_v2 is None else enable_v2
         self._user_data_dir = data_dir
         self._extra_args = list(extra_args)
         self._cert_file = cert_file
@@ -253,7 +258,6 @@ class EtcdServer:
         self._client_cert_auth = client_cert_auth
         self._client_cert_file = client_cert_file or cert_file
         self._client_key_file = client_key_file or key_file
-        self._enable_v2 = enable_v2
 
         self._lock = threading.RLock()
         self._state = _ProcessState()
