@@ -580,3 +580,24 @@ def test_recorded_watch_permission_denied_is_a_clear_error(version: str, replay:
         pytest.raises(RendezvousConnectionError, match="permission denied"),
     ):
         conn.watch("/other", 8, timeout=5)
+
+
+#: etcd's names for ``Compare.CompareTarget`` and ``Compare.CompareResult`` (rpc.proto).
+COMPARE_TARGETS = {"VERSION", "CREATE", "MOD", "VALUE", "LEASE"}
+COMPARE_RESULTS = {"EQUAL", "GREATER", "LESS", "NOT_EQUAL"}
+
+
+def test_every_compare_sent_uses_etcd_enum_names() -> None:
+    """etcd 3.4/3.5 refuse an unknown enum name (400); 3.6 and 3.7 answer 200 and the
+    compare fails, so a misspelt name would pass for a lost race there."""
+    assert recorded("3.5.1", "txn_bad_enum")["status"] == 400
+    assert recorded("3.6.16", "txn_bad_enum")["status"] == 200
+    assert "succeeded" not in recorded("3.6.16", "txn_bad_enum")["body"]
+    txns = [
+        wire.create_txn("/k", "v", 0),
+        wire.update_txn("/k", "v", 7),
+        wire.guarded_txn("/k", 3, {"request_delete_range": {"key": b64("/k")}}),
+    ]
+    compares = [compare for txn in txns for compare in txn["compare"]]
+    assert {c["target"] for c in compares} <= COMPARE_TARGETS
+    assert {c["result"] for c in compares} <= COMPARE_RESULTS
