@@ -524,7 +524,23 @@ def test_server_command_with_v2_on_etcd_36_names_the_flag(
 
 def _stop_served(proc: subprocess.Popen[str], stop_signal: signal.Signals) -> None:
     proc.send_signal(stop_signal)
-    _, stderr = proc.communicate(timeout=30)
+    try:
+        _, stderr = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        # Say what the process was doing: stopped, or ignoring the signal (SigIgn is a
+        # bit mask of the ignored signals, SigCgt of those with a handler).
+        try:
+            with open(f"/proc/{proc.pid}/status") as status:
+                lines = [
+                    line.strip()
+                    for line in status
+                    if line.startswith(("State:", "SigIgn:", "SigCgt:", "SigBlk:"))
+                ]
+        except OSError:
+            lines = ["(no /proc entry)"]
+        raise AssertionError(
+            f"`server` did not stop within 30 s of {stop_signal.name}: {'; '.join(lines)}"
+        ) from None
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
 
