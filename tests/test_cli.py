@@ -494,6 +494,12 @@ def test_unreachable_endpoint_is_one_clear_line(command: str) -> None:
     assert len(result.stderr.strip().splitlines()) == 1, _explain(result)
 
 
+def _default_sigint() -> None:
+    # A test run started in the background by a non-interactive shell (`pytest &`)
+    # ignores SIGINT, and so would `server`: Ctrl-C reaches a foreground process only.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _serve(tmp_path: Path, binary: str, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, ETCD_BINARY_PATH=binary, TMPDIR=str(tmp_path))
     return subprocess.Popen(
@@ -503,6 +509,7 @@ def _serve(tmp_path: Path, binary: str, *args: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=_default_sigint,  # noqa: PLW1509 (only sets a signal disposition)
     )
 
 
