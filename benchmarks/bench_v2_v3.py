@@ -5,8 +5,9 @@ Usage::
     python benchmarks/bench_v2_v3.py [--nodes 8 32 64] [--repeat 1]
         [--backends etcd etcd-v2] [--apis v2 v3] [--impls ours torch]
 
-One etcd 3.5 is started with the v2 API enabled, so it serves both APIs (bundled etcd
-3.5 unless ``ETCD_BINARY_PATH`` says otherwise). For each backend (``etcd``, the legacy
+One etcd is started (bundled etcd 3.5 unless ``ETCD_BINARY_PATH`` says otherwise), with
+the v2 API enabled when ``--apis`` includes v2, so that it serves both APIs; etcd 3.6
+and later have no v2 API: measure them with ``--apis v3``. For each backend (``etcd``, the legacy
 state machine; ``etcd-v2``, the dynamic rendezvous), API and node count, N nodes run
 as threads of this process, each with its own handler from
 ``etcd_rendezvous.registry.get_rendezvous_handler`` (``etcd_api=v2`` or ``v3``,
@@ -36,44 +37,45 @@ arrives), ``last_call_timeout=1``, a 300 s timeout, and for ``etcd-v2`` a 30 s
 key) do not fall within the measurement. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: no
 handler starts a TCPStore; rank 0 publishes its address through the etcd store.
 
-Measured on 2026-11-23, etcd 3.5.1 (bundled), on the 2-core x86_64 sandbox **shared
-with other jobs**: the seconds are noisy, and at N = 64 CPU-bound (64 node threads and
-etcd on 2 cores). One rendezvous per row::
+Measured on 2026-11-25 on the 2-core x86_64 sandbox **shared with other jobs** (the
+seconds are noisy), median of three rendezvous per row; the v3 rows on etcd 3.6.16
+(built by ``tests/etcd/build.py``), then everything on etcd 3.5.1 (bundled)::
 
-    python benchmarks/bench_v2_v3.py --nodes 8 32 64 --repeat 1 --breakdown
+    ETCD_BINARY_PATH=$(python tests/etcd/build.py 3.6.16) \
+        python benchmarks/bench_v2_v3.py --nodes 8 32 --repeat 3 --apis v3 --impls ours
 
+    etcd 3.6.16 ... serving the v3 API only
     backend  API impl    N  seconds writes/node reads/node keep-alive/node
-    etcd     v2  ours    8     0.42         9.5       19.0             1.0
-    etcd     v2  torch   8     1.36         7.8       26.0             1.0
-    etcd     v3  ours    8     0.92        15.1       18.4             1.0
-    etcd-v2  v2  ours    8     0.34         1.4       11.0             0.0
-    etcd-v2  v2  torch   8     1.30         1.2        4.9             0.0
-    etcd-v2  v3  ours    8     0.38         2.2       10.1             0.0
-    etcd     v2  ours   32     2.68        15.2       49.2             1.0
-    etcd     v2  torch  32     4.94        23.6       77.8             1.0
-    etcd     v3  ours   32     4.91        18.8       45.4             1.0
-    etcd-v2  v2  ours   32     2.83         5.7       37.2             0.0
-    etcd-v2  v2  torch  32     3.87         9.8       14.8             0.0
-    etcd-v2  v3  ours   32     2.76         6.8       32.6             0.0
-    etcd     v2  ours   64    10.31        19.5       83.4             1.1
-    etcd     v2  torch  64    13.13        35.4      119.0             1.5
-    etcd     v3  ours   64    19.49        32.7       84.8             1.7
-    etcd-v2  v2  ours   64    13.01        10.7       63.0             0.0
-    etcd-v2  v2  torch  64    10.42        14.0       22.1             0.0
-    etcd-v2  v3  ours   64    15.45        12.8       57.7             0.0
+    etcd     v3  ours    8     0.14         3.5        6.0             0.0
+    etcd-v2  v3  ours    8     0.15         3.0        6.0             0.0
+    etcd     v3  ours   32     0.35         2.3        5.8             0.0
+    etcd-v2  v3  ours   32     0.28         2.2        5.9             0.0
 
-From the breakdown: on v3 each backend makes about as many reads and writes as on v2
-(v2 GET + watch vs v3 Range + Watch; v2 PUT vs v3 Txn + Put), plus one LeaseGrant per
-write of a key whose TTL is under a minute (such a key gets a lease of its own): 5.9 of
-the legacy backend's 15.1 writes/node at N = 8, 12.0 of 32.7 at N = 64. The
-``etcd-v2`` backend's two-hour state TTL costs one lease per connection (1.0/node).
-The legacy backend took about twice as long on v3 as on v2 at N = 8 and 64 in this
-run (the extra lease round trips are one cause; the run was not repeated to separate
-noise from cost). PyTorch's ``etcd-v2`` polls the state once a second instead of
-watching it: fewer reads (0.5-1.2 watches/node against ours 4-26), at least a second
-per rendezvous. PyTorch's legacy backend cannot refresh its run directory's TTL on
-etcd 3.5: its keep-alive thread dies once per node (the script counts such deaths and
-prints one line for them).
+    python benchmarks/bench_v2_v3.py --nodes 8 32 --repeat 3
+
+    etcd 3.5.1 ... serving the v2 and v3 APIs
+    backend  API impl    N  seconds writes/node reads/node keep-alive/node
+    etcd     v2  ours    8     0.07         2.0        6.2             0.0
+    etcd     v2  torch   8     1.30         6.8       27.2             1.0
+    etcd     v3  ours    8     0.22         3.2        5.1             0.0
+    etcd-v2  v2  ours    8     0.05         1.6        6.6             0.0
+    etcd-v2  v2  torch   8     1.24         1.2        4.4             0.0
+    etcd-v2  v3  ours    8     0.12         3.0        5.4             0.0
+    etcd     v2  ours   32     0.16         1.3        6.2             0.0
+    etcd     v2  torch  32     2.08        12.1       75.2             1.0
+    etcd     v3  ours   32     0.35         2.3        5.4             0.0
+    etcd-v2  v2  ours   32     0.22         1.2        6.4             0.0
+    etcd-v2  v2  torch  32     1.52         4.4        8.3             0.0
+    etcd-v2  v3  ours   32     0.27         2.2        5.7             0.0
+
+On v3 each backend makes about as many reads as on v2 and one write more per node,
+the LeaseGrant of its keep-alive key (``--breakdown`` at N = 32 on 3.6.16: ``etcd``
+LeaseGrant 1.0, Put 1.1, Txn 0.2, Range 4.0, Watch 2.5; ``etcd-v2`` LeaseGrant 1.1, Txn
+1.1, Put 0.1, Range 4.1, Watch 1.8 per node). etcd 3.6 and 3.5 cost the same over v3.
+PyTorch's ``etcd-v2`` polls the state once a second instead of watching it: at least
+a second per rendezvous. PyTorch's legacy backend cannot refresh its run directory's
+TTL on etcd 3.5: its keep-alive thread dies once per node (the script counts such
+deaths and prints one line for them).
 """
 
 from __future__ import annotations
@@ -237,9 +239,12 @@ def main() -> None:
     if "torch" in impls and not torch_available():
         print("note: torch is not installed; PyTorch's reference rows are skipped")
         impls.remove("torch")
-    with EtcdServer(enable_v2=True) as server:
+    # etcd 3.6 and later have no v2 API: there, ask for --apis v3 (EtcdServer refuses
+    # enable_v2=True with them, naming the flag).
+    with EtcdServer(enable_v2=True if "v2" in args.apis else None) as server:
+        served = "the v2 and v3 APIs" if server.enable_v2 else "the v3 API only"
         print(
-            f"etcd {server.version} at {server.get_endpoint()} serving the v2 and v3 APIs; "
+            f"etcd {server.version} at {server.get_endpoint()} serving {served}; "
             f"{os.cpu_count()} CPUs shared with other work, so the seconds are noisy; "
             f"median of {args.repeat} rendezvous per row"
         )

@@ -17,10 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
-import etcd
 import pytest
 
+import etcd
 from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._etcd_process import has_v2_api
 from etcd_rendezvous._transport import Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
 from etcd_rendezvous.cli import main
@@ -503,6 +504,12 @@ def test_unreachable_endpoint_is_one_clear_line(command: str) -> None:
     assert len(result.stderr.strip().splitlines()) == 1, _explain(result)
 
 
+def _default_sigint() -> None:
+    # A test run started in the background by a non-interactive shell (`pytest &`)
+    # ignores SIGINT, and so would `server`: Ctrl-C reaches a foreground process only.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _serve(tmp_path: Path, binary: str, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, ETCD_BINARY_PATH=binary, TMPDIR=str(tmp_path))
     return subprocess.Popen(
@@ -512,12 +519,45 @@ def _serve(tmp_path: Path, binary: str, *args: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=_default_sigint,  # noqa: PLW1509 (only sets a signal disposition)
     )
+
+
+def test_server_command_with_v2_on_etcd_36_names_the_flag(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    """etcd 3.6 removed the v2 API: ``--enable-v2`` is refused before etcd starts."""
+    if has_v2_api(etcd_server.binary):
+        pytest.skip(f"etcd {etcd_server.version} has the v2 API")
+    for args in (["--enable-v2"], ["--enable-v2", "--members", "3"]):
+        proc = _serve(tmp_path, etcd_server.binary, *args)
+        _, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 1, stderr
+        assert f"etcd {etcd_server.version} ({etcd_server.binary}) does not accept --enable-v2" in (
+            stderr
+        )
+        assert "Traceback" not in stderr
 
 
 def _stop_served(proc: subprocess.Popen[str], stop_signal: signal.Signals) -> None:
     proc.send_signal(stop_signal)
-    _, stderr = proc.communicate(timeout=30)
+    try:
+        _, stderr = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        # Say what the process was doing: stopped, or ignoring the signal (SigIgn is a
+        # bit mask of the ignored signals, SigCgt of those with a handler).
+        try:
+            with open(f"/proc/{proc.pid}/status") as status:
+                lines = [
+                    line.strip()
+                    for line in status
+                    if line.startswith(("State:", "SigIgn:", "SigCgt:", "SigBlk:"))
+                ]
+        except OSError:
+            lines = ["(no /proc entry)"]
+        raise AssertionError(
+            f"`server` did not stop within 30 s of {stop_signal.name}: {'; '.join(lines)}"
+        ) from None
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr, stderr
 
@@ -553,6 +593,8 @@ def test_server_command_serves_until_stopped(
 def test_server_command_with_v2_serves_pytorch_clients(
     etcd_server: EtcdServer, tmp_path: Path
 ) -> None:
+    if not has_v2_api(etcd_server.binary):
+        pytest.skip(f"etcd {etcd_server.version} has no v2 API")
     proc = _serve(tmp_path, etcd_server.binary, "--enable-v2")
     try:
         assert proc.stdout is not None

@@ -306,7 +306,11 @@ def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> 
 def auth_server(etcd_server: EtcdServer) -> Iterator[EtcdServer]:
     """An etcd with auth enabled (user ``root``, password ``secret``) whose tokens
     expire after 1 s."""
-    with EtcdServer(etcd_binary=etcd_server.binary, extra_args=["--auth-token-ttl=1"]) as server:
+    with EtcdServer(
+        etcd_binary=etcd_server.binary,
+        enable_v2=etcd_server.enable_v2,
+        extra_args=["--auth-token-ttl=1"],
+    ) as server:
         gateway(server, "/v3/auth/role/add", {"name": "root"})
         gateway(server, "/v3/auth/user/add", {"name": "root", "password": "secret"})
         gateway(server, "/v3/auth/user/grant", {"user": "root", "role": "root"})

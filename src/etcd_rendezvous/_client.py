@@ -33,9 +33,10 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar, Union
 
-import etcd
 import urllib3
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
+
+import etcd
 
 from ._retry import Deadline
 from ._transport import (

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import urllib3
@@ -57,6 +57,85 @@ def free_ports(count: int) -> list[int]:
             sock.bind((HOST, 0))
             ports.append(sock.getsockname()[1])
         return ports
+
+
+#: etcd's flags that are gone from a release on, with what to do instead. etcd 3.7
+#: dropped every ``--experimental-*`` flag (3.6 had deprecated them for
+#: ``--feature-gates`` or a name without the prefix).
+REMOVED_FLAGS: tuple[tuple[str, tuple[int, int], str], ...] = (
+    ("--enable-v2", (3, 6), "etcd 3.6 has no v2 API; use the v3 API (enable_v2=False)"),
+    ("--experimental-enable-v2v3", (3, 6), "etcd 3.6 has no v2 API"),
+    ("--experimental-", (3, 7), "use its name without --experimental- or --feature-gates"),
+)
+#: What etcd prints (and exits 2) when given a flag it does not know.
+_UNKNOWN_FLAG = re.compile(r"flag provided but not defined: -+([\w.-]+)")
+_VERSION_LINE = re.compile(r"etcd Version:\s*(\d+)\.(\d+)\.(\d+)")
+_versions: dict[tuple[str, float], tuple[int, int, int] | None] = {}
+
+
+def binary_version(binary: str) -> tuple[int, int, int] | None:
+    """The release of the etcd ``binary`` (from ``etcd --version``); ``None`` if unknown.
+
+    Asked once per binary (and modification time): etcd answers in a few milliseconds.
+    """
+    try:
+        key = (binary, os.stat(binary).st_mtime)
+    except OSError:
+        return None
+    if key not in _versions:
+        try:
+            result = subprocess.run(
+                [binary, "--version"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
+            match = _VERSION_LINE.search(result.stdout.decode(errors="replace"))
+        except (OSError, subprocess.TimeoutExpired):
+            match = None
+        _versions[key] = None if match is None else (int(match[1]), int(match[2]), int(match[3]))
+    return _versions[key]
+
+
+def has_v2_api(binary: str) -> bool:
+    """Whether etcd ``binary`` can serve the v2 API: releases before 3.6 (or unknown)."""
+    version = binary_version(binary)
+    return version is None or version[:2] < (3, 6)
+
+
+def removed_flag_problem(binary: str, args: Sequence[str]) -> str | None:
+    """Why etcd ``binary`` would refuse one of ``args`` as a removed flag, or ``None``.
+
+    The message names the flag, the server's version and what to do instead.
+    """
+    version = binary_version(binary)
+    if version is None:
+        return None
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        for removed, since, instead in REMOVED_FLAGS:
+            matches = flag.startswith(removed) if removed.endswith("-") else flag == removed
+            if matches and version[:2] >= since:
+                release = ".".join(map(str, version))
+                return (
+                    f"etcd {release} ({binary}) does not accept {flag}: it was removed in "
+                    f"etcd {since[0]}.{since[1]} ({instead})"
+                )
+    return None
+
+
+def unknown_flag_problem(binary: str, output: str) -> str | None:
+    """The flag etcd ``binary`` refused at start-up, as a message; ``None`` if none.
+
+    ``output`` is what etcd printed before it exited.
+    """
+    match = _UNKNOWN_FLAG.search(output)
+    if match is None:
+        return None
+    version = binary_version(binary)
+    release = "" if version is None else " " + ".".join(map(str, version))
+    return f"etcd{release} ({binary}) does not accept the flag --{match[1]} (unknown to it)"
 
 
 def v2_flags(enable_v2: bool) -> list[str]:

@@ -266,7 +266,10 @@ class EtcdV3Connection(Transport):
             return transient_answer(endpoint, str(error))
         if error.lease_not_found:
             return _LeaseGoneError(f"{endpoint}: {error}")
-        if error.code == 0 and error.http_status == 404:
+        if error.http_status == 404 and not error.lease_not_found:
+            # A path the gateway does not serve: "404 page not found" as text (etcd
+            # 3.4/3.5, or any etcd without the gateway), {"code": 5, "message": "Not
+            # Found"} from the gateway of etcd 3.6 and later.
             return RendezvousConnectionError(
                 f"etcd endpoint {endpoint} does not serve the v3 API's JSON gateway ({path} "
                 f"answered 404) while trying to {where}. etcd 3.4 or later serves it; use "

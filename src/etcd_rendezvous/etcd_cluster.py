@@ -42,12 +42,15 @@ from ._etcd_process import (
     ProcessExitedError,
     continue_process,
     free_ports,
+    has_v2_api,
     last_lines,
     member_status,
     probe_member,
     read_log_from,
+    removed_flag_problem,
     stop_process,
     terminate,
+    unknown_flag_problem,
     v2_flags,
     wait_ready,
 )
@@ -346,6 +349,9 @@ class EtcdClusterMember:
             if ADDRESS_IN_USE.search(output):
                 logger.info("etcd member %s could not bind its ports; trying again", self._name)
                 return False
+            refused = unknown_flag_problem(self._command[0], output)
+            if refused:
+                raise EtcdServerError(f"{refused}; command: {self._command}") from None
             raise EtcdServerError(
                 f"etcd member {self._name} exited with code {proc.returncode} during start-up "
                 f"(command: {self._command}). Last lines of {self.log_path}:\n"
@@ -389,7 +395,9 @@ class EtcdCluster:
             :func:`~etcd_rendezvous.etcd_server.find_etcd_binary` for the fallbacks.
         enable_v2: serve etcd's v2 API (``--enable-v2=true``) on every member.
             ``False`` leaves the flag out: the members serve the v3 API only, like
-            etcd 3.6.
+            etcd 3.6. ``None`` (the default): ``True`` for etcd before 3.6, ``False``
+            for 3.6 and later, which have no v2 API (:meth:`start` refuses ``True``
+            with them, naming the flag).
         extra_args: more command-line arguments for every member, appended last
             (they may override the short ``--heartbeat-interval=50`` and
             ``--election-timeout=500`` the cluster uses).
@@ -404,7 +412,7 @@ class EtcdCluster:
         size: int = 3,
         *,
         etcd_binary: str | None = None,
-        enable_v2: bool = True,
+        enable_v2: bool | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
         if size < 1:
@@ -413,7 +421,7 @@ class EtcdCluster:
             raise TypeError("extra_args must be a sequence of arguments, not a string")
         self._size = size
         self._binary = find_etcd_binary(etcd_binary)
-        self._enable_v2 = enable_v2
+        self._enable_v2 = has_v2_api(self._binary) if enable_v2 is None else enable_v2
         self._extra_args = list(extra_args)
         self._name = f"etcd-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
@@ -495,12 +503,18 @@ class EtcdCluster:
 
         Raises:
             EtcdServerTimeoutError: if the cluster is not ready within ``timeout``.
-            EtcdServerError: if a member exits during start-up; the message has the
-                tail of its log.
+            EtcdServerError: if a member exits during start-up (the message has the
+                tail of its log), or if the etcd binary does not accept a flag
+                (``enable_v2`` on etcd 3.6 or later; the message names the flag).
         """
         with self._lock:
             if self._state.base_dir is not None:
                 return self
+            problem = removed_flag_problem(
+                self._binary, [*v2_flags(self._enable_v2), *self._extra_args]
+            )
+            if problem:
+                raise EtcdServerError(problem)
             self._state.base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-cluster-")
             started = time.monotonic()
             try:

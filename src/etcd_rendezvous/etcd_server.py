@@ -28,8 +28,9 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import IO, Any, Union
 
-import etcd
 import urllib3
+
+import etcd
 
 from ._etcd_process import (
     ADDRESS_IN_USE,
@@ -38,11 +39,14 @@ from ._etcd_process import (
     ProcessExitedError,
     continue_process,
     free_ports,
+    has_v2_api,
     last_lines,
     probe_member,
     read_log_from,
+    removed_flag_problem,
     stop_process,
     terminate,
+    unknown_flag_problem,
     v2_flags,
     wait_ready,
 )
@@ -214,7 +218,11 @@ class EtcdServer:
         enable_v2: serve etcd's v2 API (``--enable-v2=true``), which python-etcd and
             PyTorch's etcd backends need. ``False`` leaves the flag out, which gives a
             server with the v3 API only, like etcd 3.6 (which no longer has the flag);
-            :meth:`get_client` then refuses to make a client.
+            :meth:`get_client` then refuses to make a client. ``None`` (the default):
+            ``True`` for etcd before 3.6 (as PyTorch's ``EtcdServer``), ``False`` for
+            3.6 and later (the release comes from ``etcd --version``). etcd 3.6 and
+            later have no v2 API: with them, :meth:`start` refuses ``True``, naming
+            the flag.
 
     Raises:
         EtcdBinaryNotFoundError: if no etcd binary can be found.
@@ -232,7 +240,7 @@ class EtcdServer:
         client_cert_auth: bool = False,
         client_cert_file: str | None = None,
         client_key_file: str | None = None,
-        enable_v2: bool = True,
+        enable_v2: bool | None = None,
     ) -> None:
         if isinstance(extra_args, str):
             raise TypeError("extra_args must be a sequence of arguments, not a string")
@@ -241,6 +249,7 @@ class EtcdServer:
         if client_cert_auth and (cert_file is None or trusted_ca_file is None):
             raise ValueError("client_cert_auth needs cert_file, key_file and trusted_ca_file")
         self._binary = find_etcd_binary(etcd_binary)
+        self._enable_v2 = has_v2_api(self._binary) if enable_v2 is None else enable_v2
         self._user_data_dir = data_dir
         self._extra_args = list(extra_args)
         self._cert_file = cert_file
@@ -249,7 +258,6 @@ class EtcdServer:
         self._client_cert_auth = client_cert_auth
         self._client_cert_file = client_cert_file or cert_file
         self._client_key_file = client_key_file or key_file
-        self._enable_v2 = enable_v2
 
         self._lock = threading.RLock()
         self._state = _ProcessState()
@@ -370,7 +378,10 @@ class EtcdServer:
 
         Raises:
             EtcdServerTimeoutError: if the server does not answer within ``timeout``.
-            EtcdServerError: if etcd exits during start-up; the message has the log tail.
+            EtcdServerError: if etcd exits during start-up (the message has the log
+                tail), or if the binary does not accept a flag: ``enable_v2`` on etcd
+                3.6 or later, a flag of ``extra_args`` it removed or does not know (the
+                message names the flag and the version).
             ValueError: if ``stderr`` is ``subprocess.PIPE``.
         """
         if stderr == subprocess.PIPE:
@@ -384,6 +395,9 @@ class EtcdServer:
                     f"etcd (pid {proc.pid}) exited with code {proc.returncode}; "
                     "call restart() to start it again on the same port, or stop()"
                 )
+            problem = removed_flag_problem(self._binary, self._command_flags())
+            if problem:
+                raise EtcdServerError(problem)
             self._make_base_dir()
             started = time.monotonic()
             try:
@@ -565,6 +579,10 @@ class EtcdServer:
             shutil.rmtree(self._state.base_dir, ignore_errors=True)
         self._state.base_dir = None
 
+    def _command_flags(self) -> list[str]:
+        """The flags chosen by the caller (``enable_v2``, ``extra_args``)."""
+        return [*v2_flags(self._enable_v2), *self._extra_args]
+
     def _command(self) -> list[str]:
         scheme = self.protocol
         client_url = f"{scheme}://{HOST}:{self._port}"
@@ -641,6 +659,9 @@ class EtcdServer:
             if stderr is not None or ADDRESS_IN_USE.search(output):
                 logger.info("etcd could not bind port %d; %s", self._port, "trying again")
                 return False
+            refused = unknown_flag_problem(self._binary, output)
+            if refused:
+                raise EtcdServerError(f"{refused}; command: {cmd}") from None
             raise EtcdServerError(
                 f"etcd exited with code {proc.returncode} during start-up (command: {cmd}). "
                 f"Last lines of {log_path}:\n{last_lines(output, _LOG_TAIL_LINES)}"

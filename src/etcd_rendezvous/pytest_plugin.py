@@ -29,8 +29,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+from ._etcd_process import binary_version
 from .etcd_cluster import EtcdCluster
-from .etcd_server import EtcdBinaryNotFoundError, EtcdServer
+from .etcd_server import EtcdBinaryNotFoundError, EtcdServer, find_etcd_binary
 
 __all__ = [
     "ETCD_API_ENV",
@@ -87,6 +88,17 @@ def pytest_configure(config: pytest.Config) -> None:
         etcd_api_under_test()
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Name the etcd binary under test, its release (``etcd --version``) and the API."""
+    try:
+        binary = find_etcd_binary()
+    except EtcdBinaryNotFoundError:
+        return f"etcd: none found; API under test: {etcd_api_under_test()}"
+    version = binary_version(binary)
+    release = "unknown release" if version is None else ".".join(map(str, version))
+    return f"etcd: {binary} ({release}); API under test: {etcd_api_under_test()}"
 
 
 @pytest.hookimpl(tryfirst=True)
