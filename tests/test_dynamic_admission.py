@@ -10,6 +10,7 @@ Worker processes with a real SIGKILL are in ``test_dynamic_etcd.py``.
 
 from __future__ import annotations
 
+import itertools
 import time
 from base64 import b64decode
 from collections.abc import Callable, Iterator
@@ -187,7 +188,7 @@ def test_nodes_leaving_a_round_are_taken_out_in_batches(
     assert len(versions[-1].participants) == 13
     # A few writes: 2-3 measured. With PyTorch's exits, one write per member and then
     # the admissions: 17-20 measured.
-    removed = [len(a.participants) - len(b.participants) for a, b in zip(versions, versions[1:])]
+    removed = [len(a.participants) - len(b.participants) for a, b in itertools.pairwise(versions)]
     assert len(versions) <= 6, (len(versions), removed)
     # Every member's key says it left round 0; the late node's says nothing.
     leaving = {e.node: e.leaving for e in _backend(late).list_nodes()}

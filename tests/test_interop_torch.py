@@ -7,6 +7,7 @@ without the v2 API: PyTorch's backend speaks only v2 (our workers pick v2 too, w
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -202,7 +203,7 @@ def _assert_members_kept(history: list[dict], ours: int) -> None:
 def _pytorch_wrote_after_members(history: list[dict]) -> bool:
     """Whether a state written by a PyTorch worker (a participant without a member entry
     appended, or a ``rank_<r>`` key confirmed) followed one holding ``members``."""
-    for before, after in zip(history, history[1:]):
+    for before, after in itertools.pairwise(history):
         if not before.get("members"):
             continue
         joined = len(after.get("participants", [])) > len(before.get("participants", []))

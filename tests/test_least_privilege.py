@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Union
+from typing import Any
 
 import pytest
 import urllib3
@@ -278,7 +278,7 @@ def _rendezvous(handlers: list[Handler]) -> list[int]:
     return sorted(info.rank for info in infos)
 
 
-Handler = Union[EtcdRendezvousHandler, DynamicRendezvousHandler]
+Handler = EtcdRendezvousHandler | DynamicRendezvousHandler
 
 
 def _handler(params: RendezvousParameters) -> Handler:

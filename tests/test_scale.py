@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Union
+from typing import Any
 
 import pytest
 
@@ -47,7 +47,7 @@ _OPTIONS = {
     },
 }
 
-Handler = Union[EtcdRendezvousHandler, DynamicRendezvousHandler]
+Handler = EtcdRendezvousHandler | DynamicRendezvousHandler
 
 
 def _make_handler(params: RendezvousParameters) -> Handler:

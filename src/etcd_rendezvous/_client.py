@@ -30,8 +30,8 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any, Callable, TypeVar, Union
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import urllib3
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
@@ -171,7 +171,7 @@ def _is_transient_server_error(exc: etcd.EtcdException) -> bool:
 _READS = frozenset({"read", "watch", "query the version of"})
 
 Endpoint = tuple[str, int]
-_Cert = Union[str, tuple[str, str], None]
+_Cert = str | tuple[str, str] | None
 
 
 class EtcdConnection(Transport):

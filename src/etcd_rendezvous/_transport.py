@@ -32,10 +32,10 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from ._retry import CONNECTION, Deadline
 from .api import RendezvousConnectionError, RendezvousError

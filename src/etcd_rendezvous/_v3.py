@@ -39,8 +39,8 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import urllib3
 from urllib3.exceptions import (

@@ -651,7 +651,7 @@ class EtcdCluster:
         client_ports, peer_ports = ports[: self._size], ports[self._size :]
         names = [f"{self._name}-m{i}" for i in range(self._size)]
         initial_cluster = ",".join(
-            f"{name}=http://{HOST}:{port}" for name, port in zip(names, peer_ports)
+            f"{name}=http://{HOST}:{port}" for name, port in zip(names, peer_ports, strict=True)
         )
         self._members = []
         for i, name in enumerate(names):

@@ -26,7 +26,7 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
-from typing import IO, Any, Union
+from typing import IO, Any
 
 import urllib3
 
@@ -80,7 +80,7 @@ _INSTALL_HINT = (
     f"{BINARY_PATH_ENV} to the path of an etcd binary."
 )
 
-_Stderr = Union[int, IO[Any], None]
+_Stderr = int | IO[Any] | None
 
 
 class EtcdServerError(RuntimeError):

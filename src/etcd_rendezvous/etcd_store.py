@@ -38,7 +38,7 @@ import time
 from base64 import b64decode, b64encode
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
 from ._retry import CONTENTION, REWATCH, Deadline, Retry
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 #: Default for :attr:`EtcdStore.timeout`, the same as c10d's ``Store`` (``kDefaultTimeout``).
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
-KeyLike = Union[str, bytes]
+KeyLike = str | bytes
 """Keys and values may be ``str`` (stored as UTF-8) or ``bytes``."""
 
 # Watch events that leave a value under the key (as opposed to delete/expire).
@@ -399,7 +399,7 @@ class EtcdStore:
             )
         encoded = [_encode(value, "values") for value in values]
         with self._bounded():
-            for (path, _), data in zip(paths, encoded):
+            for (path, _), data in zip(paths, encoded, strict=True):
                 self._conn.set(path, data)
 
     def delete_key(self, key: KeyLike) -> bool:

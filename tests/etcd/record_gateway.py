@@ -63,7 +63,7 @@ def watch(base_port, body, name, then=None, headers=None, seconds=1.0):
             if not chunk:
                 break
             raw += chunk
-        except socket.timeout:
+        except TimeoutError:
             pass
         if then and not fired and time.monotonic() - t0 > 0.3:
             then()

@@ -523,10 +523,10 @@ def _report(nodes: int, results: list[WorkerResult], failures: dict[int, str], o
         for r in results
     ]
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)), file=out)
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)), file=out)
     print("  ".join("-" * w for w in widths), file=out)
     for row in rows:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)), file=out)
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)), file=out)
     for index, message in sorted(failures.items()):
         print(f"worker {index} failed: {message}", file=out)
 

@@ -96,5 +96,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip(), file=out)
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip(),
+            file=out,
+        )
     return 0
