@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+import etcd
 import pytest
 
-import etcd
 from etcd_rendezvous._connect import open_transport
 from etcd_rendezvous._etcd_process import has_v2_api
 from etcd_rendezvous._transport import Transport

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import etcd
 import pytest
 import urllib3
 
-import etcd
 import v3_gateway
 from etcd_rendezvous import etcd_server as etcd_server_module
 from etcd_rendezvous._etcd_process import has_v2_api

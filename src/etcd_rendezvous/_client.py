@@ -33,10 +33,9 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import etcd
 import urllib3
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
-
-import etcd
 
 from ._retry import Deadline
 from ._transport import (

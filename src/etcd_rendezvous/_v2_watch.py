@@ -30,10 +30,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+import etcd
 import urllib3
 from urllib3.exceptions import HTTPError
-
-import etcd
 
 from . import _v3_http as wire
 from ._retry import Deadline

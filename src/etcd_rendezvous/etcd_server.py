@@ -28,9 +28,8 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import IO, Any
 
-import urllib3
-
 import etcd
+import urllib3
 
 from ._etcd_process import (
     ADDRESS_IN_USE,

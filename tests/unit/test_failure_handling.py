@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import etcd
 import pytest
 
-import etcd
 from etcd_rendezvous import _v3_http as wire
 from etcd_rendezvous._client import _is_transient_server_error
 from etcd_rendezvous._periodic import _PeriodicTimer

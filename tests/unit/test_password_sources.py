@@ -46,7 +46,7 @@ def test_password_and_password_file_together_are_refused(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("content", [None, ""], ids=["missing", "empty"])
-def test_an_unreadable_or_empty_file_names_the_option_not_the_secret(
+def test_an_unreadable_or_empty_file_names_the_option_and_the_file(
     tmp_path: Path, content: str | None
 ) -> None:
     path = tmp_path / "password"
