@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 
 from .._params import create_etcd_connection
-from .._transport import KeyNotFoundError, Node, Transport
+from .._transport import CompareFailedError, KeyExistsError, KeyNotFoundError, Node, Transport
 from ..api import RendezvousConnectionError, RendezvousParameters
 from ..dynamic_rendezvous import RendezvousState, decode_state
 from ..etcd_rendezvous_backend import EtcdRendezvousBackend
@@ -29,6 +29,8 @@ __all__ = [
     "EXIT_FAILED",
     "PROG",
     "CliError",
+    "CompareFailedError",
+    "KeyExistsError",
     "KeyNotFoundError",
     "Node",
     "Transport",
