@@ -22,7 +22,14 @@ import pytest
 from etcd_rendezvous._transport import KeyNotFoundError, Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
 from etcd_rendezvous.cli import main
-from etcd_rendezvous.cli._common import UsageError, resolve_connection, with_ttl
+from etcd_rendezvous.cli._common import (
+    UsageError,
+    add_endpoint_option,
+    connection_options,
+    open_connection,
+    resolve_connection,
+    with_ttl,
+)
 from etcd_rendezvous.cli._runs import read_run
 from etcd_rendezvous.cli.delete import delete_runs
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
@@ -432,6 +439,28 @@ def test_connection_from_etcdctl_variables(
     code, out, err = _run_main(capsys, "status", *args)
     assert code == 2
     assert "ETCDCTL_ENDPOINTS" in err
+
+
+@pytest.mark.parametrize(
+    ("options", "request_timeout"),
+    [
+        ([], 5.0),
+        (["--read-timeout", "20"], 20.0),
+        (["--read-timeout", "30", "--request-timeout", "12"], 12.0),
+    ],
+)
+def test_one_request_may_take_the_read_timeout(
+    etcd_server: EtcdServer, options: list[str], request_timeout: float
+) -> None:
+    # The commands read whole prefixes (and the etcd-v2 store) in one request.
+    parser = argparse.ArgumentParser(parents=[connection_options()])
+    add_endpoint_option(parser)
+    args = parser.parse_args([*_endpoint(etcd_server), *options])
+    connection = open_connection(args)
+    try:
+        assert connection.request_timeout == request_timeout
+    finally:
+        connection.close()
 
 
 def _namespace(**given: Any) -> argparse.Namespace:

@@ -20,6 +20,7 @@ may be deleted without ``--force``.
 from __future__ import annotations
 
 import binascii
+import dataclasses
 import json
 from base64 import b64decode
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..api import RendezvousStateError
-from ..dynamic_rendezvous import RendezvousState
+from ..dynamic_rendezvous import RendezvousState, decode_state
 from ..etcd_rendezvous import parse_state
 from ..etcd_rendezvous_backend import EtcdRendezvousBackend
 from ..layout import (
@@ -42,7 +43,7 @@ from ..layout import (
     normalize_key,
     waiter_name,
 )
-from ._common import KeyNotFoundError, Node, Transport, read_dir, v2_state, with_ttl
+from ._common import KeyNotFoundError, Node, Transport, read_dir, with_ttl
 
 __all__ = [
     "CLOCK_SKEW_MARGIN_SECONDS",
@@ -326,13 +327,22 @@ def summarize_etcd_v2(
     now = now or datetime.now(timezone.utc)
     nodes_dir = backend.nodes_layout.nodes_dir
     node_keys = [n for n in backend.list_nodes() if n.leaving is None]
-    state_node = conn.try_get(backend.key)
     state: RendezvousState | None
+    current: tuple[bytes, object] | None = None
     try:
-        state = v2_state(backend)
+        current = backend.get_state()
+        state = (
+            None if current is None else decode_state(current[0], f"etcd-v2 key {backend.key!r}")
+        )
         status = "empty" if state is None else _v2_status(state)
     except RendezvousStateError:
         state, status = None, "invalid"
+    # The state node ``delete`` compare-and-deletes: the one judged here (by its index).
+    state_node = conn.try_get(backend.key)
+    if state_node is not None and current is not None:
+        state_node = dataclasses.replace(state_node, modified_index=int(str(current[1])))
+    elif state is None and status != "invalid":
+        state_node = None  # a state written since it was read: not judged, not deleted
     idle: float | None = None
     recent = 0
     if state is not None and state.last_heartbeats:
