@@ -422,18 +422,21 @@ def _etcd_v2_run(
     return summary
 
 
-def read_run(conn: Transport, backend: str, prefix: str | None, run_id: str) -> RunSummary | None:
+def read_run(
+    conn: Transport, backend: str, prefix: str | None, run_id: str, *, store_keys: bool = True
+) -> RunSummary | None:
     """The :class:`RunSummary` of one run of ``backend`` under ``prefix`` (the
     backend's default when ``None``), with its store keys where :func:`owns_store_keys`
-    allows; ``None`` if etcd has no key of it (no run directory nor state; for
-    ``etcd-v2``, no state key nor node key)."""
+    allows (and ``store_keys``: they take a read of the whole store); ``None`` if etcd
+    has no key of it (no run directory nor state; for ``etcd-v2``, no state key nor node
+    key)."""
     if backend == "etcd-v2":
         state_prefix = _v2_state_prefix(prefix)
         probe = EtcdRendezvousBackend(conn, run_id, key_prefix=state_prefix or None)
         if conn.try_get(probe.key) is None and not probe.list_nodes():
             return None
-        store_keys = etcd_v2_store_keys(conn) if owns_store_keys(prefix) else {}
-        return _etcd_v2_run(conn, prefix, run_id, store_keys)
+        found = etcd_v2_store_keys(conn) if store_keys and owns_store_keys(prefix) else {}
+        return _etcd_v2_run(conn, prefix, run_id, found)
     etcd_run = read_etcd_run(conn, prefix or DEFAULT_PREFIX, run_id)
     if etcd_run.run_dir is None and etcd_run.state is None:
         return None

@@ -93,17 +93,18 @@ def _changed_since(judged: RunSummary, now: RunSummary | None, force: bool) -> s
     return None
 
 
-def _delete_run(conn: Transport, summary: RunSummary) -> list[str] | None:
-    """Delete the keys of ``summary``: its state first, only if it is still the one
-    read (a compare-and-delete), then the rest. ``None`` if the state had changed."""
+def _delete_run(conn: Transport, judged: RunSummary, now: RunSummary) -> list[str] | None:
+    """Delete the keys of ``judged`` (those the user was shown): the state first, only
+    if it is still the one read ``now`` (a compare-and-delete), then the rest. ``None``
+    if the state had changed."""
     deleted = []
-    if summary.state is not None:
-        if not conn.compare_and_delete(summary.state_key, summary.state):
+    if now.state is not None:
+        if not conn.compare_and_delete(now.state_key, now.state):
             return None
-        if (summary.state_key, False) in summary.keys:
-            deleted.append(summary.state_key)
-    for key, recursive in summary.keys:
-        if key != summary.state_key and conn.delete(key, recursive=recursive):
+        if (now.state_key, False) in judged.keys:
+            deleted.append(now.state_key)
+    for key, recursive in judged.keys:
+        if key != now.state_key and conn.delete(key, recursive=recursive):
             deleted.append(key)
     return deleted
 
@@ -157,9 +158,9 @@ def delete_runs(
     deleted: list[str] = []
     deleted_runs = 0
     for judged in runs:
-        now = read_run(conn, judged.backend, judged.prefix, judged.run_id)
+        now = read_run(conn, judged.backend, judged.prefix, judged.run_id, store_keys=False)
         why = _changed_since(judged, now, force)
-        done = None if why is not None or now is None else _delete_run(conn, now)
+        done = None if why is not None or now is None else _delete_run(conn, judged, now)
         if done is None:
             why = why or "its state changed while it was being deleted"
             report["skipped"].append({"run_id": judged.run_id, "reason": why})
