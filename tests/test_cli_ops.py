@@ -5,6 +5,7 @@ run, and the connection taken from the ``ETCDCTL_*`` variables."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
 import socket
@@ -19,15 +20,25 @@ from typing import Any, TypeVar
 import pytest
 
 from etcd_rendezvous._transport import KeyNotFoundError, Transport
-from etcd_rendezvous.api import RendezvousParameters
+from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
 from etcd_rendezvous.cli import main
-from etcd_rendezvous.cli._common import UsageError, resolve_connection
+from etcd_rendezvous.cli._common import (
+    UsageError,
+    add_endpoint_option,
+    connection_options,
+    open_connection,
+    resolve_connection,
+    with_ttl,
+)
+from etcd_rendezvous.cli._runs import read_run
+from etcd_rendezvous.cli.delete import delete_runs
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler, create_rdzv_handler
 from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
-from etcd_rendezvous.layout import ETCD_V2_STORE_PREFIX, EtcdV2NodesLayout
+from etcd_rendezvous.layout import ETCD_V2_STATE_PREFIX, ETCD_V2_STORE_PREFIX, EtcdV2NodesLayout
+from rdzv_helpers import wait_until
 
 _T = TypeVar("_T")
 
@@ -118,12 +129,31 @@ def test_list_status_and_delete_of_a_legacy_run(
         assert code == 1
         assert "not finished" in err, err
         assert conn.try_get(f"{etcd_prefix}/run_{run_id}") is not None
+
+        # Closed while its workers still run (the first one done closes it while the
+        # others are in their exit barrier): still not finished, still not deleted.
+        code, _, err = _run_main(capsys, "close", *run)
+        assert code == 0, err
+        code, out, err = _run_main(capsys, "list", *select, "--json")
+        (summary,) = json.loads(out)
+        assert (summary["status"], summary["live"], summary["finished"]) == ("closed", 2, False)
+        code, out, err = _run_main(capsys, "delete", *run, "--yes")
+        assert code == 1
+        assert "not finished" in err, err
+        code, out, err = _run_main(
+            capsys, "gc", *select, "--older-than", "0", "--undated", "--yes", "--json"
+        )
+        assert (code, json.loads(out)["runs"]) == (0, []), err
+        assert conn.try_get(f"{etcd_prefix}/run_{run_id}/rdzv/active_version") is not None
     finally:
         for handler in handlers:
             handler.close()
 
-    code, _, err = _run_main(capsys, "close", *run)
-    assert code == 0, err
+    def finished() -> bool:
+        _, out, _ = _run_main(capsys, "list", *select, "--json")
+        return bool(json.loads(out)[0]["finished"])
+
+    wait_until(finished, what="the workers' keep-alive keys to expire")
     code, out, err = _run_main(capsys, "delete", *run, "--dry-run")
     assert code == 0, err
     assert f"{etcd_prefix}/run_{run_id}/ (and all below)" in out
@@ -138,6 +168,7 @@ def test_list_status_and_delete_of_a_legacy_run(
     code, out, err = _run_main(capsys, "delete", *run, "--yes", "--json")
     assert code == 0, err
     assert json.loads(out)["deleted"] == [f"{etcd_prefix}/run_{run_id}"]
+    assert json.loads(out)["skipped"] == []
     assert conn.try_get(f"{etcd_prefix}/run_{run_id}/rdzv/active_version") is None
     assert conn.try_get(f"{etcd_prefix}/run_{run_id}") is None
     code, out, err = _run_main(capsys, "list", *select, "--json")
@@ -182,43 +213,118 @@ def test_gc_of_etcd_v2_runs(
         assert re.search(r"^\s+rank 1: 127\.0\.0\.1_\d+_\d+$", out, re.M), out
         assert len(re.findall(r"^  127\.0\.0\.1_\d+_\d+$", out, re.M)) == 2, out
 
-        # The live run is never collected; the undated one only with --undated.
+        # The live run is never collected; the one closed before it started (undated)
+        # only with --undated and --force.
         code, out, err = _run_main(capsys, "gc", *select, "--older-than", "0", "--dry-run")
         assert (code, out.strip()) == (0, "nothing to delete"), err
         code, out, err = _run_main(
             capsys, "gc", *select, "--older-than", "0", "--undated", "--dry-run", "--json"
         )
+        assert (code, json.loads(out)["runs"]) == (0, []), err
+        code, out, err = _run_main(
+            capsys, "gc", *select, "--older-than", "0", "--undated", "--force", "--dry-run"
+        )
         assert code == 0, err
-        report = json.loads(out)
-        assert [r["run_id"] for r in report["runs"]] == [planned_id]
-        assert report["deleted"] == []
+        assert f"etcd-v2 run {planned_id!r} (closed, 0 live)" in out, out
+        assert live_id not in out, out
     finally:
         for handler in handlers:
             handler._stop_heartbeats()
 
     code, _, err = _run_main(capsys, "close", *select, "--run-id", live_id)
     assert code == 0, err
-    code, out, err = _run_main(capsys, "gc", *select, "--older-than", "1h", "--dry-run", "--json")
-    assert json.loads(out)["runs"] == [], "closed seconds ago: not idle for an hour"
     code, out, err = _run_main(capsys, "list", *select, "--json")
-    store_keys = {r["run_id"]: r["keys"] for r in json.loads(out)}[live_id]
-    assert len([k for k in store_keys if k.startswith(ETCD_V2_STORE_PREFIX)]) >= 2, store_keys
-    assert nodes_dir in store_keys  # the node keys outlive the heartbeats by their TTL
+    keys = {r["run_id"]: r["keys"] for r in json.loads(out)}[live_id]
+    # Under a prefix other than the default, the shared store's keys are not the run's
+    # to delete: another job may use the same run id under the default prefix.
+    assert not [k for k in keys if k.startswith(ETCD_V2_STORE_PREFIX)], keys
+    assert nodes_dir in keys  # the node keys outlive the heartbeats by their TTL
+    store = EtcdStore(conn, ETCD_V2_STORE_PREFIX)
 
+    # Closed, but its heartbeats are recent: its workers may still be leaving.
     code, out, err = _run_main(
-        capsys, "gc", *select, "--older-than", "0s", "--undated", "--yes", "--json"
+        capsys, "gc", *select, "--older-than", "0s", "--undated", "--force", "--yes", "--json"
     )
     assert code == 0, err
     report = json.loads(out)
-    assert sorted(r["run_id"] for r in report["runs"]) == sorted([live_id, planned_id])
-    for key in store_keys:
-        assert conn.try_get(key) is None, key
-    assert conn.try_get(f"{etcd_prefix}/{live_id}") is None
+    assert [r["run_id"] for r in report["runs"]] == [planned_id]
+    assert report["deleted"] == [f"{etcd_prefix}/{planned_id}"]
     assert conn.try_get(f"{etcd_prefix}/{planned_id}") is None
+    assert conn.try_get(f"{etcd_prefix}/{live_id}") is not None
+
+    run = [*select, "--run-id", live_id]
+    code, out, err = _run_main(capsys, "delete", *run, "--yes")
+    assert (code, "not finished" in err) == (1, True), err
+    code, out, err = _run_main(capsys, "delete", *run, "--yes", "--force")
+    assert code == 0, err
+    assert "store keys in /torch/elastic/store are left alone" in out, out
+    assert conn.try_get(f"{etcd_prefix}/{live_id}") is None
     with pytest.raises(KeyNotFoundError):
         conn.list_dir(nodes_dir)
+    assert infos[0].store.get("from-1") == b"x"  # the store keys are left
+    del store
     code, out, err = _run_main(capsys, "list", *select, "--json")
     assert (code, json.loads(out)) == (0, []), err
+
+
+def test_delete_of_an_etcd_v2_run_under_the_default_prefix_takes_its_store_keys(
+    etcd_server: EtcdServer, conn: Transport, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_id = f"default-{uuid.uuid4().hex[:8]}"
+    handlers = [_v2_handler(conn, ETCD_V2_STATE_PREFIX, run_id) for _ in range(2)]
+    try:
+        infos = _in_threads(lambda i: handlers[i].next_rendezvous(), 2)
+        for i, info in enumerate(infos):
+            info.store.set(f"from-{i}", b"x")
+    finally:
+        for handler in handlers:
+            handler._stop_heartbeats()
+    run = [*_endpoint(etcd_server), "--backend", "etcd-v2", "--run-id", run_id]
+    code, out, err = _run_main(capsys, "delete", *run, "--yes", "--force", "--json")
+    assert code == 0, err
+    deleted = json.loads(out)["deleted"]
+    assert f"{ETCD_V2_STATE_PREFIX}/{run_id}" in deleted
+    assert len([k for k in deleted if k.startswith(ETCD_V2_STORE_PREFIX)]) >= 2, deleted
+    for key in deleted:
+        assert conn.try_get(key) is None, key
+
+
+@pytest.mark.parametrize("change", ["rewritten", "joining"])
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_a_run_that_changes_between_judging_and_deleting_is_kept(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    conn: Transport,
+    backend: str,
+    change: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    run_id = f"race-{uuid.uuid4().hex[:8]}"
+    args = [*_endpoint(etcd_server), "--backend", backend, "--prefix", etcd_prefix]
+    code, _, err = _run_main(capsys, "close", *args, "--run-id", run_id, "--create")
+    assert code == 0, err
+    judged = read_run(conn, backend, etcd_prefix, run_id)
+    assert judged is not None
+    assert judged.finished
+    assert judged.state is not None
+    # While the operator reads the prompt, a job takes the run id again.
+    current = conn.get(judged.state_key)
+    if change == "rewritten":
+        conn.compare_and_swap(judged.state_key, current.value or "", current)
+    else:  # a joining state, with the TTL workers give it
+        conn.compare_and_swap(judged.state_key, current.value or "", current, ttl=600)
+    options = argparse.Namespace(dry_run=False, yes=True, json=True, prefix=etcd_prefix)
+    out = io.StringIO()
+    assert delete_runs(options, conn, [judged], out) == 0
+    report = json.loads(out.getvalue())
+    assert report["deleted"] == []
+    (skipped,) = report["skipped"]
+    assert skipped["run_id"] == run_id
+    if change == "joining" and backend == "etcd":
+        assert "no longer finished" in skipped["reason"]
+    else:
+        assert "changed" in skipped["reason"]
+    assert conn.try_get(judged.state_key) is not None
 
 
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
@@ -240,8 +346,41 @@ def test_close_refuses_an_unknown_run_unless_told_to_create_it(
     assert conn.try_get(run_key) is None
     code, out, err = _run_main(capsys, "close", *args, "--create")
     assert code == 0, err
+    assert "without a TTL" in out, out
     code, out, err = _run_main(capsys, "status", *args, "--json")
     assert (code, json.loads(out)["status"]) == (0, "closed"), err
+    # Closed in advance for good: no key of it expires (a worker's TTL is 2 hours).
+    state_key = f"{run_key}/rdzv/active_version" if backend == "etcd" else run_key
+    for key in {run_key, state_key}:
+        assert with_ttl(conn, conn.get(key)).ttl is None, key  # type: ignore[union-attr]
+    # gc keeps it: it is there to stop the workers that come later.
+    select = [*_endpoint(etcd_server), "--backend", backend, "--prefix", etcd_prefix]
+    code, out, err = _run_main(
+        capsys, "gc", *select, "--older-than", "0", "--undated", "--dry-run", "--json"
+    )
+    assert (code, json.loads(out)["runs"]) == (0, []), err
+    # A worker started now stops at once.
+    if backend == "etcd":
+        params = RendezvousParameters(
+            backend="etcd",
+            endpoint=etcd_server.get_endpoint(),
+            run_id=run_id,
+            min_nodes=1,
+            max_nodes=1,
+            etcd_prefix=etcd_prefix,
+            timeout=30,
+            read_timeout=10,
+        )
+        handler: EtcdRendezvousHandler | DynamicRendezvousHandler = create_rdzv_handler(params)
+    else:
+        handler = _v2_handler(conn, etcd_prefix, run_id)
+    try:
+        with pytest.raises(RendezvousClosedError):
+            handler.next_rendezvous()
+    finally:
+        if isinstance(handler, EtcdRendezvousHandler):
+            handler.close()
+    assert json.loads(_run_main(capsys, "status", *args, "--json")[1])["status"] == "closed"
 
 
 def test_status_watch_follows_a_run(
@@ -269,7 +408,8 @@ def test_status_watch_follows_a_run(
         assert code == 0, err
         second = json.loads(watch.stdout.readline())
         assert second["status"] == "closed"
-        code, _, err = _run_main(capsys, "delete", *run, "--yes")
+        # --force: the workers' keep-alive keys have not expired yet.
+        code, _, err = _run_main(capsys, "delete", *run, "--yes", "--force")
         assert code == 0, err
         _, err = watch.communicate(timeout=30)
         assert watch.returncode == 1, err  # the run is gone: one line naming it
@@ -299,6 +439,28 @@ def test_connection_from_etcdctl_variables(
     code, out, err = _run_main(capsys, "status", *args)
     assert code == 2
     assert "ETCDCTL_ENDPOINTS" in err
+
+
+@pytest.mark.parametrize(
+    ("options", "request_timeout"),
+    [
+        ([], 5.0),
+        (["--read-timeout", "20"], 20.0),
+        (["--read-timeout", "30", "--request-timeout", "12"], 12.0),
+    ],
+)
+def test_one_request_may_take_the_read_timeout(
+    etcd_server: EtcdServer, options: list[str], request_timeout: float
+) -> None:
+    # The commands read whole prefixes (and the etcd-v2 store) in one request.
+    parser = argparse.ArgumentParser(parents=[connection_options()])
+    add_endpoint_option(parser)
+    args = parser.parse_args([*_endpoint(etcd_server), *options])
+    connection = open_connection(args)
+    try:
+        assert connection.request_timeout == request_timeout
+    finally:
+        connection.close()
 
 
 def _namespace(**given: Any) -> argparse.Namespace:

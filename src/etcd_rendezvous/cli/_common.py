@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 
 from .._params import create_etcd_connection
-from .._transport import KeyNotFoundError, Node, Transport
+from .._transport import CompareFailedError, KeyExistsError, KeyNotFoundError, Node, Transport
 from ..api import RendezvousConnectionError, RendezvousParameters
 from ..dynamic_rendezvous import RendezvousState, decode_state
 from ..etcd_rendezvous_backend import EtcdRendezvousBackend
@@ -29,6 +29,8 @@ __all__ = [
     "EXIT_FAILED",
     "PROG",
     "CliError",
+    "CompareFailedError",
+    "KeyExistsError",
     "KeyNotFoundError",
     "Node",
     "Transport",
@@ -128,6 +130,14 @@ def connection_options() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     group.add_argument(
+        "--request-timeout",
+        type=non_negative_seconds,
+        metavar="S",
+        help="seconds one etcd request waits for an answer before the next endpoint is "
+        "tried, at most --read-timeout (default: --read-timeout; a large store read in "
+        "one request by list, delete and gc may need more than the library's 3 s)",
+    )
+    group.add_argument(
         "--connect-timeout",
         type=non_negative_seconds,
         metavar="S",
@@ -222,6 +232,9 @@ def open_connection(args: argparse.Namespace) -> Transport:
         "password": args.password,
         "read_timeout": args.read_timeout,
         "connect_timeout": args.connect_timeout,
+        # The library's 3 s per request suits a rendezvous's small reads; the commands
+        # read a whole prefix (and the shared store) in one request.
+        "request_timeout": args.request_timeout or args.read_timeout or None,
     }
     params = RendezvousParameters(
         backend=getattr(args, "backend", None) or "etcd",

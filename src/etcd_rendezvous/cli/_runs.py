@@ -7,15 +7,20 @@ A run of the ``etcd`` backend is the directory ``<prefix>/run_<run_id>``
 (:class:`~etcd_rendezvous.layout.EtcdV2NodesLayout`) and its rounds' keys in the shared
 store (:func:`~etcd_rendezvous.layout.dynamic_store_prefix`).
 
-A run is *finished* when nothing keeps it going: it is closed, or no key of a live
-worker is left (keep-alive, member, wait or node key; a state with a TTL, which workers
-write while they join) and, for ``etcd-v2``, no heartbeat is recent. Only a finished
-run may be deleted without ``--force``.
+A run is *finished* when no worker is left in it, whatever its status
+(:func:`run_finished`): no key of a live worker (keep-alive, member, wait or node key),
+nobody joining (a state with a TTL, which workers write while they join; for ``etcd``,
+``num_workers_waiting`` of a final state, as PyTorch's waiting workers write no key)
+and, for ``etcd-v2``, no recent heartbeat (:func:`heartbeat_is_live`). A closed run is
+not finished while its workers still run: the first worker to finish closes it while
+the others may still be in their exit barrier, using the run's keys. Only a finished run
+may be deleted without ``--force``.
 """
 
 from __future__ import annotations
 
 import binascii
+import dataclasses
 import json
 from base64 import b64decode
 from dataclasses import dataclass, field
@@ -23,7 +28,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..api import RendezvousStateError
-from ..dynamic_rendezvous import RendezvousState
+from ..dynamic_rendezvous import RendezvousState, decode_state
 from ..etcd_rendezvous import parse_state
 from ..etcd_rendezvous_backend import EtcdRendezvousBackend
 from ..layout import (
@@ -38,19 +43,24 @@ from ..layout import (
     normalize_key,
     waiter_name,
 )
-from ._common import KeyNotFoundError, Node, Transport, read_dir, v2_state, with_ttl
+from ._common import KeyNotFoundError, Node, Transport, read_dir, with_ttl
 
 __all__ = [
+    "CLOCK_SKEW_MARGIN_SECONDS",
     "HEARTBEAT_LIVE_SECONDS",
     "EtcdRun",
     "RunSummary",
     "etcd_v2_store_keys",
     "find_runs",
+    "heartbeat_is_live",
     "is_worker_key",
     "list_etcd_runs",
     "list_etcd_v2_run_ids",
     "node_keys_report",
+    "owns_store_keys",
     "read_etcd_run",
+    "read_run",
+    "run_finished",
     "summarize_etcd",
     "summarize_etcd_v2",
 ]
@@ -58,6 +68,10 @@ __all__ = [
 #: A heartbeat of an ``etcd-v2`` node younger than this says the run is alive
 #: (PyTorch's default keep-alive is every 5 s, 3 attempts).
 HEARTBEAT_LIVE_SECONDS = 60.0
+#: Heartbeat times are the workers' clocks, compared with the operator's: a heartbeat
+#: counts as recent for this much longer, so that an operator's clock running ahead
+#: of the workers' by less than this does not make a live run look finished.
+CLOCK_SKEW_MARGIN_SECONDS = 60.0
 _RUN_DIR_PREFIX = "run_"
 
 
@@ -101,6 +115,24 @@ class RunSummary:
     finished: bool
     #: What :func:`delete` removes: (key, recursive) pairs.
     keys: list[tuple[str, bool]] = field(default_factory=list)
+    #: The prefix the run was found under (``etcd``: of its run directory; ``etcd-v2``:
+    #: of its state key), to read it again.
+    prefix: str = ""
+    #: The run's state key and the node read from it (``None``: no state), which
+    #: ``delete`` deletes first, only if it is unchanged.
+    state_key: str = ""
+    state: Node | None = field(default=None, repr=False)
+
+    @property
+    def never_started(self) -> bool:
+        """Whether the run was closed before any worker took part in it (as ``close
+        --create`` leaves it): closed, no participant, no heartbeat, no version."""
+        return (
+            self.status == "closed"
+            and self.world_size == 0
+            and self.idle_seconds is None
+            and self.version in (None, "0")
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """The summary as a dict for ``--json`` (keys as a list of key names)."""
@@ -116,6 +148,22 @@ class RunSummary:
             "finished": self.finished,
             "keys": [key for key, _ in self.keys],
         }
+
+
+def heartbeat_is_live(age_seconds: float) -> bool:
+    """Whether a heartbeat ``age_seconds`` old (by the operator's clock) says its node is
+    alive: younger than :data:`HEARTBEAT_LIVE_SECONDS` plus
+    :data:`CLOCK_SKEW_MARGIN_SECONDS` (a negative age, from a clock behind the workers',
+    is recent)."""
+    return age_seconds < HEARTBEAT_LIVE_SECONDS + CLOCK_SKEW_MARGIN_SECONDS
+
+
+def run_finished(*, live: int, joining: bool, waiting: int = 0) -> bool:
+    """Whether a run is finished: no live worker key or recent heartbeat (``live``),
+    nobody joining, and no worker waiting (``waiting``: ``num_workers_waiting`` of an
+    ``etcd`` final state). The status does not count: a closed run may still have
+    workers in their exit barrier."""
+    return live == 0 and not joining and waiting == 0
 
 
 # -- the etcd backend ------------------------------------------------------------------
@@ -190,7 +238,7 @@ def summarize_etcd(run: EtcdRun, api: str) -> RunSummary:
     layout = LegacyLayout(run.prefix, run.run_id)
     children = () if run.version_dir is None else run.version_dir.children
     live = sum(1 for child in children if is_worker_key(child.key))
-    status, version, world = "none", None, 0
+    status, version, world, waiting = "none", None, 0, 0
     if run.state is not None:
         try:
             state = parse_state(run.state)
@@ -200,9 +248,11 @@ def summarize_etcd(run: EtcdRun, api: str) -> RunSummary:
             status = state["status"]
             version = state.get("version")
             world = len(state.get("participants", []))
+            if status == "final":
+                waiting = int(state.get("num_workers_waiting", 0))
     # Workers write a joining state (setup, joinable, frozen) with a TTL: it is theirs.
     joining = run.state is not None and run.state.ttl is not None and status != "final"
-    finished = status == "closed" or (live == 0 and not joining)
+    finished = run_finished(live=live, joining=joining, waiting=waiting)
     return RunSummary(
         backend="etcd",
         run_id=run.run_id,
@@ -214,6 +264,9 @@ def summarize_etcd(run: EtcdRun, api: str) -> RunSummary:
         idle_seconds=None,
         finished=finished,
         keys=[(layout.run_dir, True)] if run.run_dir is not None else [(layout.state_key, False)],
+        prefix=run.prefix,
+        state_key=layout.state_key,
+        state=run.state,
     )
 
 
@@ -275,17 +328,27 @@ def summarize_etcd_v2(
     nodes_dir = backend.nodes_layout.nodes_dir
     node_keys = [n for n in backend.list_nodes() if n.leaving is None]
     state: RendezvousState | None
+    current: tuple[bytes, object] | None = None
     try:
-        state = v2_state(backend)
+        current = backend.get_state()
+        state = (
+            None if current is None else decode_state(current[0], f"etcd-v2 key {backend.key!r}")
+        )
         status = "empty" if state is None else _v2_status(state)
     except RendezvousStateError:
         state, status = None, "invalid"
+    # The state node ``delete`` compare-and-deletes: the one judged here (by its index).
+    state_node = conn.try_get(backend.key)
+    if state_node is not None and current is not None:
+        state_node = dataclasses.replace(state_node, modified_index=int(str(current[1])))
+    elif state is None and status != "invalid":
+        state_node = None  # a state written since it was read: not judged, not deleted
     idle: float | None = None
     recent = 0
     if state is not None and state.last_heartbeats:
         ages = [(now - beat).total_seconds() for beat in state.last_heartbeats.values()]
         idle = max(0.0, min(ages))
-        recent = sum(1 for age in ages if age < HEARTBEAT_LIVE_SECONDS)
+        recent = sum(1 for age in ages if heartbeat_is_live(age))
     live = max(len(node_keys), recent)
     keys = [(backend.key, False)]
     if _exists_below(conn, nodes_dir):  # node keys, the aggregator lock
@@ -299,8 +362,12 @@ def summarize_etcd_v2(
         version=None if state is None else str(state.round),
         live=live,
         idle_seconds=idle,
-        finished=status == "closed" or live == 0,
+        # Joining nodes write heartbeats (and node keys): they count in ``live``.
+        finished=run_finished(live=live, joining=False),
         keys=keys,
+        prefix=backend.key.rpartition("/")[0] or "/",
+        state_key=backend.key,
+        state=state_node,
     )
 
 
@@ -332,21 +399,61 @@ def node_keys_report(backend: EtcdRendezvousBackend) -> list[dict[str, Any]]:
     ]
 
 
+def _v2_state_prefix(prefix: str | None) -> str:
+    """The ``etcd-v2`` state prefix ``--prefix`` names, normalised ("" for the root)."""
+    return normalize_key(prefix or ETCD_V2_STATE_PREFIX).rstrip("/")
+
+
+def owns_store_keys(prefix: str | None) -> bool:
+    """Whether ``etcd-v2`` runs under ``prefix`` may have their keys in the shared store
+    deleted: only under the default prefix. The store is one for all prefixes and its
+    keys name the run id alone, so under another prefix they may be another job's (the
+    same run id under the default prefix)."""
+    return _v2_state_prefix(prefix) == _v2_state_prefix(None)
+
+
+def _etcd_v2_run(
+    conn: Transport, prefix: str | None, run_id: str, store_keys: dict[str, list[str]]
+) -> RunSummary:
+    state_prefix = _v2_state_prefix(prefix)
+    backend = EtcdRendezvousBackend(conn, run_id, key_prefix=state_prefix or None)
+    summary = summarize_etcd_v2(run_id, backend, conn, conn.api)
+    summary.keys.extend((key, False) for key in store_keys.get(run_id, ()))
+    return summary
+
+
+def read_run(
+    conn: Transport, backend: str, prefix: str | None, run_id: str, *, store_keys: bool = True
+) -> RunSummary | None:
+    """The :class:`RunSummary` of one run of ``backend`` under ``prefix`` (the
+    backend's default when ``None``), with its store keys where :func:`owns_store_keys`
+    allows (and ``store_keys``: they take a read of the whole store); ``None`` if etcd
+    has no key of it (no run directory nor state; for ``etcd-v2``, no state key nor node
+    key)."""
+    if backend == "etcd-v2":
+        state_prefix = _v2_state_prefix(prefix)
+        probe = EtcdRendezvousBackend(conn, run_id, key_prefix=state_prefix or None)
+        if conn.try_get(probe.key) is None and not probe.list_nodes():
+            return None
+        found = etcd_v2_store_keys(conn) if store_keys and owns_store_keys(prefix) else {}
+        return _etcd_v2_run(conn, prefix, run_id, found)
+    etcd_run = read_etcd_run(conn, prefix or DEFAULT_PREFIX, run_id)
+    if etcd_run.run_dir is None and etcd_run.state is None:
+        return None
+    return summarize_etcd(etcd_run, conn.api)
+
+
 def find_runs(conn: Transport, backends: list[str], prefix: str | None) -> list[RunSummary]:
     """The runs of ``backends`` (``etcd``, ``etcd-v2``) under ``prefix`` (each backend's
     default prefix when ``None``), sorted by backend and run id; ``etcd-v2`` runs with
-    their store keys."""
+    their store keys where :func:`owns_store_keys` allows."""
     summaries = []
     if "etcd" in backends:
         legacy_prefix = prefix or DEFAULT_PREFIX
         for run_id in list_etcd_runs(conn, legacy_prefix):
             summaries.append(summarize_etcd(read_etcd_run(conn, legacy_prefix, run_id), conn.api))
     if "etcd-v2" in backends:
-        store_keys = etcd_v2_store_keys(conn)
-        state_prefix = normalize_key(prefix or ETCD_V2_STATE_PREFIX).rstrip("/")
-        for run_id in list_etcd_v2_run_ids(conn, state_prefix or "/"):
-            backend = EtcdRendezvousBackend(conn, run_id, key_prefix=state_prefix or None)
-            summary = summarize_etcd_v2(run_id, backend, conn, conn.api)
-            summary.keys.extend((key, False) for key in store_keys.get(run_id, ()))
-            summaries.append(summary)
+        store_keys = etcd_v2_store_keys(conn) if owns_store_keys(prefix) else {}
+        for run_id in list_etcd_v2_run_ids(conn, _v2_state_prefix(prefix) or "/"):
+            summaries.append(_etcd_v2_run(conn, prefix, run_id, store_keys))
     return summaries

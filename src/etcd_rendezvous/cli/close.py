@@ -3,12 +3,15 @@
 Its workers stop re-rendezvousing and ``next_rendezvous()`` raises
 :class:`~etcd_rendezvous.api.RendezvousClosedError`. A run etcd knows nothing of (a
 mistyped run id) is refused; ``--create`` closes it in advance, so that workers started
-later under that run id stop at once.
+later under that run id stop at once: its keys are written without a TTL and stay until
+deleted (``gc`` keeps such runs unless ``--force``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 from datetime import timedelta
 from typing import TextIO
 
@@ -18,6 +21,9 @@ from ..etcd_store import EtcdStore
 from ..layout import DEFAULT_PREFIX, ETCD_V2_STORE_PREFIX, LegacyLayout
 from ._common import (
     CliError,
+    CompareFailedError,
+    KeyExistsError,
+    KeyNotFoundError,
     Transport,
     add_run_options,
     etcd_errors,
@@ -42,8 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--create",
         action="store_true",
-        help="close a run etcd has no key of, by creating its closed state (workers "
-        "started later under this run id stop at once)",
+        help="close a run etcd has no key of, by creating its closed state without a "
+        "TTL (workers started later under this run id stop at once, until the run is "
+        "deleted)",
     )
 
 
@@ -81,6 +88,11 @@ def _close_etcd(args: argparse.Namespace, conn: Transport) -> str:
         return f"run {args.run_id!r} was already closed ({key})"
     if previous is None and not had_run_dir and not args.create:
         raise _unknown_run(args, run_dir)
+    if previous is None and not had_run_dir and _create_closed_etcd_run(conn, layout):
+        return (
+            f"closed run {args.run_id!r}: created a closed state at {key} and {run_dir}, "
+            "without a TTL: it stays until deleted"
+        )
     # The rendezvous's own set_closed: a compare-and-swap to "closed" that keeps the
     # rest of the state, or a new closed state when there is none.
     rdzv = EtcdRendezvous(
@@ -107,6 +119,22 @@ def _close_etcd(args: argparse.Namespace, conn: Transport) -> str:
     return f"closed run {args.run_id!r} (was {what}); its workers stop re-rendezvousing ({key})"
 
 
+def _create_closed_etcd_run(conn: Transport, layout: LegacyLayout) -> bool:
+    """Create the keys of a run closed in advance, as a worker's ``set_closed()`` on a
+    new run would, but without the run directory's TTL (which a worker renews only while
+    it runs): the run directory, its ``rdzv`` directory and version counter, and the
+    state ``{"status": "closed"}``. False if a state appeared meanwhile."""
+    conn.mkdir(layout.run_dir)
+    conn.mkdir(layout.rdzv_dir)
+    with contextlib.suppress(KeyExistsError):
+        conn.create(layout.counter_key, "0", value_is_unique=False)
+    try:
+        conn.create(layout.state_key, json.dumps({"status": "closed"}), value_is_unique=False)
+    except KeyExistsError:
+        return False
+    return True
+
+
 def _close_etcd_v2(args: argparse.Namespace, conn: Transport) -> str:
     """``DynamicRendezvousHandler.set_closed`` through the ``etcd-v2`` backend."""
     backend = v2_backend(args, conn)
@@ -126,9 +154,16 @@ def _close_etcd_v2(args: argparse.Namespace, conn: Transport) -> str:
     # Never joined, so there is no heartbeat to stop: closing is one fenced write.
     handler.set_closed()
     if before is None:
+        # The backend writes every state with a two-hour TTL, renewed by the workers'
+        # writes; a state closed in advance has no worker to renew it, so it is written
+        # again, the same value, without a TTL (only if no one changed it meanwhile).
+        created = conn.try_get(backend.key)
+        if created is not None:
+            with contextlib.suppress(CompareFailedError, KeyNotFoundError):
+                conn.compare_and_swap(backend.key, created.value or "", created, ttl=None)
         return (
             f"closed run {args.run_id!r}: created a closed state at etcd-v2 key "
-            f"{backend.key} (there was none)"
+            f"{backend.key} (there was none), without a TTL: it stays until deleted"
         )
     return (
         f"closed run {args.run_id!r} (was round {before.round}, "

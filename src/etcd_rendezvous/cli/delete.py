@@ -2,16 +2,19 @@
 
 For the ``etcd`` backend, the run directory ``<prefix>/run_<run_id>`` and all below it;
 for ``etcd-v2``, the state key, the node keys' directory and the run's keys in the
-shared store. A run that is not finished (see :mod:`etcd_rendezvous.cli._runs`) is
+shared store (under the default prefix only: the store is shared by all prefixes). A
+run that is not finished (see :mod:`etcd_rendezvous.cli._runs`) is
 refused unless ``--force``; ``--dry-run`` lists the keys and deletes nothing; otherwise
-the command asks before deleting (``--yes`` does not ask).
+the command asks before deleting (``--yes`` does not ask), then reads the run again
+and keeps it if it is no longer finished or its state changed (a job reusing the run id
+meanwhile), deleting the state key first by a compare-and-delete.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..layout import DEFAULT_PREFIX
 from ._common import (
@@ -23,16 +26,17 @@ from ._common import (
     open_connection,
     v2_backend,
 )
-from ._runs import RunSummary, etcd_v2_store_keys, read_etcd_run, summarize_etcd, summarize_etcd_v2
+from ._runs import RunSummary, owns_store_keys, read_run
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "add_deletion_options", "delete_runs", "run"]
 
 HELP = "delete a finished run's keys"
 DESCRIPTION = (
-    "Delete the keys of a finished run (closed, or no worker left): the run directory "
-    "for the etcd backend; the state key, node keys and store keys for etcd-v2. Asks "
-    "first unless --yes; --dry-run only lists the keys. A live run is refused unless "
-    "--force."
+    "Delete the keys of a finished run (no worker left in it, closed or not): the run "
+    "directory for the etcd backend; the state key, node keys and (under the default "
+    "prefix only) store keys for etcd-v2. Asks first unless --yes; --dry-run only lists "
+    "the keys. A live run is refused unless --force. After the confirmation the run is "
+    "read again and kept if it changed."
 )
 
 
@@ -55,37 +59,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _summary(args: argparse.Namespace, conn: Transport) -> RunSummary:
-    if args.backend == "etcd-v2":
-        backend = v2_backend(args, conn)
-        if conn.try_get(backend.key) is None and not backend.list_nodes():
-            raise CliError(
-                f"no run {args.run_id!r} with --backend etcd-v2: etcd key {backend.key} does "
-                "not exist (check --run-id, --prefix and --backend)"
-            )
-        summary = summarize_etcd_v2(args.run_id, backend, conn, conn.api)
-        store_keys = etcd_v2_store_keys(conn).get(args.run_id, [])
-        summary.keys.extend((key, False) for key in store_keys)
+    summary = read_run(conn, args.backend, args.prefix, args.run_id)
+    if summary is not None:
         return summary
-    prefix = args.prefix or DEFAULT_PREFIX
-    etcd_run = read_etcd_run(conn, prefix, args.run_id)
-    if etcd_run.run_dir is None and etcd_run.state is None:
+    if args.backend == "etcd-v2":
         raise CliError(
-            f"no run {args.run_id!r} under prefix {prefix!r}: its run directory does not "
-            "exist (check --run-id, --prefix and --backend)"
+            f"no run {args.run_id!r} with --backend etcd-v2: etcd key "
+            f"{v2_backend(args, conn).key} does not exist (check --run-id, --prefix and "
+            "--backend)"
         )
-    return summarize_etcd(etcd_run, conn.api)
+    raise CliError(
+        f"no run {args.run_id!r} under prefix {args.prefix or DEFAULT_PREFIX!r}: its run "
+        "directory does not exist (check --run-id, --prefix and --backend)"
+    )
+
+
+def _index(summary: RunSummary) -> int | None:
+    return None if summary.state is None else summary.state.modified_index
+
+
+def _changed_since(judged: RunSummary, now: RunSummary | None, force: bool) -> str | None:
+    """Why ``judged`` must not be deleted after all, given what etcd holds ``now``; or
+    ``None`` to go on. Without ``force`` the run must still be finished and its state
+    unchanged: a job that took the run id in the meantime is not wiped."""
+    if now is None:
+        return "it is gone"
+    if force:
+        return None
+    if not now.finished:
+        return f"it is no longer finished ({now.status}, {now.live} live)"
+    if _index(now) != _index(judged):
+        return "its state changed since it was read"
+    return None
+
+
+def _delete_run(conn: Transport, judged: RunSummary, now: RunSummary) -> list[str] | None:
+    """Delete the keys of ``judged`` (those the user was shown): the state first, only
+    if it is still the one read ``now`` (a compare-and-delete), then the rest. ``None``
+    if the state had changed."""
+    deleted = []
+    if now.state is not None:
+        if not conn.compare_and_delete(now.state_key, now.state):
+            return None
+        if (now.state_key, False) in judged.keys:
+            deleted.append(now.state_key)
+    for key, recursive in judged.keys:
+        if key != now.state_key and conn.delete(key, recursive=recursive):
+            deleted.append(key)
+    return deleted
 
 
 def delete_runs(
-    args: argparse.Namespace, conn: Transport, runs: list[RunSummary], out: TextIO
+    args: argparse.Namespace,
+    conn: Transport,
+    runs: list[RunSummary],
+    out: TextIO,
+    *,
+    force: bool = False,
 ) -> int:
     """Delete the keys of ``runs`` after the confirmation ``args`` asks for (none with
-    ``--dry-run``); report what was (or would be) deleted; return the exit status."""
+    ``--dry-run``); report what was (or would be) deleted; return the exit status.
+
+    After the confirmation each run is read again and kept (and reported as skipped)
+    if it is no longer finished or its state changed since it was judged (unless
+    ``force``); its state key is then deleted only if it is still the one read last.
+    """
     keys = [key for summary in runs for key, _ in summary.keys]
-    report = {
+    report: dict[str, Any] = {
         "dry_run": args.dry_run,
         "runs": [summary.as_dict() for summary in runs],
         "deleted": [],
+        "skipped": [],
     }
     if not args.json:
         for summary in runs:
@@ -96,6 +140,12 @@ def delete_runs(
             )
             for key, recursive in summary.keys:
                 print(f"  {key}{'/ (and all below)' if recursive else ''}", file=out)
+        if any(s.backend == "etcd-v2" for s in runs) and not owns_store_keys(args.prefix):
+            print(
+                "store keys in /torch/elastic/store are left alone under a --prefix other "
+                "than the default (the store is shared by all prefixes)",
+                file=out,
+            )
     if args.dry_run or not runs:
         if not args.json:
             print("dry run: nothing deleted" if runs else "nothing to delete", file=out)
@@ -105,16 +155,25 @@ def delete_runs(
     if not confirm(f"Delete {len(keys)} key(s) of {len(runs)} run(s)?", args):
         print("nothing deleted", file=out)
         return 1
-    deleted = []
-    for summary in runs:
-        for key, recursive in summary.keys:
-            if conn.delete(key, recursive=recursive):
-                deleted.append(key)
+    deleted: list[str] = []
+    deleted_runs = 0
+    for judged in runs:
+        now = read_run(conn, judged.backend, judged.prefix, judged.run_id, store_keys=False)
+        why = _changed_since(judged, now, force)
+        done = None if why is not None or now is None else _delete_run(conn, judged, now)
+        if done is None:
+            why = why or "its state changed while it was being deleted"
+            report["skipped"].append({"run_id": judged.run_id, "reason": why})
+            if not args.json:
+                print(f"skipped {judged.backend} run {judged.run_id!r}: {why}", file=out)
+            continue
+        deleted.extend(done)
+        deleted_runs += 1
     report["deleted"] = deleted
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True), file=out)
     else:
-        print(f"deleted {len(deleted)} key(s) of {len(runs)} run(s)", file=out)
+        print(f"deleted {len(deleted)} key(s) of {deleted_runs} run(s)", file=out)
     return 0
 
 
@@ -133,6 +192,6 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     f"run {args.run_id!r} is not finished ({summary.status}, {summary.live} "
                     "live worker key(s)): close it first, or pass --force"
                 )
-            return delete_runs(args, conn, [summary], out)
+            return delete_runs(args, conn, [summary], out, force=args.force)
     finally:
         conn.close()

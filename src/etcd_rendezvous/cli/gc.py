@@ -4,7 +4,10 @@ A run is collected when it is finished (see :mod:`etcd_rendezvous.cli._runs`) an
 for at least ``--older-than``: for ``etcd-v2``, since its newest heartbeat. The ``etcd``
 backend keeps no time in etcd, so its finished runs (and ``etcd-v2`` runs without any
 heartbeat) have no age: they are collected only with ``--undated``. As ``delete``, it
-asks first unless ``--yes``, and ``--dry-run`` deletes nothing.
+asks first unless ``--yes``, and ``--dry-run`` deletes nothing; each run is read again
+after the confirmation and kept if it changed. A run closed before it ever started (as
+``close --create`` leaves it) is kept unless ``--force``: it is there to stop workers
+that come later.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ __all__ = ["DESCRIPTION", "HELP", "add_arguments", "duration", "run"]
 
 HELP = "delete the finished runs idle for longer than a given time"
 DESCRIPTION = (
-    "Delete the finished runs (closed, or no worker left) idle for at least "
+    "Delete the finished runs (no worker left in them) idle for at least "
     "--older-than (etcd-v2: since the newest heartbeat). Runs without a time in etcd "
-    "(the etcd backend) only with --undated. Asks first unless --yes; --dry-run only lists."
+    "(the etcd backend) only with --undated; runs closed before they started (close "
+    "--create) only with --force. Asks first unless --yes; --dry-run only lists."
 )
 
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*([smhd]?)")
@@ -57,11 +61,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also delete finished runs whose idle time etcd cannot tell (etcd backend)",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="also delete runs closed before they ever started (close --create)",
+    )
     add_deletion_options(parser)
 
 
-def _collectable(summary: RunSummary, older_than: float, undated: bool) -> bool:
-    if not summary.finished:
+def _collectable(
+    summary: RunSummary, older_than: float, undated: bool, force: bool = False
+) -> bool:
+    if not summary.finished or (summary.never_started and not force):
         return False
     if summary.idle_seconds is None:
         return undated
@@ -70,7 +81,9 @@ def _collectable(summary: RunSummary, older_than: float, undated: bool) -> bool:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     """Delete (after asking) the runs to collect; return the exit status."""
-    runs = [r for r in select_runs(args) if _collectable(r, args.older_than, args.undated)]
+    runs = [
+        r for r in select_runs(args) if _collectable(r, args.older_than, args.undated, args.force)
+    ]
     conn = open_connection(args)
     try:
         with etcd_errors(args.endpoint):

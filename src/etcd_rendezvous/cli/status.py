@@ -35,7 +35,14 @@ from ._common import (
     v2_state,
     with_ttl,
 )
-from ._runs import HEARTBEAT_LIVE_SECONDS, EtcdRun, node_keys_report, read_etcd_run
+from ._runs import (
+    CLOCK_SKEW_MARGIN_SECONDS,
+    HEARTBEAT_LIVE_SECONDS,
+    EtcdRun,
+    heartbeat_is_live,
+    node_keys_report,
+    read_etcd_run,
+)
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
@@ -347,12 +354,12 @@ def _describe_v2_state(
             }
             for n, beat in heartbeats
         },
-        # Participants whose heartbeat is older than HEARTBEAT_LIVE_SECONDS (or absent).
+        # Participants without a recent heartbeat (heartbeat_is_live), or without any.
         "missing": sorted(
             _node_name(n)
             for n, _ in participants
             if n not in state.last_heartbeats
-            or (now - state.last_heartbeats[n]).total_seconds() > HEARTBEAT_LIVE_SECONDS
+            or not heartbeat_is_live((now - state.last_heartbeats[n]).total_seconds())
         ),
     }
 
@@ -428,7 +435,7 @@ def _format_etcd_v2_status(report: dict[str, Any], *, verbose: bool) -> list[str
     if missing:
         lines.append(
             f"missing:          {len(missing)} participant(s) without a heartbeat for "
-            f"{HEARTBEAT_LIVE_SECONDS:g} s"
+            f"{HEARTBEAT_LIVE_SECONDS + CLOCK_SKEW_MARGIN_SECONDS:g} s"
         )
         lines.extend(f"  {name}" for name in missing)
     if verbose:
