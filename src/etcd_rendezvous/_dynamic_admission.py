@@ -168,6 +168,10 @@ class NodeRegistry(Protocol):
         tells (on v3: one request for its lease); ``0`` or ``None`` if its time is up
         (or it is gone)."""
 
+    def remove_expired(self, node: NodeDesc) -> bool:
+        """Delete the key of ``node`` if it is still the one the last listing showed;
+        whether the key is gone now (``False``: it was written since, its node lives)."""
+
     def aggregator(self) -> NodeDesc | None:
         """The holder of the aggregator lock, or ``None`` if nobody holds it."""
 
@@ -417,6 +421,9 @@ class NodeKeys:
             # in whole seconds and cannot be renewed once expired). Until etcd deletes it,
             # our listings leave it out, lest a batch admit the dead node again.
             expired = [node for node, ttl in probed.items() if ttl <= 0]
+            # Delete those keys before the caller takes their nodes out, so that no batch
+            # made on the state without them admits them again from a listing of its own.
+            expired = [node for node in expired if self._registry.remove_expired(node)]
             if expired:
                 self._dead.update((node, alive[node]) for node in expired)
                 return expired

@@ -379,6 +379,20 @@ class EtcdRendezvousBackend(RendezvousBackend):
         key = self._listed_keys.get(node)
         return None if key is None else self._conn.time_to_live(key)
 
+    def remove_expired(self, node: NodeDesc) -> bool:
+        """Delete the key of ``node`` if it is still as the last listing showed it (its
+        modification index); whether it is gone now."""
+        listed = self._listed_keys.get(node)
+        if listed is None:
+            return True
+        try:
+            if self._conn.compare_and_delete(listed.key, listed):
+                self._node_leases.pop(listed.key, None)
+                return True
+        except KeyNotFoundError:
+            return True
+        return self._conn.try_get(listed.key) is None
+
     def aggregator(self) -> NodeDesc | None:
         """The node holding the aggregator lock (``None``: nobody, or not a node)."""
         lock = self._conn.try_get(self._nodes.aggregator_key)

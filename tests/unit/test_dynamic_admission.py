@@ -30,6 +30,8 @@ class MemoryRegistry:
     """Node keys and the aggregator lock in a dict; counts the calls."""
 
     def __init__(self) -> None:
+        # Keys a listing still shows after they were deleted (as a lagging listing may).
+        self.lingering: set[NodeDesc] = set()
         self.keys: dict[NodeDesc, int] = {}
         self.leaving: dict[NodeDesc, int] = {}
         self.lock: NodeDesc | None = None
@@ -70,6 +72,13 @@ class MemoryRegistry:
     def expires_in(self, node: NodeDesc) -> int | None:
         self._count("expires_in")
         return self.lifetimes.get(node, 15) if node in self.keys else None
+
+    def remove_expired(self, node: NodeDesc) -> bool:
+        self._count("remove_expired")
+        if node not in self.lingering:
+            self.keys.pop(node, None)
+            self.leaving.pop(node, None)
+        return True
 
     def aggregator(self) -> NodeDesc | None:
         self._count("aggregator")
@@ -390,11 +399,25 @@ def test_reaping_reads_at_most_two_lifetimes_and_looks_each_interval_for_the_res
     assert b.reap(4, [D]) == pytest.approx(1 + _REAP_STEP)
 
 
+def test_a_reaped_key_is_deleted_so_that_no_other_node_admits_its_node() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    for node in (A, B, C):
+        registry.announce_node(node, 15)
+    registry.lifetimes[C] = 0
+    a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
+    # B, first of the wait list, takes C out; A makes the next round's batch from a
+    # listing of its own, which must not show C.
+    assert b.reap(3, [C]) == [C]
+    assert registry.calls["remove_expired"] == 1
+    assert a.admission(wants_all_but(), "m") == [A, B]
+
+
 def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> None:
     registry, clock = MemoryRegistry(), Clock()
     for node in (B, C):
         registry.announce_node(node, 15)
     registry.lifetimes[C] = 0
+    registry.lingering.add(C)
     b = keys_of(B, registry, clock)
     assert b.reap(3, [C]) == [C]
     # etcd still lists C's key: the next round's batch must not admit C again.
