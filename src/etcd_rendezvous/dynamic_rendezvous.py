@@ -282,6 +282,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # The shared TCPStore server, when this node hosts it (rank 0, torch installed).
         self._shared_tcp_store_server: Any = None
         self._bootstrap_store_info: RendezvousStoreInfo | None = None
+        # The port of the last shared TCPStore server this node hosted (0: none yet).
+        self._tcp_store_port = 0
         # The backend released by close(), if the handler owns it.
         self._owned_backend = owned_backend
         self._close_lock = threading.Lock()
@@ -319,6 +321,43 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return dist.TCPStore(
             host_name=master_addr, port=master_port, is_master=True, multi_tenant=True
         )
+
+    def _start_tcp_store_server(self, master_addr: str) -> Any:
+        """A new, empty shared ``TCPStore`` server, on the port this node's last one
+        used (where PyTorch's nodes of an earlier round still look for it), else on a
+        free port."""
+        port = self._tcp_store_port
+        if port:
+            try:
+                server = self._create_tcp_store_server(master_addr, port)
+            except Exception as exc:  # torch raises its own DistNetworkError (a RuntimeError)
+                logger.warning(
+                    "The node '%s' could not start the shared TCPStore on %s:%d again (%s); "
+                    "using a new port: PyTorch nodes of an earlier round that keep the old "
+                    "one will not reach it.",
+                    self._this_node,
+                    master_addr,
+                    port,
+                    exc,
+                )
+            else:
+                return server
+        server = self._create_tcp_store_server(master_addr, 0)
+        self._tcp_store_port = server.port
+        return server
+
+    def _stop_tcp_store_server(self) -> None:
+        """Stop the shared ``TCPStore`` server this node hosts, if any.
+
+        A ``TCPStore`` has no close(): its server stops, closing its port and its
+        clients' connections, when the last reference to it goes, which is this one.
+        """
+        server, self._shared_tcp_store_server = self._shared_tcp_store_server, None
+        if server is not None:
+            logger.debug(
+                "The node '%s' stops its shared TCPStore on port %d", self._this_node, server.port
+            )
+            del server
 
     @property
     def settings(self) -> RendezvousSettings:
@@ -471,10 +510,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # read it every round. The server is a new one every round: torch's workers use
         # it without a prefix per attempt, so a server kept from the last round would
         # hand the new world's workers the last world's keys (gloo's addresses among
-        # them: they fail to connect). A node no longer rank 0 stops its server.
-        self._shared_tcp_store_server = None
+        # them: they fail to connect). But PyTorch's nodes other than rank 0 keep the
+        # address and port of their first round, so the new server listens on the port
+        # of the last one. A node no longer rank 0 stops its server.
+        self._stop_tcp_store_server()
         if rank == 0:
-            self._shared_tcp_store_server = self._create_tcp_store_server(self._this_node.addr, 0)
+            self._shared_tcp_store_server = self._start_tcp_store_server(self._this_node.addr)
             self._bootstrap_store_info = RendezvousStoreInfo.build(
                 rank,
                 store,
