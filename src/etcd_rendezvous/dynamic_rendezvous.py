@@ -322,15 +322,19 @@ class DynamicRendezvousHandler(RendezvousHandler):
             host_name=master_addr, port=master_port, is_master=True, multi_tenant=True
         )
 
-    def _start_tcp_store_server(self, master_addr: str) -> Any:
-        """A new, empty shared ``TCPStore`` server, on the port this node's last one
-        used (where PyTorch's nodes of an earlier round still look for it), else on a
-        free port."""
-        port = self._tcp_store_port
+    def _start_tcp_store_server(self, master_addr: str, *, same_port: bool) -> None:
+        """Start a new, empty shared ``TCPStore`` server: with ``same_port``, on the port
+        of this node's last one (where PyTorch's nodes of an earlier round still look
+        for it) if it can, else on a free port.
+
+        The server is held by the handler alone (no local variable: a frame kept alive
+        by a traceback would keep it running after :meth:`_stop_tcp_store_server`).
+        """
+        port = self._tcp_store_port if same_port else 0
         if port:
             try:
-                server = self._create_tcp_store_server(master_addr, port)
-            except Exception as exc:  # torch raises its own DistNetworkError (a RuntimeError)
+                self._shared_tcp_store_server = self._create_tcp_store_server(master_addr, port)
+            except Exception as exc:  # torch's DistNetworkError (a RuntimeError), say
                 logger.warning(
                     "The node '%s' could not start the shared TCPStore on %s:%d again (%s); "
                     "using a new port: PyTorch nodes of an earlier round that keep the old "
@@ -341,23 +345,41 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     exc,
                 )
             else:
-                return server
-        server = self._create_tcp_store_server(master_addr, 0)
-        self._tcp_store_port = server.port
-        return server
+                return
+        self._shared_tcp_store_server = self._create_tcp_store_server(master_addr, 0)
+        self._tcp_store_port = self._shared_tcp_store_server.port
 
-    def _stop_tcp_store_server(self) -> None:
-        """Stop the shared ``TCPStore`` server this node hosts, if any.
+    def _stop_tcp_store_server(self) -> bool:
+        """Stop the shared ``TCPStore`` server this node hosts, if any. Returns whether
+        its port is free for a new server (``False``: the old one still runs).
 
         A ``TCPStore`` has no close(): its server stops, closing its port and its
-        clients' connections, when the last reference to it goes, which is this one.
+        clients' connections, when the last reference to it goes, which should be the
+        handler's. Were another reference left, a new server on the same port would be
+        the old one, with its keys (torch shares one server per port in a process).
         """
-        server, self._shared_tcp_store_server = self._shared_tcp_store_server, None
-        if server is not None:
+        server = self._shared_tcp_store_server
+        if server is None:
+            return True
+        port = server.port
+        try:
+            still_running: weakref.ReferenceType[Any] | None = weakref.ref(server)
+        except TypeError:  # not weak-referenceable: taken as stopped
+            still_running = None
+        del server
+        self._shared_tcp_store_server = None
+        if still_running is None or still_running() is None:
             logger.debug(
-                "The node '%s' stops its shared TCPStore on port %d", self._this_node, server.port
+                "The node '%s' stopped its shared TCPStore on port %d", self._this_node, port
             )
-            del server
+            return True
+        logger.warning(
+            "The shared TCPStore of the node '%s' on port %d is still referenced elsewhere in "
+            "this process: it keeps running, and the next one takes a new port.",
+            self._this_node,
+            port,
+        )
+        return False
 
     @property
     def settings(self) -> RendezvousSettings:
@@ -513,9 +535,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # them: they fail to connect). But PyTorch's nodes other than rank 0 keep the
         # address and port of their first round, so the new server listens on the port
         # of the last one. A node no longer rank 0 stops its server.
-        self._stop_tcp_store_server()
+        port_free = self._stop_tcp_store_server()
         if rank == 0:
-            self._shared_tcp_store_server = self._start_tcp_store_server(self._this_node.addr)
+            self._start_tcp_store_server(self._this_node.addr, same_port=port_free)
             self._bootstrap_store_info = RendezvousStoreInfo.build(
                 rank,
                 store,

@@ -1343,6 +1343,38 @@ def test_rank_0_takes_a_new_tcp_store_port_when_the_old_one_is_taken(
     assert "could not start the shared TCPStore on 127.0.0.1:29555 again" in caplog.text
 
 
+def test_rank_0_takes_a_new_tcp_store_port_while_its_old_server_is_still_referenced(
+    monkeypatch: pytest.MonkeyPatch,
+    handlers: list[DynamicRendezvousHandler],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torch shares one server per port in a process: a server on the old port while
+    the old one lives would be the old one, with the last world's keys."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    monkeypatch.setattr(dr, "torch_available", lambda: True)
+    created: list[int] = []
+    servers: list[Any] = []  # a reference the handler does not own
+    free_ports = iter([29555, 29600])
+
+    class FakeServer:
+        def __init__(self, port: int) -> None:
+            self.port = port
+
+    def create(self: DynamicRendezvousHandler, addr: str, port: int) -> FakeServer:
+        created.append(port)
+        servers.append(FakeServer(port or next(free_ports)))
+        return servers[-1]
+
+    monkeypatch.setattr(DynamicRendezvousHandler, "_create_tcp_store_server", create)
+    handler = make_handler(MemoryBackend(), DictStore(), 1, 1)
+    handlers.append(handler)
+    with caplog.at_level("WARNING", logger=dr.__name__):
+        ports = [handler.next_rendezvous().bootstrap_store_info.master_port for _ in range(2)]  # type: ignore[union-attr]
+    assert created == [0, 0]
+    assert ports == [29555, 29600]
+    assert "on port 29555 is still referenced elsewhere" in caplog.text
+
+
 def test_importing_the_module_does_not_import_torch() -> None:
     code = (
         "import sys, etcd_rendezvous.dynamic_rendezvous\n"
