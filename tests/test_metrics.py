@@ -45,7 +45,9 @@ def test_the_hook_sees_retries_and_a_failover(
     finally:
         conn.close()
     assert collected.counter("transport.failovers", api=conn.api) == 1
-    assert collected.counter("transport.retries", op="write", outcome="unsent") >= 1
+    # Refused ("unsent"), or, when the write went out on a kept-alive connection that the
+    # proxy then closed, of unknown outcome: a retry either way.
+    assert collected.counter("transport.retries", op="write") >= 1
     # The refused attempt and the one that went through.
     assert collected.counter("transport.requests", op="write", api=conn.api) >= 2
     count, total, longest = collected.timings("transport.request_seconds", op="write")
