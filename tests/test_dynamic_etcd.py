@@ -12,6 +12,7 @@ import json
 import pickle
 import time
 from base64 import b64decode, b64encode
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,46 @@ def test_late_node_is_admitted_with_the_shared_tcp_store(etcd_server, run_id, wo
         member.send("join")
     second = [expect_joined(w.next_event(timeout=60), w) for w in [*members, late]]
     _check_group(second, 3)
+
+
+@pytest.mark.torch
+@_NEEDS_TORCH
+@_TORCH_SPEAKS_V2
+def test_a_torch_node_surviving_a_round_finds_our_rank_0_s_new_tcp_store(
+    etcd_server, run_id, workers, monkeypatch
+):
+    """With TCPStore sharing on, PyTorch 2.13's nodes other than rank 0 keep the master
+    address and port of their first round: when our node stays rank 0 across a
+    membership change, its new (empty) server listens on the same port."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    # Ranks go by node order (address, then pid): our node, spawned first, is rank 0.
+    ours, theirs = _spawn(workers, etcd_server, run_id, ["ours", "torch"], 2, 3, last_call=1)
+    first = _join_all([ours, theirs])
+    _check_group(first, 2)
+    assert first[0]["rank"] == 0, "our node (the lower pid) should be rank 0"
+    address = (first[0]["master_addr"], first[0]["master_port"])
+    assert (first[1]["master_addr"], first[1]["master_port"]) == address
+    # What the first world's workers leave in the shared store.
+    old = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=10))
+    old.set("gloo/first_world", "stale")
+
+    (late,) = _spawn(workers, etcd_server, run_id, ["ours"], 2, 3, last_call=1)
+    late.send("join")
+    wait_until(lambda: ours.request("waiting")["n"] == 1, timeout=30, what="a waiting node")
+    ours.send("join")
+    theirs.send("join")
+    second = [expect_joined(w.next_event(timeout=60), w) for w in (ours, theirs, late)]
+    _check_group(second, 3)
+    assert second[0]["rank"] == 0
+    # PyTorch's node reports its first round's address (it never reads it again), and
+    # our rank 0's new server is there: a fresh one, the old world's keys gone.
+    assert {(j["master_addr"], j["master_port"]) for j in second} == {address}
+    new = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=10))
+    assert not new.check(["gloo/first_world"])
+    new.set("gloo/second_world", "fresh")
+    assert new.get("gloo/second_world") == b"fresh"
 
 
 # -- our node keys ----------------------------------------------------------------------------

@@ -266,7 +266,8 @@ class NodeKeys:
         # the keys of the participants of which complete round again (see ``reap``).
         self._seen: set[NodeDesc] = set()
         # The keys taken for dead (node: created index) while etcd still lists them:
-        # no batch admits them, and they block nobody (see ``reap``).
+        # no batch admits them, and they block nobody (see ``reap``), unless a later
+        # probe finds them renewed (see ``_list``).
         self._dead: dict[NodeDesc, int] = {}
         self._reap_round: int | None = None
         self._reap_at = -math.inf
@@ -387,9 +388,26 @@ class NodeKeys:
         self._seen.update(entry.node for entry in listing)
         listed = {entry.node: entry.created_index for entry in listing}
         self._dead = {n: i for n, i in self._dead.items() if listed.get(n) == i}
+        self._forgive_renewed()
         listing = [e for e in listing if self._dead.get(e.node) != e.created_index]
         self._marks = {e.node: e.leaving for e in listing if e.leaving is not None}
         return listing
+
+    def _forgive_renewed(self) -> None:
+        """Forget the keys taken for dead that a probe finds with a whole second or more
+        to live: their nodes renewed them in their last second (a v3 lease reading 0 s
+        had under a second left, not none). At most ``_REAP_PROBES`` probes a listing,
+        the longest unprobed first; a dead key is listed for a second or so at most."""
+        for node in list(self._dead)[:_REAP_PROBES]:
+            index = self._dead.pop(node)
+            if (self._registry.expires_in(node) or 0) < 1:
+                self._dead[node] = index  # still dead: to the back of the queue
+            else:
+                logger.info(
+                    "The key of the node '%s' was renewed after it was taken for dead; "
+                    "the node may be admitted again.",
+                    node,
+                )
 
     def reap(self, round_: int, blockers: list[NodeDesc]) -> list[NodeDesc] | float:
         """The nodes among ``blockers`` whose keys are gone, or else how long to wait
@@ -419,7 +437,8 @@ class NodeKeys:
             # refreshes it every interval, missed all but the last second of its lifetime
             # (v2 lists a key past its expiry until it deletes it; a v3 lease counts down
             # in whole seconds and cannot be renewed once expired). Until etcd deletes it,
-            # our listings leave it out, lest a batch admit the dead node again.
+            # our listings leave it out, lest a batch admit the dead node again (unless
+            # they find it renewed: at 0 s a v3 lease still had a fraction of a second).
             expired = [node for node, ttl in probed.items() if ttl <= 0]
             # Delete those keys before the caller takes their nodes out, so that no batch
             # made on the state without them admits them again from a listing of its own.

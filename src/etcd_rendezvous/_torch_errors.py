@@ -6,7 +6,9 @@ catches torch's ``RendezvousGracefulExitError``). When torch's rendezvous API mo
 loaded, an error that this package's handlers raise is therefore re-classed, in place,
 as a class deriving from both its own class and torch's class of the same name: code
 catching either family catches it, and its message, cause and traceback stay as they
-were. Without torch loaded nothing changes, and nothing here imports torch.
+were. Such an error pickles as its own class, re-classed again where it is unpickled
+if torch's rendezvous is loaded there. Without torch loaded nothing changes, and nothing
+here imports torch.
 """
 
 from __future__ import annotations
@@ -45,11 +47,25 @@ def _both(ours: type[BaseException], theirs: type[BaseException]) -> type[BaseEx
     """The class deriving from ``ours`` and ``theirs`` (one per pair), named as ours."""
     both = _BOTH.get((ours, theirs))
     if both is None:
-        both = type(ours.__name__, (ours, theirs), {"__module__": ours.__module__})
+
+        def reduce(self: BaseException) -> tuple[Any, ...]:
+            # Pickled as ``ours`` (the pair's class is made at run time: pickle cannot
+            # find it by name), re-classed again where the unpickling process has
+            # torch's rendezvous loaded.
+            return (_restore, (ours, self.args), self.__dict__ or None)
+
+        namespace = {"__module__": ours.__module__, "__reduce__": reduce}
+        both = type(ours.__name__, (ours, theirs), namespace)
         both.__qualname__ = ours.__qualname__
         both.__doc__ = ours.__doc__
         _BOTH[ours, theirs] = both
     return both
+
+
+def _restore(ours: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    """Unpickle an error re-classed by :func:`as_torch_error`: ``ours(*args)``,
+    re-classed as torch's too if torch's rendezvous is loaded here."""
+    return as_torch_error(ours(*args))
 
 
 def as_torch_error(exc: BaseException) -> BaseException:

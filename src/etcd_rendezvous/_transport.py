@@ -668,26 +668,34 @@ class Transport(abc.ABC):
         """Seconds since endpoint ``idx`` last answered anything on this connection."""
         return time.monotonic() - self._heard[idx]
 
-    def _rotate(self, failed: int, why: str = "failed") -> None:
+    def _rotate(self, failed: int, why: str = "failed", *, silent: bool = False) -> None:
         """Move on from endpoint ``failed`` to the next, if it is still the current one;
-        ``why`` completes the log line ("etcd endpoint <url> <why>; switching to ...")."""
+        ``why`` completes the log line ("etcd endpoint <url> <why>; switching to ...").
+
+        ``silent``: the endpoint only said nothing for ``silence_timeout`` (an idle
+        member looks the same): counted as ``transport.silent_rearms`` and logged at
+        DEBUG, not as a failover. The metric is recorded and the line logged after the
+        lock is released: a metrics handler may be slow, or use this connection.
+        """
         with self._lock:
-            if self._current == failed and len(self._endpoints) > 1:
-                self._current = (failed + 1) % len(self._endpoints)
-                record_metric("transport.failovers", api=self.api)
-                logger.info(
-                    "etcd endpoint %s %s; switching to %s",
-                    self._endpoints[failed],
-                    why,
-                    self._endpoints[self._current],
-                )
+            if self._current != failed or len(self._endpoints) < 2:
+                return
+            self._current = (failed + 1) % len(self._endpoints)
+            now = self._endpoints[self._current]
+        if silent:
+            record_metric("transport.silent_rearms", api=self.api)
+            level = logging.DEBUG
+        else:
+            record_metric("transport.failovers", api=self.api)
+            level = logging.INFO
+        logger.log(level, "etcd endpoint %s %s; switching to %s", self._endpoints[failed], why, now)
 
     def _leave_silent(self, idx: int, what: str) -> None:
         """A wait (``what``) heard nothing from endpoint ``idx`` for ``silence_timeout``:
         go on with the next endpoint. A frozen member and an idle one look the same
         from here, and any member serves a wait as well as another."""
         silent = self._silent_for(idx)
-        self._rotate(idx, f"said nothing for {silent:.1f} s while {what}")
+        self._rotate(idx, f"said nothing for {silent:.1f} s while {what}", silent=True)
 
     def _retrying(
         self,

@@ -301,21 +301,22 @@ class StreamingWatch(WatchStream):
         with self._cond:
             while not (feed.ready or feed.ended or confirm.expired()):
                 self._cond.wait(confirm.remaining())
-            if not (feed.ready or feed.ended or deadline.expired()):
-                if self._feed is feed:
-                    self._feed = None
-                feed.stop()
-                self._transport._rotate(endpoint)
-                raise _AmbiguousError(
-                    f"{self._transport.endpoints[endpoint]}: the watch of {self._key!r} was "
-                    f"not confirmed within {self._transport.request_timeout:g} s"
-                )
-            if feed.ended and isinstance(feed.failure, Exception):
-                # Refused when it was created (an expired token, say): the caller
-                # classifies it as for any request.
-                if self._feed is feed:
-                    self._feed = None
-                raise feed.failure
+            unconfirmed = not (feed.ready or feed.ended or deadline.expired())
+            refused = feed.failure if feed.ended and isinstance(feed.failure, Exception) else None
+            if (unconfirmed or refused is not None) and self._feed is feed:
+                self._feed = None
+        if unconfirmed:
+            feed.stop()
+            # Outside the stream's lock: the failover's metric goes to handlers.
+            self._transport._rotate(endpoint)
+            raise _AmbiguousError(
+                f"{self._transport.endpoints[endpoint]}: the watch of {self._key!r} was "
+                f"not confirmed within {self._transport.request_timeout:g} s"
+            )
+        if refused is not None:
+            # Refused when it was created (an expired token, say): the caller
+            # classifies it as for any request.
+            raise refused
 
     # -- called by the reader thread --------------------------------------------------
 

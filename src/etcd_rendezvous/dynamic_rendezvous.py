@@ -282,6 +282,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # The shared TCPStore server, when this node hosts it (rank 0, torch installed).
         self._shared_tcp_store_server: Any = None
         self._bootstrap_store_info: RendezvousStoreInfo | None = None
+        # The port of the last shared TCPStore server this node hosted (0: none yet).
+        self._tcp_store_port = 0
         # The backend released by close(), if the handler owns it.
         self._owned_backend = owned_backend
         self._close_lock = threading.Lock()
@@ -319,6 +321,65 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return dist.TCPStore(
             host_name=master_addr, port=master_port, is_master=True, multi_tenant=True
         )
+
+    def _start_tcp_store_server(self, master_addr: str, *, same_port: bool) -> None:
+        """Start a new, empty shared ``TCPStore`` server: with ``same_port``, on the port
+        of this node's last one (where PyTorch's nodes of an earlier round still look
+        for it) if it can, else on a free port.
+
+        The server is held by the handler alone (no local variable: a frame kept alive
+        by a traceback would keep it running after :meth:`_stop_tcp_store_server`).
+        """
+        port = self._tcp_store_port if same_port else 0
+        if port:
+            try:
+                self._shared_tcp_store_server = self._create_tcp_store_server(master_addr, port)
+            except Exception as exc:  # torch's DistNetworkError (a RuntimeError), say
+                logger.warning(
+                    "The node '%s' could not start the shared TCPStore on %s:%d again (%s); "
+                    "using a new port: PyTorch nodes of an earlier round that keep the old "
+                    "one will not reach it.",
+                    self._this_node,
+                    master_addr,
+                    port,
+                    exc,
+                )
+            else:
+                return
+        self._shared_tcp_store_server = self._create_tcp_store_server(master_addr, 0)
+        self._tcp_store_port = self._shared_tcp_store_server.port
+
+    def _stop_tcp_store_server(self) -> bool:
+        """Stop the shared ``TCPStore`` server this node hosts, if any. Returns whether
+        its port is free for a new server (``False``: the old one still runs).
+
+        A ``TCPStore`` has no close(): its server stops, closing its port and its
+        clients' connections, when the last reference to it goes, which should be the
+        handler's. Were another reference left, a new server on the same port would be
+        the old one, with its keys (torch shares one server per port in a process).
+        """
+        server = self._shared_tcp_store_server
+        if server is None:
+            return True
+        port = server.port
+        try:
+            still_running: weakref.ReferenceType[Any] | None = weakref.ref(server)
+        except TypeError:  # not weak-referenceable: taken as stopped
+            still_running = None
+        del server
+        self._shared_tcp_store_server = None
+        if still_running is None or still_running() is None:
+            logger.debug(
+                "The node '%s' stopped its shared TCPStore on port %d", self._this_node, port
+            )
+            return True
+        logger.warning(
+            "The shared TCPStore of the node '%s' on port %d is still referenced elsewhere in "
+            "this process: it keeps running, and the next one takes a new port.",
+            self._this_node,
+            port,
+        )
+        return False
 
     @property
     def settings(self) -> RendezvousSettings:
@@ -471,10 +532,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # read it every round. The server is a new one every round: torch's workers use
         # it without a prefix per attempt, so a server kept from the last round would
         # hand the new world's workers the last world's keys (gloo's addresses among
-        # them: they fail to connect). A node no longer rank 0 stops its server.
-        self._shared_tcp_store_server = None
+        # them: they fail to connect). But PyTorch's nodes other than rank 0 keep the
+        # address and port of their first round, so the new server listens on the port
+        # of the last one. A node no longer rank 0 stops its server.
+        port_free = self._stop_tcp_store_server()
         if rank == 0:
-            self._shared_tcp_store_server = self._create_tcp_store_server(self._this_node.addr, 0)
+            self._start_tcp_store_server(self._this_node.addr, same_port=port_free)
             self._bootstrap_store_info = RendezvousStoreInfo.build(
                 rank,
                 store,

@@ -13,8 +13,9 @@ in the thread that produced it, to:
   ``<name>.duration.ms`` in whole milliseconds, as PyTorch's ``@prof`` names them.
 
 The metrics: ``transport.requests``, ``transport.request_seconds``,
-``transport.retries``, ``transport.failovers``, ``transport.outcome_unknown``,
-``transport.outcome_resolved``, ``transport.watch_restarts``, ``rendezvous.rounds``,
+``transport.retries``, ``transport.failovers``, ``transport.silent_rearms``,
+``transport.outcome_unknown``, ``transport.outcome_resolved``,
+``transport.watch_restarts``, ``rendezvous.rounds``,
 ``rendezvous.time_to_form``, ``rendezvous.world_size``, ``rendezvous.nodes_admitted``
 and ``rendezvous.nodes_removed``; the documentation's *Monitoring* page (``metrics``)
 says what each counts, with which labels, and how to export them to Prometheus.

@@ -429,3 +429,26 @@ def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> 
     registry.announce_node(C, 15)
     b.admitted()
     assert b.admission(wants_all_but(), "m3") == [B, C]
+
+
+def test_a_key_taken_for_dead_that_is_renewed_after_all_is_admitted_again() -> None:
+    """A v3 lease reading 0 s had under a second left: its node may still renew it."""
+    registry, clock = MemoryRegistry(), Clock()
+    for node in (B, C):
+        registry.announce_node(node, 15)
+    registry.lifetimes[C] = 0
+    b = keys_of(B, registry, clock)
+    assert b.reap(3, [C]) == [C]
+    # Still at 0 s when the next listing probes it: still left out.
+    probes = registry.calls["expires_in"]
+    assert b.admission(wants_all_but(), "m") == [B]
+    assert registry.calls["expires_in"] == probes + 1
+    # C renewed its key in its last second (same key, same index): admitted again.
+    registry.lifetimes[C] = 15
+    b.admitted()
+    assert b.admission(wants_all_but(), "m2") == [B, C]
+    # Forgiven for good: no more probes of it when listing.
+    probes = registry.calls["expires_in"]
+    b.admitted()
+    assert b.admission(wants_all_but(), "m3") == [B, C]
+    assert registry.calls["expires_in"] == probes

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -1278,6 +1279,100 @@ def test_shared_tcp_store_port_is_published_by_rank_0(
     for info in infos:
         assert info.bootstrap_store_info is not None
         assert info.bootstrap_store_info.master_port == 29555
+
+
+def test_rank_0_keeps_its_tcp_store_port_across_rounds_and_stops_the_old_server(
+    monkeypatch: pytest.MonkeyPatch, handlers: list[DynamicRendezvousHandler]
+) -> None:
+    """PyTorch's nodes other than rank 0 keep the port of their first round: rank 0's
+    server of each round is a new, empty one on the same port, the old one stopped."""
+    dist = pytest.importorskip("torch.distributed", reason="needs PyTorch")
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    handler = make_handler(MemoryBackend(), DictStore(), 1, 1)
+    handlers.append(handler)
+    first = handler.next_rendezvous().bootstrap_store_info
+    assert first is not None
+    old_server = weakref.ref(handler._shared_tcp_store_server)
+    client = dist.TCPStore(
+        first.master_addr, first.master_port, is_master=False, timeout=timedelta(seconds=5)
+    )
+    client.set("gloo/rank0", "the first world's address")
+
+    second = handler.next_rendezvous().bootstrap_store_info  # the node re-joins: round 1
+    assert second is not None
+    assert handler._state_holder.state.round == 1
+    assert (second.master_addr, second.master_port) == (first.master_addr, first.master_port)
+    assert old_server() is None  # no reference left: torch has stopped that server
+    with pytest.raises(dist.DistError):
+        client.get("gloo/rank0")  # its connection went with it
+    fresh = dist.TCPStore(
+        second.master_addr, second.master_port, is_master=False, timeout=timedelta(seconds=5)
+    )
+    assert not fresh.check(["gloo/rank0"])  # the new server holds nothing of the old world
+
+
+def test_rank_0_takes_a_new_tcp_store_port_when_the_old_one_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+    handlers: list[DynamicRendezvousHandler],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    monkeypatch.setattr(dr, "torch_available", lambda: True)
+    created: list[int] = []
+    free_ports = iter([29555, 29600])
+
+    class FakeServer:
+        def __init__(self, port: int) -> None:
+            self.port = port
+
+    def create(self: DynamicRendezvousHandler, addr: str, port: int) -> FakeServer:
+        created.append(port)
+        if port == 29555:
+            raise RuntimeError("EADDRINUSE: address already in use")
+        return FakeServer(port or next(free_ports))
+
+    monkeypatch.setattr(DynamicRendezvousHandler, "_create_tcp_store_server", create)
+    handler = make_handler(MemoryBackend(), DictStore(), 1, 1)
+    handlers.append(handler)
+    with caplog.at_level("WARNING", logger=dr.__name__):
+        ports = [handler.next_rendezvous().bootstrap_store_info.master_port for _ in range(3)]  # type: ignore[union-attr]
+    # Round 0 binds a free port; round 1 tries it again, finds it taken, takes another;
+    # round 2 gets that one again.
+    assert created == [0, 29555, 0, 29600]
+    assert ports == [29555, 29600, 29600]
+    assert "could not start the shared TCPStore on 127.0.0.1:29555 again" in caplog.text
+
+
+def test_rank_0_takes_a_new_tcp_store_port_while_its_old_server_is_still_referenced(
+    monkeypatch: pytest.MonkeyPatch,
+    handlers: list[DynamicRendezvousHandler],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """torch shares one server per port in a process: a server on the old port while
+    the old one lives would be the old one, with the last world's keys."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    monkeypatch.setattr(dr, "torch_available", lambda: True)
+    created: list[int] = []
+    servers: list[Any] = []  # a reference the handler does not own
+    free_ports = iter([29555, 29600])
+
+    class FakeServer:
+        def __init__(self, port: int) -> None:
+            self.port = port
+
+    def create(self: DynamicRendezvousHandler, addr: str, port: int) -> FakeServer:
+        created.append(port)
+        servers.append(FakeServer(port or next(free_ports)))
+        return servers[-1]
+
+    monkeypatch.setattr(DynamicRendezvousHandler, "_create_tcp_store_server", create)
+    handler = make_handler(MemoryBackend(), DictStore(), 1, 1)
+    handlers.append(handler)
+    with caplog.at_level("WARNING", logger=dr.__name__):
+        ports = [handler.next_rendezvous().bootstrap_store_info.master_port for _ in range(2)]  # type: ignore[union-attr]
+    assert created == [0, 0]
+    assert ports == [29555, 29600]
+    assert "on port 29555 is still referenced elsewhere" in caplog.text
 
 
 def test_importing_the_module_does_not_import_torch() -> None:

@@ -6,6 +6,7 @@ when it is installed, and without either (nothing changes, torch is never import
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import types
@@ -148,3 +149,38 @@ def test_real_torch_catches_our_errors(name: str) -> None:
     error = as_torch_error(getattr(api, name)("message"))
     assert isinstance(error, getattr(torch_api, name))
     assert isinstance(error, getattr(api, name))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_re_classed_error_pickles_and_stays_torch_s(
+    torch_api: types.ModuleType, name: str
+) -> None:
+    """torch's agent sends a worker's error through pickle (multiprocessing)."""
+    error = as_torch_error(getattr(api, name)("The rendezvous 'job' is closed.", 7))
+    error.endpoint = "http://127.0.0.1:2379"  # type: ignore[attr-defined]
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error)
+    assert isinstance(copy, getattr(torch_api, name))
+    assert copy.args == ("The rendezvous 'job' is closed.", 7)
+    assert copy.endpoint == "http://127.0.0.1:2379"
+
+
+def test_a_re_classed_error_unpickles_as_ours_where_torch_is_not_loaded(
+    torch_api: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = pickle.dumps(as_torch_error(api.RendezvousTimeoutError("x")))
+    monkeypatch.delitem(sys.modules, TORCH_API_MODULE)
+    copy = pickle.loads(data)
+    assert type(copy) is api.RendezvousTimeoutError
+    assert copy.args == ("x",)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", NAMES)
+def test_real_torch_error_pickles(name: str) -> None:
+    torch_api = pytest.importorskip(TORCH_API_MODULE, reason="PyTorch is not installed")
+    error = as_torch_error(getattr(api, name)("message"))
+    copy = pickle.loads(pickle.dumps(error))
+    assert isinstance(copy, getattr(torch_api, name))
+    assert isinstance(copy, getattr(api, name))
+    assert str(copy) == "message"
