@@ -32,7 +32,7 @@ import time
 import uuid
 from typing import Any
 
-from etcd_rendezvous._client import EtcdConnection
+from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 

@@ -33,9 +33,9 @@ import pytest
 
 import v3_gateway
 from etcd_rendezvous import events
-from etcd_rendezvous._client import EtcdConnection
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import Transport
+from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous.etcd_server import EtcdServer
 from faultproxy import FaultProxy
 from rdzv_helpers import Worker

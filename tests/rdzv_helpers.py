@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from etcd_rendezvous._transport import KeyNotFoundError, Transport
+from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 
 WORKER = str(Path(__file__).with_name("rdzv_worker.py"))
 

@@ -20,9 +20,9 @@ from typing import TypeVar
 import etcd
 import pytest
 
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._etcd_process import has_v2_api
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._process.etcd import has_v2_api
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
 from etcd_rendezvous.cli import main
 from etcd_rendezvous.cli.demo import _report

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from etcd_rendezvous._v3 import EtcdV3Connection
+from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.etcd_server import EtcdServer
 
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from etcd_rendezvous._transport import KeyNotFoundError, Transport
+from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
 from etcd_rendezvous.cli import main
 from etcd_rendezvous.cli._common import (

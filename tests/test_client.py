@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._client import EtcdConnection
-from etcd_rendezvous._transport import (
+from etcd_rendezvous._transport.interface import (
     CompareFailedError,
     KeyExistsError,
     OperationRefusedError,
     Transport,
 )
-from etcd_rendezvous._v3 import EtcdV3Connection
+from etcd_rendezvous._transport.v2 import EtcdConnection
+from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError
 from etcd_rendezvous.etcd_server import EtcdServer
 from faultproxy import FaultProxy, Mode
@@ -426,7 +426,7 @@ def test_every_send_of_a_cas_is_one_our_code_decided(
     close_client: bool,
     api: str,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._transport")
+    caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._transport.interface")
     conn = connect(etcd_proxy.endpoint, read_timeout=0.5)
     prev = conn.set(key, "v0")
     etcd_proxy.clear_stats()
@@ -440,7 +440,7 @@ def test_every_send_of_a_cas_is_one_our_code_decided(
     retries = sum(
         r.getMessage().endswith("; retrying")
         for r in caplog.records
-        if r.name == "etcd_rendezvous._transport"
+        if r.name == "etcd_rendezvous._transport.interface"
     )
     assert writes(etcd_proxy, api) == 1 + retries
     if close_client:

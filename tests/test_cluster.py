@@ -15,7 +15,7 @@ import urllib3
 
 import v3_gateway
 from etcd_rendezvous import etcd_cluster as etcd_cluster_module
-from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_cluster import EtcdCluster, EtcdClusterMember
 from etcd_rendezvous.etcd_rendezvous import create_rdzv_handler

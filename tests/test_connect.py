@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from etcd_rendezvous._client import EtcdConnection
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._v3 import EtcdV3Connection
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.v2 import EtcdConnection
+from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
 
@@ -47,7 +47,7 @@ def refused_port() -> int:
 def test_auto_picks_v2_where_the_server_serves_it(
     etcd_server: EtcdServer, etcd_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="etcd_rendezvous._connect")
+    caplog.set_level(logging.INFO, logger="etcd_rendezvous._transport.connect")
     with open_transport([endpoint_of(etcd_server)]) as conn:
         assert isinstance(conn, EtcdConnection)
         assert conn.api == "v2"
@@ -60,7 +60,7 @@ def test_auto_picks_v2_where_the_server_serves_it(
 def test_auto_picks_v3_where_the_server_has_no_v2(
     v2less_server: EtcdServer, etcd_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="etcd_rendezvous._connect")
+    caplog.set_level(logging.INFO, logger="etcd_rendezvous._transport.connect")
     with open_transport([endpoint_of(v2less_server)]) as conn:
         assert isinstance(conn, EtcdV3Connection)
         assert conn.api == "v3"

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import (
     RendezvousConnectionError,
     RendezvousError,

@@ -2,7 +2,7 @@
 
 Nodes run as threads of the test process (each with its own handler, connection and
 backend), over whichever etcd API the session tests. What is checked is the protocol of
-:mod:`etcd_rendezvous._dynamic_admission`: one round, ranks in node order, min/max and
+:mod:`etcd_rendezvous._dynamic.admission`: one round, ranks in node order, min/max and
 last call, the wait and redundancy lists, a node that died between announcing and being
 admitted, and the heartbeat aggregator (a killed one is replaced and nobody is dropped).
 Worker processes with a real SIGKILL are in ``test_dynamic_etcd.py``.
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._dynamic_admission import ADMISSION_GRACE
+from etcd_rendezvous._dynamic.admission import ADMISSION_GRACE
 from etcd_rendezvous.api import RendezvousGracefulExitError, RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,

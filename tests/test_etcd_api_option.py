@@ -16,7 +16,7 @@ from urllib.parse import urlencode
 
 import pytest
 
-from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous.api import RendezvousConnectionError, RendezvousParameters
 from etcd_rendezvous.etcd_rendezvous import create_rdzv_handler
 from etcd_rendezvous.etcd_rendezvous_backend import create_backend

@@ -15,11 +15,11 @@ import time
 
 import pytest
 
-from etcd_rendezvous._client import EtcdConnection
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._legacy_admission import ADMISSION_GRACE
-from etcd_rendezvous._transport import KeyNotFoundError
-from etcd_rendezvous._v3 import EtcdV3Connection
+from etcd_rendezvous._legacy.admission import ADMISSION_GRACE
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import KeyNotFoundError
+from etcd_rendezvous._transport.v2 import EtcdConnection
+from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,

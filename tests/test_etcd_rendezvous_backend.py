@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._dynamic_admission import AnnouncedNode
-from etcd_rendezvous._transport import KeyNotFoundError, Transport
+from etcd_rendezvous._dynamic.admission import AnnouncedNode
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous.api import (
     RendezvousConnectionError,
     RendezvousParameters,

@@ -22,7 +22,7 @@ import urllib3
 
 import v3_gateway
 from etcd_rendezvous import etcd_server as etcd_server_module
-from etcd_rendezvous._etcd_process import has_v2_api
+from etcd_rendezvous._process.etcd import has_v2_api
 from etcd_rendezvous.etcd_cluster import EtcdCluster
 from etcd_rendezvous.etcd_server import (
     EtcdBinaryNotFoundError,

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 import v3_gateway
-from etcd_rendezvous._client import EtcdConnection
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import Transport
+from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous.api import RendezvousStateError, Store
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import DEFAULT_TIMEOUT, EtcdStore, cas_delay

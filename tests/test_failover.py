@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, decode_state
 from etcd_rendezvous.etcd_cluster import EtcdCluster, EtcdClusterMember

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import urllib3
 
-from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous.api import (
     RendezvousConnectionError,
     RendezvousError,

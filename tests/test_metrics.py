@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import create_handler
 from etcd_rendezvous.etcd_rendezvous_backend import create_backend

@@ -16,8 +16,8 @@ import pytest
 import etcd_rendezvous.etcd_rendezvous as legacy
 import etcd_rendezvous.etcd_rendezvous_backend as v2
 from etcd_rendezvous import torchrun
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import RendezvousParameters, RendezvousStateError
 from etcd_rendezvous.dynamic_rendezvous import create_handler
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvous

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters, RendezvousTimeoutError
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler, create_rdzv_handler
 from etcd_rendezvous.etcd_server import EtcdServer

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.metrics import MetricsCollector
 from faultproxy import FaultProxy

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from etcd_rendezvous._connect import open_transport
+from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import decode_state
 from etcd_rendezvous.etcd_cluster import EtcdCluster, EtcdClusterMember

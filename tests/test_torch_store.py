@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous import torchrun
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._connect import open_transport
-from etcd_rendezvous._transport import Transport
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.etcd_server import EtcdServer
 from torchrun_helpers import Agent, wait_for
 

@@ -17,10 +17,14 @@ from typing import Any
 import pytest
 import urllib3
 
-from etcd_rendezvous._retry import Deadline
-from etcd_rendezvous._transport import KeyExistsError, KeyNotFoundError, TransportClosedError
-from etcd_rendezvous._v3 import EtcdV3Connection
-from etcd_rendezvous._v3_http import b64
+from etcd_rendezvous._transport.interface import (
+    KeyExistsError,
+    KeyNotFoundError,
+    TransportClosedError,
+)
+from etcd_rendezvous._transport.retry import Deadline
+from etcd_rendezvous._transport.v3 import EtcdV3Connection
+from etcd_rendezvous._transport.v3_wire import b64
 from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_requests import read_metrics, requests_since

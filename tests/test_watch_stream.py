@@ -18,16 +18,16 @@ import pytest
 
 import v3_gateway
 from etcd_metrics import counter, read_metrics
-from etcd_rendezvous._client import EtcdConnection
-from etcd_rendezvous._retry import Deadline
-from etcd_rendezvous._transport import (
+from etcd_rendezvous._transport.interface import (
     Node,
     Transport,
     TransportClosedError,
     WatchHistoryLostError,
     WatchStream,
 )
-from etcd_rendezvous._v3 import EtcdV3Connection
+from etcd_rendezvous._transport.retry import Deadline
+from etcd_rendezvous._transport.v2 import EtcdConnection
+from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.etcd_cluster import EtcdCluster
 from etcd_rendezvous.etcd_server import EtcdServer
 from faultproxy import FaultProxy

@@ -32,7 +32,7 @@ def _all_reduce(store: object, rank: int, world_size: int) -> float:
 def main() -> None:
     mode, *args = sys.argv[1:]
     if mode == "store":
-        from etcd_rendezvous._connect import open_transport
+        from etcd_rendezvous._transport.connect import open_transport
         from etcd_rendezvous.etcd_store import EtcdStore
         from etcd_rendezvous.torch_store import TorchEtcdStore
 

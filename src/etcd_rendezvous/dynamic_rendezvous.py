@@ -34,7 +34,7 @@ code could run.
 What else differs from the reference, none of it visible in the state:
 
 * With a backend that keeps node keys (this package's ``etcd-v2`` backend, see
-  :mod:`etcd_rendezvous._dynamic_admission`), a node does not add itself to the state:
+  :mod:`etcd_rendezvous._dynamic.admission`), a node does not add itself to the state:
   it announces itself with a key of its own and the oldest waiting node admits every
   announced node in one write; and one aggregator writes the heartbeats of all the
   nodes whose keys are alive, once per interval. PyTorch's nodes in the same run keep
@@ -82,19 +82,21 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from ._dynamic_admission import NodeKeys, NodeRegistry
-from ._dynamic_backend import RendezvousBackend, _delay
-from ._dynamic_backend import Token as _Token
-from ._dynamic_executor import _DistributedRendezvousOpExecutor, _RendezvousOpExecutor
-from ._dynamic_holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
-from ._dynamic_ops import (
+from ._dynamic.admission import NodeKeys, NodeRegistry
+from ._dynamic.backend import RendezvousBackend, _delay
+from ._dynamic.backend import Token as _Token
+from ._dynamic.executor import _DistributedRendezvousOpExecutor, _RendezvousOpExecutor
+from ._dynamic.holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
+from ._dynamic.ops import (
     _RendezvousCloseOp,
     _RendezvousExitOp,
     _RendezvousJoinOp,
     _RendezvousKeepAliveOp,
 )
-from ._dynamic_settings import RendezvousSettings, RendezvousTimeout, record_event
-from ._dynamic_state import (
+from ._dynamic.periodic import _PeriodicTimer
+from ._dynamic.prefix_store import _prefix_store
+from ._dynamic.settings import RendezvousSettings, RendezvousTimeout, record_event
+from ._dynamic.state import (
     NodeDesc,
     RendezvousState,
     _NodeDesc,
@@ -102,11 +104,9 @@ from ._dynamic_state import (
     _RendezvousState,
     decode_state,
 )
-from ._periodic import _PeriodicTimer
-from ._prefix_store import _prefix_store
 from ._progress import ProgressLog, progress_interval, seconds_left
-from ._retry import Deadline
-from ._torch import adapt_store, torch_available, torch_store_wanted
+from ._torch.store import adapt_store, torch_available, torch_store_wanted
+from ._transport.retry import Deadline
 from .api import (
     RendezvousConnectionError,
     RendezvousError,

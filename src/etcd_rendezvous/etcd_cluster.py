@@ -34,7 +34,7 @@ from types import TracebackType
 
 import urllib3
 
-from ._etcd_process import (
+from ._process.etcd import (
     ADDRESS_IN_USE,
     HOST,
     NotReadyError,

@@ -31,14 +31,14 @@ the same rendezvous. What differs is how the states are driven:
   their keep-alive key) and one of them admits all that announced, ranks in announce
   order recorded in the state's extra ``members`` field, in one compare-and-swap; the
   write that freezes the state confirms them too. A worker joins in a few requests
-  whatever N (see :mod:`etcd_rendezvous._legacy_admission`);
+  whatever N (see :mod:`etcd_rendezvous._legacy.admission`);
 * a worker reads the state before trying to create it, and of many finding none at
   once only a few try;
 * waiting is done with one etcd watch stream on the state, whose events carry the new
   state, and failed attempts back off with jitter instead of sleeping a fixed second,
   so a rendezvous completes in milliseconds;
 * compare-and-swap compares the modification index as well as the value, and a write
-  whose answer was lost is recognised as applied (see :mod:`etcd_rendezvous._client`);
+  whose answer was lost is recognised as applied (see :mod:`etcd_rendezvous._transport.v2`);
 * a corrupt state key raises :class:`~etcd_rendezvous.api.RendezvousStateError` naming
   the key, and is left as it is for an operator to inspect;
 * every etcd request runs under the deadline of the call that made it (the rendezvous
@@ -54,10 +54,10 @@ the same rendezvous. What differs is how the states are driven:
 This module holds the barrier (:class:`EtcdRendezvous`: the state machine above), the
 handler and its construction from parameters. The rest of the rendezvous (set-up and
 tear-down, the run's keys, reading the state, closing the run, ``extra_data`` and the
-store) is its base, in :mod:`etcd_rendezvous._legacy_base`; the state's validation is in
-:mod:`etcd_rendezvous._legacy_state`, the keep-alive threads in
-:mod:`etcd_rendezvous._lease_keeper`, the batched join in
-:mod:`etcd_rendezvous._legacy_admission`.
+store) is its base, in :mod:`etcd_rendezvous._legacy.base`; the state's validation is in
+:mod:`etcd_rendezvous._legacy.state`, the keep-alive threads in
+:mod:`etcd_rendezvous._legacy.lease_keeper`, the batched join in
+:mod:`etcd_rendezvous._legacy.admission`.
 """
 
 from __future__ import annotations
@@ -71,8 +71,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from ._client import CompareFailedError, KeyExistsError, KeyNotFoundError, Node
-from ._legacy_admission import (
+from ._legacy.admission import (
     CONST_ETCD_FROZEN_TTL,  # noqa: F401 (PyTorch's name, importable from here as there)
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
     CONST_ETCD_SETUP_TTL,
@@ -80,18 +79,19 @@ from ._legacy_admission import (
     RestartAttempt,
     create_spread,
 )
-from ._legacy_base import (
+from ._legacy.base import (
     CONST_RUNID_SUBROOT_TTL,  # noqa: F401 (PyTorch's name, importable from here as there)
     EtcdRendezvousBase,
 )
-from ._legacy_state import member_ranks, parse_state, preview
-from ._legacy_waiting import WAITER_TTL, await_end_of_final
-from ._params import create_etcd_connection as _create_etcd_connection
-from ._params import seconds as _seconds
+from ._legacy.state import member_ranks, parse_state, preview
+from ._legacy.waiting import WAITER_TTL, await_end_of_final
 from ._progress import ProgressLog, progress_interval, seconds_left
-from ._retry import CONNECTION, Deadline
-from ._torch import adapt_store, torch_available, torch_store_wanted
-from ._torch_errors import torch_errors
+from ._torch.errors import torch_errors
+from ._torch.store import adapt_store, torch_available, torch_store_wanted
+from ._transport.options import create_etcd_connection as _create_etcd_connection
+from ._transport.options import seconds as _seconds
+from ._transport.retry import CONNECTION, Deadline
+from ._transport.v2 import CompareFailedError, KeyExistsError, KeyNotFoundError, Node
 from .api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -147,7 +147,7 @@ class EtcdRendezvous(EtcdRendezvousBase):
     """A rendezvous that uses `etcd <https://etcd.io/>`__ (v2 API) as the backend store.
 
     Args:
-        client: an :class:`~etcd_rendezvous._client.EtcdConnection`, or a python-etcd
+        client: an :class:`~etcd_rendezvous._transport.v2.EtcdConnection`, or a python-etcd
             ``etcd.Client`` (its endpoints and credentials are used to open a hardened
             connection; the client itself is kept as :attr:`client` but not used).
         prefix: etcd key prefix under which the run's keys live.
@@ -159,7 +159,7 @@ class EtcdRendezvous(EtcdRendezvousBase):
         last_call_timeout: seconds to wait for more workers once ``num_min_workers``
             joined.
         owns_connection: whether :meth:`close` closes ``client`` when it is an
-            :class:`~etcd_rendezvous._client.EtcdConnection` (set by whoever opened it
+            :class:`~etcd_rendezvous._transport.v2.EtcdConnection` (set by whoever opened it
             and hands it over, as :func:`create_rdzv_handler` does). A connection the
             rendezvous converted from an ``etcd.Client`` is always its own. An owned
             connection is also closed if the constructor raises.
@@ -348,7 +348,7 @@ class EtcdRendezvous(EtcdRendezvousBase):
 
         Of many workers finding no state at once, about one should try to create it (a
         failed try is a wasted write, two on v3): each watches the state for a random
-        moment first (:func:`~etcd_rendezvous._legacy_admission.create_spread`).
+        moment first (:func:`~etcd_rendezvous._legacy.admission.create_spread`).
 
         Returns:
             The version we created (we are admitted to it), or ``None`` if another
@@ -374,7 +374,7 @@ class EtcdRendezvous(EtcdRendezvousBase):
         """Join the joinable rendezvous ``expected_version`` and wait for the others.
 
         We announce ourselves with a member key and are admitted with others in one
-        write (see :mod:`etcd_rendezvous._legacy_admission`).
+        write (see :mod:`etcd_rendezvous._legacy.admission`).
         """
         this_rank = self._join.admit(expected_version)
         logger.info("Joined rendezvous version %s as rank %s", expected_version, this_rank)
@@ -397,7 +397,7 @@ class EtcdRendezvous(EtcdRendezvousBase):
 
     def confirm_phase(self, expected_version: str, this_rank: int) -> tuple[str, int, int]:
         """Wait until every member of ``expected_version`` confirmed (our members are
-        confirmed together; see :mod:`etcd_rendezvous._legacy_admission`)."""
+        confirmed together; see :mod:`etcd_rendezvous._legacy.admission`)."""
         logger.info("Waiting for confirmations from all peers.")
         world_size = self._join.confirm(expected_version, this_rank)
         logger.info(
@@ -418,7 +418,7 @@ class EtcdRendezvous(EtcdRendezvousBase):
 
         We announce ourselves with a wait key, and are counted in
         ``num_workers_waiting`` with the others that did (one write for many; see
-        :mod:`etcd_rendezvous._legacy_waiting`), where PyTorch's workers each increment
+        :mod:`etcd_rendezvous._legacy.waiting`), where PyTorch's workers each increment
         it (:meth:`announce_self_waiting`).
         """
         if self._waiting_as is None or self._waiting_as[0] != expected_version:
@@ -516,7 +516,7 @@ class EtcdRendezvous(EtcdRendezvousBase):
         It ends when its state changes or is deleted, or when a member stops renewing
         its keep-alive key; in that case we delete the state (if it has not changed) so
         that a new version can start. One read, one listing and one watch stream,
-        whatever the number of workers (see :mod:`etcd_rendezvous._legacy_waiting`).
+        whatever the number of workers (see :mod:`etcd_rendezvous._legacy.waiting`).
         """
         self._await_free(expected_version, None)
 

@@ -15,7 +15,7 @@ name does:
 So a fleet mixing PyTorch's ``etcd-v2`` workers and ours shares one state. What
 differs:
 
-* requests go through :class:`~etcd_rendezvous._client.EtcdConnection`: several
+* requests go through :class:`~etcd_rendezvous._transport.v2.EtcdConnection`: several
   endpoints with failover, ``username``/``password``, connection errors that name the
   endpoint, and a compare-and-swap whose answer was lost on the connection recognised
   as applied (or not) from the key's history instead of being reported as a conflict;
@@ -30,7 +30,7 @@ differs:
   delivers every change (with the new state, so the handler needs no read after it);
 * the backend keeps our nodes' keys and the heartbeat aggregator's lock (see
   :class:`~etcd_rendezvous.layout.EtcdV2NodesLayout` and
-  :mod:`etcd_rendezvous._dynamic_admission`), with which the handler joins in a constant
+  :mod:`etcd_rendezvous._dynamic.admission`), with which the handler joins in a constant
   number of requests per node and heartbeats without writing the state; PyTorch's
   workers do not see these keys and need not;
 * the store returned by :func:`create_backend` reads the keys it is asked for instead
@@ -48,17 +48,17 @@ import threading
 from base64 import b64decode, b64encode
 from typing import Any
 
-from ._client import (
+from ._dynamic.admission import AnnouncedNode
+from ._transport.interface import DELETE_ACTIONS, Transport, WatchHistoryLostError, WatchStream
+from ._transport.options import create_etcd_connection, seconds
+from ._transport.retry import REWATCH, Deadline
+from ._transport.v2 import (
     CompareFailedError,
     EtcdConnection,
     KeyExistsError,
     KeyNotFoundError,
     Node,
 )
-from ._dynamic_admission import AnnouncedNode
-from ._params import create_etcd_connection, seconds
-from ._retry import REWATCH, Deadline
-from ._transport import DELETE_ACTIONS, Transport, WatchHistoryLostError, WatchStream
 from .api import RendezvousParameters, RendezvousStateError
 from .dynamic_rendezvous import NodeDesc, RendezvousBackend, Token
 from .etcd_store import EtcdStore
@@ -93,16 +93,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
     given stays open for its owner.
 
     Args:
-        client: the :class:`~etcd_rendezvous._client.EtcdConnection` to use, or a
+        client: the :class:`~etcd_rendezvous._transport.v2.EtcdConnection` to use, or a
             python-etcd ``etcd.Client`` (converted with
-            :meth:`~etcd_rendezvous._client.EtcdConnection.from_client`).
+            :meth:`~etcd_rendezvous._transport.v2.EtcdConnection.from_client`).
         run_id: the run id of the rendezvous.
         key_prefix: the path under which to store the rendezvous state in etcd; the
             key is ``<key_prefix>/<run_id>`` (just ``run_id`` without a prefix).
         ttl: the TTL of the rendezvous state, in seconds. If not specified (or not
             positive), defaults to two hours.
         owns_connection: whether :meth:`close` closes ``client`` when it is an
-            :class:`~etcd_rendezvous._client.EtcdConnection`; a connection converted from
+            :class:`~etcd_rendezvous._transport.v2.EtcdConnection`; a connection converted from
             an ``etcd.Client`` is always the backend's own. An owned connection is also
             closed if the constructor raises.
 
@@ -294,7 +294,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     # The stream lost the history it needed: read, then watch again.
                     rewatch.pause()
 
-    # -- node keys (see etcd_rendezvous._dynamic_admission) ------------------------------
+    # -- node keys (see etcd_rendezvous._dynamic.admission) ------------------------------
 
     @property
     def nodes_layout(self) -> EtcdV2NodesLayout:

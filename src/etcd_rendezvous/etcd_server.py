@@ -31,7 +31,7 @@ from typing import IO, Any
 import etcd
 import urllib3
 
-from ._etcd_process import (
+from ._process.etcd import (
     ADDRESS_IN_USE,
     HOST,
     ProbeTimeoutError,
@@ -692,7 +692,7 @@ class EtcdServer:
     def _wait_ready(self, proc: subprocess.Popen[bytes], deadline: float) -> str:
         """Poll until *our* etcd serves requests with a leader; return its version.
 
-        See :func:`~etcd_rendezvous._etcd_process.probe_member` for what is checked.
+        See :func:`~etcd_rendezvous._process.etcd.probe_member` for what is checked.
 
         Raises:
             ProcessExitedError: if ``proc`` exits first.

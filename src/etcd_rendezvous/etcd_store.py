@@ -17,7 +17,7 @@ What differs from the reference is how it waits and how it fails:
   index at which it was seen missing: no polling, no sleeps, cost independent of the
   number of keys in the store.
 * ``add`` and the other read-modify-write operations compare on value *and* index and
-  use :class:`~etcd_rendezvous._client.EtcdConnection`, which recognises its own write
+  use :class:`~etcd_rendezvous._transport.v2.EtcdConnection`, which recognises its own write
   when a connection failure hides the answer (see :meth:`EtcdStore.add` for the exact
   guarantee).
 * A value someone else wrote that is not base64 raises
@@ -40,9 +40,15 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
-from ._retry import CONTENTION, REWATCH, Deadline, Retry
-from ._transport import Transport
+from ._transport.interface import Transport
+from ._transport.retry import CONTENTION, REWATCH, Deadline, Retry
+from ._transport.v2 import (
+    CompareFailedError,
+    EtcdConnection,
+    KeyExistsError,
+    KeyNotFoundError,
+    Node,
+)
 from .api import RendezvousStateError
 from .layout import normalize_key, store_value_key
 
@@ -78,7 +84,7 @@ def cas_delay() -> None:
 
     Kept for code that imports it from the reference module. :class:`EtcdStore` itself
     backs off after a failed compare-and-swap with the capped, jittered
-    :data:`~etcd_rendezvous._retry.CONTENTION` policy, which starts at a few
+    :data:`~etcd_rendezvous._transport.retry.CONTENTION` policy, which starts at a few
     milliseconds, until its :attr:`~EtcdStore.timeout`.
     """
     time.sleep(random.uniform(0, 0.1))
@@ -98,13 +104,13 @@ class EtcdStore:
 
     The store releases the connection it owns on :meth:`close` (or leaving a ``with``
     block): the one it opened itself from an ``etcd.Client``, or an
-    :class:`~etcd_rendezvous._client.EtcdConnection` handed over with
+    :class:`~etcd_rendezvous._transport.v2.EtcdConnection` handed over with
     ``owns_connection=True``. A connection it was merely given stays open for its owner.
 
     Args:
-        etcd_client: an :class:`~etcd_rendezvous._client.EtcdConnection`, or a
+        etcd_client: an :class:`~etcd_rendezvous._transport.v2.EtcdConnection`, or a
             python-etcd ``etcd.Client`` (converted with
-            :meth:`~etcd_rendezvous._client.EtcdConnection.from_client`; the original is
+            :meth:`~etcd_rendezvous._transport.v2.EtcdConnection.from_client`; the original is
             kept on :attr:`client` and not used for requests).
         etcd_store_prefix: the etcd directory holding the keys; a trailing ``/`` is
             added if missing (as in PyTorch).
@@ -115,7 +121,7 @@ class EtcdStore:
             etcd failures (an election, an unreachable member) are retried until then,
             and no call outlives it by more than about a second.
         owns_connection: whether :meth:`close` closes ``etcd_client`` when it is an
-            :class:`~etcd_rendezvous._client.EtcdConnection` (set by whoever opened it
+            :class:`~etcd_rendezvous._transport.v2.EtcdConnection` (set by whoever opened it
             and hands it over); a connection converted from an ``etcd.Client`` is always
             the store's own.
 
@@ -138,7 +144,7 @@ class EtcdStore:
                 f"{type(etcd_store_prefix).__name__}: {etcd_store_prefix!r}."
             )
         #: The client given to the constructor (an ``etcd.Client`` or an
-        #: :class:`~etcd_rendezvous._client.EtcdConnection`).
+        #: :class:`~etcd_rendezvous._transport.v2.EtcdConnection`).
         self.client = etcd_client
         self._conn = EtcdConnection.from_client(etcd_client, param="etcd_client")
         self._owns_conn = owns_connection or self._conn is not etcd_client
@@ -481,7 +487,7 @@ class EtcdStore:
 
         Returns the nodes found and the keys still missing (empty unless timed out).
         Every request runs under the same deadline, which a caller's
-        :meth:`~etcd_rendezvous._transport.Transport.bounded_by` block may shorten.
+        :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by` block may shorten.
         """
         deadline = self._conn.bound(Deadline(timeout.total_seconds()))
         with self._conn.bounded_by(deadline):

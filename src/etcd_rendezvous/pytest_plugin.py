@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from ._etcd_process import binary_version
+from ._process.etcd import binary_version
 from .etcd_cluster import EtcdCluster
 from .etcd_server import EtcdBinaryNotFoundError, EtcdServer, find_etcd_binary
 

@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ._transport import Transport
+from ._transport.interface import Transport
 from .etcd_store import EtcdStore, KeyLike
 
 __all__ = ["StoreTimeoutError", "TorchEtcdStore"]

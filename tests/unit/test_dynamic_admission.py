@@ -1,4 +1,4 @@
-"""Unit tests of the node-key protocol (:mod:`etcd_rendezvous._dynamic_admission`) with an
+"""Unit tests of the node-key protocol (:mod:`etcd_rendezvous._dynamic.admission`) with an
 in-memory registry and a fake clock."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from etcd_rendezvous._dynamic_admission import (
+from etcd_rendezvous._dynamic.admission import (
     _REAP_STEP,
     ADMISSION_GRACE,
     EXIT_GATHER,

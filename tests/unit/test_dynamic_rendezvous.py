@@ -20,12 +20,15 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous import _dynamic_executor, _dynamic_holder, _dynamic_ops, _dynamic_settings
 from etcd_rendezvous import dynamic_rendezvous as dr
-from etcd_rendezvous._dynamic_admission import NodeKeys
-from etcd_rendezvous._dynamic_executor import _DistributedRendezvousOpExecutor
-from etcd_rendezvous._dynamic_holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
-from etcd_rendezvous._dynamic_ops import (
+from etcd_rendezvous._dynamic import executor as _dynamic_executor
+from etcd_rendezvous._dynamic import holder as _dynamic_holder
+from etcd_rendezvous._dynamic import ops as _dynamic_ops
+from etcd_rendezvous._dynamic import settings as _dynamic_settings
+from etcd_rendezvous._dynamic.admission import NodeKeys
+from etcd_rendezvous._dynamic.executor import _DistributedRendezvousOpExecutor
+from etcd_rendezvous._dynamic.holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
+from etcd_rendezvous._dynamic.ops import (
     _Action,
     _RendezvousCloseOp,
     _RendezvousContext,
@@ -33,13 +36,13 @@ from etcd_rendezvous._dynamic_ops import (
     _RendezvousJoinOp,
     _RendezvousKeepAliveOp,
 )
-from etcd_rendezvous._dynamic_state import (
+from etcd_rendezvous._dynamic.prefix_store import _prefix_store, _PrefixStore
+from etcd_rendezvous._dynamic.state import (
     _encode_state,
     _NodeDesc,
     _NodeDescGenerator,
     _RendezvousState,
 )
-from etcd_rendezvous._prefix_store import _prefix_store, _PrefixStore
 from etcd_rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous import _dynamic_state as codec
 from etcd_rendezvous import dynamic_rendezvous as dr
-from etcd_rendezvous._dynamic_holder import _BackendRendezvousStateHolder
+from etcd_rendezvous._dynamic import state as codec
+from etcd_rendezvous._dynamic.holder import _BackendRendezvousStateHolder
 from etcd_rendezvous.api import RendezvousStateError
 
 TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
@@ -125,7 +125,8 @@ def test_encoding_names_pytorch_classes_and_nothing_else() -> None:
 def test_encoding_does_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "from etcd_rendezvous import _dynamic_state as codec, dynamic_rendezvous as dr\n"
+        "from etcd_rendezvous import dynamic_rendezvous as dr\n"
+        "from etcd_rendezvous._dynamic import state as codec\n"
         "data = codec._encode_state(codec._RendezvousState())\n"
         "dr.decode_state(data, 'x')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

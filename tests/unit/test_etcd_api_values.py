@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from etcd_rendezvous._connect import check_etcd_api
+from etcd_rendezvous._transport.connect import check_etcd_api
 
 
 @pytest.mark.parametrize(

@@ -17,12 +17,17 @@ from typing import Any
 import etcd
 import pytest
 
-from etcd_rendezvous import _v3_http as wire
-from etcd_rendezvous._client import _is_transient_server_error
-from etcd_rendezvous._periodic import _PeriodicTimer
-from etcd_rendezvous._retry import Deadline
-from etcd_rendezvous._transport import Node, _AmbiguousError, _UnsentError, transient_answer
-from etcd_rendezvous._v3 import EtcdV3Connection
+from etcd_rendezvous._dynamic.periodic import _PeriodicTimer
+from etcd_rendezvous._transport import v3_wire as wire
+from etcd_rendezvous._transport.interface import (
+    Node,
+    _AmbiguousError,
+    _UnsentError,
+    transient_answer,
+)
+from etcd_rendezvous._transport.retry import Deadline
+from etcd_rendezvous._transport.v2 import _is_transient_server_error
+from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_store import EtcdStore, _tagged
 

@@ -1,4 +1,4 @@
-"""Unit tests of the batched legacy join's decisions (etcd_rendezvous._legacy_admission):
+"""Unit tests of the batched legacy join's decisions (etcd_rendezvous._legacy.admission):
 plain functions of what a worker observed, so every case is spelled out here."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._legacy_admission import (
+from etcd_rendezvous._legacy.admission import (
     ADMISSION_GRACE,
     CONST_ETCD_FROZEN_TTL,
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
@@ -25,7 +25,7 @@ from etcd_rendezvous._legacy_admission import (
     plan_confirmation,
     plan_freeze,
 )
-from etcd_rendezvous._transport import Node
+from etcd_rendezvous._transport.interface import Node
 from etcd_rendezvous.api import RendezvousStateError
 from etcd_rendezvous.layout import LegacyLayout, new_member_name
 

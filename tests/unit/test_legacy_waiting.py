@@ -1,12 +1,12 @@
-"""Unit tests of the counting of waiting workers (etcd_rendezvous._legacy_waiting):
+"""Unit tests of the counting of waiting workers (etcd_rendezvous._legacy.waiting):
 plain functions of the state and of the wait keys a worker saw."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from etcd_rendezvous._legacy_admission import ADMISSION_GRACE, grace
-from etcd_rendezvous._legacy_waiting import GATHER, WAITING, count_step, plan_count, waiters_of
+from etcd_rendezvous._legacy.admission import ADMISSION_GRACE, grace
+from etcd_rendezvous._legacy.waiting import GATHER, WAITING, count_step, plan_count, waiters_of
 from etcd_rendezvous.layout import new_waiter_name
 
 A, B, C = (new_waiter_name(i) for i in (1, 2, 3))

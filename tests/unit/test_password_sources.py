@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from etcd_rendezvous._params import PASSWORD_ENV, etcd_password
+from etcd_rendezvous._transport.options import PASSWORD_ENV, etcd_password
 from etcd_rendezvous.api import RendezvousParameters
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from etcd_rendezvous._retry import (
+from etcd_rendezvous._transport.retry import (
     CONNECTION,
     CONTENTION,
     REWATCH,

@@ -21,10 +21,15 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous import _v3_http as wire
-from etcd_rendezvous._transport import CompareFailedError, KeyExistsError, KeyNotFoundError, Node
-from etcd_rendezvous._v3 import EtcdV3Connection
-from etcd_rendezvous._v3_watch import _event_node
+from etcd_rendezvous._transport import v3_wire as wire
+from etcd_rendezvous._transport.interface import (
+    CompareFailedError,
+    KeyExistsError,
+    KeyNotFoundError,
+    Node,
+)
+from etcd_rendezvous._transport.v3 import EtcdV3Connection
+from etcd_rendezvous._transport.v3_watch import _event_node
 from etcd_rendezvous.api import RendezvousConnectionError
 
 

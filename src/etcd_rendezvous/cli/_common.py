@@ -15,8 +15,14 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 
-from .._params import create_etcd_connection
-from .._transport import CompareFailedError, KeyExistsError, KeyNotFoundError, Node, Transport
+from .._transport.interface import (
+    CompareFailedError,
+    KeyExistsError,
+    KeyNotFoundError,
+    Node,
+    Transport,
+)
+from .._transport.options import create_etcd_connection
 from ..api import RendezvousConnectionError, RendezvousParameters
 from ..dynamic_rendezvous import RendezvousState, decode_state
 from ..etcd_rendezvous_backend import EtcdRendezvousBackend

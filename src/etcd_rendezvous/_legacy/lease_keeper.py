@@ -12,8 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 
-from ._transport import KeyNotFoundError, OperationRefusedError, Transport, TransportClosedError
-from .api import RendezvousConnectionError
+from .._transport.interface import (
+    KeyNotFoundError,
+    OperationRefusedError,
+    Transport,
+    TransportClosedError,
+)
+from ..api import RendezvousConnectionError
 
 __all__ = ["LeaseKeeper", "stop_keepers"]
 

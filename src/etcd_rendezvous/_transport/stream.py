@@ -1,4 +1,4 @@
-"""A :class:`~etcd_rendezvous._transport.WatchStream` over one long-lived HTTP answer.
+"""A :class:`~etcd_rendezvous._transport.interface.WatchStream` over one long-lived HTTP answer.
 
 Both etcd APIs can answer a watch with a stream that stays open and carries every
 change as it happens: v2 with ``GET /v2/keys/<key>?wait=true&stream=true``, v3 with
@@ -16,7 +16,7 @@ change as it happens: v2 with ``GET /v2/keys/<key>?wait=true&stream=true``, v3 w
   there, through the transport's retry loop (failover, back-off, deadline); buffered
   changes are delivered first, and none twice.
 * **Lost history is final.** If etcd no longer holds the changes from that index, the
-  stream raises :class:`~etcd_rendezvous._transport.WatchHistoryLostError` (after the
+  stream raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError` (after the
   changes it buffered) from then on.
 
 The subclasses (``_v2_watch.V2WatchStream``, ``_v3_watch.V3WatchStream``) send the
@@ -36,8 +36,9 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from ._retry import REWATCH, Deadline
-from ._transport import (
+from ..api import RendezvousConnectionError, RendezvousError
+from ..metrics import record_metric
+from .interface import (
     Node,
     Transport,
     WatchHistoryLostError,
@@ -45,8 +46,7 @@ from ._transport import (
     _AmbiguousError,
     _UnsentError,
 )
-from .api import RendezvousConnectionError, RendezvousError
-from .metrics import record_metric
+from .retry import REWATCH, Deadline
 
 __all__ = ["Batches", "StreamingWatch", "hold_socket_open", "shutdown_socket"]
 

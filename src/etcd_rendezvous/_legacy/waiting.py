@@ -27,7 +27,7 @@ O(N²) bytes of state in all. Ours:
    compare-and-swap, and records their names in the state's ``waiting`` field
    (PyTorch's workers keep fields they do not know; their own increments add to the
    same count). Should the state not change for
-   :func:`~etcd_rendezvous._legacy_admission.grace` seconds while our key waits
+   :func:`~etcd_rendezvous._legacy.admission.grace` seconds while our key waits
    behind older uncounted ones (their workers died, or are slow), we count them all
    ourselves: every wait key stands for a worker that did arrive.
 
@@ -43,9 +43,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._legacy_admission import grace, status_in
-from ._retry import Deadline
-from ._transport import (
+from .._transport.interface import (
     DELETE_ACTIONS,
     WRITE_ACTIONS,
     CompareFailedError,
@@ -55,7 +53,9 @@ from ._transport import (
     WatchHistoryLostError,
     WatchStream,
 )
-from .layout import LegacyLayout, normalize_key, waiter_name
+from .._transport.retry import Deadline
+from ..layout import LegacyLayout, normalize_key, waiter_name
+from .admission import grace, status_in
 
 __all__ = [
     "GATHER",

@@ -22,7 +22,7 @@ Two behaviours of etcd's v2 store shape :class:`V2WatchStream`:
   received (the reader thread reads as fast as etcd writes, so this is rare).
 
 ``errorCode`` 401 ("event index cleared": ``waitIndex`` is older than the last 1000
-changes) raises :class:`~etcd_rendezvous._transport.WatchHistoryLostError`.
+changes) raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError`.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ import etcd
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from . import _v3_http as wire
-from ._retry import Deadline
-from ._transport import KeyNotFoundError, Node, WatchHistoryLostError, _AmbiguousError
-from ._watch_stream import Batches, StreamingWatch, hold_socket_open
+from . import v3_wire as wire
+from .interface import KeyNotFoundError, Node, WatchHistoryLostError, _AmbiguousError
+from .retry import Deadline
+from .stream import Batches, StreamingWatch, hold_socket_open
 
 if TYPE_CHECKING:
-    from ._client import EtcdConnection
+    from .v2 import EtcdConnection
 
 __all__ = ["V2WatchStream"]
 

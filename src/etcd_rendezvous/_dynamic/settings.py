@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import ClassVar
 
-from ._dynamic_state import _NodeDesc
-from .events import NodeState, record_rdzv_event
+from ..events import NodeState, record_rdzv_event
+from .state import _NodeDesc
 
 __all__ = [
     "EVENT_FILE",

@@ -1,10 +1,10 @@
 """The executor of the dynamic rendezvous: it carries out the actions the operations of
-:mod:`etcd_rendezvous._dynamic_ops` decide, on the state shared by all nodes.
+:mod:`etcd_rendezvous._dynamic.ops` decide, on the state shared by all nodes.
 
 :class:`_DistributedRendezvousOpExecutor` syncs the state, asks the operation for the
 next action, applies it and writes the state back, until the operation finishes. Between
 steps it waits for the other nodes (or for its next deadline); with node keys (see
-:mod:`etcd_rendezvous._dynamic_admission`) it admits the announced nodes in batches and
+:mod:`etcd_rendezvous._dynamic.admission`) it admits the announced nodes in batches and
 folds their heartbeats into the state. Part of :mod:`etcd_rendezvous.dynamic_rendezvous`,
 which documents the protocol.
 """
@@ -19,10 +19,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
 
-from ._dynamic_admission import NodeKeys
-from ._dynamic_backend import _POLL_INTERVAL
-from ._dynamic_holder import _remove_participant_epilogue, _RendezvousStateHolder
-from ._dynamic_ops import (
+from .._transport.retry import CONTENTION, Deadline, Retry
+from ..api import RendezvousClosedError, RendezvousTimeoutError
+from ..events import NodeState
+from .admission import NodeKeys
+from .backend import _POLL_INTERVAL
+from .holder import _remove_participant_epilogue, _RendezvousStateHolder
+from .ops import (
     _ADMISSIONS,
     _Action,
     _admission_action,
@@ -33,11 +36,8 @@ from ._dynamic_ops import (
     _RendezvousKeepAliveOp,
     _StateHandler,
 )
-from ._dynamic_settings import LOGGER_NAME, RendezvousSettings, _now, record_event
-from ._dynamic_state import _NodeDesc, _RendezvousState
-from ._retry import CONTENTION, Deadline, Retry
-from .api import RendezvousClosedError, RendezvousTimeoutError
-from .events import NodeState
+from .settings import LOGGER_NAME, RendezvousSettings, _now, record_event
+from .state import _NodeDesc, _RendezvousState
 
 __all__ = ["_DistributedRendezvousOpExecutor", "_RendezvousOpExecutor"]
 
@@ -77,7 +77,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
     """Execute rendezvous operations using a shared state.
 
     With ``node_keys`` (a backend with node keys, see
-    :mod:`etcd_rendezvous._dynamic_admission`), the node does not add itself to the
+    :mod:`etcd_rendezvous._dynamic.admission`), the node does not add itself to the
     state: it announces itself and is admitted in a batch, by itself or by another node;
     and its heartbeat refreshes its key, folded into the state by the aggregator.
 
@@ -261,7 +261,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
 
     def _exits_in_batch(self, action: _Action) -> bool:
         """Whether the node leaves its round in a batch (see
-        :mod:`etcd_rendezvous._dynamic_admission`): with node keys, from a complete
+        :mod:`etcd_rendezvous._dynamic.admission`): with node keys, from a complete
         round. Leaving an incomplete round (a rollback) is the node's own write."""
         return (
             self._keys is not None
@@ -327,7 +327,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
     def _reap(self, deadline: float) -> float | None:
         """With node keys, while this node is the first of the wait list of a complete
         round: take out the participants whose keys are gone (see "Dead participants" in
-        :mod:`etcd_rendezvous._dynamic_admission`). Returns ``None`` if it changed the
+        :mod:`etcd_rendezvous._dynamic.admission`). Returns ``None`` if it changed the
         state (to be written), or else the longest to wait before looking again
         (``inf``: nothing to look at)."""
         keys, state = self._keys, self._state

@@ -1,7 +1,7 @@
 """The v3 transport: etcd's v3 API as JSON over HTTP (the gRPC gateway), with urllib3.
 
-:class:`EtcdV3Connection` implements :class:`~etcd_rendezvous._transport.Transport` with
-the same contract as the v2 :class:`~etcd_rendezvous._client.EtcdConnection`, so the
+:class:`EtcdV3Connection` implements :class:`~etcd_rendezvous._transport.interface.Transport` with
+the same contract as the v2 :class:`~etcd_rendezvous._transport.v2.EtcdConnection`, so the
 backends and the store run unchanged on etcd 3.6, which has no v2 API. How v2's notions
 map onto v3:
 
@@ -23,7 +23,7 @@ map onto v3:
   :meth:`~EtcdV3Connection.watch_stream` keeps one HTTP stream (one ``Watch`` gRPC
   stream) open for all the changes it delivers; a single :meth:`~EtcdV3Connection.watch`
   is a stream closed after its first change. A compacted start revision raises
-  :class:`~etcd_rendezvous._transport.WatchHistoryLostError` from a stream and reads as
+  :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError` from a stream and reads as
   "no change seen" from a single watch, as after v2's "event index cleared".
 
 Failures are classified as on v2: a request that never reached a member is sent again
@@ -50,9 +50,9 @@ from urllib3.exceptions import (
     SSLError,
 )
 
-from . import _v3_http as wire
-from ._retry import Deadline
-from ._transport import (
+from ..api import RendezvousConnectionError
+from . import v3_wire as wire
+from .interface import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT,
@@ -67,7 +67,7 @@ from ._transport import (
     _UnsentError,
     transient_answer,
 )
-from .api import RendezvousConnectionError
+from .retry import Deadline
 
 __all__ = ["EtcdV3Connection"]
 
@@ -119,13 +119,13 @@ class EtcdV3Connection(Transport):
             ``/v3/auth/authenticate``, and again whenever the token expires.
         password: password for ``username``.
         read_timeout: the retry budget of an operation outside
-            :meth:`~etcd_rendezvous._transport.Transport.bounded_by`.
+            :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by`.
         connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
         request_timeout: seconds one request waits for an answer before the next
             endpoint is tried.
         silence_timeout: seconds a wait may hear nothing from its member before it is
             re-armed on the next endpoint (see
-            :attr:`~etcd_rendezvous._transport.Transport.silence_timeout`).
+            :attr:`~etcd_rendezvous._transport.interface.Transport.silence_timeout`).
     """
 
     api = "v3"
@@ -497,7 +497,7 @@ class EtcdV3Connection(Transport):
         Raises:
             WatchHistoryLostError: the revision was compacted.
         """
-        from ._v3_watch import V3WatchStream  # noqa: PLC0415 (keeps this module's size down)
+        from .v3_watch import V3WatchStream  # noqa: PLC0415 (keeps this module's size down)
 
         stream = V3WatchStream(self, key, index, recursive)
         self._adopt(stream)
@@ -514,7 +514,7 @@ class EtcdV3Connection(Transport):
             RendezvousConnectionError: etcd stayed unreachable for the operation's
                 deadline.
         """
-        from ._v3_watch import V3WatchStream  # noqa: PLC0415
+        from .v3_watch import V3WatchStream  # noqa: PLC0415
 
         stream = V3WatchStream(self, key, start_index, recursive)
         self._adopt(stream)

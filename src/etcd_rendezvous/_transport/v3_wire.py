@@ -12,8 +12,8 @@ What etcd's gateway does that this module absorbs (see ``docs/etcd-v3.rst``):
   objects or part of one.
 
 It also builds the transactions the transport sends and turns the answers into
-:class:`~etcd_rendezvous._transport.Node` values. Nothing here sends a request or
-retries; :mod:`etcd_rendezvous._v3` does.
+:class:`~etcd_rendezvous._transport.interface.Node` values. Nothing here sends a request or
+retries; :mod:`etcd_rendezvous._transport.v3` does.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ._transport import CompareFailedError, KeyNotFoundError, Node
+from .interface import CompareFailedError, KeyNotFoundError, Node
 
 __all__ = [
     "GrpcError",

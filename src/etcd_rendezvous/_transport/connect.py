@@ -16,9 +16,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ._client import EtcdConnection
-from ._retry import Deadline
-from ._transport import (
+from ..api import RendezvousConnectionError
+from .interface import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT,
@@ -26,8 +25,9 @@ from ._transport import (
     ETCD_APIS,
     Transport,
 )
-from ._v3 import EtcdV3Connection
-from .api import RendezvousConnectionError
+from .retry import Deadline
+from .v2 import EtcdConnection
+from .v3 import EtcdV3Connection
 
 __all__ = ["ETCD_APIS", "check_etcd_api", "open_transport"]
 

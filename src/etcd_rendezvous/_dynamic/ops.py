@@ -4,7 +4,7 @@ state it holds.
 An operation (:class:`_RendezvousJoinOp`, :class:`_RendezvousExitOp`,
 :class:`_RendezvousCloseOp`, :class:`_RendezvousKeepAliveOp`) looks at a
 :class:`_RendezvousContext` and returns an :class:`_Action`: it reads no backend and
-changes nothing. The executor (:mod:`etcd_rendezvous._dynamic_executor`) carries the
+changes nothing. The executor (:mod:`etcd_rendezvous._dynamic.executor`) carries the
 actions out. Part of :mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the
 protocol.
 """
@@ -17,9 +17,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from enum import Enum
 
-from ._dynamic_settings import LOGGER_NAME, RendezvousSettings, _now
-from ._dynamic_state import _NodeDesc, _RendezvousState
-from .api import RendezvousGracefulExitError
+from ..api import RendezvousGracefulExitError
+from .settings import LOGGER_NAME, RendezvousSettings, _now
+from .state import _NodeDesc, _RendezvousState
 
 __all__ = [
     "_ADMISSIONS",
@@ -65,7 +65,7 @@ class _RendezvousContext:
         settings: The rendezvous settings.
         keep_alive_period: How old the node's heartbeat may get before the node
             refreshes it itself: ``keep_alive_interval``, as in PyTorch, unless another
-            node refreshes it (see :mod:`etcd_rendezvous._dynamic_admission`).
+            node refreshes it (see :mod:`etcd_rendezvous._dynamic.admission`).
     """
 
     node: _NodeDesc
@@ -132,7 +132,7 @@ class _RendezvousExitOp:
     of when the operation starts.
 
     Once the round it leaves is over, the operation is done even if the node is a
-    participant of the next one: a batch (see :mod:`etcd_rendezvous._dynamic_admission`)
+    participant of the next one: a batch (see :mod:`etcd_rendezvous._dynamic.admission`)
     may take the node out and admit it to the next round in one write.
     """
 

@@ -7,10 +7,10 @@ barrier runs on, and what a worker does with the run outside the barrier:
 
 * set-up and tear-down: the arguments' checks, the etcd connection (and whether
   :meth:`~EtcdRendezvousBase.close` releases it), the run's directories and version
-  counter, the keep-alive threads (:mod:`etcd_rendezvous._lease_keeper`);
+  counter, the keep-alive threads (:mod:`etcd_rendezvous._legacy.lease_keeper`);
 * the time bounds: the rendezvous deadline, the retries after a lost race, the timeout
   messages;
-* reading the state (validated by :mod:`etcd_rendezvous._legacy_state`), and closing
+* reading the state (validated by :mod:`etcd_rendezvous._legacy.state`), and closing
   the run (``set_closed``);
 * the data kept beside the state: a version's ``extra_data`` and its key-value store.
 
@@ -29,16 +29,22 @@ import threading
 import weakref
 from typing import Any
 
-from ._client import CompareFailedError, EtcdConnection, KeyExistsError, KeyNotFoundError, Node
-from ._lease_keeper import LeaseKeeper, stop_keepers
-from ._legacy_admission import CONST_WORKER_KEEPALIVE_TTL, BatchJoin, StateFeed
-from ._legacy_state import parse_state, preview
-from ._retry import CONTENTION, Deadline, Retry
-from ._transport import WRITE_ACTIONS, Transport
-from .api import RendezvousConnectionError, RendezvousStateError, RendezvousTimeoutError
-from .etcd_store import EtcdStore
-from .events import NodeState, _records_failure
-from .layout import LegacyLayout
+from .._transport.interface import WRITE_ACTIONS, Transport
+from .._transport.retry import CONTENTION, Deadline, Retry
+from .._transport.v2 import (
+    CompareFailedError,
+    EtcdConnection,
+    KeyExistsError,
+    KeyNotFoundError,
+    Node,
+)
+from ..api import RendezvousConnectionError, RendezvousStateError, RendezvousTimeoutError
+from ..etcd_store import EtcdStore
+from ..events import NodeState, _records_failure
+from ..layout import LegacyLayout
+from .admission import CONST_WORKER_KEEPALIVE_TTL, BatchJoin, StateFeed
+from .lease_keeper import LeaseKeeper, stop_keepers
+from .state import parse_state, preview
 
 __all__ = ["CONST_RUNID_SUBROOT_TTL", "EtcdRendezvousBase"]
 
@@ -267,7 +273,7 @@ class EtcdRendezvousBase:
 
     def bounded(self) -> contextlib.AbstractContextManager[None]:
         """A block in which every etcd request ends within the rendezvous ``timeout``
-        from now (see :meth:`~etcd_rendezvous._transport.Transport.bounded_by`)."""
+        from now (see :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by`)."""
         return self._conn.bounded_by(Deadline(self._timeout))
 
     # -- the state --------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The transport interface: what the rendezvous backends and the store need from etcd.
 
-Two implementations speak it: :class:`~etcd_rendezvous._client.EtcdConnection` over
-etcd's v2 API (through python-etcd) and :class:`~etcd_rendezvous._v3.EtcdV3Connection`
-over the v3 API's JSON gateway. :func:`~etcd_rendezvous._connect.open_transport` chooses
+Two implementations speak it: :class:`~etcd_rendezvous._transport.v2.EtcdConnection` over
+etcd's v2 API (through python-etcd) and :class:`~etcd_rendezvous._transport.v3.EtcdV3Connection`
+over the v3 API's JSON gateway. :func:`~etcd_rendezvous._transport.connect.open_transport` chooses
 one. Everything above this interface is written in v2's vocabulary, which maps onto v3
 as follows:
 
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ._retry import CONNECTION, Deadline
-from .api import RendezvousConnectionError, RendezvousError
-from .metrics import MetricKind, record_metric
+from ..api import RendezvousConnectionError, RendezvousError
+from ..metrics import MetricKind, record_metric
+from .retry import CONNECTION, Deadline
 
 __all__ = [
     "DELETE_ACTIONS",

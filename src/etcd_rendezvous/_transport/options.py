@@ -10,11 +10,11 @@ import logging
 import math
 import os
 
-from ._connect import check_etcd_api, open_transport
-from ._retry import Deadline
-from ._transport import DEFAULT_REQUEST_TIMEOUT, DEFAULT_SILENCE_TIMEOUT, Transport
-from .api import RendezvousParameters
-from .utils import parse_rendezvous_endpoints
+from ..api import RendezvousParameters
+from ..utils import parse_rendezvous_endpoints
+from .connect import check_etcd_api, open_transport
+from .interface import DEFAULT_REQUEST_TIMEOUT, DEFAULT_SILENCE_TIMEOUT, Transport
+from .retry import Deadline
 
 __all__ = [
     "DEFAULT_PORT",
@@ -109,7 +109,7 @@ def create_etcd_connection(
     """Open the etcd connection described by ``params``, over the API it chooses.
 
     ``params.endpoint`` may list several endpoints, comma-separated. The options read
-    are ``etcd_api`` (``auto``, ``v2`` or ``v3``; see :mod:`etcd_rendezvous._connect`),
+    are ``etcd_api`` (``auto``, ``v2`` or ``v3``; see :mod:`etcd_rendezvous._transport.connect`),
     ``protocol``, ``username``, ``password`` (or ``password_file``, or the environment
     variable :data:`PASSWORD_ENV`: see :func:`etcd_password`), ``read_timeout``,
     ``connect_timeout``, ``request_timeout``, ``silence_timeout`` and the TLS files, whose

@@ -2,7 +2,7 @@
 
 The state is the JSON object PyTorch's workers keep in ``rdzv/active_version``
 (:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), with the ``members`` field our
-workers add (see :mod:`etcd_rendezvous._legacy_admission`). Every worker checks every
+workers add (see :mod:`etcd_rendezvous._legacy.admission`). Every worker checks every
 state it reads, so that a corrupt key is reported, naming it, instead of derailing the
 state machine of :mod:`etcd_rendezvous.etcd_rendezvous`.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._legacy_admission import MEMBERS, members_of
-from ._legacy_waiting import WAITING
-from ._transport import Node
-from .api import RendezvousStateError
+from .._transport.interface import Node
+from ..api import RendezvousStateError
+from .admission import MEMBERS, members_of
+from .waiting import WAITING
 
 __all__ = ["member_ranks", "parse_state", "preview"]
 
@@ -72,8 +72,8 @@ def parse_state(node: Node) -> dict[str, Any]:
     ``joinable`` on, ``version`` and ``participants`` (then ``keep_alives`` and
     ``num_workers_waiting``), each checked for its type, and the fields our workers
     add: ``members`` (member key name -> rank; see
-    :mod:`etcd_rendezvous._legacy_admission`) and ``waiting`` (the wait keys counted in
-    ``num_workers_waiting``; see :mod:`etcd_rendezvous._legacy_waiting`).
+    :mod:`etcd_rendezvous._legacy.admission`) and ``waiting`` (the wait keys counted in
+    ``num_workers_waiting``; see :mod:`etcd_rendezvous._legacy.waiting`).
 
     Raises:
         RendezvousStateError: the value is not a valid state. The key is not modified.

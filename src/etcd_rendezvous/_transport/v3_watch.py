@@ -5,8 +5,8 @@ etcd's gateway answers a watch with a chunked stream of JSON objects: first
 batch); a compacted start revision or a refused auth token arrive as ``canceled``. Each
 answer is one ``Watch`` gRPC stream in etcd, however many changes it carries.
 :class:`V3WatchStream` keeps that answer open across
-:meth:`~etcd_rendezvous._transport.WatchStream.next` calls (the shared machinery is
-:class:`~etcd_rendezvous._watch_stream.StreamingWatch`); a single wait
+:meth:`~etcd_rendezvous._transport.interface.WatchStream.next` calls (the shared machinery is
+:class:`~etcd_rendezvous._transport.stream.StreamingWatch`); a single wait
 (:meth:`EtcdV3Connection.watch`) is a stream closed after its first change.
 """
 
@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from . import _v3_http as wire
-from ._retry import Deadline
-from ._transport import Node, WatchHistoryLostError, _AmbiguousError
-from ._watch_stream import Batches, StreamingWatch, hold_socket_open
-from .api import RendezvousConnectionError
+from ..api import RendezvousConnectionError
+from . import v3_wire as wire
+from .interface import Node, WatchHistoryLostError, _AmbiguousError
+from .retry import Deadline
+from .stream import Batches, StreamingWatch, hold_socket_open
 
 if TYPE_CHECKING:
-    from ._v3 import EtcdV3Connection
+    from .v3 import EtcdV3Connection
 
 __all__ = ["V3WatchStream"]
 
@@ -42,7 +42,7 @@ class V3WatchStream(StreamingWatch):
     def _open(self, deadline: Deadline) -> None:
         """One attempt, authenticating first; a watch refused for an expired token is
         sent once more with a fresh one."""
-        from ._v3 import _ReauthError  # noqa: PLC0415
+        from .v3 import _ReauthError  # noqa: PLC0415
 
         conn = self._conn
         idx = conn._pick()
@@ -114,7 +114,7 @@ def _handle(
     """The changes in ``message`` of ``key`` (or of keys below it: a recursive watch's
     range also holds siblings such as ``key-2``); the store revision if it confirms the
     watch."""
-    from ._v3 import _ReauthError  # noqa: PLC0415
+    from .v3 import _ReauthError  # noqa: PLC0415
 
     where = f"watch {key!r}"
     error = wire.stream_error(message)

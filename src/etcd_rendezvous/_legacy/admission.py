@@ -57,8 +57,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ._retry import Deadline
-from ._transport import (
+from .._transport.interface import (
     WRITE_ACTIONS,
     CompareFailedError,
     KeyNotFoundError,
@@ -67,8 +66,9 @@ from ._transport import (
     WatchHistoryLostError,
     WatchStream,
 )
-from .api import RendezvousError, RendezvousStateError
-from .layout import LegacyLayout, member_name, new_member_name, normalize_key
+from .._transport.retry import Deadline
+from ..api import RendezvousError, RendezvousStateError
+from ..layout import LegacyLayout, member_name, new_member_name, normalize_key
 
 __all__ = [
     "ADMISSION_GRACE",

@@ -11,7 +11,7 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-from .api import Store
+from ..api import Store
 
 __all__ = ["_PrefixStore", "_prefix_store"]
 

@@ -20,7 +20,7 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .api import RendezvousParameters, Store
+    from ..api import RendezvousParameters, Store
 
 __all__ = ["TORCH_STORE_OPTION", "adapt_store", "torch_available", "torch_store_wanted"]
 
@@ -68,11 +68,11 @@ def adapt_store(store: Store, wanted: bool) -> Store:
 
     Other stores (a torch store already, or a custom one) are returned unchanged.
     """
-    from .etcd_store import EtcdStore  # noqa: PLC0415  (python-etcd is imported lazily)
+    from ..etcd_store import EtcdStore  # noqa: PLC0415  (python-etcd is imported lazily)
 
     if not wanted or not isinstance(store, EtcdStore):
         return store
     # Imported by name so that this module, and mypy, never load PyTorch eagerly.
-    module = importlib.import_module(".torch_store", __package__)
+    module = importlib.import_module("etcd_rendezvous.torch_store")
     adapted: Store = module.TorchEtcdStore(store)
     return adapted

@@ -14,7 +14,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ._retry import Deadline
+from .._transport.retry import Deadline
 
 __all__ = ["_POLL_INTERVAL", "RendezvousBackend", "Token", "_delay"]
 

@@ -71,9 +71,9 @@ a dead node is dropped later than in PyTorch: its key lives up to
 aggregator keeps its heartbeat fresh, and its heartbeat then lapses after as long again.
 
 This module holds the bookkeeping of that protocol and its requests to the registry;
-what a batch does to the state is decided by :mod:`etcd_rendezvous._dynamic_ops` (the
+what a batch does to the state is decided by :mod:`etcd_rendezvous._dynamic.ops` (the
 same code as for a node that adds itself) and done by the executor
-(:mod:`etcd_rendezvous._dynamic_executor`), which imports this module.
+(:mod:`etcd_rendezvous._dynamic.executor`), which imports this module.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from ._dynamic_settings import RendezvousSettings
-    from ._dynamic_state import NodeDesc, RendezvousState
+    from .settings import RendezvousSettings
+    from .state import NodeDesc, RendezvousState
 
 __all__ = ["ADMISSION_GRACE", "EXIT_GATHER", "AnnouncedNode", "NodeKeys", "NodeRegistry"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from .api import RendezvousStateError
+from ..api import RendezvousStateError
 
 __all__ = ["NodeDesc", "RendezvousState", "decode_state"]
 

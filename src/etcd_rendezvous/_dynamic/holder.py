@@ -14,11 +14,11 @@ import logging
 import time
 from abc import ABC, abstractmethod
 
-from ._dynamic_backend import _POLL_INTERVAL, RendezvousBackend, Token, _delay
-from ._dynamic_settings import LOGGER_NAME, RendezvousSettings, _now, record_event
-from ._dynamic_state import _encode_state, _NodeDesc, _RendezvousState, decode_state
-from ._retry import Deadline
-from .events import NodeState
+from .._transport.retry import Deadline
+from ..events import NodeState
+from .backend import _POLL_INTERVAL, RendezvousBackend, Token, _delay
+from .settings import LOGGER_NAME, RendezvousSettings, _now, record_event
+from .state import _encode_state, _NodeDesc, _RendezvousState, decode_state
 
 __all__ = [
     "_BackendRendezvousStateHolder",

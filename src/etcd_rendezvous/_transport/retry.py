@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .api import RendezvousTimeoutError
+from ..api import RendezvousTimeoutError
 
 __all__ = ["CONNECTION", "CONTENTION", "REWATCH", "Backoff", "Deadline", "Retry", "RetryPolicy"]
 
@@ -242,7 +242,7 @@ REWATCH = RetryPolicy(initial=0.01, cap=0.5)
 class Backoff:
     """Capped exponential back-off with full jitter, without a deadline of its own.
 
-    Kept for the connection layer (:mod:`etcd_rendezvous._client`); everything else uses
+    Kept for the connection layer (:mod:`etcd_rendezvous._transport.v2`); everything else uses
     a :class:`RetryPolicy` and its :class:`Retry`. ``next_delay()`` returns a random
     delay in ``[0, min(cap, initial * multiplier**n)]`` for the n-th consecutive failure.
     """

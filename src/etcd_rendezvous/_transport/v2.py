@@ -1,7 +1,7 @@
 """The v2 transport: etcd's v2 API through python-etcd.
 
-:class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.Transport`; its
-sibling over the v3 API is :class:`~etcd_rendezvous._v3.EtcdV3Connection`. python-etcd
+:class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.interface.Transport`; its
+sibling over the v3 API is :class:`~etcd_rendezvous._transport.v3.EtcdV3Connection`. python-etcd
 and urllib3 exceptions never leave this module.
 
 What this layer adds over a bare ``etcd.Client``:
@@ -37,8 +37,8 @@ import etcd
 import urllib3
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
 
-from ._retry import Deadline
-from ._transport import (
+from ..api import RendezvousConnectionError, RendezvousStateError
+from .interface import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT,
@@ -56,8 +56,8 @@ from ._transport import (
     _UnsentError,
     transient_answer,
 )
-from ._v2_watch import V2WatchStream
-from .api import RendezvousConnectionError, RendezvousStateError
+from .retry import Deadline
+from .v2_watch import V2WatchStream
 
 __all__ = [
     "CompareFailedError",
@@ -187,13 +187,13 @@ class EtcdConnection(Transport):
         read_timeout: the time budget for retrying a failed operation across endpoints
             before giving up with :class:`~etcd_rendezvous.api.RendezvousConnectionError`
             (unless the caller set a deadline with
-            :meth:`~etcd_rendezvous._transport.Transport.bounded_by`).
+            :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by`).
         connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
         request_timeout: seconds one request waits for an answer before the next
             endpoint is tried.
         silence_timeout: seconds a wait may hear nothing from its member before it is
             re-armed on the next endpoint (see
-            :attr:`~etcd_rendezvous._transport.Transport.silence_timeout`).
+            :attr:`~etcd_rendezvous._transport.interface.Transport.silence_timeout`).
     """
 
     api = "v2"
@@ -265,7 +265,7 @@ class EtcdConnection(Transport):
         """Build a hardened connection with the same endpoints and credentials as ``client``.
 
         ``client`` is a python-etcd ``etcd.Client`` (not modified) or a
-        :class:`~etcd_rendezvous._transport.Transport` (returned as it is).
+        :class:`~etcd_rendezvous._transport.interface.Transport` (returned as it is).
 
         Raises:
             TypeError: ``client`` is neither; the message names ``param``, the caller's
@@ -486,7 +486,7 @@ class EtcdConnection(Transport):
         """The changes of ``key`` (or below it) from etcd index ``start_index`` on, over
         streaming watch requests (``stream=true``): one for every change made after the
         stream opened, one more per change that was already in etcd's history (see
-        :mod:`etcd_rendezvous._v2_watch`). Opened before returning, retrying like any
+        :mod:`etcd_rendezvous._transport.v2_watch`). Opened before returning, retrying like any
         operation.
 
         Raises:

@@ -1,0 +1,1 @@
+"""The dynamic rendezvous' internals: state, decisions, executor and admission."""

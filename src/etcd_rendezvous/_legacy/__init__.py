@@ -1,0 +1,1 @@
+"""The legacy ``etcd`` backend's internals: admission, waiting, state and keep-alives."""

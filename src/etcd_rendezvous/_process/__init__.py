@@ -1,0 +1,1 @@
+"""The throw-away etcd process that ``EtcdServer`` and ``EtcdCluster`` run."""

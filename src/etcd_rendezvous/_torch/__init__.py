@@ -1,0 +1,1 @@
+"""PyTorch interop, decided without importing PyTorch: its store and its errors."""
