@@ -52,6 +52,7 @@ from ._torch.errors import as_torch_error
 
 __all__ = [
     "EventHandler",
+    "EventSource",
     "NodeState",
     "RdzvEvent",
     "add_event_handler",
@@ -168,28 +169,87 @@ def record_rdzv_event(
     *,
     file_name: str = "",
 ) -> None:
-    """Record a rendezvous event; the arguments are those of PyTorch's
-    ``construct_and_record_rdzv_event``, and so is the event built from them.
+    """Record a rendezvous event, with the arguments of PyTorch's
+    ``construct_and_record_rdzv_event`` and PyTorch's defaults for them.
 
-    The event's name is ``<caller's file name>:<name>`` (``name`` defaults to the
-    calling function's name), ``hostname`` defaults to the host's FQDN, ``pid`` to this
-    process, and a ``FAILED`` event carries the traceback being handled. The event then
-    goes to PyTorch (if loaded), to the callbacks and to the log; see the module
-    documentation.
-
-    ``file_name``, an addition to PyTorch's arguments, replaces the caller's file name:
-    for code that records events under another file's name, such as the parts of
-    :mod:`~etcd_rendezvous.dynamic_rendezvous` kept in private modules, whose events
-    PyTorch names after ``dynamic_rendezvous.py``.
+    As in PyTorch, the event is named ``<caller's file name>:<name>`` and ``name``
+    defaults to the calling function's name; ``file_name`` (not in PyTorch) replaces
+    the caller's file name. This package's handlers name their events explicitly,
+    through an :class:`EventSource`.
     """
+    caller = sys._getframe(1).f_code
+    _emit(
+        f"{file_name or os.path.basename(caller.co_filename)}:{name or caller.co_name}",
+        run_id=run_id,
+        message=message,
+        node_state=node_state,
+        hostname=hostname,
+        pid=pid,
+        master_endpoint=master_endpoint,
+        local_id=local_id,
+        rank=rank,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EventSource:
+    """The recorder of one handler's events, under the names PyTorch gives them.
+
+    An event recorded through ``source.record("next_rendezvous", ...)`` is named
+    ``<file_name>:<class_name>.next_rendezvous``, e.g.
+    ``dynamic_rendezvous.py:DynamicRendezvousHandler.next_rendezvous``.
+    """
+
+    file_name: str
+    """The file PyTorch records these events from, e.g. ``dynamic_rendezvous.py``."""
+    class_name: str
+    """The class PyTorch records them from, e.g. ``DynamicRendezvousHandler``."""
+    run_id: str
+    """The run id of the rendezvous."""
+
+    def record(
+        self,
+        method: str,
+        message: str,
+        node_state: NodeState = NodeState.RUNNING,
+        *,
+        rank: int | None = None,
+        hostname: str = "",
+        pid: int | None = None,
+        local_id: int | None = None,
+    ) -> None:
+        """Record an event of ``method``; see :func:`record_rdzv_event` for the rest."""
+        _emit(
+            f"{self.file_name}:{self.class_name}.{method}",
+            run_id=self.run_id,
+            message=message,
+            node_state=node_state,
+            hostname=hostname,
+            pid=pid,
+            local_id=local_id,
+            rank=rank,
+        )
+
+
+def _emit(
+    name: str,
+    *,
+    run_id: str,
+    message: str,
+    node_state: NodeState,
+    hostname: str = "",
+    pid: int | None = None,
+    master_endpoint: str = "",
+    local_id: int | None = None,
+    rank: int | None = None,
+) -> None:
+    """Build the event and deliver it to PyTorch (if loaded), the callbacks and the log."""
     torch_events = _torch_destination()
     handlers = _handlers.current
     if torch_events is None and not handlers and not logger.isEnabledFor(logging.DEBUG):
         return
-
-    caller = sys._getframe(1).f_code
     event = RdzvEvent(
-        name=f"{file_name or os.path.basename(caller.co_filename)}:{name or caller.co_name}",
+        name=name,
         run_id=run_id,
         message=message,
         hostname=hostname or _fqdn(),
