@@ -10,20 +10,7 @@ not timed); then every worker is told to join at once, and the time from the fir
 on a fresh run id). etcd is started by the script (bundled etcd 3.5 unless
 ``ETCD_BINARY_PATH`` says otherwise).
 
-Measured on a 2-CPU x86_64 machine, etcd 3.5.1 (bundled), seconds from
-the first ``join`` to the last rank (median of 3; 64 nodes: median of 2 for torch)::
-
-    python benchmarks/bench_rendezvous.py --nodes 4 16 64
-
-    nodes   ours    torch 2.13
-    4       0.073   1.20
-    16      0.41    1.54
-    64      3.9     7.3
-
-With 64 processes on 2 cores the run is CPU-bound: every state change wakes every
-waiting worker (etcd v2 watches cannot filter), and those wake-ups compete for the
-cores. Ours reuses the watch event instead of re-reading the state, and backs off
-with jitter only after a lost compare-and-swap instead of before every attempt.
+Results of the rendezvous benchmarks are in ``docs/scale.rst`` (section Results).
 """
 
 from __future__ import annotations

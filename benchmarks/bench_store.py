@@ -10,18 +10,7 @@ with each implementation (PyTorch's only if torch is installed) and prints the m
 latency. PyTorch 2.13's ``get`` reads the whole store directory on every call; ours
 reads the one key, so its cost does not depend on how many keys the store holds.
 
-Measured on a 2-CPU x86_64 machine (busy: other jobs running), mean ms per
-``get``, two runs of ``--gets 500`` each:
-
-=================  ===========  ===========  ============  ============
-etcd               ours, 10     torch, 10    ours, 2,000   torch, 2,000
-=================  ===========  ===========  ============  ============
-3.5.1 (bundled)    0.56 / 0.52  0.37 / 0.55  0.41 / 0.95   8.86 / 8.81
-3.4.23 (apt)       0.54 / 0.47  0.50 / 0.54  0.39 / 0.54   9.18 / 8.78
-=================  ===========  ===========  ============  ============
-
-With 2,000 keys a torch ``get`` is ~16-24x slower than with 10; ours stays at one
-small read (the run-to-run spread of ~0.4-1 ms is noise from the shared machine).
+Results: ``docs/scale.rst``, section Results (reading the store).
 """
 
 from __future__ import annotations

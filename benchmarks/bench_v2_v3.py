@@ -37,45 +37,9 @@ arrives), ``last_call_timeout=1``, a 300 s timeout, and for ``etcd-v2`` a 30 s
 key) do not fall within the measurement. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: no
 handler starts a TCPStore; rank 0 publishes its address through the etcd store.
 
-Measured on 2026-11-25 on the 2-core x86_64 sandbox **shared with other jobs** (the
-seconds are noisy), median of three rendezvous per row; the v3 rows on etcd 3.6.16
-(built by ``tests/etcd/build.py``), then everything on etcd 3.5.1 (bundled)::
-
-    ETCD_BINARY_PATH=$(python tests/etcd/build.py 3.6.16) \
-        python benchmarks/bench_v2_v3.py --nodes 8 32 --repeat 3 --apis v3 --impls ours
-
-    etcd 3.6.16 ... serving the v3 API only
-    backend  API impl    N  seconds writes/node reads/node keep-alive/node
-    etcd     v3  ours    8     0.14         3.5        6.0             0.0
-    etcd-v2  v3  ours    8     0.15         3.0        6.0             0.0
-    etcd     v3  ours   32     0.35         2.3        5.8             0.0
-    etcd-v2  v3  ours   32     0.28         2.2        5.9             0.0
-
-    python benchmarks/bench_v2_v3.py --nodes 8 32 --repeat 3
-
-    etcd 3.5.1 ... serving the v2 and v3 APIs
-    backend  API impl    N  seconds writes/node reads/node keep-alive/node
-    etcd     v2  ours    8     0.07         2.0        6.2             0.0
-    etcd     v2  torch   8     1.30         6.8       27.2             1.0
-    etcd     v3  ours    8     0.22         3.2        5.1             0.0
-    etcd-v2  v2  ours    8     0.05         1.6        6.6             0.0
-    etcd-v2  v2  torch   8     1.24         1.2        4.4             0.0
-    etcd-v2  v3  ours    8     0.12         3.0        5.4             0.0
-    etcd     v2  ours   32     0.16         1.3        6.2             0.0
-    etcd     v2  torch  32     2.08        12.1       75.2             1.0
-    etcd     v3  ours   32     0.35         2.3        5.4             0.0
-    etcd-v2  v2  ours   32     0.22         1.2        6.4             0.0
-    etcd-v2  v2  torch  32     1.52         4.4        8.3             0.0
-    etcd-v2  v3  ours   32     0.27         2.2        5.7             0.0
-
-On v3 each backend makes about as many reads as on v2 and one write more per node,
-the LeaseGrant of its keep-alive key (``--breakdown`` at N = 32 on 3.6.16: ``etcd``
-LeaseGrant 1.0, Put 1.1, Txn 0.2, Range 4.0, Watch 2.5; ``etcd-v2`` LeaseGrant 1.1, Txn
-1.1, Put 0.1, Range 4.1, Watch 1.8 per node). etcd 3.6 and 3.5 cost the same over v3.
-PyTorch's ``etcd-v2`` polls the state once a second instead of watching it: at least
-a second per rendezvous. PyTorch's legacy backend cannot refresh its run directory's
-TTL on etcd 3.5: its keep-alive thread dies once per node (the script counts such
-deaths and prints one line for them).
+PyTorch's legacy backend cannot refresh its run directory's TTL on etcd 3.5: its
+keep-alive thread dies once per node, and the script counts such deaths and prints one
+line for them. Results: ``docs/etcd-v3.rst``, section "Cost: v2 against v3".
 """
 
 from __future__ import annotations

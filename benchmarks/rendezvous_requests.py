@@ -4,8 +4,7 @@ Usage::
 
     python benchmarks/rendezvous_requests.py [--nodes 32] [--impl ours|torch]
 
-Measured on 2026-11-23 (etcd 3.5.1, 32 nodes): ours 475 GET + 448 PUT requests;
-torch 2.13: 1286 GET + 389 PUT.
+Requests per node, measured by ``bench_scale.py``: ``docs/scale.rst``.
 """
 
 from __future__ import annotations
