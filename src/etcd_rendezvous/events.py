@@ -1,35 +1,12 @@
-"""Rendezvous events, as PyTorch Elastic's dynamic rendezvous records them.
+"""Rendezvous events, as PyTorch Elastic's rendezvous handlers record them.
 
-PyTorch's rendezvous handlers report what they do (a node joins, a round completes, a
-heartbeat fails, ...) as ``RdzvEvent`` records through ``torch.distributed.elastic.events``,
-where an agent can collect them. The handlers of this package report the same events, at
-the same points, with the same names, node states and messages, and deliver each one to
-three places:
-
-* **PyTorch's event system**, when the process has loaded it (see below): the event goes
-  to ``torch.distributed.elastic.events.record_rdzv_event`` exactly as PyTorch's handler
-  would send it, so the agent's event handler cannot tell the two apart;
-* **the callbacks** registered with :func:`add_event_handler`, with or without PyTorch;
-* **the logger** ``etcd_rendezvous.events``, at ``DEBUG``, as the event's JSON.
-
-An event's :attr:`~RdzvEvent.name` is built as PyTorch builds it: the file that recorded
-it, then the class and method, e.g.
-``dynamic_rendezvous.py:DynamicRendezvousHandler.next_rendezvous``.
-The legacy ``etcd`` backend reports its phase changes the same way, under
-``etcd_rendezvous.py:EtcdRendezvous.<method>``.
-
-**When events reach PyTorch.** PyTorch is never imported for events. An event is
-forwarded when ``torch.distributed.elastic.events`` is already imported in the process,
-and its ``dynamic_rendezvous`` destination is not PyTorch's default ``NullHandler``
-(PyTorch's own shortcut, which drops the event). That is exactly when PyTorch would
-deliver its own handler's events: an event handler is configured by replacing that
-destination (``torch.distributed.elastic.events.handlers._log_handlers["dynamic_rendezvous"]``),
-which means importing the module, and ``torchrun``'s agent imports it anyway.
-
-Recording never breaks a rendezvous: a callback or a PyTorch event handler that raises
-is logged (``WARNING``, with its traceback) and the rendezvous carries on. When nobody
-listens (no callback, no PyTorch destination, ``DEBUG`` off), recording costs almost
-nothing.
+The handlers report what they do as :class:`RdzvEvent` records with PyTorch's names,
+node states and messages, named ``<file>:<class>.<method>`` by an :class:`EventSource`.
+Each event goes to the callbacks of :func:`add_event_handler`, to the logger
+``etcd_rendezvous.events`` at ``DEBUG``, and to PyTorch's
+``torch.distributed.elastic.events`` when the process has already loaded it (PyTorch is
+never imported for an event). Recording never breaks a rendezvous: a handler that
+raises is logged and ignored. The events and where they go: :ref:`rendezvous-events`.
 """
 
 from __future__ import annotations

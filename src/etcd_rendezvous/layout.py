@@ -1,37 +1,11 @@
 """The etcd key layout of every backend, in one place: names only, no I/O.
 
 The key names are part of the wire protocol: workers using this package and workers
-using PyTorch meet only because both spell the same keys. Every module of the package
-takes its keys from here; nothing here talks to etcd or imports python-etcd.
-
-The ``etcd`` backend (:mod:`etcd_rendezvous.etcd_rendezvous`) keeps a run below
-``<prefix>/run_<run_id>`` (see :class:`LegacyLayout`)::
-
-    <prefix>/run_<run_id>/                   run directory
-        rdzv/version_counter                 last version handed out
-        rdzv/active_version                  the state document (JSON)
-        rdzv/v_<N>/                          one directory per rendezvous version
-        rdzv/v_<N>/rank_<rank>               keep-alive key of each PyTorch member
-        rdzv/v_<N>/node_<hex>                member key of each of our workers (announces
-                                             it, then is its keep-alive key)
-        rdzv/v_<N>/extra_data                store_extra_data()/load_extra_data()
-        rdzv/v_<N>/kv/                       the EtcdStore of version N
-
-The ``etcd-v2`` backend (:mod:`etcd_rendezvous.etcd_rendezvous_backend`) keeps a run's
-state in one key, ``/torch/elastic/rendezvous/<run_id>`` (:func:`etcd_v2_state_key`),
-and the store shared by all runs under ``/torch/elastic/store``. The dynamic rendezvous
-(:mod:`etcd_rendezvous.dynamic_rendezvous`) scopes round ``R`` of a run to the store
-prefix ``torch.rendezvous.<run_id>.<R>`` (:func:`dynamic_store_prefix`). Our ``etcd-v2``
-nodes (not PyTorch's) also keep a directory per run *next to* the state keys, since a v2
-key cannot have children (:class:`EtcdV2NodesLayout`)::
-
-    /torch/elastic/rendezvous/<run_id>                      the state (PyTorch's key)
-    /torch/elastic/rendezvous_nodes/<run_id>/               one key per node of ours
-    /torch/elastic/rendezvous_nodes/<run_id>/<addr>_<pid>_<local_id>   a node's key
-    /torch/elastic/rendezvous_nodes/<run_id>/aggregator     the heartbeat aggregator's lock
-
-An :class:`~etcd_rendezvous.etcd_store.EtcdStore` keeps store key ``k`` at
-``<store prefix>/<base64 of k>`` (:func:`store_value_key`).
+using PyTorch meet only because both spell the same keys, and every module of the
+package takes its keys from here. The ``etcd`` backend's keys are those of
+:class:`LegacyLayout`, the ``etcd-v2`` backend's :func:`etcd_v2_state_key` and
+:class:`EtcdV2NodesLayout`, a store's :func:`store_value_key`; :doc:`how-it-works`
+draws them (sections "Key layout" and "Our nodes").
 """
 
 from __future__ import annotations

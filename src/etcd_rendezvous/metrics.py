@@ -1,28 +1,11 @@
 """Counters and timings of the etcd transport and of the rendezvous, for monitoring.
 
-Every metric is a :class:`Metric` (a name, a value, a kind and a few labels) delivered,
-in the thread that produced it, to:
-
-* **the callbacks** registered with :func:`add_metrics_handler` (a
-  :class:`MetricsCollector` adds them up; the docs show how to export them to
-  Prometheus);
-* **PyTorch's metrics** (``torch.distributed.elastic.metrics.put_metric``, group
-  ``etcd_rendezvous``), when the process has already imported that module (``torchrun``'s
-  agent does); this package never imports PyTorch for it. A counter goes as
-  ``<name>.<op>`` (or ``<name>`` without an ``op`` label) with its value, a timing as
-  ``<name>.duration.ms`` in whole milliseconds, as PyTorch's ``@prof`` names them.
-
-The metrics: ``transport.requests``, ``transport.request_seconds``,
-``transport.retries``, ``transport.failovers``, ``transport.silent_rearms``,
-``transport.outcome_unknown``, ``transport.outcome_resolved``,
-``transport.watch_restarts``, ``rendezvous.rounds``,
-``rendezvous.time_to_form``, ``rendezvous.world_size``, ``rendezvous.nodes_admitted``
-and ``rendezvous.nodes_removed``; the documentation's *Monitoring* page (``metrics``)
-says what each counts, with which labels, and how to export them to Prometheus.
-
-Recording never breaks a rendezvous: a callback (or PyTorch's handler) that raises is
-logged at WARNING and ignored. With no callback and no PyTorch metrics loaded, recording
-costs a dictionary lookup.
+Every :class:`Metric` goes, in the thread that produced it, to the callbacks of
+:func:`add_metrics_handler` (a :class:`MetricsCollector` adds them up) and to PyTorch's
+``torch.distributed.elastic.metrics`` when the process has already loaded it (PyTorch is
+never imported for a metric). Recording never breaks a rendezvous: a callback that
+raises is logged and ignored. Each metric, its labels and a Prometheus export:
+:doc:`metrics`.
 """
 
 from __future__ import annotations

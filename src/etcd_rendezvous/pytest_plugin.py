@@ -1,22 +1,11 @@
 """pytest fixtures for testing against a real etcd (loaded through the ``pytest11`` entry point).
 
-Fixtures:
-
-* ``etcd_server`` (session): an :class:`~etcd_rendezvous.etcd_server.EtcdServer`,
-  started once. Without an etcd binary the tests that use it are skipped, unless
-  ``ETCD_RENDEZVOUS_REQUIRE_ETCD=1`` is set (as CI does), which makes it an error.
-* ``etcd_cluster`` (function): a 3-member
-  :class:`~etcd_rendezvous.etcd_cluster.EtcdCluster` of the test's own, stopped after it.
-* ``etcd_prefix`` (function): a key prefix no other test uses, e.g.
-  ``/test/test_join-1a2b3c4d``.
-* ``etcd_client`` (function): a python-etcd ``etcd.Client`` for ``etcd_server``.
-
-The etcd API under test comes from ``ETCD_RENDEZVOUS_ETCD_API``: ``v2`` (the default)
-runs etcd with its v2 API enabled; ``v3`` runs it without, like etcd 3.6, and skips the
-tests marked ``@pytest.mark.v2_only``.
-
-When a test that used the server or a cluster fails, the tail of etcd's log is added to
-its report.
+``etcd_server`` (session), ``etcd_cluster`` (a 3-member cluster per test),
+``etcd_prefix`` (a key prefix of the test's own) and ``etcd_client`` (a python-etcd
+client). Without an etcd binary the tests using them are skipped, or fail when
+``ETCD_RENDEZVOUS_REQUIRE_ETCD=1``; ``ETCD_RENDEZVOUS_ETCD_API`` chooses the etcd API
+under test. A failed test's report ends with the tail of etcd's log. See
+:doc:`testing`.
 """
 
 from __future__ import annotations

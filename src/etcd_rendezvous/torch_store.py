@@ -1,20 +1,10 @@
 """A real ``torch.distributed.Store`` over :class:`~etcd_rendezvous.etcd_store.EtcdStore`.
 
-This module imports PyTorch; nothing else in the package imports it. The handlers of
-this package return a :class:`TorchEtcdStore` in ``RendezvousInfo.store`` whenever
-PyTorch is installed (see the ``torch_store`` option), so the store works everywhere
-PyTorch expects its own: the elastic agent's rank assignment and exit barrier,
-``torch.distributed.PrefixStore``, and ``torch.distributed.init_process_group``::
-
-    import torch.distributed as dist
-    from etcd_rendezvous.etcd_store import EtcdStore
-    from etcd_rendezvous.torch_store import TorchEtcdStore
-
-    store = TorchEtcdStore(EtcdStore(client, "/jobs/1234/store"))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-
-The keys and values are stored exactly as :class:`EtcdStore` stores them, which is the
-layout of PyTorch's own ``EtcdStore``.
+This module imports PyTorch; nothing else in the package does at import time. The
+handlers return a :class:`TorchEtcdStore` in ``RendezvousInfo.store`` when PyTorch is
+installed (the ``torch_store`` option), so the store works wherever PyTorch expects its
+own, e.g. ``torch.distributed.init_process_group(store=...)``. Keys and values are
+stored exactly as :class:`EtcdStore` stores them, the layout of PyTorch's ``EtcdStore``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """PyTorch ``torchrun`` plugin: this package's backends as ``etcd-rendezvous`` and
 ``etcd-rendezvous-v2``.
 
-Installing the package registers two entry points in the ``torchrun.handlers`` group,
-which PyTorch loads when ``torch.distributed.elastic.rendezvous`` is imported::
-
-    torchrun --nnodes=2 --nproc-per-node=8 \\
-        --rdzv-backend=etcd-rendezvous-v2 --rdzv-endpoint=etcd1:2379,etcd2:2379 \\
-        --rdzv-id=job-42 --rdzv-conf=last_call_timeout=10 train.py
-
-* ``etcd-rendezvous`` is the legacy state machine (PyTorch's ``etcd`` backend);
-* ``etcd-rendezvous-v2`` is the dynamic rendezvous over etcd (PyTorch's ``etcd-v2``).
-
-PyTorch already owns the names ``etcd`` and ``etcd-v2`` and checks that a handler's
-``get_backend()`` equals the requested name, so these handlers report the name they
-were created under. To run this package's handlers under PyTorch's names instead, call
-:func:`replace_torch_etcd_backends` in the launcher process before the agent starts.
-
-The console script ``etcd-torchrun`` (:func:`main`) is ``torchrun`` with those names
-already replaced, for launchers that only pass PyTorch's names (Kubeflow's PyTorchJob,
-TorchX)::
-
-    etcd-torchrun --nnodes=1:4 --nproc-per-node=8 --rdzv-backend=etcd-v2 \\
-        --rdzv-endpoint=etcd:2379 --rdzv-id=job-42 train.py
-
-Nothing here imports PyTorch at import time; :func:`replace_torch_etcd_backends` and
-:func:`main` do.
+The package registers :func:`etcd_rendezvous_handler` (the ``etcd`` backend) and
+:func:`etcd_rendezvous_v2_handler` (the dynamic rendezvous over ``etcd-v2``) in the
+``torchrun.handlers`` entry-point group. :func:`replace_torch_etcd_backends` serves them
+under PyTorch's names ``etcd`` and ``etcd-v2`` instead, and the ``etcd-torchrun``
+command (:func:`main`) is ``torchrun`` with that done. Nothing here imports PyTorch at
+import time. How to use them: :doc:`torchrun`.
 """
 
 from __future__ import annotations

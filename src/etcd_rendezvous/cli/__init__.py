@@ -1,31 +1,13 @@
 """The ``etcd-rendezvous`` command (also ``python -m etcd_rendezvous``).
 
-``etcd-rendezvous demo`` shows the library working on one machine: it starts an
-embedded etcd (unless ``--endpoint`` names one), launches N worker processes that each
-create a rendezvous handler (``--backend etcd-v2``, the dynamic rendezvous and the
-default, or ``etcd`` for the legacy one), call ``next_rendezvous()`` and exchange a
-value through the returned store, then prints a table of ranks, world sizes, rendezvous
-versions (the round, for ``etcd-v2``) and join times. The exit status is 0 when every
-worker agrees.
-
-For running jobs: ``list`` shows the runs under a prefix, ``status`` a run's
-rendezvous state (``etcd`` or ``etcd-v2`` backend) as a summary, every member (``-v``)
-or live (``--watch``), without changing anything; ``close`` closes a run as a worker's
-``set_closed()`` does; ``delete`` removes a finished run's keys and ``gc`` those of the
-finished runs idle for a given time. ``server`` runs an embedded etcd in the
-foreground. The commands that talk to etcd share one parent parser of connection
-options, filled from the ``ETCDCTL_*`` variables where a flag is absent; every command
-prints JSON with ``--json``.
-
-Errors the user can act on (etcd unreachable, no etcd binary, a closed run, a bad
-parameter) are reported as one line on stderr, without a traceback.
-
-This module parses the command line and dispatches; each command is a module of this
-package (:mod:`~etcd_rendezvous.cli.demo`, :mod:`~etcd_rendezvous.cli.list_runs`,
+This module parses the command line and dispatches to one module per command:
+:mod:`~etcd_rendezvous.cli.demo`, :mod:`~etcd_rendezvous.cli.list_runs` (``list``),
 :mod:`~etcd_rendezvous.cli.status`, :mod:`~etcd_rendezvous.cli.close`,
-:mod:`~etcd_rendezvous.cli.delete`, :mod:`~etcd_rendezvous.cli.gc`,
-:mod:`~etcd_rendezvous.cli.server`) that reads the
-library through its public names and :mod:`etcd_rendezvous.layout` only.
+:mod:`~etcd_rendezvous.cli.delete`, :mod:`~etcd_rendezvous.cli.gc` and
+:mod:`~etcd_rendezvous.cli.server`. The commands that talk to etcd share one parser of
+connection options (filled from the ``ETCDCTL_*`` variables where a flag is absent);
+errors the user can act on are one line on stderr, without a traceback. What each
+command does: :doc:`operations`.
 """
 
 from __future__ import annotations
