@@ -15,8 +15,11 @@ import importlib
 import importlib.metadata
 import importlib.util
 import pathlib
+import sys
 
 import pytest
+
+PYPROJECT = pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml"
 
 #: Each public module's ``__all__`` before the move.
 BEFORE: dict[str, tuple[str, ...]] = {
@@ -290,9 +293,15 @@ def test_public_names_still_exported(module: str) -> None:
 
 @pytest.mark.parametrize(("group", "name"), sorted(ENTRY_POINTS))
 def test_entry_points_unchanged(group: str, name: str) -> None:
-    declared = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=group)}
+    installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group=group)}
     target = ENTRY_POINTS[group, name]
-    assert declared.get(name) == target
+    assert installed.get(name) == target
+    if sys.version_info >= (3, 11):  # tomllib; the installed metadata is checked above
+        import tomllib
+
+        project = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]
+        tables = {"console_scripts": project["scripts"], **project["entry-points"]}
+        assert tables[group].get(name) == target
     module, _, attribute = target.partition(":")
     if attribute:
         assert _missing(module, (attribute,)) == []
