@@ -13,9 +13,16 @@ from etcd_rendezvous._legacy.admission import (
     CONST_ETCD_FROZEN_TTL,
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
     MEMBERS,
+    Admit,
+    Admitted,
     Announced,
+    Complete,
+    Confirm,
+    Leave,
+    ListAgain,
     Observed,
     StateFeed,
+    Wait,
     admission_step,
     announced,
     confirmation_step,
@@ -190,15 +197,15 @@ def test_confirmation_can_leave_lower_ranks_out_and_stay_frozen() -> None:
 
 def test_the_oldest_unadmitted_worker_admits_at_once() -> None:
     step = admission_step(observed(joinable()), "1", A, [A, B], 50, 0.0)
-    assert (step.kind, step.impatient) == ("admit", False)
+    assert step == Admit(without_older=False)
 
 
 def test_a_younger_worker_waits_for_the_older_ones_then_admits_without_them() -> None:
     step = admission_step(observed(joinable()), "1", C, [A, B, C], 50, 0.5)
-    assert step.kind == "wait"
+    assert isinstance(step, Wait)
     assert step.timeout == pytest.approx(grace(2) - 0.5)
     step = admission_step(observed(joinable()), "1", C, [A, B, C], 50, grace(2))
-    assert (step.kind, step.impatient) == ("admit", True)
+    assert step == Admit(without_older=True)
 
 
 def test_the_grace_grows_with_the_place_in_line_up_to_twice_its_length() -> None:
@@ -209,13 +216,13 @@ def test_the_grace_grows_with_the_place_in_line_up_to_twice_its_length() -> None
 
 def test_a_worker_left_oldest_by_a_change_lists_again_first() -> None:
     state = observed(joinable(2, {A.name: 0, B.name: 1}), index=60)
-    assert admission_step(state, "1", C, [A, B, C], 50, 0.0).kind == "list"
-    assert admission_step(state, "1", C, [A, B, C], 60, 0.0).kind == "admit"
+    assert admission_step(state, "1", C, [A, B, C], 50, 0.0) == ListAgain()
+    assert admission_step(state, "1", C, [A, B, C], 60, 0.0) == Admit(without_older=False)
 
 
 def test_an_admitted_worker_has_its_rank() -> None:
     step = admission_step(observed(joinable(3, {B.name: 2})), "1", B, [A, B], 50, 0.0)
-    assert (step.kind, step.value) == ("admitted", 2)
+    assert step == Admitted(rank=2)
 
 
 @pytest.mark.parametrize(
@@ -232,27 +239,25 @@ def test_an_admitted_worker_has_its_rank() -> None:
 def test_a_worker_not_admitted_leaves_a_version_that_ended_or_filled(
     state: dict[str, Any] | None,
 ) -> None:
-    assert admission_step(observed(state), "1", B, [A, B], 50, 0.0).kind == "leave"
+    assert isinstance(admission_step(observed(state), "1", B, [A, B], 50, 0.0), Leave)
 
 
 def test_confirmation_steps() -> None:
     members = {A.name: 0, B.name: 1, C.name: 2}
     # PyTorch froze it: our lowest-ranked member confirms, the others wait their turn.
     state = observed(frozen([], members, 4))
-    assert confirmation_step(state, "1", A.name, VDIR, 0.0).kind == "confirm"
-    wait = confirmation_step(state, "1", C.name, VDIR, 0.0)
-    assert (wait.kind, wait.timeout) == ("wait", grace(2))
+    assert confirmation_step(state, "1", A.name, VDIR, 0.0) == Confirm(without_lower=False)
+    assert confirmation_step(state, "1", C.name, VDIR, 0.0) == Wait(timeout=grace(2))
     late = confirmation_step(state, "1", C.name, VDIR, grace(2))
-    assert (late.kind, late.impatient) == ("confirm", True)
+    assert late == Confirm(without_lower=True)
     # Confirmed already: wait for the others (PyTorch's members confirm themselves).
     state = observed(frozen([A.key, B.key, C.key], members, 4))
-    assert confirmation_step(state, "1", A.name, VDIR, 0.0).kind == "wait"
+    assert confirmation_step(state, "1", A.name, VDIR, 0.0) == Wait(timeout=None)
     final = {**state.state, "status": "final", "num_workers_waiting": 0}  # type: ignore[dict-item]
-    done = confirmation_step(observed(final), "1", A.name, VDIR, 0.0)
-    assert (done.kind, done.value) == ("done", 4)
-    assert confirmation_step(observed(joinable(3, members)), "1", A.name, VDIR, 0).kind == "wait"
-    assert confirmation_step(observed(None), "1", A.name, VDIR, 0.0).kind == "leave"
-    assert confirmation_step(state, "1", D.name, VDIR, 0.0).kind == "leave"
+    assert confirmation_step(observed(final), "1", A.name, VDIR, 0.0) == Complete(world_size=4)
+    assert confirmation_step(observed(joinable(3, members)), "1", A.name, VDIR, 0) == Wait()
+    assert isinstance(confirmation_step(observed(None), "1", A.name, VDIR, 0.0), Leave)
+    assert isinstance(confirmation_step(state, "1", D.name, VDIR, 0.0), Leave)
 
 
 def test_create_spread_grows_with_workers_and_round_trips_and_is_capped() -> None:

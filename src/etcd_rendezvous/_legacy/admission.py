@@ -1,47 +1,15 @@
-"""Batched admission: how the legacy ``etcd`` backend joins in a few etcd requests per worker.
+"""Batched admission: how a worker of the legacy ``etcd`` backend joins in a few requests.
 
-PyTorch's workers join a rendezvous version by compare-and-swapping the state key
-twice each (``participants.append(rank)``, then ``keep_alives.append(key)``). Every
-write wakes every waiting worker, and all but one of the workers writing at the same
-time lose and try again: N workers make O(N²) requests. Ours announce themselves
-instead, and one of them admits everyone who announced, in one compare-and-swap:
-
-1. **Announce.** A worker joining version ``V`` writes its *member key*
-   ``rdzv/v_<V>/node_<16 hex digits>`` (:meth:`~etcd_rendezvous.layout.LegacyLayout.member_key`),
-   with the keep-alive TTL, and keeps it alive from then on. It is a direct child of
-   the version directory, so it is also the worker's keep-alive key: PyTorch's workers
-   check exactly that of every key in ``keep_alives``.
-2. **Admit.** The worker whose member key is the oldest one not yet admitted (lowest
-   created index, in a listing of the version directory taken after its own announce)
-   admits every announced key, in created order, with one compare-and-swap. It applies
-   the rules of a join: ranks ``len(participants)...`` are appended to ``participants``
-   and recorded in ``members``; from ``min_workers`` on the state gets its 10 s TTL;
-   reaching ``max_workers`` freezes it, and the keys beyond are late. A freezing write
-   puts the member keys of all our admitted workers (all alive: just listed) into
-   ``keep_alives`` and, if that completes the list, makes the state final at once. The
-   other workers watch the state; a worker left the oldest un-admitted one by a change
-   lists the directory again and admits. Should the state not change for
-   :data:`ADMISSION_GRACE` seconds (a little longer for workers further back in line)
-   while keys older than ours stay un-admitted (their workers died or are stuck), we
-   admit anyway, without those keys.
-3. **Confirm.** A state frozen by a PyTorch worker (it reached ``max_workers``, or ran
-   the last call) has empty ``keep_alives``: our lowest-ranked member whose key is
-   missing adds the keys of all our live members in one compare-and-swap (with the
-   same grace for the others), and PyTorch's members add their own.
-
-Workers wait on a :class:`StateFeed`: one watch stream on the state key for the whole
-join, whose events carry the new state, so that waiting costs no reads.
-
-**Wire format.** The state document gets one field PyTorch's workers do not know, and
-keep (they decode the JSON, change their fields and encode the same object back):
-``"members": {"node_<hex>": rank, ...}``, the names of the member keys admitted so far
-and their ranks. Our workers' ranks are their admission order, which is their announce
-order; PyTorch's workers still take ``len(participants)``. A worker's rank is
-``members[its name]`` and the world size ``len(participants)``, as for PyTorch's.
+Workers announce themselves with a member key ``rdzv/v_<V>/node_<hex>`` (also their
+keep-alive key); the worker whose key is the oldest not yet admitted admits every
+announced key in one compare-and-swap, recording their ranks in the state's ``members``
+field; a state frozen by PyTorch's workers is confirmed the same way. The protocol, its
+grace periods and the wire format: docs/how-it-works.rst, section "Joining in a few
+requests".
 
 The decisions (:func:`admission_step`, :func:`confirmation_step`, :func:`plan_admission`,
 :func:`plan_freeze`, :func:`plan_confirmation`) are plain functions of what a worker
-observed; :class:`BatchJoin` carries them out.
+observed; :class:`BatchJoin` carries them out, waiting on a :class:`StateFeed`.
 """
 
 from __future__ import annotations
@@ -55,7 +23,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from .._transport.interface import (
     WRITE_ACTIONS,
@@ -77,12 +45,20 @@ __all__ = [
     "CONST_ETCD_SETUP_TTL",
     "CONST_WORKER_KEEPALIVE_TTL",
     "MEMBERS",
+    "AdmissionStep",
+    "Admit",
+    "Admitted",
     "Announced",
     "BatchJoin",
+    "Complete",
+    "Confirm",
+    "ConfirmationStep",
+    "Leave",
+    "ListAgain",
     "Observed",
     "RestartAttempt",
     "StateFeed",
-    "Step",
+    "Wait",
     "Write",
     "admission_step",
     "announced",
@@ -297,23 +273,64 @@ def plan_confirmation(
     return _with_ttl(confirming, min_workers)
 
 
+# What a worker does next: one small type per decision. An admission step is one of
+# Admitted, Leave, ListAgain, Admit, Wait; a confirmation step one of Complete, Leave,
+# Confirm, Wait.
+
+
 @dataclass(frozen=True)
-class Step:
-    """What a worker does next: ``kind`` and its argument.
+class Admitted:
+    """We were admitted, with ``rank``."""
 
-    * ``admitted``/``done``: the rank we were admitted with / the world size;
-    * ``leave``: the version ended for us (``reason``);
-    * ``list``: list the version directory again, then decide again;
-    * ``admit``/``confirm``: write, leaving out older keys / lower-ranked members if
-      ``impatient``;
-    * ``wait``: wait for a change, at most ``timeout`` seconds (``None``: until one).
-    """
+    rank: int
 
-    kind: str
-    value: int = 0
+
+@dataclass(frozen=True)
+class Complete:
+    """The version is final with us in it, in a world of ``world_size``."""
+
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Leave:
+    """The version ended for us (``reason``): start the attempt over."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ListAgain:
+    """The state changed since our listing: list the version directory, decide again."""
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Admit the announced keys, leaving out the older un-admitted ones if
+    ``without_older`` (their workers did not act within the grace period)."""
+
+    without_older: bool = False
+
+
+@dataclass(frozen=True)
+class Confirm:
+    """Confirm our live members, leaving out the lower-ranked unconfirmed ones if
+    ``without_lower`` (they did not confirm within the grace period)."""
+
+    without_lower: bool = False
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Wait for the state to change, at most ``timeout`` seconds (``None``: until it does)."""
+
     timeout: float | None = None
-    impatient: bool = False
-    reason: str = ""
+
+
+#: What a worker waiting to be admitted does next (:func:`admission_step`).
+AdmissionStep: TypeAlias = Admitted | Leave | ListAgain | Admit | Wait
+#: What an admitted worker does next until the version is final (:func:`confirmation_step`).
+ConfirmationStep: TypeAlias = Complete | Leave | Confirm | Wait
 
 
 def admission_step(
@@ -323,19 +340,19 @@ def admission_step(
     entries: Sequence[Announced],
     listed_at: int,
     quiet_for: float,
-) -> Step:
+) -> AdmissionStep:
     """What a worker that announced ``me`` in ``version`` does next, given the state it
     observed, its listing ``entries`` (taken when the state's index was ``listed_at``)
     and the seconds the state has been unchanged."""
     state = observed.state
     status = observed.status_in(version)
     if state is None or status not in ("joinable", "frozen", "final"):
-        return Step("leave", reason=f"version {version} ended before we were admitted")
+        return Leave(f"version {version} ended before we were admitted")
     members = members_of(state)
     if me.name in members:
-        return Step("admitted", value=members[me.name])
+        return Admitted(members[me.name])
     if status != "joinable":
-        return Step("leave", reason=f"version {version} became {status} without us: late")
+        return Leave(f"version {version} became {status} without us: late")
     older = [
         e
         for e in entries
@@ -343,25 +360,25 @@ def admission_step(
     ]
     patience = grace(len(older)) - quiet_for
     if older and patience > 0:
-        return Step("wait", timeout=patience)
+        return Wait(patience)
     if listed_at < observed.index:
-        return Step("list")
-    return Step("admit", impatient=bool(older))
+        return ListAgain()
+    return Admit(without_older=bool(older))
 
 
 def confirmation_step(
     observed: Observed, version: str, me: str, version_dir: str, quiet_for: float
-) -> Step:
+) -> ConfirmationStep:
     """What our admitted member named ``me`` does next until ``version`` is final."""
     state = observed.state
     status = observed.status_in(version)
     ongoing = status in ("joinable", "frozen", "final")
     if state is None or not ongoing or me not in members_of(state):
-        return Step("leave", reason="Rendezvous state transition no longer possible.")
+        return Leave("Rendezvous state transition no longer possible.")
     if status == "final":
-        return Step("done", value=len(state["participants"]))
+        return Complete(len(state["participants"]))
     if status == "joinable":
-        return Step("wait")
+        return Wait()
     confirmed = {normalize_key(key) for key in state["keep_alives"]}
     missing = sorted(
         (rank, name)
@@ -370,12 +387,12 @@ def confirmation_step(
     )
     names = [name for _, name in missing]
     if me not in names:
-        return Step("wait")
+        return Wait()
     position = names.index(me)
     patience = grace(position) - quiet_for
     if position and patience > 0:
-        return Step("wait", timeout=patience)
-    return Step("confirm", impatient=position > 0)
+        return Wait(patience)
+    return Confirm(without_lower=position > 0)
 
 
 # -- the state feed --------------------------------------------------------------------
@@ -532,7 +549,8 @@ class _Member:
 
 
 class BatchJoin:
-    """One worker's side of the batched join (see the module docstring).
+    """One worker's side of the batched join (docs/how-it-works.rst, "Joining in a few
+    requests").
 
     Args:
         conn: the etcd connection.
@@ -602,28 +620,28 @@ class BatchJoin:
         while True:
             observed = self._feed.current()
             me = self._require_member(version).entry  # as listed
-            step = admission_step(observed, version, me, entries, listed_at, self._quiet(since))
-            if step.kind == "admitted":
-                return step.value
-            if step.kind == "leave":
-                self.discard()
-                raise RestartAttempt(step.reason)
-            if step.kind == "list":
-                listed_at, entries = self._list(version)
-            elif step.kind == "admit":
-                skip = me.created_index if step.impatient else None
-                if step.impatient:
-                    logger.info("No admission for a while: admitting without the older keys")
-                write = plan_admission(
-                    observed.state or {},
-                    entries,
-                    min_workers=self._min,
-                    max_workers=self._max,
-                    skip_older_than=skip,
-                )
-                self._swap(observed, write)
-            else:
-                self._wait(step.timeout)
+            quiet = self._quiet(since)
+            match admission_step(observed, version, me, entries, listed_at, quiet):
+                case Admitted(rank):
+                    return rank
+                case Leave(reason):
+                    self.discard()
+                    raise RestartAttempt(reason)
+                case ListAgain():
+                    listed_at, entries = self._list(version)
+                case Admit(without_older):
+                    if without_older:
+                        logger.info("No admission for a while: admitting without the older keys")
+                    write = plan_admission(
+                        observed.state or {},
+                        entries,
+                        min_workers=self._min,
+                        max_workers=self._max,
+                        skip_older_than=me.created_index if without_older else None,
+                    )
+                    self._swap(observed, write)
+                case Wait(timeout):
+                    self._wait(timeout)
 
     def confirm(self, version: str, rank: int) -> int:
         """Wait until ``version`` is final, confirming our members if it was frozen
@@ -637,24 +655,25 @@ class BatchJoin:
         since = time.monotonic()
         while True:
             observed = self._feed.current()
-            step = confirmation_step(observed, version, me.name, version_dir, self._quiet(since))
-            if step.kind == "done":
-                return step.value
-            if step.kind == "leave":
-                raise RestartAttempt(f"{step.reason} Must re-enter.")
-            if step.kind == "confirm":
-                _, entries = self._list(version)
-                write = plan_confirmation(
-                    observed.state or {},
-                    entries,
-                    min_workers=self._min,
-                    skip_below_rank=rank if step.impatient else None,
-                )
-                if write is None:
-                    raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
-                self._swap(observed, write)
-            else:
-                self._wait(step.timeout)
+            quiet = self._quiet(since)
+            match confirmation_step(observed, version, me.name, version_dir, quiet):
+                case Complete(world_size):
+                    return world_size
+                case Leave(reason):
+                    raise RestartAttempt(f"{reason} Must re-enter.")
+                case Confirm(without_lower):
+                    _, entries = self._list(version)
+                    write = plan_confirmation(
+                        observed.state or {},
+                        entries,
+                        min_workers=self._min,
+                        skip_below_rank=rank if without_lower else None,
+                    )
+                    if write is None:
+                        raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
+                    self._swap(observed, write)
+                case Wait(timeout):
+                    self._wait(timeout)
 
     def freeze(self, version: str) -> bool:
         """Freeze the joinable ``version`` at the end of the last call, our live members
