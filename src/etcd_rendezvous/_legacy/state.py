@@ -4,7 +4,7 @@ The state is the JSON object PyTorch's workers keep in ``rdzv/active_version``
 (:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), with the ``members`` field our
 workers add (see :mod:`etcd_rendezvous._legacy.admission`). Every worker checks every
 state it reads, so that a corrupt key is reported, naming it, instead of derailing the
-state machine of :mod:`etcd_rendezvous.etcd_rendezvous`.
+state machine (:mod:`etcd_rendezvous._legacy.rendezvous`).
 """
 
 from __future__ import annotations
