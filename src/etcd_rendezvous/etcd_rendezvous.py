@@ -16,14 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+# The CONST_* TTLs are PyTorch's names, importable from here as from PyTorch's module.
 from ._legacy.admission import (
-    CONST_ETCD_FROZEN_TTL,  # noqa: F401 (PyTorch's name, importable from here as there)
-    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,  # noqa: F401 (PyTorch's name, importable from here as there)
-    CONST_ETCD_SETUP_TTL,  # noqa: F401 (PyTorch's name, importable from here as there)
-    CONST_WORKER_KEEPALIVE_TTL,  # noqa: F401 (PyTorch's name, importable from here as there)
+    CONST_ETCD_FROZEN_TTL,  # noqa: F401
+    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,  # noqa: F401
+    CONST_ETCD_SETUP_TTL,  # noqa: F401
+    CONST_WORKER_KEEPALIVE_TTL,  # noqa: F401
 )
 from ._legacy.rendezvous import (
-    CONST_RUNID_SUBROOT_TTL,  # noqa: F401 (PyTorch's name, importable from here as there)
+    CONST_RUNID_SUBROOT_TTL,  # noqa: F401
     EtcdRendezvous,
     EtcdRendezvousRetryableFailure,
     EtcdRendezvousRetryImmediately,
