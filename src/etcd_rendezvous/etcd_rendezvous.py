@@ -17,19 +17,20 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 # The CONST_* TTLs are PyTorch's names, importable from here as from PyTorch's module.
-from ._legacy.admission import (
-    CONST_ETCD_FROZEN_TTL,  # noqa: F401
-    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,  # noqa: F401
-    CONST_ETCD_SETUP_TTL,  # noqa: F401
-    CONST_WORKER_KEEPALIVE_TTL,  # noqa: F401
-)
 from ._legacy.rendezvous import (
     CONST_RUNID_SUBROOT_TTL,  # noqa: F401
     EtcdRendezvous,
     EtcdRendezvousRetryableFailure,
     EtcdRendezvousRetryImmediately,
 )
-from ._legacy.state import member_ranks, parse_state
+from ._legacy.state import (
+    CONST_ETCD_FROZEN_TTL,  # noqa: F401
+    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,  # noqa: F401
+    CONST_ETCD_SETUP_TTL,  # noqa: F401
+    CONST_WORKER_KEEPALIVE_TTL,  # noqa: F401
+    member_ranks,
+    parse_state,
+)
 from ._torch.errors import torch_errors
 from ._torch.store import adapt_store, torch_available, torch_store_wanted
 from ._transport.interface import KeyNotFoundError

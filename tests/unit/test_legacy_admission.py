@@ -10,9 +10,6 @@ import pytest
 
 from etcd_rendezvous._legacy.admission import (
     ADMISSION_GRACE,
-    CONST_ETCD_FROZEN_TTL,
-    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
-    MEMBERS,
     AdmissionStep,
     Admit,
     Admitted,
@@ -22,8 +19,6 @@ from etcd_rendezvous._legacy.admission import (
     ConfirmationStep,
     Leave,
     ListAgain,
-    Observed,
-    StateFeed,
     Wait,
     admission_step,
     announced,
@@ -33,6 +28,12 @@ from etcd_rendezvous._legacy.admission import (
     plan_admission,
     plan_confirmation,
     plan_freeze,
+)
+from etcd_rendezvous._legacy.feed import Observed, StateFeed
+from etcd_rendezvous._legacy.state import (
+    CONST_ETCD_FROZEN_TTL,
+    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
+    MEMBERS,
 )
 from etcd_rendezvous._transport.interface import Node
 from etcd_rendezvous.api import RendezvousStateError

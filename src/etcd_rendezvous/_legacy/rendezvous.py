@@ -41,17 +41,16 @@ from ..etcd_store import EtcdStore
 from ..events import EventSource, NodeState, _records_failure
 from ..layout import LegacyLayout, new_waiter_name
 from ..metrics import MetricKind, record_metric, timed
-from .admission import (
+from .admission import BatchJoin, RestartAttempt, create_spread
+from .feed import StateFeed
+from .lease_keeper import LeaseKeeper, stop_keepers
+from .state import (
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
     CONST_ETCD_SETUP_TTL,
     CONST_WORKER_KEEPALIVE_TTL,
-    BatchJoin,
-    RestartAttempt,
-    StateFeed,
-    create_spread,
+    parse_state,
+    preview,
 )
-from .lease_keeper import LeaseKeeper, stop_keepers
-from .state import parse_state, preview
 from .waiting import WAITER_TTL, await_end_of_final
 
 __all__ = [

@@ -32,22 +32,18 @@ from .._transport.interface import (
 )
 from .._transport.retry import Deadline
 from ..layout import LegacyLayout, normalize_key, waiter_name
-from .admission import grace, status_in
+from .admission import grace
+from .state import WAITING, status_in, waiters_of
 
 __all__ = [
     "GATHER",
     "WAITER_TTL",
-    "WAITING",
     "await_end_of_final",
     "count_step",
     "plan_count",
-    "waiters_of",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The state field listing the names of the wait keys counted in ``num_workers_waiting``.
-WAITING = "waiting"
 
 #: Seconds a wait key lives. It is counted within moments of being written; it only has
 #: to outlive a folding worker that died (then the next one, after the grace, counts it).
@@ -59,11 +55,6 @@ WAITER_TTL = 60
 #: 0.1 s), and counted one by one they would make one state write each, which every
 #: waiting worker receives.
 GATHER = 0.1
-
-
-def waiters_of(state: dict[str, Any]) -> set[str]:
-    """The wait keys (names) already counted in ``state``."""
-    return set(state.get(WAITING) or ())
 
 
 def plan_count(state: dict[str, Any], waiting: dict[str, int]) -> dict[str, Any] | None:
@@ -260,7 +251,7 @@ def await_end_of_final(
     timeout_error: Callable[[], Exception],
     waiter: str | None = None,
 ) -> None:
-    """Return once the final ``version`` ended (see the module docstring), counting the
+    """Return once the final ``version`` ended (see docs/how-it-works.rst), counting the
     wait keys if ``waiter`` (the name of ours, already written) calls for it.
 
     When a member's keep-alive key lapsed, ``on_lapse(key)`` is called, then the state is
