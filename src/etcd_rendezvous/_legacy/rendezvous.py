@@ -70,8 +70,8 @@ _PUBLIC_MODULE = "etcd_rendezvous.etcd_rendezvous"
 #: name and value).
 CONST_RUNID_SUBROOT_TTL = 7200
 
-#: The names PyTorch's legacy rendezvous records its events under:
-#: ``etcd_rendezvous.py:EtcdRendezvous.<method>``.
+#: This backend's events are named as PyTorch names its own (file, class, method):
+#: ``etcd_rendezvous.py:EtcdRendezvous.<method>``, wherever the code lives.
 _EVENT_FILE = "etcd_rendezvous.py"
 _EVENT_CLASS = "EtcdRendezvous"
 
@@ -300,8 +300,8 @@ class EtcdRendezvous:
         method: str,
         rank: int | None = None,
     ) -> None:
-        """Record a phase change of ``method`` as a rendezvous event, under PyTorch's
-        name for it (see :mod:`etcd_rendezvous.events`)."""
+        """Record a phase change of ``method`` as the rendezvous event
+        ``etcd_rendezvous.py:EtcdRendezvous.<method>`` (see :mod:`etcd_rendezvous.events`)."""
         self._events.record(method, message, node_state, rank=rank)
 
     # -- time bounds ------------------------------------------------------------------
