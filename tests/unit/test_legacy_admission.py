@@ -10,12 +10,16 @@ import pytest
 
 from etcd_rendezvous._legacy.admission import (
     ADMISSION_GRACE,
-    CONST_ETCD_FROZEN_TTL,
-    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
-    MEMBERS,
+    AdmissionStep,
+    Admit,
+    Admitted,
     Announced,
-    Observed,
-    StateFeed,
+    Complete,
+    Confirm,
+    ConfirmationStep,
+    Leave,
+    ListAgain,
+    Wait,
     admission_step,
     announced,
     confirmation_step,
@@ -24,6 +28,12 @@ from etcd_rendezvous._legacy.admission import (
     plan_admission,
     plan_confirmation,
     plan_freeze,
+)
+from etcd_rendezvous._legacy.feed import Observed, StateFeed
+from etcd_rendezvous._legacy.state import (
+    CONST_ETCD_FROZEN_TTL,
+    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
+    MEMBERS,
 )
 from etcd_rendezvous._transport.interface import Node
 from etcd_rendezvous.api import RendezvousStateError
@@ -188,17 +198,77 @@ def test_confirmation_can_leave_lower_ranks_out_and_stay_frozen() -> None:
 # -- what a waiting worker does ------------------------------------------------------------
 
 
-def test_the_oldest_unadmitted_worker_admits_at_once() -> None:
-    step = admission_step(observed(joinable()), "1", A, [A, B], 50, 0.0)
-    assert (step.kind, step.impatient) == ("admit", False)
+_LATE = "version 1 ended before we were admitted"
+_GONE = "Rendezvous state transition no longer possible."
+#: A and B admitted; C, announced later, is left the oldest un-admitted worker.
+_AB_ADMITTED = joinable(2, {A.name: 0, B.name: 1})
 
 
-def test_a_younger_worker_waits_for_the_older_ones_then_admits_without_them() -> None:
-    step = admission_step(observed(joinable()), "1", C, [A, B, C], 50, 0.5)
-    assert step.kind == "wait"
-    assert step.timeout == pytest.approx(grace(2) - 0.5)
-    step = admission_step(observed(joinable()), "1", C, [A, B, C], 50, grace(2))
-    assert (step.kind, step.impatient) == ("admit", True)
+@pytest.mark.parametrize(
+    ("state", "index", "me", "entries", "listed_at", "quiet_for", "expected"),
+    [
+        pytest.param(joinable(), 50, A, [A, B], 50, 0.0, Admit(), id="oldest-admits-at-once"),
+        pytest.param(
+            joinable(), 50, C, [A, B, C], 50, 0.5, Wait(grace(2) - 0.5), id="younger-waits"
+        ),
+        pytest.param(
+            joinable(),
+            50,
+            C,
+            [A, B, C],
+            50,
+            grace(2),
+            Admit(without_older=True),
+            id="younger-admits-without-the-older-after-the-grace",
+        ),
+        pytest.param(
+            _AB_ADMITTED, 60, C, [A, B, C], 50, 0.0, ListAgain(), id="left-oldest-lists-again"
+        ),
+        pytest.param(_AB_ADMITTED, 60, C, [A, B, C], 60, 0.0, Admit(), id="listed-then-admits"),
+        pytest.param(
+            joinable(3, {B.name: 2}), 50, B, [A, B], 50, 0.0, Admitted(2), id="admitted-has-rank"
+        ),
+        pytest.param(None, 50, B, [A, B], 50, 0.0, Leave(_LATE), id="no-state"),
+        pytest.param({"status": "setup"}, 50, B, [A, B], 50, 0.0, Leave(_LATE), id="setup"),
+        pytest.param({"status": "closed"}, 50, B, [A, B], 50, 0.0, Leave(_LATE), id="closed"),
+        pytest.param(
+            {**joinable(), "version": "2"}, 50, B, [A, B], 50, 0.0, Leave(_LATE), id="next-version"
+        ),
+        pytest.param(
+            frozen([], {A.name: 0}, 1),
+            50,
+            B,
+            [A, B],
+            50,
+            0.0,
+            Leave("version 1 became frozen without us: late"),
+            id="frozen-without-us",
+        ),
+        pytest.param(
+            {**frozen([A.key], {A.name: 0}, 1), "status": "final", "num_workers_waiting": 0},
+            50,
+            B,
+            [A, B],
+            50,
+            0.0,
+            Leave("version 1 became final without us: late"),
+            id="final-without-us",
+        ),
+    ],
+)
+def test_admission_step(
+    state: dict[str, Any] | None,
+    index: int,
+    me: Announced,
+    entries: list[Announced],
+    listed_at: int,
+    quiet_for: float,
+    expected: AdmissionStep,
+) -> None:
+    """What a worker waiting to be admitted does next, for each state it may observe."""
+    assert (
+        admission_step(observed(state, index), "1", me, entries, listed_at, quiet_for) == expected
+    )
 
 
 def test_the_grace_grows_with_the_place_in_line_up_to_twice_its_length() -> None:
@@ -207,52 +277,38 @@ def test_the_grace_grows_with_the_place_in_line_up_to_twice_its_length() -> None
     assert grace(1000) == 2 * ADMISSION_GRACE
 
 
-def test_a_worker_left_oldest_by_a_change_lists_again_first() -> None:
-    state = observed(joinable(2, {A.name: 0, B.name: 1}), index=60)
-    assert admission_step(state, "1", C, [A, B, C], 50, 0.0).kind == "list"
-    assert admission_step(state, "1", C, [A, B, C], 60, 0.0).kind == "admit"
-
-
-def test_an_admitted_worker_has_its_rank() -> None:
-    step = admission_step(observed(joinable(3, {B.name: 2})), "1", B, [A, B], 50, 0.0)
-    assert (step.kind, step.value) == ("admitted", 2)
+_MEMBERS = {A.name: 0, B.name: 1, C.name: 2}
+#: Frozen by a PyTorch worker (rank 3): none of ours confirmed yet.
+_FROZEN_BY_TORCH = frozen([], _MEMBERS, 4)
+_CONFIRMED = frozen([A.key, B.key, C.key], _MEMBERS, 4)
 
 
 @pytest.mark.parametrize(
-    "state",
+    ("state", "me", "quiet_for", "expected"),
     [
-        None,
-        {"status": "setup"},
-        {"status": "closed"},
-        {**joinable(), "version": "2"},
-        {**frozen([], {A.name: 0}, 1)},
-        {**frozen([A.key], {A.name: 0}, 1), "status": "final", "num_workers_waiting": 0},
+        pytest.param(_FROZEN_BY_TORCH, A, 0.0, Confirm(), id="lowest-unconfirmed-confirms"),
+        pytest.param(_FROZEN_BY_TORCH, C, 0.0, Wait(grace(2)), id="others-wait-their-turn"),
+        pytest.param(
+            _FROZEN_BY_TORCH, C, grace(2), Confirm(without_lower=True), id="then-confirm-anyway"
+        ),
+        pytest.param(_CONFIRMED, A, 0.0, Wait(), id="confirmed-waits-for-pytorchs-members"),
+        pytest.param(
+            {**_CONFIRMED, "status": "final", "num_workers_waiting": 0},
+            A,
+            0.0,
+            Complete(world_size=4),
+            id="final-completes",
+        ),
+        pytest.param(joinable(3, _MEMBERS), A, 0.0, Wait(), id="joinable-waits-for-the-freeze"),
+        pytest.param(None, A, 0.0, Leave(_GONE), id="no-state"),
+        pytest.param(_CONFIRMED, D, 0.0, Leave(_GONE), id="not-a-member"),
     ],
 )
-def test_a_worker_not_admitted_leaves_a_version_that_ended_or_filled(
-    state: dict[str, Any] | None,
+def test_confirmation_step(
+    state: dict[str, Any] | None, me: Announced, quiet_for: float, expected: ConfirmationStep
 ) -> None:
-    assert admission_step(observed(state), "1", B, [A, B], 50, 0.0).kind == "leave"
-
-
-def test_confirmation_steps() -> None:
-    members = {A.name: 0, B.name: 1, C.name: 2}
-    # PyTorch froze it: our lowest-ranked member confirms, the others wait their turn.
-    state = observed(frozen([], members, 4))
-    assert confirmation_step(state, "1", A.name, VDIR, 0.0).kind == "confirm"
-    wait = confirmation_step(state, "1", C.name, VDIR, 0.0)
-    assert (wait.kind, wait.timeout) == ("wait", grace(2))
-    late = confirmation_step(state, "1", C.name, VDIR, grace(2))
-    assert (late.kind, late.impatient) == ("confirm", True)
-    # Confirmed already: wait for the others (PyTorch's members confirm themselves).
-    state = observed(frozen([A.key, B.key, C.key], members, 4))
-    assert confirmation_step(state, "1", A.name, VDIR, 0.0).kind == "wait"
-    final = {**state.state, "status": "final", "num_workers_waiting": 0}  # type: ignore[dict-item]
-    done = confirmation_step(observed(final), "1", A.name, VDIR, 0.0)
-    assert (done.kind, done.value) == ("done", 4)
-    assert confirmation_step(observed(joinable(3, members)), "1", A.name, VDIR, 0).kind == "wait"
-    assert confirmation_step(observed(None), "1", A.name, VDIR, 0.0).kind == "leave"
-    assert confirmation_step(state, "1", D.name, VDIR, 0.0).kind == "leave"
+    """What an admitted worker does next until the version is final."""
+    assert confirmation_step(observed(state), "1", me.name, VDIR, quiet_for) == expected
 
 
 def test_create_spread_grows_with_workers_and_round_trips_and_is_capped() -> None:

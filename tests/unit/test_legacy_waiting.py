@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from etcd_rendezvous._legacy.admission import ADMISSION_GRACE, grace
-from etcd_rendezvous._legacy.waiting import GATHER, WAITING, count_step, plan_count, waiters_of
+from etcd_rendezvous._legacy.state import WAITING, waiters_of
+from etcd_rendezvous._legacy.waiting import GATHER, count_step, plan_count
 from etcd_rendezvous.layout import new_waiter_name
 
 A, B, C = (new_waiter_name(i) for i in (1, 2, 3))

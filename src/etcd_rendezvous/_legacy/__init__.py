@@ -1,1 +1,2 @@
-"""The legacy ``etcd`` backend's internals: admission, waiting, state and keep-alives."""
+"""The legacy ``etcd`` backend's internals: the rendezvous, its batched admission,
+waiting, state and keep-alive threads."""

@@ -1,47 +1,16 @@
-"""Batched admission: how the legacy ``etcd`` backend joins in a few etcd requests per worker.
+"""Batched admission: how a worker of the legacy ``etcd`` backend joins in a few requests.
 
-PyTorch's workers join a rendezvous version by compare-and-swapping the state key
-twice each (``participants.append(rank)``, then ``keep_alives.append(key)``). Every
-write wakes every waiting worker, and all but one of the workers writing at the same
-time lose and try again: N workers make O(N²) requests. Ours announce themselves
-instead, and one of them admits everyone who announced, in one compare-and-swap:
-
-1. **Announce.** A worker joining version ``V`` writes its *member key*
-   ``rdzv/v_<V>/node_<16 hex digits>`` (:meth:`~etcd_rendezvous.layout.LegacyLayout.member_key`),
-   with the keep-alive TTL, and keeps it alive from then on. It is a direct child of
-   the version directory, so it is also the worker's keep-alive key: PyTorch's workers
-   check exactly that of every key in ``keep_alives``.
-2. **Admit.** The worker whose member key is the oldest one not yet admitted (lowest
-   created index, in a listing of the version directory taken after its own announce)
-   admits every announced key, in created order, with one compare-and-swap. It applies
-   the rules of a join: ranks ``len(participants)...`` are appended to ``participants``
-   and recorded in ``members``; from ``min_workers`` on the state gets its 10 s TTL;
-   reaching ``max_workers`` freezes it, and the keys beyond are late. A freezing write
-   puts the member keys of all our admitted workers (all alive: just listed) into
-   ``keep_alives`` and, if that completes the list, makes the state final at once. The
-   other workers watch the state; a worker left the oldest un-admitted one by a change
-   lists the directory again and admits. Should the state not change for
-   :data:`ADMISSION_GRACE` seconds (a little longer for workers further back in line)
-   while keys older than ours stay un-admitted (their workers died or are stuck), we
-   admit anyway, without those keys.
-3. **Confirm.** A state frozen by a PyTorch worker (it reached ``max_workers``, or ran
-   the last call) has empty ``keep_alives``: our lowest-ranked member whose key is
-   missing adds the keys of all our live members in one compare-and-swap (with the
-   same grace for the others), and PyTorch's members add their own.
-
-Workers wait on a :class:`StateFeed`: one watch stream on the state key for the whole
-join, whose events carry the new state, so that waiting costs no reads.
-
-**Wire format.** The state document gets one field PyTorch's workers do not know, and
-keep (they decode the JSON, change their fields and encode the same object back):
-``"members": {"node_<hex>": rank, ...}``, the names of the member keys admitted so far
-and their ranks. Our workers' ranks are their admission order, which is their announce
-order; PyTorch's workers still take ``len(participants)``. A worker's rank is
-``members[its name]`` and the world size ``len(participants)``, as for PyTorch's.
+Workers announce themselves with a member key ``rdzv/v_<V>/node_<hex>`` (also their
+keep-alive key); the worker whose key is the oldest not yet admitted admits every
+announced key in one compare-and-swap, recording their ranks in the state's ``members``
+field; a state frozen by PyTorch's workers is confirmed the same way. The protocol, its
+grace periods and the wire format: docs/how-it-works.rst, section "Joining in a few
+requests".
 
 The decisions (:func:`admission_step`, :func:`confirmation_step`, :func:`plan_admission`,
 :func:`plan_freeze`, :func:`plan_confirmation`) are plain functions of what a worker
-observed; :class:`BatchJoin` carries them out.
+observed; :class:`BatchJoin` carries them out, waiting on a
+:class:`~etcd_rendezvous._legacy.feed.StateFeed`.
 """
 
 from __future__ import annotations
@@ -55,57 +24,52 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from .._transport.interface import (
-    WRITE_ACTIONS,
     CompareFailedError,
     KeyNotFoundError,
     Node,
     Transport,
-    WatchHistoryLostError,
-    WatchStream,
 )
 from .._transport.retry import Deadline
 from ..api import RendezvousError, RendezvousStateError
 from ..layout import LegacyLayout, member_name, new_member_name, normalize_key
+from .feed import Observed, StateFeed
+from .state import (
+    CONST_ETCD_FROZEN_TTL,
+    CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
+    CONST_WORKER_KEEPALIVE_TTL,
+    MEMBERS,
+    members_of,
+)
 
 __all__ = [
     "ADMISSION_GRACE",
-    "CONST_ETCD_FROZEN_TTL",
-    "CONST_ETCD_JOINABLE_EPHEMERAL_TTL",
-    "CONST_ETCD_SETUP_TTL",
-    "CONST_WORKER_KEEPALIVE_TTL",
-    "MEMBERS",
+    "AdmissionStep",
+    "Admit",
+    "Admitted",
     "Announced",
     "BatchJoin",
-    "Observed",
+    "Complete",
+    "Confirm",
+    "ConfirmationStep",
+    "Leave",
+    "ListAgain",
     "RestartAttempt",
-    "StateFeed",
-    "Step",
+    "Wait",
     "Write",
     "admission_step",
     "announced",
     "confirmation_step",
     "create_spread",
     "grace",
-    "members_of",
     "plan_admission",
     "plan_confirmation",
     "plan_freeze",
-    "status_in",
 ]
 
 logger = logging.getLogger(__name__)
-
-# TTLs, in seconds. They are part of the protocol: PyTorch's workers use the same ones.
-CONST_ETCD_SETUP_TTL = 5
-CONST_ETCD_FROZEN_TTL = 10
-CONST_ETCD_JOINABLE_EPHEMERAL_TTL = 10
-CONST_WORKER_KEEPALIVE_TTL = 10
-
-#: The state field mapping the names of our admitted member keys to their ranks.
-MEMBERS = "members"
 
 #: Seconds the state may stay unchanged before a worker admits (or confirms) without
 #: the older un-admitted keys (the lower-ranked unconfirmed members) it waits for.
@@ -145,28 +109,7 @@ def create_spread(max_workers: int, round_trip: float) -> float:
     return window * secrets.randbelow(1 << 20) / (1 << 20)
 
 
-# -- what a worker observes ------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Observed:
-    """The state key as last seen: its node and decoded state, or neither if missing."""
-
-    node: Node | None
-    state: dict[str, Any] | None
-    #: The modification index of this state, or the index at which the key was missing.
-    index: int
-
-    def status_in(self, version: str) -> str | None:
-        """The status, if the state is one of ``version``; ``None`` otherwise."""
-        return status_in(self.state, version)
-
-
-def status_in(state: dict[str, Any] | None, version: str) -> str | None:
-    """The status of ``state``, if it is a state of ``version``; ``None`` otherwise."""
-    if state is None or state.get("version") != version:
-        return None
-    return str(state["status"])
+# -- the member keys ------------------------------------------------------------------
 
 
 @dataclass(frozen=True, order=True)
@@ -188,12 +131,6 @@ def announced(listing: Node) -> list[Announced]:
         if name is not None and not child.is_dir:
             found.append(Announced(child.created_index, name, child.key.rstrip("/")))
     return sorted(found)
-
-
-def members_of(state: dict[str, Any]) -> dict[str, int]:
-    """The state's ``members`` (name -> rank); empty in a state PyTorch's workers made."""
-    members: dict[str, int] = state.get(MEMBERS) or {}
-    return members
 
 
 # -- the decisions ---------------------------------------------------------------------
@@ -297,23 +234,64 @@ def plan_confirmation(
     return _with_ttl(confirming, min_workers)
 
 
+# What a worker does next: one small type per decision. An admission step is one of
+# Admitted, Leave, ListAgain, Admit, Wait; a confirmation step one of Complete, Leave,
+# Confirm, Wait.
+
+
 @dataclass(frozen=True)
-class Step:
-    """What a worker does next: ``kind`` and its argument.
+class Admitted:
+    """We were admitted, with ``rank``."""
 
-    * ``admitted``/``done``: the rank we were admitted with / the world size;
-    * ``leave``: the version ended for us (``reason``);
-    * ``list``: list the version directory again, then decide again;
-    * ``admit``/``confirm``: write, leaving out older keys / lower-ranked members if
-      ``impatient``;
-    * ``wait``: wait for a change, at most ``timeout`` seconds (``None``: until one).
-    """
+    rank: int
 
-    kind: str
-    value: int = 0
+
+@dataclass(frozen=True)
+class Complete:
+    """The version is final with us in it, in a world of ``world_size``."""
+
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Leave:
+    """The version ended for us (``reason``): start the attempt over."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class ListAgain:
+    """The state changed since our listing: list the version directory, decide again."""
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Admit the announced keys, leaving out the older un-admitted ones if
+    ``without_older`` (their workers did not act within the grace period)."""
+
+    without_older: bool = False
+
+
+@dataclass(frozen=True)
+class Confirm:
+    """Confirm our live members, leaving out the lower-ranked unconfirmed ones if
+    ``without_lower`` (they did not confirm within the grace period)."""
+
+    without_lower: bool = False
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Wait for the state to change, at most ``timeout`` seconds (``None``: until it does)."""
+
     timeout: float | None = None
-    impatient: bool = False
-    reason: str = ""
+
+
+#: What a worker waiting to be admitted does next (:func:`admission_step`).
+AdmissionStep: TypeAlias = Admitted | Leave | ListAgain | Admit | Wait
+#: What an admitted worker does next until the version is final (:func:`confirmation_step`).
+ConfirmationStep: TypeAlias = Complete | Leave | Confirm | Wait
 
 
 def admission_step(
@@ -323,19 +301,19 @@ def admission_step(
     entries: Sequence[Announced],
     listed_at: int,
     quiet_for: float,
-) -> Step:
+) -> AdmissionStep:
     """What a worker that announced ``me`` in ``version`` does next, given the state it
     observed, its listing ``entries`` (taken when the state's index was ``listed_at``)
     and the seconds the state has been unchanged."""
     state = observed.state
     status = observed.status_in(version)
     if state is None or status not in ("joinable", "frozen", "final"):
-        return Step("leave", reason=f"version {version} ended before we were admitted")
+        return Leave(f"version {version} ended before we were admitted")
     members = members_of(state)
     if me.name in members:
-        return Step("admitted", value=members[me.name])
+        return Admitted(members[me.name])
     if status != "joinable":
-        return Step("leave", reason=f"version {version} became {status} without us: late")
+        return Leave(f"version {version} became {status} without us: late")
     older = [
         e
         for e in entries
@@ -343,25 +321,25 @@ def admission_step(
     ]
     patience = grace(len(older)) - quiet_for
     if older and patience > 0:
-        return Step("wait", timeout=patience)
+        return Wait(patience)
     if listed_at < observed.index:
-        return Step("list")
-    return Step("admit", impatient=bool(older))
+        return ListAgain()
+    return Admit(without_older=bool(older))
 
 
 def confirmation_step(
     observed: Observed, version: str, me: str, version_dir: str, quiet_for: float
-) -> Step:
+) -> ConfirmationStep:
     """What our admitted member named ``me`` does next until ``version`` is final."""
     state = observed.state
     status = observed.status_in(version)
     ongoing = status in ("joinable", "frozen", "final")
     if state is None or not ongoing or me not in members_of(state):
-        return Step("leave", reason="Rendezvous state transition no longer possible.")
+        return Leave("Rendezvous state transition no longer possible.")
     if status == "final":
-        return Step("done", value=len(state["participants"]))
+        return Complete(len(state["participants"]))
     if status == "joinable":
-        return Step("wait")
+        return Wait()
     confirmed = {normalize_key(key) for key in state["keep_alives"]}
     missing = sorted(
         (rank, name)
@@ -370,147 +348,12 @@ def confirmation_step(
     )
     names = [name for _, name in missing]
     if me not in names:
-        return Step("wait")
+        return Wait()
     position = names.index(me)
     patience = grace(position) - quiet_for
     if position and patience > 0:
-        return Step("wait", timeout=patience)
-    return Step("confirm", impatient=position > 0)
-
-
-# -- the state feed --------------------------------------------------------------------
-
-
-class StateFeed:
-    """The rendezvous state as one watch stream delivers it: every change in order, each
-    with its new value, so that a waiting worker reads nothing.
-
-    :meth:`current` reads the state once and opens the stream right after that read;
-    :meth:`wait` takes in the changes; :meth:`note` takes in the answer to our own write.
-    After an error the feed starts again from a read at the next :meth:`current`.
-    """
-
-    def __init__(self, conn: Transport, key: str, parse: Callable[[Node], dict[str, Any]]) -> None:
-        self._conn = conn
-        self._key = key
-        self._parse = parse
-        self._stream: WatchStream | None = None
-        self._latest: Observed | None = None
-        self._last_state: dict[str, Any] | None = None
-        self._changed_at = time.monotonic()
-        #: Seconds the last read of the state took: a measure of etcd's load.
-        self.read_seconds = 0.0
-
-    @property
-    def last_state(self) -> dict[str, Any] | None:
-        """The latest state seen (kept after :meth:`close`), without reading."""
-        return self._last_state
-
-    @property
-    def quiet_for(self) -> float:
-        """Seconds since the state last changed (as far as we know)."""
-        return time.monotonic() - self._changed_at
-
-    def current(self) -> Observed:
-        """The latest state known: read from etcd on first use and after an error, else
-        the newest change the stream already delivered (without waiting).
-
-        Taking in what was delivered matters: a caller that went round without waiting
-        (it read the key itself and found it changed or gone) would otherwise decide
-        again and again on a state that no longer exists.
-        """
-        if self._latest is None or self._stream is None:
-            return self._restart()
-        self._receive(0.0)
-        return self._latest if self._latest is not None else self._restart()
-
-    def note(self, node: Node) -> Observed:
-        """Take in ``node``, the answer to our own write of the state key."""
-        self._take(Observed(node, self._parse(node), node.modified_index))
-        return self.current()
-
-    def wait(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for a change newer than the latest state;
-        take in every change already delivered. Returns whether the state changed."""
-        if self._latest is None or self._stream is None:
-            self._restart()  # (not current(): what it took in would not count as a change)
-        return self._receive(max(0.0, timeout))
-
-    def _receive(self, timeout: float) -> bool:
-        """Take in the changes the open stream delivers within ``timeout`` seconds (every
-        one already delivered, and at most one wait); whether the state changed. After
-        lost history the state is read again; after any other error the feed is closed."""
-        stream = self._stream
-        if stream is None:  # pragma: no cover (callers opened it)
-            return False
-        deadline = Deadline(timeout)
-        try:
-            while True:
-                event = stream.next(deadline.remaining())
-                if event is None:
-                    return False
-                if self._apply(event):
-                    while (more := stream.next(0.0)) is not None:
-                        self._apply(more)
-                    return True
-        except WatchHistoryLostError:
-            logger.info("etcd no longer holds the changes of %s; reading it again", self._key)
-            before = self._latest
-            return before is None or self._restart().index != before.index
-        except BaseException:
-            self.close()
-            raise
-
-    def invalidate(self) -> None:
-        """Forget what was seen: the next :meth:`current` reads the state again."""
-        self.close()
-
-    def close(self) -> None:
-        """Close the stream (idempotent); the feed reopens it when used again."""
-        stream, self._stream = self._stream, None
-        self._latest = None
-        if stream is not None:
-            stream.close()
-
-    def _restart(self) -> Observed:
-        """Open the stream from now, then read the state: a stream opened from the
-        read's index would, on v2, cost a request per change made since (while many
-        workers write the state, that is many). Changes made between the two come in
-        both; the stream's copies are older than the read and are ignored."""
-        self.close()
-        self._stream = self._conn.watch_stream(self._key, 0)
-        started = time.monotonic()
-        try:
-            node = self._conn.get(self._key)
-        except KeyNotFoundError as exc:
-            observed = Observed(None, None, exc.etcd_index or self._conn.last_index)
-        except BaseException:
-            self.close()
-            raise
-        else:
-            observed = Observed(node, self._parse(node), node.modified_index)
-        self.read_seconds = time.monotonic() - started
-        self._take(observed)
-        return observed
-
-    def _apply(self, event: Node) -> bool:
-        """Take in one change; whether it was newer than what we knew."""
-        latest = self._latest
-        if latest is not None and event.modified_index <= latest.index:
-            return False
-        if event.action in WRITE_ACTIONS and event.value is not None:
-            node = dataclasses.replace(event, etcd_index=event.modified_index)
-            self._take(Observed(node, self._parse(node), event.modified_index))
-        else:  # deleted, expired
-            self._take(Observed(None, None, event.modified_index))
-        return True
-
-    def _take(self, observed: Observed) -> None:
-        if self._latest is None or observed.index > self._latest.index:
-            if observed.state != self._last_state:
-                self._changed_at = time.monotonic()
-            self._latest = observed
-            self._last_state = observed.state
+        return Wait(patience)
+    return Confirm(without_lower=position > 0)
 
 
 # -- carrying the decisions out --------------------------------------------------------
@@ -532,7 +375,8 @@ class _Member:
 
 
 class BatchJoin:
-    """One worker's side of the batched join (see the module docstring).
+    """One worker's side of the batched join (docs/how-it-works.rst, "Joining in a few
+    requests").
 
     Args:
         conn: the etcd connection.
@@ -602,28 +446,28 @@ class BatchJoin:
         while True:
             observed = self._feed.current()
             me = self._require_member(version).entry  # as listed
-            step = admission_step(observed, version, me, entries, listed_at, self._quiet(since))
-            if step.kind == "admitted":
-                return step.value
-            if step.kind == "leave":
-                self.discard()
-                raise RestartAttempt(step.reason)
-            if step.kind == "list":
-                listed_at, entries = self._list(version)
-            elif step.kind == "admit":
-                skip = me.created_index if step.impatient else None
-                if step.impatient:
-                    logger.info("No admission for a while: admitting without the older keys")
-                write = plan_admission(
-                    observed.state or {},
-                    entries,
-                    min_workers=self._min,
-                    max_workers=self._max,
-                    skip_older_than=skip,
-                )
-                self._swap(observed, write)
-            else:
-                self._wait(step.timeout)
+            quiet = self._quiet(since)
+            match admission_step(observed, version, me, entries, listed_at, quiet):
+                case Admitted(rank):
+                    return rank
+                case Leave(reason):
+                    self.discard()
+                    raise RestartAttempt(reason)
+                case ListAgain():
+                    listed_at, entries = self._list(version)
+                case Admit(without_older):
+                    if without_older:
+                        logger.info("No admission for a while: admitting without the older keys")
+                    write = plan_admission(
+                        observed.state or {},
+                        entries,
+                        min_workers=self._min,
+                        max_workers=self._max,
+                        skip_older_than=me.created_index if without_older else None,
+                    )
+                    self._swap(observed, write)
+                case Wait(timeout):
+                    self._wait(timeout)
 
     def confirm(self, version: str, rank: int) -> int:
         """Wait until ``version`` is final, confirming our members if it was frozen
@@ -637,24 +481,25 @@ class BatchJoin:
         since = time.monotonic()
         while True:
             observed = self._feed.current()
-            step = confirmation_step(observed, version, me.name, version_dir, self._quiet(since))
-            if step.kind == "done":
-                return step.value
-            if step.kind == "leave":
-                raise RestartAttempt(f"{step.reason} Must re-enter.")
-            if step.kind == "confirm":
-                _, entries = self._list(version)
-                write = plan_confirmation(
-                    observed.state or {},
-                    entries,
-                    min_workers=self._min,
-                    skip_below_rank=rank if step.impatient else None,
-                )
-                if write is None:
-                    raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
-                self._swap(observed, write)
-            else:
-                self._wait(step.timeout)
+            quiet = self._quiet(since)
+            match confirmation_step(observed, version, me.name, version_dir, quiet):
+                case Complete(world_size):
+                    return world_size
+                case Leave(reason):
+                    raise RestartAttempt(f"{reason} Must re-enter.")
+                case Confirm(without_lower):
+                    _, entries = self._list(version)
+                    write = plan_confirmation(
+                        observed.state or {},
+                        entries,
+                        min_workers=self._min,
+                        skip_below_rank=rank if without_lower else None,
+                    )
+                    if write is None:
+                        raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
+                    self._swap(observed, write)
+                case Wait(timeout):
+                    self._wait(timeout)
 
     def freeze(self, version: str) -> bool:
         """Freeze the joinable ``version`` at the end of the last call, our live members

@@ -1,10 +1,10 @@
-"""The legacy ``etcd`` backend's rendezvous state: decoding and validating it.
+"""The legacy ``etcd`` backend's rendezvous state: its fields, TTLs and validation.
 
 The state is the JSON object PyTorch's workers keep in ``rdzv/active_version``
-(:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), with the ``members`` field our
-workers add (see :mod:`etcd_rendezvous._legacy.admission`). Every worker checks every
-state it reads, so that a corrupt key is reported, naming it, instead of derailing the
-state machine of :mod:`etcd_rendezvous.etcd_rendezvous`.
+(:attr:`~etcd_rendezvous.layout.LegacyLayout.state_key`), with the fields our workers
+add, ``members`` and ``waiting`` (docs/how-it-works.rst, "Joining in a few requests" and
+"Waiting in a few requests"). Every worker checks every state it reads, so that a
+corrupt key is reported, naming it, instead of derailing the state machine.
 """
 
 from __future__ import annotations
@@ -14,10 +14,35 @@ from typing import Any
 
 from .._transport.interface import Node
 from ..api import RendezvousStateError
-from .admission import MEMBERS, members_of
-from .waiting import WAITING
 
-__all__ = ["member_ranks", "parse_state", "preview"]
+__all__ = [
+    "CONST_ETCD_FROZEN_TTL",
+    "CONST_ETCD_JOINABLE_EPHEMERAL_TTL",
+    "CONST_ETCD_SETUP_TTL",
+    "CONST_WORKER_KEEPALIVE_TTL",
+    "MEMBERS",
+    "WAITING",
+    "member_ranks",
+    "members_of",
+    "parse_state",
+    "preview",
+    "status_in",
+    "waiters_of",
+]
+
+# TTLs, in seconds, of the state in each status and of a member's keep-alive key. They
+# are part of the protocol: PyTorch's workers use the same ones.
+CONST_ETCD_SETUP_TTL = 5
+CONST_ETCD_FROZEN_TTL = 10
+CONST_ETCD_JOINABLE_EPHEMERAL_TTL = 10
+CONST_WORKER_KEEPALIVE_TTL = 10
+
+#: The state field mapping the names of our admitted member keys to their ranks
+#: (see :mod:`etcd_rendezvous._legacy.admission`).
+MEMBERS = "members"
+#: The state field listing the names of the wait keys counted in ``num_workers_waiting``
+#: (see :mod:`etcd_rendezvous._legacy.waiting`).
+WAITING = "waiting"
 
 _STATUSES = frozenset({"setup", "joinable", "frozen", "final", "closed"})
 
@@ -99,3 +124,21 @@ def member_ranks(state: dict[str, Any]) -> dict[str, int]:
     the ``members`` field of a state :func:`parse_state` returned (empty in a state only
     PyTorch's workers wrote)."""
     return dict(members_of(state))
+
+
+def status_in(state: dict[str, Any] | None, version: str) -> str | None:
+    """The status of ``state``, if it is a state of ``version``; ``None`` otherwise."""
+    if state is None or state.get("version") != version:
+        return None
+    return str(state["status"])
+
+
+def members_of(state: dict[str, Any]) -> dict[str, int]:
+    """The state's ``members`` (name -> rank); empty in a state PyTorch's workers made."""
+    members: dict[str, int] = state.get(MEMBERS) or {}
+    return members
+
+
+def waiters_of(state: dict[str, Any]) -> set[str]:
+    """The wait keys (names) already counted in ``state``."""
+    return set(state.get(WAITING) or ())

@@ -1,38 +1,15 @@
 """Waiting for a final version of the legacy ``etcd`` rendezvous to end, in a constant
 number of etcd requests per worker.
 
-A worker that finds the rendezvous ``final`` (it came late, or it re-enters after its
-job failed) is counted in the state's ``num_workers_waiting`` (the agents of the
-members poll it through ``num_nodes_waiting()`` and re-rendezvous when it is positive),
-then waits for the version to end: its state changes or is deleted, or one of its
-members stops renewing the keep-alive key listed in ``keep_alives``, in which case the
-waiting workers delete the state so that a new version starts.
+A waiting worker writes a wait key ``rdzv/v_<V>/wait_<hex>``, follows ``rdzv/`` with one
+watch stream, and the oldest uncounted waiter adds every uncounted wait key to the
+state's ``num_workers_waiting`` (and its ``waiting`` field) in one compare-and-swap. The
+version ends on the evidence PyTorch's workers use: the state changed or was deleted, or
+a keep-alive key lapsed (then the state is deleted). The protocol: docs/how-it-works.rst,
+section "Waiting in a few requests".
 
-PyTorch's workers each increment the count with a compare-and-swap of the state (N
-workers arriving together: O(N) attempts each, and N state writes that every waiting
-worker receives), then wait with one watch request per change below ``rdzv/``, reading
-the state and listing the version directory after each: O(N) requests per worker, and
-O(N²) bytes of state in all. Ours:
-
-1. **Announce.** A waiting worker writes its *wait key* ``rdzv/v_<V>/wait_<16 hex>``
-   (:meth:`~etcd_rendezvous.layout.LegacyLayout.waiter_key`, TTL
-   :data:`WAITER_TTL`).
-2. **Watch.** It opens one watch stream over ``rdzv/`` from now, then reads the state
-   and lists the version directory once. The stream's events carry the rest: new
-   states (with their value), wait keys, and the deletion or expiry of keep-alive keys.
-   Other changes (the running job's key-value store, say) cost only their delivery.
-3. **Count.** The worker whose wait key is the oldest not yet counted lets it age
-   :data:`GATHER` seconds (so that the workers arriving about together are counted
-   together), then adds every uncounted wait key to ``num_workers_waiting`` in one
-   compare-and-swap, and records their names in the state's ``waiting`` field
-   (PyTorch's workers keep fields they do not know; their own increments add to the
-   same count). Should the state not change for
-   :func:`~etcd_rendezvous._legacy.admission.grace` seconds while our key waits
-   behind older uncounted ones (their workers died, or are slow), we count them all
-   ourselves: every wait key stands for a worker that did arrive.
-
-The version ends on the same evidence as for PyTorch's workers, so both kinds of
-waiting workers end it together. Keep-alive refreshes notify no watcher on either API.
+The decisions (:func:`plan_count`, :func:`count_step`) are plain functions of the state
+and the wait keys seen; :func:`await_end_of_final` carries them out.
 """
 
 from __future__ import annotations
@@ -55,22 +32,18 @@ from .._transport.interface import (
 )
 from .._transport.retry import Deadline
 from ..layout import LegacyLayout, normalize_key, waiter_name
-from .admission import grace, status_in
+from .admission import grace
+from .state import WAITING, status_in, waiters_of
 
 __all__ = [
     "GATHER",
     "WAITER_TTL",
-    "WAITING",
     "await_end_of_final",
     "count_step",
     "plan_count",
-    "waiters_of",
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The state field listing the names of the wait keys counted in ``num_workers_waiting``.
-WAITING = "waiting"
 
 #: Seconds a wait key lives. It is counted within moments of being written; it only has
 #: to outlive a folding worker that died (then the next one, after the grace, counts it).
@@ -82,11 +55,6 @@ WAITER_TTL = 60
 #: 0.1 s), and counted one by one they would make one state write each, which every
 #: waiting worker receives.
 GATHER = 0.1
-
-
-def waiters_of(state: dict[str, Any]) -> set[str]:
-    """The wait keys (names) already counted in ``state``."""
-    return set(state.get(WAITING) or ())
 
 
 def plan_count(state: dict[str, Any], waiting: dict[str, int]) -> dict[str, Any] | None:
@@ -283,7 +251,7 @@ def await_end_of_final(
     timeout_error: Callable[[], Exception],
     waiter: str | None = None,
 ) -> None:
-    """Return once the final ``version`` ended (see the module docstring), counting the
+    """Return once the final ``version`` ended (see docs/how-it-works.rst), counting the
     wait keys if ``waiter`` (the name of ours, already written) calls for it.
 
     When a member's keep-alive key lapsed, ``on_lapse(key)`` is called, then the state is
