@@ -91,7 +91,16 @@ if TYPE_CHECKING:
     from .settings import RendezvousSettings
     from .state import NodeDesc, RendezvousState
 
-__all__ = ["ADMISSION_GRACE", "EXIT_GATHER", "AnnouncedNode", "NodeKeys", "NodeRegistry"]
+__all__ = [
+    "ADMISSION_GRACE",
+    "EXIT_GATHER",
+    "AnnouncedNode",
+    "Batch",
+    "Gone",
+    "NodeKeys",
+    "NodeRegistry",
+    "Wait",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +144,30 @@ class AnnouncedNode:
     node: NodeDesc
     created_index: int
     leaving: int | None = None
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing for this node to do yet: look again within ``seconds``."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Batch:
+    """This node makes the batch now: ``nodes`` are the listed nodes, oldest first, but
+    those taken for dead. For each, the caller takes it out of its round if it leaves,
+    and admits it if the join decision says so."""
+
+    nodes: list[NodeDesc]
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Participants whose keys are gone (died or withdrew): the caller takes them out
+    of the round."""
+
+    nodes: list[NodeDesc]
 
 
 @runtime_checkable
@@ -338,11 +371,9 @@ class NodeKeys:
 
     # -- admission --------------------------------------------------------------------
 
-    def admission(self, wants: WantsAdmission, mark: object) -> list[NodeDesc] | float:
-        """The nodes of the batch this node must make now: the listed nodes, oldest
-        first, but those taken for dead (for each, the caller takes it out if it leaves
-        and admits it if the join decision says so); or else how long to wait (at most)
-        for another node to make it, in seconds.
+    def admission(self, wants: WantsAdmission, mark: object) -> Batch | Wait:
+        """The batch this node must make now, or else how long to wait (at most) for
+        another node to make it.
 
         ``wants`` tells whether a batch would do something for a node on the current
         state (take it out, or admit it); ``mark`` sums up the state's admissions (it
@@ -357,7 +388,7 @@ class NodeKeys:
                 self._announce()
             gathering = self._left_at + EXIT_GATHER - self._clock()
             if self._attempt is None and gathering > 0:
-                return gathering  # Let the others of the round ask to leave too.
+                return Wait(gathering)  # Let the others of the round ask to leave too.
             if self._attempt is None:
                 listing = self._list()
                 self._attempt = self._new_attempt(listing)
@@ -375,7 +406,7 @@ class NodeKeys:
                 # batch (the oldest that asks does, after its own listing).
                 blocked = attempt.blocked(wants)
             if blocked or listing is None:
-                return max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0)
+                return Wait(max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0))
             if not self._leading and self._registry.aggregator() is None:
                 # The first admitter aggregates from the start: the heartbeats of the
                 # nodes it admits are folded before any of them is late.
@@ -409,9 +440,9 @@ class NodeKeys:
                     node,
                 )
 
-    def reap(self, round_: int, blockers: list[NodeDesc]) -> list[NodeDesc] | float:
+    def reap(self, round_: int, blockers: list[NodeDesc]) -> Gone | Wait:
         """The nodes among ``blockers`` whose keys are gone, or else how long to wait
-        before looking again, in seconds (see "Dead participants" in the module docs).
+        before looking again (see "Dead participants" in the module docs).
 
         ``blockers`` are the participants of the complete round ``round_`` that did not
         ask to leave it, while this node waits for the next round. A node is judged only
@@ -425,12 +456,12 @@ class NodeKeys:
             if round_ != self._reap_round:
                 self._reap_round, self._reap_at = round_, -math.inf
             if now < self._reap_at:
-                return self._reap_at - now
+                return Wait(self._reap_at - now)
             seen = set(self._seen)
             alive = {entry.node: entry.created_index for entry in self._list()}
             gone = [node for node in blockers if node in seen and node not in alive]
             if gone:
-                return gone
+                return Gone(gone)
             keyed = [node for node in blockers if node in alive]
             probed = {node: self._registry.expires_in(node) or 0 for node in keyed[:_REAP_PROBES]}
             # A key without a whole second left is as good as gone: its node, which
@@ -445,7 +476,7 @@ class NodeKeys:
             expired = [node for node in expired if self._registry.remove_expired(node)]
             if expired:
                 self._dead.update((node, alive[node]) for node in expired)
-                return expired
+                return Gone(expired)
             lifetimes = list(probed.values())
             wait = self._interval
             if lifetimes:
@@ -462,7 +493,7 @@ class NodeKeys:
                 lifetimes,
                 wait,
             )
-            return wait
+            return Wait(wait)
 
     def _new_attempt(self, listing: list[AnnouncedNode]) -> _Attempt:
         created = self._created if self._created is not None else math.inf
@@ -502,7 +533,7 @@ class NodeKeys:
 
     def _batch(
         self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission
-    ) -> list[NodeDesc]:
+    ) -> Batch:
         self._listed = {entry.node for entry in listing}
         # This attempt is over: a later admission (the next round) lists afresh, lest it
         # wait for predecessors of this one that are gone.
@@ -511,7 +542,7 @@ class NodeKeys:
         if self._node not in self._listed and wants(self._node):
             # Our key vanished after we announced it (the refresh will re-create it).
             batch.append(self._node)
-        return batch
+        return Batch(batch)
 
     def _announce(self) -> None:
         self._created = self._registry.announce_node(self._node, self._ttl)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -68,11 +69,12 @@ def adapt_store(store: Store, wanted: bool) -> Store:
 
     Other stores (a torch store already, or a custom one) are returned unchanged.
     """
-    from ..etcd_store import EtcdStore  # noqa: PLC0415  (python-etcd is imported lazily)
-
-    if not wanted or not isinstance(store, EtcdStore):
+    # An EtcdStore exists only once its module is loaded: looked up, not imported (that
+    # module sits above this one, and loads python-etcd).
+    etcd_store = sys.modules.get("etcd_rendezvous.etcd_store")
+    if not wanted or etcd_store is None or not isinstance(store, etcd_store.EtcdStore):
         return store
-    # Imported by name so that this module, and mypy, never load PyTorch eagerly.
+    # Imported by name: PyTorch is optional, and this module (and mypy) never loads it.
     module = importlib.import_module("etcd_rendezvous.torch_store")
     adapted: Store = module.TorchEtcdStore(store)
     return adapted
