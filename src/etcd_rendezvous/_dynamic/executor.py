@@ -5,8 +5,8 @@
 next action, applies it and writes the state back, until the operation finishes. Between
 steps it waits for the other nodes (or for its next deadline); with node keys (see
 :mod:`etcd_rendezvous._dynamic.admission`) it admits the announced nodes in batches and
-folds their heartbeats into the state. Part of :mod:`etcd_rendezvous.dynamic_rendezvous`,
-which documents the protocol.
+folds their heartbeats into the state. The protocol: see docs/how-it-works.rst, section
+"The dynamic rendezvous".
 """
 
 from __future__ import annotations

@@ -337,8 +337,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         # PyTorch delays its first attempt by a random 0-0.3 s, to spread the nodes'
         # compare-and-swaps of the state. A node that announces itself with a node key
-        # writes no state to join, so it does not wait (the wait was most of the time
-        # of a first rendezvous: the last of N nodes waited almost 0.3 s).
+        # writes no state to join, so it does not wait.
         keys = self._node_keys
         if keys is None and self._state_holder.state.round == 0:
             _delay(seconds=(0, 0.3))

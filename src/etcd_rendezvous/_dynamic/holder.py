@@ -3,8 +3,7 @@ backend.
 
 :class:`_BackendRendezvousStateHolder` reads the state (or adopts the one a watching
 backend brought), writes the node's changes back with the fencing token it read, and
-drops the nodes whose heartbeats lapsed. Part of
-:mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the protocol.
+drops the nodes whose heartbeats lapsed.
 """
 
 from __future__ import annotations

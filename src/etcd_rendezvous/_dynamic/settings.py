@@ -1,10 +1,9 @@
 """The settings of a dynamic rendezvous, and what all the parts of its handler share.
 
-Part of :mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the protocol and
-re-exports :class:`RendezvousTimeout` and :class:`RendezvousSettings` (users import them
-from there). The parts of the handler read the time from one clock (:func:`_now`), and log and
-name their events as that public module, as PyTorch's do (:data:`LOGGER_NAME`,
-:func:`event_source`).
+Re-exported by :mod:`etcd_rendezvous.dynamic_rendezvous` (users import
+:class:`RendezvousTimeout` and :class:`RendezvousSettings` from there). The parts of the
+handler read the time from one clock (:func:`_now`), and log and name their events as
+that public module, as PyTorch's do (:data:`LOGGER_NAME`, :func:`event_source`).
 """
 
 from __future__ import annotations
