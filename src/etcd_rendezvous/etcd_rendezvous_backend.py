@@ -21,6 +21,8 @@ from base64 import b64decode, b64encode
 from typing import Any
 
 from ._dynamic.admission import AnnouncedNode
+from ._dynamic.backend import RendezvousBackend, Token
+from ._dynamic.state import NodeDesc
 from ._transport.interface import DELETE_ACTIONS, Transport, WatchHistoryLostError, WatchStream
 from ._transport.options import create_etcd_connection, seconds
 from ._transport.retry import REWATCH, Deadline
@@ -32,7 +34,6 @@ from ._transport.v2 import (
     Node,
 )
 from .api import RendezvousParameters, RendezvousStateError
-from .dynamic_rendezvous import NodeDesc, RendezvousBackend, Token
 from .etcd_store import EtcdStore
 from .layout import (
     ETCD_V2_STATE_PREFIX,

@@ -25,11 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from .settings import RendezvousSettings
-    from .state import NodeDesc, RendezvousState
+from .settings import RendezvousSettings
+from .state import NodeDesc, RendezvousState
 
 __all__ = [
     "ADMISSION_GRACE",
@@ -161,7 +160,7 @@ class NodeRegistry(Protocol):
 #: Tells whether a batch would do something for a node on the state at hand: take it
 #: out of the round it asked to leave, or admit it (the join decision adds it to the
 #: participants, the wait list or the redundancy list).
-WantsAdmission = Callable[["NodeDesc"], bool]
+WantsAdmission = Callable[[NodeDesc], bool]
 
 
 @dataclass

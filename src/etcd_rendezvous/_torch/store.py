@@ -18,10 +18,9 @@ import functools
 import importlib
 import importlib.util
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..api import RendezvousParameters, Store
+from ..api import RendezvousParameters, Store
 
 __all__ = ["TORCH_STORE_OPTION", "adapt_store", "torch_available", "torch_store_wanted"]
 
