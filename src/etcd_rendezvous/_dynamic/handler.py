@@ -60,6 +60,10 @@ __all__ = ["DynamicRendezvousHandler", "create_handler"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
+#: The module the handler and its factory are imported from, documented in and reported
+#: under (``type(handler).__module__``), as PyTorch's are.
+PUBLIC_MODULE = LOGGER_NAME
+
 #: Environment variable with which PyTorch opts out of sharing the agent's TCPStore.
 _DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -84,6 +88,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     the thread and releases the backend if the handler owns it, without closing the
     rendezvous for the other nodes.
     """
+
+    __module__ = PUBLIC_MODULE
 
     # Static
     _node_desc_generator = _NodeDescGenerator()
@@ -747,6 +753,9 @@ def create_handler(
         if owns_backend and close_backend is not None:
             close_backend()
         raise
+
+
+create_handler.__module__ = PUBLIC_MODULE
 
 
 def _handler_from_params(
