@@ -2,40 +2,12 @@
 
 :class:`EtcdRendezvousBackend` holds the state of a
 :class:`~etcd_rendezvous.dynamic_rendezvous.DynamicRendezvousHandler` in one etcd key,
-``/torch/elastic/rendezvous/<run_id>``, exactly as PyTorch 2.13's backend of the same
-name does:
-
-* the value is the base64 of the state bytes (which the handler encodes and decodes;
-  this module only moves bytes);
-* the fencing token is the key's etcd ``modifiedIndex``; a write with a token is a
-  compare-and-swap on that index, a write without one a create;
-* every write gives the key a TTL (two hours by default), so an abandoned rendezvous
-  cleans itself up.
-
-So a fleet mixing PyTorch's ``etcd-v2`` workers and ours shares one state. What
-differs:
-
-* requests go through :class:`~etcd_rendezvous._transport.v2.EtcdConnection`: several
-  endpoints with failover, ``username``/``password``, connection errors that name the
-  endpoint, and a compare-and-swap whose answer was lost on the connection recognised
-  as applied (or not) from the key's history instead of being reported as a conflict;
-* a state key that is not base64 raises
-  :class:`~etcd_rendezvous.api.RendezvousStateError` naming the key, which is left
-  untouched;
-* a compare-and-swap on a key that expired or was deleted meanwhile reports "no state"
-  instead of a connection error;
-* :meth:`EtcdRendezvousBackend.wait_for_change` lets the handler wait for the next
-  change of the state instead of polling every second: one watch stream on the state
-  key, opened at the first wait and kept until :meth:`EtcdRendezvousBackend.close`,
-  delivers every change (with the new state, so the handler needs no read after it);
-* the backend keeps our nodes' keys and the heartbeat aggregator's lock (see
-  :class:`~etcd_rendezvous.layout.EtcdV2NodesLayout` and
-  :mod:`etcd_rendezvous._dynamic.admission`), with which the handler joins in a constant
-  number of requests per node and heartbeats without writing the state; PyTorch's
-  workers do not see these keys and need not;
-* the store returned by :func:`create_backend` reads the keys it is asked for instead
-  of the whole store directory, so it does not fail on a fresh etcd where
-  ``/torch/elastic/store`` does not exist yet (PyTorch issue 132950).
+``/torch/elastic/rendezvous/<run_id>``, as PyTorch 2.13's backend of the same name does
+(the base64 of the state bytes, the key's ``modifiedIndex`` as the fencing token, a
+two-hour TTL), so PyTorch's workers and ours share one state. It also keeps our nodes'
+keys, and lets the handler wait for a change with a watch instead of polling. How, and
+what differs from PyTorch's backend: :doc:`/how-it-works`, section "The dynamic
+rendezvous".
 """
 
 from __future__ import annotations
@@ -49,6 +21,8 @@ from base64 import b64decode, b64encode
 from typing import Any
 
 from ._dynamic.admission import AnnouncedNode
+from ._dynamic.backend import RendezvousBackend, Token
+from ._dynamic.state import NodeDesc
 from ._transport.interface import DELETE_ACTIONS, Transport, WatchHistoryLostError, WatchStream
 from ._transport.options import create_etcd_connection, seconds
 from ._transport.retry import REWATCH, Deadline
@@ -60,7 +34,6 @@ from ._transport.v2 import (
     Node,
 )
 from .api import RendezvousParameters, RendezvousStateError
-from .dynamic_rendezvous import NodeDesc, RendezvousBackend, Token
 from .etcd_store import EtcdStore
 from .layout import (
     ETCD_V2_STATE_PREFIX,

@@ -38,6 +38,7 @@ def _create_etcd_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
     The handler owns the backend, and so the connection ``create_backend`` opened: its
     ``close()`` releases them.
     """
+    # Imported here so that importing the registry does not import python-etcd.
     from .dynamic_rendezvous import create_handler  # noqa: PLC0415
     from .etcd_rendezvous_backend import create_backend  # noqa: PLC0415
 

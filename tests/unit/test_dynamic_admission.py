@@ -12,8 +12,10 @@ from etcd_rendezvous._dynamic.admission import (
     ADMISSION_GRACE,
     EXIT_GATHER,
     AnnouncedNode,
+    Batch,
+    Gone,
     NodeKeys,
-    NodeRegistry,
+    Wait,
 )
 from etcd_rendezvous.dynamic_rendezvous import (
     NodeDesc,
@@ -122,66 +124,68 @@ def wants_all_but(*admitted: NodeDesc):  # type: ignore[no-untyped-def]
     return lambda node: node not in admitted
 
 
-def test_the_memory_registry_is_a_node_registry() -> None:
-    assert isinstance(MemoryRegistry(), NodeRegistry)
+def waits(outcome: Batch | Gone | Wait) -> float:
+    """The seconds of a :class:`Wait` (fails on a batch or gone nodes)."""
+    assert isinstance(outcome, Wait), outcome
+    return outcome.seconds
 
 
 def test_the_oldest_waiting_node_admits_everyone_announced() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
     registry.announce_node(A, 15)  # A's key is the oldest (its answer was lost, say).
-    assert b.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE)
+    assert waits(b.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
     registry.announce_node(C, 15)  # Announced, not asking yet: admitted all the same.
-    assert a.admission(wants_all_but(), "m") == [A, B, C]
+    assert a.admission(wants_all_but(), "m") == Batch([A, B, C])
     assert registry.calls["list"] == 2  # One listing each, none more for the admitter.
 
 
 def test_a_node_waits_until_its_predecessors_are_admitted() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
-    assert a.admission(wants_all_but(), "m0") == [A]
+    assert a.admission(wants_all_but(), "m0") == Batch([A])
     # A was admitted before: B does not wait (its batch lists A; the caller skips it).
-    assert b.admission(wants_all_but(A), "m0") == [A, B]
+    assert b.admission(wants_all_but(A), "m0") == Batch([A, B])
     c = keys_of(C, registry, clock)
-    assert c.admission(wants_all_but(A), "m1") == pytest.approx(ADMISSION_GRACE)
+    assert waits(c.admission(wants_all_but(A), "m1")) == pytest.approx(ADMISSION_GRACE)
     clock.now += 1
-    assert c.admission(wants_all_but(A, B), "m2") == [A, B, C]
+    assert c.admission(wants_all_but(A, B), "m2") == Batch([A, B, C])
 
 
 def test_a_predecessor_stuck_for_the_grace_period_is_skipped() -> None:
     registry, clock = MemoryRegistry(), Clock()
     registry.announce_node(D, 15)  # Died after announcing.
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
-    assert a.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE)
-    assert b.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE)
+    assert waits(a.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
+    assert waits(b.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
     clock.now += ADMISSION_GRACE / 2
-    assert a.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE / 2)
+    assert waits(a.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE / 2)
     clock.now += ADMISSION_GRACE / 2
     # D is taken for dead; A is then the oldest and admits everyone but D.
-    assert a.admission(wants_all_but(), "m") == [A, B]
+    assert a.admission(wants_all_but(), "m") == Batch([A, B])
     # B skips D as well but still waits for A (only one key per grace period).
-    assert b.admission(wants_all_but(), "m") == pytest.approx(ADMISSION_GRACE)
+    assert waits(b.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
 
 
 def test_admissions_of_others_reset_the_grace_period() -> None:
     registry, clock = MemoryRegistry(), Clock()
     registry.announce_node(D, 15)
     b = keys_of(B, registry, clock)
-    assert b.admission(wants_all_but(), "m0") == pytest.approx(ADMISSION_GRACE)
+    assert waits(b.admission(wants_all_but(), "m0")) == pytest.approx(ADMISSION_GRACE)
     clock.now += ADMISSION_GRACE - 0.1
-    assert b.admission(wants_all_but(), "m1") == pytest.approx(ADMISSION_GRACE)
+    assert waits(b.admission(wants_all_but(), "m1")) == pytest.approx(ADMISSION_GRACE)
     clock.now += ADMISSION_GRACE - 0.1
-    assert b.admission(wants_all_but(), "m1") == pytest.approx(0.1)
+    assert waits(b.admission(wants_all_but(), "m1")) == pytest.approx(0.1)
 
 
 def test_a_predecessor_whose_key_is_gone_no_longer_blocks_after_the_grace_period() -> None:
     registry, clock = MemoryRegistry(), Clock()
     registry.announce_node(D, 15)
     b = keys_of(B, registry, clock)
-    assert isinstance(b.admission(wants_all_but(), "m"), float)
+    assert isinstance(b.admission(wants_all_but(), "m"), Wait)
     registry.withdraw_node(D)
     clock.now += ADMISSION_GRACE
-    assert b.admission(wants_all_but(), "m") == [B]
+    assert b.admission(wants_all_but(), "m") == Batch([B])
 
 
 def leaving(keys: NodeKeys, round_: int):  # type: ignore[no-untyped-def]
@@ -215,14 +219,14 @@ def test_the_oldest_leaving_node_takes_out_everyone_who_asked() -> None:
     c.leave(3)
     b.leave(3)
     # Each lets the others of the round ask too before it lists the keys.
-    assert c.admission(leaving(c, 3), "m") == pytest.approx(EXIT_GATHER)
+    assert waits(c.admission(leaving(c, 3), "m")) == pytest.approx(EXIT_GATHER)
     assert "list" not in registry.calls
     clock.now += EXIT_GATHER
     # C sees B asking to leave: B makes the batch.
-    assert c.admission(leaving(c, 3), "m") == pytest.approx(ADMISSION_GRACE)
+    assert waits(c.admission(leaving(c, 3), "m")) == pytest.approx(ADMISSION_GRACE)
     # B sees nobody older asking (A is a participant that stays): its batch lists all;
     # the leaving marks of the listing tell the caller whom to take out.
-    assert b.admission(leaving(b, 3), "m") == [A, B, C]
+    assert b.admission(leaving(b, 3), "m") == Batch([A, B, C])
     assert [n for n in (A, B, C) if b.leaving(n) == 3] == [B, C]
 
 
@@ -247,15 +251,15 @@ def test_an_older_node_asking_to_leave_after_our_listing_makes_the_batch() -> No
     def wants(admitted: bool):  # type: ignore[no-untyped-def]
         return lambda node: b.leaving(node) == 3 or (node == D and not admitted)
 
-    assert b.admission(wants(False), "m0") == pytest.approx(ADMISSION_GRACE)  # D's turn.
+    assert waits(b.admission(wants(False), "m0")) == pytest.approx(ADMISSION_GRACE)  # D's turn.
     # D was admitted. The attempt's listing showed A staying; the listing taken for the
     # batch shows it leaving: A makes the batch.
-    assert b.admission(wants(True), "m1") == pytest.approx(ADMISSION_GRACE)
+    assert waits(b.admission(wants(True), "m1")) == pytest.approx(ADMISSION_GRACE)
     assert registry.calls["list"] == 2
     a = keys_of(A, registry, clock)
     a.leave(3)
     clock.now += EXIT_GATHER
-    assert a.admission(leaving(a, 3), "m") == [A, D, B]
+    assert a.admission(leaving(a, 3), "m") == Batch([A, D, B])
 
 
 def state_with(*nodes: NodeDesc, age: float = 0.0) -> RendezvousState:
@@ -355,15 +359,15 @@ def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired() -> N
     # Round 3 is complete; A and B left it and wait; C did not ask (it died).
     # C's key has 9 s to live: look again when it may have expired (whole seconds, so
     # up to one second early, and then every _REAP_STEP seconds).
-    assert b.reap(3, [C]) == pytest.approx(8 + _REAP_STEP)
+    assert waits(b.reap(3, [C])) == pytest.approx(8 + _REAP_STEP)
     assert registry.calls["list"] == 1
     # A state change in between does not make it list again.
     clock.now += 4
-    assert b.reap(3, [C]) == pytest.approx(4 + _REAP_STEP)
+    assert waits(b.reap(3, [C])) == pytest.approx(4 + _REAP_STEP)
     assert registry.calls["list"] == 1
     clock.now += 4 + _REAP_STEP
     registry.keys.pop(C)  # expired
-    assert b.reap(3, [C]) == [C]
+    assert b.reap(3, [C]) == Gone([C])
 
 
 @pytest.mark.parametrize("lifetime", [0, None], ids=["v3-last-second", "v2-past-expiry"])
@@ -373,7 +377,7 @@ def test_a_listed_key_without_a_whole_second_left_counts_as_gone(lifetime: int |
         registry.announce_node(node, 15)
     registry.lifetimes[C] = lifetime
     b = keys_of(B, registry, clock)
-    assert b.reap(3, [C]) == [C]
+    assert b.reap(3, [C]) == Gone([C])
 
 
 def test_a_participant_never_listed_with_a_key_is_left_to_its_heartbeat() -> None:
@@ -381,9 +385,9 @@ def test_a_participant_never_listed_with_a_key_is_left_to_its_heartbeat() -> Non
     registry.announce_node(B, 15)
     b = keys_of(B, registry, clock, interval=5)
     # D is PyTorch's node (no key): not judged; B looks again every interval.
-    assert b.reap(3, [D]) == pytest.approx(5)
+    assert waits(b.reap(3, [D])) == pytest.approx(5)
     clock.now += 5
-    assert b.reap(3, [D]) == pytest.approx(5)
+    assert waits(b.reap(3, [D])) == pytest.approx(5)
 
 
 def test_reaping_reads_at_most_two_lifetimes_and_looks_each_interval_for_the_rest() -> None:
@@ -393,10 +397,10 @@ def test_reaping_reads_at_most_two_lifetimes_and_looks_each_interval_for_the_res
     registry.lifetimes.update({A: 14, C: 14, D: 2})
     b = keys_of(B, registry, clock, interval=5)
     # A and C are probed (14 s left); D, which would expire first, is not: the interval.
-    assert b.reap(3, [A, C, D]) == pytest.approx(5)
+    assert waits(b.reap(3, [A, C, D])) == pytest.approx(5)
     assert registry.calls["expires_in"] == 2
     # A new round starts afresh.
-    assert b.reap(4, [D]) == pytest.approx(1 + _REAP_STEP)
+    assert waits(b.reap(4, [D])) == pytest.approx(1 + _REAP_STEP)
 
 
 def test_a_reaped_key_is_deleted_so_that_no_other_node_admits_its_node() -> None:
@@ -407,9 +411,9 @@ def test_a_reaped_key_is_deleted_so_that_no_other_node_admits_its_node() -> None
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
     # B, first of the wait list, takes C out; A makes the next round's batch from a
     # listing of its own, which must not show C.
-    assert b.reap(3, [C]) == [C]
+    assert b.reap(3, [C]) == Gone([C])
     assert registry.calls["remove_expired"] == 1
-    assert a.admission(wants_all_but(), "m") == [A, B]
+    assert a.admission(wants_all_but(), "m") == Batch([A, B])
 
 
 def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> None:
@@ -419,16 +423,16 @@ def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> 
     registry.lifetimes[C] = 0
     registry.lingering.add(C)
     b = keys_of(B, registry, clock)
-    assert b.reap(3, [C]) == [C]
+    assert b.reap(3, [C]) == Gone([C])
     # etcd still lists C's key: the next round's batch must not admit C again.
-    assert b.admission(wants_all_but(), "m") == [B]
+    assert b.admission(wants_all_but(), "m") == Batch([B])
     # Once etcd deleted it, a key C announces again (a new index) is C's to use.
     registry.keys.pop(C)
     b.admitted()
-    assert b.admission(wants_all_but(), "m2") == [B]
+    assert b.admission(wants_all_but(), "m2") == Batch([B])
     registry.announce_node(C, 15)
     b.admitted()
-    assert b.admission(wants_all_but(), "m3") == [B, C]
+    assert b.admission(wants_all_but(), "m3") == Batch([B, C])
 
 
 def test_a_key_taken_for_dead_that_is_renewed_after_all_is_admitted_again() -> None:
@@ -440,17 +444,17 @@ def test_a_key_taken_for_dead_that_is_renewed_after_all_is_admitted_again() -> N
     # The reaper's delete did not remove the key listings show (renewed in between).
     registry.lingering.add(C)
     b = keys_of(B, registry, clock)
-    assert b.reap(3, [C]) == [C]
+    assert b.reap(3, [C]) == Gone([C])
     # Still at 0 s when the next listing probes it: still left out.
     probes = registry.calls["expires_in"]
-    assert b.admission(wants_all_but(), "m") == [B]
+    assert b.admission(wants_all_but(), "m") == Batch([B])
     assert registry.calls["expires_in"] == probes + 1
     # C renewed its key in its last second (same key, same index): admitted again.
     registry.lifetimes[C] = 15
     b.admitted()
-    assert b.admission(wants_all_but(), "m2") == [B, C]
+    assert b.admission(wants_all_but(), "m2") == Batch([B, C])
     # Forgiven for good: no more probes of it when listing.
     probes = registry.calls["expires_in"]
     b.admitted()
-    assert b.admission(wants_all_but(), "m3") == [B, C]
+    assert b.admission(wants_all_but(), "m3") == Batch([B, C])
     assert registry.calls["expires_in"] == probes

@@ -22,6 +22,7 @@ import pytest
 
 from etcd_rendezvous import dynamic_rendezvous as dr
 from etcd_rendezvous._dynamic import executor as _dynamic_executor
+from etcd_rendezvous._dynamic import handler as _dynamic_handler
 from etcd_rendezvous._dynamic import holder as _dynamic_holder
 from etcd_rendezvous._dynamic import ops as _dynamic_ops
 from etcd_rendezvous._dynamic import settings as _dynamic_settings
@@ -1047,8 +1048,8 @@ def test_waiting_node_wakes_up_on_the_write_not_on_a_poll(
     backend, store = MemoryBackend(), DictStore()
     handlers.extend(make_handler(backend, store, 2, 2) for _ in range(2))
     first = Joiner(handlers[0])
-    wait_until(lambda: len(backend.writes) >= 1)
-    time.sleep(0.3)  # The first node is now waiting for the second.
+    # The first node wrote itself into the state and now waits for the second.
+    wait_until(lambda: len(backend.writes) >= 1 and backend.calls["wait"] >= 1)
     second = Joiner(handlers[1])
     first.join()
     second.join()
@@ -1137,7 +1138,13 @@ def test_dead_node_is_removed_after_its_heartbeats_lapse(
         joiner.join()
     dead, survivor = handlers
     dead._stop_heartbeats()  # As if its process was killed.
-    time.sleep(0.3)
+    lifetime = interval * 2
+
+    def lapsed() -> bool:  # (the survivor's heartbeat may have dropped it already)
+        beat = backend.load().last_heartbeats.get(dead._this_node)
+        return beat is None or datetime.now(timezone.utc) - beat > lifetime
+
+    wait_until(lapsed)
     # Without removal the dead node would stay a participant and the survivor would
     # wait for it; with it, the survivor forms a round of its own.
     info = Joiner(survivor).join()
@@ -1252,11 +1259,11 @@ def test_use_agent_store_follows_pytorchs_env_var(
     handler = make_handler(MemoryBackend(), DictStore(), 1, 1)
     assert handler.use_agent_store is False  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    monkeypatch.setattr(dr, "torch_available", lambda: True)
+    monkeypatch.setattr(_dynamic_handler, "torch_available", lambda: True)
     assert handler.use_agent_store is True
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     assert handler.use_agent_store is True
-    monkeypatch.setattr(dr, "torch_available", lambda: False)
+    monkeypatch.setattr(_dynamic_handler, "torch_available", lambda: False)
     assert handler.use_agent_store is False  # No TCPStore without PyTorch.
 
 
@@ -1264,7 +1271,7 @@ def test_shared_tcp_store_port_is_published_by_rank_0(
     monkeypatch: pytest.MonkeyPatch, handlers: list[DynamicRendezvousHandler]
 ) -> None:
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    monkeypatch.setattr(dr, "torch_available", lambda: True)
+    monkeypatch.setattr(_dynamic_handler, "torch_available", lambda: True)
     created: list[tuple[str, int]] = []
 
     class FakeServer:
@@ -1320,7 +1327,7 @@ def test_rank_0_takes_a_new_tcp_store_port_when_the_old_one_is_taken(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    monkeypatch.setattr(dr, "torch_available", lambda: True)
+    monkeypatch.setattr(_dynamic_handler, "torch_available", lambda: True)
     created: list[int] = []
     free_ports = iter([29555, 29600])
 
@@ -1354,7 +1361,7 @@ def test_rank_0_takes_a_new_tcp_store_port_while_its_old_server_is_still_referen
     """torch shares one server per port in a process: a server on the old port while
     the old one lives would be the old one, with the last world's keys."""
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    monkeypatch.setattr(dr, "torch_available", lambda: True)
+    monkeypatch.setattr(_dynamic_handler, "torch_available", lambda: True)
     created: list[int] = []
     servers: list[Any] = []  # a reference the handler does not own
     free_ports = iter([29555, 29600])
@@ -1503,6 +1510,27 @@ def test_mixed_fleet_with_pytorchs_handler(handlers: list[DynamicRendezvousHandl
     infos[2].store.set("from-ours", b"1")
     assert infos[0].store.get("from-ours") == b"1"
     assert store.get("torch.rendezvous.mixed.0/from-ours") == b"1"
+
+
+class RegistryBackend(MemoryBackend, MemoryRegistry):
+    """An in-memory backend that keeps node keys too."""
+
+    def __init__(self) -> None:
+        MemoryRegistry.__init__(self)
+        MemoryBackend.__init__(self)  # its call counts take in the registry's too
+
+
+def test_only_a_backend_that_keeps_node_keys_gets_batched_admission() -> None:
+    plain = DynamicRendezvousHandler.from_backend("run", DictStore(), MemoryBackend(), 1, 1)
+    keyed = DynamicRendezvousHandler.from_backend("run", DictStore(), RegistryBackend(), 1, 1)
+    assert plain._node_keys is None
+    assert keyed._node_keys is not None
+    # The keyed node announces itself instead of writing itself into the state.
+    keyed._stop_heartbeats()
+    info = keyed.next_rendezvous()
+    keyed._stop_heartbeats()
+    assert info.world_size == 1
+    assert keyed._node_keys.announced
 
 
 def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired(

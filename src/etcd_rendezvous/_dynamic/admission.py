@@ -1,79 +1,19 @@
-"""Batched admission and aggregated heartbeats for the dynamic rendezvous.
+"""Batched admission and aggregated heartbeats for the dynamic rendezvous (node keys).
 
-PyTorch's dynamic rendezvous has every node compare-and-swap the one state key to add
-itself to the participants, and again every ``keep_alive_interval`` to refresh its entry
-in ``last_heartbeats``: O(N^2) writes per rendezvous, and a retry storm on one key in
-steady state. With a backend that implements :class:`NodeRegistry` (the ``etcd-v2``
-backend of this package), :class:`NodeKeys` lets a
-:class:`~etcd_rendezvous.dynamic_rendezvous.DynamicRendezvousHandler` do the same with a
-constant number of requests per node, writing the same state:
+With a backend that implements :class:`NodeRegistry` (this package's ``etcd-v2``
+backend), each node announces itself with a key of its own; the oldest waiting node
+admits every announced node (or takes it out of the round it leaves) in one state
+write; one *aggregator* refreshes the heartbeats of every node with a live key in one
+write; and the first node of the wait list takes out the participants whose keys are
+gone. A constant number of requests per node instead of PyTorch's O(N^2), writing the
+same state.
 
-* **Node keys.** A node that needs to join writes a key of its own (its descriptor, with
-  a TTL of ``keep_alive_interval * keep_alive_max_attempt``) and refreshes it every
-  ``keep_alive_interval`` from then on: that is its heartbeat. It deletes the key when it
-  leaves (``shutdown()``, ``close()``, or a ``next_rendezvous()`` that failed), and when it
-  finds itself dropped from the state, so that nobody admits it unasked.
-* **Batch admission.** Instead of adding itself, a node lists the announced nodes. The
-  node whose key is the oldest among those the state does not hold yet (in created
-  order) admits all of them with ONE state write: for each, exactly what
-  ``_RendezvousJoinOp`` would do for that node on the state as the batch left it. The
-  others wait for a state change; once every key older than theirs (in the listing they
-  took after announcing) is in the state or gone, they are the oldest and admit. The
-  batch's write also refreshes the heartbeats of every listed node in the state, and an
-  admitter takes the aggregator lock (below) if nobody holds it. When
-  no node at all was admitted (nor left) for :data:`ADMISSION_GRACE` seconds, the
-  oldest key blocking a node is taken for a node that died before its admission and
-  skipped (one such key per grace period); a node that was merely slow admits itself
-  later.
-* **Batch exits.** ``next_rendezvous()`` first takes the node out of the round it was a
-  participant of (PyTorch's exit operation, one compare-and-swap per node: all N of a
-  round, at once, when a node joins or leaves). A node with a key leaving a *complete*
-  round instead writes its key saying so (``leaving``: the round), and is taken out by
-  a batch, as it would be admitted: the batch first removes every listed participant
-  whose key says it leaves the current round (the last one out ends the round, as
-  PyTorch's exit does), then admits every listed node the join decision admits on the
-  state as the exits left it (to the wait list, or to the next round's participants).
-  A node whose key says it leaves waits for admission like a joining node, and blocks
-  the younger ones alike. It lists the keys only :data:`EXIT_GATHER` seconds after it
-  asked (the others of the round ask meanwhile), and the listing taken just before a
-  batch is checked again for older nodes that asked since: the oldest of them makes
-  the batch.
-  Leaving an incomplete round (a rare rollback) stays PyTorch's own write.
-* **Aggregated heartbeats.** Every ``keep_alive_interval`` each node refreshes its key,
-  and one of them, the *aggregator* (the holder of a lock key with a TTL of two
-  intervals, which it renews every interval; a node whose heartbeat in the state is
-  late reads it, and creates it when it is absent), sets ``last_heartbeats[n] = now`` in
-  ONE state write for every node ``n`` of the state whose key is alive. PyTorch's nodes
-  have no key: they heartbeat themselves, untouched. A node with a key compare-and-swaps
-  its own heartbeat only when it is older than
-  ``(keep_alive_max_attempt - 1.5) * keep_alive_interval`` (but at least one interval):
-  the aggregation failed. So liveness never depends on the aggregator, and the node
-  writes at least half an interval before its heartbeat expires (it looks once per
-  interval). With ``keep_alive_max_attempt`` below 3 the nodes write their heartbeats
-  every interval, as PyTorch's do.
-
-* **Dead participants.** The aggregator keeps the heartbeat of a node fresh as long as
-  its key is alive, so a heartbeat in the state says nothing about a node that died:
-  its key does. While a complete round still lists participants that did not ask to
-  leave it, the first node of its wait list (the survivors of a node loss, whose workers
-  failed, or a newcomer) looks at their keys: it lists them when the first of those
-  keys may expire (as the listing or, on v3, the key's lease tells) and takes out, in
-  one write, every such participant whose key is gone or has less than a whole second
-  to live: it died (its key expires ``keep_alive_interval * keep_alive_max_attempt``
-  after its last refresh, as its heartbeat lapses in PyTorch) or withdrew. Until etcd
-  deletes such a key, the node's listings leave it out, so that no batch admits the
-  dead node again. Participants never listed with a key (PyTorch's nodes) are left to
-  their heartbeats.
-
-Elsewhere (a node that dies in a round being formed, or on the wait or redundancy list)
-a dead node is dropped later than in PyTorch: its key lives up to
-``keep_alive_interval * keep_alive_max_attempt`` more seconds, during which the
-aggregator keeps its heartbeat fresh, and its heartbeat then lapses after as long again.
-
-This module holds the bookkeeping of that protocol and its requests to the registry;
-what a batch does to the state is decided by :mod:`etcd_rendezvous._dynamic.ops` (the
-same code as for a node that adds itself) and done by the executor
-(:mod:`etcd_rendezvous._dynamic.executor`), which imports this module.
+:class:`NodeKeys` is one node's side of it: its key, its admission attempt, its
+heartbeat ticks and their requests to the registry. What a batch does to the state is
+decided by :mod:`etcd_rendezvous._dynamic.ops` and carried out by
+:mod:`etcd_rendezvous._dynamic.executor`. The protocol step by step: see
+docs/how-it-works.rst, section "Our nodes: node keys, batched admission, one heartbeat
+writer".
 """
 
 from __future__ import annotations
@@ -85,13 +25,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from .settings import RendezvousSettings
-    from .state import NodeDesc, RendezvousState
+from .settings import RendezvousSettings
+from .state import NodeDesc, RendezvousState
 
-__all__ = ["ADMISSION_GRACE", "EXIT_GATHER", "AnnouncedNode", "NodeKeys", "NodeRegistry"]
+__all__ = [
+    "ADMISSION_GRACE",
+    "EXIT_GATHER",
+    "AnnouncedNode",
+    "Batch",
+    "Gone",
+    "NodeKeys",
+    "NodeRegistry",
+    "Wait",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +85,33 @@ class AnnouncedNode:
     leaving: int | None = None
 
 
+@dataclass(frozen=True)
+class Wait:
+    """Nothing for this node to do yet: look again within ``seconds``."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Batch:
+    """This node makes the batch now: ``nodes`` are the listed nodes, oldest first, but
+    those taken for dead. For each, the caller takes it out of its round if it leaves,
+    and admits it if the join decision says so."""
+
+    nodes: list[NodeDesc]
+
+
+@dataclass(frozen=True)
+class Gone:
+    """Participants whose keys are gone (died or withdrew): the caller takes them out
+    of the round."""
+
+    nodes: list[NodeDesc]
+
+
 @runtime_checkable
 class NodeRegistry(Protocol):
-    """What a backend provides for node keys (see the module docstring).
+    """What a backend provides for node keys.
 
     A backend with all these methods gets batched admission and aggregated heartbeats;
     any other backend (PyTorch's, a user's) keeps PyTorch's protocol. Every method may
@@ -188,7 +160,7 @@ class NodeRegistry(Protocol):
 #: Tells whether a batch would do something for a node on the state at hand: take it
 #: out of the round it asked to leave, or admit it (the join decision adds it to the
 #: participants, the wait list or the redundancy list).
-WantsAdmission = Callable[["NodeDesc"], bool]
+WantsAdmission = Callable[[NodeDesc], bool]
 
 
 @dataclass
@@ -216,7 +188,7 @@ class _Attempt:
 
 
 class NodeKeys:
-    """The node-key protocol of one handler's node (see the module docstring).
+    """The node-key protocol of one handler's node.
 
     The handler calls :meth:`begin_join` and :meth:`end_join` around
     ``next_rendezvous()`` and :meth:`withdraw` when it leaves (or fails to join); its
@@ -338,11 +310,9 @@ class NodeKeys:
 
     # -- admission --------------------------------------------------------------------
 
-    def admission(self, wants: WantsAdmission, mark: object) -> list[NodeDesc] | float:
-        """The nodes of the batch this node must make now: the listed nodes, oldest
-        first, but those taken for dead (for each, the caller takes it out if it leaves
-        and admits it if the join decision says so); or else how long to wait (at most)
-        for another node to make it, in seconds.
+    def admission(self, wants: WantsAdmission, mark: object) -> Batch | Wait:
+        """The batch this node must make now, or else how long to wait (at most) for
+        another node to make it.
 
         ``wants`` tells whether a batch would do something for a node on the current
         state (take it out, or admit it); ``mark`` sums up the state's admissions (it
@@ -357,7 +327,7 @@ class NodeKeys:
                 self._announce()
             gathering = self._left_at + EXIT_GATHER - self._clock()
             if self._attempt is None and gathering > 0:
-                return gathering  # Let the others of the round ask to leave too.
+                return Wait(gathering)  # Let the others of the round ask to leave too.
             if self._attempt is None:
                 listing = self._list()
                 self._attempt = self._new_attempt(listing)
@@ -375,7 +345,7 @@ class NodeKeys:
                 # batch (the oldest that asks does, after its own listing).
                 blocked = attempt.blocked(wants)
             if blocked or listing is None:
-                return max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0)
+                return Wait(max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0))
             if not self._leading and self._registry.aggregator() is None:
                 # The first admitter aggregates from the start: the heartbeats of the
                 # nodes it admits are folded before any of them is late.
@@ -409,9 +379,9 @@ class NodeKeys:
                     node,
                 )
 
-    def reap(self, round_: int, blockers: list[NodeDesc]) -> list[NodeDesc] | float:
+    def reap(self, round_: int, blockers: list[NodeDesc]) -> Gone | Wait:
         """The nodes among ``blockers`` whose keys are gone, or else how long to wait
-        before looking again, in seconds (see "Dead participants" in the module docs).
+        before looking again (see "Dead participants" in docs/how-it-works.rst).
 
         ``blockers`` are the participants of the complete round ``round_`` that did not
         ask to leave it, while this node waits for the next round. A node is judged only
@@ -425,12 +395,12 @@ class NodeKeys:
             if round_ != self._reap_round:
                 self._reap_round, self._reap_at = round_, -math.inf
             if now < self._reap_at:
-                return self._reap_at - now
+                return Wait(self._reap_at - now)
             seen = set(self._seen)
             alive = {entry.node: entry.created_index for entry in self._list()}
             gone = [node for node in blockers if node in seen and node not in alive]
             if gone:
-                return gone
+                return Gone(gone)
             keyed = [node for node in blockers if node in alive]
             probed = {node: self._registry.expires_in(node) or 0 for node in keyed[:_REAP_PROBES]}
             # A key without a whole second left is as good as gone: its node, which
@@ -445,7 +415,7 @@ class NodeKeys:
             expired = [node for node in expired if self._registry.remove_expired(node)]
             if expired:
                 self._dead.update((node, alive[node]) for node in expired)
-                return expired
+                return Gone(expired)
             lifetimes = list(probed.values())
             wait = self._interval
             if lifetimes:
@@ -462,7 +432,7 @@ class NodeKeys:
                 lifetimes,
                 wait,
             )
-            return wait
+            return Wait(wait)
 
     def _new_attempt(self, listing: list[AnnouncedNode]) -> _Attempt:
         created = self._created if self._created is not None else math.inf
@@ -502,7 +472,7 @@ class NodeKeys:
 
     def _batch(
         self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission
-    ) -> list[NodeDesc]:
+    ) -> Batch:
         self._listed = {entry.node for entry in listing}
         # This attempt is over: a later admission (the next round) lists afresh, lest it
         # wait for predecessors of this one that are gone.
@@ -511,7 +481,7 @@ class NodeKeys:
         if self._node not in self._listed and wants(self._node):
             # Our key vanished after we announced it (the refresh will re-create it).
             batch.append(self._node)
-        return batch
+        return Batch(batch)
 
     def _announce(self) -> None:
         self._created = self._registry.announce_node(self._node, self._ttl)

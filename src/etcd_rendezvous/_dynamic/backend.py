@@ -1,7 +1,7 @@
 """The interface of the backend that holds the state of a dynamic rendezvous.
 
-Part of :mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the protocol and
-re-exports :class:`RendezvousBackend` and :data:`Token` (users import them from there).
+Re-exported by :mod:`etcd_rendezvous.dynamic_rendezvous` (users import
+:class:`RendezvousBackend` and :data:`Token` from there).
 Also holds the poll that stands in for a watch when a backend cannot watch
 (:data:`_POLL_INTERVAL`, :func:`_delay`).
 """

@@ -5,15 +5,15 @@
 next action, applies it and writes the state back, until the operation finishes. Between
 steps it waits for the other nodes (or for its next deadline); with node keys (see
 :mod:`etcd_rendezvous._dynamic.admission`) it admits the announced nodes in batches and
-folds their heartbeats into the state. Part of :mod:`etcd_rendezvous.dynamic_rendezvous`,
-which documents the protocol.
+folds their heartbeats into the state. The protocol: see docs/how-it-works.rst, section
+"The dynamic rendezvous".
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
-import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -22,7 +22,7 @@ from datetime import timedelta
 from .._transport.retry import CONTENTION, Deadline, Retry
 from ..api import RendezvousClosedError, RendezvousTimeoutError
 from ..events import NodeState
-from .admission import NodeKeys
+from .admission import NodeKeys, Wait
 from .backend import _POLL_INTERVAL
 from .holder import _remove_participant_epilogue, _RendezvousStateHolder
 from .ops import (
@@ -36,7 +36,7 @@ from .ops import (
     _RendezvousKeepAliveOp,
     _StateHandler,
 )
-from .settings import LOGGER_NAME, RendezvousSettings, _now, record_event
+from .settings import LOGGER_NAME, RendezvousSettings, _now, event_source, record_node_event
 from .state import _NodeDesc, _RendezvousState
 
 __all__ = ["_DistributedRendezvousOpExecutor", "_RendezvousOpExecutor"]
@@ -46,6 +46,17 @@ logger = logging.getLogger(LOGGER_NAME)
 #: Margin added to a wake-up time so that a strict comparison (``deadline < now``) holds
 #: when the node wakes up, instead of waking it a few microseconds too early.
 _WAKE_UP_MARGIN = 0.01
+
+
+class _Synced(enum.Enum):
+    """What a sync did: :meth:`_RendezvousStateHolder.sync`'s ``bool | None``, named."""
+
+    READ = None
+    """The node read the state (or kept the one it had): it had nothing to write."""
+    WRITTEN = True
+    """The node's changes were written."""
+    LOST_RACE = False
+    """Another node wrote first: the node now holds the newer state, without its changes."""
 
 
 class _RendezvousOpExecutor(ABC):
@@ -112,18 +123,11 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._awaiting_exit: int | None = None
         # The nodes whose heartbeats the aggregator is writing into the state.
         self._fold: set[_NodeDesc] | None = None
+        self._events = event_source(self, settings.run_id)
 
-    def _record(
-        self,
-        message: str,
-        node_state: NodeState = NodeState.RUNNING,
-        *,
-        method: str | None = None,
-    ) -> None:
-        """Record an event named after ``method`` (by default, the caller)."""
-        record_event(
-            self, self._settings.run_id, message, node_state, node=self._node, method=method
-        )
+    def _record(self, method: str, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
+        """Record an event of ``method`` for this node."""
+        record_node_event(self._events, method, message, node_state, self._node)
 
     def run(
         self,
@@ -139,8 +143,8 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         retry = CONTENTION.start(Deadline.at(deadline))
         action = None
         while action != _Action.FINISH:
-            has_set = self._sync(deadline, retry)
-            if self._refold(has_set) or self._heartbeat(deadline):
+            synced = self._sync(deadline, retry)
+            if self._refold(synced) or self._heartbeat(deadline):
                 continue
 
             ctx = _RendezvousContext(
@@ -205,34 +209,33 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"'{self._settings.run_id}' within {within}."
         )
 
-    def _sync(self, deadline: float, retry: Retry) -> bool | None:
+    def _sync(self, deadline: float, retry: Retry) -> _Synced:
         """Read the latest state shared by all nodes, or write ours back (which fails if
         another node synced its changes first). The backend retries etcd failures (an
-        election) until the step's deadline, then raises. Returns what
-        :meth:`_RendezvousStateHolder.sync` returns."""
+        election) until the step's deadline, then raises."""
         with self._state_holder.bounded_by(self._step_deadline(deadline)):
-            has_set = self._state_holder.sync()
-        if has_set is not None:
-            if has_set:
-                retry.reset()
-                msg = (
-                    f"The node '{self._node}' has successfully synced its local changes "
-                    f"with other nodes in the rendezvous '{self._settings.run_id}'."
-                )
-            else:
-                msg = (
-                    f"The node '{self._node}' has a stale state and failed to sync its "
-                    f"local changes with other nodes in the rendezvous "
-                    f"'{self._settings.run_id}'."
-                )
-            self._record(message=msg, method="run")
-            logger.debug(msg)
-            if not has_set and self._fold is None:
+            synced = _Synced(self._state_holder.sync())
+        if synced is _Synced.WRITTEN:
+            retry.reset()
+            msg = (
+                f"The node '{self._node}' has successfully synced its local changes "
+                f"with other nodes in the rendezvous '{self._settings.run_id}'."
+            )
+        elif synced is _Synced.LOST_RACE:
+            msg = (
+                f"The node '{self._node}' has a stale state and failed to sync its "
+                f"local changes with other nodes in the rendezvous "
+                f"'{self._settings.run_id}'."
+            )
+            if self._fold is None:
                 # The aggregator's fold retries at once: it refreshes every node with a
                 # key, and each moment it waits more of them may write their own.
                 retry.pause()
+        if synced is not _Synced.READ:
+            self._record("run", msg)
+            logger.debug(msg)
         self._state = self._state_holder.state
-        return has_set
+        return synced
 
     def _wait(self, deadline: float, at_most: float | None = None) -> None:
         """Wait for another node to change the state, or until something is due."""
@@ -301,18 +304,18 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             if action == _Action.REMOVE_FROM_PARTICIPANTS:
                 keys.leave(state.round)
             outcome = keys.admission(wants, (*mark, len(state.redundancy_list)))
-        if isinstance(outcome, float):
+        if isinstance(outcome, Wait):
             self._awaiting_admission = True
             if action == _Action.REMOVE_FROM_PARTICIPANTS:
                 self._awaiting_exit = state.round
-            return outcome
+            return outcome.seconds
         # This node makes the batch: it records what it does to itself as it does it.
         self._awaiting_admission, self._awaiting_exit = False, None
         # Those leaving first: the last one out ends the round, and the join decisions
         # then admit everyone to the next one's participants.
-        for node in [node for node in outcome if self._leaves(node)]:
+        for node in [node for node in outcome.nodes if self._leaves(node)]:
             self._remove_from_participants(node)
-        for node in outcome:
+        for node in outcome.nodes:
             # The join decision for each node, on the state as the batch left it.
             admission = _admission_action(self._state, node, self._settings)
             if admission is not None:
@@ -344,9 +347,9 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             return math.inf
         with self._state_holder.bounded_by(self._step_deadline(deadline)):
             outcome = keys.reap(state.round, blockers)
-        if isinstance(outcome, float):
-            return outcome
-        for node in outcome:
+        if isinstance(outcome, Wait):
+            return outcome.seconds
+        for node in outcome.nodes:
             logger.info(
                 "The key of the node '%s' is gone (it died or left): the node '%s' takes it "
                 "out of round %d of the rendezvous '%s'.",
@@ -382,7 +385,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
                 f"The node '{node}' was removed from the participants of round {left} of "
                 f"the rendezvous '{self._settings.run_id}' by another node."
             )
-            self._record(message=msg, method="_remove_from_participants")
+            self._record("_remove_from_participants", msg)
             logger.debug(msg)
         if node in state.participants:
             where, method = f"the participants of round {state.round}", "_add_to_participants"
@@ -397,7 +400,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"The node '{node}' was added to {where} of the rendezvous "
             f"'{self._settings.run_id}' by another node."
         )
-        self._record(message=msg, method=method)
+        self._record(method, msg)
         logger.debug(msg)
 
     def _keep_alive_period(self) -> timedelta:
@@ -417,14 +420,14 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         if not alive:
             return False
         self._fold = alive
-        return self._refold(False)
+        return self._refold(_Synced.LOST_RACE)
 
-    def _refold(self, has_set: bool | None) -> bool:
+    def _refold(self, synced: _Synced) -> bool:
         """Refresh the heartbeats of the nodes the aggregator found alive, until the
         state with them is written: again on the newer state after a lost race (the
         fold does not wait for the next tick). Returns whether there is a fold to write."""
         alive = self._fold
-        if alive is None or has_set is not False:
+        if alive is None or synced is not _Synced.LOST_RACE:
             self._fold = None
             return False
         now = _now()
@@ -482,11 +485,11 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
 
     # -- the actions --------------------------------------------------------------------
 
-    def _tell(self, node: _NodeDesc, msg: str, node_state: NodeState = NodeState.RUNNING) -> None:
-        """Record the event of an action on ``node`` (named after the caller); for an
-        action on another node (in a batch), only log it: that node records its own."""
+    def _tell(self, method: str, node: _NodeDesc, msg: str) -> None:
+        """Record the event of ``method``, an action on ``node``; for an action on
+        another node (in a batch), only log it: that node records its own."""
         if node == self._node:
-            self._record(message=msg, node_state=node_state, method=sys._getframe(1).f_code.co_name)
+            self._record(method, msg)
         logger.debug(msg)
 
     def _whom(self, node: _NodeDesc) -> str:
@@ -499,7 +502,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"The node '{self._node}' updated {whose} keep-alive heartbeat time{of} for the "
             f"rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._tell(node, msg)
+        self._tell("_keep_alive", node, msg)
         self._state.last_heartbeats[node] = _now()
 
     def _add_to_participants(self, node: _NodeDesc) -> None:
@@ -507,7 +510,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"The node '{self._node}' added {self._whom(node)} to the participants of round "
             f"{self._state.round} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._tell(node, msg)
+        self._tell("_add_to_participants", node, msg)
         state = self._state
         state.wait_list.discard(node)
 
@@ -527,7 +530,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"The node '{self._node}' added {self._whom(node)} to the wait list of round "
             f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._tell(node, msg)
+        self._tell("_add_to_wait_list", node, msg)
         self._state.redundancy_list.discard(node)
         self._state.wait_list.add(node)
         self._keep_alive(node)
@@ -537,7 +540,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"The node '{self._node}' added {self._whom(node)} to the redundancy list of round "
             f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._tell(node, msg)
+        self._tell("_add_to_redundancy_list", node, msg)
         self._state.redundancy_list.add(node)
         self._keep_alive(node)
 
@@ -547,7 +550,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"round {self._state.round} of the rendezvous '{self._settings.run_id}'. "
             "Pending sync."
         )
-        self._tell(node, msg)
+        self._tell("_remove_from_participants", node, msg)
         state = self._state
         del state.participants[node]
         state.last_heartbeats.pop(node, None)
@@ -560,7 +563,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"The node '{self._node}' removed itself from the wait list of round "
             f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
+        self._record("_remove_from_wait_list", msg)
         logger.debug(msg)
         self._state.wait_list.remove(self._node)
         del self._state.last_heartbeats[self._node]
@@ -570,7 +573,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"The node '{self._node}' removed itself from the redundant list of round "
             f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
         )
-        self._record(message=msg)
+        self._record("_remove_from_redundancy_list", msg)
         logger.debug(msg)
         self._state.redundancy_list.remove(self._node)
         del self._state.last_heartbeats[self._node]
@@ -580,7 +583,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"The node '{self._node}' marked round {self._state.round} of the rendezvous "
             f"'{self._settings.run_id}' as complete. Pending sync."
         )
-        self._record(message=msg, node_state=NodeState.SUCCEEDED)
+        self._record("_mark_rendezvous_complete", msg, NodeState.SUCCEEDED)
         logger.debug(msg)
         state = self._state
         state.complete = True
@@ -595,6 +598,6 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"The node '{self._node}' marked the rendezvous '{self._settings.run_id}' as "
             "closed. Pending sync."
         )
-        self._record(message=msg, node_state=NodeState.SUCCEEDED)
+        self._record("_mark_rendezvous_closed", msg, NodeState.SUCCEEDED)
         logger.debug(msg)
         self._state.closed = True

@@ -3,8 +3,7 @@ backend.
 
 :class:`_BackendRendezvousStateHolder` reads the state (or adopts the one a watching
 backend brought), writes the node's changes back with the fencing token it read, and
-drops the nodes whose heartbeats lapsed. Part of
-:mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the protocol.
+drops the nodes whose heartbeats lapsed.
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ import time
 from abc import ABC, abstractmethod
 
 from .._transport.retry import Deadline
-from ..events import NodeState
 from .backend import _POLL_INTERVAL, RendezvousBackend, Token, _delay
-from .settings import LOGGER_NAME, RendezvousSettings, _now, record_event
+from .settings import LOGGER_NAME, RendezvousSettings, _now, event_source
 from .state import _encode_state, _NodeDesc, _RendezvousState, decode_state
 
 __all__ = [
@@ -114,9 +112,7 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         self._dirty = False
         self._last_sync_time = -1
         self._dead_nodes = []
-
-    def _record(self, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
-        record_event(self, self._settings.run_id, message, node_state)
+        self._events = event_source(self, settings.run_id)
 
     @property
     def state(self) -> _RendezvousState:
@@ -164,7 +160,7 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
                 f"As part of the sync operation the node(s) {node_list} have been removed from "
                 f"the rendezvous '{self._settings.run_id}' since they had no heartbeat."
             )
-            self._record(message=msg)
+            self._events.record("sync", msg)
             logger.debug(msg)
 
         self._adopt(state_bits, token)

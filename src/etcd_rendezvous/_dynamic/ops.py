@@ -5,8 +5,7 @@ An operation (:class:`_RendezvousJoinOp`, :class:`_RendezvousExitOp`,
 :class:`_RendezvousCloseOp`, :class:`_RendezvousKeepAliveOp`) looks at a
 :class:`_RendezvousContext` and returns an :class:`_Action`: it reads no backend and
 changes nothing. The executor (:mod:`etcd_rendezvous._dynamic.executor`) carries the
-actions out. Part of :mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the
-protocol.
+actions out. The protocol: see docs/how-it-works.rst, section "The dynamic rendezvous".
 """
 
 from __future__ import annotations

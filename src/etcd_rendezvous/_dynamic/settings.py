@@ -1,21 +1,18 @@
 """The settings of a dynamic rendezvous, and what all the parts of its handler share.
 
-Part of :mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the protocol and
-re-exports :class:`RendezvousTimeout` and :class:`RendezvousSettings` (users import them
-from there). The parts of the handler kept in private modules (the state holder, the
-operations and their executor) read the time from one clock (:func:`_now`), and log and
-name their events as that public module, as PyTorch's do (:data:`LOGGER_NAME`,
-:data:`EVENT_FILE`, :func:`record_event`).
+Re-exported by :mod:`etcd_rendezvous.dynamic_rendezvous` (users import
+:class:`RendezvousTimeout` and :class:`RendezvousSettings` from there). The parts of the
+handler read the time from one clock (:func:`_now`), and log and name their events as
+that public module, as PyTorch's do (:data:`LOGGER_NAME`, :func:`event_source`).
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import ClassVar
 
-from ..events import NodeState, record_rdzv_event
+from ..events import EventSource, NodeState
 from .state import _NodeDesc
 
 __all__ = [
@@ -24,7 +21,8 @@ __all__ = [
     "RendezvousSettings",
     "RendezvousTimeout",
     "_now",
-    "record_event",
+    "event_source",
+    "record_node_event",
 ]
 
 #: The logger of the dynamic rendezvous, whichever of its modules logs: the public
@@ -36,34 +34,30 @@ LOGGER_NAME = "etcd_rendezvous.dynamic_rendezvous"
 EVENT_FILE = LOGGER_NAME.rpartition(".")[2] + ".py"
 
 
-def record_event(
-    owner: object,
-    run_id: str,
+def event_source(owner: object, run_id: str) -> EventSource:
+    """The recorder of ``owner``'s events, named as PyTorch names them:
+    ``dynamic_rendezvous.py:<owner's class>.<method>``."""
+    return EventSource(EVENT_FILE, type(owner).__name__, run_id)
+
+
+def record_node_event(
+    events: EventSource,
+    method: str,
     message: str,
     node_state: NodeState,
+    node: _NodeDesc,
     *,
-    node: _NodeDesc | None = None,
     rank: int | None = None,
-    method: str | None = None,
 ) -> None:
-    """Record an event of the dynamic rendezvous under PyTorch's name,
-    ``dynamic_rendezvous.py:<owner's class>.<method>``, for ``node`` (by default, this
-    host and process).
-
-    ``method`` defaults to the caller's caller: the owner's ``_record`` methods call
-    this, and their events are named after the method that called them.
-    """
-    name = method or sys._getframe(2).f_code.co_name
-    record_rdzv_event(
-        name=f"{type(owner).__name__}.{name}",
-        file_name=EVENT_FILE,
-        run_id=run_id,
-        message=message,
-        node_state=node_state,
-        hostname="" if node is None else node.addr,
-        pid=None if node is None else node.pid,
-        local_id=None if node is None else node.local_id,
+    """Record an event of ``method`` for ``node`` (its address, process and local id)."""
+    events.record(
+        method,
+        message,
+        node_state,
         rank=rank,
+        hostname=node.addr,
+        pid=node.pid,
+        local_id=node.local_id,
     )
 
 

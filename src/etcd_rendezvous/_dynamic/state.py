@@ -4,8 +4,8 @@
 names, attribute for attribute; :func:`_encode_state` writes exactly the bytes
 ``pickle.dumps(state)`` writes in PyTorch, and :func:`decode_state` reads them back with
 a restricted unpickler (never ``pickle.loads``). Re-exported by
-:mod:`etcd_rendezvous.dynamic_rendezvous`, which documents the protocol; kept apart so
-that module stays about the protocol.
+:mod:`etcd_rendezvous.dynamic_rendezvous`. The format: see docs/how-it-works.rst,
+section "The dynamic rendezvous".
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import Any
 
-if TYPE_CHECKING:
-    from ..api import RendezvousParameters, Store
+from ..api import RendezvousParameters, Store
 
 __all__ = ["TORCH_STORE_OPTION", "adapt_store", "torch_available", "torch_store_wanted"]
 
@@ -68,11 +68,12 @@ def adapt_store(store: Store, wanted: bool) -> Store:
 
     Other stores (a torch store already, or a custom one) are returned unchanged.
     """
-    from ..etcd_store import EtcdStore  # noqa: PLC0415  (python-etcd is imported lazily)
-
-    if not wanted or not isinstance(store, EtcdStore):
+    # An EtcdStore exists only once its module is loaded: looked up, not imported (that
+    # module sits above this one, and loads python-etcd).
+    etcd_store = sys.modules.get("etcd_rendezvous.etcd_store")
+    if not wanted or etcd_store is None or not isinstance(store, etcd_store.EtcdStore):
         return store
-    # Imported by name so that this module, and mypy, never load PyTorch eagerly.
+    # Imported by name: PyTorch is optional, and this module (and mypy) never loads it.
     module = importlib.import_module("etcd_rendezvous.torch_store")
     adapted: Store = module.TorchEtcdStore(store)
     return adapted

@@ -1,0 +1,800 @@
+"""The handler of the dynamic rendezvous and its factory.
+
+Part of :mod:`etcd_rendezvous.dynamic_rendezvous`, which re-exports
+:class:`DynamicRendezvousHandler` and :func:`create_handler` (users import them from
+there). How the handler works: :doc:`/how-it-works`, section "The dynamic rendezvous".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+from .._progress import ProgressLog, progress_interval, seconds_left
+from .._torch.store import adapt_store, torch_available, torch_store_wanted
+from .._transport.retry import Deadline
+from ..api import (
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+    Store,
+)
+from ..events import NodeState, _records_failure, record_rdzv_event
+from ..layout import dynamic_store_prefix
+from ..metrics import MetricKind, record_metric
+from .admission import NodeKeys, NodeRegistry
+from .backend import RendezvousBackend, _delay
+from .executor import _DistributedRendezvousOpExecutor, _RendezvousOpExecutor
+from .holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
+from .ops import (
+    _RendezvousCloseOp,
+    _RendezvousExitOp,
+    _RendezvousJoinOp,
+    _RendezvousKeepAliveOp,
+)
+from .periodic import _PeriodicTimer
+from .prefix_store import _prefix_store
+from .settings import (
+    EVENT_FILE,
+    LOGGER_NAME,
+    RendezvousSettings,
+    RendezvousTimeout,
+    event_source,
+    record_node_event,
+)
+from .state import _NodeDesc, _NodeDescGenerator, _RendezvousState
+
+__all__ = ["DynamicRendezvousHandler", "create_handler"]
+
+logger = logging.getLogger(LOGGER_NAME)
+
+#: The module the handler and its factory are imported from, documented in and reported
+#: under (``type(handler).__module__``), as PyTorch's are.
+PUBLIC_MODULE = LOGGER_NAME
+
+#: Environment variable with which PyTorch opts out of sharing the agent's TCPStore.
+_DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+#: Least time given to the exchange of the master address after a round completed, in
+#: seconds (rank 0 publishes it at once; see :meth:`DynamicRendezvousHandler.next_rendezvous`).
+_EXCHANGE_GRACE = 0.5
+
+#: Longest a node spends deleting its key when it leaves without a deadline of its own
+#: (``close()``, a failed ``next_rendezvous()``), in seconds: the key expires anyway.
+_WITHDRAW_TIMEOUT = 1.0
+
+
+# -- the handler ----------------------------------------------------------------------------
+
+
+class DynamicRendezvousHandler(RendezvousHandler):
+    """Represent a handler that sets up a rendezvous among a set of nodes.
+
+    Created with :meth:`from_backend` or :func:`create_handler`. Use one handler per
+    agent, and call :meth:`shutdown` when done: it closes the rendezvous and stops the
+    keep-alive thread. :meth:`close` (also called on leaving a ``with`` block) stops
+    the thread and releases the backend if the handler owns it, without closing the
+    rendezvous for the other nodes.
+    """
+
+    __module__ = PUBLIC_MODULE
+
+    # Static
+    _node_desc_generator = _NodeDescGenerator()
+
+    _this_node: _NodeDesc
+    _settings: RendezvousSettings
+    _backend_name: str
+    _store: Store
+    _state_holder: _RendezvousStateHolder
+    _op_executor: _RendezvousOpExecutor
+    _heartbeat_lock: threading.Lock
+    _keep_alive_timer: _PeriodicTimer | None
+
+    @classmethod
+    def from_backend(
+        cls,
+        run_id: str,
+        store: Store,
+        backend: RendezvousBackend,
+        min_nodes: int,
+        max_nodes: int,
+        local_addr: str | None = None,
+        timeout: RendezvousTimeout | None = None,
+        keep_alive_interval: int = 5,
+        keep_alive_max_attempt: int = 3,
+        *,
+        backend_name: str | None = None,
+        owns_backend: bool = False,
+    ) -> DynamicRendezvousHandler:
+        """Create a new :class:`DynamicRendezvousHandler`.
+
+        Args:
+            run_id: The run id of the rendezvous.
+            store: The c10d store to return as part of the rendezvous.
+            backend: The backend to use to hold the rendezvous state.
+            min_nodes: The minimum number of nodes to admit to the rendezvous.
+            max_nodes: The maximum number of nodes to admit to the rendezvous.
+            local_addr: The local node address.
+            timeout: The timeout configuration of the rendezvous.
+            keep_alive_interval: The amount of time, in seconds, a node waits before
+                sending a heartbeat to keep it alive in the rendezvous.
+            keep_alive_max_attempt: The maximum number of failed heartbeat attempts after
+                which a node is considered dead.
+            backend_name: What :meth:`get_backend` reports; ``backend.name`` if ``None``.
+            owns_backend: Whether :meth:`close` closes ``backend`` (set by whoever
+                created the backend and hands it over).
+
+        Raises:
+            ValueError: A setting is invalid; the message names it.
+        """
+        # We associate each handler instance with a unique node descriptor.
+        node = cls._node_desc_generator.generate(local_addr)
+
+        settings = RendezvousSettings(
+            run_id,
+            min_nodes,
+            max_nodes,
+            timeout or RendezvousTimeout(),
+            keep_alive_interval=timedelta(seconds=keep_alive_interval),
+            keep_alive_max_attempt=keep_alive_max_attempt,
+        )
+
+        state_holder = _BackendRendezvousStateHolder(backend, settings)
+        # A backend that keeps node keys gets batched admission and aggregated heartbeats.
+        node_keys = NodeKeys(backend, node, settings) if isinstance(backend, NodeRegistry) else None
+
+        return cls(
+            node,
+            settings,
+            backend_name or backend.name,
+            store,
+            state_holder,
+            owned_backend=backend if owns_backend else None,
+            node_keys=node_keys,
+        )
+
+    def __init__(
+        self,
+        node: _NodeDesc,
+        settings: RendezvousSettings,
+        backend_name: str,
+        store: Store,
+        state_holder: _RendezvousStateHolder,
+        *,
+        owned_backend: RendezvousBackend | None = None,
+        node_keys: NodeKeys | None = None,
+    ) -> None:
+        if not settings.run_id:
+            raise ValueError("The run id must be a non-empty string.")
+
+        if settings.min_nodes < 1:
+            raise ValueError(
+                f"The minimum number of nodes ({settings.min_nodes}) must be greater than zero."
+            )
+
+        if settings.max_nodes < settings.min_nodes:
+            raise ValueError(
+                f"The maximum number of nodes ({settings.max_nodes}) must be greater than or "
+                f"equal to the minimum number of nodes ({settings.min_nodes})."
+            )
+
+        self._this_node = node
+        self._settings = settings
+        self._backend_name = backend_name
+        #: The participants of the last round this node completed (for the metrics).
+        self._last_participants: set[_NodeDesc] = set()
+        self._store = store
+        self._state_holder = state_holder
+        self._node_keys = node_keys
+        self._op_executor = _DistributedRendezvousOpExecutor(
+            self._this_node, self._state_holder, self._settings, node_keys
+        )
+        self._heartbeat_lock = threading.Lock()
+        # Guards starting and stopping the keep-alive timer.
+        self._timer_lock = threading.Lock()
+        self._keep_alive_timer = None
+        # The shared TCPStore server, when this node hosts it (rank 0, torch installed).
+        self._shared_tcp_store_server: Any = None
+        self._bootstrap_store_info: RendezvousStoreInfo | None = None
+        # The port of the last shared TCPStore server this node hosted (0: none yet).
+        self._tcp_store_port = 0
+        # The backend released by close(), if the handler owns it.
+        self._owned_backend = owned_backend
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._events = event_source(self, settings.run_id)
+
+    def __enter__(self) -> DynamicRendezvousHandler:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _record(
+        self,
+        method: str,
+        message: str,
+        node_state: NodeState = NodeState.RUNNING,
+        *,
+        rank: int | None = None,
+    ) -> None:
+        """Record an event of ``method`` for this node."""
+        record_node_event(self._events, method, message, node_state, self._this_node, rank=rank)
+
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
+        """Start the agent's shared ``TCPStore`` server (needs PyTorch)."""
+        # Imported by name: PyTorch is optional and must not be imported at import time.
+        dist = importlib.import_module("torch.distributed")
+        return dist.TCPStore(
+            host_name=master_addr, port=master_port, is_master=True, multi_tenant=True
+        )
+
+    def _start_tcp_store_server(self, master_addr: str, *, same_port: bool) -> None:
+        """Start a new, empty shared ``TCPStore`` server: with ``same_port``, on the port
+        of this node's last one (where PyTorch's nodes of an earlier round still look
+        for it) if it can, else on a free port.
+
+        The server is held by the handler alone (no local variable: a frame kept alive
+        by a traceback would keep it running after :meth:`_stop_tcp_store_server`).
+        """
+        port = self._tcp_store_port if same_port else 0
+        if port:
+            try:
+                self._shared_tcp_store_server = self._create_tcp_store_server(master_addr, port)
+            except Exception as exc:  # torch's DistNetworkError (a RuntimeError), say
+                logger.warning(
+                    "The node '%s' could not start the shared TCPStore on %s:%d again (%s); "
+                    "using a new port: PyTorch nodes of an earlier round that keep the old "
+                    "one will not reach it.",
+                    self._this_node,
+                    master_addr,
+                    port,
+                    exc,
+                )
+            else:
+                return
+        self._shared_tcp_store_server = self._create_tcp_store_server(master_addr, 0)
+        self._tcp_store_port = self._shared_tcp_store_server.port
+
+    def _stop_tcp_store_server(self) -> bool:
+        """Stop the shared ``TCPStore`` server this node hosts, if any. Returns whether
+        its port is free for a new server (``False``: the old one still runs).
+
+        A ``TCPStore`` has no close(): its server stops, closing its port and its
+        clients' connections, when the last reference to it goes, which should be the
+        handler's. Were another reference left, a new server on the same port would be
+        the old one, with its keys (torch shares one server per port in a process).
+        """
+        server = self._shared_tcp_store_server
+        if server is None:
+            return True
+        port = server.port
+        try:
+            still_running: weakref.ReferenceType[Any] | None = weakref.ref(server)
+        except TypeError:  # not weak-referenceable: taken as stopped
+            still_running = None
+        del server
+        self._shared_tcp_store_server = None
+        if still_running is None or still_running() is None:
+            logger.debug(
+                "The node '%s' stopped its shared TCPStore on port %d", self._this_node, port
+            )
+            return True
+        logger.warning(
+            "The shared TCPStore of the node '%s' on port %d is still referenced elsewhere in "
+            "this process: it keeps running, and the next one takes a new port.",
+            self._this_node,
+            port,
+        )
+        return False
+
+    @property
+    def settings(self) -> RendezvousSettings:
+        """Get the settings of the rendezvous."""
+        return self._settings
+
+    def get_backend(self) -> str:
+        """See base class."""
+        return self._backend_name
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Whether rank 0 hosts a ``TCPStore`` shared with the trainers.
+
+        As in PyTorch, true unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; but a
+        ``TCPStore`` needs PyTorch, so without it installed this is always false.
+        """
+        return os.getenv(_DISABLE_SHARED_STORE_ENV, "0") != "1" and torch_available()
+
+    @_records_failure
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class.
+
+        Returns or raises within ``join_timeout`` (plus about a second), whatever the
+        backend does: every backend call runs under the join deadline (see
+        :meth:`RendezvousBackend.bounded_by`), retrying failures such as an etcd
+        election until then. Only a node on the redundancy list waits on past it.
+        """
+        deadline = self._get_deadline(self._settings.timeout.join)
+        msg = (
+            f"The node '{self._this_node}' attempts to join the next round of the rendezvous "
+            f"'{self._settings.run_id}'."
+        )
+        self._record("next_rendezvous", msg)
+        logger.info(msg)
+
+        # A heartbeat in progress ends by its own deadline; we wait no longer than ours.
+        self._stop_heartbeats(deadline)
+        with self._locked(deadline, "join"):
+            pass
+
+        # PyTorch delays its first attempt by a random 0-0.3 s, to spread the nodes'
+        # compare-and-swaps of the state. A node that announces itself with a node key
+        # writes no state to join, so it does not wait.
+        keys = self._node_keys
+        if keys is None and self._state_holder.state.round == 0:
+            _delay(seconds=(0, 0.3))
+
+        exit_op = _RendezvousExitOp()
+        join_op = _RendezvousJoinOp()
+
+        if keys is not None:
+            keys.begin_join()
+        progress = ProgressLog(
+            lambda: self._describe_progress(deadline),
+            progress_interval(self._settings.timeout.join.total_seconds()),
+            run_id=self._settings.run_id,
+            log=logger,
+        )
+        started = time.monotonic()
+        try:
+            with progress:
+                self._op_executor.run(exit_op, deadline)
+                self._op_executor.run(join_op, deadline, self._get_deadline)
+        except RendezvousConnectionError:
+            raise  # etcd is out of reach: the key expires on its own.
+        except BaseException:
+            # Stop announcing the node, lest a batch admit it after all.
+            self._withdraw(Deadline(_WITHDRAW_TIMEOUT))
+            raise
+        finally:
+            if keys is not None:
+                keys.end_join()
+
+        self._start_heartbeats()
+
+        rank, world_size = self._get_world()
+        self._record_round_metrics(time.monotonic() - started, world_size)
+        store = self._get_store()
+        # Rank 0 publishes its address in the store just after completing the round, so
+        # the exchange gets a moment even if the round completed right at the deadline.
+        exchange = Deadline(max(deadline - time.monotonic(), _EXCHANGE_GRACE))
+        with self._state_holder.bounded_by(exchange):
+            return self._bootstrap(rank, world_size, store)
+
+    def _record_round_metrics(self, seconds: float, world_size: int) -> None:
+        """The ``rendezvous.*`` metrics of a round this node completed (see
+        :mod:`etcd_rendezvous.metrics`)."""
+        labels = {"backend": self._backend_name}
+        participants = set(self._state_holder.state.participants)
+        previous = self._last_participants
+        self._last_participants = participants
+        record_metric("rendezvous.rounds", **labels)
+        record_metric("rendezvous.time_to_form", seconds, MetricKind.TIMING, **labels)
+        record_metric("rendezvous.world_size", world_size, MetricKind.GAUGE, **labels)
+        record_metric("rendezvous.nodes_admitted", len(participants - previous), **labels)
+        record_metric("rendezvous.nodes_removed", len(previous - participants), **labels)
+
+    def _describe_progress(self, deadline: float) -> str | None:
+        """The progress line of a waiting :meth:`next_rendezvous`, from the state last
+        read (see :mod:`etcd_rendezvous._progress`)."""
+        state = self._state_holder.state
+        settings = self._settings
+        head = f"Rendezvous '{settings.run_id}' round {state.round}"
+        joined = len(state.participants)
+        left = seconds_left(deadline - time.monotonic())
+        if state.closed:
+            return None
+        if self._this_node in state.redundancy_list:
+            return (
+                f"{head}: complete with {joined} nodes, the most it takes; this node is on "
+                "the redundancy list, waiting for a place"
+            )
+        if state.complete:
+            return (
+                f"{head}: complete with {joined} nodes without this node; waiting for the "
+                f"next round ({len(state.wait_list)} nodes waiting); {left}"
+            )
+        if joined < settings.min_nodes:
+            wants = f"waiting for {settings.min_nodes - joined} more"
+        else:
+            wants = "in its last call for more nodes"
+        return (
+            f"{head}: {joined} of {settings.min_nodes} nodes joined (max {settings.max_nodes}), "
+            f"{wants}; {left}"
+        )
+
+    def _bootstrap(self, rank: int, world_size: int, store: Store) -> RendezvousInfo:
+        """The end of :meth:`next_rendezvous`: exchange the master address in the store."""
+        msg = (
+            f"The node '{self._this_node}' has joined round {self._state_holder.state.round} of "
+            f"the rendezvous '{self._settings.run_id}' as rank {rank} in a world of size "
+            f"{world_size}."
+        )
+        self._record("next_rendezvous", msg, rank=rank)
+        logger.info(msg)
+
+        if not self.use_agent_store:
+            # Opted out of TCPStore sharing (or no PyTorch): rank 0 publishes a free port.
+            bootstrap_store_info = RendezvousStoreInfo.build(
+                rank, store, local_addr=self._this_node.addr
+            )
+            return RendezvousInfo(store, rank, world_size, bootstrap_store_info)
+
+        # PyTorch builds the bootstrap info only in a node's first round, so a node
+        # admitted in a later round waits for a MASTER_ADDR that rank 0 never publishes
+        # under the new round's prefix (until the store times out). Here rank 0 hosts
+        # the shared TCPStore and publishes its address every round, and the other ranks
+        # read it every round. The server is a new one every round: torch's workers use
+        # it without a prefix per attempt, so a server kept from the last round would
+        # hand the new world's workers the last world's keys (gloo's addresses among
+        # them: they fail to connect). But PyTorch's nodes other than rank 0 keep the
+        # address and port of their first round, so the new server listens on the port
+        # of the last one. A node no longer rank 0 stops its server.
+        port_free = self._stop_tcp_store_server()
+        if rank == 0:
+            self._start_tcp_store_server(self._this_node.addr, same_port=port_free)
+            self._bootstrap_store_info = RendezvousStoreInfo.build(
+                rank,
+                store,
+                local_addr=self._this_node.addr,
+                server_port=self._shared_tcp_store_server.port,
+            )
+        else:
+            self._bootstrap_store_info = RendezvousStoreInfo.build(
+                rank, store, local_addr=self._this_node.addr
+            )
+
+        return RendezvousInfo(store, rank, world_size, self._bootstrap_store_info)
+
+    @_records_failure
+    def is_closed(self) -> bool:
+        """See base class. Ends within ``join_timeout`` (plus about a second)."""
+        with self._synced(self._settings.timeout.join, "read the state of") as state:
+            return state.closed
+
+    @_records_failure
+    def set_closed(self) -> None:
+        """See base class. Ends within ``close_timeout`` (plus about a second)."""
+        deadline = self._get_deadline(self._settings.timeout.close)
+        with self._locked(deadline, "close"):
+            self._close(deadline)
+
+    @_records_failure
+    def num_nodes_waiting(self) -> int:
+        """See base class. Ends within ``join_timeout`` (plus about a second)."""
+        with self._synced(self._settings.timeout.join, "read the state of") as state:
+            return len(state.wait_list)
+
+    @contextlib.contextmanager
+    def _synced(self, timeout: timedelta, what: str) -> Iterator[_RendezvousState]:
+        """The state, synced with the backend within ``timeout``."""
+        deadline = self._get_deadline(timeout)
+        with self._locked(deadline, what):
+            with self._state_holder.bounded_by(Deadline.at(deadline)):
+                self._state_holder.sync()
+            yield self._state_holder.state
+
+    @contextlib.contextmanager
+    def _locked(self, deadline: float, what: str) -> Iterator[None]:
+        """Hold the heartbeat lock, waiting for it (a heartbeat in progress) no later
+        than ``deadline``.
+
+        Raises:
+            RendezvousTimeoutError: the lock was not free by ``deadline``.
+        """
+        if not self._heartbeat_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            raise RendezvousTimeoutError(
+                f"Could not {what} the rendezvous '{self._settings.run_id}' in time: a "
+                "keep-alive heartbeat held on to the backend until the deadline."
+            )
+        try:
+            yield
+        finally:
+            self._heartbeat_lock.release()
+
+    def get_run_id(self) -> str:
+        """See base class."""
+        return self._settings.run_id
+
+    @_records_failure
+    def shutdown(self) -> bool:
+        """Stop the keep-alive thread and close the rendezvous.
+
+        As in PyTorch, the backend stays open; :meth:`close` releases it.
+
+        Returns:
+            Whether the rendezvous could be closed; the thread is stopped either way.
+        """
+        deadline = self._get_deadline(self._settings.timeout.close)
+        self._stop_heartbeats(deadline)
+
+        try:
+            with self._locked(deadline, "close"):
+                self._close(deadline)
+                self._withdraw(Deadline.at(deadline))
+        except RendezvousError as ex:
+            msg = (
+                f"The node '{self._this_node}' has failed to shutdown the rendezvous "
+                f"'{self._settings.run_id}' due to an error of type {type(ex).__name__}."
+            )
+            self._record("shutdown", msg, NodeState.FAILED)
+            logger.warning(msg)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Stop the keep-alive thread and close the backend if the handler owns it.
+
+        Unlike :meth:`shutdown`, the rendezvous is not closed for the other nodes: they
+        see this node's heartbeats stop. Idempotent.
+        """
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop_heartbeats()
+        self._withdraw(Deadline(_WITHDRAW_TIMEOUT))
+        # Backends that do not derive from RendezvousBackend may lack close().
+        close_backend = getattr(self._owned_backend, "close", None)
+        if close_backend is not None:
+            close_backend()
+
+    def _withdraw(self, deadline: Deadline) -> None:
+        """Delete the node's key (with node keys), by ``deadline``; a failure is only
+        logged: the key expires on its own."""
+        if self._node_keys is None:
+            return
+        try:
+            with self._state_holder.bounded_by(deadline):
+                self._node_keys.withdraw()
+        except RendezvousError as ex:
+            logger.warning(
+                "The node '%s' could not delete its key from the rendezvous '%s' (%s: %s); "
+                "it expires on its own.",
+                self._this_node,
+                self._settings.run_id,
+                type(ex).__name__,
+                ex,
+            )
+
+    def _close(self, deadline: float) -> None:
+        op = _RendezvousCloseOp()
+        self._op_executor.run(op, deadline)
+        msg = f"The node '{self._this_node}' has closed the rendezvous '{self._settings.run_id}'."
+        self._record("_close", msg, NodeState.SUCCEEDED)
+        logger.info(msg)
+
+    @staticmethod
+    def _keep_alive_weak(weak_self: weakref.ref[DynamicRendezvousHandler]) -> None:
+        self = weak_self()
+        if self is not None:
+            self._keep_alive()
+
+    def _keep_alive(self) -> None:
+        with self._heartbeat_lock:
+            op = _RendezvousKeepAliveOp()
+            deadline = self._get_deadline(self._settings.timeout.heartbeat)
+            try:
+                self._op_executor.run(op, deadline)
+            except (RendezvousConnectionError, RendezvousTimeoutError) as ex:
+                # Transient: the next heartbeat tries again.
+                self._record_heartbeat_failure(ex)
+                logger.warning(
+                    "The node '%s' has failed to send a keep-alive heartbeat to the rendezvous "
+                    "'%s' due to an error of type %s (%s); will retry.",
+                    self._this_node,
+                    self._settings.run_id,
+                    type(ex).__name__,
+                    ex,
+                )
+            except Exception as ex:
+                self._record_heartbeat_failure(ex)
+                logger.exception(
+                    "The node '%s' has failed to send a keep-alive heartbeat to the rendezvous "
+                    "'%s'; will retry.",
+                    self._this_node,
+                    self._settings.run_id,
+                )
+            else:
+                self._record(
+                    "_keep_alive",
+                    f"The node '{self._this_node}' has sent a keep-alive heartbeat to "
+                    f"the rendezvous '{self._settings.run_id}'.",
+                )
+                logger.debug(
+                    "The node '%s' has sent a keep-alive heartbeat to the rendezvous '%s'.",
+                    self._this_node,
+                    self._settings.run_id,
+                )
+
+    def _record_heartbeat_failure(self, ex: Exception) -> None:
+        self._record(
+            "_keep_alive",
+            f"The node '{self._this_node}' has failed to send a keep-alive heartbeat to "
+            f"the rendezvous '{self._settings.run_id}' due to an error of type "
+            f"{type(ex).__name__}.",
+            NodeState.FAILED,
+        )
+
+    def _start_heartbeats(self) -> None:
+        with self._timer_lock:
+            if self._keep_alive_timer is not None:
+                self._keep_alive_timer.cancel()
+            self._keep_alive_timer = _PeriodicTimer(
+                self._settings.keep_alive_interval, self._keep_alive_weak, weakref.ref(self)
+            )
+            self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
+            self._keep_alive_timer.start()
+
+    def _stop_heartbeats(self, deadline: float | None = None) -> None:
+        """Stop the keep-alive timer, waiting for a heartbeat in progress to end (no
+        later than ``deadline``, a ``time.monotonic()`` time, if given)."""
+        with self._timer_lock:
+            if self._keep_alive_timer is None:
+                return
+            timeout = None if deadline is None else deadline - time.monotonic()
+            self._keep_alive_timer.cancel(timeout)
+            self._keep_alive_timer = None
+
+    def _get_world(self) -> tuple[int, int]:
+        state = self._state_holder.state
+        return state.participants[self._this_node], len(state.participants)
+
+    def _wrap_store(self, store: Store) -> Store:
+        key_prefix = dynamic_store_prefix(self._settings.run_id, self._state_holder.state.round)
+        return _prefix_store(key_prefix, store)
+
+    def _get_store(self) -> Store:
+        return self._wrap_store(self._store)
+
+    def _get_deadline(self, timeout: timedelta) -> float:
+        return time.monotonic() + timeout.total_seconds()
+
+
+def _get_timeout(params: RendezvousParameters, key: str) -> timedelta | None:
+    timeout = params.get_as_int(key + "_timeout")
+    if timeout is None:
+        return None
+    return timedelta(seconds=timeout)
+
+
+def create_handler(
+    store: Store,
+    backend: RendezvousBackend,
+    params: RendezvousParameters,
+    *,
+    backend_name: str | None = None,
+    owns_backend: bool = False,
+) -> DynamicRendezvousHandler:
+    """Create a new :class:`DynamicRendezvousHandler` from the specified parameters.
+
+    Args:
+        store: The c10d store to return as part of the rendezvous. An
+            :class:`~etcd_rendezvous.etcd_store.EtcdStore` is handed out as a
+            :class:`~etcd_rendezvous.torch_store.TorchEtcdStore` when PyTorch is
+            installed (see ``torch_store`` below).
+        backend: The backend to use to hold the rendezvous state.
+        backend_name: What the handler's ``get_backend()`` reports; ``backend.name``
+            if ``None``.
+        owns_backend: Whether the handler's ``close()`` closes ``backend`` (and with it
+            the connection :func:`~etcd_rendezvous.etcd_rendezvous_backend.create_backend`
+            opened); set it when handing over a backend nobody else closes. The backend
+            is then also closed if this function raises.
+        params: The rendezvous parameters; these options are read from its config:
+
+    +--------------------------+--------------------------------------------------------+
+    | Parameter                | Description                                            |
+    +==========================+========================================================+
+    | join_timeout             | The total time, in seconds, within which the           |
+    |                          | rendezvous is expected to complete. Defaults to 600.   |
+    +--------------------------+--------------------------------------------------------+
+    | last_call_timeout        | An additional wait amount, in seconds, before          |
+    |                          | completing the rendezvous once the minimum number of   |
+    |                          | nodes has been reached. Defaults to 30.                |
+    +--------------------------+--------------------------------------------------------+
+    | close_timeout            | The time, in seconds, within which the rendezvous is   |
+    |                          | expected to close after a call to ``set_closed`` or    |
+    |                          | ``shutdown``. Defaults to 30.                          |
+    +--------------------------+--------------------------------------------------------+
+    | heartbeat_timeout        | The time, in seconds, within which a keep-alive        |
+    |                          | heartbeat is expected to complete. Defaults to 5.      |
+    +--------------------------+--------------------------------------------------------+
+    | keep_alive_interval      | Seconds between heartbeats. Defaults to 5.             |
+    +--------------------------+--------------------------------------------------------+
+    | keep_alive_max_attempt   | Missed heartbeats after which a node is dead.          |
+    |                          | Defaults to 3.                                         |
+    +--------------------------+--------------------------------------------------------+
+    | torch_store              | ``auto``, ``true`` or ``false``: whether an            |
+    |                          | ``EtcdStore`` is handed out as a                       |
+    |                          | ``torch.distributed.Store``. ``auto`` (the default)    |
+    |                          | does so when PyTorch is installed.                     |
+    +--------------------------+--------------------------------------------------------+
+
+    Raises:
+        ValueError: An option is invalid; the message names it.
+        TypeError: ``keep_alive_interval`` or ``keep_alive_max_attempt`` is ``None``.
+    """
+    try:
+        return _handler_from_params(store, backend, params, backend_name, owns_backend)
+    except BaseException as e:
+        if isinstance(e, Exception):
+            record_rdzv_event(
+                message=f"{type(e).__name__}: {e}",
+                run_id=params.run_id,
+                node_state=NodeState.FAILED,
+                name="create_handler",
+                file_name=EVENT_FILE,
+            )
+        close_backend = getattr(backend, "close", None)
+        if owns_backend and close_backend is not None:
+            close_backend()
+        raise
+
+
+create_handler.__module__ = PUBLIC_MODULE
+
+
+def _handler_from_params(
+    store: Store,
+    backend: RendezvousBackend,
+    params: RendezvousParameters,
+    backend_name: str | None,
+    owns_backend: bool,
+) -> DynamicRendezvousHandler:
+    """The body of :func:`create_handler`: read the options, then build the handler."""
+    timeout = RendezvousTimeout(
+        _get_timeout(params, "join"),
+        _get_timeout(params, "last_call"),
+        _get_timeout(params, "close"),
+        _get_timeout(params, "heartbeat"),
+    )
+    keep_alive_interval = params.get_as_int("keep_alive_interval", 5)
+    if keep_alive_interval is None:
+        raise TypeError(
+            "You passed 'keep_alive_interval=None' as a rendezvous configuration option"
+        )
+    keep_alive_max_attempt = params.get_as_int("keep_alive_max_attempt", 3)
+    if keep_alive_max_attempt is None:
+        raise TypeError(
+            "You passed 'keep_alive_max_attempt=None' as a rendezvous configuration option"
+        )
+
+    store = adapt_store(store, torch_store_wanted(params))
+
+    return DynamicRendezvousHandler.from_backend(
+        params.run_id,
+        store,
+        backend,
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=keep_alive_interval,
+        keep_alive_max_attempt=keep_alive_max_attempt,
+        backend_name=backend_name,
+        owns_backend=owns_backend,
+    )
