@@ -37,13 +37,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "etcd_rendezvous.etcd_rendezvous_backend",
             "etcd_rendezvous.registry",
             "etcd_rendezvous.torchrun",
-            "etcd_rendezvous.torch_store",
             "etcd_rendezvous.pytest_plugin",
             "etcd_rendezvous.etcd_server",
             "etcd_rendezvous.etcd_cluster",
         ),
     ),
     ("backends", ("etcd_rendezvous._legacy", "etcd_rendezvous._dynamic")),
+    ("torch store", ("etcd_rendezvous.torch_store", "etcd_rendezvous._torch.store")),
     ("store", ("etcd_rendezvous.etcd_store",)),
     ("transport", ("etcd_rendezvous._transport",)),
     ("etcd process", ("etcd_rendezvous._process",)),
@@ -86,8 +86,17 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("etcd_rendezvous.torchrun", "torch"): (
         "PyTorch is optional; torchrun's modules are loaded only when the command runs"
     ),
-    ("etcd_rendezvous.dynamic_rendezvous", "torch"): (
+    ("etcd_rendezvous._dynamic.handler", "torch"): (
         "PyTorch is optional; torch.distributed is loaded only for a torch store"
+    ),
+    ("etcd_rendezvous.registry", "etcd_rendezvous.etcd_rendezvous"): (
+        "the package imports the registry; a backend (and python-etcd) loads on first use"
+    ),
+    ("etcd_rendezvous.registry", "etcd_rendezvous.dynamic_rendezvous"): (
+        "the package imports the registry; a backend (and python-etcd) loads on first use"
+    ),
+    ("etcd_rendezvous.registry", "etcd_rendezvous.etcd_rendezvous_backend"): (
+        "the package imports the registry; a backend (and python-etcd) loads on first use"
     ),
     ("etcd_rendezvous._torch.store", "etcd_rendezvous.torch_store"): (
         "torch_store imports PyTorch; loaded only when a torch store is wanted"
@@ -105,19 +114,6 @@ KNOWN_VIOLATIONS: frozenset[str] = frozenset(
         "etcd_rendezvous._transport.v3_watch",
         "import inside a function: etcd_rendezvous._transport.v3_watch imports "
         "etcd_rendezvous._transport.v3",
-        # The registry imports the backends when a handler is created.
-        "import inside a function: etcd_rendezvous.registry imports "
-        "etcd_rendezvous.etcd_rendezvous",
-        "import inside a function: etcd_rendezvous.registry imports "
-        "etcd_rendezvous.dynamic_rendezvous",
-        "import inside a function: etcd_rendezvous.registry imports "
-        "etcd_rendezvous.etcd_rendezvous_backend",
-        # The foundation's torch adapter reaches up to the store and the torch store.
-        "import inside a function: etcd_rendezvous._torch.store imports etcd_rendezvous.etcd_store",
-        "wrong way: etcd_rendezvous._torch.store (foundation) imports "
-        "etcd_rendezvous.etcd_store (store)",
-        "wrong way: etcd_rendezvous._torch.store (foundation) imports "
-        "etcd_rendezvous.torch_store (public facades)",
     }
 )
 
