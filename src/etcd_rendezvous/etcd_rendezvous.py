@@ -441,12 +441,12 @@ class EtcdRendezvous(EtcdRendezvousBase):
             KeyExistsError: a rendezvous state already exists.
             RendezvousStateError: the version counter is missing or corrupt.
         """
-        # The state is ephemeral until joinable, in case we die half-way through.
+        # The state is ephemeral until joinable, in case we die half-way through. Its
+        # "tag" (which PyTorch's workers ignore) makes it ours alone: a create whose answer
+        # was lost recognises itself, never another worker's setup.
+        setup = {"status": "setup", "tag": secrets.token_hex(8)}
         active_version = self._conn.create(
-            self._layout.state_key,
-            json.dumps({"status": "setup"}),
-            ttl=CONST_ETCD_SETUP_TTL,
-            value_is_unique=False,
+            self._layout.state_key, json.dumps(setup), ttl=CONST_ETCD_SETUP_TTL
         )
         version = self._next_version()
         version_dir = self._layout.version_dir(version)
@@ -485,7 +485,10 @@ class EtcdRendezvous(EtcdRendezvousBase):
                 f"{preview(counter.value)}, not an integer. The key was left untouched."
             ) from None
         try:
-            self._conn.compare_and_swap(counter_key, version, counter, value_is_unique=False)
+            # PyTorch's counter has no room for a tag. Only the holder of the setup
+            # state (ours, tagged) writes it, so the same value after a lost answer is
+            # ours unless our setup state lapsed meanwhile -- then mkdir below fails.
+            self._conn.compare_and_swap(counter_key, version, counter)
         except (CompareFailedError, KeyNotFoundError):
             # Our setup state expired and another worker took over.
             raise EtcdRendezvousRetryableFailure("Lost the right to set up a rendezvous.") from None
@@ -500,11 +503,12 @@ class EtcdRendezvous(EtcdRendezvousBase):
             if state["status"] != "final" or state["version"] != expected_version:
                 raise EtcdRendezvousRetryImmediately
             state["num_workers_waiting"] += 1
+            # A tag (which PyTorch's workers ignore and carry along) tells our increment
+            # from a concurrent announcer's identical one.
+            state["tag"] = secrets.token_hex(8)
             try:
-                # Identical values from concurrent announcers can't be told apart; if
-                # unsure, announce again (over-counting only triggers a re-rendezvous).
                 return self._conn.compare_and_swap(
-                    active_version.key, json.dumps(state), active_version, value_is_unique=False
+                    active_version.key, json.dumps(state), active_version
                 )
             except CompareFailedError:
                 logger.debug("Announce self as waiting CAS unsuccessful, retrying")
@@ -588,8 +592,7 @@ class EtcdRendezvous(EtcdRendezvousBase):
                 active_version.value or "",
                 active_version,
                 ttl=CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
-                value_is_unique=False,
-            )
+            )  # the same value: another worker's identical refresh serves as well
         except CompareFailedError:
             logger.debug("Join last-call TTL refresh CAS unsuccessful; the state changed")
             return

@@ -130,15 +130,18 @@ def test_attempts_past_the_deadline_share_about_a_second(endpoints: int, share: 
     )
     caps: list[float | None] = []
 
-    def attempt(cap: float | None) -> None:
+    tried: list[int] = []
+
+    def send(endpoint: int, cap: float | None) -> None:
+        tried.append(endpoint)
         caps.append(cap)
-        conn._rotate(conn._pick())
         raise _AmbiguousError("lost")
 
     with conn, pytest.raises(RendezvousConnectionError), conn.bounded_by(Deadline(0)):
-        conn._retrying("write", "/k", attempt)
+        conn._operate("write", "/k", send)
     # One attempt per endpoint and one more, each waiting at most its share.
     assert caps == [pytest.approx(share)] * (endpoints + 1)
+    assert tried == [i % endpoints for i in range(endpoints + 1)]  # failing over in order
 
 
 # -- store write tags --------------------------------------------------------------------

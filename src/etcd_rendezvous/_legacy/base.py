@@ -152,8 +152,10 @@ class EtcdRendezvousBase:
         layout = self._layout
         self._setup_run_dir()
         self.create_path_if_not_exists(layout.rdzv_dir)
+        # PyTorch's "0" has no room for a tag, and needs none: whoever created it, the
+        # counter exists (a create whose answer was lost is recognised by its value).
         with contextlib.suppress(KeyExistsError):
-            self._conn.create(layout.counter_key, "0", value_is_unique=False)
+            self._conn.create(layout.counter_key, "0")
 
     def _setup_run_dir(self) -> None:
         # Spelled with a trailing "/", as PyTorch's get_path("") spells it.
@@ -340,7 +342,8 @@ class EtcdRendezvousBase:
                 active_version, state = self.get_rdzv_state()
             except KeyNotFoundError:
                 try:
-                    self._conn.create(key, json.dumps({"status": "closed"}), value_is_unique=False)
+                    # No tag needed: a closed state means the same whoever wrote it.
+                    self._conn.create(key, json.dumps({"status": "closed"}))
                     self._record_closed()
                     return
                 except KeyExistsError:
@@ -350,9 +353,7 @@ class EtcdRendezvousBase:
                 return
             state["status"] = "closed"
             try:
-                self._conn.compare_and_swap(
-                    key, json.dumps(state), active_version, value_is_unique=False
-                )
+                self._conn.compare_and_swap(key, json.dumps(state), active_version)
                 self._record_closed()
                 return
             except (CompareFailedError, KeyNotFoundError):
@@ -397,7 +398,8 @@ class EtcdRendezvousBase:
         node = self._layout.extra_data_key(rdzv_version)
         encoded = json.dumps({key: value})
         try:
-            self._conn.create(node, encoded, value_is_unique=False)
+            # No tag needed: a value holding our key and value is what we want stored.
+            self._conn.create(node, encoded)
             return
         except KeyExistsError:
             pass
@@ -407,9 +409,7 @@ class EtcdRendezvousBase:
             data = self._decode_extra_data(extra_data)
             data[key] = value
             try:
-                self._conn.compare_and_swap(
-                    node, json.dumps(data), extra_data, value_is_unique=False
-                )
+                self._conn.compare_and_swap(node, json.dumps(data), extra_data)
                 return
             except CompareFailedError:
                 logger.debug("Store extra_data CAS unsuccessful, retrying")

@@ -38,14 +38,7 @@ from typing import Any
 
 from ..api import RendezvousConnectionError, RendezvousError
 from ..metrics import record_metric
-from .interface import (
-    Node,
-    Transport,
-    WatchHistoryLostError,
-    WatchStream,
-    _AmbiguousError,
-    _UnsentError,
-)
+from .interface import Node, Transport, WatchHistoryLostError, WatchStream, _AmbiguousError
 from .retry import REWATCH, Deadline
 
 __all__ = ["Batches", "StreamingWatch", "hold_socket_open", "shutdown_socket"]
@@ -60,10 +53,6 @@ Batches = Iterator["list[Node] | int | None"]
 #: The reader stops reading while this many changes wait in the buffer, so that a
 #: stream nobody reads cannot grow without bound (etcd then drops or slows the watcher).
 _MAX_BUFFERED = 10_000
-
-#: Seconds between two looks of a waiting :meth:`StreamingWatch.next` at whether its
-#: member went silent or was left (no I/O: a look reads two numbers).
-_RECHECK = 0.5
 
 
 class _Feed:
@@ -116,10 +105,10 @@ class StreamingWatch(WatchStream):
     # -- what a subclass does -------------------------------------------------------
 
     @abc.abstractmethod
-    def _send(self, from_index: int, deadline: Deadline) -> tuple[int, Any, Batches]:
-        """Send a watch request from ``from_index`` to the transport's current endpoint.
+    def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Batches]:
+        """Send a watch request from ``from_index`` to endpoint ``endpoint``.
 
-        Returns the endpoint's index, the answer (urllib3 response, status 200, body not
+        Returns the answer (urllib3 response, status 200, body not
         read) and the parser of its body, run by the reader thread. Sending raises the
         transport's classified errors (:class:`_UnsentError`, :class:`_AmbiguousError`,
         a library error, or :class:`WatchHistoryLostError`); so does the parser for what
@@ -181,8 +170,9 @@ class StreamingWatch(WatchStream):
                         return None
                     patience = self._patience(feed)
                     if patience > 0:
-                        # Look again soon: another request may leave the member meanwhile.
-                        self._cond.wait(min(deadline.remaining(), patience, _RECHECK))
+                        # Woken early by a change, or when the connection leaves the
+                        # member (:meth:`_wake`).
+                        self._cond.wait(min(deadline.remaining(), patience))
                         continue
                     self._feed = None  # re-armed below
                     silent, feed = feed, None
@@ -190,6 +180,12 @@ class StreamingWatch(WatchStream):
                 self._abandon(silent)
             if deadline.expired() or not self._reopen(feed, deadline, at_deadline="none"):
                 return None
+
+    def _wake(self) -> None:
+        """The transport moved on to another endpoint: a waiting :meth:`next` looks again
+        at whether its member was left."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         """End the stream: its socket is shut down and a blocked :meth:`next` raises
@@ -226,25 +222,19 @@ class StreamingWatch(WatchStream):
         """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
         ``None``), retrying within ``deadline``. Returns whether it did; with
         ``at_deadline="none"``, ``False`` when etcd was unreachable until the deadline."""
-        retired = None if feed is None else self._retire(feed, deadline)
-        pending = [] if retired is None else [retired]
+        failed = feed is not None and self._retire(feed, deadline)
         if feed is not None:
             record_metric("transport.watch_restarts", api=self._transport.api)
-
-        def attempt(_cap: float | None) -> None:
-            if pending:
-                raise pending.pop()
-            self._open(deadline)
-
         transport = self._transport
         try:
-            transport._retrying(
+            transport._operate(
                 "watch",
                 self._key,
-                attempt,
+                lambda endpoint, _cap: self._open(endpoint, deadline),
                 budget=transport._watch_budget(deadline),
                 cap_requests=False,
-            )
+                pause_first=failed,
+            ).unwrap()
         except WatchHistoryLostError as exc:
             with self._cond:
                 self._failed = exc
@@ -255,31 +245,26 @@ class StreamingWatch(WatchStream):
             raise
         return True
 
-    def _retire(self, feed: _Feed, deadline: Deadline) -> BaseException | None:
-        """Drop ``feed``, which ended; the failure the retry loop starts with (so that it
-        pauses before reopening), if it failed."""
+    def _retire(self, feed: _Feed, deadline: Deadline) -> bool:
+        """Drop ``feed``, which ended; return whether it failed (then the stream backs
+        off before reopening, on the next endpoint)."""
         with self._cond:
             if self._feed is feed:
                 self._feed = None
-        failure = feed.failure
-        if failure is None and not feed.changes:
-            failure = _AmbiguousError("the watch stream ended without a change")
         self._barren = 0 if feed.changes else self._barren + 1
         if self._barren > 1:
             # Answers that keep ending without a change: back off further.
             self._transport._sleep(min(REWATCH.delay(self._barren), max(deadline.remaining(), 0)))
-        if failure is None:
-            return None
+        if feed.failure is None and feed.changes:
+            return False
         # The member may be gone: try the next one.
         self._transport._rotate(feed.endpoint)
-        if isinstance(failure, (_UnsentError, _AmbiguousError)):
-            return failure
-        return _AmbiguousError(str(failure))
+        return True
 
-    def _open(self, deadline: Deadline) -> None:
-        """One attempt: send the request and start its reader; where etcd confirms a
-        watch in the answer, wait for that (until ``deadline``)."""
-        endpoint, response, batches = self._send(self._resume, deadline)
+    def _open(self, endpoint: int, deadline: Deadline) -> None:
+        """One attempt on endpoint ``endpoint``: send the request and start its reader;
+        where etcd confirms a watch in the answer, wait for that (until ``deadline``)."""
+        response, batches = self._send(endpoint, self._resume, deadline)
         feed = _Feed(endpoint, response, ready=self.confirmed_by_status)
         with self._cond:
             if self._closed:
@@ -307,8 +292,6 @@ class StreamingWatch(WatchStream):
                 self._feed = None
         if unconfirmed:
             feed.stop()
-            # Outside the stream's lock: the failover's metric goes to handlers.
-            self._transport._rotate(endpoint)
             raise _AmbiguousError(
                 f"{self._transport.endpoints[endpoint]}: the watch of {self._key!r} was "
                 f"not confirmed within {self._transport.request_timeout:g} s"
@@ -359,7 +342,7 @@ class StreamingWatch(WatchStream):
         with self._cond:
             if feed is not self._feed or self._closed:
                 return
-        self._open(Deadline(self._transport.read_timeout))
+        self._open(self._transport._pick(), Deadline(self._transport.read_timeout))
 
     def _end(self, feed: _Feed, failure: BaseException | None) -> None:
         with self._cond:

@@ -28,6 +28,7 @@ from .interface import CompareFailedError, KeyNotFoundError, Node
 
 __all__ = [
     "GrpcError",
+    "ReauthError",
     "b64",
     "compare_failure",
     "create_txn",
@@ -43,6 +44,12 @@ __all__ = [
     "unb64",
     "written",
 ]
+
+
+class ReauthError(Exception):
+    """A request (or a watch) was refused for want of a valid auth token: authenticate
+    again and send it once more."""
+
 
 # gRPC status codes the transport acts on.
 INVALID_ARGUMENT = 3
