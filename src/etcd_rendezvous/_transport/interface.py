@@ -1,26 +1,13 @@
 """The transport interface: what the rendezvous backends and the store need from etcd.
 
-Two implementations speak it: :class:`~etcd_rendezvous._transport.v2.EtcdConnection` over
-etcd's v2 API (through python-etcd) and :class:`~etcd_rendezvous._transport.v3.EtcdV3Connection`
-over the v3 API's JSON gateway. :func:`~etcd_rendezvous._transport.connect.open_transport` chooses
-one. Everything above this interface is written in v2's vocabulary, which maps onto v3
-as follows:
-
-========================  ==============================  =================================
-v2                        v3                              :class:`Node` field
-========================  ==============================  =================================
-etcd index                store revision                  ``etcd_index``
-``modifiedIndex``         ``mod_revision``                ``modified_index``
-``createdIndex``          ``create_revision``             ``created_index``
-key with a TTL            key attached to a lease         ``ttl`` (v2 only; see
-                                                          :meth:`Transport.time_to_live`)
-directory                 key prefix (plus a marker key)  ``is_dir``, ``children``
-watch ``waitIndex=N``     watch ``start_revision=N``
-========================  ==============================  =================================
-
-This module also holds what both implementations share: the condition errors, the
-classification of failures into "never sent" and "outcome unknown", the retry loop with
-its deadline, and the resolution of a conditional write whose answer was lost.
+:class:`Transport` is written in v2's vocabulary; the v2 API's
+:class:`~etcd_rendezvous._transport.v2.EtcdConnection` and the v3 JSON gateway's
+:class:`~etcd_rendezvous._transport.v3.EtcdV3Connection` implement it, and
+:func:`~etcd_rendezvous._transport.connect.open_transport` picks one. This module also
+holds what both share: the condition errors, the :class:`Outcome` of one request, the
+retry loop over the endpoints (``Transport._operate``) and the settling of a
+conditional write whose answer was lost. See docs/etcd-v3.rst, section "Inside the
+transport".
 """
 
 from __future__ import annotations

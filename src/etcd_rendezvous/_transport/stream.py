@@ -1,27 +1,11 @@
 """A :class:`~etcd_rendezvous._transport.interface.WatchStream` over one long-lived HTTP answer.
 
-Both etcd APIs can answer a watch with a stream that stays open and carries every
-change as it happens: v2 with ``GET /v2/keys/<key>?wait=true&stream=true``, v3 with
-``POST /v3/watch``. :class:`StreamingWatch` holds what the two share:
-
-* **A reader thread per answer.** It reads the answer as it arrives and buffers the
-  changes; :meth:`~StreamingWatch.next` takes them from the buffer, waiting on a
-  condition with the caller's deadline. The thread, not the caller, blocks on the
-  socket: a socket read that times out cannot be resumed, so a caller's timeout must
-  never be a socket timeout. :meth:`~StreamingWatch.close` (or closing the transport)
-  shuts the socket down, which wakes the thread, and wakes the caller.
-* **Reopening where it broke.** The stream remembers the index after the last change
-  it received. When an answer ends (a member killed, a connection reset, etcd dropping
-  the watcher), the next :meth:`~StreamingWatch.next` sends a new watch request from
-  there, through the transport's retry loop (failover, back-off, deadline); buffered
-  changes are delivered first, and none twice.
-* **Lost history is final.** If etcd no longer holds the changes from that index, the
-  stream raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError` (after the
-  changes it buffered) from then on.
-
-The subclasses (``_v2_watch.V2WatchStream``, ``_v3_watch.V3WatchStream``) send the
-request and parse the answer. A stream whose owner forgot to close it is closed when it
-is garbage collected (a safety net; the reader thread holds only a weak reference).
+:class:`StreamingWatch` holds what the v2 and v3 streaming watches share: a reader thread
+per answer that buffers its changes, reopening from the index after the last change
+received (through the transport's retry loop, on the next endpoint), re-arming a wait
+whose member went silent or was left, and lost history as a final error. Subclasses
+send the request and parse the answer. See docs/etcd-v3.rst, section "Inside the
+transport".
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """The v2 transport: etcd's v2 API through python-etcd.
 
-:class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.interface.Transport`; its
-sibling over the v3 API is :class:`~etcd_rendezvous._transport.v3.EtcdV3Connection`. python-etcd
-and urllib3 exceptions never leave this module.
-
-What this layer adds over a bare ``etcd.Client``:
-
-* **No silent re-sends.** urllib3 retries a timed-out request by default; for a
-  compare-and-swap that means a "compare failed" can hide a swap that was applied. Our
-  pool manager never retries; this module decides what may be sent again.
-* **Recognising our own applied write.** When a conditional write fails on the
-  connection (or the server answers "request timed out" during an election), it may
-  still have been applied. We send it again (it is conditional, so at most one copy can
-  apply) and, if the answer is then "compare failed" / "already exists", read the key's
-  history: if the first change after the state we compared against carries our value,
-  the write was ours.
-* **Failover that recovers.** One python-etcd client per endpoint; a request that could
-  not reach an endpoint moves on to the next, round-robin, for as long as the
-  operation's deadline lasts (python-etcd's own failover never recovers once all hosts
-  were down).
-* **Connect timeouts** separate from read/watch timeouts, so a dead host costs seconds,
-  not the whole read timeout.
+:class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.interface.Transport`:
+one python-etcd client per endpoint, a pool manager that never re-sends a request and
+bounds connection set-up, and the classification of python-etcd's and urllib3's
+failures (which never leave this module). See docs/etcd-v3.rst, section "Inside the
+transport".
 """
 
 from __future__ import annotations

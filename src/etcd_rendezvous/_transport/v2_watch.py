@@ -1,28 +1,11 @@
 """The v2 watch stream: ``GET /v2/keys/<key>?wait=true&stream=true&waitIndex=N``.
 
-python-etcd has no streaming watch, so this speaks the wire directly, with urllib3 and
-the connection's own pool managers (TLS, basic auth, no silent re-sends); failures are
-classified by :meth:`EtcdConnection._once`, as for every v2 request. etcd
-(``v2http/client.go``, ``handleKeyWatch``) answers with the ``X-Etcd-Index`` header once,
-then writes each change as one JSON object (``{"action", "node", "prevNode"}``, as a
-single watch answers) followed by a newline, for as long as the watcher lives.
-
-Two behaviours of etcd's v2 store shape :class:`V2WatchStream`:
-
-* **A change found in the history ends the stream.** If the event history holds a change
-  at or after ``waitIndex``, etcd answers with that one change and registers no watcher:
-  the answer then stays open and silent. Such a change has an index at or below the
-  answer's ``X-Etcd-Index``, so the stream reopens from the next index at once. A stream
-  opened from the current index + 1 (as after a read) is registered and delivers every
-  later change over one request.
-* **A stream opened from now** (no ``waitIndex``) is registered at once, at the
-  ``X-Etcd-Index`` of its answer, and reopens from the index after it.
-* **A slow watcher is dropped.** A watcher whose 100-change buffer overflows is removed,
-  which ends the answer; the stream reopens from the index after the last change it
-  received (the reader thread reads as fast as etcd writes, so this is rare).
-
-``errorCode`` 401 ("event index cleared": ``waitIndex`` is older than the last 1000
-changes) raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError`.
+python-etcd has no streaming watch, so this speaks the wire with the connection's own
+clients (TLS, basic auth, no silent re-sends); failures are classified as for every v2
+request. etcd answers with ``X-Etcd-Index``, then one JSON object per change. A change
+found in etcd's history ends the answer (the stream reopens at once); "event index
+cleared" (401) raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError`.
+See docs/etcd-v3.rst, section "Inside the transport".
 """
 
 from __future__ import annotations

@@ -1,35 +1,9 @@
 """The v3 transport: etcd's v3 API as JSON over HTTP (the gRPC gateway), with urllib3.
 
-:class:`EtcdV3Connection` implements :class:`~etcd_rendezvous._transport.interface.Transport` with
-the same contract as the v2 :class:`~etcd_rendezvous._transport.v2.EtcdConnection`, so the
-backends and the store run unchanged on etcd 3.6, which has no v2 API. How v2's notions
-map onto v3:
-
-* **index -> revision.** ``modified_index``/``created_index`` are a key's
-  ``mod_revision``/``create_revision``; ``etcd_index`` is the store revision of the
-  answer. A compare-and-swap compares the ``mod_revision`` it read.
-* **TTL -> lease.** A write with a TTL first grants a lease and attaches the key to it;
-  refreshing the TTL is a lease keep-alive; a lease that is gone reads as a key that
-  expired. Leases of TTLs under a minute ("is this worker alive?") are one per write;
-  longer ones (clean-up after a job) are shared by the writes of one connection for a
-  tenth of their TTL, so frequent writes do not grant a lease each.
-* **directory -> prefix.** Keys below ``d`` are ``d/...``. :meth:`~EtcdV3Connection.mkdir`
-  writes an empty marker key ``d`` (create-if-absent, which the legacy backend relies
-  on). A directory made with a TTL holds a lease that every key written below it
-  through this connection is attached to, so the whole run disappears when its lease
-  lapses, as a v2 directory with a TTL does -- and, unlike on etcd 3.5's v2 API, that
-  lease can be refreshed.
-* **watch -> streaming watch** from ``start_revision``: a
-  :meth:`~EtcdV3Connection.watch_stream` keeps one HTTP stream (one ``Watch`` gRPC
-  stream) open for all the changes it delivers; a single :meth:`~EtcdV3Connection.watch`
-  is a stream closed after its first change. A compacted start revision raises
-  :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError` from a stream and reads as
-  "no change seen" from a single watch, as after v2's "event index cleared".
-
-Failures are classified as on v2: a request that never reached a member is sent again
-anywhere; one whose outcome is unknown (lost answer, "request timed out" or "leader
-changed" during an election) is retried and, for conditional writes, resolved from the
-key's history. An expired auth token is renewed and the request sent once more.
+:class:`EtcdV3Connection` implements :class:`~etcd_rendezvous._transport.interface.Transport`
+with the v2 connection's contract: indexes are revisions, TTLs leases, directories key
+prefixes (with a marker key), watches streaming watches. See docs/etcd-v3.rst, sections
+"How the layout maps" and "Inside the transport".
 """
 
 from __future__ import annotations

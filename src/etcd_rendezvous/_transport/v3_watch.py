@@ -1,13 +1,9 @@
 """The v3 watch stream: one ``POST /v3/watch`` answer carries every change.
 
-etcd's gateway answers a watch with a chunked stream of JSON objects: first
-``created``, then batches of ``events`` (every event of one revision in the same
-batch); a compacted start revision or a refused auth token arrive as ``canceled``. Each
-answer is one ``Watch`` gRPC stream in etcd, however many changes it carries.
-:class:`V3WatchStream` keeps that answer open across
-:meth:`~etcd_rendezvous._transport.interface.WatchStream.next` calls (the shared machinery is
-:class:`~etcd_rendezvous._transport.stream.StreamingWatch`); a single wait
-(:meth:`EtcdV3Connection.watch`) is a stream closed after its first change.
+The answer is a chunked stream of JSON objects: ``created``, then batches of ``events``
+(every event of one revision in one batch); a compacted start revision or a refused
+auth token arrive as ``canceled``. A single wait is a stream closed after its first
+change. See docs/etcd-v3.rst, section "Inside the transport".
 """
 
 from __future__ import annotations
