@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import json
 import logging
 import socket
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..api import RendezvousConnectionError, RendezvousError
@@ -25,7 +26,13 @@ from ..metrics import record_metric
 from .interface import Node, Transport, WatchHistoryLostError, WatchStream, _AmbiguousError
 from .retry import REWATCH, Deadline
 
-__all__ = ["Batches", "StreamingWatch", "hold_socket_open", "shutdown_socket"]
+__all__ = [
+    "Batches",
+    "StreamingWatch",
+    "hold_socket_open",
+    "iter_objects",
+    "shutdown_socket",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -396,3 +403,38 @@ def shutdown_socket(response: Any) -> None:
 def _socket_of(response: Any) -> Any:
     connection = getattr(response, "connection", None) or getattr(response, "_connection", None)
     return getattr(connection, "sock", None)
+
+
+def iter_objects(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a watch stream, however its chunks split them.
+
+    A chunk may hold several objects, part of one, or whitespace between them.
+
+    Raises:
+        TypeError: the stream holds JSON that is not an object.
+    """
+    decoder = json.JSONDecoder()
+    buffer = ""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        try:
+            buffer += pending.decode("utf-8")
+        except UnicodeDecodeError:
+            # A multi-byte character split across chunks: wait for the rest.
+            continue
+        pending = b""
+        while True:
+            buffer = buffer.lstrip()
+            if not buffer:
+                break
+            try:
+                obj, end = decoder.raw_decode(buffer)
+            except ValueError:
+                if len(buffer) > 64 * 1024 * 1024:
+                    raise
+                break  # an incomplete object: wait for more
+            if not isinstance(obj, dict):
+                raise TypeError(f"watch stream: expected a JSON object, got {obj!r:.100}")
+            yield obj
+            buffer = buffer[end:]

@@ -18,10 +18,9 @@ import etcd
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from . import v3_wire as wire
 from .interface import KeyNotFoundError, Node, Transport, WatchHistoryLostError, _AmbiguousError
 from .retry import Deadline
-from .stream import Batches, StreamingWatch, hold_socket_open
+from .stream import Batches, StreamingWatch, hold_socket_open, iter_objects
 
 __all__ = ["OneRequest", "V2WatchStream"]
 
@@ -96,7 +95,7 @@ def _batches(endpoint: str, response: Any, etcd_index: int) -> Batches:
     """The changes of one answer, one at a time; ends after a change from the history
     (``etcd_index`` is the answer's ``X-Etcd-Index``), for which etcd watches no more."""
     try:
-        for message in wire.iter_objects(response.stream(64 * 1024)):
+        for message in iter_objects(response.stream(64 * 1024)):
             node = _event_node(message, etcd_index)
             yield [node]
             if node.modified_index <= etcd_index:

@@ -18,7 +18,7 @@ from ..api import RendezvousConnectionError
 from . import v3_wire as wire
 from .interface import Node, Transport, WatchHistoryLostError, _AmbiguousError
 from .retry import Deadline
-from .stream import Batches, StreamingWatch, hold_socket_open
+from .stream import Batches, StreamingWatch, hold_socket_open, iter_objects
 
 __all__ = ["Gateway", "V3WatchStream"]
 
@@ -118,7 +118,7 @@ def _batches(
     """The messages of one watch answer (from ``endpoint``, number ``idx``): for
     ``created`` the store revision, else its changes."""
     try:
-        for message in wire.iter_objects(response.stream(64 * 1024)):
+        for message in iter_objects(response.stream(64 * 1024)):
             yield _handle(gateway, endpoint, idx, message, key, recursive, start)
     except (HTTPError, OSError, ValueError, TypeError) as exc:
         raise _AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
