@@ -791,7 +791,11 @@ class Transport(abc.ABC):
             endpoint = self._pick()
             cap = min(self._request_timeout, max(deadline.remaining(), floor))
             record_metric("transport.requests", **labels)
-            attempt = try_once(send, endpoint, cap if cap_requests else None)
+            try:
+                attempt = try_once(send, endpoint, cap if cap_requests else None)
+            except BaseException:  # a permanent failure
+                self._record_duration(labels, started)
+                raise
             if attempt.outcome in (Outcome.APPLIED, Outcome.REFUSED):
                 self._record_duration(labels, started)
                 return dataclasses.replace(attempt, after_unknown=unknown)
