@@ -305,23 +305,26 @@ def test_cas_lost_after_another_writer_won_raises_compare_failed(
         conn.compare_and_swap(key, "ours", prev)
 
     assert excinfo.value.key == key
+    assert not excinfo.value.outcome_unknown  # the first change after prev is not ours
     assert etcd_proxy.dropped_responses == 1  # so the outcome was ambiguous
     assert writes(etcd_proxy, api) == 2
     assert history(conn, key, prev.modified_index) == changes(api, ("set", "theirs"))
 
 
-def test_cas_with_a_value_that_is_not_unique_is_not_claimed(
-    etcd_proxy: FaultProxy, connect: Connect, key: str, api: str
+def test_cas_lost_whose_history_is_gone_is_refused_with_outcome_unknown(
+    etcd_proxy: FaultProxy, connect: Connect, key: str, api: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     conn = connect(etcd_proxy.endpoint)
     prev = conn.set(key, "v0")
     etcd_proxy.drop_responses(count=1, close_client=True)
+    # etcd no longer holds the change that would tell whether the lost copy applied.
+    monkeypatch.setattr(conn, "first_change_after", lambda _key, _index: None)
 
-    # Applied, but another writer could have stored the same value: not claimed.
-    with pytest.raises(CompareFailedError):
-        conn.compare_and_swap(key, "common", prev, value_is_unique=False)
+    with pytest.raises(CompareFailedError) as excinfo:
+        conn.compare_and_swap(key, "ours", prev)
 
-    assert history(conn, key, prev.modified_index) == changes(api, ("compareAndSwap", "common"))
+    assert excinfo.value.outcome_unknown
+    assert history(conn, key, prev.modified_index) == changes(api, ("compareAndSwap", "ours"))
 
 
 def test_create_whose_response_was_lost_is_recognised_as_ours(

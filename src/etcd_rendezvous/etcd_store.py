@@ -1,28 +1,17 @@
-"""A c10d-style key-value store on etcd (v2 API), wire-compatible with PyTorch's ``EtcdStore``.
+"""A c10d-style key-value store on etcd, wire-compatible with PyTorch's ``EtcdStore``.
 
 :class:`EtcdStore` is what :class:`~etcd_rendezvous.etcd_rendezvous.EtcdRendezvousHandler`
-hands to the workers once a rendezvous completes. It stores every key and value as
-``torch.distributed.elastic.rendezvous.etcd_store.EtcdStore`` does (base64 of the
-UTF-8 or raw bytes, under ``<prefix>/<base64 key>``; counters as base64 of a decimal
-string), so a torch worker and one using this module share a store. One addition: a
-value written by ``add``, ``compare_set`` or ``append`` is followed in etcd by ``~``
-and a random tag of characters outside the base64 alphabet, which PyTorch's decoder
-skips (it reads the same bytes) and this module drops; it makes each such write
-recognisable in the key's history (see :meth:`EtcdStore.add`).
+hands to the workers once a rendezvous completes. Keys and values are stored as
+PyTorch's ``EtcdStore`` stores them (base64, under ``<prefix>/<base64 key>``), so torch
+workers and ours share a store. One addition: a value written by ``add``,
+``compare_set`` or ``append`` ends with ``~`` and a random tag that PyTorch's decoder
+skips, so that a write whose answer was lost recognises itself (see
+:ref:`writes whose answer was lost <lost-answers>`).
 
-What differs from the reference is how it waits and how it fails:
-
-* ``get``/``wait``/``check`` read only the keys asked for, never the whole store
-  directory, and wait for a missing key with an etcd watch starting right after the
-  index at which it was seen missing: no polling, no sleeps, cost independent of the
-  number of keys in the store.
-* ``add`` and the other read-modify-write operations compare on value *and* index and
-  use :class:`~etcd_rendezvous._transport.v2.EtcdConnection`, which recognises its own write
-  when a connection failure hides the answer (see :meth:`EtcdStore.add` for the exact
-  guarantee).
-* A value someone else wrote that is not base64 raises
-  :class:`~etcd_rendezvous.api.RendezvousStateError` naming the key, a counter that is
-  not an integer raises :class:`ValueError`; neither touches the key.
+Unlike the reference, ``get``/``wait``/``check`` read only the keys asked for and wait
+with an etcd watch from the index at which a key was seen missing (no polling); a value
+that is not base64 raises :class:`~etcd_rendezvous.api.RendezvousStateError` naming the
+key, and nothing stored is touched.
 """
 
 from __future__ import annotations
@@ -49,7 +38,7 @@ from ._transport.v2 import (
     KeyNotFoundError,
     Node,
 )
-from .api import RendezvousStateError
+from .api import RendezvousConnectionError, RendezvousStateError
 from .layout import normalize_key, store_value_key
 
 if TYPE_CHECKING:
@@ -238,31 +227,19 @@ class EtcdStore:
     def add(self, key: KeyLike, num: int) -> int:
         """Atomically add ``num`` to the counter under ``key`` and return the new value.
 
-        A missing key counts as ``0``. The counter is stored as the base64 of its decimal
-        string, like PyTorch's, and both implementations can update the same counter.
-
-        Guarantee: when ``add`` returns, its increment was applied exactly once, and
-        callers adding non-zero amounts of one sign get distinct results, through etcd
-        leader elections and members dying mid-request. When the outcome of a create or
-        compare-and-swap is unknown (the answer was lost, or etcd answered "request
-        timed out"), the write is sent again (it is conditional, so at most one copy
-        applies) and, if that is refused, the key's history decides: the first change
-        after the state the write compared against is the write's own if it holds the
-        value the write stored. Each write's value carries a random tag (see the module
-        documentation), so another caller's write of the same counter value is never
-        taken for ours. The one exception: if etcd no longer holds that history (v2
-        keeps the last 1000 changes of the whole store), the write is taken as not
-        applied and may then be applied twice. If ``add`` raises
-        :class:`~etcd_rendezvous.api.RendezvousConnectionError`, the increment may or
-        may not have been applied.
+        A missing key counts as ``0``; the counter is stored as PyTorch's is (base64 of
+        its decimal string). When ``add`` returns, its increment was applied exactly
+        once, through elections and members dying mid-request (see
+        :ref:`writes whose answer was lost <lost-answers>`).
 
         Raises:
             TypeError: ``key`` is not ``str``/``bytes`` or ``num`` not an integer.
             ValueError: the key holds something that is not a decimal integer (the
                 key is left untouched).
             RendezvousStateError: the key holds something that is not base64.
-            RendezvousConnectionError: etcd could not be reached for :attr:`timeout`
-                (the increment may or may not be applied).
+            RendezvousConnectionError: etcd could not be reached for :attr:`timeout`,
+                or lost the answer and the history that would tell: the increment may
+                or may not have been applied.
             LookupError: other writers kept changing the key first for longer than
                 :attr:`timeout` (the increment was not applied).
         """
@@ -592,7 +569,8 @@ class EtcdStore:
                     return new
                 try:
                     self._conn.create(path, _tagged(new))
-                except KeyExistsError:
+                except KeyExistsError as exc:
+                    _check_known(exc, key)
                     retry.wait()
                     node = self._read(path, key)
                     continue
@@ -602,14 +580,30 @@ class EtcdStore:
                 return new
             try:
                 self._conn.compare_and_swap(path, _tagged(new), node)
-            except CompareFailedError:
+            except CompareFailedError as exc:
+                _check_known(exc, key)
                 retry.wait()
                 node = self._read(path, key)
-            except KeyNotFoundError:
+            except KeyNotFoundError as exc:
+                _check_known(exc, key)
                 retry.wait()
                 node = None
             else:
                 return bytes(new)
+
+
+def _check_known(
+    refusal: CompareFailedError | KeyExistsError | KeyNotFoundError, key: KeyLike
+) -> None:
+    """Raise if our own earlier copy of the refused write may have been applied (etcd
+    lost its answer and no longer holds the history that would tell): writing again
+    could apply it twice."""
+    if refusal.outcome_unknown:
+        raise RendezvousConnectionError(
+            f"Could not update key {key!r} in etcd ({refusal.key!r}): etcd lost the answer "
+            "to a write and no longer holds the history that tells whether it was "
+            "applied; the update may or may not have been applied."
+        )
 
 
 def _check_timedelta(value: object, param: str) -> timedelta:
@@ -632,16 +626,9 @@ def _b64(data: bytes) -> str:
 
 def _tagged(data: bytes) -> str:
     """base64 of ``data``, then a separator and a random tag: the value of a conditional
-    write, unique to it.
-
-    Two workers adding 1 to the same counter value write the same bytes; if one of them
-    lost the answer to its write (its etcd member died mid-request), the key's history
-    could not tell it whose write landed, and it would count the other's as its own
-    (the increment lost) or its own as the other's (applied twice). The tag makes every
-    write's value its own, so the history answers exactly. Tag characters are outside
-    the base64 alphabet: PyTorch's ``EtcdStore`` (Python's non-strict ``b64decode``)
-    skips them and reads the same bytes, and :meth:`EtcdStore._decode` drops the tag.
-    """
+    write, unique to it, so that a write whose answer was lost is never taken for
+    another's of the same bytes (or the reverse). PyTorch's non-strict ``b64decode``
+    skips the tag's characters; :meth:`EtcdStore._decode` drops them."""
     tag = "".join(secrets.choice(_TAG_ALPHABET) for _ in range(_TAG_LENGTH))
     return f"{_b64(data)}{_TAG_SEPARATOR}{tag}"
 

@@ -105,17 +105,7 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
 
 #: What the tree breaks today, each being fixed on its own branch. Remove an entry
 #: when its fix is merged (the test fails until then, naming it).
-KNOWN_VIOLATIONS: frozenset[str] = frozenset(
-    {
-        # The v2 and v3 transports and their watch streams import each other.
-        "cycle: etcd_rendezvous._transport.v2 <-> etcd_rendezvous._transport.v2_watch",
-        "cycle: etcd_rendezvous._transport.v3 <-> etcd_rendezvous._transport.v3_watch",
-        "import inside a function: etcd_rendezvous._transport.v3 imports "
-        "etcd_rendezvous._transport.v3_watch",
-        "import inside a function: etcd_rendezvous._transport.v3_watch imports "
-        "etcd_rendezvous._transport.v3",
-    }
-)
+KNOWN_VIOLATIONS: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,16 @@ import pytest
 from etcd_rendezvous._dynamic.periodic import _PeriodicTimer
 from etcd_rendezvous._transport import v3_wire as wire
 from etcd_rendezvous._transport.interface import (
+    Attempt,
+    CompareFailedError,
+    KeyExistsError,
     Node,
+    Outcome,
+    WatchStream,
     _AmbiguousError,
     _UnsentError,
     transient_answer,
+    try_once,
 )
 from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous._transport.v2 import _is_transient_server_error
@@ -130,15 +136,144 @@ def test_attempts_past_the_deadline_share_about_a_second(endpoints: int, share: 
     )
     caps: list[float | None] = []
 
-    def attempt(cap: float | None) -> None:
+    tried: list[int] = []
+
+    def send(endpoint: int, cap: float | None) -> None:
+        tried.append(endpoint)
         caps.append(cap)
-        conn._rotate(conn._pick())
         raise _AmbiguousError("lost")
 
     with conn, pytest.raises(RendezvousConnectionError), conn.bounded_by(Deadline(0)):
-        conn._retrying("write", "/k", attempt)
+        conn._operate("write", "/k", send)
     # One attempt per endpoint and one more, each waiting at most its share.
     assert caps == [pytest.approx(share)] * (endpoints + 1)
+    assert tried == [i % endpoints for i in range(endpoints + 1)]  # failing over in order
+
+
+# -- one attempt, one outcome -------------------------------------------------------------
+
+
+def _raising(error: BaseException) -> Any:
+    def send(_endpoint: int, _cap: float | None) -> None:
+        raise error
+
+    return send
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome"),
+    [
+        (CompareFailedError("/k", 7), Outcome.REFUSED),
+        (KeyExistsError("/k", 7), Outcome.REFUSED),
+        (_UnsentError("http://e:1: refused"), Outcome.UNSENT),
+        (_AmbiguousError("http://e:1: reset"), Outcome.UNKNOWN),
+    ],
+)
+def test_one_request_becomes_one_outcome(error: Exception, outcome: Outcome) -> None:
+    attempt = try_once(_raising(error), 0, 1.0)
+    assert attempt.outcome is outcome
+    if outcome is Outcome.REFUSED:
+        assert attempt.refusal is error
+        with pytest.raises(type(error)):
+            attempt.unwrap()
+    else:
+        assert attempt.failure == str(error)
+
+
+def test_an_applied_request_carries_its_answer_and_a_permanent_failure_propagates() -> None:
+    assert try_once(lambda endpoint, cap: (endpoint, cap), 2, 0.5).unwrap() == (2, 0.5)
+    with pytest.raises(RendezvousConnectionError):
+        try_once(_raising(RendezvousConnectionError("no permission")), 0, None)
+
+
+def test_a_refusal_after_a_lost_answer_is_marked_and_the_loop_fails_over() -> None:
+    conn = EtcdV3Connection(
+        [("127.0.0.1", 9), ("127.0.0.1", 10)], read_timeout=60, sleep=lambda _: None
+    )
+    tried: list[int] = []
+    answers: list[BaseException] = [_AmbiguousError("lost"), CompareFailedError("/k", 8)]
+
+    def send(endpoint: int, _cap: float | None) -> None:
+        tried.append(endpoint)
+        raise answers.pop(0)
+
+    with conn:
+        done = conn._operate("compare-and-swap", "/k", send)
+    assert (done.outcome, done.after_unknown, tried) == (Outcome.REFUSED, True, [0, 1])
+
+
+def _node(value: str, index: int, action: str = "compareAndSwap") -> Node:
+    return Node("/k", value, index, 1, index, None, False, (), action)
+
+
+@pytest.mark.parametrize(
+    ("first_change", "applied", "unknown"),
+    [
+        (_node("ours", 6), True, False),  # our lost copy was the first change
+        (_node("theirs", 6), False, False),  # another write came first: not ours
+        (None, False, True),  # etcd no longer holds the change that would tell
+    ],
+)
+def test_a_conditional_write_after_a_lost_answer_is_settled_by_the_first_change(
+    conn: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    first_change: Node | None,
+    applied: bool,
+    unknown: bool,
+) -> None:
+    monkeypatch.setattr(conn, "first_change_after", lambda _key, _index: first_change)
+    refused = Attempt[Node](
+        Outcome.REFUSED, refusal=CompareFailedError("/k", 9), after_unknown=True
+    )
+    if applied:
+        assert conn._settle("compare-and-swap", "/k", "ours", 5, refused) == first_change
+        return
+    with pytest.raises(CompareFailedError) as excinfo:
+        conn._settle("compare-and-swap", "/k", "ours", 5, refused)
+    assert excinfo.value.outcome_unknown is unknown
+
+
+def test_the_store_does_not_write_again_when_its_write_may_have_applied(
+    conn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = EtcdStore(conn, "/p")
+    current = _node(_tagged(b"1"), 5, "get")
+    monkeypatch.setattr(conn, "get", lambda _key: current)
+    unknown = CompareFailedError("/k", 9)
+    unknown.outcome_unknown = True
+    writes: list[str] = []
+
+    def compare_and_swap(_key: str, value: str, _prev: Node, **_kw: Any) -> Node:
+        writes.append(value)
+        raise unknown
+
+    monkeypatch.setattr(conn, "compare_and_swap", compare_and_swap)
+    with pytest.raises(RendezvousConnectionError, match="may or may not have been applied"):
+        store.add("counter", 1)
+    assert len(writes) == 1  # not sent again: it could be applied twice
+
+
+class _Listener(WatchStream):
+    woken = 0
+
+    def next(self, timeout: float) -> Node | None:
+        return None
+
+    def _wake(self) -> None:
+        self.woken += 1
+
+
+def test_moving_to_the_next_endpoint_wakes_the_watch_streams() -> None:
+    conn = EtcdV3Connection(
+        [("127.0.0.1", 9), ("127.0.0.1", 10)], read_timeout=60, sleep=lambda _: None
+    )
+    stream = _Listener("/k", 1, False)
+    with conn:
+        conn._adopt(stream)
+        conn._rotate(1)  # not the current endpoint: nothing moves, no one is woken
+        assert stream.woken == 0
+        conn._rotate(0)
+        assert (conn._pick(), stream.woken) == (1, 1)
 
 
 # -- store write tags --------------------------------------------------------------------

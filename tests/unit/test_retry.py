@@ -11,7 +11,6 @@ from etcd_rendezvous._transport.retry import (
     CONNECTION,
     CONTENTION,
     REWATCH,
-    Backoff,
     Deadline,
     Retry,
     RetryPolicy,
@@ -175,17 +174,3 @@ def test_deadline_at_a_monotonic_time(fake: FakeTime) -> None:
     assert deadline.remaining() == pytest.approx(4.0)
     assert deadline.seconds == pytest.approx(4.0)
     assert Deadline.never().remaining() > 365 * 24 * 3600
-
-
-def test_backoff_keeps_its_constructor_and_shares_the_window(fake: FakeTime) -> None:
-    backoff = Backoff(initial=0.05, cap=1.0, sleep=fake.sleep, rng=random.Random(1))
-    deadline = Deadline(0.3, clock=fake.clock)
-    for _ in range(30):
-        backoff.wait(deadline)
-    assert sum(fake.sleeps) == pytest.approx(0.3)
-    backoff.reset()
-    assert 0 <= backoff.next_delay() <= 0.05
-    assert Backoff(initial=1, cap=2)._failures == 0
-    big = Backoff(initial=0.01, cap=0.5)
-    big._failures = 100_000
-    assert 0 <= big.next_delay() <= 0.5  # no overflow

@@ -218,8 +218,10 @@ class EtcdRendezvous:
         layout = self._layout
         self._setup_run_dir()
         self.create_path_if_not_exists(layout.rdzv_dir)
+        # PyTorch's "0" has no room for a tag, and needs none: whoever created it, the
+        # counter exists (a create whose answer was lost is recognised by its value).
         with contextlib.suppress(KeyExistsError):
-            self._conn.create(layout.counter_key, "0", value_is_unique=False)
+            self._conn.create(layout.counter_key, "0")
 
     def _setup_run_dir(self) -> None:
         # Spelled with a trailing "/", as PyTorch's get_path("") spells it.
@@ -594,11 +596,11 @@ class EtcdRendezvous:
             RendezvousStateError: the version counter is missing or corrupt.
         """
         # The state is ephemeral until joinable, in case we die half-way through.
+        # Its "tag" (which PyTorch's workers ignore) makes the state ours alone: a create
+        # whose answer was lost recognises itself, never another worker's setup.
+        setup = {"status": "setup", "tag": secrets.token_hex(8)}
         active_version = self._conn.create(
-            self._layout.state_key,
-            json.dumps({"status": "setup"}),
-            ttl=CONST_ETCD_SETUP_TTL,
-            value_is_unique=False,
+            self._layout.state_key, json.dumps(setup), ttl=CONST_ETCD_SETUP_TTL
         )
         version = self._next_version()
         version_dir = self._layout.version_dir(version)
@@ -637,7 +639,10 @@ class EtcdRendezvous:
                 f"{preview(counter.value)}, not an integer. The key was left untouched."
             ) from None
         try:
-            self._conn.compare_and_swap(counter_key, version, counter, value_is_unique=False)
+            # PyTorch's counter has no room for a tag. Only the holder of the setup
+            # state (ours, tagged) writes it, so the same value after a lost answer is
+            # ours unless our setup state lapsed meanwhile -- then mkdir below fails.
+            self._conn.compare_and_swap(counter_key, version, counter)
         except (CompareFailedError, KeyNotFoundError):
             # Our setup state expired and another worker took over.
             raise EtcdRendezvousRetryableFailure("Lost the right to set up a rendezvous.") from None
@@ -652,11 +657,12 @@ class EtcdRendezvous:
             if state["status"] != "final" or state["version"] != expected_version:
                 raise EtcdRendezvousRetryImmediately
             state["num_workers_waiting"] += 1
+            # A tag (which PyTorch's workers ignore and carry along) tells our increment
+            # from a concurrent announcer's identical one.
+            state["tag"] = secrets.token_hex(8)
             try:
-                # Identical values from concurrent announcers can't be told apart; if
-                # unsure, announce again (over-counting only triggers a re-rendezvous).
                 return self._conn.compare_and_swap(
-                    active_version.key, json.dumps(state), active_version, value_is_unique=False
+                    active_version.key, json.dumps(state), active_version
                 )
             except CompareFailedError:
                 logger.debug("Announce self as waiting CAS unsuccessful, retrying")
@@ -740,8 +746,7 @@ class EtcdRendezvous:
                 active_version.value or "",
                 active_version,
                 ttl=CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
-                value_is_unique=False,
-            )
+            )  # the same value: another worker's identical refresh serves as well
         except CompareFailedError:
             logger.debug("Join last-call TTL refresh CAS unsuccessful; the state changed")
             return
@@ -811,7 +816,8 @@ class EtcdRendezvous:
                 active_version, state = self.get_rdzv_state()
             except KeyNotFoundError:
                 try:
-                    self._conn.create(key, json.dumps({"status": "closed"}), value_is_unique=False)
+                    # No tag needed: a closed state means the same whoever wrote it.
+                    self._conn.create(key, json.dumps({"status": "closed"}))
                     self._record_closed()
                     return
                 except KeyExistsError:
@@ -821,9 +827,7 @@ class EtcdRendezvous:
                 return
             state["status"] = "closed"
             try:
-                self._conn.compare_and_swap(
-                    key, json.dumps(state), active_version, value_is_unique=False
-                )
+                self._conn.compare_and_swap(key, json.dumps(state), active_version)
                 self._record_closed()
                 return
             except (CompareFailedError, KeyNotFoundError):
@@ -868,7 +872,8 @@ class EtcdRendezvous:
         node = self._layout.extra_data_key(rdzv_version)
         encoded = json.dumps({key: value})
         try:
-            self._conn.create(node, encoded, value_is_unique=False)
+            # No tag needed: a value holding our key and value is what we want stored.
+            self._conn.create(node, encoded)
             return
         except KeyExistsError:
             pass
@@ -878,9 +883,7 @@ class EtcdRendezvous:
             data = self._decode_extra_data(extra_data)
             data[key] = value
             try:
-                self._conn.compare_and_swap(
-                    node, json.dumps(data), extra_data, value_is_unique=False
-                )
+                self._conn.compare_and_swap(node, json.dumps(data), extra_data)
                 return
             except CompareFailedError:
                 logger.debug("Store extra_data CAS unsuccessful, retrying")

@@ -1,26 +1,13 @@
 """The transport interface: what the rendezvous backends and the store need from etcd.
 
-Two implementations speak it: :class:`~etcd_rendezvous._transport.v2.EtcdConnection` over
-etcd's v2 API (through python-etcd) and :class:`~etcd_rendezvous._transport.v3.EtcdV3Connection`
-over the v3 API's JSON gateway. :func:`~etcd_rendezvous._transport.connect.open_transport` chooses
-one. Everything above this interface is written in v2's vocabulary, which maps onto v3
-as follows:
-
-========================  ==============================  =================================
-v2                        v3                              :class:`Node` field
-========================  ==============================  =================================
-etcd index                store revision                  ``etcd_index``
-``modifiedIndex``         ``mod_revision``                ``modified_index``
-``createdIndex``          ``create_revision``             ``created_index``
-key with a TTL            key attached to a lease         ``ttl`` (v2 only; see
-                                                          :meth:`Transport.time_to_live`)
-directory                 key prefix (plus a marker key)  ``is_dir``, ``children``
-watch ``waitIndex=N``     watch ``start_revision=N``
-========================  ==============================  =================================
-
-This module also holds what both implementations share: the condition errors, the
-classification of failures into "never sent" and "outcome unknown", the retry loop with
-its deadline, and the resolution of a conditional write whose answer was lost.
+:class:`Transport` is written in v2's vocabulary; the v2 API's
+:class:`~etcd_rendezvous._transport.v2.EtcdConnection` and the v3 JSON gateway's
+:class:`~etcd_rendezvous._transport.v3.EtcdV3Connection` implement it, and
+:func:`~etcd_rendezvous._transport.connect.open_transport` picks one. This module also
+holds what both share: the condition errors, the :class:`Outcome` of one request, the
+retry loop over the endpoints (``Transport._operate``) and the settling of a
+conditional write whose answer was lost. See docs/etcd-v3.rst, section "Inside the
+transport".
 """
 
 from __future__ import annotations
@@ -28,6 +15,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import enum
 import logging
 import threading
 import time
@@ -35,7 +23,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Generic, TypeVar
 
 from ..api import RendezvousConnectionError, RendezvousError
 from ..metrics import MetricKind, record_metric
@@ -44,11 +32,13 @@ from .retry import CONNECTION, Deadline
 __all__ = [
     "DELETE_ACTIONS",
     "WRITE_ACTIONS",
+    "Attempt",
     "CompareFailedError",
     "KeyExistsError",
     "KeyNotFoundError",
     "Node",
     "OperationRefusedError",
+    "Outcome",
     "Transport",
     "TransportClosedError",
     "WatchHistoryLostError",
@@ -85,6 +75,10 @@ class _ConditionError(Exception):
         self.key = key
         #: The store index (revision) at the time of the refusal, when etcd reported it.
         self.etcd_index = etcd_index
+        #: Whether an earlier copy of this conditional write, whose answer was lost, may
+        #: have been applied after all (etcd no longer holds the history that would
+        #: tell). The caller re-reads the key, as after any refusal.
+        self.outcome_unknown = False
 
 
 class KeyNotFoundError(_ConditionError):
@@ -128,11 +122,71 @@ class WatchHistoryLostError(RendezvousError):
 
 
 class _AmbiguousError(Exception):
-    """A request was sent but its outcome is unknown (lost answer, election timeout)."""
+    """Raised by one request: it was sent but its outcome is unknown (lost answer,
+    election timeout). :func:`try_once` makes it an :attr:`Outcome.UNKNOWN` attempt."""
 
 
 class _UnsentError(Exception):
-    """A request never reached the server (or was refused before being processed)."""
+    """Raised by one request: it never reached the server (or was refused before being
+    processed). :func:`try_once` makes it an :attr:`Outcome.UNSENT` attempt."""
+
+
+class Outcome(enum.Enum):
+    """What became of one request."""
+
+    #: etcd answered and did it.
+    APPLIED = "applied"
+    #: etcd answered that a condition on the key failed (not a failure of the transport).
+    REFUSED = "refused"
+    #: It never reached a member, or a member refused it before proposing it: not
+    #: applied, and safe to send again anywhere.
+    UNSENT = "unsent"
+    #: It was sent but its answer was lost: it may have been applied.
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Attempt(Generic[_T]):
+    """One request's :class:`Outcome`, with the answer (applied), the refusal (refused)
+    or what went wrong (``"<endpoint>: <failure>"``, for unsent and unknown)."""
+
+    outcome: Outcome
+    result: _T | None = None
+    refusal: _ConditionError | None = None
+    failure: str = ""
+    #: Set by the retry loop on its final attempt: an earlier copy's answer was lost.
+    after_unknown: bool = False
+
+    def unwrap(self) -> _T:
+        """The answer of an applied attempt; raises the refusal of a refused one."""
+        if self.outcome is Outcome.APPLIED:
+            return self.result  # type: ignore[return-value]
+        raise self.unwrap_refusal()
+
+    def unwrap_refusal(self) -> _ConditionError:
+        """The refusal of a refused attempt."""
+        if self.refusal is None:
+            raise RuntimeError(f"an attempt with outcome {self.outcome.value} has no refusal")
+        return self.refusal
+
+
+def try_once(
+    send: Callable[[int, float | None], _T], endpoint: int, cap: float | None
+) -> Attempt[_T]:
+    """Run ``send(endpoint, cap)`` (one request) and return its :class:`Attempt`.
+
+    ``send`` raises a condition error for a refusal, :class:`_UnsentError` or
+    :class:`_AmbiguousError` for failures worth retrying, and a library error for
+    permanent failures (which propagate).
+    """
+    try:
+        return Attempt(Outcome.APPLIED, result=send(endpoint, cap))
+    except _ConditionError as exc:
+        return Attempt(Outcome.REFUSED, refusal=exc)
+    except _UnsentError as exc:
+        return Attempt(Outcome.UNSENT, failure=str(exc))
+    except _AmbiguousError as exc:
+        return Attempt(Outcome.UNKNOWN, failure=str(exc))
 
 
 #: Transient answers of a member that refused a request before proposing it to raft
@@ -268,6 +322,10 @@ class WatchStream(abc.ABC):
     def close(self) -> None:
         """End the stream and wake a thread blocked in :meth:`next`. Idempotent."""
         self._closed = True
+
+    def _wake(self) -> None:  # noqa: B027 (a hook; streams that wait per change ignore it)
+        """Called when the transport moves on to another endpoint (a stream listening to
+        the one left re-arms; this one waits once per change, so there is nothing to do)."""
 
     def _check_open(self, transport: Transport) -> None:
         if self._closed or transport.closed:
@@ -600,39 +658,30 @@ class Transport(abc.ABC):
         """Create directory ``key`` unless it exists. Returns whether it was created."""
 
     @abc.abstractmethod
-    def create(
-        self,
-        key: str,
-        value: str,
-        *,
-        ttl: int | None = None,
-        value_is_unique: bool = True,
-    ) -> Node:
-        """Create ``key`` with ``value``; fails with :class:`KeyExistsError` if it exists.
+    def create(self, key: str, value: str, *, ttl: int | None = None) -> Node:
+        """Create ``key`` with ``value``.
 
-        ``value_is_unique`` says whether no other writer could create the key with the
-        same value; only then can a create whose first attempt failed on the connection
-        recognise the key's presence as its own success.
+        A create whose answer was lost is recognised as applied if the key's first
+        version carries ``value``: give each create a value of its own (a tag), or one
+        that means the same whoever wrote it.
+
+        Raises:
+            KeyExistsError: the key exists (``outcome_unknown``: see
+                :class:`CompareFailedError`).
         """
 
     @abc.abstractmethod
-    def compare_and_swap(
-        self,
-        key: str,
-        value: str,
-        prev: Node,
-        *,
-        ttl: int | None = None,
-        value_is_unique: bool = True,
-    ) -> Node:
+    def compare_and_swap(self, key: str, value: str, prev: Node, *, ttl: int | None = None) -> Node:
         """Replace ``prev`` (as read) with ``value``, only if ``key`` is still ``prev``.
 
         Compares the modification index (and, on v2, the value too, as PyTorch's
-        workers do). After a failure of unknown outcome, the key's history from
-        ``prev.modified_index`` tells whether the swap was in fact applied.
+        workers do). A swap whose answer was lost is recognised as applied if the first
+        change after ``prev`` carries ``value`` (as for :meth:`create`).
 
         Raises:
-            CompareFailedError: the key changed since ``prev`` was read.
+            CompareFailedError: the key changed since ``prev`` was read; with
+                ``outcome_unknown`` set, our own lost swap may be that change (etcd no
+                longer holds the history that would tell): re-read the key.
             KeyNotFoundError: the key no longer exists.
         """
 
@@ -674,14 +723,16 @@ class Transport(abc.ABC):
 
         ``silent``: the endpoint only said nothing for ``silence_timeout`` (an idle
         member looks the same): counted as ``transport.silent_rearms`` and logged at
-        DEBUG, not as a failover. The metric is recorded and the line logged after the
-        lock is released: a metrics handler may be slow, or use this connection.
+        DEBUG, not as a failover. The metric is recorded, the line logged and the watch
+        streams woken (those on ``failed`` re-arm) after the lock is released: a metrics
+        handler may be slow, or use this connection.
         """
         with self._lock:
             if self._current != failed or len(self._endpoints) < 2:
                 return
             self._current = (failed + 1) % len(self._endpoints)
             now = self._endpoints[self._current]
+            streams = list(self._watch_streams)
         if silent:
             record_metric("transport.silent_rearms", api=self.api)
             level = logging.DEBUG
@@ -689,6 +740,8 @@ class Transport(abc.ABC):
             record_metric("transport.failovers", api=self.api)
             level = logging.INFO
         logger.log(level, "etcd endpoint %s %s; switching to %s", self._endpoints[failed], why, now)
+        for stream in streams:
+            stream._wake()
 
     def _leave_silent(self, idx: int, what: str) -> None:
         """A wait (``what``) heard nothing from endpoint ``idx`` for ``silence_timeout``:
@@ -697,28 +750,28 @@ class Transport(abc.ABC):
         silent = self._silent_for(idx)
         self._rotate(idx, f"said nothing for {silent:.1f} s while {what}", silent=True)
 
-    def _retrying(
+    def _operate(
         self,
         what: str,
         key: str,
-        attempt: Callable[[float | None], _T],
+        send: Callable[[int, float | None], _T],
         *,
-        on_ambiguous: Callable[[], None] | None = None,
         budget: Deadline | None = None,
         cap_requests: bool = True,
-    ) -> _T:
-        """Run ``attempt`` until it succeeds or the operation's deadline passes.
+        pause_first: bool = False,
+    ) -> Attempt[_T]:
+        """Send one request after another, failing over, until etcd answers it or the
+        operation's deadline passes; return the last :class:`Attempt` (applied or refused).
 
-        ``attempt(cap)`` sends one request to the current endpoint with its read
-        timeout capped at ``cap`` seconds (``None``: no cap) and raises
-        :class:`_UnsentError` or :class:`_AmbiguousError` for failures worth retrying.
-        ``on_ambiguous`` is called after a failure of unknown outcome (writes use it to
-        know that a later "compare failed" needs checking). However short the
-        deadline, every endpoint gets one attempt and one more follows the last
-        failure: a hung endpoint cannot hide a healthy one, and a write whose answer
-        was lost is sent once more so that its fate can be found out. Those attempts
-        past the deadline wait at most :meth:`_last_chance` seconds for an answer
-        each, so that together they overrun the deadline by a second at most.
+        ``send(endpoint, cap)`` sends one request to endpoint ``endpoint`` (an index into
+        :attr:`endpoints`), waiting at most ``cap`` seconds for its answer (``None``: no
+        cap); :func:`try_once` turns what it returns or raises into the attempt's
+        outcome. Permanent failures propagate. However short the deadline, every
+        endpoint gets one attempt and one more follows the last failure, each waiting at
+        most :meth:`_last_chance` seconds once the deadline is near: a hung endpoint
+        cannot hide a healthy one, and a write whose answer was lost is sent once more
+        so that its fate can be found out. ``pause_first``: back off before the first
+        attempt (a watch reopened after its answer broke).
         """
         if self._closed:
             raise TransportClosedError(
@@ -727,29 +780,31 @@ class Transport(abc.ABC):
             )
         deadline = self._budget(budget)
         retry = dataclasses.replace(CONNECTION, sleep=self._sleep).start(deadline)
+        if pause_first:
+            retry.pause()
         floor = self._last_chance()
         failures: list[str] = []
+        unknown = False
         labels = {"op": op_name(what), "api": self.api}
         started = time.monotonic()
         while True:
+            endpoint = self._pick()
             cap = min(self._request_timeout, max(deadline.remaining(), floor))
             record_metric("transport.requests", **labels)
             try:
-                result = attempt(cap if cap_requests else None)
-            except _UnsentError as exc:
-                failures.append(str(exc))
-                outcome = "unsent"
-            except _AmbiguousError as exc:
-                failures.append(str(exc))
-                outcome = "unknown"
-                if on_ambiguous is not None:
-                    on_ambiguous()
-            except BaseException:  # an answer (a refused condition) or a permanent failure
+                attempt = try_once(send, endpoint, cap if cap_requests else None)
+            except BaseException:  # a permanent failure
                 self._record_duration(labels, started)
                 raise
-            else:
+            if attempt.outcome in (Outcome.APPLIED, Outcome.REFUSED):
                 self._record_duration(labels, started)
-                return result
+                return dataclasses.replace(attempt, after_unknown=unknown)
+            # Unsent or unknown: the next endpoint may serve us (an election, a member
+            # gone); a write of unknown outcome is sent again, conditional writes
+            # being settled by :meth:`_settle`.
+            failures.append(attempt.failure)
+            unknown = unknown or attempt.outcome is Outcome.UNKNOWN
+            self._rotate(endpoint)
             if self._closed:
                 raise TransportClosedError(
                     f"Could not {what} {key!r}: the etcd connection was closed."
@@ -757,8 +812,8 @@ class Transport(abc.ABC):
             if deadline.expired() and len(failures) > len(self._endpoints):
                 self._record_duration(labels, started)
                 raise RendezvousConnectionError(self._unreachable_message(what, key, failures))
-            logger.debug("Could not %s %r (%s); retrying", what, key, failures[-1])
-            record_metric("transport.retries", outcome=outcome, **labels)
+            logger.debug("Could not %s %r (%s); retrying", what, key, attempt.failure)
+            record_metric("transport.retries", outcome=attempt.outcome.value, **labels)
             retry.pause()
 
     @staticmethod
@@ -795,59 +850,36 @@ class Transport(abc.ABC):
             )
         return message
 
-    def _conditional(
-        self,
-        what: str,
-        key: str,
-        value: str,
-        since: int | None,
-        value_is_unique: bool,
-        send: Callable[[Callable[[], None]], Node],
+    def _settle(
+        self, what: str, key: str, value: str, since: int | None, done: Attempt[Node]
     ) -> Node:
-        """Send a conditional write; after a failure of unknown outcome, find out if it
-        applied.
+        """The result of a conditional write whose last copy etcd answered (``done``).
 
-        ``send(note_ambiguous)`` runs the write through :meth:`_retrying`. ``since`` is
-        the modification index the write compared against, or ``None`` for a create
-        (which compared against the key's absence): then the creation of the key's
-        current version is examined.
+        If an earlier copy's answer was lost and the last copy was refused, the earlier
+        copy may be the reason: every copy compared against the same state (``since``,
+        the modification index compared against; ``None`` for a create), so the first
+        change after that state is decisive. It is ours if it carries ``value``: callers
+        make each conditional write's value its own (a tag), or write values whose
+        meaning is the same whoever wrote them (see :doc:`how-it-works`). If etcd no
+        longer holds that change, the refusal is raised with ``outcome_unknown`` set.
         """
-        ambiguous = False
-
-        def note() -> None:
-            nonlocal ambiguous
-            ambiguous = True
-
+        if not done.after_unknown:
+            return self._note_index(done.unwrap())
         op = op_name(what)
-        try:
-            written = self._note_index(send(note))
-        except (CompareFailedError, KeyExistsError, KeyNotFoundError):
-            if not ambiguous:
-                raise
-            record_metric("transport.outcome_unknown", op=op)
-            # An earlier attempt may have been applied, making this one fail. The first
-            # change after the state we compared against is decisive: every copy we
-            # sent compared against the same state, so at most one copy can be it.
-            change = self._change_to_examine(key, since)
-            if change is not None and change.value == value and change.action != "expire":
-                if value_is_unique:
-                    logger.info("%s of %s was applied by an earlier attempt", what, key)
-                    record_metric("transport.outcome_resolved", op=op, result="applied")
-                    return self._note_index(change)
-                logger.warning(
-                    "%s of %s failed on the connection and an identical value is now "
-                    "stored; another writer may have written it, so assuming ours was "
-                    "not applied",
-                    what,
-                    key,
-                )
-            record_metric("transport.outcome_resolved", op=op, result="not_applied")
-            raise
-        if ambiguous:
+        record_metric("transport.outcome_unknown", op=op)
+        if done.outcome is Outcome.APPLIED:
             # A copy sent after the lost answer was applied (the lost one was not).
-            record_metric("transport.outcome_unknown", op=op)
             record_metric("transport.outcome_resolved", op=op, result="resent")
-        return written
+            return self._note_index(done.unwrap())
+        change = self._change_to_examine(key, since)
+        if change is not None and change.value == value and change.action != "expire":
+            logger.info("%s of %s was applied by an earlier attempt", what, key)
+            record_metric("transport.outcome_resolved", op=op, result="applied")
+            return self._note_index(change)
+        record_metric("transport.outcome_resolved", op=op, result="not_applied")
+        refusal = done.unwrap_refusal()
+        refusal.outcome_unknown = change is None
+        raise refusal
 
     def _change_to_examine(self, key: str, since: int | None) -> Node | None:
         if since is not None:
@@ -908,10 +940,3 @@ def check_credentials(username: str | None, password: str | None) -> None:
     """Validate that ``username`` and ``password`` come together."""
     if (username is None) != (password is None):
         raise ValueError("username/password: give both or neither.")
-
-
-def ttl_seconds(value: Any, what: str) -> int:
-    """A TTL as a positive whole number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what}: a TTL must be a positive whole number of seconds.")
-    return value

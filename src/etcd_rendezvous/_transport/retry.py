@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ..api import RendezvousTimeoutError
 
-__all__ = ["CONNECTION", "CONTENTION", "REWATCH", "Backoff", "Deadline", "Retry", "RetryPolicy"]
+__all__ = ["CONNECTION", "CONTENTION", "REWATCH", "Deadline", "Retry", "RetryPolicy"]
 
 # Past this many failures the window has long reached any sensible cap; stopping the
 # exponent here keeps ``multiplier ** failures`` from overflowing a float.
@@ -236,38 +236,3 @@ CONNECTION = RetryPolicy(initial=0.05, cap=1.0)
 #: history asked for, or the watch ended early): from 10 ms up to 0.5 s, so that such an
 #: anomaly cannot turn into a busy loop.
 REWATCH = RetryPolicy(initial=0.01, cap=0.5)
-
-
-@dataclass
-class Backoff:
-    """Capped exponential back-off with full jitter, without a deadline of its own.
-
-    Kept for the connection layer (:mod:`etcd_rendezvous._transport.v2`); everything else uses
-    a :class:`RetryPolicy` and its :class:`Retry`. ``next_delay()`` returns a random
-    delay in ``[0, min(cap, initial * multiplier**n)]`` for the n-th consecutive failure.
-    """
-
-    initial: float = 0.002
-    cap: float = 0.1
-    multiplier: float = 2.0
-    sleep: Callable[[float], None] = time.sleep
-    rng: random.Random = field(default_factory=random.Random)
-    _failures: int = 0
-
-    def next_delay(self) -> float:
-        """Return the delay to wait after one more consecutive failure."""
-        ceiling = _window(self.initial, self.multiplier, self.cap, self._failures)
-        self._failures += 1
-        return self.rng.uniform(0.0, ceiling)
-
-    def wait(self, deadline: Deadline | None = None) -> None:
-        """Sleep for the next delay, never past ``deadline``."""
-        delay = self.next_delay()
-        if deadline is not None:
-            delay = min(delay, deadline.remaining())
-        if delay > 0:
-            self.sleep(delay)
-
-    def reset(self) -> None:
-        """Forget past failures (call after a success)."""
-        self._failures = 0

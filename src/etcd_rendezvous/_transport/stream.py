@@ -1,54 +1,38 @@
 """A :class:`~etcd_rendezvous._transport.interface.WatchStream` over one long-lived HTTP answer.
 
-Both etcd APIs can answer a watch with a stream that stays open and carries every
-change as it happens: v2 with ``GET /v2/keys/<key>?wait=true&stream=true``, v3 with
-``POST /v3/watch``. :class:`StreamingWatch` holds what the two share:
-
-* **A reader thread per answer.** It reads the answer as it arrives and buffers the
-  changes; :meth:`~StreamingWatch.next` takes them from the buffer, waiting on a
-  condition with the caller's deadline. The thread, not the caller, blocks on the
-  socket: a socket read that times out cannot be resumed, so a caller's timeout must
-  never be a socket timeout. :meth:`~StreamingWatch.close` (or closing the transport)
-  shuts the socket down, which wakes the thread, and wakes the caller.
-* **Reopening where it broke.** The stream remembers the index after the last change
-  it received. When an answer ends (a member killed, a connection reset, etcd dropping
-  the watcher), the next :meth:`~StreamingWatch.next` sends a new watch request from
-  there, through the transport's retry loop (failover, back-off, deadline); buffered
-  changes are delivered first, and none twice.
-* **Lost history is final.** If etcd no longer holds the changes from that index, the
-  stream raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError` (after the
-  changes it buffered) from then on.
-
-The subclasses (``_v2_watch.V2WatchStream``, ``_v3_watch.V3WatchStream``) send the
-request and parse the answer. A stream whose owner forgot to close it is closed when it
-is garbage collected (a safety net; the reader thread holds only a weak reference).
+:class:`StreamingWatch` holds what the v2 and v3 streaming watches share: a reader thread
+per answer that buffers its changes, reopening from the index after the last change
+received (through the transport's retry loop, on the next endpoint), re-arming a wait
+whose member went silent or was left, and lost history as a final error. Subclasses
+send the request and parse the answer. See docs/etcd-v3.rst, section "Inside the
+transport".
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import json
 import logging
 import socket
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..api import RendezvousConnectionError, RendezvousError
 from ..metrics import record_metric
-from .interface import (
-    Node,
-    Transport,
-    WatchHistoryLostError,
-    WatchStream,
-    _AmbiguousError,
-    _UnsentError,
-)
+from .interface import Node, Transport, WatchHistoryLostError, WatchStream, _AmbiguousError
 from .retry import REWATCH, Deadline
 
-__all__ = ["Batches", "StreamingWatch", "hold_socket_open", "shutdown_socket"]
+__all__ = [
+    "Batches",
+    "StreamingWatch",
+    "hold_socket_open",
+    "iter_objects",
+    "shutdown_socket",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +44,6 @@ Batches = Iterator["list[Node] | int | None"]
 #: The reader stops reading while this many changes wait in the buffer, so that a
 #: stream nobody reads cannot grow without bound (etcd then drops or slows the watcher).
 _MAX_BUFFERED = 10_000
-
-#: Seconds between two looks of a waiting :meth:`StreamingWatch.next` at whether its
-#: member went silent or was left (no I/O: a look reads two numbers).
-_RECHECK = 0.5
 
 
 class _Feed:
@@ -116,10 +96,10 @@ class StreamingWatch(WatchStream):
     # -- what a subclass does -------------------------------------------------------
 
     @abc.abstractmethod
-    def _send(self, from_index: int, deadline: Deadline) -> tuple[int, Any, Batches]:
-        """Send a watch request from ``from_index`` to the transport's current endpoint.
+    def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Batches]:
+        """Send a watch request from ``from_index`` to endpoint ``endpoint``.
 
-        Returns the endpoint's index, the answer (urllib3 response, status 200, body not
+        Returns the answer (urllib3 response, status 200, body not
         read) and the parser of its body, run by the reader thread. Sending raises the
         transport's classified errors (:class:`_UnsentError`, :class:`_AmbiguousError`,
         a library error, or :class:`WatchHistoryLostError`); so does the parser for what
@@ -181,8 +161,9 @@ class StreamingWatch(WatchStream):
                         return None
                     patience = self._patience(feed)
                     if patience > 0:
-                        # Look again soon: another request may leave the member meanwhile.
-                        self._cond.wait(min(deadline.remaining(), patience, _RECHECK))
+                        # Woken early by a change, or when the connection leaves the
+                        # member (:meth:`_wake`).
+                        self._cond.wait(min(deadline.remaining(), patience))
                         continue
                     self._feed = None  # re-armed below
                     silent, feed = feed, None
@@ -190,6 +171,12 @@ class StreamingWatch(WatchStream):
                 self._abandon(silent)
             if deadline.expired() or not self._reopen(feed, deadline, at_deadline="none"):
                 return None
+
+    def _wake(self) -> None:
+        """The transport moved on to another endpoint: a waiting :meth:`next` looks again
+        at whether its member was left."""
+        with self._cond:
+            self._cond.notify_all()
 
     def close(self) -> None:
         """End the stream: its socket is shut down and a blocked :meth:`next` raises
@@ -226,25 +213,19 @@ class StreamingWatch(WatchStream):
         """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
         ``None``), retrying within ``deadline``. Returns whether it did; with
         ``at_deadline="none"``, ``False`` when etcd was unreachable until the deadline."""
-        retired = None if feed is None else self._retire(feed, deadline)
-        pending = [] if retired is None else [retired]
+        failed = feed is not None and self._retire(feed, deadline)
         if feed is not None:
             record_metric("transport.watch_restarts", api=self._transport.api)
-
-        def attempt(_cap: float | None) -> None:
-            if pending:
-                raise pending.pop()
-            self._open(deadline)
-
         transport = self._transport
         try:
-            transport._retrying(
+            transport._operate(
                 "watch",
                 self._key,
-                attempt,
+                lambda endpoint, _cap: self._open(endpoint, deadline),
                 budget=transport._watch_budget(deadline),
                 cap_requests=False,
-            )
+                pause_first=failed,
+            ).unwrap()
         except WatchHistoryLostError as exc:
             with self._cond:
                 self._failed = exc
@@ -255,31 +236,26 @@ class StreamingWatch(WatchStream):
             raise
         return True
 
-    def _retire(self, feed: _Feed, deadline: Deadline) -> BaseException | None:
-        """Drop ``feed``, which ended; the failure the retry loop starts with (so that it
-        pauses before reopening), if it failed."""
+    def _retire(self, feed: _Feed, deadline: Deadline) -> bool:
+        """Drop ``feed``, which ended; return whether it failed (then the stream backs
+        off before reopening, on the next endpoint)."""
         with self._cond:
             if self._feed is feed:
                 self._feed = None
-        failure = feed.failure
-        if failure is None and not feed.changes:
-            failure = _AmbiguousError("the watch stream ended without a change")
         self._barren = 0 if feed.changes else self._barren + 1
         if self._barren > 1:
             # Answers that keep ending without a change: back off further.
             self._transport._sleep(min(REWATCH.delay(self._barren), max(deadline.remaining(), 0)))
-        if failure is None:
-            return None
+        if feed.failure is None and feed.changes:
+            return False
         # The member may be gone: try the next one.
         self._transport._rotate(feed.endpoint)
-        if isinstance(failure, (_UnsentError, _AmbiguousError)):
-            return failure
-        return _AmbiguousError(str(failure))
+        return True
 
-    def _open(self, deadline: Deadline) -> None:
-        """One attempt: send the request and start its reader; where etcd confirms a
-        watch in the answer, wait for that (until ``deadline``)."""
-        endpoint, response, batches = self._send(self._resume, deadline)
+    def _open(self, endpoint: int, deadline: Deadline) -> None:
+        """One attempt on endpoint ``endpoint``: send the request and start its reader;
+        where etcd confirms a watch in the answer, wait for that (until ``deadline``)."""
+        response, batches = self._send(endpoint, self._resume, deadline)
         feed = _Feed(endpoint, response, ready=self.confirmed_by_status)
         with self._cond:
             if self._closed:
@@ -307,8 +283,6 @@ class StreamingWatch(WatchStream):
                 self._feed = None
         if unconfirmed:
             feed.stop()
-            # Outside the stream's lock: the failover's metric goes to handlers.
-            self._transport._rotate(endpoint)
             raise _AmbiguousError(
                 f"{self._transport.endpoints[endpoint]}: the watch of {self._key!r} was "
                 f"not confirmed within {self._transport.request_timeout:g} s"
@@ -359,7 +333,7 @@ class StreamingWatch(WatchStream):
         with self._cond:
             if feed is not self._feed or self._closed:
                 return
-        self._open(Deadline(self._transport.read_timeout))
+        self._open(self._transport._pick(), Deadline(self._transport.read_timeout))
 
     def _end(self, feed: _Feed, failure: BaseException | None) -> None:
         with self._cond:
@@ -429,3 +403,38 @@ def shutdown_socket(response: Any) -> None:
 def _socket_of(response: Any) -> Any:
     connection = getattr(response, "connection", None) or getattr(response, "_connection", None)
     return getattr(connection, "sock", None)
+
+
+def iter_objects(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a watch stream, however its chunks split them.
+
+    A chunk may hold several objects, part of one, or whitespace between them.
+
+    Raises:
+        TypeError: the stream holds JSON that is not an object.
+    """
+    decoder = json.JSONDecoder()
+    buffer = ""
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        try:
+            buffer += pending.decode("utf-8")
+        except UnicodeDecodeError:
+            # A multi-byte character split across chunks: wait for the rest.
+            continue
+        pending = b""
+        while True:
+            buffer = buffer.lstrip()
+            if not buffer:
+                break
+            try:
+                obj, end = decoder.raw_decode(buffer)
+            except ValueError:
+                if len(buffer) > 64 * 1024 * 1024:
+                    raise
+                break  # an incomplete object: wait for more
+            if not isinstance(obj, dict):
+                raise TypeError(f"watch stream: expected a JSON object, got {obj!r:.100}")
+            yield obj
+            buffer = buffer[end:]

@@ -1,26 +1,10 @@
 """The v2 transport: etcd's v2 API through python-etcd.
 
-:class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.interface.Transport`; its
-sibling over the v3 API is :class:`~etcd_rendezvous._transport.v3.EtcdV3Connection`. python-etcd
-and urllib3 exceptions never leave this module.
-
-What this layer adds over a bare ``etcd.Client``:
-
-* **No silent re-sends.** urllib3 retries a timed-out request by default; for a
-  compare-and-swap that means a "compare failed" can hide a swap that was applied. Our
-  pool manager never retries; this module decides what may be sent again.
-* **Recognising our own applied write.** When a conditional write fails on the
-  connection (or the server answers "request timed out" during an election), it may
-  still have been applied. We send it again (it is conditional, so at most one copy can
-  apply) and, if the answer is then "compare failed" / "already exists", read the key's
-  history: if the first change after the state we compared against carries our value,
-  the write was ours.
-* **Failover that recovers.** One python-etcd client per endpoint; a request that could
-  not reach an endpoint moves on to the next, round-robin, for as long as the
-  operation's deadline lasts (python-etcd's own failover never recovers once all hosts
-  were down).
-* **Connect timeouts** separate from read/watch timeouts, so a dead host costs seconds,
-  not the whole read timeout.
+:class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.interface.Transport`:
+one python-etcd client per endpoint, a pool manager that never re-sends a request and
+bounds connection set-up, and the classification of python-etcd's and urllib3's
+failures (which never leave this module). See docs/etcd-v3.rst, section "Inside the
+transport".
 """
 
 from __future__ import annotations
@@ -44,11 +28,13 @@ from .interface import (
     DEFAULT_REQUEST_TIMEOUT,
     DEFAULT_SILENCE_TIMEOUT,
     ELECTION_MARKERS,
+    Attempt,
     CompareFailedError,
     KeyExistsError,
     KeyNotFoundError,
     Node,
     OperationRefusedError,
+    Outcome,
     Transport,
     WatchHistoryLostError,
     WatchStream,
@@ -311,28 +297,28 @@ class EtcdConnection(Transport):
         key: str,
         call: Callable[[Any], _T],
         *,
-        on_ambiguous: Callable[[], None] | None = None,
         budget: Deadline | None = None,
         cap_requests: bool = True,
-    ) -> _T:
-        """Run ``call(client)`` through the retry loop, on the current endpoint."""
-        return self._retrying(
+    ) -> Attempt[_T]:
+        """Run ``call(client)`` on one endpoint after another until etcd answers it (see
+        :meth:`~etcd_rendezvous._transport.interface.Transport._operate`)."""
+        return self._operate(
             what,
             key,
-            lambda cap: self._once(what, key, call, cap),
-            on_ambiguous=on_ambiguous,
+            lambda idx, cap: self._once(idx, what, key, call, cap),
             budget=budget,
             cap_requests=cap_requests,
         )
 
-    def _once(self, what: str, key: str, call: Callable[[Any], _T], cap: float | None) -> _T:
-        """Send one request to the current endpoint and classify any failure.
+    def _once(
+        self, idx: int, what: str, key: str, call: Callable[[Any], _T], cap: float | None
+    ) -> _T:
+        """Send one request to endpoint ``idx`` and classify any failure.
 
         Returns the result, or raises: a condition error, :class:`_UnsentError` (safe to
         send again anywhere), :class:`_AmbiguousError` (may have been applied), or a
         library error for permanent failures.
         """
-        idx = self._pick()
         client = self._clients[idx]
         endpoint = self._endpoints[idx]
         client.http.read_cap.value = cap
@@ -353,7 +339,6 @@ class EtcdConnection(Transport):
             raise
         except etcd.EtcdConnectionFailed as exc:
             cause = _transport_cause(exc)
-            self._rotate(idx)
             if isinstance(cause, (SSLError, ssl.SSLError)):
                 raise RendezvousConnectionError(
                     f"TLS connection to etcd endpoint {endpoint} failed while trying to {what} "
@@ -388,8 +373,7 @@ class EtcdConnection(Transport):
             ) from None
         except etcd.EtcdException as exc:
             if _is_transient_server_error(exc):
-                # An election: try the next member too, it may already have a leader.
-                self._rotate(idx)
+                # An election: the next member may already have a leader.
                 raise transient_answer(endpoint, str(exc)) from None
             if "404 page not found" in str(exc):
                 raise RendezvousConnectionError(
@@ -403,7 +387,6 @@ class EtcdConnection(Transport):
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             # python-etcd wraps most of these; anything that slips through is a
             # transport failure of unknown outcome.
-            self._rotate(idx)
             raise _AmbiguousError(f"{endpoint}: {exc}") from None
         finally:
             client.http.read_cap.value = None
@@ -417,7 +400,7 @@ class EtcdConnection(Transport):
             KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
         """
         return self._note_index(
-            self._v2("read", key, lambda c: _node(c.read(key, recursive=recursive)))
+            self._v2("read", key, lambda c: _node(c.read(key, recursive=recursive))).unwrap()
         )
 
     def list_dir(self, key: str, *, recursive: bool = False) -> Node:
@@ -474,7 +457,8 @@ class EtcdConnection(Transport):
             return _node(result)
 
         try:
-            return self._note_index(self._v2("watch", key, call, budget=budget, cap_requests=False))
+            watched = self._v2("watch", key, call, budget=budget, cap_requests=False)
+            return self._note_index(watched.unwrap())
         except etcd.EtcdEventIndexCleared as exc:
             raise WatchHistoryLostError(key, index, str(exc)) from None
         except KeyNotFoundError:
@@ -493,7 +477,7 @@ class EtcdConnection(Transport):
             RendezvousConnectionError: etcd stayed unreachable for the operation's
                 deadline.
         """
-        stream = V2WatchStream(self, key, start_index, recursive)
+        stream = V2WatchStream(self, self._once, key, start_index, recursive)
         self._adopt(stream)
         stream.start()
         return stream
@@ -501,7 +485,8 @@ class EtcdConnection(Transport):
     def server_version(self) -> str:
         """The etcd server version (``etcdserver`` field of ``/version``)."""
         if self._version is None:
-            self._version = self._v2("query the version of", "/version", lambda c: str(c.version))
+            answer = self._v2("query the version of", "/version", lambda c: str(c.version))
+            self._version = answer.unwrap()
         return self._version
 
     def can_refresh_directory_ttl(self) -> bool:
@@ -521,7 +506,7 @@ class EtcdConnection(Transport):
     def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
         """Unconditionally write ``key`` (idempotent, so re-sent freely)."""
         return self._note_index(
-            self._v2("write", key, lambda c: _node(c.write(key, value, ttl=ttl)))
+            self._v2("write", key, lambda c: _node(c.write(key, value, ttl=ttl))).unwrap()
         )
 
     def update(self, key: str, value: str, *, ttl: int, lease: int = 0) -> Node:
@@ -533,7 +518,7 @@ class EtcdConnection(Transport):
                 "update",
                 key,
                 lambda c: _node(c.write(key, value, ttl=ttl, prevExist=True)),
-            )
+            ).unwrap()
         )
 
     def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
@@ -548,7 +533,7 @@ class EtcdConnection(Transport):
                 key,
                 lambda c: _node(c.write(key, None, ttl=ttl, refresh=True, prevExist=True)),
                 budget=None if timeout is None else Deadline(timeout),
-            )
+            ).unwrap()
         )
 
     def mkdir(self, key: str, *, ttl: int | None = None) -> bool:
@@ -558,119 +543,58 @@ class EtcdConnection(Transport):
                 "create the directory",
                 key,
                 lambda c: c.write(key, None, dir=True, prevExist=False, ttl=ttl),
-            )
+            ).unwrap()
         except KeyExistsError:
             return False
         return True
 
-    def create(
-        self,
-        key: str,
-        value: str,
-        *,
-        ttl: int | None = None,
-        value_is_unique: bool = True,
-    ) -> Node:
-        """Create ``key`` with ``value``; fails with :class:`KeyExistsError` if it exists.
-
-        ``value_is_unique`` says whether no other writer could create the key with the
-        same value; only then can a create whose first attempt failed on the connection
-        recognise the key's presence as its own success.
-        """
-        return self._conditional(
-            "create",
-            key,
-            value,
-            None,
-            value_is_unique,
-            lambda note: self._v2(
-                "create",
-                key,
-                lambda c: _node(c.write(key, value, ttl=ttl, prevExist=False)),
-                on_ambiguous=note,
-            ),
+    def create(self, key: str, value: str, *, ttl: int | None = None) -> Node:
+        """Create ``key`` with ``value`` (``prevExist=false``; see
+        :meth:`Transport.create <etcd_rendezvous._transport.interface.Transport.create>`)."""
+        done = self._v2(
+            "create", key, lambda c: _node(c.write(key, value, ttl=ttl, prevExist=False))
         )
+        return self._settle("create", key, value, None, done)
 
-    def compare_and_swap(
-        self,
-        key: str,
-        value: str,
-        prev: Node,
-        *,
-        ttl: int | None = None,
-        value_is_unique: bool = True,
-    ) -> Node:
-        """Replace ``prev`` (as read) with ``value``, only if ``key`` is still ``prev``.
-
-        Compares on both ``prev.value`` (as PyTorch's workers do) and
-        ``prev.modified_index``. Comparing the index too rules out the ABA case where
-        the key went through other values and came back to ``prev.value``; it is
-        strictly stronger, so workers comparing on the value alone still interlock with
-        us. After a connection failure, consults the key's history from
-        ``prev.modified_index`` to tell whether the swap was in fact applied.
-
-        Raises:
-            CompareFailedError: the key changed since ``prev`` was read.
-            KeyNotFoundError: the key no longer exists.
-        """
+    def compare_and_swap(self, key: str, value: str, prev: Node, *, ttl: int | None = None) -> Node:
+        """Replace ``prev`` with ``value`` if ``key`` still holds ``prev.value`` at
+        ``prev.modified_index`` (PyTorch's workers compare the value alone; the index
+        also rules out a key that went through other values and came back). See
+        :meth:`Transport.compare_and_swap
+        <etcd_rendezvous._transport.interface.Transport.compare_and_swap>`."""
         if prev.value is None:
             raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
         conditions = _prev_conditions(prev)
-        return self._conditional(
-            "compare-and-swap",
-            key,
-            value,
-            prev.modified_index,
-            value_is_unique,
-            lambda note: self._v2(
-                "compare-and-swap",
-                key,
-                lambda c: _node(c.write(key, value, ttl=ttl, **conditions)),
-                on_ambiguous=note,
-            ),
+        done = self._v2(
+            "compare-and-swap", key, lambda c: _node(c.write(key, value, ttl=ttl, **conditions))
         )
+        return self._settle("compare-and-swap", key, value, prev.modified_index, done)
 
     def compare_and_delete(self, key: str, prev: Node) -> bool:
-        """Delete ``key`` only if it is still ``prev`` (same modification index, which
-        every write changes).
-
-        Returns whether it did. After a connection failure, a delete that etcd reports
-        as failed is checked against the key's history, so an applied delete still
-        returns ``True``.
+        """Delete ``key`` only if its modification index is still ``prev``'s. Returns
+        whether it did; a delete whose answer was lost counts as ours if the key's next
+        change after ``prev`` was a compare-and-delete.
 
         The value is not compared: a DELETE carries its conditions in the URL, and etcd
         3.5 resets connections when many DELETEs with URLs of several kilobytes arrive
-        at once (a final rendezvous state of 64 workers, deleted by all its waiting
-        workers when a keep-alive key lapses, is about 7 KB).
+        at once.
         """
-        conditions = {"prevIndex": prev.modified_index}
-        ambiguous = False
-
-        def note() -> None:
-            nonlocal ambiguous
-            ambiguous = True
-
-        try:
-            self._v2(
-                "compare-and-delete",
-                key,
-                lambda c: c.delete(key, **conditions),
-                on_ambiguous=note,
-            )
-        except (CompareFailedError, KeyNotFoundError):
-            if ambiguous:
-                change = self.first_change_after(key, prev.modified_index)
-                if change is not None and change.action == "compareAndDelete":
-                    return True
-            return False
-        return True
+        done = self._v2(
+            "compare-and-delete", key, lambda c: c.delete(key, prevIndex=prev.modified_index)
+        )
+        if done.outcome is Outcome.APPLIED:
+            return True
+        if done.after_unknown:
+            change = self.first_change_after(key, prev.modified_index)
+            return change is not None and change.action == "compareAndDelete"
+        return False
 
     def check_writable(self, prefix: str) -> None:
         """A compare-and-swap below ``prefix`` that cannot apply (on a key that no one
         writes, from an index it cannot have): etcd checks the user's permission first."""
         probe = f"{prefix.rstrip('/')}/_permission-check-{uuid.uuid4().hex}"
         try:
-            self._v2("write below", prefix, lambda c: c.write(probe, "", prevIndex=1))
+            self._v2("write below", prefix, lambda c: c.write(probe, "", prevIndex=1)).unwrap()
         except (KeyNotFoundError, CompareFailedError):
             return
 
@@ -681,7 +605,7 @@ class EtcdConnection(Transport):
                 "delete",
                 key,
                 lambda c: c.delete(key, recursive=recursive, dir=recursive or None),
-            )
+            ).unwrap()
         except KeyNotFoundError:
             return False
         return True

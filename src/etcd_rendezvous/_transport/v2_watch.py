@@ -1,59 +1,47 @@
 """The v2 watch stream: ``GET /v2/keys/<key>?wait=true&stream=true&waitIndex=N``.
 
-python-etcd has no streaming watch, so this speaks the wire directly, with urllib3 and
-the connection's own pool managers (TLS, basic auth, no silent re-sends); failures are
-classified by :meth:`EtcdConnection._once`, as for every v2 request. etcd
-(``v2http/client.go``, ``handleKeyWatch``) answers with the ``X-Etcd-Index`` header once,
-then writes each change as one JSON object (``{"action", "node", "prevNode"}``, as a
-single watch answers) followed by a newline, for as long as the watcher lives.
-
-Two behaviours of etcd's v2 store shape :class:`V2WatchStream`:
-
-* **A change found in the history ends the stream.** If the event history holds a change
-  at or after ``waitIndex``, etcd answers with that one change and registers no watcher:
-  the answer then stays open and silent. Such a change has an index at or below the
-  answer's ``X-Etcd-Index``, so the stream reopens from the next index at once. A stream
-  opened from the current index + 1 (as after a read) is registered and delivers every
-  later change over one request.
-* **A stream opened from now** (no ``waitIndex``) is registered at once, at the
-  ``X-Etcd-Index`` of its answer, and reopens from the index after it.
-* **A slow watcher is dropped.** A watcher whose 100-change buffer overflows is removed,
-  which ends the answer; the stream reopens from the index after the last change it
-  received (the reader thread reads as fast as etcd writes, so this is rare).
-
-``errorCode`` 401 ("event index cleared": ``waitIndex`` is older than the last 1000
-changes) raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError`.
+python-etcd has no streaming watch, so this speaks the wire with the connection's own
+clients (TLS, basic auth, no silent re-sends); failures are classified as for every v2
+request. etcd answers with ``X-Etcd-Index``, then one JSON object per change. A change
+found in etcd's history ends the answer (the stream reopens at once); "event index
+cleared" (401) raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError`.
+See docs/etcd-v3.rst, section "Inside the transport".
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import quote
 
 import etcd
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from . import v3_wire as wire
-from .interface import KeyNotFoundError, Node, WatchHistoryLostError, _AmbiguousError
+from .interface import KeyNotFoundError, Node, Transport, WatchHistoryLostError, _AmbiguousError
 from .retry import Deadline
-from .stream import Batches, StreamingWatch, hold_socket_open
+from .stream import Batches, StreamingWatch, hold_socket_open, iter_objects
 
-if TYPE_CHECKING:
-    from .v2 import EtcdConnection
+__all__ = ["OneRequest", "V2WatchStream"]
 
-__all__ = ["V2WatchStream"]
+#: How the v2 connection sends one request: ``once(endpoint, what, key, call, cap)`` runs
+#: ``call(client)`` with the python-etcd client of ``endpoint`` and classifies its
+#: failures (:meth:`~etcd_rendezvous._transport.v2.EtcdConnection._once`).
+OneRequest = Callable[[int, str, str, Callable[[Any], Any], "float | None"], Any]
 
 
 class V2WatchStream(StreamingWatch):
-    """The changes of a key (or of a directory) over v2 streaming watches."""
+    """The changes of a key (or of a directory) over v2 streaming watches, sent with
+    ``once`` (the connection's one-request function)."""
 
-    def __init__(self, conn: EtcdConnection, key: str, start_index: int, recursive: bool) -> None:
-        super().__init__(conn, key, start_index, recursive)
-        self._conn = conn
+    def __init__(
+        self, transport: Transport, once: OneRequest, key: str, start_index: int, recursive: bool
+    ) -> None:
+        super().__init__(transport, key, start_index, recursive)
+        self._once = once
 
-    def _send(self, from_index: int, deadline: Deadline) -> tuple[int, Any, Batches]:
-        conn = self._conn
+    def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Batches]:
+        transport = self._transport
         key = self._key if self._key.startswith("/") else f"/{self._key}"
         fields = {"wait": "true", "stream": "true"}
         if from_index > 0:  # else from now
@@ -62,10 +50,10 @@ class V2WatchStream(StreamingWatch):
             fields["recursive"] = "true"
         # A live member starts its answer at once; then the reader waits for as long
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
-        wait = min(conn.request_timeout, max(deadline.remaining(), conn._last_chance()))
-        timeout = urllib3.Timeout(connect=min(conn.connect_timeout, wait), read=wait)
+        wait = min(transport.request_timeout, max(deadline.remaining(), transport._last_chance()))
+        timeout = urllib3.Timeout(connect=min(transport.connect_timeout, wait), read=wait)
 
-        def call(client: Any) -> tuple[int, Any]:
+        def call(client: Any) -> Any:
             url = f"{client.base_uri}{client.key_endpoint}{quote(key)}"
             try:
                 response = client.http.request(
@@ -83,10 +71,10 @@ class V2WatchStream(StreamingWatch):
                 # Reads the error and raises python-etcd's exception for it.
                 client._handle_server_response(response)
             client._check_cluster_id(response)
-            return conn._clients.index(client), response
+            return response
 
         try:
-            idx, response = conn._once("watch", key, call, None)
+            response = self._once(endpoint, "watch", key, call, None)
         except etcd.EtcdEventIndexCleared as exc:
             raise WatchHistoryLostError(self._key, from_index, str(exc)) from None
         except KeyNotFoundError:
@@ -100,14 +88,14 @@ class V2WatchStream(StreamingWatch):
         if from_index == 0:
             with self._cond:
                 self._registered_at(index)
-        return idx, response, _batches(conn.endpoints[idx], response, index)
+        return response, _batches(transport.endpoints[endpoint], response, index)
 
 
 def _batches(endpoint: str, response: Any, etcd_index: int) -> Batches:
     """The changes of one answer, one at a time; ends after a change from the history
     (``etcd_index`` is the answer's ``X-Etcd-Index``), for which etcd watches no more."""
     try:
-        for message in wire.iter_objects(response.stream(64 * 1024)):
+        for message in iter_objects(response.stream(64 * 1024)):
             node = _event_node(message, etcd_index)
             yield [node]
             if node.modified_index <= etcd_index:

@@ -1,39 +1,14 @@
 """The v3 transport: etcd's v3 API as JSON over HTTP (the gRPC gateway), with urllib3.
 
-:class:`EtcdV3Connection` implements :class:`~etcd_rendezvous._transport.interface.Transport` with
-the same contract as the v2 :class:`~etcd_rendezvous._transport.v2.EtcdConnection`, so the
-backends and the store run unchanged on etcd 3.6, which has no v2 API. How v2's notions
-map onto v3:
-
-* **index -> revision.** ``modified_index``/``created_index`` are a key's
-  ``mod_revision``/``create_revision``; ``etcd_index`` is the store revision of the
-  answer. A compare-and-swap compares the ``mod_revision`` it read.
-* **TTL -> lease.** A write with a TTL first grants a lease and attaches the key to it;
-  refreshing the TTL is a lease keep-alive; a lease that is gone reads as a key that
-  expired. Leases of TTLs under a minute ("is this worker alive?") are one per write;
-  longer ones (clean-up after a job) are shared by the writes of one connection for a
-  tenth of their TTL, so frequent writes do not grant a lease each.
-* **directory -> prefix.** Keys below ``d`` are ``d/...``. :meth:`~EtcdV3Connection.mkdir`
-  writes an empty marker key ``d`` (create-if-absent, which the legacy backend relies
-  on). A directory made with a TTL holds a lease that every key written below it
-  through this connection is attached to, so the whole run disappears when its lease
-  lapses, as a v2 directory with a TTL does -- and, unlike on etcd 3.5's v2 API, that
-  lease can be refreshed.
-* **watch -> streaming watch** from ``start_revision``: a
-  :meth:`~EtcdV3Connection.watch_stream` keeps one HTTP stream (one ``Watch`` gRPC
-  stream) open for all the changes it delivers; a single :meth:`~EtcdV3Connection.watch`
-  is a stream closed after its first change. A compacted start revision raises
-  :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError` from a stream and reads as
-  "no change seen" from a single watch, as after v2's "event index cleared".
-
-Failures are classified as on v2: a request that never reached a member is sent again
-anywhere; one whose outcome is unknown (lost answer, "request timed out" or "leader
-changed" during an election) is retried and, for conditional writes, resolved from the
-key's history. An expired auth token is renewed and the request sent once more.
+:class:`EtcdV3Connection` implements :class:`~etcd_rendezvous._transport.interface.Transport`
+with the v2 connection's contract: indexes are revisions, TTLs leases, directories key
+prefixes (with a marker key), watches streaming watches. See docs/etcd-v3.rst, sections
+"How the layout maps" and "Inside the transport".
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import ssl
@@ -57,6 +32,7 @@ from .interface import (
     DEFAULT_READ_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT,
     DEFAULT_SILENCE_TIMEOUT,
+    Attempt,
     KeyExistsError,
     KeyNotFoundError,
     Node,
@@ -68,6 +44,7 @@ from .interface import (
     transient_answer,
 )
 from .retry import Deadline
+from .v3_watch import V3WatchStream
 
 __all__ = ["EtcdV3Connection"]
 
@@ -98,8 +75,8 @@ _PERMISSIONS = {
 _PROBE_NAME = "_permission-check"
 
 
-class _ReauthError(Exception):
-    """The request was refused for want of a valid auth token."""
+#: One request of a write attached to a lease: ``(lease, endpoint, cap) -> node``.
+_LeasedSend = Callable[[int, int, "float | None"], Node]
 
 
 class _LeaseGoneError(Exception):
@@ -243,8 +220,8 @@ class EtcdV3Connection(Transport):
         endpoint = self._endpoints[idx]
         if not isinstance(exc, (HTTPError, OSError)):
             return exc
-        self._rotate(idx)
         if isinstance(exc, (SSLError, ssl.SSLError)):
+            self._rotate(idx)
             return RendezvousConnectionError(
                 f"TLS connection to etcd endpoint {endpoint} failed while trying to {where}: "
                 f"{exc}. Check protocol, cacert, cert and key."
@@ -259,10 +236,9 @@ class EtcdV3Connection(Transport):
         """The library error for an error answer of the gateway."""
         endpoint = self._endpoints[idx]
         if error.needs_reauth and self._username is not None:
-            return _ReauthError(f"{endpoint}: {error}")
+            return wire.ReauthError(f"{endpoint}: {error}")
         if error.transient:
             # An election or overload: the next member may already serve us.
-            self._rotate(idx)
             return transient_answer(endpoint, str(error))
         if error.lease_not_found:
             return _LeaseGoneError(f"{endpoint}: {error}")
@@ -320,21 +296,24 @@ class EtcdV3Connection(Transport):
         self._token = token
 
     def _attempt(
-        self, path: str, body: dict[str, Any] | None, where: str, cap: float | None
-    ) -> Any:
-        """One request to the current endpoint, authenticating first where needed."""
-        idx = self._pick()
+        self, idx: int, path: str, body: dict[str, Any] | None, where: str, cap: float | None
+    ) -> dict[str, Any]:
+        """One request to endpoint ``idx``, authenticating first where needed; a request
+        refused for an expired token is sent once more with a fresh one."""
         for renewal in (False, True):
             self._ensure_token(idx, renewal)
             try:
-                return self._request(idx, path, body, cap, where)
-            except _ReauthError:
+                data = self._request(idx, path, body, cap, where)
+            except wire.ReauthError:
                 if renewal:
                     raise RendezvousConnectionError(
                         f"etcd endpoint {self._endpoints[idx]} refused the auth token it had "
                         f"just issued while trying to {where}."
                     ) from None
                 logger.info("etcd auth token expired; authenticating again")
+            else:
+                self._note_revision(wire.revision(data))
+                return data
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _call(
@@ -344,20 +323,14 @@ class EtcdV3Connection(Transport):
         path: str,
         body: dict[str, Any] | None,
         *,
-        on_ambiguous: Callable[[], None] | None = None,
         budget: Deadline | None = None,
     ) -> dict[str, Any]:
-        """One operation: the request, retried within the deadline."""
+        """One operation: the request, sent until etcd answers it within the deadline."""
         where = f"{what} {key!r}"
-        data: dict[str, Any] = self._retrying(
-            what,
-            key,
-            lambda cap: self._attempt(path, body, where, cap),
-            on_ambiguous=on_ambiguous,
-            budget=budget,
+        done = self._operate(
+            what, key, lambda idx, cap: self._attempt(idx, path, body, where, cap), budget=budget
         )
-        self._note_revision(wire.revision(data))
-        return data
+        return done.unwrap()
 
     # -- leases -----------------------------------------------------------------------
 
@@ -396,29 +369,31 @@ class EtcdV3Connection(Transport):
     def _lease_for(self, key: str, ttl: int | None) -> int:
         return self._grant(ttl, key) if ttl else self._inherited_lease(key)
 
-    def _with_lease(
-        self, key: str, ttl: int | None, write: Callable[[int], Node], known: int = 0
-    ) -> Node:
-        """Run ``write(lease)``; if the lease vanished meanwhile, take a fresh one once.
-        ``known``: a lease to try first (the caller's own, see :meth:`update`)."""
-        if known:
+    def _leased(
+        self, what: str, key: str, ttl: int | None, send: _LeasedSend, known: int = 0
+    ) -> Attempt[Node]:
+        """Send a write that attaches ``key`` to a lease until etcd answers it:
+        ``send(lease, endpoint, cap)`` is one request. The lease is ``known`` (the
+        caller's own, see :meth:`update`), a new one for ``ttl``, or the directory's; one
+        that vanished meanwhile is replaced (twice at most)."""
+        lease = known or self._lease_for(key, ttl)
+        for replacements_left in (2, 1, 0) if known else (1, 0):
             try:
-                return write(known)
+                return self._operate(what, key, functools.partial(send, lease))
             except _LeaseGoneError:
-                self._forget_lease(known)
-        lease = self._lease_for(key, ttl)
-        try:
-            node = write(lease)
-        except _LeaseGoneError:
-            self._forget_lease(lease)
-            if not ttl:
-                logger.warning(
-                    "The lease of the directory above %s is gone (its TTL lapsed or it was "
-                    "deleted); writing the key without it",
-                    key,
-                )
-            node = write(self._lease_for(key, ttl))
-        return node
+                self._forget_lease(lease)
+                if not replacements_left:
+                    raise OperationRefusedError(
+                        f"Could not {what} {key!r}: its lease {lease} vanished twice in a row."
+                    ) from None
+                if not ttl and lease != known:
+                    logger.warning(
+                        "The lease of the directory above %s is gone (its TTL lapsed or it "
+                        "was deleted); writing the key without it",
+                        key,
+                    )
+                lease = self._lease_for(key, ttl)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- reads ------------------------------------------------------------------------
 
@@ -497,9 +472,7 @@ class EtcdV3Connection(Transport):
         Raises:
             WatchHistoryLostError: the revision was compacted.
         """
-        from .v3_watch import V3WatchStream  # noqa: PLC0415 (keeps this module's size down)
-
-        stream = V3WatchStream(self, key, index, recursive)
+        stream = V3WatchStream(self, self, key, index, recursive)
         self._adopt(stream)
         with stream:
             node = stream.next(timeout)
@@ -514,9 +487,7 @@ class EtcdV3Connection(Transport):
             RendezvousConnectionError: etcd stayed unreachable for the operation's
                 deadline.
         """
-        from .v3_watch import V3WatchStream  # noqa: PLC0415
-
-        stream = V3WatchStream(self, key, start_index, recursive)
+        stream = V3WatchStream(self, self, key, start_index, recursive)
         self._adopt(stream)
         stream.start()
         return stream
@@ -527,15 +498,15 @@ class EtcdV3Connection(Transport):
         """Write ``key`` (idempotent, so re-sent freely); ``ttl`` attaches a new lease."""
         text = "" if value is None else value
 
-        def write(lease: int) -> Node:
+        def send(lease: int, idx: int, cap: float | None) -> Node:
             body: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(text)}
             if lease:
                 body["lease"] = str(lease)
-            data = self._call("write", key, "/v3/kv/put", body)
+            data = self._attempt(idx, "/v3/kv/put", body, f"write {key!r}", cap)
             revision = wire.revision(data)
             return wire.written(key, text, revision, revision, "set", lease)
 
-        return self._with_lease(key, ttl, write)
+        return self._leased("write", key, ttl, send).unwrap()
 
     def update(self, key: str, value: str, *, ttl: int, lease: int = 0) -> Node:
         """Rewrite the existing ``key`` (a transaction on ``create_revision > 0``: a put
@@ -546,14 +517,15 @@ class EtcdV3Connection(Transport):
             KeyNotFoundError: the key is gone.
         """
 
-        def write(attached: int) -> Node:
-            data = self._call("update", key, "/v3/kv/txn", wire.update_txn(key, value, attached))
+        def send(lease: int, idx: int, cap: float | None) -> Node:
+            body = wire.update_txn(key, value, lease)
+            data = self._attempt(idx, "/v3/kv/txn", body, f"update {key!r}", cap)
             revision = wire.revision(data)
             if not data.get("succeeded"):
                 raise KeyNotFoundError(key, revision)
-            return wire.written(key, value, revision, revision, "update", attached)
+            return wire.written(key, value, revision, revision, "update", lease)
 
-        return self._with_lease(key, ttl, write, lease)
+        return self._leased("update", key, ttl, send, lease).unwrap()
 
     def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
         """Keep ``key``'s lease alive (its TTL starts again), without waking watchers.
@@ -615,108 +587,73 @@ class EtcdV3Connection(Transport):
         this connection shares. If the directory exists, its lease (if any) is adopted.
         """
         key = wire.norm(key)
-        existing: list[dict[str, Any]] = []
 
-        def write(lease: int) -> Node:
+        def send(lease: int, idx: int, cap: float | None) -> Node:
             body = wire.create_txn(key, "", lease)
-            data = self._call("create the directory", key, "/v3/kv/txn", body)
+            data = self._attempt(idx, "/v3/kv/txn", body, f"create the directory {key!r}", cap)
+            revision = wire.revision(data)
+            if data.get("succeeded"):
+                return wire.written(key, "", revision, revision, "create", lease)
+            existing = wire.kvs((data.get("responses") or [{}])[0])
+            found = int(existing[0].get("lease", 0)) if existing else 0
+            return wire.written(key, "", revision, 0, "get", found)
+
+        node = self._leased("create the directory", key, ttl, send).unwrap()
+        if node.lease:
+            with self._lease_lock:
+                self._dir_leases[key] = node.lease
+        return node.action == "create"
+
+    def create(self, key: str, value: str, *, ttl: int | None = None) -> Node:
+        """Create ``key`` with ``value`` (a transaction on ``create_revision == 0``; see
+        :meth:`Transport.create <etcd_rendezvous._transport.interface.Transport.create>`)."""
+
+        def send(lease: int, idx: int, cap: float | None) -> Node:
+            body = wire.create_txn(key, value, lease)
+            data = self._attempt(idx, "/v3/kv/txn", body, f"create {key!r}", cap)
             revision = wire.revision(data)
             if not data.get("succeeded"):
-                existing.extend(wire.kvs((data.get("responses") or [{}])[0]))
-                return wire.written(key, "", revision, 0, "get", 0)
-            return wire.written(key, "", revision, revision, "create", lease)
+                raise KeyExistsError(key, revision)
+            return wire.written(key, value, revision, revision, "create", lease)
 
-        node = self._with_lease(key, ttl, write)
-        created = node.action == "create"
-        lease = node.lease if created else int(existing[0].get("lease", 0)) if existing else 0
-        if lease:
-            with self._lease_lock:
-                self._dir_leases[key] = lease
-        return created
+        return self._settle("create", key, value, None, self._leased("create", key, ttl, send))
 
-    def create(
-        self,
-        key: str,
-        value: str,
-        *,
-        ttl: int | None = None,
-        value_is_unique: bool = True,
-    ) -> Node:
-        """Create ``key`` with ``value`` (a transaction on ``create_revision == 0``).
-
-        Raises:
-            KeyExistsError: the key exists.
-        """
-
-        def send(note: Callable[[], None]) -> Node:
-            def write(lease: int) -> Node:
-                body = wire.create_txn(key, value, lease)
-                data = self._call("create", key, "/v3/kv/txn", body, on_ambiguous=note)
-                revision = wire.revision(data)
-                if not data.get("succeeded"):
-                    raise KeyExistsError(key, revision)
-                return wire.written(key, value, revision, revision, "create", lease)
-
-            return self._with_lease(key, ttl, write)
-
-        return self._conditional("create", key, value, None, value_is_unique, send)
-
-    def compare_and_swap(
-        self,
-        key: str,
-        value: str,
-        prev: Node,
-        *,
-        ttl: int | None = None,
-        value_is_unique: bool = True,
-    ) -> Node:
-        """Replace ``prev`` with ``value`` if ``key``'s ``mod_revision`` is still ``prev``'s.
-
-        Raises:
-            CompareFailedError: the key changed since ``prev`` was read.
-            KeyNotFoundError: the key no longer exists.
-        """
+    def compare_and_swap(self, key: str, value: str, prev: Node, *, ttl: int | None = None) -> Node:
+        """Replace ``prev`` with ``value`` if ``key``'s ``mod_revision`` is still ``prev``'s
+        (see :meth:`Transport.compare_and_swap
+        <etcd_rendezvous._transport.interface.Transport.compare_and_swap>`)."""
         if prev.value is None:
             raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
 
-        def send(note: Callable[[], None]) -> Node:
-            def write(lease: int) -> Node:
-                put: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(value)}
-                if lease:
-                    put["lease"] = str(lease)
-                body = wire.guarded_txn(key, prev.modified_index, {"request_put": put})
-                data = self._call("compare-and-swap", key, "/v3/kv/txn", body, on_ambiguous=note)
-                revision = wire.revision(data)
-                if not data.get("succeeded"):
-                    raise wire.compare_failure(key, data, revision)
-                return wire.written(
-                    key, value, revision, prev.created_index, "compareAndSwap", lease
-                )
+        def send(lease: int, idx: int, cap: float | None) -> Node:
+            put: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(value)}
+            if lease:
+                put["lease"] = str(lease)
+            body = wire.guarded_txn(key, prev.modified_index, {"request_put": put})
+            data = self._attempt(idx, "/v3/kv/txn", body, f"compare-and-swap {key!r}", cap)
+            revision = wire.revision(data)
+            if not data.get("succeeded"):
+                raise wire.compare_failure(key, data, revision)
+            return wire.written(key, value, revision, prev.created_index, "compareAndSwap", lease)
 
-            return self._with_lease(key, ttl, write)
-
-        return self._conditional(
-            "compare-and-swap", key, value, prev.modified_index, value_is_unique, send
-        )
+        done = self._leased("compare-and-swap", key, ttl, send)
+        return self._settle("compare-and-swap", key, value, prev.modified_index, done)
 
     def compare_and_delete(self, key: str, prev: Node) -> bool:
-        """Delete ``key`` if its ``mod_revision`` is still ``prev``'s. Returns whether it did.
-
-        After a failure of unknown outcome, a delete that is then refused counts as ours
-        if the key's next change after ``prev`` was a deletion (v3 cannot tell whose).
-        """
-        ambiguous = False
-
-        def note() -> None:
-            nonlocal ambiguous
-            ambiguous = True
-
+        """Delete ``key`` if its ``mod_revision`` is still ``prev``'s. Returns whether it
+        did; a delete whose answer was lost counts as ours if the key's next change after
+        ``prev`` was a deletion (v3 cannot tell whose)."""
         delete = {"request_delete_range": {"key": wire.b64(key)}}
         body = wire.guarded_txn(key, prev.modified_index, delete)
-        data = self._call("compare-and-delete", key, "/v3/kv/txn", body, on_ambiguous=note)
-        if data.get("succeeded"):
+        where = f"compare-and-delete {key!r}"
+        done = self._operate(
+            "compare-and-delete",
+            key,
+            lambda idx, cap: self._attempt(idx, "/v3/kv/txn", body, where, cap),
+        )
+        if done.unwrap().get("succeeded"):
             return True
-        if ambiguous:
+        if done.after_unknown:
             change = self.first_change_after(key, prev.modified_index)
             return change is not None and change.action == "delete"
         return False
@@ -756,12 +693,12 @@ class EtcdV3Connection(Transport):
         Raises:
             RendezvousConnectionError: no endpoint answered before ``budget`` passed.
         """
-        version = self._retrying(
+        version = self._operate(
             "query the version of",
             "/version",
-            lambda cap: self._request(self._pick(), "/version", None, cap, "query the version"),
+            lambda idx, cap: self._request(idx, "/version", None, cap, "query the version"),
             budget=budget,
-        )
+        ).unwrap()
         self._version = str(version.get("etcdserver", ""))
         idx = self._pick()
         read = min(self._request_timeout, max(budget.remaining(), self._last_chance()))
@@ -782,10 +719,11 @@ class EtcdV3Connection(Transport):
     def gateway_available(self, budget: Deadline) -> bool:
         """Whether the current endpoint serves the v3 JSON gateway."""
         try:
-            self._retrying(
+            self._call(
                 "query the status of",
                 "/v3/maintenance/status",
-                lambda cap: self._attempt("/v3/maintenance/status", {}, "query the status", cap),
+                "/v3/maintenance/status",
+                {},
                 budget=budget,
             )
         except RendezvousConnectionError as exc:

@@ -8,8 +8,8 @@ What etcd's gateway does that this module absorbs (see ``docs/etcd-v3.rst``):
 * errors come as ``{"error", "message", "code"}`` (3.4, 3.5) or ``{"code", "message",
   "details"}`` (3.6), with an HTTP status that follows the gRPC code, and inside a watch
   stream as ``{"error": {"grpc_code", "http_code", "message"}}``;
-* a watch answers with a chunked stream of JSON objects, where a chunk may hold several
-  objects or part of one.
+* a watch answers with a chunked stream of JSON objects (parsed by
+  :func:`~etcd_rendezvous._transport.stream.iter_objects`, as v2's are).
 
 It also builds the transactions the transport sends and turns the answers into
 :class:`~etcd_rendezvous._transport.interface.Node` values. Nothing here sends a request or
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +27,12 @@ from .interface import CompareFailedError, KeyNotFoundError, Node
 
 __all__ = [
     "GrpcError",
+    "ReauthError",
     "b64",
     "compare_failure",
     "create_txn",
     "directory",
     "guarded_txn",
-    "iter_objects",
     "kv_node",
     "kvs",
     "norm",
@@ -43,6 +42,12 @@ __all__ = [
     "unb64",
     "written",
 ]
+
+
+class ReauthError(Exception):
+    """A request (or a watch) was refused for want of a valid auth token: authenticate
+    again and send it once more."""
+
 
 # gRPC status codes the transport acts on.
 INVALID_ARGUMENT = 3
@@ -168,41 +173,6 @@ def prefix_end(prefix: str) -> str:
         raw.pop()
     # Only 0xff bytes: every key from the prefix on.
     return base64.b64encode(b"\0").decode("ascii")
-
-
-def iter_objects(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a watch stream, however its chunks split them.
-
-    A chunk may hold several objects, part of one, or whitespace between them.
-
-    Raises:
-        TypeError: the stream holds JSON that is not an object.
-    """
-    decoder = json.JSONDecoder()
-    buffer = ""
-    pending = b""
-    for chunk in chunks:
-        pending += chunk
-        try:
-            buffer += pending.decode("utf-8")
-        except UnicodeDecodeError:
-            # A multi-byte character split across chunks: wait for the rest.
-            continue
-        pending = b""
-        while True:
-            buffer = buffer.lstrip()
-            if not buffer:
-                break
-            try:
-                obj, end = decoder.raw_decode(buffer)
-            except ValueError:
-                if len(buffer) > 64 * 1024 * 1024:
-                    raise
-                break  # an incomplete object: wait for more
-            if not isinstance(obj, dict):
-                raise TypeError(f"watch stream: expected a JSON object, got {obj!r:.100}")
-            yield obj
-            buffer = buffer[end:]
 
 
 # -- building requests and reading answers ------------------------------------------------

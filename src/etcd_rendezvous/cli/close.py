@@ -127,9 +127,9 @@ def _create_closed_etcd_run(conn: Transport, layout: LegacyLayout) -> bool:
     conn.mkdir(layout.run_dir)
     conn.mkdir(layout.rdzv_dir)
     with contextlib.suppress(KeyExistsError):
-        conn.create(layout.counter_key, "0", value_is_unique=False)
+        conn.create(layout.counter_key, "0")  # PyTorch's value: no tag, none needed
     try:
-        conn.create(layout.state_key, json.dumps({"status": "closed"}), value_is_unique=False)
+        conn.create(layout.state_key, json.dumps({"status": "closed"}))  # the same from anyone
     except KeyExistsError:
         return False
     return True
