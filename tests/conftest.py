@@ -1,4 +1,4 @@
-"""Fixtures shared by the etcd tests: fault-injection proxies, private servers, TLS files.
+"""Fixtures shared by the unit and integration tests (helpers are in ``tests/support/``).
 
 The session-wide ``etcd_server``, ``etcd_prefix`` and ``etcd_client`` fixtures come from
 the package's pytest plugin (:mod:`etcd_rendezvous.pytest_plugin`). This file adds:
@@ -17,6 +17,12 @@ Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (se
 :func:`etcd_rendezvous.pytest_plugin.etcd_api_under_test`), like ``etcd_server``.
 * ``run_id``: a fresh run id; ``conn``: a connection to ``etcd_server`` (v2 or v3,
   as ``etcd_api=auto`` picks); ``workers``: the worker processes a test started, stopped after it.
+* ``api``: the etcd API of the transport under test (``"v2"``, ``"v3"``: each test runs
+  once per API; a module testing one transport overrides it); ``connect``: connections of
+  that transport, closed after the test (defaults: the ``connect_defaults`` mark);
+  ``cleared_history``: etcd's history forgotten up to now, for that API.
+* ``refused_port``: a loopback port nothing listens on; ``silent_port``: one that accepts
+  connections and never answers.
 * ``received``: the rendezvous events recorded in the test's process while it runs.
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,15 +38,17 @@ from typing import Any
 
 import pytest
 
-import v3_gateway
 from etcd_rendezvous import events
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous.etcd_server import EtcdServer
-from faultproxy import FaultProxy
-from rdzv_helpers import Worker
-from tls_certs import make_certs
+from support import v3_gateway
+from support.faultproxy import FaultProxy
+from support.net import closed_port, endpoint_of
+from support.rdzv import Worker
+from support.tls_certs import make_certs
+from support.transports import APIS, TRANSPORTS
 
 _LOG_TAIL_LINES = 60
 _private_servers_key = pytest.StashKey[list[EtcdServer]]()
@@ -103,6 +112,53 @@ def conn(etcd_server: EtcdServer) -> Iterator[Transport]:
     connection = open_transport([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
     yield connection
     connection.close()
+
+
+@pytest.fixture(params=APIS)
+def api(request: pytest.FixtureRequest) -> str:
+    """The etcd API of the transport under test: ``"v2"`` (where the server serves it)
+    or ``"v3"``."""
+    value: str = request.param
+    return value
+
+
+@pytest.fixture
+def connect(
+    api: str, etcd_server: EtcdServer, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Transport]]:
+    """``connect(*endpoints, **kwargs)``: a connection of the ``api`` transport to
+    ``endpoints`` (default: ``etcd_server``), closed after the test.
+
+    Timeouts default to read 5 s, connect 1 s; a module or test changes those defaults
+    with ``@pytest.mark.connect_defaults(read_timeout=2.0)``.
+    """
+    marker = request.node.get_closest_marker("connect_defaults")
+    defaults = {"read_timeout": 5.0, "connect_timeout": 1.0, **(marker.kwargs if marker else {})}
+    conns: list[Transport] = []
+
+    def make(*endpoints: tuple[str, int], **kwargs: Any) -> Transport:
+        conn = TRANSPORTS[api](list(endpoints) or [endpoint_of(etcd_server)], **defaults | kwargs)
+        conns.append(conn)
+        return conn
+
+    yield make
+    for conn in conns:
+        conn.close()
+
+
+@pytest.fixture
+def refused_port() -> int:
+    """A loopback port nothing listens on: connections are refused."""
+    return closed_port()
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts connections (into the listen backlog) and never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        yield listener.getsockname()[1]
 
 
 @pytest.fixture
