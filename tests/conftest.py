@@ -20,7 +20,8 @@ Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (se
 * ``api``: the etcd API of the transport under test (``"v2"``, ``"v3"``: each test runs
   once per API; a module testing one transport overrides it); ``connect``: connections of
   that transport, closed after the test (defaults: the ``connect_defaults`` mark);
-  ``cleared_history``: etcd's history forgotten up to now, for that API.
+  ``cleared_history``: etcd's history forgotten up to now, for that API; ``key``: a key
+  in the test's namespace.
 * ``refused_port``: a loopback port nothing listens on; ``silent_port``: one that accepts
   connections and never answers.
 * ``received``: the rendezvous events recorded in the test's process while it runs.
@@ -144,6 +145,12 @@ def connect(
     yield make
     for conn in conns:
         conn.close()
+
+
+@pytest.fixture
+def key(etcd_prefix: str) -> str:
+    """A key in the test's own namespace."""
+    return f"{etcd_prefix}/key"
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -30,6 +29,7 @@ from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler, create_rdzv_handler
 from etcd_rendezvous.etcd_rendezvous_backend import create_backend
 from etcd_rendezvous.etcd_server import EtcdServer
+from support.net import closed_port
 
 _T = TypeVar("_T")
 
@@ -60,13 +60,6 @@ def _rows(stdout: str) -> list[tuple[int, int, str, str]]:
 
 def _explain(result: subprocess.CompletedProcess[str]) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-
-
-def _closed_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 @pytest.mark.slow
@@ -149,7 +142,7 @@ def test_demo_with_embedded_etcd_cleans_up(etcd_server: EtcdServer, tmp_path: Pa
 
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_demo_unreachable_endpoint_is_one_clear_line(backend: str) -> None:
-    endpoint = f"127.0.0.1:{_closed_port()}"
+    endpoint = f"127.0.0.1:{closed_port()}"
     result = _demo(
         "--backend", backend, "--nodes", "2", "--endpoint", endpoint, "--read-timeout", "2"
     )
@@ -250,7 +243,7 @@ def test_status_of_a_two_worker_rendezvous(
         assert "run dir TTL:" in out
 
         # Several endpoints, the first one dead: the status comes from the second.
-        endpoints = f"127.0.0.1:{_closed_port()},{etcd_server.get_endpoint()}"
+        endpoints = f"127.0.0.1:{closed_port()},{etcd_server.get_endpoint()}"
         code, out, err = _run_main(
             capsys,
             "status",
@@ -496,7 +489,7 @@ def test_etcd_v2_corrupt_state_is_reported_and_left_untouched(
 
 @pytest.mark.parametrize("command", ["status", "close"])
 def test_unreachable_endpoint_is_one_clear_line(command: str) -> None:
-    endpoint = f"127.0.0.1:{_closed_port()}"
+    endpoint = f"127.0.0.1:{closed_port()}"
     result = _cli(command, "--endpoint", endpoint, "--run-id", "r1", "--read-timeout", "1")
     assert result.returncode != 0
     assert endpoint in result.stderr, _explain(result)

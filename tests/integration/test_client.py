@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 
@@ -27,19 +26,16 @@ from etcd_rendezvous._transport.interface import (
     OperationRefusedError,
     Transport,
 )
-from etcd_rendezvous._transport.v2 import EtcdConnection
-from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.faultproxy import FaultProxy, Mode
+from support.net import closed_ports
+from support.processes import process_state
+from support.transports import Connect, only_v2
+from support.wait import wait_until
 
-Connect = Callable[..., Transport]
-
-TRANSPORTS: dict[str, Callable[..., Transport]] = {"v2": EtcdConnection, "v3": EtcdV3Connection}
-_V2 = pytest.param("v2", marks=pytest.mark.v2_only(reason="the v2 transport"), id="v2")
-_V3 = pytest.param("v3", id="v3")
-#: For a test whose subject exists on v2 only: run it with the v2 transport alone.
-only_v2 = pytest.mark.parametrize("api", [_V2], indirect=True)
+#: Short timeouts (read 2 s, connect 1 s) so that failures are quick.
+pytestmark = pytest.mark.connect_defaults(read_timeout=2.0, connect_timeout=1.0)
 
 #: The action a v3 watch reports for a change v2 reports as the key's action.
 _V3_ACTION = {
@@ -53,35 +49,6 @@ _V3_ACTION = {
 
 
 # -- helpers -----------------------------------------------------------------------------
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll ``predicate`` until it holds, failing after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = 0.002
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
-def process_state(pid: int) -> str:
-    """The one-letter state from /proc (``T`` = stopped)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[1].split()[0]
-
-
-def closed_ports(count: int) -> list[int]:
-    """Distinct loopback ports that nothing listens on (connections are refused)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def url(endpoint: tuple[str, int], protocol: str = "http") -> str:
@@ -131,44 +98,10 @@ def writes(proxy: FaultProxy, api: str) -> int:
     return sum(1 for r in proxy.requests if r.method == "POST" and r.path in _V3_WRITES)
 
 
-@pytest.fixture(params=[_V2, _V3])
-def api(request: pytest.FixtureRequest) -> str:
-    """The etcd API of the transport under test: ``"v2"`` or ``"v3"``."""
-    value: str = request.param
-    return value
-
-
-@pytest.fixture
-def connect(api: str) -> Iterator[Connect]:
-    """``connect(*endpoints, **kwargs)``: a connection of the transport under test,
-    closed afterwards.
-
-    Short timeouts by default (read 2 s, connect 1 s) so that failures are quick.
-    """
-    conns: list[Transport] = []
-    transport = TRANSPORTS[api]
-
-    def make(*endpoints: tuple[str, int], **kwargs: Any) -> Transport:
-        kwargs.setdefault("read_timeout", 2.0)
-        kwargs.setdefault("connect_timeout", 1.0)
-        conn = transport(list(endpoints), **kwargs)
-        conns.append(conn)
-        return conn
-
-    yield make
-    for conn in conns:
-        conn.close()
-
-
 @pytest.fixture
 def direct(etcd_server: EtcdServer, connect: Connect) -> Transport:
     """A connection straight to ``etcd_server``: "another writer", and the test's eyes."""
     return connect((etcd_server.get_host(), etcd_server.get_port()))
-
-
-@pytest.fixture
-def key(etcd_prefix: str) -> str:
-    return f"{etcd_prefix}/key"
 
 
 # -- the fault proxy itself --------------------------------------------------------------

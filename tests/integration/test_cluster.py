@@ -21,23 +21,10 @@ from etcd_rendezvous.etcd_rendezvous import create_rdzv_handler
 from etcd_rendezvous.etcd_server import EtcdServerError
 from etcd_rendezvous.pytest_plugin import etcd_api_under_test
 from support import v3_gateway
+from support.processes import pid_alive, process_state
 from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def process_state(pid: int) -> str:
-    """The one-letter state from /proc (``T`` = stopped)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[1].split()[0]
 
 
 def reads(member: EtcdClusterMember, key: str, expected: str) -> bool:

@@ -7,7 +7,6 @@ a v2-less etcd (the session's own in the v3 pass, else one of this module's).
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Iterator
 
@@ -18,12 +17,7 @@ from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
-
-Endpoint = tuple[str, int]
-
-
-def endpoint_of(server: EtcdServer) -> Endpoint:
-    return (server.get_host(), server.get_port())
+from support.net import closed_port, endpoint_of
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +28,6 @@ def v2less_server(etcd_server: EtcdServer) -> Iterator[EtcdServer]:
         return
     with EtcdServer(etcd_binary=etcd_server.binary, enable_v2=False) as server:
         yield server
-
-
-def refused_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-    return port
 
 
 @pytest.mark.v2_only(reason="auto picks v2 only where the server serves it")
@@ -102,12 +89,12 @@ def test_v3_insisted_on_works_on_every_server(
 @pytest.mark.parametrize("value", ["v4", "2", 3, "v2v3"])
 def test_a_bad_etcd_api_is_a_value_error_naming_it(value: object) -> None:
     with pytest.raises(ValueError, match="etcd_api"):
-        open_transport([("127.0.0.1", refused_port())], etcd_api=value)  # type: ignore[arg-type]
+        open_transport([("127.0.0.1", closed_port())], etcd_api=value)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("etcd_api", ["auto", "v2", "v3"])
 def test_a_refused_port_fails_within_seconds_naming_the_endpoint(etcd_api: str) -> None:
-    port = refused_port()
+    port = closed_port()
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError) as info:
         open_transport([("127.0.0.1", port)], etcd_api=etcd_api)

@@ -14,7 +14,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -22,7 +22,6 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous._transport.connect import open_transport
-from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import (
     RendezvousConnectionError,
     RendezvousError,
@@ -33,6 +32,7 @@ from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 from etcd_rendezvous.layout import ETCD_V2_STATE_PREFIX, LegacyLayout, etcd_v2_state_key
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.wait import wait_for_value
 
 logger = logging.getLogger(__name__)
 
@@ -78,38 +78,10 @@ def _assert_bounded(what: str, error: BaseException | None, elapsed: float) -> N
     assert elapsed < T + BOUND + SLACK, f"{what} took {elapsed:.1f} s: {error}"
 
 
-@pytest.fixture
-def silent_port() -> Iterator[int]:
-    """A port that accepts connections (into the listen backlog) and never answers."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
-        yield listener.getsockname()[1]
-
-
-@pytest.fixture
-def refused_port() -> int:
-    """A port nothing listens on."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
-
-
 def _state_key(backend: str, run_id: str) -> str:
     if backend == "etcd":
         return LegacyLayout("/torchelastic/p2p", run_id).state_key
     return etcd_v2_state_key(run_id, ETCD_V2_STATE_PREFIX)
-
-
-def _wait_for_key(conn: Transport, key: str, timeout: float = 30.0) -> None:
-    """Block until ``key`` exists, watching it."""
-    deadline = time.monotonic() + timeout
-    while conn.try_get(key) is None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise AssertionError(f"{key} was never written")
-        conn.watch(key, conn.last_index + 1, min(remaining, 1.0))
 
 
 # -- creation ---------------------------------------------------------------------------
@@ -176,7 +148,7 @@ def _fault_mid_rendezvous(
     with handler:
         with open_transport([(server.get_host(), server.get_port())]) as conn:
             worker.start()
-            _wait_for_key(conn, _state_key(backend, run_id))
+            wait_for_value(conn, _state_key(backend, run_id), lambda value: value is not None)
         fault()
         worker.join(T + BOUND + SLACK + 30)
     assert outcome, "next_rendezvous() never returned"

@@ -12,7 +12,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,31 +31,8 @@ from etcd_rendezvous.etcd_server import (
 )
 from etcd_rendezvous.pytest_plugin import etcd_api_under_test
 from support import v3_gateway
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Poll ``predicate`` until it holds, failing after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def process_state(pid: int) -> str:
-    """The one-letter state from /proc (``T`` = stopped)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[1].split()[0]
+from support.processes import pid_alive, process_state
+from support.wait import wait_until
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from etcd_rendezvous.layout import (
     normalize_key,
 )
 from etcd_rendezvous.registry import get_rendezvous_handler
-from support.wait import wait_until
+from support.wait import wait_for_value, wait_until
 
 BACKENDS = ("etcd", "etcd-v2")
 #: The rendezvous timeout: long enough to wait out an election (etcd's request timeout
@@ -143,22 +143,6 @@ def observer(etcd_cluster: EtcdCluster) -> Iterator[Transport]:
         yield conn
 
 
-def _wait_for(
-    conn: Transport, key: str, predicate: Callable[[str | None], bool], timeout: float = 60
-) -> None:
-    """Watch ``key`` until ``predicate`` holds for its value (``None``: no key)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        node = conn.try_get(key)
-        value = node.value if node is not None else None
-        if predicate(value):
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise AssertionError(f"{key} never matched; last value: {value!r}")
-        conn.watch(key, conn.last_index + 1, min(remaining, 1.0))
-
-
 def _participants(backend: str, value: str | None) -> int:
     """How many workers joined, according to a state key's value."""
     if value is None:
@@ -202,7 +186,7 @@ def test_leader_killed_while_workers_join(
     key = _state_key(backend, run_id)
     workers.join(0)
     workers.join(1)
-    _wait_for(observer, key, lambda value: _participants(backend, value) == 2)
+    wait_for_value(observer, key, lambda value: _participants(backend, value) == 2, 60)
     _kill_leader(etcd_cluster)
     workers.join(2)
     infos = workers.wait()

@@ -29,38 +29,16 @@ from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.etcd_requests import read_metrics, requests_since
 from support.faultproxy import FaultProxy
+from support.net import endpoint_of
+from support.wait import wait_until
 
 Connect = Callable[..., EtcdV3Connection]
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while not predicate():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
-
-
-def endpoint_of(server: EtcdServer) -> tuple[str, int]:
-    return (server.get_host(), server.get_port())
-
-
 @pytest.fixture
-def connect() -> Iterator[Connect]:
-    conns: list[EtcdV3Connection] = []
-
-    def make(*endpoints: tuple[str, int], **kwargs: Any) -> EtcdV3Connection:
-        kwargs.setdefault("read_timeout", 5.0)
-        kwargs.setdefault("connect_timeout", 1.0)
-        conn = EtcdV3Connection(list(endpoints), **kwargs)
-        conns.append(conn)
-        return conn
-
-    yield make
-    for conn in conns:
-        conn.close()
+def api() -> str:
+    """This module tests the v3 transport alone: ``connect`` opens v3 connections."""
+    return "v3"
 
 
 @pytest.fixture

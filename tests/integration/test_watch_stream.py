@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 
@@ -24,47 +23,16 @@ from etcd_rendezvous._transport.interface import (
     WatchStream,
 )
 from etcd_rendezvous._transport.retry import Deadline
-from etcd_rendezvous._transport.v2 import EtcdConnection
-from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.etcd_cluster import EtcdCluster
 from etcd_rendezvous.etcd_server import EtcdServer
 from support import v3_gateway
 from support.etcd_requests import counter, read_metrics
 from support.faultproxy import FaultProxy
-
-TRANSPORTS: dict[str, Callable[..., Transport]] = {"v2": EtcdConnection, "v3": EtcdV3Connection}
-_V2 = pytest.param("v2", marks=pytest.mark.v2_only(reason="the v2 transport"), id="v2")
-_V3 = pytest.param("v3", id="v3")
+from support.processes import process_state
+from support.wait import wait_until
 
 # etcd v2 keeps the last 1000 events; a watch from an older index is refused.
 _EVENT_HISTORY = 1000
-
-
-@pytest.fixture(params=[_V2, _V3])
-def api(request: pytest.FixtureRequest) -> str:
-    """The etcd API of the transport under test: ``"v2"`` or ``"v3"``."""
-    value: str = request.param
-    return value
-
-
-@pytest.fixture
-def connect(api: str, etcd_server: EtcdServer) -> Iterator[Callable[..., Transport]]:
-    """``connect(*endpoints, **kwargs)``: a connection of the transport under test to
-    ``endpoints`` (default: ``etcd_server``; read timeout 5 s unless given), closed after
-    the test."""
-    conns: list[Transport] = []
-
-    def make(*endpoints: tuple[str, int], **kwargs: Any) -> Transport:
-        kwargs.setdefault("read_timeout", 5.0)
-        kwargs.setdefault("connect_timeout", 1.0)
-        where = list(endpoints) or [(etcd_server.get_host(), etcd_server.get_port())]
-        conn = TRANSPORTS[api](where, **kwargs)
-        conns.append(conn)
-        return conn
-
-    yield make
-    for conn in conns:
-        conn.close()
 
 
 @pytest.fixture
@@ -79,20 +47,6 @@ def writer(connect: Callable[..., Transport]) -> Transport:
     return connect()
 
 
-@pytest.fixture
-def key(etcd_prefix: str) -> str:
-    return f"{etcd_prefix}/key"
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds, failing after ``timeout`` seconds."""
-    deadline = Deadline(timeout)
-    while not predicate():
-        if deadline.expired():
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.01)
-
-
 def deletion(api: str) -> set[str]:
     """The actions a stream may report for a deletion on ``api``."""
     return {"delete"} if api == "v3" else {"delete", "compareAndDelete"}
@@ -105,12 +59,6 @@ def watch_requests(api: str, client_url: str) -> float:
     if api == "v2":
         return counter(values, "etcd_debugging_store_watch_requests_total")
     return counter(values, "grpc_server_started_total", grpc_method="Watch")
-
-
-def process_state(pid: int) -> str:
-    """The one-letter state from /proc (``T`` = stopped)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        return fh.read().rsplit(")", 1)[1].split()[0]
 
 
 def forget_history(api: str, conn: Transport, url: str, key: str) -> None:
@@ -366,7 +314,7 @@ def test_a_stream_from_now_costs_one_watch_request_while_the_key_changes_fast(
     try:
         # As under load: by the time the stream opens, the key changed a few times more.
         seen = int(conn.get(key).value or "")
-        wait_for(lambda: int(conn.get(key).value or "") >= seen + 5, "five more changes")
+        wait_until(lambda: int(conn.get(key).value or "") >= seen + 5, 10, "five more changes")
         before = watch_requests(api, private_etcd_server.client_url)
         with conn.watch_stream(key, 0) as stream:
             read = conn.get(key)
@@ -441,7 +389,7 @@ def test_a_stream_rides_out_a_sigstop_of_etcd(
     assert drain(stream, 1)[0].value == "0"
     server.suspend()
     pid = server.pid
-    wait_for(lambda: process_state(pid) == "T", "etcd to stop")
+    wait_until(lambda: process_state(pid) == "T", 10, "etcd to stop")
     writes = threading.Thread(
         target=lambda: [writer.set(key, v) for v in ("1", "2", "3")], name="test-writer"
     )

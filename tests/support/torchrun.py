@@ -13,11 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from support import TORCHRUN_WORKER
+from support.wait import wait_until
 
 WORKER = TORCHRUN_WORKER
 
@@ -131,17 +131,27 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+class AgentExitedError(AssertionError):
+    """An agent exited with an error while a test waited on something else."""
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str, agents: list[Agent]) -> None:
-    """Poll ``predicate`` every 0.1 s until it is true; fail with the agents' logs."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- agent {a.name} ---\n{a.log()}" for a in agents)
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
+    """:func:`~support.wait.wait_until` ``predicate``, failing at once if an agent exits
+    with an error, and with the agents' logs if the time runs out."""
+
+    def ready() -> bool:
         for agent in agents:
             if agent.process.poll() not in (None, 0):
-                raise AssertionError(
+                raise AgentExitedError(
                     f"agent {agent.name} exited with {agent.process.returncode} while waiting "
                     f"for {what}\n{agent.log()}"
                 )
-        time.sleep(0.1)
+        return predicate()
+
+    try:
+        wait_until(ready, timeout, what)
+    except AgentExitedError:
+        raise
+    except AssertionError as timed_out:
+        logs = "\n".join(f"--- agent {a.name} ---\n{a.log()}" for a in agents)
+        raise AssertionError(f"{timed_out}\n{logs}") from None

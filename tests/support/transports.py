@@ -10,8 +10,10 @@ from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 
-__all__ = ["APIS", "TRANSPORTS", "V2", "V3", "only_v2"]
+__all__ = ["APIS", "TRANSPORTS", "V2", "V3", "Connect", "only_v2"]
 
+#: The ``connect`` fixture's type: ``connect(*endpoints, **kwargs)`` -> a connection.
+Connect = Callable[..., Transport]
 #: The transport class of each API.
 TRANSPORTS: dict[str, Callable[..., Transport]] = {"v2": EtcdConnection, "v3": EtcdV3Connection}
 #: v2 runs only where the server serves it (the ``v2_only`` mark skips it on v3-only etcd).
