@@ -397,10 +397,21 @@ def test_check(store: EtcdStore) -> None:
         store.check("a")
 
 
-def test_wait_returns_at_once_for_present_keys(store: EtcdStore) -> None:
+def test_wait_returns_at_once_for_present_keys(
+    store: EtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store.multi_set(["a", "b"], ["1", "2"])
+    spy = Spy(conn, monkeypatch)
+    # A zero timeout: any wait on etcd would time out. The keys are read, never watched.
     store.wait(["a", "b"], timedelta(seconds=0))
-    store.wait([])
+    assert spy.named("watch") == []
+    assert sorted(args[0] for args, _ in spy.named("get")) == sorted(
+        store.prefix + b64(key) for key in ("a", "b")
+    )
+    # No keys: nothing to ask etcd.
+    spy.calls.clear()
+    store.wait([], timedelta(seconds=0))
+    assert spy.calls == []
 
 
 def test_wait_for_many_keys_set_later(
