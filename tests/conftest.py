@@ -16,7 +16,8 @@ the package's pytest plugin (:mod:`etcd_rendezvous.pytest_plugin`). This file ad
 Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (see
 :func:`etcd_rendezvous.pytest_plugin.etcd_api_under_test`), like ``etcd_server``.
 * ``run_id``: a fresh run id; ``conn``: a connection to ``etcd_server`` (v2 or v3,
-  as ``etcd_api=auto`` picks); ``workers``: the worker processes a test started, stopped after it.
+  as ``etcd_api=auto`` picks); ``workers``: the worker processes a test started, stopped after
+  it; ``agents``: the same for torchrun agents.
 * ``api``: the etcd API of the transport under test (``"v2"``, ``"v3"``: each test runs
   once per API; a module testing one transport overrides it); ``connect``: connections of
   that transport, closed after the test (defaults: the ``connect_defaults`` mark);
@@ -49,6 +50,7 @@ from support.faultproxy import FaultProxy
 from support.net import closed_port, endpoint_of
 from support.rdzv import Worker
 from support.tls_certs import make_certs
+from support.torchrun import Agent
 from support.transports import APIS, TRANSPORTS
 
 _LOG_TAIL_LINES = 60
@@ -185,6 +187,15 @@ def workers() -> Iterator[list[Worker]]:
     yield started
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    """torchrun agents a test started (append to it); all stopped afterwards."""
+    started: list[Agent] = []
+    yield started
+    for agent in started:
+        agent.stop()
 
 
 @pytest.fixture(scope="session")

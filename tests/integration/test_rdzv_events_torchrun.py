@@ -38,14 +38,6 @@ JOINED = re.compile(
 )
 
 
-@pytest.fixture
-def agents() -> Any:
-    started: list[Agent] = []
-    yield started
-    for agent in started:
-        agent.stop()
-
-
 def _events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -63,18 +63,34 @@ def _progress(out: Path) -> list[dict[str, Any]]:
     return found
 
 
-@pytest.fixture
-def agents():
-    started: list[Agent] = []
-    yield started
-    for agent in started:
-        agent.stop()
-
-
 def _start(agents: list[Agent], names: list[str], out: Path, **kwargs: Any) -> list[Agent]:
     new = [Agent(name, out, **kwargs) for name in names]
     agents.extend(new)
     return new
+
+
+def _three_train_together(
+    agents: list[Agent], out: Path, backend: str, endpoint: str, run_id: str, **kwargs: Any
+) -> list[Agent]:
+    """Start agents a, b and c (one worker each, up to 3 restarts) and wait until all
+    three train in one world of three (each past its first step)."""
+    group = _start(
+        agents,
+        ["a", "b", "c"],
+        out,
+        backend=backend,
+        endpoint=endpoint,
+        run_id=run_id,
+        nproc_per_node=1,
+        max_restarts=3,
+        **kwargs,
+    )
+
+    def training() -> set[str]:
+        return {p["agent"] for p in _world(out, 3) if p["step"] >= 1}
+
+    wait_for(lambda: len(training()) == 3, 120, "three nodes training together", group)
+    return group
 
 
 def _expect_success(group: list[Agent]) -> None:
@@ -145,29 +161,16 @@ def test_two_agents_train_with_world_size_four(
 def test_survivors_finish_with_a_smaller_world_after_a_node_is_killed(
     etcd_server: EtcdServer, run_id: str, tmp_path: Path, agents: list[Agent], backend: str
 ) -> None:
-    group = _start(
+    group = _three_train_together(
         agents,
-        ["a", "b", "c"],
         tmp_path,
-        backend=backend,
-        endpoint=etcd_server.get_endpoint(),
-        run_id=run_id,
+        backend,
+        etcd_server.get_endpoint(),
+        run_id,
         nnodes="1:3",
-        nproc_per_node=1,
         rdzv_conf=CONF[backend],
-        max_restarts=3,
         steps=40,
         step_seconds=0.15,
-    )
-
-    def training_with_three() -> list[dict[str, Any]]:
-        return [p for p in _progress(tmp_path) if p["world_size"] == 3 and p["step"] >= 1]
-
-    wait_for(
-        lambda: len({p["agent"] for p in training_with_three()}) == 3,
-        timeout=120,
-        what="three nodes training together",
-        agents=group,
     )
     # Lose the node of global rank 0: it hosts the master store, so the survivors must
     # also move MASTER_ADDR/PORT to a new rank 0.
@@ -297,21 +300,17 @@ def _world(out: Path, size: int, after: float = 0.0) -> list[dict[str, Any]]:
 def test_over_v3_the_survivors_of_a_node_loss_train_as_a_world_of_two(
     etcd_server: EtcdServer, run_id: str, tmp_path: Path, agents: list[Agent], backend: str
 ) -> None:
-    group = _start(
+    group = _three_train_together(
         agents,
-        ["a", "b", "c"],
         tmp_path,
-        backend=backend,
-        endpoint=etcd_server.get_endpoint(),
-        run_id=run_id,
+        backend,
+        etcd_server.get_endpoint(),
+        run_id,
         nnodes="2:3",
-        nproc_per_node=1,
         rdzv_conf=V3_CONF[backend],
-        max_restarts=3,
         steps=10_000,
         step_seconds=0.1,
     )
-    wait_for(lambda: len(_world(tmp_path, 3)) == 3, 120, "three nodes training", group)
     # Agent c is the youngest: its worker is not rank 0 (in most runs), so rank 0's agent,
     # hosting the workers' TCPStore, survives and must start a new one for the next world.
     victim = next(a for a in group if a.name == "c")
