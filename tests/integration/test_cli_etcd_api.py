@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 
 import pytest
 
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.etcd_server import EtcdServer
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "etcd_rendezvous", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-    )
+from support.cli import run_cli
 
 
 @pytest.mark.slow
@@ -33,7 +21,7 @@ def test_demo_workers_speak_the_api_they_are_told(
     the workers, so the run's keys are in the v3 store (v2 and v3 keys are separate)."""
     run_id = f"api-{uuid.uuid4().hex[:8]}"
     prefix = ["--prefix", etcd_prefix] if backend == "etcd" else []
-    result = _cli(
+    result = run_cli(
         "demo", "--nodes", "2", "--backend", backend, "--etcd-api", "v3",
         "--endpoint", etcd_server.get_endpoint(), "--run-id", run_id, *prefix,
     )  # fmt: skip
@@ -46,12 +34,12 @@ def test_demo_workers_speak_the_api_they_are_told(
     with EtcdV3Connection([(etcd_server.get_host(), etcd_server.get_port())]) as v3:
         assert v3.try_get(key) is not None, f"{key} is not in the v3 store"
 
-    status = _cli(
+    status = run_cli(
         "status", "--backend", backend, "--etcd-api", "v3", "--run-id", run_id,
         "--endpoint", etcd_server.get_endpoint(), *prefix,
     )  # fmt: skip
     assert status.returncode == 0, status.stdout + status.stderr
-    v2_status = _cli(
+    v2_status = run_cli(
         "status", "--backend", backend, "--etcd-api", "v2", "--run-id", run_id,
         "--endpoint", etcd_server.get_endpoint(), *prefix,
     )  # fmt: skip

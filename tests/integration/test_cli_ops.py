@@ -9,11 +9,7 @@ import io
 import json
 import re
 import socket
-import subprocess
-import sys
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -21,7 +17,6 @@ import pytest
 
 from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
-from etcd_rendezvous.cli import main
 from etcd_rendezvous.cli._common import (
     UsageError,
     add_endpoint_option,
@@ -38,20 +33,10 @@ from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 from etcd_rendezvous.layout import ETCD_V2_STATE_PREFIX, ETCD_V2_STORE_PREFIX, EtcdV2NodesLayout
+from support.cli import cli_process, in_threads, run_cli, run_main
 from support.wait import wait_until
 
 _T = TypeVar("_T")
-
-
-def _run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = main(list(args))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def _in_threads(join: Callable[[int], _T], count: int) -> list[_T]:
-    with ThreadPoolExecutor(max_workers=count) as pool:
-        return list(pool.map(join, range(count)))
 
 
 def _legacy_run(endpoint: str, prefix: str, run_id: str) -> list[EtcdRendezvousHandler]:
@@ -67,7 +52,7 @@ def _legacy_run(endpoint: str, prefix: str, run_id: str) -> list[EtcdRendezvousH
         read_timeout=10,
     )
     handlers = [create_rdzv_handler(params) for _ in range(2)]
-    infos = _in_threads(lambda i: handlers[i].next_rendezvous(), 2)
+    infos = in_threads(lambda i: handlers[i].next_rendezvous(), 2)
     assert sorted(info.rank for info in infos) == [0, 1]
     return handlers
 
@@ -96,7 +81,7 @@ def test_list_status_and_delete_of_a_legacy_run(
     select = [*_endpoint(etcd_server), "--backend", "etcd", "--prefix", etcd_prefix]
     handlers = _legacy_run(etcd_server.get_endpoint(), etcd_prefix, run_id)
     try:
-        code, out, err = _run_main(capsys, "list", *select, "--json")
+        code, out, err = run_main(capsys, "list", *select, "--json")
         assert code == 0, err
         (summary,) = json.loads(out)
         assert (summary["run_id"], summary["backend"], summary["status"]) == (
@@ -106,41 +91,41 @@ def test_list_status_and_delete_of_a_legacy_run(
         )
         assert (summary["world_size"], summary["live"], summary["finished"]) == (2, 2, False)
         assert summary["api"] == conn.api
-        code, out, err = _run_main(capsys, "list", *select)
+        code, out, err = run_main(capsys, "list", *select)
         assert code == 0, err
         assert re.search(rf"^etcd\s+{run_id}\s+{conn.api}\s+final\s+2\s+\S+\s+2\s", out, re.M), out
 
         run = [*_endpoint(etcd_server), "--prefix", etcd_prefix, "--run-id", run_id]
         # The summary: counts, and no line per member.
-        code, out, err = _run_main(capsys, "status", *run)
+        code, out, err = run_main(capsys, "status", *run)
         assert code == 0, err
         assert re.search(r"^keep-alives:\s+2 live, 0 LAPSED$", out, re.M), out
         assert re.search(r"^member keys:\s+2 announced, 2 admitted$", out, re.M), out
         assert "rank 0:" not in out
         # -v: every member, with the host and pid its key names.
-        code, out, err = _run_main(capsys, "status", *run, "-v")
+        code, out, err = run_main(capsys, "status", *run, "-v")
         assert code == 0, err
         assert re.search(r"^\s+rank 0: live \(expires in \d+ s\)", out, re.M), out
         host = re.escape(socket.gethostname())
         assert len(re.findall(rf"^\s+rank [01]: {host} pid \d+", out, re.M)) == 2, out
 
         # A live run is not deleted.
-        code, out, err = _run_main(capsys, "delete", *run, "--yes")
+        code, out, err = run_main(capsys, "delete", *run, "--yes")
         assert code == 1
         assert "not finished" in err, err
         assert conn.try_get(f"{etcd_prefix}/run_{run_id}") is not None
 
         # Closed while its workers still run (the first one done closes it while the
         # others are in their exit barrier): still not finished, still not deleted.
-        code, _, err = _run_main(capsys, "close", *run)
+        code, _, err = run_main(capsys, "close", *run)
         assert code == 0, err
-        code, out, err = _run_main(capsys, "list", *select, "--json")
+        code, out, err = run_main(capsys, "list", *select, "--json")
         (summary,) = json.loads(out)
         assert (summary["status"], summary["live"], summary["finished"]) == ("closed", 2, False)
-        code, out, err = _run_main(capsys, "delete", *run, "--yes")
+        code, out, err = run_main(capsys, "delete", *run, "--yes")
         assert code == 1
         assert "not finished" in err, err
-        code, out, err = _run_main(
+        code, out, err = run_main(
             capsys, "gc", *select, "--older-than", "0", "--undated", "--yes", "--json"
         )
         assert (code, json.loads(out)["runs"]) == (0, []), err
@@ -150,28 +135,28 @@ def test_list_status_and_delete_of_a_legacy_run(
             handler.close()
 
     def finished() -> bool:
-        _, out, _ = _run_main(capsys, "list", *select, "--json")
+        _, out, _ = run_main(capsys, "list", *select, "--json")
         return bool(json.loads(out)[0]["finished"])
 
     wait_until(finished, what="the workers' keep-alive keys to expire")
-    code, out, err = _run_main(capsys, "delete", *run, "--dry-run")
+    code, out, err = run_main(capsys, "delete", *run, "--dry-run")
     assert code == 0, err
     assert f"{etcd_prefix}/run_{run_id}/ (and all below)" in out
     assert "nothing deleted" in out
     assert conn.try_get(f"{etcd_prefix}/run_{run_id}/rdzv/active_version") is not None
     # No terminal to ask on, and no --yes: refused, nothing deleted.
-    code, _, err = _run_main(capsys, "delete", *run)
+    code, _, err = run_main(capsys, "delete", *run)
     assert code == 2
     assert "--yes" in err
     assert conn.try_get(f"{etcd_prefix}/run_{run_id}/rdzv/active_version") is not None
 
-    code, out, err = _run_main(capsys, "delete", *run, "--yes", "--json")
+    code, out, err = run_main(capsys, "delete", *run, "--yes", "--json")
     assert code == 0, err
     assert json.loads(out)["deleted"] == [f"{etcd_prefix}/run_{run_id}"]
     assert json.loads(out)["skipped"] == []
     assert conn.try_get(f"{etcd_prefix}/run_{run_id}/rdzv/active_version") is None
     assert conn.try_get(f"{etcd_prefix}/run_{run_id}") is None
-    code, out, err = _run_main(capsys, "list", *select, "--json")
+    code, out, err = run_main(capsys, "list", *select, "--json")
     assert (code, json.loads(out)) == (0, []), err
 
 
@@ -182,14 +167,14 @@ def test_gc_of_etcd_v2_runs(
     select = [*_endpoint(etcd_server), "--backend", "etcd-v2", "--prefix", etcd_prefix]
     handlers = [_v2_handler(conn, etcd_prefix, live_id) for _ in range(2)]
     try:
-        infos = _in_threads(lambda i: handlers[i].next_rendezvous(), 2)
+        infos = in_threads(lambda i: handlers[i].next_rendezvous(), 2)
         for i, info in enumerate(infos):
             info.store.set(f"from-{i}", b"x")  # keys of the run in the shared store
         # A run closed before any worker came: no heartbeat, so no age.
-        code, out, err = _run_main(capsys, "close", *select, "--run-id", planned_id, "--create")
+        code, out, err = run_main(capsys, "close", *select, "--run-id", planned_id, "--create")
         assert (code, "created a closed state" in out) == (0, True), err
 
-        code, out, err = _run_main(capsys, "list", *select, "--json")
+        code, out, err = run_main(capsys, "list", *select, "--json")
         assert code == 0, err
         runs = {run["run_id"]: run for run in json.loads(out)}
         assert set(runs) == {live_id, planned_id}
@@ -202,26 +187,26 @@ def test_gc_of_etcd_v2_runs(
 
         # Status: a summary, the node keys counted; -v lists them and every rank.
         run = [*select, "--run-id", live_id]
-        code, out, err = _run_main(capsys, "status", *run)
+        code, out, err = run_main(capsys, "status", *run)
         assert code == 0, err
         nodes_dir = EtcdV2NodesLayout(live_id, etcd_prefix).nodes_dir
         assert re.search(rf"^node keys:\s+2 in {re.escape(nodes_dir)}$", out, re.M), out
         assert re.search(r"^heartbeats:\s+2, newest", out, re.M), out
         assert "rank 0:" not in out
-        code, out, err = _run_main(capsys, "status", *run, "-v")
+        code, out, err = run_main(capsys, "status", *run, "-v")
         assert code == 0, err
         assert re.search(r"^\s+rank 1: 127\.0\.0\.1_\d+_\d+$", out, re.M), out
         assert len(re.findall(r"^  127\.0\.0\.1_\d+_\d+$", out, re.M)) == 2, out
 
         # The live run is never collected; the one closed before it started (undated)
         # only with --undated and --force.
-        code, out, err = _run_main(capsys, "gc", *select, "--older-than", "0", "--dry-run")
+        code, out, err = run_main(capsys, "gc", *select, "--older-than", "0", "--dry-run")
         assert (code, out.strip()) == (0, "nothing to delete"), err
-        code, out, err = _run_main(
+        code, out, err = run_main(
             capsys, "gc", *select, "--older-than", "0", "--undated", "--dry-run", "--json"
         )
         assert (code, json.loads(out)["runs"]) == (0, []), err
-        code, out, err = _run_main(
+        code, out, err = run_main(
             capsys, "gc", *select, "--older-than", "0", "--undated", "--force", "--dry-run"
         )
         assert code == 0, err
@@ -231,9 +216,9 @@ def test_gc_of_etcd_v2_runs(
         for handler in handlers:
             handler._stop_heartbeats()
 
-    code, _, err = _run_main(capsys, "close", *select, "--run-id", live_id)
+    code, _, err = run_main(capsys, "close", *select, "--run-id", live_id)
     assert code == 0, err
-    code, out, err = _run_main(capsys, "list", *select, "--json")
+    code, out, err = run_main(capsys, "list", *select, "--json")
     keys = {r["run_id"]: r["keys"] for r in json.loads(out)}[live_id]
     # Under a prefix other than the default, the shared store's keys are not the run's
     # to delete: another job may use the same run id under the default prefix.
@@ -242,7 +227,7 @@ def test_gc_of_etcd_v2_runs(
     store = EtcdStore(conn, ETCD_V2_STORE_PREFIX)
 
     # Closed, but its heartbeats are recent: its workers may still be leaving.
-    code, out, err = _run_main(
+    code, out, err = run_main(
         capsys, "gc", *select, "--older-than", "0s", "--undated", "--force", "--yes", "--json"
     )
     assert code == 0, err
@@ -253,9 +238,9 @@ def test_gc_of_etcd_v2_runs(
     assert conn.try_get(f"{etcd_prefix}/{live_id}") is not None
 
     run = [*select, "--run-id", live_id]
-    code, out, err = _run_main(capsys, "delete", *run, "--yes")
+    code, out, err = run_main(capsys, "delete", *run, "--yes")
     assert (code, "not finished" in err) == (1, True), err
-    code, out, err = _run_main(capsys, "delete", *run, "--yes", "--force")
+    code, out, err = run_main(capsys, "delete", *run, "--yes", "--force")
     assert code == 0, err
     assert "store keys in /torch/elastic/store are left alone" in out, out
     assert conn.try_get(f"{etcd_prefix}/{live_id}") is None
@@ -263,7 +248,7 @@ def test_gc_of_etcd_v2_runs(
         conn.list_dir(nodes_dir)
     assert infos[0].store.get("from-1") == b"x"  # the store keys are left
     del store
-    code, out, err = _run_main(capsys, "list", *select, "--json")
+    code, out, err = run_main(capsys, "list", *select, "--json")
     assert (code, json.loads(out)) == (0, []), err
 
 
@@ -273,14 +258,14 @@ def test_delete_of_an_etcd_v2_run_under_the_default_prefix_takes_its_store_keys(
     run_id = f"default-{uuid.uuid4().hex[:8]}"
     handlers = [_v2_handler(conn, ETCD_V2_STATE_PREFIX, run_id) for _ in range(2)]
     try:
-        infos = _in_threads(lambda i: handlers[i].next_rendezvous(), 2)
+        infos = in_threads(lambda i: handlers[i].next_rendezvous(), 2)
         for i, info in enumerate(infos):
             info.store.set(f"from-{i}", b"x")
     finally:
         for handler in handlers:
             handler._stop_heartbeats()
     run = [*_endpoint(etcd_server), "--backend", "etcd-v2", "--run-id", run_id]
-    code, out, err = _run_main(capsys, "delete", *run, "--yes", "--force", "--json")
+    code, out, err = run_main(capsys, "delete", *run, "--yes", "--force", "--json")
     assert code == 0, err
     deleted = json.loads(out)["deleted"]
     assert f"{ETCD_V2_STATE_PREFIX}/{run_id}" in deleted
@@ -301,7 +286,7 @@ def test_a_run_that_changes_between_judging_and_deleting_is_kept(
 ) -> None:
     run_id = f"race-{uuid.uuid4().hex[:8]}"
     args = [*_endpoint(etcd_server), "--backend", backend, "--prefix", etcd_prefix]
-    code, _, err = _run_main(capsys, "close", *args, "--run-id", run_id, "--create")
+    code, _, err = run_main(capsys, "close", *args, "--run-id", run_id, "--create")
     assert code == 0, err
     judged = read_run(conn, backend, etcd_prefix, run_id)
     assert judged is not None
@@ -338,16 +323,16 @@ def test_close_refuses_an_unknown_run_unless_told_to_create_it(
     run_id = f"typo-{uuid.uuid4().hex[:8]}"
     args = [*_endpoint(etcd_server), "--backend", backend, "--prefix", etcd_prefix]
     args += ["--run-id", run_id]
-    code, out, err = _run_main(capsys, "close", *args)
+    code, out, err = run_main(capsys, "close", *args)
     assert (code, out) == (1, "")
     assert run_id in err, err
     assert "--create" in err, err
     run_key = f"{etcd_prefix}/run_{run_id}" if backend == "etcd" else f"{etcd_prefix}/{run_id}"
     assert conn.try_get(run_key) is None
-    code, out, err = _run_main(capsys, "close", *args, "--create")
+    code, out, err = run_main(capsys, "close", *args, "--create")
     assert code == 0, err
     assert "without a TTL" in out, out
-    code, out, err = _run_main(capsys, "status", *args, "--json")
+    code, out, err = run_main(capsys, "status", *args, "--json")
     assert (code, json.loads(out)["status"]) == (0, "closed"), err
     # Closed in advance for good: no key of it expires (a worker's TTL is 2 hours).
     state_key = f"{run_key}/rdzv/active_version" if backend == "etcd" else run_key
@@ -355,7 +340,7 @@ def test_close_refuses_an_unknown_run_unless_told_to_create_it(
         assert with_ttl(conn, conn.get(key)).ttl is None, key  # type: ignore[union-attr]
     # gc keeps it: it is there to stop the workers that come later.
     select = [*_endpoint(etcd_server), "--backend", backend, "--prefix", etcd_prefix]
-    code, out, err = _run_main(
+    code, out, err = run_main(
         capsys, "gc", *select, "--older-than", "0", "--undated", "--dry-run", "--json"
     )
     assert (code, json.loads(out)["runs"]) == (0, []), err
@@ -380,7 +365,7 @@ def test_close_refuses_an_unknown_run_unless_told_to_create_it(
     finally:
         if isinstance(handler, EtcdRendezvousHandler):
             handler.close()
-    assert json.loads(_run_main(capsys, "status", *args, "--json")[1])["status"] == "closed"
+    assert json.loads(run_main(capsys, "status", *args, "--json")[1])["status"] == "closed"
 
 
 def test_status_watch_follows_a_run(
@@ -393,32 +378,21 @@ def test_status_watch_follows_a_run(
         handler.close()
     # A long interval: the second report must come from the change, not from the clock.
     follow = ["--watch", "--json", "--interval", "60", "--count", "3"]
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "etcd_rendezvous", "status", *run, *follow],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
+    with cli_process("status", *run, *follow) as watch:
         assert watch.stdout is not None
         first = json.loads(watch.stdout.readline())
         assert first["status"] == "final"
-        code, _, err = _run_main(capsys, "close", *run)
+        code, _, err = run_main(capsys, "close", *run)
         assert code == 0, err
         second = json.loads(watch.stdout.readline())
         assert second["status"] == "closed"
         # --force: the workers' keep-alive keys have not expired yet.
-        code, _, err = _run_main(capsys, "delete", *run, "--yes", "--force")
+        code, _, err = run_main(capsys, "delete", *run, "--yes", "--force")
         assert code == 0, err
         _, err = watch.communicate(timeout=30)
         assert watch.returncode == 1, err  # the run is gone: one line naming it
         assert run_id in err, err
         assert "Traceback" not in err, err
-    finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.wait()
 
 
 def test_connection_from_etcdctl_variables(
@@ -430,13 +404,13 @@ def test_connection_from_etcdctl_variables(
     run_id = f"env-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("ETCDCTL_ENDPOINTS", f"http://{etcd_server.get_endpoint()}")
     args = ["--prefix", etcd_prefix, "--run-id", run_id]
-    code, out, err = _run_main(capsys, "close", *args, "--create")
+    code, out, err = run_main(capsys, "close", *args, "--create")
     assert code == 0, err
-    code, out, err = _run_main(capsys, "list", "--backend", "etcd", "--prefix", etcd_prefix)
+    code, out, err = run_main(capsys, "list", "--backend", "etcd", "--prefix", etcd_prefix)
     assert code == 0, err
     assert run_id in out
     monkeypatch.delenv("ETCDCTL_ENDPOINTS")
-    code, out, err = _run_main(capsys, "status", *args)
+    code, out, err = run_main(capsys, "status", *args)
     assert code == 2
     assert "ETCDCTL_ENDPOINTS" in err
 
@@ -521,14 +495,7 @@ def test_unreachable_etcd_is_one_clear_line(command: list[str]) -> None:
         sock.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
     options = ["--endpoint", endpoint, "--read-timeout", "1"]
-    result = subprocess.run(
-        [sys.executable, "-m", "etcd_rendezvous", *command, *options],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        stdin=subprocess.DEVNULL,
-    )
+    result = run_cli(*command, *options, timeout=60)
     assert result.returncode == 1, result.stderr
     assert endpoint in result.stderr
     assert "Traceback" not in result.stderr
@@ -541,26 +508,15 @@ def test_status_watch_of_an_etcd_v2_run_wakes_on_its_change(
     run_id = f"watch-v2-{uuid.uuid4().hex[:8]}"
     run = [*_endpoint(etcd_server), "--backend", "etcd-v2", "--prefix", etcd_prefix]
     run += ["--run-id", run_id]
-    code, _, err = _run_main(capsys, "close", *run, "--create")
+    code, _, err = run_main(capsys, "close", *run, "--create")
     assert code == 0, err
     follow = ["--watch", "--json", "--interval", "60", "--count", "2"]
-    watch = subprocess.Popen(
-        [sys.executable, "-m", "etcd_rendezvous", "status", *run, *follow],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
+    with cli_process("status", *run, *follow) as watch:
         assert watch.stdout is not None
         assert json.loads(watch.stdout.readline())["status"] == "closed"
-        code, _, err = _run_main(capsys, "delete", *run, "--yes")
+        code, _, err = run_main(capsys, "delete", *run, "--yes")
         assert code == 0, err
         # Well before the 60 s interval: the deletion woke the watch.
         _, err = watch.communicate(timeout=30)
         assert watch.returncode == 1, err
         assert f"{etcd_prefix}/{run_id}" in err, err
-    finally:
-        if watch.poll() is None:
-            watch.kill()
-            watch.wait()

@@ -20,12 +20,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.pytest_plugin import etcd_api_under_test
+from support.cli import run_cli
 from support.rdzv import Worker, expect_joined
 from support.wait import wait_until
 
@@ -73,10 +73,9 @@ def listing(etcdctl: str, server: EtcdServer, prefix: str) -> dict[str, str]:
 
 
 def status_json(server: EtcdServer, run_id: str, prefix: str) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "etcd_rendezvous", "status", "--json", "--etcd-api", "v3",
-         "--endpoint", server.get_endpoint(), "--run-id", run_id, "--prefix", prefix],
-        capture_output=True, text=True, timeout=60, check=False, stdin=subprocess.DEVNULL,
+    result = run_cli(
+        "status", "--json", "--etcd-api", "v3", "--endpoint", server.get_endpoint(),
+        "--run-id", run_id, "--prefix", prefix, timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)
