@@ -26,8 +26,9 @@ from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler, create_rdzv_handler
 from etcd_rendezvous.etcd_rendezvous_backend import create_backend
 from etcd_rendezvous.etcd_server import EtcdServer
-from support.cli import in_threads, run_cli, run_main
+from support.cli import run_cli, run_main
 from support.net import closed_port
+from support.threads import in_threads
 
 _T = TypeVar("_T")
 

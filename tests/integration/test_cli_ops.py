@@ -33,7 +33,8 @@ from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 from etcd_rendezvous.layout import ETCD_V2_STATE_PREFIX, ETCD_V2_STORE_PREFIX, EtcdV2NodesLayout
-from support.cli import cli_process, in_threads, run_cli, run_main
+from support.cli import cli_process, run_cli, run_main
+from support.threads import in_threads
 from support.wait import wait_until
 
 _T = TypeVar("_T")

@@ -6,7 +6,6 @@ import gc
 import os
 import re
 import socket
-import threading
 import time
 import uuid
 
@@ -22,6 +21,7 @@ from etcd_rendezvous.etcd_server import EtcdServerError
 from etcd_rendezvous.pytest_plugin import etcd_api_under_test
 from support import v3_gateway
 from support.processes import pid_alive, process_state
+from support.threads import in_threads
 from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
@@ -230,22 +230,11 @@ def test_rendezvous_and_store_survive_losing_the_leader(etcd_cluster: EtcdCluste
         assert keeper.alive
 
     # A new two-worker rendezvous completes on the remaining quorum.
-    results: list[tuple[int, int]] = []
-    errors: list[BaseException] = []
     second_run = f"{run_id}-b"
 
-    def worker() -> None:
-        try:
-            with create_rdzv_handler(_params(endpoint, second_run, 2)) as h:
-                got = h.next_rendezvous()
-                results.append((got.rank, got.world_size))
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+    def join(_: int) -> tuple[int, int]:
+        with create_rdzv_handler(_params(endpoint, second_run, 2)) as h:
+            got = h.next_rendezvous()
+            return (got.rank, got.world_size)
 
-    threads = [threading.Thread(target=worker) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    assert not errors, errors
-    assert sorted(results) == [(0, 2), (1, 2)]
+    assert sorted(in_threads(join, 2)) == [(0, 2), (1, 2)]

@@ -10,7 +10,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from etcd_rendezvous.etcd_server import (
 from etcd_rendezvous.pytest_plugin import etcd_api_under_test
 from support import v3_gateway
 from support.processes import pid_alive, process_state
+from support.threads import in_threads
 from support.wait import wait_until
 
 
@@ -93,20 +93,7 @@ def test_start_twice_is_a_no_op(server: EtcdServer) -> None:
 
 def test_stop_from_several_threads(server: EtcdServer) -> None:
     pid = server.pid
-    errors: list[BaseException] = []
-
-    def stop() -> None:
-        try:
-            server.stop()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=stop) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    assert errors == []
+    in_threads(lambda _: server.stop(), 4)  # raises what any of them raised
     assert not pid_alive(pid)
 
 

@@ -9,6 +9,8 @@ shared fixtures).
 * :mod:`support.etcd_requests`: counting etcd's requests from its ``/metrics`` page.
 * :mod:`support.v3_gateway`: raw calls to etcd's v3 JSON gateway.
 * :mod:`support.rdzv`, :mod:`support.torchrun`: worker processes and torchrun agents.
+* :mod:`support.cli`: the command line, run as a process or in the test's own.
+* :mod:`support.threads`: one call in several threads at once.
 * :mod:`support.events`, :mod:`support.tls_certs`: event logs, test certificates.
 
 The scripts the tests run as processes live in ``support/scripts/``; their paths are

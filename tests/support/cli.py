@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TypeVar
 
 import pytest
 
 from etcd_rendezvous.cli import main
 
-__all__ = ["cli_process", "in_threads", "run_cli", "run_main"]
-
-_T = TypeVar("_T")
+__all__ = ["cli_process", "run_cli", "run_main"]
 
 #: ``python -m etcd_rendezvous``, with this interpreter.
 COMMAND = [sys.executable, "-m", "etcd_rendezvous"]
@@ -63,9 +59,3 @@ def run_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
     code = main(list(args))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
-
-
-def in_threads(join: Callable[[int], _T], count: int) -> list[_T]:
-    """Run ``join(i)`` for ``i < count`` in threads at once; return results in order."""
-    with ThreadPoolExecutor(max_workers=count) as pool:
-        return list(pool.map(join, range(count)))
