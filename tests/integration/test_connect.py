@@ -85,7 +85,7 @@ def test_v3_insisted_on_works_on_every_server(
         assert conn.server_version() == server.version
 
 
-# An empty value means "absent" (auto), as for the other options: see tests/unit.
+# An empty value means "absent" (auto), as for the other options: see tests/unit/.
 @pytest.mark.parametrize("value", ["v4", "2", 3, "v2v3"])
 def test_a_bad_etcd_api_is_a_value_error_naming_it(value: object) -> None:
     with pytest.raises(ValueError, match="etcd_api"):

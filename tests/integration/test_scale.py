@@ -2,7 +2,7 @@
 
 Each backend must complete a 64-node rendezvous with at most 4 etcd writes and 8 reads
 per node (totals divided by 64; keep-alive refreshes excluded, see
-``tests/etcd_requests.py`` for how requests are classified), on whichever etcd API the
+``tests/support/etcd_requests.py`` for how requests are classified), on whichever etcd API the
 test pass uses (``ETCD_RENDEZVOUS_ETCD_API``). The nodes are threads of this process,
 each with its own handler and connection, created before the count starts; they call
 ``next_rendezvous()`` together. The test counts requests, not seconds

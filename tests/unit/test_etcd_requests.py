@@ -1,4 +1,4 @@
-"""Unit tests for tests/etcd_requests.py: how etcd's counters become reads, writes and
+"""Unit tests for tests/support/etcd_requests.py: how etcd's counters become reads, writes and
 keep-alives (the request-count test and the benchmarks rest on it)."""
 
 from __future__ import annotations

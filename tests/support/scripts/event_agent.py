@@ -1,9 +1,10 @@
 """``torchrun`` whose agent collects rendezvous events, as an agent's event handler does.
 
-Run as ``python tests/event_agent.py <torchrun arguments>`` with ``EVENTS_FILE`` set: the
-agent installs a handler for PyTorch's ``dynamic_rendezvous`` event destination
-(``torch.distributed.elastic.events.handlers._log_handlers``) that appends every event it
-receives, as one JSON line, to ``EVENTS_FILE``; then it runs ``torchrun``'s ``main()``.
+Run as ``python tests/support/scripts/event_agent.py <torchrun arguments>`` with
+``EVENTS_FILE`` set: the agent installs a handler for PyTorch's ``dynamic_rendezvous``
+event destination (``torch.distributed.elastic.events.handlers._log_handlers``) that
+appends every event it receives, as one JSON line, to ``EVENTS_FILE``; then it runs
+``torchrun``'s ``main()``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A rendezvous worker process driven over stdin/stdout, for multi-process tests.
 
-Run as ``python tests/rdzv_worker.py --impl ours|torch --endpoint H:P --run-id R
+Run as ``python tests/support/scripts/rdzv_worker.py --impl ours|torch --endpoint H:P --run-id R
 --min N --max M [--last-call S] [--timeout S] [--prefix P] [--backend etcd|etcd-v2]
 [--keep-alive-interval S] [--keep-alive-max-attempt N]``. It creates a handler of the
 ``etcd`` backend (default) or of the ``etcd-v2`` backend with the dynamic rendezvous
