@@ -26,6 +26,9 @@ Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (se
 * ``refused_port``: a loopback port nothing listens on; ``silent_port``: one that accepts
   connections and never answers.
 * ``received``: the rendezvous events recorded in the test's process while it runs.
+
+A test under ``tests/unit/`` that uses one of the etcd fixtures is a collection error:
+those belong in ``tests/integration/``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import socket
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -220,6 +224,26 @@ def tls_etcd_server(etcd_server: EtcdServer, tls_certs: dict[str, str]) -> Itera
         enable_v2=etcd_server.enable_v2,
     ) as server:
         yield server
+
+
+#: The fixtures that start or reach an etcd server: only tests/integration/ may use them.
+_ETCD_FIXTURES = frozenset(
+    {"etcd_server", "etcd_cluster", "etcd_client", "private_etcd_server", "tls_etcd_server"}
+)
+_UNIT_TESTS = Path(__file__).resolve().parent / "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep tests/unit/ free of etcd: a unit test using an etcd fixture is an error."""
+    for item in items:
+        if _UNIT_TESTS not in item.path.parents:
+            continue
+        used = _ETCD_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if used:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses {', '.join(sorted(used))}: tests that need etcd "
+                "belong in tests/integration/"
+            )
 
 
 @pytest.hookimpl(hookwrapper=True)
