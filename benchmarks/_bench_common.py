@@ -1,6 +1,6 @@
 """What the benchmark scripts share: the handlers of every variant, a round of worker processes.
 
-(etcd's request counters are read and classified by ``tests/etcd_requests.py``, which
+(etcd's request counters are read and classified by ``tests/support/etcd_requests.py``, which
 the request-count test shares.)
 
 * A :class:`Variant` is one row of a table: backend, etcd API, implementation (ours or
@@ -8,7 +8,7 @@ the request-count test shares.)
   is all it speaks), :func:`handler_factory` makes one node's handler of a variant and
   :func:`release` stops its background threads; :class:`ThreadDeaths` counts the
   background threads that die (one line per cause instead of a traceback each).
-* :func:`ready_workers` starts N worker processes (``tests/rdzv_helpers.Worker``) and
+* :func:`ready_workers` starts N worker processes (``tests/support/rdzv.Worker``) and
   waits until each is connected; :func:`join_round` then tells them to join at once and
   times the rendezvous from the first ``join`` to the last rank.
 """
@@ -163,7 +163,7 @@ class ThreadDeaths:
 
 
 class Worker(Protocol):
-    """What :func:`join_round` needs of ``tests/rdzv_helpers.Worker``."""
+    """What :func:`join_round` needs of ``tests/support/rdzv.Worker``."""
 
     @property
     def stderr(self) -> str: ...

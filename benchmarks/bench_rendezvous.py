@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _bench_common import join_round, ready_workers
 
 from etcd_rendezvous.etcd_server import EtcdServer
-from rdzv_helpers import Worker
+from support.rdzv import Worker
 
 
 def one_round(server: EtcdServer, impl: str, nodes: int) -> float:

@@ -31,7 +31,7 @@ publishes its address through the etcd store and starts no TCPStore). Measured:
 * the first rendezvous (default): **seconds** from the start signal to the last rank;
   **writes/node**, **reads/node** and **keep-alive/node**: the etcd requests of that
   interval, from etcd's ``/metrics``, divided by N, classified by
-  ``tests/etcd_requests.py`` (v2: GET and watches are reads, PUT/POST/DELETE writes,
+  ``tests/support/etcd_requests.py`` (v2: GET and watches are reads, PUT/POST/DELETE writes,
   TTL refreshes keep-alive; v3: Range, Watch, LeaseTimeToLive reads, Put, Txn,
   DeleteRange, LeaseGrant, LeaseRevoke writes, LeaseKeepAlive keep-alive). ``etcd-v2``
   gets ``keep_alive_interval=30`` so its heartbeats fall outside the interval.
@@ -91,7 +91,7 @@ from _bench_common import (
 )
 
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_requests import Requests, read_metrics, requests_since
+from support.etcd_requests import Requests, read_metrics, requests_since
 
 FIRST, RERENDEZVOUS, HEARTBEATS = "first", "rerendezvous", "heartbeats"
 

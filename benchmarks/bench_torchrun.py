@@ -6,7 +6,7 @@ Usage::
         [--scenarios node-loss scale-up surplus] [--repeat 1] [--keep-alive-interval 5]
 
 Each agent is ``python -m torch.distributed.run`` on localhost with one gloo worker
-(``tests/torchrun_worker.py``, a step every 0.2 s), ``--max-restarts=3``,
+(``tests/support/scripts/torchrun_worker.py``, a step every 0.2 s), ``--max-restarts=3``,
 ``--monitor-interval=0.5`` and ``--rdzv-conf=last_call_timeout=2,join_timeout=90,
 timeout=90`` (the dynamic backends' keep-alive at its default: every 5 s, 3 attempts)
 and ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, ``LOGLEVEL=INFO`` (see :data:`AGENT_ENV`). With
@@ -56,7 +56,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from etcd_rendezvous.etcd_server import EtcdServer
-from torchrun_helpers import Agent
+from support.torchrun import Agent
 
 #: torchrun's options of the measurements (as in the scenario the numbers compare to).
 CONF: dict[str, object] = {"last_call_timeout": 2, "join_timeout": 90, "timeout": 90}

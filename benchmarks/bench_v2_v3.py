@@ -16,7 +16,7 @@ calls ``next_rendezvous()`` at once. Reported:
 
 * **seconds** from the first ``next_rendezvous()`` call to the last rank;
 * **writes/node** and **reads/node**: the etcd requests of that interval, from etcd's
-  ``/metrics``, divided by N, as ``tests/etcd_requests.py`` classifies them. v2:
+  ``/metrics``, divided by N, as ``tests/support/etcd_requests.py`` classifies them. v2:
   ``etcd_http_received_total`` by method (reads GET, writes PUT, POST, DELETE) plus
   the watches, which that counter leaves out and etcd's v2 store counts in
   ``etcd_debugging_store_watch_requests_total`` (reads). v3:
@@ -70,7 +70,7 @@ from _bench_common import (
 )
 
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_requests import Requests, read_metrics, requests_since
+from support.etcd_requests import Requests, read_metrics, requests_since
 
 #: Seconds a whole rendezvous may take before the benchmark gives up.
 _TIMEOUT = 300

@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from _bench_common import join_round, ready_workers
 
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_requests import changes, read_metrics
-from rdzv_helpers import Worker
+from support.etcd_requests import changes, read_metrics
+from support.rdzv import Worker
 
 _COUNTERS = ("etcd_http_received_total", "etcd_debugging_store_writes_total")
 

@@ -1,4 +1,4 @@
-"""Fixtures shared by the etcd tests: fault-injection proxies, private servers, TLS files.
+"""Fixtures shared by the unit and integration tests (helpers are in ``tests/support/``).
 
 The session-wide ``etcd_server``, ``etcd_prefix`` and ``etcd_client`` fixtures come from
 the package's pytest plugin (:mod:`etcd_rendezvous.pytest_plugin`). This file adds:
@@ -16,30 +16,46 @@ the package's pytest plugin (:mod:`etcd_rendezvous.pytest_plugin`). This file ad
 Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (see
 :func:`etcd_rendezvous.pytest_plugin.etcd_api_under_test`), like ``etcd_server``.
 * ``run_id``: a fresh run id; ``conn``: a connection to ``etcd_server`` (v2 or v3,
-  as ``etcd_api=auto`` picks); ``workers``: the worker processes a test started, stopped after it.
+  as ``etcd_api=auto`` picks); ``workers``: the worker processes a test started, stopped after
+  it; ``agents``: the same for torchrun agents.
+* ``api``: the etcd API of the transport under test (``"v2"``, ``"v3"``: each test runs
+  once per API; a module testing one transport overrides it); ``connect``: connections of
+  that transport, closed after the test (defaults: the ``connect_defaults`` mark);
+  ``cleared_history``: etcd's history forgotten up to now, for that API; ``key``: a key
+  in the test's namespace.
+* ``refused_port``: a loopback port nothing listens on; ``silent_port``: one that accepts
+  connections and never answers.
 * ``received``: the rendezvous events recorded in the test's process while it runs.
+
+A test under ``tests/unit/`` that uses one of the etcd fixtures is a collection error:
+those belong in ``tests/integration/``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import uuid
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-import v3_gateway
 from etcd_rendezvous import events
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous.etcd_server import EtcdServer
-from faultproxy import FaultProxy
-from rdzv_helpers import Worker
-from tls_certs import make_certs
+from support import v3_gateway
+from support.faultproxy import FaultProxy
+from support.net import closed_port, endpoint_of
+from support.rdzv import Worker
+from support.tls_certs import make_certs
+from support.torchrun import Agent
+from support.transports import APIS, TRANSPORTS
 
 _LOG_TAIL_LINES = 60
 _private_servers_key = pytest.StashKey[list[EtcdServer]]()
@@ -105,6 +121,59 @@ def conn(etcd_server: EtcdServer) -> Iterator[Transport]:
     connection.close()
 
 
+@pytest.fixture(params=APIS)
+def api(request: pytest.FixtureRequest) -> str:
+    """The etcd API of the transport under test: ``"v2"`` (where the server serves it)
+    or ``"v3"``."""
+    value: str = request.param
+    return value
+
+
+@pytest.fixture
+def connect(
+    api: str, etcd_server: EtcdServer, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., Transport]]:
+    """``connect(*endpoints, **kwargs)``: a connection of the ``api`` transport to
+    ``endpoints`` (default: ``etcd_server``), closed after the test.
+
+    Timeouts default to read 5 s, connect 1 s; a module or test changes those defaults
+    with ``@pytest.mark.connect_defaults(read_timeout=2.0)``.
+    """
+    marker = request.node.get_closest_marker("connect_defaults")
+    defaults = {"read_timeout": 5.0, "connect_timeout": 1.0, **(marker.kwargs if marker else {})}
+    conns: list[Transport] = []
+
+    def make(*endpoints: tuple[str, int], **kwargs: Any) -> Transport:
+        conn = TRANSPORTS[api](list(endpoints) or [endpoint_of(etcd_server)], **defaults | kwargs)
+        conns.append(conn)
+        return conn
+
+    yield make
+    for conn in conns:
+        conn.close()
+
+
+@pytest.fixture
+def key(etcd_prefix: str) -> str:
+    """A key in the test's own namespace."""
+    return f"{etcd_prefix}/key"
+
+
+@pytest.fixture
+def refused_port() -> int:
+    """A loopback port nothing listens on: connections are refused."""
+    return closed_port()
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that accepts connections (into the listen backlog) and never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        yield listener.getsockname()[1]
+
+
 @pytest.fixture
 def received() -> Iterator[list[events.RdzvEvent]]:
     """The rendezvous events recorded in this process while the test runs (through a
@@ -122,6 +191,15 @@ def workers() -> Iterator[list[Worker]]:
     yield started
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    """torchrun agents a test started (append to it); all stopped afterwards."""
+    started: list[Agent] = []
+    yield started
+    for agent in started:
+        agent.stop()
 
 
 @pytest.fixture(scope="session")
@@ -146,6 +224,26 @@ def tls_etcd_server(etcd_server: EtcdServer, tls_certs: dict[str, str]) -> Itera
         enable_v2=etcd_server.enable_v2,
     ) as server:
         yield server
+
+
+#: The fixtures that start or reach an etcd server: only tests/integration/ may use them.
+_ETCD_FIXTURES = frozenset(
+    {"etcd_server", "etcd_cluster", "etcd_client", "private_etcd_server", "tls_etcd_server"}
+)
+_UNIT_TESTS = Path(__file__).resolve().parent / "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep tests/unit/ free of etcd: a unit test using an etcd fixture is an error."""
+    for item in items:
+        if _UNIT_TESTS not in item.path.parents:
+            continue
+        used = _ETCD_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if used:
+            raise pytest.UsageError(
+                f"{item.nodeid} uses {', '.join(sorted(used))}: tests that need etcd "
+                "belong in tests/integration/"
+            )
 
 
 @pytest.hookimpl(hookwrapper=True)

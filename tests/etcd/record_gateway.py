@@ -24,221 +24,161 @@ def b64(s):
     return base64.b64encode(s.encode()).decode()
 
 
-out = []
+class Recorder:
+    """Sends requests to one etcd server and keeps each answer, in order."""
 
+    def __init__(self, server: EtcdServer) -> None:
+        self.pool = urllib3.PoolManager()
+        self.base = server.client_url
+        self.port = server.get_port()
+        self.answers: list[dict] = []
 
-def call(pool, base, path, body, name, headers=None, method="POST"):
-    r = pool.request(
-        method,
-        base + path,
-        body=None if body is None else json.dumps(body).encode(),
-        headers=headers or {},
-        timeout=5,
-        retries=False,
-    )
-    try:
-        decoded = json.loads(r.data)
-    except ValueError:
-        decoded = r.data.decode(errors="replace")
-    out.append({"name": name, "path": path, "request": body, "status": r.status, "body": decoded})
-    return decoded
-
-
-def watch(base_port, body, name, then=None, headers=None, seconds=1.0):
-    s = socket.create_connection(("127.0.0.1", base_port))
-    data = json.dumps(body).encode()
-    hdr = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    s.sendall(
-        f"POST /v3/watch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n{hdr}\r\n".encode()
-        + data
-    )
-    s.settimeout(0.2)
-    raw = b""
-    t0 = time.monotonic()
-    fired = False
-    while time.monotonic() - t0 < seconds:
+    def call(self, name, path, body, headers=None, method="POST"):
+        """One request to the gateway; its JSON answer (or text) is kept and returned."""
+        r = self.pool.request(
+            method,
+            self.base + path,
+            body=None if body is None else json.dumps(body).encode(),
+            headers=headers or {},
+            timeout=5,
+            retries=False,
+        )
         try:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            raw += chunk
-        except TimeoutError:
-            pass
-        if then and not fired and time.monotonic() - t0 > 0.3:
-            then()
-            fired = True
-    s.close()
-    head, _, rest = raw.partition(b"\r\n\r\n")
-    status_line = head.split(b"\r\n", 1)[0].decode(errors="replace")
-    stream = []
-    if b"chunked" in head.lower():
-        while rest:
-            size_text, _, rest = rest.partition(b"\r\n")
-            size = int(size_text or b"0", 16)
-            if size == 0:
-                break
-            stream.append(rest[:size].decode())
-            rest = rest[size + 2 :]
-    else:
-        stream.append(rest.decode(errors="replace"))
-    out.append(
-        {
-            "name": name,
-            "path": "/v3/watch",
-            "request": body,
-            "status_line": status_line,
-            "stream": stream,
-        }
-    )
+            decoded = json.loads(r.data)
+        except ValueError:
+            decoded = r.data.decode(errors="replace")
+        self.answers.append(
+            {"name": name, "path": path, "request": body, "status": r.status, "body": decoded}
+        )
+        return decoded
+
+    def watch(self, name, body, then=None, headers=None, seconds=1.0):
+        """A watch stream read for ``seconds`` (``then()`` runs 0.3 s in); its status line
+        and the JSON objects it sent are kept."""
+        s = socket.create_connection(("127.0.0.1", self.port))
+        data = json.dumps(body).encode()
+        hdr = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        s.sendall(
+            f"POST /v3/watch HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n{hdr}\r\n".encode()
+            + data
+        )
+        s.settimeout(0.2)
+        raw = b""
+        t0 = time.monotonic()
+        fired = False
+        while time.monotonic() - t0 < seconds:
+            try:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                raw += chunk
+            except TimeoutError:
+                pass
+            if then and not fired and time.monotonic() - t0 > 0.3:
+                then()
+                fired = True
+        s.close()
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        status_line = head.split(b"\r\n", 1)[0].decode(errors="replace")
+        stream = []
+        if b"chunked" in head.lower():
+            while rest:
+                size_text, _, rest = rest.partition(b"\r\n")
+                size = int(size_text or b"0", 16)
+                if size == 0:
+                    break
+                stream.append(rest[:size].decode())
+                rest = rest[size + 2 :]
+        else:
+            stream.append(rest.decode(errors="replace"))
+        self.answers.append(
+            {
+                "name": name,
+                "path": "/v3/watch",
+                "request": body,
+                "status_line": status_line,
+                "stream": stream,
+            }
+        )
+
+
+def _txn(key, target, field, value):
+    """A compare-and-put of ``key`` that reads it on failure, as the v3 transport sends."""
+    return {
+        "compare": [{"target": target, "result": "EQUAL", "key": b64(key), field: value}],
+        "success": [{"request_put": {"key": b64(key), "value": b64("x")}}],
+        "failure": [{"request_range": {"key": b64(key)}}],
+    }
 
 
 def main() -> None:
     """Record every answer of the binary ``argv[1]`` into ``argv[2]``."""
     binary, dest = sys.argv[1], sys.argv[2]
-    pool = urllib3.PoolManager()
     with EtcdServer(etcd_binary=binary, enable_v2=False) as srv:
-        base = srv.client_url
-        port = srv.get_port()
-        call(pool, base, "/version", None, "version", method="GET")
-        call(pool, base, "/v2/keys/", None, "v2_keys", method="GET")
-        call(pool, base, "/v3/kv/nosuch", {}, "unknown_path")
-        call(pool, base, "/v3/kv/range", {"key": b64("/missing")}, "range_missing")
-        call(
-            pool,
-            base,
-            "/v3/kv/range",
-            {"key": b64("/missing"), "count_only": True},
-            "range_missing_count_only",
+        rec = Recorder(srv)
+        rec.call("version", "/version", None, method="GET")
+        rec.call("v2_keys", "/v2/keys/", None, method="GET")
+        rec.call("unknown_path", "/v3/kv/nosuch", {})
+        rec.call("range_missing", "/v3/kv/range", {"key": b64("/missing")})
+        rec.call(
+            "range_missing_count_only", "/v3/kv/range", {"key": b64("/missing"), "count_only": True}
         )
-        call(pool, base, "/v3/kv/put", {"key": b64("/k"), "value": b64("v1")}, "put")
-        call(
-            pool,
-            base,
-            "/v3/kv/put",
-            {"key": b64("/k"), "value": b64("v2"), "prev_kv": True},
-            "put_prev_kv",
+        rec.call("put", "/v3/kv/put", {"key": b64("/k"), "value": b64("v1")})
+        rec.call(
+            "put_prev_kv", "/v3/kv/put", {"key": b64("/k"), "value": b64("v2"), "prev_kv": True}
         )
-        call(pool, base, "/v3/kv/put", {"key": b64("/empty"), "value": ""}, "put_empty_value")
-        call(pool, base, "/v3/kv/range", {"key": b64("/empty")}, "range_empty_value")
-        call(pool, base, "/v3/kv/range", {"key": b64("/k")}, "range_one")
-        call(pool, base, "/v3/kv/range", {"key": b64("/"), "range_end": b64("0")}, "range_prefix")
-        call(pool, base, "/v3/kv/put", {"key": "", "value": b64("x")}, "put_no_key")
-        call(pool, base, "/v3/kv/put", "not an object", "put_bad_json")
-        call(
-            pool,
-            base,
-            "/v3/kv/txn",
-            {
-                "compare": [
-                    {
-                        "target": "CREATE",
-                        "result": "EQUAL",
-                        "key": b64("/k"),
-                        "create_revision": "0",
-                    }
-                ],
-                "success": [{"request_put": {"key": b64("/k"), "value": b64("x")}}],
-                "failure": [{"request_range": {"key": b64("/k")}}],
-            },
-            "txn_create_exists",
-        )
-        call(
-            pool,
-            base,
-            "/v3/kv/txn",
-            {
-                "compare": [
-                    {
-                        "target": "CREATE",
-                        "result": "EQUAL",
-                        "key": b64("/new"),
-                        "create_revision": "0",
-                    }
-                ],
-                "success": [{"request_put": {"key": b64("/new"), "value": b64("x")}}],
-                "failure": [{"request_range": {"key": b64("/new")}}],
-            },
-            "txn_create_new",
-        )
-        call(
-            pool,
-            base,
-            "/v3/kv/txn",
-            {
-                "compare": [
-                    {"target": "MOD", "result": "EQUAL", "key": b64("/gone"), "mod_revision": "3"}
-                ],
-                "success": [{"request_put": {"key": b64("/gone"), "value": b64("x")}}],
-                "failure": [{"request_range": {"key": b64("/gone")}}],
-            },
-            "txn_cas_missing",
-        )
-        call(
-            pool,
-            base,
+        rec.call("put_empty_value", "/v3/kv/put", {"key": b64("/empty"), "value": ""})
+        rec.call("range_empty_value", "/v3/kv/range", {"key": b64("/empty")})
+        rec.call("range_one", "/v3/kv/range", {"key": b64("/k")})
+        rec.call("range_prefix", "/v3/kv/range", {"key": b64("/"), "range_end": b64("0")})
+        rec.call("put_no_key", "/v3/kv/put", {"key": "", "value": b64("x")})
+        rec.call("put_bad_json", "/v3/kv/put", "not an object")
+        rec.call("txn_create_exists", "/v3/kv/txn", _txn("/k", "CREATE", "create_revision", "0"))
+        rec.call("txn_create_new", "/v3/kv/txn", _txn("/new", "CREATE", "create_revision", "0"))
+        rec.call("txn_cas_missing", "/v3/kv/txn", _txn("/gone", "MOD", "mod_revision", "3"))
+        rec.call(
+            "txn_bad_enum",
             "/v3/kv/txn",
             {"compare": [{"target": "NOPE", "result": "EQUAL", "key": b64("/k")}], "success": []},
-            "txn_bad_enum",
         )
-        call(pool, base, "/v3/kv/deleterange", {"key": b64("/missing")}, "delete_missing")
-        call(
-            pool,
-            base,
-            "/v3/kv/deleterange",
-            {"key": b64("/new"), "prev_kv": True},
-            "delete_one_prev_kv",
-        )
-        lease = call(pool, base, "/v3/lease/grant", {"TTL": 10}, "lease_grant")
-        call(pool, base, "/v3/lease/grant", {"TTL": 0}, "lease_grant_zero")
+        rec.call("delete_missing", "/v3/kv/deleterange", {"key": b64("/missing")})
+        rec.call("delete_one_prev_kv", "/v3/kv/deleterange", {"key": b64("/new"), "prev_kv": True})
+        lease = rec.call("lease_grant", "/v3/lease/grant", {"TTL": 10})
+        rec.call("lease_grant_zero", "/v3/lease/grant", {"TTL": 0})
         lid = lease["ID"]
-        call(
-            pool,
-            base,
-            "/v3/kv/put",
-            {"key": b64("/leased"), "value": b64("v"), "lease": lid},
-            "put_with_lease",
+        rec.call(
+            "put_with_lease", "/v3/kv/put", {"key": b64("/leased"), "value": b64("v"), "lease": lid}
         )
-        call(pool, base, "/v3/kv/range", {"key": b64("/leased")}, "range_leased")
-        call(
-            pool,
-            base,
+        rec.call("range_leased", "/v3/kv/range", {"key": b64("/leased")})
+        rec.call(
+            "put_missing_lease",
             "/v3/kv/put",
             {"key": b64("/x"), "value": b64("v"), "lease": "12345"},
-            "put_missing_lease",
         )
-        call(pool, base, "/v3/lease/keepalive", {"ID": lid}, "keepalive")
-        call(pool, base, "/v3/lease/timetolive", {"ID": lid, "keys": True}, "timetolive")
-        call(pool, base, "/v3/lease/leases", {}, "leases")
-        call(pool, base, "/v3/lease/revoke", {"ID": lid}, "revoke")
-        call(pool, base, "/v3/lease/keepalive", {"ID": lid}, "keepalive_revoked")
-        call(pool, base, "/v3/lease/timetolive", {"ID": lid}, "timetolive_revoked")
-        call(pool, base, "/v3/lease/revoke", {"ID": lid}, "revoke_revoked")
-        call(pool, base, "/v3/maintenance/status", {}, "status")
-        call(pool, base, "/v3/cluster/member/list", {}, "member_list")
+        rec.call("keepalive", "/v3/lease/keepalive", {"ID": lid})
+        rec.call("timetolive", "/v3/lease/timetolive", {"ID": lid, "keys": True})
+        rec.call("leases", "/v3/lease/leases", {})
+        rec.call("revoke", "/v3/lease/revoke", {"ID": lid})
+        rec.call("keepalive_revoked", "/v3/lease/keepalive", {"ID": lid})
+        rec.call("timetolive_revoked", "/v3/lease/timetolive", {"ID": lid})
+        rec.call("revoke_revoked", "/v3/lease/revoke", {"ID": lid})
+        rec.call("status", "/v3/maintenance/status", {})
+        rec.call("member_list", "/v3/cluster/member/list", {})
         for i in range(3):
-            call(pool, base, "/v3/kv/put", {"key": b64("/c"), "value": b64(str(i))}, f"put_c{i}")
-        rev = int(
-            call(pool, base, "/v3/kv/range", {"key": b64("/c")}, "range_c")["header"]["revision"]
-        )
-        call(pool, base, "/v3/kv/compaction", {"revision": str(rev - 1)}, "compaction")
-        call(pool, base, "/v3/kv/range", {"key": b64("/c"), "revision": "2"}, "range_compacted")
-        call(
-            pool,
-            base,
-            "/v3/kv/range",
-            {"key": b64("/c"), "revision": str(rev + 100)},
-            "range_future",
-        )
+            rec.call(f"put_c{i}", "/v3/kv/put", {"key": b64("/c"), "value": b64(str(i))})
+        rev = int(rec.call("range_c", "/v3/kv/range", {"key": b64("/c")})["header"]["revision"])
+        rec.call("compaction", "/v3/kv/compaction", {"revision": str(rev - 1)})
+        rec.call("range_compacted", "/v3/kv/range", {"key": b64("/c"), "revision": "2"})
+        rec.call("range_future", "/v3/kv/range", {"key": b64("/c"), "revision": str(rev + 100)})
 
         # watch streams
         def writes():
-            p2 = urllib3.PoolManager()
-            call(p2, base, "/v3/kv/put", {"key": b64("/w/a"), "value": b64("1")}, "w_put")
-            call(p2, base, "/v3/kv/deleterange", {"key": b64("/w/a")}, "w_del")
+            rec.call("w_put", "/v3/kv/put", {"key": b64("/w/a"), "value": b64("1")})
+            rec.call("w_del", "/v3/kv/deleterange", {"key": b64("/w/a")})
 
-        watch(
-            port,
+        rec.watch(
+            "watch_events",
             {
                 "create_request": {
                     "key": b64("/w/"),
@@ -247,113 +187,81 @@ def main() -> None:
                     "progress_notify": True,
                 }
             },
-            "watch_events",
             then=writes,
         )
-        watch(
-            port, {"create_request": {"key": b64("/c"), "start_revision": "2"}}, "watch_compacted"
+        rec.watch("watch_compacted", {"create_request": {"key": b64("/c"), "start_revision": "2"}})
+        rec.watch(
+            "watch_future", {"create_request": {"key": b64("/c"), "start_revision": str(rev + 100)}}
         )
-        watch(
-            port,
-            {"create_request": {"key": b64("/c"), "start_revision": str(rev + 100)}},
-            "watch_future",
-        )
-        watch(port, {"progress_request": {}}, "watch_progress_only")
-        watch(port, "garbage", "watch_bad_json")
+        rec.watch("watch_progress_only", {"progress_request": {}})
+        rec.watch("watch_bad_json", "garbage")
         # auth
-        call(pool, base, "/v3/auth/role/add", {"name": "root"}, "role_add")
-        call(pool, base, "/v3/auth/user/add", {"name": "root", "password": "secret"}, "user_add")
-        call(pool, base, "/v3/auth/user/grant", {"user": "root", "role": "root"}, "user_grant")
-        call(pool, base, "/v3/auth/role/add", {"name": "job"}, "role_add_job")
-        call(
-            pool,
-            base,
+        rec.call("role_add", "/v3/auth/role/add", {"name": "root"})
+        rec.call("user_add", "/v3/auth/user/add", {"name": "root", "password": "secret"})
+        rec.call("user_grant", "/v3/auth/user/grant", {"user": "root", "role": "root"})
+        rec.call("role_add_job", "/v3/auth/role/add", {"name": "job"})
+        rec.call(
+            "role_grant_job",
             "/v3/auth/role/grant",
             {
                 "name": "job",
                 "perm": {"permType": "READWRITE", "key": b64("/job/"), "range_end": b64("/job0")},
             },
-            "role_grant_job",
         )
-        call(pool, base, "/v3/auth/user/add", {"name": "alice", "password": "pw"}, "user_add_alice")
-        call(
-            pool, base, "/v3/auth/user/grant", {"user": "alice", "role": "job"}, "user_grant_alice"
+        rec.call("user_add_alice", "/v3/auth/user/add", {"name": "alice", "password": "pw"})
+        rec.call("user_grant_alice", "/v3/auth/user/grant", {"user": "alice", "role": "job"})
+        rec.call("auth_enable", "/v3/auth/enable", {})
+        rec.call(
+            "auth_wrong_password", "/v3/auth/authenticate", {"name": "root", "password": "wrong"}
         )
-        call(pool, base, "/v3/auth/enable", {}, "auth_enable")
-        call(
-            pool,
-            base,
-            "/v3/auth/authenticate",
-            {"name": "root", "password": "wrong"},
-            "auth_wrong_password",
-        )
-        call(
-            pool, base, "/v3/auth/authenticate", {"name": "nobody", "password": "x"}, "auth_no_user"
-        )
-        call(pool, base, "/v3/kv/range", {"key": b64("/k")}, "range_no_token")
-        call(
-            pool,
-            base,
+        rec.call("auth_no_user", "/v3/auth/authenticate", {"name": "nobody", "password": "x"})
+        rec.call("range_no_token", "/v3/kv/range", {"key": b64("/k")})
+        rec.call(
+            "range_bad_token",
             "/v3/kv/range",
             {"key": b64("/k")},
-            "range_bad_token",
             headers={"Authorization": "bogus"},
         )
-        call(
-            pool,
-            base,
+        rec.call(
+            "range_bearer_token",
             "/v3/kv/range",
             {"key": b64("/k")},
-            "range_bearer_token",
             headers={"Authorization": "Bearer bogus"},
         )
-        tok = call(
-            pool, base, "/v3/auth/authenticate", {"name": "alice", "password": "pw"}, "auth_alice"
-        )["token"]
+        tok = rec.call("auth_alice", "/v3/auth/authenticate", {"name": "alice", "password": "pw"})[
+            "token"
+        ]
         h = {"Authorization": tok}
-        call(
-            pool,
-            base,
-            "/v3/kv/put",
-            {"key": b64("/job/a"), "value": b64("1")},
-            "alice_put_allowed",
-            headers=h,
+        rec.call(
+            "alice_put_allowed", "/v3/kv/put", {"key": b64("/job/a"), "value": b64("1")}, headers=h
         )
-        call(
-            pool,
-            base,
-            "/v3/kv/put",
-            {"key": b64("/other"), "value": b64("1")},
-            "alice_put_denied",
-            headers=h,
+        rec.call(
+            "alice_put_denied", "/v3/kv/put", {"key": b64("/other"), "value": b64("1")}, headers=h
         )
-        call(pool, base, "/v3/kv/range", {"key": b64("/other")}, "alice_range_denied", headers=h)
-        call(pool, base, "/v3/lease/grant", {"TTL": 10}, "alice_lease_grant", headers=h)
-        call(pool, base, "/v3/maintenance/status", {}, "alice_status", headers=h)
-        call(
-            pool,
-            base,
+        rec.call("alice_range_denied", "/v3/kv/range", {"key": b64("/other")}, headers=h)
+        rec.call("alice_lease_grant", "/v3/lease/grant", {"TTL": 10}, headers=h)
+        rec.call("alice_status", "/v3/maintenance/status", {}, headers=h)
+        rec.call(
+            "alice_txn_denied",
             "/v3/kv/txn",
             {
                 "compare": [],
                 "success": [{"request_put": {"key": b64("/other"), "value": b64("x")}}],
             },
-            "alice_txn_denied",
             headers=h,
         )
-        watch(port, {"create_request": {"key": b64("/other")}}, "alice_watch_denied", headers=h)
-        watch(port, {"create_request": {"key": b64("/job/a")}}, "watch_no_token")
-        watch(
-            port,
-            {"create_request": {"key": b64("/job/a")}},
+        rec.watch("alice_watch_denied", {"create_request": {"key": b64("/other")}}, headers=h)
+        rec.watch("watch_no_token", {"create_request": {"key": b64("/job/a")}})
+        rec.watch(
             "watch_bad_token",
+            {"create_request": {"key": b64("/job/a")}},
             headers={"Authorization": "bogus"},
         )
-        call(pool, base, "/version", None, "version_auth", method="GET")
+        rec.call("version_auth", "/version", None, method="GET")
     with open(dest, "w") as fh:
-        json.dump({"etcd": srv.version, "answers": out}, fh, indent=1)
+        json.dump({"etcd": srv.version, "answers": rec.answers}, fh, indent=1)
         fh.write("\n")
-    print(dest, len(out))
+    print(dest, len(rec.answers))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous import api
+import etcd_rendezvous
+from etcd_rendezvous import api, registry
 from etcd_rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -107,8 +108,16 @@ def test_errors_derive_from_rendezvous_error(error: type[Exception]) -> None:
 
 
 def test_all_names_exist() -> None:
-    for name in api.__all__:
-        assert getattr(api, name) is not None
+    names = vars(api)
+    assert [name for name in api.__all__ if name not in names] == []
+    assert len(set(api.__all__)) == len(api.__all__)
+    # Every public class and function the module defines is exported.
+    defined = {
+        name
+        for name, value in names.items()
+        if not name.startswith("_") and getattr(value, "__module__", None) == api.__name__
+    }
+    assert defined - set(api.__all__) == set()
 
 
 @pytest.mark.torch
@@ -312,7 +321,11 @@ def test_registry_rejects_empty_backend() -> None:
 def test_registry_same_creator_twice_is_noop() -> None:
     registry = RendezvousHandlerRegistry()
     registry.register("dummy", create_fake)
-    registry.register("dummy", create_fake)
+    registry.register("dummy", create_fake)  # no error
+
+    handler = registry.create_handler(make_params("dummy"))
+    assert isinstance(handler, FakeHandler)
+    assert handler.get_backend() == "dummy"
 
 
 def test_registry_rejects_different_creator() -> None:
@@ -348,4 +361,13 @@ def test_registry_backend_mismatch() -> None:
 
 
 def test_global_registry_is_a_registry() -> None:
-    assert isinstance(api.rendezvous_handler_registry, RendezvousHandlerRegistry)
+    # One global registry: the package root and etcd_rendezvous.registry use api's.
+    assert etcd_rendezvous.rendezvous_handler_registry is api.rendezvous_handler_registry
+    assert registry.handler_registry is api.rendezvous_handler_registry
+    name = "test-global-registry"
+    api.rendezvous_handler_registry.register(name, create_fake)
+    try:
+        handler = registry.get_rendezvous_handler(make_params(name))
+    finally:
+        del api.rendezvous_handler_registry._registry[name]
+    assert handler.get_backend() == name

@@ -59,6 +59,7 @@ from etcd_rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     RendezvousTimeout,
 )
+from support.wait import wait_until
 
 from .test_dynamic_admission import Clock, MemoryRegistry
 
@@ -995,13 +996,6 @@ class Joiner:
 
     def done(self) -> bool:
         return not self._thread.is_alive()
-
-
-def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 @pytest.fixture

@@ -1,9 +1,9 @@
-"""Unit tests for tests/etcd_requests.py: how etcd's counters become reads, writes and
+"""Unit tests for tests/support/etcd_requests.py: how etcd's counters become reads, writes and
 keep-alives (the request-count test and the benchmarks rest on it)."""
 
 from __future__ import annotations
 
-from etcd_requests import changes, count_requests, samples
+from support.etcd_requests import changes, count_requests, samples
 
 
 def test_v2_watches_are_reads_and_ttl_refreshes_are_keepalives_not_writes() -> None:

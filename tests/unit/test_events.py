@@ -16,7 +16,7 @@ from etcd_rendezvous import events
 from etcd_rendezvous.api import RendezvousClosedError
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from etcd_rendezvous.events import NodeState, RdzvEvent
-from event_helpers import EventLog, torch_event_destination
+from support.events import EventLog, torch_event_destination
 from unit.test_dynamic_rendezvous import DictStore, MemoryBackend
 
 _NEEDS_TORCH = pytest.mark.skipif(

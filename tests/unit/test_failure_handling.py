@@ -1,8 +1,8 @@
 """How failures are classified and how deadlines are shared, without a server.
 
 The end-to-end behaviour (a real cluster losing its leader, real servers killed or
-suspended) is tested in ``tests/test_failover.py`` and ``tests/test_deadlines.py``;
-these cases pin down the rules those tests depend on.
+suspended) is tested in ``tests/integration/test_failover.py`` and
+``tests/integration/test_deadlines.py``; these cases pin down the rules those tests depend on.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The v3 transport against recorded gateway answers, replayed by a loopback HTTP server.
 
 The answers are what etcd 3.4/3.5/3.6 send (see ``shared/ETCD_V3.md`` and the real-server
-tests in ``tests/test_transport_v3.py``): the 3.6 error body without ``error``, fields
+tests in ``tests/integration/test_transport_v3.py``): the 3.6 error body without ``error``, fields
 left out when they hold their default (``succeeded``, ``kvs``, ``count``, ``TTL``, an
 event's ``type``), watch streams whose chunks hold several objects or part of one, and a
 watch refused for an expired auth token. Real HTTP goes over the socket (urllib3, chunked

@@ -1,0 +1,398 @@
+"""Batched admission and aggregated heartbeats of our ``etcd-v2`` nodes, against a real etcd.
+
+Nodes run as threads of the test process (each with its own handler, connection and
+backend), over whichever etcd API the session tests. What is checked is the protocol of
+:mod:`etcd_rendezvous._dynamic.admission`: one round, ranks in node order, min/max and
+last call, the wait and redundancy lists, a node that died between announcing and being
+admitted, and the heartbeat aggregator (a killed one is replaced and nobody is dropped).
+Worker processes with a real SIGKILL are in ``test_dynamic_etcd.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from base64 import b64decode
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from etcd_rendezvous._dynamic.admission import ADMISSION_GRACE
+from etcd_rendezvous.api import RendezvousGracefulExitError, RendezvousParameters
+from etcd_rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    NodeDesc,
+    RendezvousState,
+    decode_state,
+)
+from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.registry import get_rendezvous_handler
+from support.wait import wait_until
+
+pytestmark = pytest.mark.slow
+
+Handlers = Callable[..., list[DynamicRendezvousHandler]]
+
+
+@pytest.fixture
+def handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[Handlers]:
+    """Make handlers of one run (closed at teardown, which deletes their keys)."""
+    made: list[DynamicRendezvousHandler] = []
+
+    def make(count: int, min_nodes: int, max_nodes: int, **config: Any) -> list[Any]:
+        options: dict[str, Any] = {
+            "join_timeout": 60,
+            "last_call_timeout": 1,
+            "close_timeout": 10,
+            "keep_alive_interval": 1,
+            "keep_alive_max_attempt": 3,
+            "read_timeout": 10,
+            "torch_store": "false",
+        }
+        options.update(config)
+        params = RendezvousParameters(
+            "etcd-v2",
+            etcd_server.get_endpoint(),
+            run_id,
+            min_nodes,
+            max_nodes,
+            local_addr="127.0.0.1",
+            **options,
+        )
+        new = [get_rendezvous_handler(params) for _ in range(count)]
+        made.extend(new)
+        return new
+
+    yield make
+    for handler in made:
+        handler.close()
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(32) as executor:
+        yield executor
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def _join(pool: ThreadPoolExecutor, group: list[Any]) -> list[Future[Any]]:
+    return [pool.submit(handler.next_rendezvous) for handler in group]
+
+
+def _backend(handler: DynamicRendezvousHandler) -> EtcdRendezvousBackend:
+    backend = handler._state_holder._backend  # type: ignore[attr-defined]
+    assert isinstance(backend, EtcdRendezvousBackend)
+    return backend
+
+
+def _state(handler: DynamicRendezvousHandler) -> RendezvousState:
+    result = _backend(handler).get_state()
+    assert result is not None
+    return decode_state(result[0], "the test")
+
+
+def _check_ranks(group: list[DynamicRendezvousHandler], infos: list[Any]) -> None:
+    """One world: every rank once, in the order of the node descriptors."""
+    nodes = sorted(handler._this_node for handler in group)
+    assert [info.rank for info in infos] == [nodes.index(h._this_node) for h in group]
+    assert {info.world_size for info in infos} == {len(group)}
+    assert len({handler._state_holder.state.round for handler in group}) == 1
+
+
+def test_many_nodes_join_at_once_in_one_round(handlers: Handlers, pool: ThreadPoolExecutor):
+    group = handlers(16, 16, 16)
+    infos = [future.result(60) for future in _join(pool, group)]
+    _check_ranks(group, infos)
+    state = _state(group[0])
+    assert set(state.participants) == {h._this_node for h in group}
+    assert state.complete
+    assert not state.wait_list
+    assert not state.redundancy_list
+    # Every node announced itself: the keys of exactly these nodes.
+    listed = [entry.node for entry in _backend(group[0]).list_nodes()]
+    assert sorted(listed) == sorted(h._this_node for h in group)
+
+
+def test_min_nodes_complete_after_the_last_call(handlers: Handlers, pool: ThreadPoolExecutor):
+    group = handlers(3, 2, 5, last_call_timeout=2)
+    started = time.monotonic()
+    infos = [future.result(60) for future in _join(pool, group)]
+    _check_ranks(group, infos)
+    # Not complete before the last call (started when the second node was admitted).
+    assert time.monotonic() - started >= 1.5
+
+
+def test_max_nodes_complete_without_waiting_for_the_last_call(
+    handlers: Handlers, pool: ThreadPoolExecutor
+):
+    group = handlers(4, 2, 4, last_call_timeout=60)
+    started = time.monotonic()
+    infos = [future.result(60) for future in _join(pool, group)]
+    _check_ranks(group, infos)
+    assert time.monotonic() - started < 30
+
+
+def test_a_late_node_waits_for_the_next_round(handlers: Handlers, pool: ThreadPoolExecutor):
+    members = handlers(2, 2, 3)
+    first = [future.result(60) for future in _join(pool, members)]
+    _check_ranks(members, first)
+    (late,) = handlers(1, 2, 3)
+    joining = pool.submit(late.next_rendezvous)
+    wait_until(lambda: members[0].num_nodes_waiting() == 1, timeout=30, what="a waiting node")
+    assert _state(late).wait_list == {late._this_node}
+    # The members re-rendezvous, as their agents do when a node waits.
+    group = [*members, late]
+    second = [future.result(60) for future in [*_join(pool, members), joining]]
+    _check_ranks(group, second)
+    assert late._state_holder.state.round == members[0]._state_holder.state.round > 0
+
+
+def _state_writes(
+    handler: DynamicRendezvousHandler, after: int, until: int
+) -> list[RendezvousState]:
+    """Every version of the state written after etcd index ``after`` up to ``until``."""
+    backend = _backend(handler)
+    versions, index = [], after
+    while index < until:
+        change = backend.connection.watch(backend.key, index + 1, 5)
+        assert change is not None, "the state's history ended early"
+        index = change.modified_index
+        versions.append(decode_state(b64decode(change.value or ""), "the test"))
+    return versions
+
+
+def test_nodes_leaving_a_round_are_taken_out_in_batches(
+    handlers: Handlers, pool: ThreadPoolExecutor
+):
+    """A node joins a complete round of 12: the 12 leave it (PyTorch: one write each) and
+    all 13 join the next round, in a few state writes."""
+    members = handlers(12, 12, 13, keep_alive_interval=5)
+    _check_ranks(members, [future.result(60) for future in _join(pool, members)])
+    (late,) = handlers(1, 12, 13, keep_alive_interval=5)
+    joining = pool.submit(late.next_rendezvous)
+    wait_until(lambda: members[0].num_nodes_waiting() == 1, timeout=30, what="a waiting node")
+    before = _backend(late).connection.get(_backend(late).key).modified_index
+    group = [*members, late]
+    second = [future.result(60) for future in [*_join(pool, members), joining]]
+    _check_ranks(group, second)
+    after = _backend(late).connection.get(_backend(late).key).modified_index
+    versions = _state_writes(late, before, after)
+    assert versions[-1].round == 1
+    assert len(versions[-1].participants) == 13
+    # A few writes: 2-3 measured. With PyTorch's exits, one write per member and then
+    # the admissions: 17-20 measured.
+    removed = [len(a.participants) - len(b.participants) for a, b in itertools.pairwise(versions)]
+    assert len(versions) <= 6, (len(versions), removed)
+    # Every member's key says it left round 0; the late node's says nothing.
+    leaving = {e.node: e.leaving for e in _backend(late).list_nodes()}
+    assert leaving == {**{h._this_node: 0 for h in members}, late._this_node: None}
+
+
+def test_a_node_beyond_max_nodes_is_redundant_until_closed(
+    handlers: Handlers, pool: ThreadPoolExecutor
+):
+    members = handlers(2, 2, 2)
+    _check_ranks(members, [future.result(60) for future in _join(pool, members)])
+    (extra,) = handlers(1, 2, 2)
+    joining = pool.submit(extra.next_rendezvous)
+    wait_until(
+        lambda: _state(extra).redundancy_list == {extra._this_node},
+        timeout=30,
+        what="the extra node on the redundancy list",
+    )
+    assert members[0].num_nodes_waiting() == 0
+    members[0].set_closed()
+    with pytest.raises(RendezvousGracefulExitError):
+        joining.result(60)
+
+
+def test_a_node_that_died_after_announcing_blocks_nobody_for_long(
+    handlers: Handlers, pool: ThreadPoolExecutor
+):
+    group = handlers(4, 4, 4)
+    # A node that announced itself and died before its admission: the oldest key.
+    dead = NodeDesc("dead-host", 1, 0)
+    _backend(group[0]).announce_node(dead, 60)
+    started = time.monotonic()
+    infos = [future.result(60) for future in _join(pool, group)]
+    assert time.monotonic() - started < ADMISSION_GRACE + 15
+    _check_ranks(group, infos)
+    assert dead not in _state(group[0]).last_heartbeats
+
+
+def test_a_dead_admitter_is_replaced(handlers: Handlers, pool: ThreadPoolExecutor):
+    """The oldest node announces itself and stops (a node killed before it could admit
+    anyone): the next node admits everyone after the grace period."""
+    group = handlers(4, 3, 3, last_call_timeout=1)
+    stuck, others = group[0], group[1:]
+    _backend(stuck).announce_node(stuck._this_node, 60)
+    infos = [future.result(60) for future in _join(pool, others)]
+    _check_ranks(others, infos)
+    assert stuck._this_node not in _state(others[0]).participants
+
+
+def _aggregator(handler: DynamicRendezvousHandler) -> NodeDesc | None:
+    return _backend(handler).aggregator()
+
+
+def test_the_aggregator_keeps_everyone_alive_and_a_killed_one_is_replaced(
+    handlers: Handlers, pool: ThreadPoolExecutor
+):
+    group = handlers(4, 3, 4, keep_alive_interval=1, keep_alive_max_attempt=3)
+    infos = [future.result(60) for future in _join(pool, group)]
+    _check_ranks(group, infos)
+    wait_until(lambda: _aggregator(group[0]) is not None, timeout=10, what="an aggregator")
+    holder = _aggregator(group[0])
+    (victim,) = [h for h in group if h._this_node == holder]
+    survivors = [h for h in group if h is not victim]
+    # Killed: its heartbeats stop, its key and the lock stay until they expire.
+    victim._stop_heartbeats()
+    wait_until(
+        lambda: _aggregator(group[0]) not in (None, holder),
+        timeout=15,
+        what="another aggregator",
+    )
+    # The victim's key lapses (3 s), then its heartbeat in the state (3 s more); every
+    # version of the state until then still has the survivors.
+    backend = _backend(group[0])
+    deadline = time.monotonic() + 20
+    node = backend.connection.get(backend.key)
+    while victim._this_node in decode_state(b64decode(node.value or ""), "the test").participants:
+        state = decode_state(b64decode(node.value or ""), "the test")
+        assert all(h._this_node in state.participants for h in survivors), state.participants
+        assert time.monotonic() < deadline, "the killed node was never dropped"
+        change = backend.connection.watch(backend.key, node.modified_index + 1, 5)
+        node = change if change is not None else backend.connection.get(backend.key)
+    state = _state(group[0])
+    assert {h._this_node for h in survivors} <= set(state.last_heartbeats)
+    # Its fellows learn of it and rendezvous again without it.
+    regrouped = [future.result(60) for future in _join(pool, survivors)]
+    _check_ranks(survivors, regrouped)
+
+
+def test_steady_heartbeats_do_not_write_the_state_per_node(
+    handlers: Handlers, pool: ThreadPoolExecutor
+):
+    group = handlers(6, 6, 6, keep_alive_interval=1, keep_alive_max_attempt=3)
+    _check_ranks(group, [future.result(60) for future in _join(pool, group)])
+    wait_until(lambda: _aggregator(group[0]) is not None, timeout=10, what="an aggregator")
+    first = _backend(group[0]).connection.get(_backend(group[0]).key).modified_index
+    conn = _backend(group[0]).connection
+    writes = 0
+    index = first
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        change = conn.watch(_backend(group[0]).key, index + 1, deadline - time.monotonic())
+        if change is not None:
+            writes += 1
+            index = change.modified_index
+    # About one fold per interval (6 s), not one write per node and interval (36).
+    assert writes <= 12, writes
+    state = _state(group[0])
+    assert {h._this_node for h in group} == set(state.participants)
+
+
+# -- a mixed fleet ----------------------------------------------------------------------------
+
+
+def _torch_handlers(
+    etcd_server: EtcdServer, run_id: str, count: int, size: int, max_nodes: int | None = None
+) -> list[Any]:
+    """PyTorch 2.13's handlers (its etcd-v2 backend), on another address than ours so
+    that the node descriptors of the two generators in this process differ."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters as TorchParameters
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+
+    made = []
+    for _ in range(count):
+        params = TorchParameters(
+            "etcd-v2",
+            etcd_server.get_endpoint(),
+            run_id,
+            size,
+            max_nodes or size,
+            local_addr="127.0.0.2",
+            join_timeout=60,
+            last_call_timeout=1,
+            close_timeout=10,
+            keep_alive_interval=1,
+            keep_alive_max_attempt=3,
+            read_timeout=10,
+        )
+        backend, store = create_backend(params)
+        made.append(create_handler(store, backend, params))
+    return made
+
+
+@pytest.mark.torch
+@pytest.mark.v2_only(reason="PyTorch's etcd-v2 backend speaks only v2")
+def test_a_mixed_fleet_rendezvous_and_keeps_each_other_alive(
+    etcd_server: EtcdServer, run_id: str, handlers: Handlers, pool: ThreadPoolExecutor
+):
+    pytest.importorskip("torch.distributed.elastic.rendezvous.etcd_rendezvous_backend")
+    ours = handlers(4, 8, 8, keep_alive_interval=1, keep_alive_max_attempt=3)
+    theirs = _torch_handlers(etcd_server, run_id, 4, 8)
+    try:
+        group = [node for pair in zip(ours, theirs) for node in pair]
+        infos = [future.result(60) for future in _join(pool, group)]
+        nodes = [(h._this_node.addr, h._this_node.pid, h._this_node.local_id) for h in group]
+        assert [info.rank for info in infos] == [sorted(nodes).index(n) for n in nodes]
+        assert {info.world_size for info in infos} == {8}
+        rounds = {h._state_holder.state.round for h in group}
+        assert len(rounds) == 1
+        # Three times PyTorch's expiry (keep_alive_interval * keep_alive_max_attempt):
+        # our nodes' heartbeats come from our aggregator, PyTorch's from PyTorch's nodes,
+        # and neither side drops the other's nodes in any version of the state.
+        backend = _backend(ours[0])
+        node = backend.connection.get(backend.key)
+        deadline = time.monotonic() + 9
+        while time.monotonic() < deadline:
+            state = decode_state(b64decode(node.value or ""), "the test")
+            assert len(state.participants) == 8, state.participants
+            assert state.round in rounds
+            change = backend.connection.watch(
+                backend.key, node.modified_index + 1, deadline - time.monotonic()
+            )
+            node = change if change is not None else node
+        assert ours[0].num_nodes_waiting() == 0
+    finally:
+        for handler in theirs:
+            handler._stop_heartbeats()
+
+
+@pytest.mark.torch
+@pytest.mark.v2_only(reason="PyTorch's etcd-v2 backend speaks only v2")
+def test_a_mixed_fleet_leaves_a_round_together(
+    etcd_server: EtcdServer, run_id: str, handlers: Handlers, pool: ThreadPoolExecutor
+):
+    """Our nodes leave a round in batches, PyTorch's by themselves: a late node makes a
+    mixed round of 8 rendezvous again, and all 9 form the next round."""
+    pytest.importorskip("torch.distributed.elastic.rendezvous.etcd_rendezvous_backend")
+    ours = handlers(4, 8, 9, keep_alive_interval=1, keep_alive_max_attempt=3)
+    theirs = _torch_handlers(etcd_server, run_id, 4, 8, 9)
+    try:
+        members = [node for pair in zip(ours, theirs) for node in pair]
+        assert {f.result(60).world_size for f in _join(pool, members)} == {8}
+        (late,) = handlers(1, 8, 9, keep_alive_interval=1, keep_alive_max_attempt=3)
+        joining = pool.submit(late.next_rendezvous)
+        wait_until(lambda: ours[0].num_nodes_waiting() == 1, timeout=30, what="a waiting node")
+        group = [*members, late]
+        infos = [future.result(60) for future in [*_join(pool, members), joining]]
+        nodes = [(h._this_node.addr, h._this_node.pid, h._this_node.local_id) for h in group]
+        assert [info.rank for info in infos] == [sorted(nodes).index(n) for n in nodes]
+        assert {info.world_size for info in infos} == {9}
+        assert len({h._state_holder.state.round for h in group}) == 1
+        # Our members asked to leave through their keys; PyTorch's left by themselves.
+        leaving = {e.node: e.leaving for e in _backend(late).list_nodes()}
+        assert leaving == {**{h._this_node: 0 for h in ours}, late._this_node: None}
+    finally:
+        for handler in theirs:
+            handler._stop_heartbeats()

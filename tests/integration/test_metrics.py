@@ -1,0 +1,137 @@
+"""The metrics hook (:mod:`etcd_rendezvous.metrics`): transport counters during injected
+failures (an endpoint going down, a lost answer) and rendezvous metrics of real rounds,
+on the API under test (the hook itself, without etcd: ``tests/unit/test_metrics.py``)."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous.api import RendezvousParameters
+from etcd_rendezvous.dynamic_rendezvous import create_handler
+from etcd_rendezvous.etcd_rendezvous_backend import create_backend
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.metrics import (
+    Metric,
+    MetricsCollector,
+    add_metrics_handler,
+    remove_metrics_handler,
+)
+from support.faultproxy import FaultProxy
+
+
+def test_the_hook_sees_retries_and_a_failover(
+    etcd_server: EtcdServer, etcd_prefix: str, fault_proxy_factory: Callable[..., FaultProxy]
+) -> None:
+    host, port = etcd_server.get_host(), etcd_server.get_port()
+    first, second = fault_proxy_factory(host, port), fault_proxy_factory(host, port)
+    conn = open_transport([first.endpoint, second.endpoint], read_timeout=2, connect_timeout=1)
+    try:
+        conn.set(f"{etcd_prefix}/before", "1")
+        first.refuse()  # the endpoint in use goes down
+        with MetricsCollector() as collected:
+            conn.set(f"{etcd_prefix}/during", "2")
+        assert conn.get(f"{etcd_prefix}/during").value == "2"
+    finally:
+        conn.close()
+    assert collected.counter("transport.failovers", api=conn.api) == 1
+    # Refused ("unsent"), or, when the write went out on a kept-alive connection that the
+    # proxy then closed, of unknown outcome: a retry either way.
+    assert collected.counter("transport.retries", op="write") >= 1
+    # The refused attempt and the one that went through.
+    assert collected.counter("transport.requests", op="write", api=conn.api) >= 2
+    count, total, longest = collected.timings("transport.request_seconds", op="write")
+    assert count == 1
+    assert 0 < longest == total
+
+
+def test_a_handler_may_use_the_connection_that_records_the_metric(
+    etcd_server: EtcdServer, etcd_prefix: str, fault_proxy_factory: Callable[..., FaultProxy]
+) -> None:
+    """Metrics are recorded outside the connection's locks: a handler that sends a
+    request on the same connection while a failover is recorded does not deadlock."""
+    host, port = etcd_server.get_host(), etcd_server.get_port()
+    first, second = fault_proxy_factory(host, port), fault_proxy_factory(host, port)
+    conn = open_transport([first.endpoint, second.endpoint], read_timeout=5, connect_timeout=1)
+    read_inside: list[str | None] = []
+
+    def reads_on_failover(metric: Metric) -> None:
+        if metric.name == "transport.failovers" and not read_inside:
+            read_inside.append(conn.get(f"{etcd_prefix}/before").value)
+
+    written: list[str | None] = []
+    writer = threading.Thread(
+        target=lambda: written.append(conn.set(f"{etcd_prefix}/during", "2").value),
+        daemon=True,  # a deadlocked one must not hold up the test run
+    )
+    try:
+        conn.set(f"{etcd_prefix}/before", "1")
+        first.refuse()
+        add_metrics_handler(reads_on_failover)
+        try:
+            writer.start()
+            writer.join(timeout=30)
+        finally:
+            remove_metrics_handler(reads_on_failover)
+    finally:
+        if not writer.is_alive():  # a deadlocked connection cannot be closed
+            conn.close()
+    assert not writer.is_alive(), "the write deadlocked in its metrics handler"
+    assert written == ["2"]
+    assert read_inside == ["1"]
+
+
+def test_the_hook_sees_a_lost_answer_resolved(etcd_proxy: FaultProxy, etcd_prefix: str) -> None:
+    conn = open_transport([etcd_proxy.endpoint], read_timeout=2, connect_timeout=1)
+    key = f"{etcd_prefix}/lost"
+    try:
+        prev = conn.set(key, "v0")
+        # etcd applies the swap, the answer is lost; the re-sent copy finds it applied.
+        etcd_proxy.drop_responses(count=1, close_client=True)
+        with MetricsCollector() as collected:
+            node = conn.compare_and_swap(key, "ours", prev)
+        assert node.value == "ours"
+    finally:
+        conn.close()
+    assert collected.counter("transport.retries", op="compare_and_swap", outcome="unknown") == 1
+    assert collected.counter("transport.outcome_unknown", op="compare_and_swap") == 1
+    assert collected.counter("transport.outcome_resolved", result="applied") == 1
+    assert collected.counter("transport.outcome_resolved", result="not_applied") == 0
+
+
+def test_rendezvous_metrics_of_a_round(etcd_server: EtcdServer) -> None:
+    run_id = f"metrics-{uuid.uuid4().hex[:8]}"
+    params = RendezvousParameters(
+        backend="etcd-v2",
+        endpoint=etcd_server.get_endpoint(),
+        run_id=run_id,
+        min_nodes=2,
+        max_nodes=2,
+        local_addr="127.0.0.1",
+        join_timeout=60,
+        last_call_timeout=1,
+        torch_store="false",
+    )
+    handlers = []
+    for _ in range(2):
+        backend, store = create_backend(params)
+        handlers.append(create_handler(store, backend, params))
+    with MetricsCollector() as collected, ThreadPoolExecutor(max_workers=2) as pool:
+        infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
+    try:
+        assert sorted(info.rank for info in infos) == [0, 1]
+        assert collected.counter("rendezvous.rounds", backend="etcd-v2") == 2
+        # Each node saw two nodes admitted (itself and the other), none removed.
+        assert collected.counter("rendezvous.nodes_admitted", backend="etcd-v2") == 4
+        assert collected.counter("rendezvous.nodes_removed", backend="etcd-v2") == 0
+        assert collected.gauge("rendezvous.world_size", backend="etcd-v2") == 2
+        count, _, longest = collected.timings("rendezvous.time_to_form", backend="etcd-v2")
+        assert count == 2
+        assert 0 < longest < 60
+        assert collected.counter("transport.requests") > 0
+    finally:
+        for handler in handlers:
+            handler.shutdown()

@@ -1,0 +1,198 @@
+"""Request counts at scale (issue 9): one rendezvous of 64 nodes, counted from etcd's ``/metrics``.
+
+Each backend must complete a 64-node rendezvous with at most 4 etcd writes and 8 reads
+per node (totals divided by 64; keep-alive refreshes excluded, see
+``tests/support/etcd_requests.py`` for how requests are classified), on whichever etcd API the
+test pass uses (``ETCD_RENDEZVOUS_ETCD_API``). The nodes are threads of this process,
+each with its own handler and connection, created before the count starts; they call
+``next_rendezvous()`` together. The test counts requests, not seconds
+(``benchmarks/bench_scale.py`` measures both).
+
+The etcd is the test's own (``private_etcd_server``), so no other test's traffic lands
+in the count.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from etcd_rendezvous.api import RendezvousInfo, RendezvousParameters
+from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.pytest_plugin import etcd_api_under_test
+from etcd_rendezvous.registry import get_rendezvous_handler
+from support.etcd_requests import read_metrics, requests_since
+
+NODES = 64
+MAX_WRITES_PER_NODE = 4
+MAX_READS_PER_NODE = 8
+#: Seconds a node may take to rendezvous (its handler's own timeout).
+RENDEZVOUS_TIMEOUT = 120
+
+#: Options by backend, as in benchmarks/bench_scale.py: the rendezvous completes when
+#: the last node arrives (min = max nodes); etcd-v2 heartbeats fall after the count.
+_OPTIONS = {
+    "etcd": {"timeout": str(RENDEZVOUS_TIMEOUT), "last_call_timeout": "1"},
+    "etcd-v2": {
+        "join_timeout": str(RENDEZVOUS_TIMEOUT),
+        "last_call_timeout": "1",
+        "keep_alive_interval": "30",
+    },
+}
+
+Handler = EtcdRendezvousHandler | DynamicRendezvousHandler
+
+
+def _make_handler(params: RendezvousParameters) -> Handler:
+    """The registry's handler for ``params`` (one of ours, which can be closed)."""
+    handler = get_rendezvous_handler(params)
+    if not isinstance(handler, (EtcdRendezvousHandler, DynamicRendezvousHandler)):
+        raise TypeError(f"backend {params.backend!r} made a {type(handler).__name__}")
+    return handler
+
+
+@pytest.fixture
+def handlers(
+    request: pytest.FixtureRequest,
+    private_etcd_server: EtcdServer,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[list[Handler]]:
+    """``NODES`` handlers of the backend the test is parametrized with (a name, or a name
+    and the size of the world, ``NODES`` unless said, and options to change), on one run
+    id; closed afterwards (which does not close the rendezvous)."""
+    # Rank 0 publishes its address through etcd and starts no TCPStore.
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    param: tuple[Any, ...] = (request.param,) if isinstance(request.param, str) else request.param
+    backend: str = param[0]
+    world: int = param[1] if len(param) > 1 else NODES
+    changes: dict[str, str] = param[2] if len(param) > 2 else {}
+    made: list[Handler] = []
+    try:
+        for _ in range(NODES):
+            params = RendezvousParameters(
+                backend=backend,
+                endpoint=private_etcd_server.get_endpoint(),
+                run_id=run_id,
+                min_nodes=world,
+                max_nodes=world,
+                local_addr="127.0.0.1",
+                etcd_api=etcd_api_under_test(),
+                torch_store="false",
+                **{**_OPTIONS[backend], **changes},
+            )
+            made.append(_make_handler(params))
+        yield made
+    finally:
+        for handler in made:
+            handler.close()
+
+
+def _rendezvous_together(handlers: list[Handler]) -> list[RendezvousInfo]:
+    """Every handler calls ``next_rendezvous()`` in a thread of its own, all at once."""
+    start = threading.Barrier(len(handlers))
+
+    def join(handler: Handler) -> RendezvousInfo:
+        start.wait()
+        return handler.next_rendezvous()
+
+    with ThreadPoolExecutor(len(handlers), thread_name_prefix="node") as pool:
+        futures = [pool.submit(join, handler) for handler in handlers]
+        # Each node gives up by its own timeout; the margin covers the store exchange.
+        return [future.result(timeout=RENDEZVOUS_TIMEOUT + 30) for future in futures]
+
+
+@pytest.mark.parametrize("handlers", ["etcd", "etcd-v2"], indirect=True)
+def test_rendezvous_of_64_nodes_costs_at_most_4_writes_and_8_reads_per_node(
+    handlers: list[Handler], private_etcd_server: EtcdServer
+) -> None:
+    before = read_metrics(private_etcd_server.client_url)
+    infos = _rendezvous_together(handlers)
+    requests = requests_since(private_etcd_server.client_url, before)
+
+    assert sorted(info.rank for info in infos) == list(range(NODES))
+    assert {info.world_size for info in infos} == {NODES}
+    writes, reads = requests.writes / NODES, requests.reads / NODES
+    counted = (
+        f"{writes:.1f} writes/node (at most {MAX_WRITES_PER_NODE}), {reads:.1f} reads/node "
+        f"(at most {MAX_READS_PER_NODE}); by method, per node: {requests.describe(NODES)}"
+    )
+    assert not requests.other, f"requests of no known class: {requests.other}; {counted}"
+    assert writes <= MAX_WRITES_PER_NODE, counted
+    assert reads <= MAX_READS_PER_NODE, counted
+
+
+#: A re-rendezvous costs more than a first one: the replacement waits (legacy: on the
+#: final version; etcd-v2: on the redundancy list), every member polls
+#: num_nodes_waiting() and then leaves its round, and the next round forms. Measured at
+#: 64 and 256 nodes (benchmarks/bench_scale.py --rerendezvous): legacy about 3 writes
+#: and 12 reads per node; etcd-v2 about 1 write and 8 reads (16 and 23 before its nodes
+#: left a round in batches).
+MAX_RE_WRITES_PER_NODE = 6
+MAX_RE_READS_PER_NODE = 16
+#: Seconds between two polls of num_nodes_waiting(), as torchrun's agent does.
+MONITOR_INTERVAL = 0.1
+
+
+def _agent(handler: Handler) -> RendezvousInfo:
+    """torchrun's agent while its workers are healthy: poll, re-rendezvous when a node
+    waits."""
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT
+    while handler.num_nodes_waiting() == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("no node was seen waiting")
+        time.sleep(MONITOR_INTERVAL)
+    return handler.next_rendezvous()
+
+
+#: etcd-v2 in a re-rendezvous: the dead node's heartbeats lapse after 3 intervals of 2 s
+#: (as in benchmarks/bench_scale.py), during which the heartbeats are counted.
+_QUICK_HEARTBEATS = {"keep_alive_interval": "2"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "handlers",
+    [("etcd", NODES - 1), ("etcd-v2", NODES - 1, _QUICK_HEARTBEATS)],
+    indirect=True,
+    ids=["etcd", "etcd-v2"],
+)
+def test_replacing_a_node_of_64_costs_a_constant_number_of_requests_per_node(
+    handlers: list[Handler], private_etcd_server: EtcdServer
+) -> None:
+    """One node of a complete rendezvous of 63 dies (its keep-alive stops) and a new one
+    arrives: the members notice the waiting node, re-rendezvous, wait for the dead node
+    to be dropped (legacy: its keep-alive key lapses; etcd-v2: its heartbeats) and form
+    the next round with the newcomer. Legacy: each waiting worker is counted through its
+    wait key, and waits on one stream; etcd-v2: the members leave the round in batches."""
+    *members, newcomer = handlers
+    first = _rendezvous_together(members)
+    assert sorted(info.rank for info in first) == list(range(NODES - 1))
+    members[-1].close()  # as if its process had died
+    stays = members[:-1]
+
+    before = read_metrics(private_etcd_server.client_url)
+    with ThreadPoolExecutor(NODES, thread_name_prefix="node") as pool:
+        futures = [pool.submit(_agent, handler) for handler in stays]
+        futures.append(pool.submit(newcomer.next_rendezvous))
+        infos = [future.result(timeout=RENDEZVOUS_TIMEOUT + 30) for future in futures]
+    requests = requests_since(private_etcd_server.client_url, before)
+
+    assert sorted(info.rank for info in infos) == list(range(NODES - 1))
+    assert {info.world_size for info in infos} == {NODES - 1}
+    writes, reads = requests.writes / NODES, requests.reads / NODES
+    counted = (
+        f"{writes:.1f} writes/node (at most {MAX_RE_WRITES_PER_NODE}), {reads:.1f} "
+        f"reads/node (at most {MAX_RE_READS_PER_NODE}); by method, per node: "
+        f"{requests.describe(NODES)}"
+    )
+    assert not requests.other, f"requests of no known class: {requests.other}; {counted}"
+    assert writes <= MAX_RE_WRITES_PER_NODE, counted
+    assert reads <= MAX_RE_READS_PER_NODE, counted

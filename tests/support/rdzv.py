@@ -1,0 +1,119 @@
+"""Rendezvous worker processes (``scripts/rdzv_worker.py``) driven by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from support import RDZV_WORKER
+
+WORKER = str(RDZV_WORKER)
+
+
+class Worker:
+    """One ``rdzv_worker.py`` process; send commands, wait for JSON events."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        run_id: str,
+        min_nodes: int,
+        max_nodes: int,
+        *,
+        impl: str = "ours",
+        last_call: int = 30,
+        timeout: int = 60,
+        prefix: str = "/torchelastic/p2p",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        cmd = [
+            sys.executable,
+            WORKER,
+            f"--impl={impl}",
+            f"--endpoint={endpoint}",
+            f"--run-id={run_id}",
+            f"--min={min_nodes}",
+            f"--max={max_nodes}",
+            f"--last-call={last_call}",
+            f"--timeout={timeout}",
+            f"--prefix={prefix}",
+            *extra_args,
+        ]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.impl = impl
+        self._events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._stderr: list[str] = []
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._events.put(json.loads(line))
+        self._events.put({"event": "eof"})
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._stderr[-60:])
+
+    def send(self, command: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def next_event(self, timeout: float = 60.0) -> dict[str, Any]:
+        try:
+            event = self._events.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(
+                f"worker {self.proc.pid} sent nothing within {timeout} s; stderr:\n{self.stderr}"
+            ) from None
+        if event["event"] == "eof":
+            raise AssertionError(f"worker {self.proc.pid} exited; stderr:\n{self.stderr}")
+        return event
+
+    def request(self, command: str, timeout: float = 60.0) -> dict[str, Any]:
+        self.send(command)
+        return self.next_event(timeout)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        event = self.next_event(timeout)
+        assert event["event"] == "ready", (event, self.stderr)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send("exit")
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.kill()
+
+
+def expect_joined(event: dict[str, Any], worker: Worker) -> dict[str, Any]:
+    assert event["event"] == "joined", (event, worker.stderr)
+    return event
