@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
 import tempfile
 import threading
 import time
@@ -35,56 +34,24 @@ from types import TracebackType
 import urllib3
 
 from ._process.etcd import (
-    ADDRESS_IN_USE,
     HOST,
     NotReadyError,
-    ProbeTimeoutError,
-    ProcessExitedError,
-    continue_process,
     free_ports,
     has_v2_api,
-    last_lines,
-    member_status,
-    probe_member,
-    read_log_from,
     removed_flag_problem,
-    stop_process,
-    terminate,
-    unknown_flag_problem,
     v2_flags,
-    wait_ready,
 )
+from ._process.member import DATA_NAME, Errors, Leftovers, Member, clean_up, discard
 from .etcd_server import EtcdServerError, EtcdServerTimeoutError, find_etcd_binary
 
 __all__ = ["EtcdCluster", "EtcdClusterMember"]
 
 logger = logging.getLogger(__name__)
 
-_LOG_NAME = "etcd.log"
-_DATA_NAME = "data"
-_LOG_TAIL_LINES = 40
-_LOG_SNAPSHOT_BYTES = 1 << 20
+_ERRORS = Errors(failure=EtcdServerError, timeout=EtcdServerTimeoutError)
 # etcd's defaults are 100 ms and 1 s; shorter makes a lost leader replaced in about a
 # second. Five heartbeats per election timeout is the ratio etcd recommends.
 _TIMING_ARGS = ("--heartbeat-interval=50", "--election-timeout=500")
-
-
-class _ClusterState:
-    """What the interpreter-exit safety net needs; holds no reference to the cluster."""
-
-    def __init__(self) -> None:
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        self.base_dir: str | None = None
-
-
-def _cleanup(state: _ClusterState) -> None:
-    """Safety net run by ``weakref.finalize`` for a cluster that was never stopped."""
-    for proc in state.procs.values():
-        terminate(proc, grace=2.0)
-    state.procs.clear()
-    if state.base_dir is not None:
-        shutil.rmtree(state.base_dir, ignore_errors=True)
-    state.base_dir = None
 
 
 class EtcdClusterMember:
@@ -95,33 +62,10 @@ class EtcdClusterMember:
     expect it.
     """
 
-    def __init__(
-        self,
-        state: _ClusterState,
-        index: int,
-        name: str,
-        member_dir: str,
-        client_port: int,
-        peer_port: int,
-        command: Sequence[str],
-        enable_v2: bool,
-    ) -> None:
-        self._state = state
+    def __init__(self, member: Member, index: int, peer_port: int) -> None:
+        self._member = member
         self._index = index
-        self._name = name
-        self._member_dir = member_dir
-        self._port = client_port
         self._peer_port = peer_port
-        self._command = list(command)
-        self._enable_v2 = enable_v2
-        self._lock = threading.RLock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log_offset = 0
-        self._suspended = False
-        self._version: str | None = None
-        self._log_snapshot: str | None = None
-        # Set once the cluster has stopped or replaced this member.
-        self._retired = False
 
     # -- where it is -----------------------------------------------------------------
 
@@ -133,7 +77,7 @@ class EtcdClusterMember:
     @property
     def name(self) -> str:
         """etcd's ``--name`` of this member (unique to this cluster)."""
-        return self._name
+        return self._member.name
 
     @property
     def host(self) -> str:
@@ -143,7 +87,7 @@ class EtcdClusterMember:
     @property
     def port(self) -> int:
         """The member's client port."""
-        return self._port
+        return self._member.port
 
     @property
     def peer_port(self) -> int:
@@ -153,35 +97,34 @@ class EtcdClusterMember:
     @property
     def endpoint(self) -> str:
         """The client endpoint as ``"127.0.0.1:PORT"``."""
-        return f"{HOST}:{self._port}"
+        return f"{HOST}:{self.port}"
 
     @property
     def client_url(self) -> str:
         """The client URL, e.g. ``"http://127.0.0.1:PORT"``."""
-        return f"http://{self.endpoint}"
+        return self._member.client_url
 
     @property
     def version(self) -> str | None:
         """etcd's version from ``GET /version``, once the member has answered."""
-        return self._version
+        return self._member.version
 
     @property
     def data_dir(self) -> str:
         """The member's ``--data-dir`` (removed by :meth:`EtcdCluster.stop`)."""
-        return os.path.join(self._member_dir, _DATA_NAME)
+        return self._member.data_dir
 
     @property
     def log_path(self) -> str:
         """The file capturing the member's output (removed by :meth:`EtcdCluster.stop`)."""
-        return os.path.join(self._member_dir, _LOG_NAME)
+        return self._member.log_path
 
     def read_log(self, tail: int | None = None) -> str:
         """Return the member's output so far (its last ``tail`` lines if given).
 
         After :meth:`EtcdCluster.stop` this is what the log held when it was removed.
         """
-        text = read_log_from(self.log_path) or self._log_snapshot or ""
-        return text if tail is None else last_lines(text, tail)
+        return self._member.read_log(tail)
 
     # -- process state ---------------------------------------------------------------
 
@@ -192,60 +135,42 @@ class EtcdClusterMember:
         Raises:
             EtcdServerError: if the member was never started.
         """
-        proc = self._proc
-        if proc is None:
-            raise EtcdServerError(f"etcd member {self._name} has not been started")
-        return proc.pid
+        return self._member.pid
 
     @property
     def running(self) -> bool:
         """Whether the member's process is alive (a suspended process counts as alive)."""
-        proc = self._proc
-        return proc is not None and proc.poll() is None
+        return self._member.running
 
     @property
     def suspended(self) -> bool:
         """Whether :meth:`suspend` was called without a matching :meth:`resume`."""
-        return self._suspended
+        return self._member.suspended
 
     def kill(self) -> None:
         """SIGKILL the member, keeping its data, to simulate a crash.
 
         :meth:`restart` brings it back on the same ports with the same data.
         """
-        with self._lock:
-            proc = self._require_proc()
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            self._suspended = False
+        self._member.kill()
 
     def suspend(self) -> None:
         """SIGSTOP the member: it keeps its ports but stops answering, like a hung host.
 
         Returns once the process is stopped (not merely signalled).
         """
-        with self._lock:
-            proc = self._require_alive()
-            stop_process(proc.pid)
-            self._suspended = True
+        self._member.suspend()
 
     def resume(self) -> None:
         """SIGCONT the member after :meth:`suspend`."""
-        with self._lock:
-            proc = self._require_alive()
-            continue_process(proc.pid)
-            self._suspended = False
+        self._member.resume()
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop the member gracefully (SIGTERM, SIGKILL after ``grace`` s), keeping its data.
 
         A no-op if it is not running; :meth:`restart` brings it back.
         """
-        with self._lock:
-            if self._proc is not None:
-                terminate(self._proc, grace)
-            self._suspended = False
+        self._member.stop(grace)
 
     def restart(self, timeout: float = 60, num_retries: int = 10, wait: bool = True) -> None:
         """Stop the member if it runs, start it again with the same data and ports.
@@ -266,118 +191,17 @@ class EtcdClusterMember:
             EtcdServerTimeoutError: if the member is not ready within ``timeout``; the
                 process is left running (:meth:`EtcdCluster.stop` stops it).
         """
-        with self._lock:
-            if self._retired or self._state.base_dir is None:
-                raise EtcdServerError(
-                    f"etcd member {self._name} belongs to a stopped cluster; start the "
-                    "cluster again and use its new members"
-                )
-            self.stop()
-            if not wait:
-                self._launch(attempt=1)
-                return
-            deadline = time.monotonic() + timeout
-            attempts = max(1, num_retries)
-            for attempt in range(1, attempts + 1):
-                self._launch(attempt)
-                if self._await_ready(deadline):
-                    return
-                # Whoever holds our port may let go: wait a little, on a deadline.
-                time.sleep(min(0.05 * attempt, max(0.0, deadline - time.monotonic())))
+        # The cluster retires its members when it stops or replaces them.
+        if not self._member.started:
             raise EtcdServerError(
-                f"etcd member {self._name} could not bind its ports {self._port} and "
-                f"{self._peer_port} again in {attempts} attempts"
+                f"etcd member {self.name} belongs to a stopped cluster; start the "
+                "cluster again and use its new members"
             )
+        self._member.restart(timeout, num_retries, wait)
 
     def __repr__(self) -> str:
-        state = "suspended" if self._suspended else "running" if self.running else "not running"
-        return f"<EtcdClusterMember {self._name} {self.client_url} {state}>"
-
-    # -- internals (driven by EtcdCluster) -------------------------------------------
-
-    def _require_proc(self) -> subprocess.Popen[bytes]:
-        proc = self._proc
-        if proc is None:
-            raise EtcdServerError(f"etcd member {self._name} has not been started")
-        return proc
-
-    def _require_alive(self) -> subprocess.Popen[bytes]:
-        proc = self._require_proc()
-        if proc.poll() is not None:
-            raise EtcdServerError(
-                f"etcd member {self._name} (pid {proc.pid}) has exited with code {proc.returncode}"
-            )
-        return proc
-
-    def _launch(self, attempt: int) -> None:
-        """Start the process, appending its output to the log; does not wait."""
-        os.makedirs(self._member_dir, exist_ok=True)
-        logger.debug("starting etcd member %s (attempt %d): %s", self._name, attempt, self._command)
-        with open(self.log_path, "ab") as log:
-            header = f"=== etcd-rendezvous: attempt {attempt}: {' '.join(self._command)}\n"
-            log.write(header.encode())
-            log.flush()
-            self._log_offset = log.tell()
-            self._proc = subprocess.Popen(
-                self._command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                close_fds=True,
-            )
-        self._state.procs[self._index] = self._proc
-        self._suspended = False
-
-    def _await_ready(self, deadline: float) -> bool:
-        """Wait until the member is ready.
-
-        Returns ``False`` if it exited because one of its ports was taken (the caller
-        may try again), ``True`` once it serves; raises on any other failure.
-        """
-        proc = self._require_proc()
-        pool = urllib3.PoolManager(retries=False)
-        try:
-            self._version = wait_ready(
-                proc,
-                deadline,
-                lambda timeout: probe_member(
-                    pool, self.client_url, self._name, timeout, self._enable_v2
-                ),
-            )
-        except ProcessExitedError:
-            output = read_log_from(self.log_path, self._log_offset)
-            if ADDRESS_IN_USE.search(output):
-                logger.info("etcd member %s could not bind its ports; trying again", self._name)
-                return False
-            refused = unknown_flag_problem(self._command[0], output)
-            if refused:
-                raise EtcdServerError(f"{refused}; command: {self._command}") from None
-            raise EtcdServerError(
-                f"etcd member {self._name} exited with code {proc.returncode} during start-up "
-                f"(command: {self._command}). Last lines of {self.log_path}:\n"
-                f"{last_lines(output, _LOG_TAIL_LINES)}"
-            ) from None
-        except ProbeTimeoutError as exc:
-            raise EtcdServerTimeoutError(
-                f"etcd member {self._name} at {self.client_url} was not ready in time ({exc}). "
-                f"Last lines of {self.log_path}:\n{self.read_log(_LOG_TAIL_LINES)}"
-            ) from None
-        finally:
-            pool.clear()
-        return True
-
-    def _status(self, pool: urllib3.PoolManager, timeout: float) -> tuple[str, str | None, int]:
-        """``(member id, leader id or None, raft term)`` from the member's status."""
-        return member_status(pool, self.client_url, urllib3.Timeout(timeout))
-
-    def _forget(self) -> None:
-        """Keep the log's text in memory; the cluster is about to remove the files."""
-        log = read_log_from(self.log_path)
-        if log:
-            self._log_snapshot = log[-_LOG_SNAPSHOT_BYTES:]
-        self._proc = None
-        self._suspended = False
-        self._retired = True
+        state = "suspended" if self.suspended else "running" if self.running else "not running"
+        return f"<EtcdClusterMember {self.name} {self.client_url} {state}>"
 
 
 class EtcdCluster:
@@ -425,8 +249,8 @@ class EtcdCluster:
         self._extra_args = list(extra_args)
         self._name = f"etcd-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
-        self._state = _ClusterState()
-        self._finalizer = weakref.finalize(self, _cleanup, self._state)
+        self._leftovers = Leftovers()
+        self._finalizer = weakref.finalize(self, clean_up, self._leftovers)
         self._members: list[EtcdClusterMember] = []
 
     # -- what it is ------------------------------------------------------------------
@@ -477,7 +301,7 @@ class EtcdCluster:
     @property
     def base_dir(self) -> str | None:
         """The directory holding every member's data and log; removed by :meth:`stop`."""
-        return self._state.base_dir
+        return self._leftovers.base_dir
 
     def read_logs(self, tail: int | None = None) -> str:
         """Every member's output (its last ``tail`` lines each), under a heading per member."""
@@ -508,14 +332,13 @@ class EtcdCluster:
                 (``enable_v2`` on etcd 3.6 or later; the message names the flag).
         """
         with self._lock:
-            if self._state.base_dir is not None:
+            if self._leftovers.base_dir is not None:
                 return self
-            problem = removed_flag_problem(
-                self._binary, [*v2_flags(self._enable_v2), *self._extra_args]
-            )
+            flags = [*v2_flags(self._enable_v2), *self._extra_args]
+            problem = removed_flag_problem(self._binary, flags)
             if problem:
                 raise EtcdServerError(problem)
-            self._state.base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-cluster-")
+            self._leftovers.base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-cluster-")
             started = time.monotonic()
             try:
                 self._launch_with_retries(started + timeout, max(1, num_retries))
@@ -580,7 +403,7 @@ class EtcdCluster:
                 if not member.running or member.suspended:
                     continue
                 try:
-                    member_id, leader_id, term = member._status(pool, request_timeout)
+                    member_id, leader_id, term = member._member.status(pool, request_timeout)
                 except NotReadyError:
                     continue
                 answers.append((member, leader_id == member_id, term))
@@ -644,7 +467,7 @@ class EtcdCluster:
         Returns ``False`` if a member could not bind a port (all members are stopped
         and their data removed, so the caller may try again), ``True`` once all serve.
         """
-        base = self._state.base_dir
+        base = self._leftovers.base_dir
         if base is None:
             raise EtcdServerError(f"etcd cluster {self._name} is not started")
         ports = free_ports(2 * self._size)
@@ -653,20 +476,13 @@ class EtcdCluster:
         initial_cluster = ",".join(
             f"{name}=http://{HOST}:{port}" for name, port in zip(names, peer_ports, strict=True)
         )
-        self._members = []
+        processes = []
         for i, name in enumerate(names):
             member_dir = os.path.join(base, f"m{i}")
             # A failed attempt's data belongs to a cluster with other peer URLs.
-            shutil.rmtree(os.path.join(member_dir, _DATA_NAME), ignore_errors=True)
-            client_url = f"http://{HOST}:{client_ports[i]}"
+            shutil.rmtree(os.path.join(member_dir, DATA_NAME), ignore_errors=True)
             peer_url = f"http://{HOST}:{peer_ports[i]}"
-            command = [
-                self._binary,
-                *v2_flags(self._enable_v2),
-                f"--name={name}",
-                f"--data-dir={os.path.join(member_dir, _DATA_NAME)}",
-                f"--listen-client-urls={client_url}",
-                f"--advertise-client-urls={client_url}",
+            flags = [
                 f"--listen-peer-urls={peer_url}",
                 f"--initial-advertise-peer-urls={peer_url}",
                 f"--initial-cluster={initial_cluster}",
@@ -675,34 +491,31 @@ class EtcdCluster:
                 *_TIMING_ARGS,
                 *self._extra_args,
             ]
-            self._members.append(
-                EtcdClusterMember(
-                    self._state,
-                    i,
-                    name,
-                    member_dir,
-                    client_ports[i],
-                    peer_ports[i],
-                    command,
-                    self._enable_v2,
+            processes.append(
+                Member(
+                    binary=self._binary,
+                    name=name,
+                    label=f"etcd member {name}",
+                    directory=member_dir,
+                    port=client_ports[i],
+                    flags=flags,
+                    enable_v2=self._enable_v2,
+                    leftovers=self._leftovers,
+                    errors=_ERRORS,
                 )
             )
-        for member in self._members:
-            member._launch(attempt)
-        if all(member._await_ready(deadline) for member in self._members):
+        self._members = [
+            EtcdClusterMember(process, i, peer_ports[i]) for i, process in enumerate(processes)
+        ]
+        for process in processes:
+            process.launch(attempt)
+        if all(process.await_ready(deadline) for process in processes):
             return True
-        for member in self._members:
-            member.stop(grace=2.0)
-            member._forget()
+        for process in processes:
+            process.stop(grace=2.0)
+            process.retire()
         return False
 
     def _discard(self) -> None:
-        """Forget the processes and remove the directory, keeping the logs' text."""
-        for member in self._members:
-            if member.running:
-                member.stop(grace=2.0)
-            member._forget()
-        self._state.procs.clear()
-        if self._state.base_dir is not None:
-            shutil.rmtree(self._state.base_dir, ignore_errors=True)
-        self._state.base_dir = None
+        """Stop the processes and remove the directory, keeping the logs' text."""
+        discard(self._leftovers, [member._member for member in self._members])

