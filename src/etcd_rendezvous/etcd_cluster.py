@@ -33,15 +33,8 @@ from types import TracebackType
 
 import urllib3
 
-from ._process.etcd import (
-    HOST,
-    NotReadyError,
-    free_ports,
-    has_v2_api,
-    removed_flag_problem,
-    v2_flags,
-)
-from ._process.member import DATA_NAME, Errors, Leftovers, Member, clean_up, discard
+from ._process.etcd import HOST, NotReadyError, free_ports
+from ._process.member import DATA_NAME, Errors, Leftovers, Member, Program, clean_up, discard
 from .etcd_server import EtcdServerError, EtcdServerTimeoutError, find_etcd_binary
 
 __all__ = ["EtcdCluster", "EtcdClusterMember"]
@@ -244,9 +237,7 @@ class EtcdCluster:
         if isinstance(extra_args, str):
             raise TypeError("extra_args must be a sequence of arguments, not a string")
         self._size = size
-        self._binary = find_etcd_binary(etcd_binary)
-        self._enable_v2 = has_v2_api(self._binary) if enable_v2 is None else enable_v2
-        self._extra_args = list(extra_args)
+        self._program = Program.of(find_etcd_binary(etcd_binary), enable_v2, extra_args)
         self._name = f"etcd-{uuid.uuid4().hex[:8]}"
         self._lock = threading.RLock()
         self._leftovers = Leftovers()
@@ -263,12 +254,12 @@ class EtcdCluster:
     @property
     def binary(self) -> str:
         """Path of the etcd binary the members run."""
-        return self._binary
+        return self._program.binary
 
     @property
     def enable_v2(self) -> bool:
         """Whether the members serve etcd's v2 API (the ``enable_v2`` argument)."""
-        return self._enable_v2
+        return self._program.enable_v2
 
     @property
     def name(self) -> str:
@@ -334,8 +325,7 @@ class EtcdCluster:
         with self._lock:
             if self._leftovers.base_dir is not None:
                 return self
-            flags = [*v2_flags(self._enable_v2), *self._extra_args]
-            problem = removed_flag_problem(self._binary, flags)
+            problem = self._program.removed_flag_problem()
             if problem:
                 raise EtcdServerError(problem)
             self._leftovers.base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-cluster-")
@@ -380,7 +370,7 @@ class EtcdCluster:
         running = sum(member.running for member in self._members)
         return (
             f"<EtcdCluster {self._name} {running}/{self._size} running "
-            f"[{self.endpoints}] binary={self._binary!r}>"
+            f"[{self.endpoints}] binary={self.binary!r}>"
         )
 
     # -- the leader ------------------------------------------------------------------
@@ -489,17 +479,15 @@ class EtcdCluster:
                 "--initial-cluster-state=new",
                 f"--initial-cluster-token={self._name}-{attempt}",
                 *_TIMING_ARGS,
-                *self._extra_args,
             ]
             processes.append(
                 Member(
-                    binary=self._binary,
+                    program=self._program,
                     name=name,
                     label=f"etcd member {name}",
                     directory=member_dir,
                     port=client_ports[i],
                     flags=flags,
-                    enable_v2=self._enable_v2,
                     leftovers=self._leftovers,
                     errors=_ERRORS,
                 )

@@ -30,7 +30,7 @@ from typing import Any
 
 import etcd
 
-from ._process.etcd import HOST, free_ports, has_v2_api, removed_flag_problem, v2_flags
+from ._process.etcd import HOST, free_ports
 from ._process.member import (
     DATA_NAME,
     LOG_NAME,
@@ -38,6 +38,7 @@ from ._process.member import (
     Errors,
     Leftovers,
     Member,
+    Program,
     Stderr,
     Tls,
     clean_up,
@@ -222,10 +223,8 @@ class EtcdServer:
             client_cert_file=client_cert_file or cert_file,
             client_key_file=client_key_file or key_file,
         )
-        self._binary = find_etcd_binary(etcd_binary)
-        self._enable_v2 = has_v2_api(self._binary) if enable_v2 is None else enable_v2
+        self._program = Program.of(find_etcd_binary(etcd_binary), enable_v2, extra_args)
         self._user_data_dir = data_dir
-        self._extra_args = list(extra_args)
         self._name = f"etcd-rendezvous-{uuid.uuid4().hex[:12]}"
         self._lock = threading.RLock()
         self._leftovers = Leftovers()
@@ -238,12 +237,12 @@ class EtcdServer:
     @property
     def binary(self) -> str:
         """Path of the etcd binary this server runs."""
-        return self._binary
+        return self._program.binary
 
     @property
     def enable_v2(self) -> bool:
         """Whether etcd serves its v2 API (the ``enable_v2`` argument)."""
-        return self._enable_v2
+        return self._program.enable_v2
 
     @property
     def protocol(self) -> str:
@@ -348,19 +347,16 @@ class EtcdServer:
                     f"etcd (pid {self._member.pid}) exited with code {self._member.returncode}; "
                     "call restart() to start it again on the same port, or stop()"
                 )
-            problem = removed_flag_problem(
-                self._binary, [*v2_flags(self._enable_v2), *self._extra_args]
-            )
+            problem = self._program.removed_flag_problem()
             if problem:
                 raise EtcdServerError(problem)
             self._member = Member(
-                binary=self._binary,
+                program=self._program,
                 name=self._name,
                 label="etcd",
                 directory=self._make_base_dir(),
                 port=-1,
                 flags=self._flags(),
-                enable_v2=self._enable_v2,
                 leftovers=self._leftovers,
                 errors=_ERRORS,
                 tls=self._tls,
@@ -451,7 +447,7 @@ class EtcdServer:
             EtcdServerError: if the server was made with ``enable_v2=False``:
                 python-etcd speaks only the v2 API.
         """
-        if not self._enable_v2:
+        if not self._program.enable_v2:
             raise EtcdServerError(
                 f"get_client() returns a python-etcd client, which speaks only etcd's v2 API, "
                 f"but the etcd server at {self.client_url} was made with enable_v2=False; "
@@ -487,7 +483,7 @@ class EtcdServer:
 
     def __repr__(self) -> str:
         state = "running" if self.running else "not running"
-        return f"<EtcdServer {self.client_url} {state} binary={self._binary!r}>"
+        return f"<EtcdServer {self.client_url} {state} binary={self.binary!r}>"
 
     # -- internals -------------------------------------------------------------------
 
@@ -517,7 +513,6 @@ class EtcdServer:
             # in ~50 ms instead of ~1 s. extra_args come last and may override it.
             "--heartbeat-interval=10",
             "--election-timeout=100",
-            *self._extra_args,
         ]
 
     def _launch_on_free_port(

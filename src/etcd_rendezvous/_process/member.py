@@ -26,10 +26,12 @@ from .etcd import (
     ProbeTimeoutError,
     ProcessExitedError,
     continue_process,
+    has_v2_api,
     last_lines,
     member_status,
     probe_member,
     read_log_from,
+    removed_flag_problem,
     stop_process,
     terminate,
     unknown_flag_problem,
@@ -49,6 +51,25 @@ _LOG_SNAPSHOT_BYTES = 1 << 20
 
 #: Where etcd's stderr goes: ``None`` for its log, else as ``subprocess.Popen`` takes it.
 Stderr = int | IO[Any] | None
+
+
+@dataclass(frozen=True)
+class Program:
+    """The etcd binary to run, whether it serves the v2 API, and the caller's extra flags."""
+
+    binary: str
+    enable_v2: bool
+    extra_args: tuple[str, ...]
+
+    @classmethod
+    def of(cls, binary: str, enable_v2: bool | None, extra_args: Sequence[str]) -> Program:
+        """``enable_v2=None`` means: serve v2 if the binary has it (etcd before 3.6)."""
+        v2 = has_v2_api(binary) if enable_v2 is None else enable_v2
+        return cls(binary, v2, tuple(extra_args))
+
+    def removed_flag_problem(self) -> str | None:
+        """Why the binary would refuse a flag it no longer has; ``None`` if it would not."""
+        return removed_flag_problem(self.binary, [*v2_flags(self.enable_v2), *self.extra_args])
 
 
 @dataclass(frozen=True)
@@ -141,32 +162,31 @@ def discard(leftovers: Leftovers, members: Iterable[Member]) -> None:
 class Member:
     """One etcd process on a loopback client port, with its data and log in ``directory``.
 
-    ``flags`` follow the ones every member has (name, data dir, client URLs, v2, TLS);
-    ``label`` starts the member's error messages (``"etcd"``, ``"etcd member m0"``).
+    ``flags`` follow the ones every member has (name, data dir, client URLs, v2, TLS),
+    and the program's ``extra_args`` come last; ``label`` starts the member's error
+    messages (``"etcd"``, ``"etcd member m0"``).
     """
 
     def __init__(
         self,
         *,
-        binary: str,
+        program: Program,
         name: str,
         label: str,
         directory: str,
         port: int,
         flags: Sequence[str],
-        enable_v2: bool,
         leftovers: Leftovers,
         errors: Errors,
         tls: Tls | None = None,
     ) -> None:
-        self.binary = binary
+        self.program = program
         self.name = name
         self.label = label
         self.directory = directory
         #: The client port; the owner may move a member that is not running.
         self.port = port
         self._flags = list(flags)
-        self._enable_v2 = enable_v2
         self._leftovers = leftovers
         self._errors = errors
         self._tls = tls or Tls()
@@ -225,14 +245,15 @@ class Member:
         """etcd's command line for the current port."""
         url = self.client_url
         return [
-            self.binary,
-            *v2_flags(self._enable_v2),
+            self.program.binary,
+            *v2_flags(self.program.enable_v2),
             f"--name={self.name}",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={url}",
             f"--advertise-client-urls={url}",
             *self._tls.server_flags(),
             *self._flags,
+            *self.program.extra_args,
         ]
 
     def read_log(self, tail: int | None = None) -> str:
@@ -284,7 +305,7 @@ class Member:
                 proc,
                 deadline,
                 lambda timeout: probe_member(
-                    pool, self.client_url, self.name, timeout, self._enable_v2
+                    pool, self.client_url, self.name, timeout, self.program.enable_v2
                 ),
             )
         except ProcessExitedError:
@@ -293,7 +314,7 @@ class Member:
             if self._stderr_redirected or ADDRESS_IN_USE.search(output):
                 logger.info("%s could not bind its ports; trying again", self.label)
                 return False
-            refused = unknown_flag_problem(self.binary, output)
+            refused = unknown_flag_problem(self.program.binary, output)
             if refused:
                 raise self._errors.failure(f"{refused}; command: {self._command}") from None
             raise self._errors.failure(
