@@ -1,9 +1,9 @@
-"""Running etcd processes: what :mod:`.etcd_server` and :mod:`.etcd_cluster` share.
+"""What an etcd process is made of, for :mod:`.member`: ports, flags, signals, log, probe.
 
-Free loopback ports, stopping a process, reading its log, and the readiness probe. The
-probe speaks only what every etcd since 3.4 serves with or without the v2 API (the
-v3 JSON gateway, ``/health`` and ``/version``), so it works on etcd 3.6, which has no
-v2 API at all.
+Free loopback ports, the flags each etcd release accepts, stopping a process, reading
+its log, and the readiness probe. The probe speaks only what every etcd since 3.4
+serves with or without the v2 API (the v3 JSON gateway, ``/health`` and ``/version``),
+so it works on etcd 3.6, which has no v2 API at all.
 """
 
 from __future__ import annotations
