@@ -350,17 +350,7 @@ class EtcdServer:
             problem = self._program.removed_flag_problem()
             if problem:
                 raise EtcdServerError(problem)
-            self._member = Member(
-                program=self._program,
-                name=self._name,
-                label="etcd",
-                directory=self._make_base_dir(),
-                port=-1,
-                flags=self._flags(),
-                leftovers=self._leftovers,
-                errors=_ERRORS,
-                tls=self._tls,
-            )
+            self._member = self._new_member()
             started = time.monotonic()
             try:
                 self._launch_on_free_port(
@@ -493,27 +483,34 @@ class EtcdServer:
             raise EtcdServerError("the etcd server is not started")
         return member
 
-    def _make_base_dir(self) -> str:
+    def _new_member(self) -> Member:
+        """The etcd process of a new start, in a new base dir (or the caller's)."""
         if self._user_data_dir is not None:
             os.makedirs(self._user_data_dir, mode=0o700, exist_ok=True)
-            self._leftovers.base_dir = os.path.abspath(self._user_data_dir)
-            self._leftovers.owns_base_dir = False
+            base_dir = os.path.abspath(self._user_data_dir)
         else:
-            self._leftovers.base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-")
-            self._leftovers.owns_base_dir = True
-        return self._leftovers.base_dir
-
-    def _flags(self) -> list[str]:
-        """etcd's flags after the ones every member has (name, data dir, URLs, TLS)."""
-        return [
-            # Port 0: parallel servers must not all try the default peer port 2380.
-            f"--listen-peer-urls=http://{HOST}:0",
-            # A single member is the only voter, so a short election timeout cannot cause
-            # spurious elections; it makes a fresh or restarted server take its leadership
-            # in ~50 ms instead of ~1 s. extra_args come last and may override it.
-            "--heartbeat-interval=10",
-            "--election-timeout=100",
-        ]
+            base_dir = tempfile.mkdtemp(prefix="etcd-rendezvous-")
+        self._leftovers.base_dir = base_dir
+        self._leftovers.owns_base_dir = self._user_data_dir is None
+        return Member(
+            program=self._program,
+            name=self._name,
+            label="etcd",
+            directory=base_dir,
+            port=-1,
+            flags=[
+                # Port 0: parallel servers must not all try the default peer port 2380.
+                f"--listen-peer-urls=http://{HOST}:0",
+                # A single member is the only voter, so a short election timeout cannot
+                # cause spurious elections; it makes a fresh or restarted server take its
+                # leadership in ~50 ms instead of ~1 s. extra_args may override it.
+                "--heartbeat-interval=10",
+                "--election-timeout=100",
+            ],
+            leftovers=self._leftovers,
+            errors=_ERRORS,
+            tls=self._tls,
+        )
 
     def _launch_on_free_port(
         self, member: Member, deadline: float, attempts: int, stderr: Stderr
