@@ -29,15 +29,15 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ._transport.interface import Transport
-from ._transport.retry import CONTENTION, REWATCH, Deadline, Retry
-from ._transport.v2 import (
+from ._transport.interface import (
     CompareFailedError,
-    EtcdConnection,
     KeyExistsError,
     KeyNotFoundError,
     Node,
+    Transport,
 )
+from ._transport.retry import CONTENTION, REWATCH, Deadline, Retry
+from ._transport.v2 import EtcdConnection
 from .api import RendezvousConnectionError, RendezvousStateError
 from .layout import normalize_key, store_value_key
 
