@@ -48,6 +48,7 @@ from .state import (
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
     CONST_ETCD_SETUP_TTL,
     CONST_WORKER_KEEPALIVE_TTL,
+    LOGGER_NAME,
     parse_state,
     preview,
 )
@@ -60,7 +61,7 @@ __all__ = [
     "EtcdRendezvousRetryableFailure",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 #: The module users import these classes from, and whose name they are documented and
 #: pickled under.

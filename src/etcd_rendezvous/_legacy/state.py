@@ -20,6 +20,7 @@ __all__ = [
     "CONST_ETCD_JOINABLE_EPHEMERAL_TTL",
     "CONST_ETCD_SETUP_TTL",
     "CONST_WORKER_KEEPALIVE_TTL",
+    "LOGGER_NAME",
     "MEMBERS",
     "WAITING",
     "member_ranks",
@@ -29,6 +30,10 @@ __all__ = [
     "status_in",
     "waiters_of",
 ]
+
+#: The logger of the legacy backend, whichever of its modules logs: the public module's,
+#: whose log users turn on.
+LOGGER_NAME = "etcd_rendezvous.etcd_rendezvous"
 
 # TTLs, in seconds, of the state in each status and of a member's keep-alive key. They
 # are part of the protocol: PyTorch's workers use the same ones.
