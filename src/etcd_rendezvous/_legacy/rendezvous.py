@@ -681,7 +681,15 @@ class EtcdRendezvous:
         return version, counted
 
     def announce_self_waiting(self, expected_version: str) -> Node:
-        """Increment ``num_workers_waiting`` of the final rendezvous ``expected_version``."""
+        """Increment ``num_workers_waiting`` of the final rendezvous ``expected_version``,
+        as PyTorch's workers do; returns the state written.
+
+        Kept for PyTorch's API: our workers count themselves with wait keys instead
+        (:meth:`handle_existing_rendezvous`).
+
+        Raises:
+            EtcdRendezvousRetryImmediately: the state is no longer that final version.
+        """
         retry = self._contention_retry()
         while True:
             self._check_deadline()

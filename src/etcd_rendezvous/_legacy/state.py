@@ -102,8 +102,11 @@ def parse_state(node: Node) -> dict[str, Any]:
     ``joinable`` on, ``version`` and ``participants`` (then ``keep_alives`` and
     ``num_workers_waiting``), each checked for its type, and the fields our workers
     add: ``members`` (member key name -> rank; see
-    :mod:`etcd_rendezvous._legacy.admission`) and ``waiting`` (the wait keys counted in
-    ``num_workers_waiting``; see :mod:`etcd_rendezvous._legacy.waiting`).
+    :mod:`etcd_rendezvous._legacy.admission`), ``waiting`` (the wait keys counted in
+    ``num_workers_waiting``; see :mod:`etcd_rendezvous._legacy.waiting`) and ``tag``
+    (random hex digits making a write its writer's own, in the ``setup`` state and
+    after :meth:`~etcd_rendezvous.etcd_rendezvous.EtcdRendezvous.announce_self_waiting`;
+    not checked). See docs/how-it-works.rst, "Waiting in a few requests".
 
     Raises:
         RendezvousStateError: the value is not a valid state. The key is not modified.
