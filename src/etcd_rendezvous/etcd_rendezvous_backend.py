@@ -23,16 +23,19 @@ from typing import Any
 from ._dynamic.admission import AnnouncedNode
 from ._dynamic.backend import RendezvousBackend, Token
 from ._dynamic.state import NodeDesc
-from ._transport.interface import DELETE_ACTIONS, Transport, WatchHistoryLostError, WatchStream
-from ._transport.options import create_etcd_connection, seconds
-from ._transport.retry import REWATCH, Deadline
-from ._transport.v2 import (
+from ._transport.interface import (
+    DELETE_ACTIONS,
     CompareFailedError,
-    EtcdConnection,
     KeyExistsError,
     KeyNotFoundError,
     Node,
+    Transport,
+    WatchHistoryLostError,
+    WatchStream,
 )
+from ._transport.options import create_etcd_connection, seconds
+from ._transport.retry import REWATCH, Deadline
+from ._transport.v2 import EtcdConnection
 from .api import RendezvousParameters, RendezvousStateError
 from .etcd_store import EtcdStore
 from .layout import (

@@ -29,15 +29,15 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ._transport.interface import Transport
-from ._transport.retry import CONTENTION, REWATCH, Deadline, Retry
-from ._transport.v2 import (
+from ._transport.interface import (
     CompareFailedError,
-    EtcdConnection,
     KeyExistsError,
     KeyNotFoundError,
     Node,
+    Transport,
 )
+from ._transport.retry import CONTENTION, REWATCH, Deadline, Retry
+from ._transport.v2 import EtcdConnection
 from .api import RendezvousConnectionError, RendezvousStateError
 from .layout import normalize_key, store_value_key
 
@@ -328,8 +328,9 @@ class EtcdStore:
             return (desired, True) if current == expected else (current, False)
 
         # As for add(), the write's tag tells it from another caller's write of the same
-        # value when its answer was lost, so that exactly one of them wins.
-        return self._read_modify_write(path, key, decide)
+        # value when its answer was lost, so that exactly one of them wins. If etcd
+        # cannot tell, deciding again on the value read back is right either way.
+        return self._read_modify_write(path, key, decide, idempotent=True)
 
     def append(self, key: KeyLike, value: KeyLike) -> None:
         """Atomically append ``value`` to the value under ``key``, creating it if missing.
@@ -340,6 +341,9 @@ class EtcdStore:
         Raises:
             TypeError: ``key`` or ``value`` is not ``str`` or ``bytes``.
             RendezvousStateError: the key holds something that is not base64.
+            RendezvousConnectionError: etcd could not be reached for :attr:`timeout`,
+                or lost the answer and the history that would tell: the append may or
+                may not have been applied.
             LookupError: other writers kept changing the key first for longer than
                 :attr:`timeout`.
         """
@@ -528,17 +532,24 @@ class EtcdStore:
         return since if since is not None else self._conn.last_index
 
     def _read_modify_write(
-        self, path: str, key: KeyLike, update: Callable[[bytes | None], tuple[bytes, bool]]
+        self,
+        path: str,
+        key: KeyLike,
+        update: Callable[[bytes | None], tuple[bytes, bool]],
+        *,
+        idempotent: bool = False,
     ) -> bytes:
         """Replace the value of ``key`` by ``update(current)`` atomically; return it.
 
         ``update`` receives ``None`` for a missing key and returns ``(value, write)``:
         with ``write`` false nothing is written and ``value`` is returned as it is.
         Creates with ``prevExist=false`` and swaps comparing value and index, retrying
-        with jittered back-off on contention for up to :attr:`timeout`. See :meth:`add`
-        for what a connection failure can do.
+        with jittered back-off on contention for up to :attr:`timeout`. A write whose
+        outcome etcd cannot tell is not sent again unless ``idempotent`` (``update``
+        applied to the value read back gives the right result whether it applied).
 
         Raises:
+            RendezvousConnectionError: see :meth:`add` (not if ``idempotent``).
             LookupError: the key kept changing under us for longer than :attr:`timeout`.
         """
         timeout = self._timeout.total_seconds()
@@ -551,7 +562,7 @@ class EtcdStore:
             ),
         )
         with self._conn.bounded_by(deadline):
-            return self._update(path, key, update, retry)
+            return self._update(path, key, update, retry, idempotent)
 
     def _update(
         self,
@@ -559,6 +570,7 @@ class EtcdStore:
         key: KeyLike,
         update: Callable[[bytes | None], tuple[bytes, bool]],
         retry: Retry,
+        idempotent: bool,
     ) -> bytes:
         """The compare-and-swap loop of :meth:`_read_modify_write`."""
         node = self._read(path, key)
@@ -570,7 +582,8 @@ class EtcdStore:
                 try:
                     self._conn.create(path, _tagged(new))
                 except KeyExistsError as exc:
-                    _check_known(exc, key)
+                    if not idempotent:
+                        _check_known(exc, key)
                     retry.wait()
                     node = self._read(path, key)
                     continue
@@ -581,11 +594,13 @@ class EtcdStore:
             try:
                 self._conn.compare_and_swap(path, _tagged(new), node)
             except CompareFailedError as exc:
-                _check_known(exc, key)
+                if not idempotent:
+                    _check_known(exc, key)
                 retry.wait()
                 node = self._read(path, key)
             except KeyNotFoundError as exc:
-                _check_known(exc, key)
+                if not idempotent:
+                    _check_known(exc, key)
                 retry.wait()
                 node = None
             else:

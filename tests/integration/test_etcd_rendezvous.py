@@ -32,6 +32,7 @@ from etcd_rendezvous.etcd_rendezvous import (
     CONST_WORKER_KEEPALIVE_TTL,
     EtcdRendezvous,
     EtcdRendezvousHandler,
+    EtcdRendezvousRetryableFailure,
     create_rdzv_handler,
 )
 from etcd_rendezvous.etcd_server import EtcdServer
@@ -709,3 +710,104 @@ def test_lost_answer_to_the_final_confirmation_is_recognised(
     assert member_key.startswith(f"/torchelastic/p2p/run_{run_id}/rdzv/v_1/node_")
     assert state["keep_alives"] == [member_key]
     assert state["members"] == {member_name(member_key): 0}
+
+
+# -- setting up a version after a lost answer ---------------------------------------------
+
+
+def _drop_answer_to_mkdir(transport, version_dir, proxy, monkeypatch, on_drop=None):
+    """The next ``mkdir(version_dir)`` on ``transport`` is applied, its answer lost
+    (the transport sends it again and is told the directory exists)."""
+    real_mkdir = transport.mkdir
+
+    def mkdir(key, **kwargs):
+        if key == version_dir:
+            proxy.drop_responses(count=1, close_client=True, on_drop=on_drop)
+        return real_mkdir(key, **kwargs)
+
+    monkeypatch.setattr(transport, "mkdir", mkdir)
+
+
+def test_lost_answer_to_our_own_mkdir_of_the_version_is_recognised(
+    etcd_proxy, run_id, etcd_prefix, monkeypatch
+):
+    with (
+        open_transport([etcd_proxy.endpoint], read_timeout=2) as via_proxy,
+        EtcdRendezvous(via_proxy, etcd_prefix, run_id, 1, 1, 30, 0) as rdzv,
+    ):
+        layout = LegacyLayout(etcd_prefix, run_id)
+        _drop_answer_to_mkdir(via_proxy, layout.version_dir("1"), etcd_proxy, monkeypatch)
+        assert rdzv.rendezvous_barrier() == ("1", 0, 1)
+    assert etcd_proxy.dropped_responses == 1
+
+
+def test_setup_taken_over_while_our_mkdir_answer_was_lost_is_retried(
+    etcd_proxy, run_id, etcd_prefix, conn, monkeypatch
+):
+    """Our setup state lapses (an election longer than its TTL) while the answer to our
+    mkdir is lost, and another worker takes the setup over: we must start again, not
+    report a corrupt run."""
+    layout = LegacyLayout(etcd_prefix, run_id)
+    rival_setup = json.dumps({"status": "setup", "tag": "rival"})
+
+    def lapse_and_take_over():
+        conn.delete(layout.state_key)
+        conn.create(layout.state_key, rival_setup, ttl=5)
+
+    with (
+        open_transport([etcd_proxy.endpoint], read_timeout=2) as via_proxy,
+        EtcdRendezvous(via_proxy, etcd_prefix, run_id, 1, 1, 30, 0) as rdzv,
+    ):
+        _drop_answer_to_mkdir(
+            via_proxy, layout.version_dir("1"), etcd_proxy, monkeypatch, lapse_and_take_over
+        )
+        with pytest.raises(EtcdRendezvousRetryableFailure, match="took over"):
+            rdzv.try_create_rendezvous()
+    assert etcd_proxy.dropped_responses == 1
+    assert not etcd_proxy.hook_errors
+    assert conn.get(layout.state_key).value == rival_setup  # the rival's, untouched
+
+
+def test_counter_write_claimed_from_a_rival_that_took_over_is_retried(
+    run_id, etcd_prefix, conn, monkeypatch
+):
+    """The counter carries no tag: after a lost answer, the transport settles its write
+    by value and may claim a rival's identical ``N+1`` (written by a worker that took
+    over our lapsed setup). The rival also made the version's directory. Here the
+    counter's write returns what the transport's settling returns in that case: the
+    rival's write."""
+    layout = LegacyLayout(etcd_prefix, run_id)
+    with EtcdRendezvous(conn, etcd_prefix, run_id, 1, 1, 30, 0) as rdzv:
+        real_cas = conn.compare_and_swap
+
+        def cas_claiming_the_rivals_write(key, value, prev, **kwargs):
+            if key != layout.counter_key:
+                return real_cas(key, value, prev, **kwargs)
+            conn.delete(layout.state_key)  # our setup state lapsed; a rival's follows
+            conn.create(layout.state_key, json.dumps({"status": "setup", "tag": "rival"}))
+            rivals = real_cas(key, value, prev)
+            assert conn.mkdir(layout.version_dir(value))
+            return rivals
+
+        monkeypatch.setattr(conn, "compare_and_swap", cas_claiming_the_rivals_write)
+        with pytest.raises(EtcdRendezvousRetryableFailure, match="took over"):
+            rdzv.try_create_rendezvous()
+
+
+def test_version_directory_older_than_the_counter_is_reported(run_id, etcd_prefix, conn):
+    layout = LegacyLayout(etcd_prefix, run_id)
+    with EtcdRendezvous(conn, etcd_prefix, run_id, 1, 1, 30, 0) as rdzv:
+        assert conn.mkdir(layout.version_dir("1"))  # the counter still hands out 1
+        with pytest.raises(RendezvousStateError, match="went backwards") as excinfo:
+            rdzv.try_create_rendezvous()
+    assert layout.version_dir("1") in str(excinfo.value)
+
+
+def test_barrier_messages_are_logged_under_the_public_module(etcd_server, run_id, caplog):
+    """Users turn on the log of the module they import, whichever module logs."""
+    caplog.set_level(logging.INFO)
+    with create_rdzv_handler(_params(etcd_server, run_id)) as handler:
+        handler.next_rendezvous()
+    joined = [r for r in caplog.records if r.getMessage().startswith("Joined rendezvous version")]
+    assert [r.name for r in joined] == ["etcd_rendezvous.etcd_rendezvous"]
+    assert not [r.name for r in caplog.records if r.name.startswith("etcd_rendezvous._legacy")]

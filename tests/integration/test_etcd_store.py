@@ -22,11 +22,12 @@ import pytest
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous._transport.v2 import EtcdConnection
-from etcd_rendezvous.api import RendezvousStateError, Store
+from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError, Store
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import DEFAULT_TIMEOUT, EtcdStore, cas_delay
 from etcd_rendezvous.layout import store_value_key
 from support import v3_gateway
+from support.faultproxy import FaultProxy
 
 SHORT = timedelta(seconds=0.3)
 # Generous: only reached if a test is about to fail.
@@ -667,3 +668,55 @@ def test_ours_wakes_on_torch_write(
     assert spy.watching.wait(LONG.total_seconds())
     theirs.set("MASTER_ADDR", "10.0.0.1")
     assert joined(thread, outcome) == b"10.0.0.1"
+
+
+# -- a write whose answer and history were lost -------------------------------------------
+
+
+@pytest.fixture
+def store_losing_a_swap(
+    etcd_proxy: FaultProxy,
+    conn: Transport,
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[EtcdStore]:
+    """A store whose first compare-and-swap is applied, its answer lost and etcd's
+    history of it forgotten before the re-sent copy is refused: no one can tell whether
+    the lost copy applied."""
+    with open_transport([etcd_proxy.endpoint], read_timeout=2) as via_proxy:
+        store = EtcdStore(via_proxy, etcd_prefix)
+        real_cas = via_proxy.compare_and_swap
+
+        def cas(key: str, value: str, prev: Any, **kwargs: Any) -> Any:
+            if etcd_proxy.dropped_responses == 0:
+                etcd_proxy.drop_responses(
+                    count=1,
+                    close_client=True,
+                    on_drop=lambda: forget_history(conn, etcd_server, etcd_prefix + "/filler"),
+                )
+            return real_cas(key, value, prev, **kwargs)
+
+        monkeypatch.setattr(via_proxy, "compare_and_swap", cas)
+        yield store
+    assert etcd_proxy.dropped_responses == 1
+    assert not etcd_proxy.hook_errors
+
+
+def test_compare_set_whose_outcome_etcd_cannot_tell_reads_the_result_back(
+    store_losing_a_swap: EtcdStore,
+) -> None:
+    store = store_losing_a_swap
+    store.set("k", "a")
+    assert store.compare_set("k", "a", "b") == b"b"  # applied once, then read back
+    assert store.get("k") == b"b"
+
+
+def test_append_whose_outcome_etcd_cannot_tell_raises_without_writing_again(
+    store_losing_a_swap: EtcdStore,
+) -> None:
+    store = store_losing_a_swap
+    store.set("k", "a")
+    with pytest.raises(RendezvousConnectionError, match="may or may not have been applied"):
+        store.append("k", "b")
+    assert store.get("k") == b"ab"  # the lost copy applied; not a second time

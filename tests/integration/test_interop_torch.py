@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from etcd_rendezvous.etcd_rendezvous import EtcdRendezvous
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.rdzv import Worker, expect_joined
 from support.wait import wait_for_state
@@ -306,3 +310,103 @@ def test_the_last_call_worker_freezes(etcd_server, run_id, workers, conn, last_c
     else:
         assert len(frozen["keep_alives"]) == ours
         assert all("/node_" in k for k in frozen["keep_alives"])
+
+
+# -- the "tag" our workers add to the setup state and to an announcement --------------------
+
+
+#: PyTorch's run-directory lease thread refreshes the directory as if it were a file;
+#: etcd answers "Not a file" and the thread ends (in PyTorch's own workers too).
+_torch_lease_thread_dies = pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnhandledThreadExceptionWarning"
+)
+
+
+@pytest.fixture
+def torch_rdzv(etcd_client, etcd_prefix, run_id):
+    """PyTorch 2.13's own ``EtcdRendezvous``, in this process, on the test's prefix."""
+    from torch.distributed.elastic.rendezvous import etcd_rendezvous as torch_etcd
+
+    rdzv = torch_etcd.EtcdRendezvous(etcd_client, etcd_prefix, run_id, 1, 2, 30, 0)
+    rdzv._rendezvous_deadline = time.time() + 30  # set by its rendezvous_barrier
+    yield rdzv
+    rdzv._lease_run_id_stop.set()
+
+
+@_torch_lease_thread_dies
+def test_torch_treats_our_tagged_setup_state_as_setup(
+    conn, etcd_client, etcd_prefix, run_id, torch_rdzv, monkeypatch
+):
+    """While our worker sets a version up (its setup state tagged), PyTorch's waits for
+    the state to change, leaves it alone, then joins the version we opened."""
+    from torch.distributed.elastic.rendezvous import etcd_rendezvous as torch_etcd
+
+    in_setup, release, torch_watching = (threading.Event() for _ in range(3))
+    real_mkdir = conn.mkdir
+
+    def mkdir_held_in_setup(key, **kwargs):
+        if key.endswith("/rdzv/v_1"):
+            in_setup.set()
+            assert release.wait(30)
+        return real_mkdir(key, **kwargs)
+
+    monkeypatch.setattr(conn, "mkdir", mkdir_held_in_setup)
+    real_watch = etcd_client.watch
+
+    def watch(*args, **kwargs):
+        torch_watching.set()
+        return real_watch(*args, **kwargs)
+
+    monkeypatch.setattr(etcd_client, "watch", watch)
+
+    with EtcdRendezvous(conn, etcd_prefix, run_id, 1, 2, 30, 0) as ours:
+        state_key = ours.get_path("/rdzv/active_version")
+        creator = ThreadPoolExecutor(1)
+        created = creator.submit(ours.try_create_rendezvous)
+        assert in_setup.wait(30)
+        setup = json.loads(conn.get(state_key).value)
+        assert setup["status"] == "setup"
+        assert setup["tag"]
+
+        torch_side = ThreadPoolExecutor(1)
+        phase = torch_side.submit(torch_rdzv.init_phase)
+        assert torch_watching.wait(30)  # PyTorch waits for the setup to end
+        assert json.loads(conn.get(state_key).value) == setup
+        release.set()
+        opened = json.loads(created.result(30).value)
+        with pytest.raises(torch_etcd.EtcdRendezvousRetryableFailure):
+            phase.result(30)  # PyTorch's answer to a state that left "setup": retry
+        creator.shutdown()
+        torch_side.shutdown()
+
+        assert (opened["status"], opened["version"]) == ("joinable", "1")
+        assert "tag" not in opened
+        # PyTorch's worker joins the version we opened.
+        joined, rank = torch_rdzv.join_rendezvous("1")
+        assert rank == len(opened["participants"])
+        assert json.loads(joined.value)["participants"] == [*opened["participants"], rank]
+
+
+@_torch_lease_thread_dies
+def test_torch_keeps_our_tag_when_it_announces_itself_waiting(
+    conn, etcd_prefix, run_id, torch_rdzv
+):
+    """A final state our worker counted itself waiting in carries a tag; PyTorch's
+    announce increments ``num_workers_waiting`` and carries the tag along."""
+    with EtcdRendezvous(conn, etcd_prefix, run_id, 1, 1, 30, 0) as ours:
+        assert ours.rendezvous_barrier() == ("1", 0, 1)
+        state_key = ours.get_path("/rdzv/active_version")
+        final = json.loads(conn.get(state_key).value)
+        assert final["num_workers_waiting"] == 0
+
+        announced = json.loads(ours.announce_self_waiting("1").value)
+        assert announced == {**final, "num_workers_waiting": 1, "tag": announced["tag"]}
+        assert announced["tag"]
+
+        torch_rdzv.announce_self_waiting("1")
+        after_torch = json.loads(conn.get(state_key).value)
+        assert after_torch == {**announced, "num_workers_waiting": 2}
+
+        again = json.loads(ours.announce_self_waiting("1").value)
+        assert again["num_workers_waiting"] == 3
+        assert again["tag"] != announced["tag"]  # each increment its own

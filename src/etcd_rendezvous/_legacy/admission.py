@@ -40,6 +40,7 @@ from .state import (
     CONST_ETCD_FROZEN_TTL,
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
     CONST_WORKER_KEEPALIVE_TTL,
+    LOGGER_NAME,
     MEMBERS,
     members_of,
 )
@@ -69,7 +70,7 @@ __all__ = [
     "plan_freeze",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 #: Seconds the state may stay unchanged before a worker admits (or confirms) without
 #: the older un-admitted keys (the lower-ranked unconfirmed members) it waits for.

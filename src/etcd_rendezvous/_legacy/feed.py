@@ -22,11 +22,11 @@ from .._transport.interface import (
     WatchStream,
 )
 from .._transport.retry import Deadline
-from .state import status_in
+from .state import LOGGER_NAME, status_in
 
 __all__ = ["Observed", "StateFeed"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 
 @dataclass(frozen=True)

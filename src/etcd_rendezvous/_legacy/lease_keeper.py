@@ -19,10 +19,11 @@ from .._transport.interface import (
     TransportClosedError,
 )
 from ..api import RendezvousConnectionError
+from .state import LOGGER_NAME
 
 __all__ = ["LeaseKeeper", "stop_keepers"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 
 class LeaseKeeper:

@@ -48,6 +48,7 @@ from .state import (
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
     CONST_ETCD_SETUP_TTL,
     CONST_WORKER_KEEPALIVE_TTL,
+    LOGGER_NAME,
     parse_state,
     preview,
 )
@@ -60,7 +61,7 @@ __all__ = [
     "EtcdRendezvousRetryableFailure",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 #: The module users import these classes from, and whose name they are documented and
 #: pickled under.
@@ -593,7 +594,9 @@ class EtcdRendezvous:
 
         Raises:
             KeyExistsError: a rendezvous state already exists.
-            RendezvousStateError: the version counter is missing or corrupt.
+            EtcdRendezvousRetryableFailure: another worker took over the setup.
+            RendezvousStateError: the version counter is missing, corrupt or went
+                backwards.
         """
         # The state is ephemeral until joinable, in case we die half-way through.
         # Its "tag" (which PyTorch's workers ignore) makes the state ours alone: a create
@@ -602,22 +605,51 @@ class EtcdRendezvous:
         active_version = self._conn.create(
             self._layout.state_key, json.dumps(setup), ttl=CONST_ETCD_SETUP_TTL
         )
-        version = self._next_version()
+        version, counted = self._next_version()
         version_dir = self._layout.version_dir(version)
         if not self._conn.mkdir(version_dir):
-            raise RendezvousStateError(
-                f"{version_dir!r} already exists although the version counter "
-                f"{self._layout.counter_key!r} just handed out {version}: the counter went "
-                f"backwards. Delete {self._layout.run_dir!r} once no worker uses it."
-            )
+            self._check_version_dir(active_version, version, counted)
         self.create_path_if_not_exists(self._layout.store_dir(version))
         opening = self._join.opening_state(version)
         return self._conn.compare_and_swap(
             self._layout.state_key, json.dumps(opening.state), active_version, ttl=opening.ttl
         )
 
-    def _next_version(self) -> str:
-        """Increment the version counter; return the new version.
+    def _check_version_dir(self, setup: Node, version: str, counted: Node) -> None:
+        """Tell why the directory of the ``version`` we just counted (``counted``, the
+        counter's write) exists already, and raise unless it is ours to use.
+
+        The counter carries no tag, so a write of it whose answer was lost is settled by
+        its value: if our setup state lapsed meanwhile, another worker may have written
+        the same value and made the directory. A lost answer to our own ``mkdir`` makes
+        it too, once re-sent.
+
+        Raises:
+            EtcdRendezvousRetryableFailure: our setup state is gone: another worker
+                took over the setup.
+            RendezvousStateError: the directory predates the counter's write: the
+                counter went backwards.
+        """
+        state_key = self._layout.state_key
+        current = self._conn.try_get(state_key)
+        if current is None or current.value != setup.value:
+            raise EtcdRendezvousRetryableFailure(
+                f"Lost the right to set up version {version}: the setup state {state_key!r} "
+                "lapsed and another worker took over."
+            )
+        version_dir = self._layout.version_dir(version)
+        made = self._conn.try_get(version_dir)
+        if made is not None and made.created_index < counted.modified_index:
+            raise RendezvousStateError(
+                f"{version_dir!r} already exists although the version counter "
+                f"{self._layout.counter_key!r} just handed out {version}: the counter went "
+                f"backwards. Delete {self._layout.run_dir!r} once no worker uses it."
+            )
+        # Our setup state holds: the directory is our own mkdir's, its answer lost.
+        logger.info("%s was created by an earlier attempt", version_dir)
+
+    def _next_version(self) -> tuple[str, Node]:
+        """Increment the version counter; return the new version and the counter's write.
 
         Raises:
             RendezvousStateError: the counter is missing or corrupt.
@@ -641,15 +673,23 @@ class EtcdRendezvous:
         try:
             # PyTorch's counter has no room for a tag. Only the holder of the setup
             # state (ours, tagged) writes it, so the same value after a lost answer is
-            # ours unless our setup state lapsed meanwhile -- then mkdir below fails.
-            self._conn.compare_and_swap(counter_key, version, counter)
+            # ours unless our setup state lapsed meanwhile: see _check_version_dir.
+            counted = self._conn.compare_and_swap(counter_key, version, counter)
         except (CompareFailedError, KeyNotFoundError):
             # Our setup state expired and another worker took over.
             raise EtcdRendezvousRetryableFailure("Lost the right to set up a rendezvous.") from None
-        return version
+        return version, counted
 
     def announce_self_waiting(self, expected_version: str) -> Node:
-        """Increment ``num_workers_waiting`` of the final rendezvous ``expected_version``."""
+        """Increment ``num_workers_waiting`` of the final rendezvous ``expected_version``,
+        as PyTorch's workers do; returns the state written.
+
+        Kept for PyTorch's API: our workers count themselves with wait keys instead
+        (:meth:`handle_existing_rendezvous`).
+
+        Raises:
+            EtcdRendezvousRetryImmediately: the state is no longer that final version.
+        """
         retry = self._contention_retry()
         while True:
             self._check_deadline()

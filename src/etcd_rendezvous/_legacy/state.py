@@ -20,6 +20,7 @@ __all__ = [
     "CONST_ETCD_JOINABLE_EPHEMERAL_TTL",
     "CONST_ETCD_SETUP_TTL",
     "CONST_WORKER_KEEPALIVE_TTL",
+    "LOGGER_NAME",
     "MEMBERS",
     "WAITING",
     "member_ranks",
@@ -29,6 +30,10 @@ __all__ = [
     "status_in",
     "waiters_of",
 ]
+
+#: The logger of the legacy backend, whichever of its modules logs: the public module's,
+#: whose log users turn on.
+LOGGER_NAME = "etcd_rendezvous.etcd_rendezvous"
 
 # TTLs, in seconds, of the state in each status and of a member's keep-alive key. They
 # are part of the protocol: PyTorch's workers use the same ones.
@@ -97,8 +102,11 @@ def parse_state(node: Node) -> dict[str, Any]:
     ``joinable`` on, ``version`` and ``participants`` (then ``keep_alives`` and
     ``num_workers_waiting``), each checked for its type, and the fields our workers
     add: ``members`` (member key name -> rank; see
-    :mod:`etcd_rendezvous._legacy.admission`) and ``waiting`` (the wait keys counted in
-    ``num_workers_waiting``; see :mod:`etcd_rendezvous._legacy.waiting`).
+    :mod:`etcd_rendezvous._legacy.admission`), ``waiting`` (the wait keys counted in
+    ``num_workers_waiting``; see :mod:`etcd_rendezvous._legacy.waiting`) and ``tag``
+    (random hex digits making a write its writer's own, in the ``setup`` state and
+    after :meth:`~etcd_rendezvous.etcd_rendezvous.EtcdRendezvous.announce_self_waiting`;
+    not checked). See docs/how-it-works.rst, "Waiting in a few requests".
 
     Raises:
         RendezvousStateError: the value is not a valid state. The key is not modified.

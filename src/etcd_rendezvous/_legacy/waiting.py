@@ -33,7 +33,7 @@ from .._transport.interface import (
 from .._transport.retry import Deadline
 from ..layout import LegacyLayout, normalize_key, waiter_name
 from .admission import grace
-from .state import WAITING, status_in, waiters_of
+from .state import LOGGER_NAME, WAITING, status_in, waiters_of
 
 __all__ = [
     "GATHER",
@@ -43,7 +43,7 @@ __all__ = [
     "plan_count",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 #: Seconds a wait key lives. It is counted within moments of being written; it only has
 #: to outlive a folding worker that died (then the next one, after the grace, counts it).
