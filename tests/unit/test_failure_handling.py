@@ -20,7 +20,6 @@ import pytest
 from etcd_rendezvous._dynamic.periodic import _PeriodicTimer
 from etcd_rendezvous._transport import v3_wire as wire
 from etcd_rendezvous._transport.interface import (
-    Attempt,
     CompareFailedError,
     KeyExistsError,
     Node,
@@ -204,33 +203,6 @@ def test_a_refusal_after_a_lost_answer_is_marked_and_the_loop_fails_over() -> No
 
 def _node(value: str, index: int, action: str = "compareAndSwap") -> Node:
     return Node("/k", value, index, 1, index, None, False, (), action)
-
-
-@pytest.mark.parametrize(
-    ("first_change", "applied", "unknown"),
-    [
-        (_node("ours", 6), True, False),  # our lost copy was the first change
-        (_node("theirs", 6), False, False),  # another write came first: not ours
-        (None, False, True),  # etcd no longer holds the change that would tell
-    ],
-)
-def test_a_conditional_write_after_a_lost_answer_is_settled_by_the_first_change(
-    conn: Any,
-    monkeypatch: pytest.MonkeyPatch,
-    first_change: Node | None,
-    applied: bool,
-    unknown: bool,
-) -> None:
-    monkeypatch.setattr(conn, "first_change_after", lambda _key, _index: first_change)
-    refused = Attempt[Node](
-        Outcome.REFUSED, refusal=CompareFailedError("/k", 9), after_unknown=True
-    )
-    if applied:
-        assert conn._settle("compare-and-swap", "/k", "ours", 5, refused) == first_change
-        return
-    with pytest.raises(CompareFailedError) as excinfo:
-        conn._settle("compare-and-swap", "/k", "ours", 5, refused)
-    assert excinfo.value.outcome_unknown is unknown
 
 
 def test_the_store_does_not_write_again_when_its_write_may_have_applied(
