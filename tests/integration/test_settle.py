@@ -42,7 +42,8 @@ def test_an_applied_create_is_recognised_even_past_the_callers_deadline(
 ) -> None:
     conn = connect()
     created = conn.create(key, "ours-tag456")
-    conn.set(key, "later")  # so that the creating write must be looked up in the history
+    # Changed since (keeping its creation index): the creating write is looked up.
+    conn.compare_and_swap(key, "later", created)
     refused = _refused_after_unknown(KeyExistsError(key, None))
     with conn.bounded_by(Deadline(0.0 if deadline_passed else 30.0)):
         settled = conn._settle("create", key, "ours-tag456", None, refused)
