@@ -251,6 +251,7 @@ def test_cas_lost_whose_history_is_gone_is_refused_with_outcome_unknown(
     conn = connect(etcd_proxy.endpoint)
     prev = conn.set(key, "v0")
     etcd_proxy.drop_responses(count=1, close_client=True)
+
     # etcd no longer holds the change that would tell whether the lost copy applied.
     def history_lost(_key: str, index: int) -> None:
         raise WatchHistoryLostError(key, index + 1)

@@ -39,7 +39,7 @@ def _refused(error: Exception | None = None) -> Attempt[Node]:
     return Attempt[Node](Outcome.REFUSED, refusal=refusal, after_unknown=True)
 
 
-def _lookup(result: Node | None | Exception, asked: list[int]) -> Callable[[str, int], Node | None]:
+def _lookup(result: Node | Exception | None, asked: list[int]) -> Callable[[str, int], Node | None]:
     def lookup(_key: str, index: int) -> Node | None:
         asked.append(index)
         if isinstance(result, Exception):
@@ -63,7 +63,7 @@ def _lookup(result: Node | None | Exception, asked: list[int]) -> Callable[[str,
 def test_a_swap_after_a_lost_answer_is_settled_by_the_first_change_after_prev(
     conn: Any,
     monkeypatch: pytest.MonkeyPatch,
-    first_change: Node | None | Exception,
+    first_change: Node | Exception | None,
     applied: bool,
     unknown_because: str | None,
 ) -> None:
@@ -77,7 +77,8 @@ def test_a_swap_after_a_lost_answer_is_settled_by_the_first_change_after_prev(
         conn._settle("compare-and-swap", "/k", "ours", 5, _refused())
     assert asked == [5]
     assert excinfo.value.outcome_unknown is bool(unknown_because)
-    assert unknown_because is not None and unknown_because in excinfo.value.unknown_because
+    assert unknown_because is not None
+    assert unknown_because in excinfo.value.unknown_because
 
 
 def test_a_copy_applied_after_a_lost_answer_is_the_result_without_a_lookup(
