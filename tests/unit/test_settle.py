@@ -13,6 +13,7 @@ from etcd_rendezvous._transport.interface import (
     Attempt,
     CompareFailedError,
     KeyExistsError,
+    KeyNotFoundError,
     Node,
     Outcome,
     WatchHistoryLostError,
@@ -125,7 +126,7 @@ def test_a_create_after_a_lost_answer_is_settled_by_the_write_that_created_the_k
 ) -> None:
     looked_up: list[int] = []
     monkeypatch.setattr(conn, "_lookup_change", _lookup(first_change, looked_up))
-    monkeypatch.setattr(conn, "try_get", lambda _key: current)
+    monkeypatch.setattr(conn, "get", lambda _key: current)
     refused = _refused(KeyExistsError("/k", 9))
     if applied:
         assert conn._settle("create", "/k", "ours", None, refused).value == "ours"
@@ -141,11 +142,24 @@ def test_a_create_whose_history_is_gone_is_refused_as_unknown(
 ) -> None:
     lost = WatchHistoryLostError("/k", 6)
     monkeypatch.setattr(conn, "_lookup_change", _lookup(lost, []))
-    monkeypatch.setattr(conn, "try_get", lambda _key: _node("later", 8, "get", created=6))
+    monkeypatch.setattr(conn, "get", lambda _key: _node("later", 8, "get", created=6))
     with pytest.raises(KeyExistsError) as excinfo:
         conn._settle("create", "/k", "ours", None, _refused(KeyExistsError("/k", 9)))
     assert excinfo.value.outcome_unknown
     assert "no longer holds" in excinfo.value.unknown_because
+
+
+def test_a_create_whose_key_is_gone_is_refused_as_unknown(
+    conn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def gone(key: str) -> Node:
+        raise KeyNotFoundError(key, 10)
+
+    monkeypatch.setattr(conn, "get", gone)
+    with pytest.raises(KeyExistsError) as excinfo:
+        conn._settle("create", "/k", "ours", None, _refused(KeyExistsError("/k", 9)))
+    assert excinfo.value.outcome_unknown
+    assert "deleted" in excinfo.value.unknown_because
 
 
 def test_the_history_lookup_outlives_an_expired_caller_deadline(

@@ -620,10 +620,14 @@ class Transport(abc.ABC):
 
     def first_change_after(self, key: str, index: int) -> Node | None:
         """The first recorded change of ``key`` after ``index``; ``None`` if etcd no
-        longer holds it or did not answer within :meth:`_lookup_deadline`."""
+        longer holds it or did not answer within :meth:`_lookup_deadline`.
+
+        Raises:
+            RendezvousConnectionError: etcd was unreachable.
+        """
         try:
             return self._lookup_change(key, index)
-        except (WatchHistoryLostError, RendezvousConnectionError):
+        except WatchHistoryLostError:
             return None
 
     def _lookup_change(self, key: str, index: int) -> Node | None:
@@ -910,9 +914,12 @@ class Transport(abc.ABC):
         except WatchHistoryLostError:
             change = None
             lost = "etcd no longer holds the history that tells whether it was applied"
+        except KeyNotFoundError:
+            change = None
+            lost = "the key was deleted before its history could be checked"
         except RendezvousConnectionError as exc:
             change = None
-            lost = f"its history could not be checked ({exc})"
+            lost = f"its history could not be checked ({str(exc).rstrip('.')})"
         if change is not None and change.value == value and change.action != "expire":
             logger.info("%s of %s was applied by an earlier attempt", what, key)
             record_metric("transport.outcome_resolved", op=op, result="applied")
@@ -929,14 +936,13 @@ class Transport(abc.ABC):
 
         Raises:
             WatchHistoryLostError: etcd no longer holds that change.
+            KeyNotFoundError: a create's key is gone, and with it its creation index.
             RendezvousConnectionError: etcd was unreachable.
         """
         if since is not None:
             return self._lookup_change(key, since)
         # A create: look at how the key's current version came to be.
-        current = self.try_get(key)
-        if current is None:
-            return None
+        current = self.get(key)
         if current.created_index == current.modified_index:
             return current  # not changed since it was created
         return self._lookup_change(key, current.created_index - 1)
