@@ -611,13 +611,13 @@ def _check_known(
     refusal: CompareFailedError | KeyExistsError | KeyNotFoundError, key: KeyLike
 ) -> None:
     """Raise if our own earlier copy of the refused write may have been applied (etcd
-    lost its answer and no longer holds the history that would tell): writing again
-    could apply it twice."""
+    lost its answer, and the history that would tell is gone or could not be read):
+    writing again could apply it twice."""
     if refusal.outcome_unknown:
         raise RendezvousConnectionError(
             f"Could not update key {key!r} in etcd ({refusal.key!r}): etcd lost the answer "
-            "to a write and no longer holds the history that tells whether it was "
-            "applied; the update may or may not have been applied."
+            f"to a write and {refusal.unknown_because}; the update may or may not have "
+            "been applied."
         )
 
 

@@ -25,6 +25,7 @@ from etcd_rendezvous._transport.interface import (
     KeyExistsError,
     OperationRefusedError,
     Transport,
+    WatchHistoryLostError,
 )
 from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError
 from etcd_rendezvous.etcd_server import EtcdServer
@@ -250,13 +251,18 @@ def test_cas_lost_whose_history_is_gone_is_refused_with_outcome_unknown(
     conn = connect(etcd_proxy.endpoint)
     prev = conn.set(key, "v0")
     etcd_proxy.drop_responses(count=1, close_client=True)
+
     # etcd no longer holds the change that would tell whether the lost copy applied.
-    monkeypatch.setattr(conn, "first_change_after", lambda _key, _index: None)
+    def history_lost(_key: str, index: int) -> None:
+        raise WatchHistoryLostError(key, index + 1)
+
+    monkeypatch.setattr(conn, "_lookup_change", history_lost)
 
     with pytest.raises(CompareFailedError) as excinfo:
         conn.compare_and_swap(key, "ours", prev)
 
     assert excinfo.value.outcome_unknown
+    assert "no longer holds" in excinfo.value.unknown_because
     assert history(conn, key, prev.modified_index) == changes(api, ("compareAndSwap", "ours"))
 
 

@@ -20,7 +20,6 @@ import pytest
 from etcd_rendezvous._dynamic.periodic import _PeriodicTimer
 from etcd_rendezvous._transport import v3_wire as wire
 from etcd_rendezvous._transport.interface import (
-    Attempt,
     CompareFailedError,
     KeyExistsError,
     Node,
@@ -206,33 +205,6 @@ def _node(value: str, index: int, action: str = "compareAndSwap") -> Node:
     return Node("/k", value, index, 1, index, None, False, (), action)
 
 
-@pytest.mark.parametrize(
-    ("first_change", "applied", "unknown"),
-    [
-        (_node("ours", 6), True, False),  # our lost copy was the first change
-        (_node("theirs", 6), False, False),  # another write came first: not ours
-        (None, False, True),  # etcd no longer holds the change that would tell
-    ],
-)
-def test_a_conditional_write_after_a_lost_answer_is_settled_by_the_first_change(
-    conn: Any,
-    monkeypatch: pytest.MonkeyPatch,
-    first_change: Node | None,
-    applied: bool,
-    unknown: bool,
-) -> None:
-    monkeypatch.setattr(conn, "first_change_after", lambda _key, _index: first_change)
-    refused = Attempt[Node](
-        Outcome.REFUSED, refusal=CompareFailedError("/k", 9), after_unknown=True
-    )
-    if applied:
-        assert conn._settle("compare-and-swap", "/k", "ours", 5, refused) == first_change
-        return
-    with pytest.raises(CompareFailedError) as excinfo:
-        conn._settle("compare-and-swap", "/k", "ours", 5, refused)
-    assert excinfo.value.outcome_unknown is unknown
-
-
 def test_the_store_does_not_write_again_when_its_write_may_have_applied(
     conn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -241,6 +213,7 @@ def test_the_store_does_not_write_again_when_its_write_may_have_applied(
     monkeypatch.setattr(conn, "get", lambda _key: current)
     unknown = CompareFailedError("/k", 9)
     unknown.outcome_unknown = True
+    unknown.unknown_because = "etcd no longer holds the history that tells whether it was applied"
     writes: list[str] = []
 
     def compare_and_swap(_key: str, value: str, _prev: Node, **_kw: Any) -> Node:
@@ -248,8 +221,12 @@ def test_the_store_does_not_write_again_when_its_write_may_have_applied(
         raise unknown
 
     monkeypatch.setattr(conn, "compare_and_swap", compare_and_swap)
-    with pytest.raises(RendezvousConnectionError, match="may or may not have been applied"):
+    with pytest.raises(RendezvousConnectionError) as excinfo:
         store.add("counter", 1)
+    assert str(excinfo.value).endswith(
+        "etcd lost the answer to a write and etcd no longer holds the history that tells "
+        "whether it was applied; the update may or may not have been applied."
+    )
     assert len(writes) == 1  # not sent again: it could be applied twice
 
 

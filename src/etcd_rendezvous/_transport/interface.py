@@ -76,9 +76,13 @@ class _ConditionError(Exception):
         #: The store index (revision) at the time of the refusal, when etcd reported it.
         self.etcd_index = etcd_index
         #: Whether an earlier copy of this conditional write, whose answer was lost, may
-        #: have been applied after all (etcd no longer holds the history that would
-        #: tell). The caller re-reads the key, as after any refusal.
+        #: have been applied after all (the history that would tell is gone or could not
+        #: be read: :attr:`unknown_because`). The caller re-reads the key, as after any
+        #: refusal.
         self.outcome_unknown = False
+        #: Why the outcome is unknown, as a clause ("etcd no longer holds ..."); empty
+        #: unless :attr:`outcome_unknown`.
+        self.unknown_because = ""
 
 
 class KeyNotFoundError(_ConditionError):
@@ -615,8 +619,38 @@ class Transport(abc.ABC):
         """
 
     def first_change_after(self, key: str, index: int) -> Node | None:
-        """The first recorded change of ``key`` after ``index``, if etcd still has it."""
-        return self.watch(key, index + 1, timeout=0.5)
+        """The first recorded change of ``key`` after ``index``; ``None`` if etcd no
+        longer holds it or did not answer within :meth:`_lookup_deadline`.
+
+        Raises:
+            RendezvousConnectionError: etcd was unreachable.
+        """
+        try:
+            return self._lookup_change(key, index)
+        except WatchHistoryLostError:
+            return None
+
+    def _lookup_change(self, key: str, index: int) -> Node | None:
+        """:meth:`first_change_after`, except that lost history raises
+        :class:`WatchHistoryLostError` and an unreachable etcd
+        :class:`RendezvousConnectionError`.
+
+        Runs after the thread's :meth:`bounded_by` deadline if need be: it finds out
+        the fate of a write that :meth:`_operate` sent after the deadline.
+        """
+        deadline = self._lookup_deadline()
+        outer: Deadline | None = getattr(self._scope, "deadline", None)
+        self._scope.deadline = deadline
+        try:
+            return self._wait_for_change(key, index + 1, deadline.remaining(), recursive=False)
+        finally:
+            self._scope.deadline = outer
+
+    def _lookup_deadline(self) -> Deadline:
+        """The deadline of a look into a key's history: ``request_timeout`` (within the
+        thread's :meth:`bounded_by` deadline), and never less than :meth:`_last_chance`."""
+        within = self.bound(Deadline(self._request_timeout)).remaining()
+        return Deadline(max(within, self._last_chance()))
 
     @abc.abstractmethod
     def time_to_live(self, node: Node) -> int | None:
@@ -861,7 +895,9 @@ class Transport(abc.ABC):
         change after that state is decisive. It is ours if it carries ``value``: callers
         make each conditional write's value its own (a tag), or write values whose
         meaning is the same whoever wrote them (see :doc:`how-it-works`). If etcd no
-        longer holds that change, the refusal is raised with ``outcome_unknown`` set.
+        longer holds that change, or it could not be read in time (even past the
+        thread's deadline, see :meth:`_lookup_change`), the refusal is raised with
+        ``outcome_unknown`` set and ``unknown_because`` saying which.
         """
         if not done.after_unknown:
             return self._note_index(done.unwrap())
@@ -871,28 +907,45 @@ class Transport(abc.ABC):
             # A copy sent after the lost answer was applied (the lost one was not).
             record_metric("transport.outcome_resolved", op=op, result="resent")
             return self._note_index(done.unwrap())
-        change = self._change_to_examine(key, since)
+        refusal = done.unwrap_refusal()
+        try:
+            change = self._change_to_examine(key, since)
+            lost = "its history could not be checked in time (etcd slow or unreachable)"
+        except WatchHistoryLostError:
+            change = None
+            lost = "etcd no longer holds the history that tells whether it was applied"
+        except KeyNotFoundError:
+            change = None
+            lost = "the key was deleted before its history could be checked"
+        except RendezvousConnectionError as exc:
+            change = None
+            lost = f"its history could not be checked ({str(exc).rstrip('.')})"
         if change is not None and change.value == value and change.action != "expire":
             logger.info("%s of %s was applied by an earlier attempt", what, key)
             record_metric("transport.outcome_resolved", op=op, result="applied")
             return self._note_index(change)
         record_metric("transport.outcome_resolved", op=op, result="not_applied")
-        refusal = done.unwrap_refusal()
-        refusal.outcome_unknown = change is None
+        if change is None:
+            refusal.outcome_unknown = True
+            refusal.unknown_because = lost
         raise refusal
 
     def _change_to_examine(self, key: str, since: int | None) -> Node | None:
+        """The first change after ``since`` (for a create: the one that made the key's
+        current version); ``None`` if etcd did not answer in time.
+
+        Raises:
+            WatchHistoryLostError: etcd no longer holds that change.
+            KeyNotFoundError: a create's key is gone, and with it its creation index.
+            RendezvousConnectionError: etcd was unreachable.
+        """
         if since is not None:
-            return self.first_change_after(key, since)
+            return self._lookup_change(key, since)
         # A create: look at how the key's current version came to be.
-        current = self.try_get(key)
-        if current is None:
-            return None
-        change = self.first_change_after(key, current.created_index - 1)
-        if change is None and current.created_index == current.modified_index:
-            # etcd no longer holds that history, but the key was not changed since.
-            return current
-        return change
+        current = self.get(key)
+        if current.created_index == current.modified_index:
+            return current  # not changed since it was created
+        return self._lookup_change(key, current.created_index - 1)
 
 
 class _WaitingWatchStream(WatchStream):

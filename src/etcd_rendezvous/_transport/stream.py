@@ -19,6 +19,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..api import RendezvousConnectionError, RendezvousError
@@ -27,7 +28,9 @@ from .interface import Node, Transport, WatchHistoryLostError, WatchStream, _Amb
 from .retry import REWATCH, Deadline
 
 __all__ = [
-    "Batches",
+    "Changes",
+    "Messages",
+    "Registered",
     "StreamingWatch",
     "hold_socket_open",
     "iter_objects",
@@ -36,10 +39,24 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: What a subclass's parser yields for each message of an answer: the changes it
-#: carries (possibly none), or, for "etcd confirmed the watch" (v3's created), the index
-#: it was registered at (``None`` where unknown).
-Batches = Iterator["list[Node] | int | None"]
+
+@dataclass(frozen=True)
+class Changes:
+    """A message of a watch answer that carries changes (possibly none)."""
+
+    nodes: list[Node]
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A message by which etcd confirms that the watch is in place (v3's ``created``),
+    registered at store index ``index`` (0: unknown)."""
+
+    index: int
+
+
+#: What a subclass's parser yields: one item per message of an answer.
+Messages = Iterator[Changes | Registered]
 
 #: The reader stops reading while this many changes wait in the buffer, so that a
 #: stream nobody reads cannot grow without bound (etcd then drops or slows the watcher).
@@ -75,7 +92,7 @@ class StreamingWatch(WatchStream):
     """
 
     #: Whether an answer with status 200 means that the watch is in place (v2); if not,
-    #: :meth:`_open` waits for the parser to yield ``None`` (v3's ``created``).
+    #: :meth:`_open` waits for the parser to yield :class:`Registered` (v3's ``created``).
     confirmed_by_status = True
 
     def __init__(self, transport: Transport, key: str, start_index: int, recursive: bool) -> None:
@@ -96,7 +113,7 @@ class StreamingWatch(WatchStream):
     # -- what a subclass does -------------------------------------------------------
 
     @abc.abstractmethod
-    def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Batches]:
+    def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Messages]:
         """Send a watch request from ``from_index`` to endpoint ``endpoint``.
 
         Returns the answer (urllib3 response, status 200, body not
@@ -126,7 +143,7 @@ class StreamingWatch(WatchStream):
                 deadline (``read_timeout``, or the thread's ``bounded_by`` deadline).
         """
         try:
-            self._reopen(None, self._transport._budget(), at_deadline="raise")
+            self._reopen(None, self._transport._budget(), give_up_at_deadline=False)
         except WatchHistoryLostError:
             pass
         except BaseException:
@@ -169,7 +186,7 @@ class StreamingWatch(WatchStream):
                     silent, feed = feed, None
             if silent is not None:
                 self._abandon(silent)
-            if deadline.expired() or not self._reopen(feed, deadline, at_deadline="none"):
+            if deadline.expired() or not self._reopen(feed, deadline, give_up_at_deadline=True):
                 return None
 
     def _wake(self) -> None:
@@ -209,10 +226,11 @@ class StreamingWatch(WatchStream):
         logger.debug("Watch of %s re-armed from index %d", self._key, self._resume)
         feed.stop()
 
-    def _reopen(self, feed: _Feed | None, deadline: Deadline, *, at_deadline: str) -> bool:
+    def _reopen(self, feed: _Feed | None, deadline: Deadline, *, give_up_at_deadline: bool) -> bool:
         """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
-        ``None``), retrying within ``deadline``. Returns whether it did; with
-        ``at_deadline="none"``, ``False`` when etcd was unreachable until the deadline."""
+        ``None``), retrying within ``deadline``. Returns whether it did: with
+        ``give_up_at_deadline``, ``False`` when etcd was unreachable until the deadline
+        (else that raises :class:`RendezvousConnectionError`)."""
         failed = feed is not None and self._retire(feed, deadline)
         if feed is not None:
             record_metric("transport.watch_restarts", api=self._transport.api)
@@ -231,7 +249,7 @@ class StreamingWatch(WatchStream):
                 self._failed = exc
             raise
         except RendezvousConnectionError:
-            if at_deadline == "none" and deadline.expired():
+            if give_up_at_deadline and deadline.expired():
                 return False
             raise
         return True
@@ -294,20 +312,19 @@ class StreamingWatch(WatchStream):
 
     # -- called by the reader thread --------------------------------------------------
 
-    def _take(self, feed: _Feed, batch: list[Node] | int | None) -> bool:
+    def _take(self, feed: _Feed, message: Changes | Registered) -> bool:
         """Buffer what the reader parsed. Returns whether to keep reading."""
         self._transport._heard_from(feed.endpoint)
         with self._cond:
             if feed is not self._feed or self._closed:
                 return False
-            if batch is None or isinstance(batch, int):
+            if isinstance(message, Registered):
                 feed.ready = True
-                if isinstance(batch, int):
-                    self._registered_at(batch)
+                self._registered_at(message.index)
             else:
                 # After a reopen, etcd starts at _resume: nothing before it is new. The
                 # changes of one index (a v3 transaction) always come in one message.
-                fresh = [node for node in batch if node.modified_index >= self._resume]
+                fresh = [node for node in message.nodes if node.modified_index >= self._resume]
                 self._events.extend(fresh)
                 feed.changes += len(fresh)
                 if fresh:
@@ -351,16 +368,16 @@ class StreamingWatch(WatchStream):
 def _read(
     ref: weakref.ReferenceType[StreamingWatch],
     feed: _Feed,
-    batches: Batches,
+    messages: Messages,
     feeds: set[_Feed],
 ) -> None:
-    """The reader thread: buffer each batch of ``feed`` into the stream ``ref``, until
+    """The reader thread: buffer each message of ``feed`` into the stream ``ref``, until
     the answer ends or the stream no longer wants it."""
     failure: BaseException | None = None
     try:
-        for batch in batches:
+        for message in messages:
             stream = ref()
-            if stream is None or not stream._take(feed, batch):
+            if stream is None or not stream._take(feed, message):
                 return
             del stream
         stream = ref()

@@ -20,7 +20,7 @@ from urllib3.exceptions import HTTPError
 
 from .interface import KeyNotFoundError, Node, Transport, WatchHistoryLostError, _AmbiguousError
 from .retry import Deadline
-from .stream import Batches, StreamingWatch, hold_socket_open, iter_objects
+from .stream import Changes, Messages, StreamingWatch, hold_socket_open, iter_objects
 
 __all__ = ["OneRequest", "V2WatchStream"]
 
@@ -40,7 +40,7 @@ class V2WatchStream(StreamingWatch):
         super().__init__(transport, key, start_index, recursive)
         self._once = once
 
-    def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Batches]:
+    def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Messages]:
         transport = self._transport
         key = self._key if self._key.startswith("/") else f"/{self._key}"
         fields = {"wait": "true", "stream": "true"}
@@ -88,16 +88,16 @@ class V2WatchStream(StreamingWatch):
         if from_index == 0:
             with self._cond:
                 self._registered_at(index)
-        return response, _batches(transport.endpoints[endpoint], response, index)
+        return response, _messages(transport.endpoints[endpoint], response, index)
 
 
-def _batches(endpoint: str, response: Any, etcd_index: int) -> Batches:
+def _messages(endpoint: str, response: Any, etcd_index: int) -> Messages:
     """The changes of one answer, one at a time; ends after a change from the history
     (``etcd_index`` is the answer's ``X-Etcd-Index``), for which etcd watches no more."""
     try:
         for message in iter_objects(response.stream(64 * 1024)):
             node = _event_node(message, etcd_index)
-            yield [node]
+            yield Changes([node])
             if node.modified_index <= etcd_index:
                 return
     except (HTTPError, OSError, ValueError, TypeError) as exc:

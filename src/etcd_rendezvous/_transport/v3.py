@@ -381,6 +381,8 @@ class EtcdV3Connection(Transport):
             try:
                 return self._operate(what, key, functools.partial(send, lease))
             except _LeaseGoneError:
+                # A fresh _operate drops after_unknown: harmless, as an earlier copy's
+                # key went with the gone lease.
                 self._forget_lease(lease)
                 if not replacements_left:
                     raise OperationRefusedError(

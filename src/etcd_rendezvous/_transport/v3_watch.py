@@ -18,7 +18,14 @@ from ..api import RendezvousConnectionError
 from . import v3_wire as wire
 from .interface import Node, Transport, WatchHistoryLostError, _AmbiguousError
 from .retry import Deadline
-from .stream import Batches, StreamingWatch, hold_socket_open, iter_objects
+from .stream import (
+    Changes,
+    Messages,
+    Registered,
+    StreamingWatch,
+    hold_socket_open,
+    iter_objects,
+)
 
 __all__ = ["Gateway", "V3WatchStream"]
 
@@ -77,7 +84,7 @@ class V3WatchStream(StreamingWatch):
                         endpoint, f"watch {self._key!r}", "read", detail
                     ) from None
 
-    def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Batches]:
+    def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Messages]:
         transport, gateway = self._transport, self._gateway
         where = f"watch {self._key!r}"
         request: dict[str, Any] = {"key": wire.b64(self._key)}
@@ -107,16 +114,15 @@ class V3WatchStream(StreamingWatch):
             raise gateway._server_failure(endpoint, "/v3/watch", error, where)
         hold_socket_open(response)
         url = transport.endpoints[endpoint]
-        return response, _batches(
+        return response, _messages(
             gateway, url, endpoint, response, self._key, self._recursive, from_index
         )
 
 
-def _batches(
+def _messages(
     gateway: Gateway, endpoint: str, idx: int, response: Any, key: str, recursive: bool, start: int
-) -> Batches:
-    """The messages of one watch answer (from ``endpoint``, number ``idx``): for
-    ``created`` the store revision, else its changes."""
+) -> Messages:
+    """The messages of one watch answer (from ``endpoint``, number ``idx``)."""
     try:
         for message in iter_objects(response.stream(64 * 1024)):
             yield _handle(gateway, endpoint, idx, message, key, recursive, start)
@@ -133,10 +139,10 @@ def _handle(
     key: str,
     recursive: bool,
     start: int,
-) -> list[Node] | int:
+) -> Changes | Registered:
     """The changes in ``message`` of ``key`` (or of keys below it: a recursive watch's
-    range also holds siblings such as ``key-2``); the store revision if it confirms the
-    watch."""
+    range also holds siblings such as ``key-2``), or the store revision at which it
+    confirms the watch."""
     where = f"watch {key!r}"
     error = wire.stream_error(message)
     if error is not None:
@@ -148,7 +154,7 @@ def _handle(
         raise _AmbiguousError(f"{endpoint}: watch stream ended: {error}")
     result = message.get("result")
     if not isinstance(result, dict):
-        return []
+        return Changes([])
     if result.get("canceled"):
         compacted = int(result.get("compact_revision", 0) or 0)
         if compacted > 0:
@@ -170,11 +176,11 @@ def _handle(
     header = result.get("header")
     revision = int(header.get("revision", 0)) if isinstance(header, dict) else 0
     if result.get("created"):
-        return revision  # the watch is in place, from the revision after this one
+        return Registered(revision)  # in place, from the revision after this one
     events = result.get("events")
     below = key if key.endswith("/") else key + "/"
     nodes = [_event_node(event, revision) for event in events or () if isinstance(event, dict)]
-    return [n for n in nodes if n.key == key or (recursive and n.key.startswith(below))]
+    return Changes([n for n in nodes if n.key == key or (recursive and n.key.startswith(below))])
 
 
 def _event_node(event: dict[str, Any], revision: int) -> Node:
