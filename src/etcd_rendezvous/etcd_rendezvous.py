@@ -55,6 +55,10 @@ __all__ = [
     "parse_state",
 ]
 
+# Pickles, reprs and the docs name these after the module users import them from.
+member_ranks.__module__ = __name__
+parse_state.__module__ = __name__
+
 logger = logging.getLogger(__name__)
 
 #: Default time for :meth:`EtcdRendezvous.rendezvous_barrier` to succeed, in seconds.
