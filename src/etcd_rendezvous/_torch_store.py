@@ -20,7 +20,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from ..api import RendezvousParameters, Store
+from .api import RendezvousParameters, Store
 
 __all__ = ["TORCH_STORE_OPTION", "adapt_store", "torch_available", "torch_store_wanted"]
 
