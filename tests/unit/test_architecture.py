@@ -319,7 +319,7 @@ def violations(root: pathlib.Path, rules: Rules = RULES) -> set[str]:
     return found
 
 
-def _report(title: str, lines: set[str]) -> str:
+def _report(title: str, lines: set[str] | frozenset[str]) -> str:
     return title + "\n" + "\n".join(f"  {line}" for line in sorted(lines))
 
 
