@@ -38,7 +38,6 @@ import shutil
 import socket
 import uuid
 from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +47,10 @@ from etcd_rendezvous import events
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous._transport.v2 import EtcdConnection
+from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.etcd_server import EtcdServer
-from support import v3_gateway
 from support.faultproxy import FaultProxy
+from support.history import EVENT_HISTORY, forget_history
 from support.net import closed_port, endpoint_of
 from support.rdzv import Worker
 from support.tls_certs import make_certs
@@ -264,8 +264,8 @@ def pytest_runtest_makereport(
 
 # -- etcd history --------------------------------------------------------------------
 
-#: etcd v2 keeps the last 1000 events; a watch from an older index is refused.
-_EVENT_HISTORY = 1000
+#: The key the history fixtures write.
+_HISTORY_FILLER = "/test/history-filler"
 
 
 @pytest.fixture(scope="module")
@@ -274,14 +274,10 @@ def v2_history_cleared(etcd_server: EtcdServer) -> None:
     history of the last 1000)."""
     if not etcd_server.enable_v2:
         return
-    conn = EtcdConnection([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
+    conn = EtcdConnection([endpoint_of(etcd_server)], read_timeout=10)
     try:
-        index = conn.set("/test/history-filler/0", "0").etcd_index
-        missing = _EVENT_HISTORY + 100 - index
-        if missing > 0:
-            with ThreadPoolExecutor(8, thread_name_prefix="history-filler") as pool:
-                list(pool.map(lambda i: conn.set(f"/test/history-filler/{i % 8}", str(i)),
-                              range(missing)))  # fmt: skip
+        if conn.set(_HISTORY_FILLER, "0").etcd_index <= EVENT_HISTORY + 100:
+            forget_history(conn, etcd_server.client_url, _HISTORY_FILLER)
     finally:
         conn.close()
 
@@ -293,7 +289,5 @@ def cleared_history(api: str, etcd_server: EtcdServer, request: pytest.FixtureRe
     if api == "v2":
         request.getfixturevalue("v2_history_cleared")
         return
-    url = etcd_server.client_url
-    v3_gateway.put(url, "/test/history-filler/0", "0")
-    revision = v3_gateway.call(url, "/v3/kv/range", {"key": "AA=="})["header"]["revision"]
-    v3_gateway.call(url, "/v3/kv/compaction", {"revision": revision})
+    with EtcdV3Connection([endpoint_of(etcd_server)], read_timeout=10) as conn:
+        forget_history(conn, etcd_server.client_url, _HISTORY_FILLER)

@@ -17,7 +17,7 @@ from ._dynamic.backend import RendezvousBackend
 from ._dynamic.backend import Token as _Token
 from ._dynamic.handler import DynamicRendezvousHandler, create_handler
 from ._dynamic.settings import RendezvousSettings, RendezvousTimeout
-from ._dynamic.state import NodeDesc, RendezvousState, decode_state
+from ._dynamic.state import NodeDesc, RendezvousState, _NodeDesc, _RendezvousState, decode_state
 
 __all__ = [
     "DynamicRendezvousHandler",
@@ -30,6 +30,17 @@ __all__ = [
     "create_handler",
     "decode_state",
 ]
+
+# Pickles, reprs and the docs name these after the module users import them from, which
+# stays where it is while the private modules behind it may move. The state classes keep
+# PyTorch's names (_NodeDesc, _RendezvousState, found here as in PyTorch's module); the
+# state written to etcd names PyTorch's module, whatever these say (see decode_state).
+RendezvousBackend.__module__ = __name__
+RendezvousSettings.__module__ = __name__
+RendezvousTimeout.__module__ = __name__
+_NodeDesc.__module__ = __name__
+_RendezvousState.__module__ = __name__
+decode_state.__module__ = __name__
 
 # Bound (and documented) here, where users import it from.
 Token = _Token

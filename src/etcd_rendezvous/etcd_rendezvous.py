@@ -31,8 +31,8 @@ from ._legacy.state import (
     member_ranks,
     parse_state,
 )
-from ._torch.errors import torch_errors
-from ._torch.store import adapt_store, torch_available, torch_store_wanted
+from ._torch_errors import torch_errors
+from ._torch_store import adapt_store, torch_available, torch_store_wanted
 from ._transport.interface import KeyNotFoundError
 from ._transport.options import create_etcd_connection as _create_etcd_connection
 from ._transport.options import seconds as _seconds
@@ -54,6 +54,10 @@ __all__ = [
     "member_ranks",
     "parse_state",
 ]
+
+# Pickles, reprs and the docs name these after the module users import them from.
+member_ranks.__module__ = __name__
+parse_state.__module__ = __name__
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar, cast
 
-from ._torch.errors import as_torch_error
+from ._torch_errors import as_torch_error
 
 __all__ = [
     "EventHandler",
@@ -286,7 +286,7 @@ def _records_failure(method: _Method) -> _Method:
     """Make ``method`` record a ``FAILED`` event for any exception it raises, as
     PyTorch's handler does (``"<ExceptionType>: <message>"``), then re-raise it: where
     torch's rendezvous is loaded, this package's rendezvous errors as torch's too (see
-    :func:`etcd_rendezvous._torch.errors.as_torch_error`), so torch's agent catches them.
+    :func:`etcd_rendezvous._torch_errors.as_torch_error`), so torch's agent catches them.
 
     For methods of classes with a ``_record(message, node_state, *, method)`` method.
     """

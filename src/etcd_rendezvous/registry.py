@@ -15,7 +15,7 @@ gracefully exited").
 
 from __future__ import annotations
 
-from ._torch.errors import torch_errors
+from ._torch_errors import torch_errors
 from .api import RendezvousHandler, RendezvousParameters
 from .api import rendezvous_handler_registry as handler_registry
 

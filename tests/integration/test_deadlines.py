@@ -30,8 +30,8 @@ from etcd_rendezvous.api import (
 )
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
-from etcd_rendezvous.layout import ETCD_V2_STATE_PREFIX, LegacyLayout, etcd_v2_state_key
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.rdzv import state_key
 from support.wait import wait_for_value
 
 logger = logging.getLogger(__name__)
@@ -76,12 +76,6 @@ def _assert_bounded(what: str, error: BaseException | None, elapsed: float) -> N
     logger.info("%s: %s after %.2f s", what, type(error).__name__, elapsed)
     assert isinstance(error, RendezvousError), (what, error)
     assert elapsed < T + BOUND + SLACK, f"{what} took {elapsed:.1f} s: {error}"
-
-
-def _state_key(backend: str, run_id: str) -> str:
-    if backend == "etcd":
-        return LegacyLayout("/torchelastic/p2p", run_id).state_key
-    return etcd_v2_state_key(run_id, ETCD_V2_STATE_PREFIX)
 
 
 # -- creation ---------------------------------------------------------------------------
@@ -148,7 +142,7 @@ def _fault_mid_rendezvous(
     with handler:
         with open_transport([(server.get_host(), server.get_port())]) as conn:
             worker.start()
-            wait_for_value(conn, _state_key(backend, run_id), lambda value: value is not None)
+            wait_for_value(conn, state_key(backend, run_id), lambda value: value is not None)
         fault()
         worker.join(T + BOUND + SLACK + 30)
     assert outcome, "next_rendezvous() never returned"

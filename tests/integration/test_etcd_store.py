@@ -26,8 +26,8 @@ from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError,
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import DEFAULT_TIMEOUT, EtcdStore, cas_delay
 from etcd_rendezvous.layout import store_value_key
-from support import v3_gateway
 from support.faultproxy import FaultProxy
+from support.history import forget_history
 
 SHORT = timedelta(seconds=0.3)
 # Generous: only reached if a test is about to fail.
@@ -227,19 +227,6 @@ def test_get_waits_for_key_whose_encoding_ends_in_slash(
     assert joined(thread, outcome) == b"v"
 
 
-def forget_history(conn: Transport, etcd_server: EtcdServer, filler: str) -> None:
-    """Make etcd forget the changes made so far, and the next revision too: v2 keeps the
-    last 1,000 events, so 1,010 writes push them out; v3 keeps everything until a
-    compaction, which keeps the revision it compacts at, so compact two writes later."""
-    if conn.api == "v2":
-        for i in range(1010):
-            conn.set(filler, str(i))
-        return
-    conn.set(filler, "0")
-    revision = conn.set(filler, "1").modified_index
-    v3_gateway.call(etcd_server.client_url, "/v3/kv/compaction", {"revision": str(revision)})
-
-
 def test_get_recovers_when_etcd_dropped_the_watched_history(
     store: EtcdStore, conn: Transport, etcd_server: EtcdServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -250,7 +237,7 @@ def test_get_recovers_when_etcd_dropped_the_watched_history(
 
     def watch(key: str, index: int, timeout: float, **kwargs: Any) -> Any:
         if not watches:
-            forget_history(conn, etcd_server, store.prefix + "filler")
+            forget_history(conn, etcd_server.client_url, store.prefix + "filler")
             store.set("k", "after-the-flood")
         watches.append(index)
         return real_watch(key, index, timeout, **kwargs)
@@ -693,7 +680,9 @@ def store_losing_a_swap(
                 etcd_proxy.drop_responses(
                     count=1,
                     close_client=True,
-                    on_drop=lambda: forget_history(conn, etcd_server, etcd_prefix + "/filler"),
+                    on_drop=lambda: forget_history(
+                        conn, etcd_server.client_url, etcd_prefix + "/filler"
+                    ),
                 )
             return real_cas(key, value, prev, **kwargs)
 

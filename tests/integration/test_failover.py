@@ -30,12 +30,11 @@ from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, decode_
 from etcd_rendezvous.etcd_cluster import EtcdCluster, EtcdClusterMember
 from etcd_rendezvous.etcd_rendezvous import CONST_WORKER_KEEPALIVE_TTL, EtcdRendezvousHandler
 from etcd_rendezvous.layout import (
-    ETCD_V2_STATE_PREFIX,
     LegacyLayout,
-    etcd_v2_state_key,
     normalize_key,
 )
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.rdzv import state_key
 from support.wait import wait_for_value, wait_until
 
 BACKENDS = ("etcd", "etcd-v2")
@@ -152,12 +151,6 @@ def _participants(backend: str, value: str | None) -> int:
     return len(decode_state(b64decode(value), "test").participants)
 
 
-def _state_key(backend: str, run_id: str) -> str:
-    if backend == "etcd":
-        return LegacyLayout("/torchelastic/p2p", run_id).state_key
-    return etcd_v2_state_key(run_id, ETCD_V2_STATE_PREFIX)
-
-
 def _assert_one_group(infos: list[RendezvousInfo], nodes: int) -> None:
     """Every worker got its own rank in one world of ``nodes``, in the same round."""
     assert sorted(info.rank for info in infos) == list(range(nodes))
@@ -183,7 +176,7 @@ def test_leader_killed_while_workers_join(
     run_id: str,
 ) -> None:
     workers = workers_factory(backend, run_id, 3)
-    key = _state_key(backend, run_id)
+    key = state_key(backend, run_id)
     workers.join(0)
     workers.join(1)
     wait_for_value(observer, key, lambda value: _participants(backend, value) == 2, 60)
@@ -257,7 +250,7 @@ def test_leader_killed_while_heartbeats_are_due(
     workers.join(0)
     workers.join(1)
     workers.wait()
-    key = _state_key("etcd-v2", run_id)
+    key = state_key("etcd-v2", run_id)
     nodes = {h._this_node for h in workers.handlers if isinstance(h, DynamicRendezvousHandler)}
 
     def state() -> Any:

@@ -16,7 +16,6 @@ import pytest
 import etcd_rendezvous.etcd_rendezvous as legacy
 import etcd_rendezvous.etcd_rendezvous_backend as v2
 from etcd_rendezvous import torchrun
-from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import RendezvousParameters, RendezvousStateError
 from etcd_rendezvous.dynamic_rendezvous import create_handler
@@ -25,6 +24,7 @@ from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, creat
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.transports import Connect
 
 
 class CloseSpy:
@@ -40,10 +40,6 @@ class CloseSpy:
             real_close()
 
         conn.close = close  # type: ignore[method-assign]
-
-
-def _connect(etcd_server: EtcdServer) -> Transport:
-    return open_transport([(etcd_server.get_host(), etcd_server.get_port())], read_timeout=10)
 
 
 def _params(
@@ -111,8 +107,8 @@ def test_a_given_connection_stays_open(make: Maker, conn: Transport, etcd_prefix
     conn.set(f"{etcd_prefix}/still-used", "yes")  # The owner goes on using it.
 
 
-def test_a_handed_over_connection_is_closed_once(make: Maker, etcd_server: EtcdServer) -> None:
-    spy = CloseSpy(_connect(etcd_server))
+def test_a_handed_over_connection_is_closed_once(make: Maker, connect: Connect) -> None:
+    spy = CloseSpy(connect())
     with make(spy.conn, owns_connection=True) as obj:
         assert spy.calls == 0
     assert spy.calls == 1
@@ -134,14 +130,14 @@ def test_a_connection_made_from_an_etcd_client_is_closed_once(
 
 
 def test_a_constructor_that_fails_closes_the_connection_handed_over(
-    etcd_server: EtcdServer, etcd_prefix: str
+    connect: Connect, etcd_prefix: str
 ) -> None:
-    spy = CloseSpy(_connect(etcd_server))
+    spy = CloseSpy(connect())
     with pytest.raises(ValueError, match="run_id"):
         EtcdRendezvous(spy.conn, etcd_prefix, "a/b", 1, 1, 30, 0, owns_connection=True)
     assert spy.calls == 1
 
-    spy = CloseSpy(_connect(etcd_server))
+    spy = CloseSpy(connect())
     with pytest.raises(ValueError, match="run id"):
         EtcdRendezvousBackend(spy.conn, "", etcd_prefix, owns_connection=True)
     assert spy.calls == 1

@@ -27,8 +27,8 @@ from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import decode_state
 from etcd_rendezvous.etcd_cluster import EtcdCluster, EtcdClusterMember
-from etcd_rendezvous.layout import ETCD_V2_STATE_PREFIX, LegacyLayout, etcd_v2_state_key
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.rdzv import state_key
 from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
@@ -66,12 +66,6 @@ def _participants(backend: str, run_id: str, value: str | None) -> int:
     if backend == "etcd":
         return len(json.loads(value).get("participants", []))
     return len(decode_state(b64decode(value), run_id).participants)
-
-
-def _state_key(backend: str, run_id: str) -> str:
-    if backend == "etcd":
-        return LegacyLayout("/torchelastic/p2p", run_id).state_key
-    return etcd_v2_state_key(run_id, ETCD_V2_STATE_PREFIX)
 
 
 def _process_state(pid: int) -> str:
@@ -139,7 +133,7 @@ def rendezvous_through_a_frozen_member(
     third joins. Returns the seconds from the freeze to the last worker's return, and
     the workers' results."""
     healthy = [(m.host, m.port) for m in cluster.members if m is not silent]
-    key = _state_key(backend, run_id)
+    key = state_key(backend, run_id)
     joins = _Joins(handlers)
     with open_transport(healthy, read_timeout=10) as observer:
 

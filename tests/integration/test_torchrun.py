@@ -20,6 +20,7 @@ import pytest
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.etcd_server import EtcdServer
+from support.rdzv import state_key
 from support.torchrun import Agent, wait_for
 
 pytest.importorskip("torch.distributed.run", reason="PyTorch is not installed")
@@ -30,6 +31,8 @@ pytestmark = [pytest.mark.torch, pytest.mark.slow]
 # reaches the backend as a string), and the etcd key holding the run's state.
 LEGACY = "etcd-rendezvous"
 V2 = "etcd-rendezvous-v2"
+#: The rendezvous backend behind each torchrun handler.
+RDZV_BACKEND = {LEGACY: "etcd", V2: "etcd-v2"}
 CONF: dict[str, dict[str, object]] = {
     LEGACY: {"last_call_timeout": 2, "read_timeout": 10, "timeout": 120},
     V2: {
@@ -41,12 +44,6 @@ CONF: dict[str, dict[str, object]] = {
     },
 }
 AGENT_TIMEOUT = 180
-
-
-def _state_key(backend: str, run_id: str) -> str:
-    if backend == LEGACY:
-        return f"/torchelastic/p2p/run_{run_id}/rdzv/active_version"
-    return f"/torch/elastic/rendezvous/{run_id}"
 
 
 def _results(out: Path) -> list[dict[str, Any]]:
@@ -152,7 +149,7 @@ def test_two_agents_train_with_world_size_four(
     # The legacy backend never shares the agent's store; etcd-v2 does unless opted out.
     assert {r["use_agent_store"] for r in results} == {str(share_agent_store)}
     # The run's state is in etcd under PyTorch's key layout (so this was our backend).
-    node = conn.get(_state_key(backend, run_id))
+    node = conn.get(state_key(RDZV_BACKEND[backend], run_id))
     if backend == LEGACY:
         assert json.loads(node.value)["status"] == "closed"  # set by the agents' shutdown()
 
@@ -257,7 +254,7 @@ def test_two_agents_insisting_on_the_v3_api(
     # The state is in the v3 key space (on etcd 3.4/3.5 it is apart from v2's).
     endpoint = [(etcd_server.get_host(), etcd_server.get_port())]
     with open_transport(endpoint, etcd_api="v3") as v3:
-        assert v3.get(_state_key(V2, run_id)).value
+        assert v3.get(state_key("etcd-v2", run_id)).value
 
 
 @pytest.mark.parametrize("backend", [LEGACY, V2])
@@ -424,7 +421,7 @@ def test_etcd_torchrun_serves_torch_s_etcd_v2_name_against_an_etcd_without_v2(
         )
         endpoint = [(server.get_host(), server.get_port())]
         with open_transport(endpoint, etcd_api="v3") as v3:
-            assert v3.get(_state_key(V2, run_id)).value
+            assert v3.get(state_key("etcd-v2", run_id)).value
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert {r["sum"] for r in results} == {3.0}
     assert {r["run_id"] for r in results} == {run_id}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -25,14 +24,11 @@ from etcd_rendezvous._transport.interface import (
 from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous.etcd_cluster import EtcdCluster
 from etcd_rendezvous.etcd_server import EtcdServer
-from support import v3_gateway
 from support.etcd_requests import counter, read_metrics
 from support.faultproxy import FaultProxy
+from support.history import forget_history
 from support.processes import process_state
 from support.wait import wait_until
-
-# etcd v2 keeps the last 1000 events; a watch from an older index is refused.
-_EVENT_HISTORY = 1000
 
 
 @pytest.fixture
@@ -59,17 +55,6 @@ def watch_requests(api: str, client_url: str) -> float:
     if api == "v2":
         return counter(values, "etcd_debugging_store_watch_requests_total")
     return counter(values, "grpc_server_started_total", grpc_method="Watch")
-
-
-def forget_history(api: str, conn: Transport, url: str, key: str) -> None:
-    """Make etcd forget every change made so far: on v2 by making more than 1000 changes
-    of ``key`` (the event history keeps the last 1000), on v3 by compacting."""
-    if api == "v2":
-        with ThreadPoolExecutor(8, thread_name_prefix="history-filler") as pool:
-            list(pool.map(lambda i: conn.set(key, str(i)), range(_EVENT_HISTORY + 50)))
-        return
-    revision = conn.set(key, "last").modified_index
-    v3_gateway.call(url, "/v3/kv/compaction", {"revision": str(revision)})
 
 
 def drain(stream: WatchStream, count: int, timeout: float = 10.0) -> list[Node]:
@@ -251,7 +236,7 @@ def test_a_stream_that_breaks_after_its_history_was_lost_raises_history_lost(
     # The stream breaks; while it is down, its key changes and etcd forgets.
     proxy.refuse()
     writer.set(key, "2")
-    forget_history(api, writer, etcd_server.client_url, f"{etcd_prefix}/other")
+    forget_history(writer, etcd_server.client_url, f"{etcd_prefix}/other")
     proxy.forward()
     with pytest.raises(WatchHistoryLostError) as info:
         stream.next(10)

@@ -8,6 +8,7 @@ shared fixtures).
 * :mod:`support.faultproxy`: a TCP proxy that injects network faults.
 * :mod:`support.etcd_requests`: counting etcd's requests from its ``/metrics`` page.
 * :mod:`support.v3_gateway`: raw calls to etcd's v3 JSON gateway.
+* :mod:`support.history`: making etcd forget its history (v2 events, v3 compaction).
 * :mod:`support.rdzv`, :mod:`support.torchrun`: worker processes and torchrun agents.
 * :mod:`support.cli`: the command line, run as a process or in the test's own.
 * :mod:`support.threads`: one call in several threads at once.

@@ -12,9 +12,25 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from etcd_rendezvous.layout import (
+    DEFAULT_PREFIX,
+    ETCD_V2_STATE_PREFIX,
+    LegacyLayout,
+    etcd_v2_state_key,
+)
 from support import RDZV_WORKER
 
 WORKER = str(RDZV_WORKER)
+
+
+def state_key(backend: str, run_id: str) -> str:
+    """The etcd key of a run's state, under the default prefixes, for a rendezvous
+    backend: ``"etcd"`` (the legacy one) or ``"etcd-v2"`` (the dynamic one)."""
+    if backend == "etcd":
+        return LegacyLayout(DEFAULT_PREFIX, run_id).state_key
+    if backend == "etcd-v2":
+        return etcd_v2_state_key(run_id, ETCD_V2_STATE_PREFIX)
+    raise ValueError(f"backend: expected etcd or etcd-v2, got {backend!r}")
 
 
 class Worker:

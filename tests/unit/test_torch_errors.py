@@ -14,7 +14,7 @@ import types
 import pytest
 
 from etcd_rendezvous import api
-from etcd_rendezvous._torch.errors import TORCH_API_MODULE, as_torch_error, torch_errors
+from etcd_rendezvous._torch_errors import TORCH_API_MODULE, as_torch_error, torch_errors
 from etcd_rendezvous.events import NodeState, _records_failure
 
 NAMES = [
@@ -131,7 +131,7 @@ def test_the_mapping_never_imports_torch() -> None:
     code = (
         "import sys\n"
         "from etcd_rendezvous import api, registry, torchrun\n"
-        "from etcd_rendezvous._torch.errors import as_torch_error\n"
+        "from etcd_rendezvous._torch_errors import as_torch_error\n"
         "e = as_torch_error(api.RendezvousGracefulExitError('x'))\n"
         "assert type(e) is api.RendezvousGracefulExitError, type(e).__mro__\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

@@ -1,4 +1,4 @@
-"""Unit tests for the ``torch_store`` option (etcd_rendezvous._torch.store), torch or not."""
+"""Unit tests for the ``torch_store`` option (etcd_rendezvous._torch_store), torch or not."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from etcd_rendezvous._torch import store as _torch
+from etcd_rendezvous import _torch_store as _torch
 from etcd_rendezvous.api import RendezvousParameters
 
 
@@ -59,7 +59,7 @@ def test_stores_other_than_etcd_store_are_left_alone() -> None:
 def test_deciding_never_imports_torch() -> None:
     code = (
         "import sys\n"
-        "from etcd_rendezvous._torch import store as _torch\n"
+        "from etcd_rendezvous import _torch_store as _torch\n"
         "from etcd_rendezvous.api import RendezvousParameters as P\n"
         "p = P('etcd', 'h:1', 'r', 1, 1, torch_store='auto')\n"
         "_torch.torch_store_wanted(p)\n"

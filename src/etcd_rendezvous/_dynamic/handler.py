@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from .._progress import ProgressLog, progress_interval, seconds_left
-from .._torch.store import adapt_store, torch_available, torch_store_wanted
+from .._torch_store import adapt_store, torch_available, torch_store_wanted
 from .._transport.retry import Deadline
 from ..api import (
     RendezvousConnectionError,

@@ -31,7 +31,15 @@ from ..etcd_rendezvous import EtcdRendezvousHandler, create_rdzv_handler
 from ..etcd_rendezvous_backend import create_backend
 from ..layout import dynamic_store_round
 
-__all__ = ["WorkerResult", "demo_store_keys", "demo_worker"]
+__all__ = [
+    "WorkerDone",
+    "WorkerFailed",
+    "WorkerJoined",
+    "WorkerReport",
+    "WorkerResult",
+    "demo_store_keys",
+    "demo_worker",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +60,40 @@ class WorkerResult:
     counter: int
 
 
+@dataclass(frozen=True)
+class WorkerJoined:
+    """A worker's rendezvous completed: its rank, the world size, and how long it took."""
+
+    index: int
+    rank: int
+    world_size: int
+    join_seconds: float
+
+
+@dataclass(frozen=True)
+class WorkerDone:
+    """A worker finished; its last report."""
+
+    index: int
+    result: WorkerResult
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """A worker failed; its last report, with the error."""
+
+    index: int
+    message: str
+
+
+#: What a worker puts on the demo's queue: joined, then done or failed.
+WorkerReport = WorkerJoined | WorkerDone | WorkerFailed
+
+
 def demo_worker(index: int, config: dict[str, Any], events: Any) -> None:
     """Entry point of a worker process: rendezvous, exchange values, report on ``events``.
 
-    Reports ``("joined", index, (rank, world_size, seconds))``, then
-    ``("done", index, WorkerResult)`` or ``("failed", index, message)``.
+    Puts :class:`WorkerJoined`, then :class:`WorkerDone` or :class:`WorkerFailed`.
     """
     # Ctrl-C reaches the whole process group; the parent handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -78,12 +115,12 @@ def demo_worker(index: int, config: dict[str, Any], events: Any) -> None:
     if start_delay:
         time.sleep(start_delay)  # --stagger: the demo starts the workers one by one
     try:
-        events.put(("done", index, _run_worker(index, config, events)))
+        events.put(WorkerDone(index, _run_worker(index, config, events)))
     except RendezvousError as exc:
-        events.put(("failed", index, f"{type(exc).__name__}: {exc}"))
+        events.put(WorkerFailed(index, f"{type(exc).__name__}: {exc}"))
     except Exception as exc:
         logger.debug("worker %d failed", index, exc_info=True)
-        events.put(("failed", index, f"unexpected {type(exc).__name__}: {exc}"))
+        events.put(WorkerFailed(index, f"unexpected {type(exc).__name__}: {exc}"))
 
 
 def _run_worker(index: int, config: dict[str, Any], events: Any) -> WorkerResult:
@@ -100,7 +137,7 @@ def _run_worker(index: int, config: dict[str, Any], events: Any) -> WorkerResult
         join_seconds = time.monotonic() - started
         rank, world_size = info.rank, info.world_size
         version = _rendezvous_version(handler, info.store)
-        events.put(("joined", index, (rank, world_size, join_seconds)))
+        events.put(WorkerJoined(index, rank, world_size, join_seconds))
 
         # Count ourselves first and publish our value second: once every value is
         # visible, every increment has been applied and the counter must equal world_size.

@@ -29,7 +29,15 @@ from ..etcd_rendezvous_backend import create_backend
 from ..etcd_server import EtcdBinaryNotFoundError, EtcdServer, EtcdServerError
 from ..layout import ETCD_V2_STATE_PREFIX, ETCD_V2_STORE_PREFIX, dynamic_store_prefix
 from ._common import BINARY_ENV_VARS, EXIT_FAILED, CliError, non_negative_seconds, v2_state
-from ._demo_worker import WorkerResult, demo_store_keys, demo_worker
+from ._demo_worker import (
+    WorkerDone,
+    WorkerFailed,
+    WorkerJoined,
+    WorkerReport,
+    WorkerResult,
+    demo_store_keys,
+    demo_worker,
+)
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run", "usage_problem"]
 
@@ -448,25 +456,25 @@ def _collect(
                 failures[index] = f"no report within {args.timeout + _PARENT_SLACK:g} s"
             break
         try:
-            kind, index, payload = events.get(timeout=min(0.5, deadline - now))
+            report: WorkerReport = events.get(timeout=min(0.5, deadline - now))
         except queue.Empty:
             _note_silent_exits(processes, pending, exited_at, failures)
         else:
             elapsed = time.monotonic() - started
-            if kind == "joined":
-                joined += 1
-                rank, world_size, seconds = payload
-                progress.event(
-                    f"[{elapsed:5.1f}s] worker {index} joined as rank {rank} of {world_size} "
-                    f"after {seconds:.2f}s"
-                )
-            elif kind == "done":
-                pending.discard(index)
-                results.append(payload)
-            elif kind == "failed":
-                pending.discard(index)
-                failures[index] = payload
-                progress.event(f"[{elapsed:5.1f}s] worker {index} failed: {payload}")
+            match report:
+                case WorkerJoined(index, rank, world_size, seconds):
+                    joined += 1
+                    progress.event(
+                        f"[{elapsed:5.1f}s] worker {index} joined as rank {rank} of "
+                        f"{world_size} after {seconds:.2f}s"
+                    )
+                case WorkerDone(index, result):
+                    pending.discard(index)
+                    results.append(result)
+                case WorkerFailed(index, message):
+                    pending.discard(index)
+                    failures[index] = message
+                    progress.event(f"[{elapsed:5.1f}s] worker {index} failed: {message}")
         if pending:
             progress.status(
                 f"[{time.monotonic() - started:5.1f}s] {joined}/{len(processes)} joined, "

@@ -20,7 +20,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from ..api import RendezvousParameters, Store
+from .api import RendezvousParameters, Store
 
 __all__ = ["TORCH_STORE_OPTION", "adapt_store", "torch_available", "torch_store_wanted"]
 
@@ -68,12 +68,13 @@ def adapt_store(store: Store, wanted: bool) -> Store:
 
     Other stores (a torch store already, or a custom one) are returned unchanged.
     """
-    # An EtcdStore exists only once its module is loaded: looked up, not imported (that
-    # module sits above this one, and loads python-etcd).
+    # An EtcdStore exists only once etcd_store is loaded, so it is looked up, not
+    # imported: importing etcd_store loads python-etcd, which the dynamic rendezvous
+    # (and a backend of the user's own) must not load when it does not use it.
     etcd_store = sys.modules.get("etcd_rendezvous.etcd_store")
     if not wanted or etcd_store is None or not isinstance(store, etcd_store.EtcdStore):
         return store
-    # Imported by name: PyTorch is optional, and this module (and mypy) never loads it.
+    # Imported when wanted: torch_store imports PyTorch, which is optional and slow to load.
     module = importlib.import_module("etcd_rendezvous.torch_store")
     adapted: Store = module.TorchEtcdStore(store)
     return adapted

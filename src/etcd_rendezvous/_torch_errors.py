@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from .. import api
+from . import api
 
 __all__ = ["TORCH_API_MODULE", "as_torch_error", "torch_errors"]
 

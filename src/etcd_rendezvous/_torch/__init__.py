@@ -1,1 +1,0 @@
-"""PyTorch interop, decided without importing PyTorch: its store and its errors."""
