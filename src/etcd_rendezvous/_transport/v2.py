@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import etcd
 import urllib3
@@ -23,13 +22,11 @@ from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnection
 
 from ..api import RendezvousConnectionError, RendezvousStateError
 from .interface import (
-    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
-    DEFAULT_REQUEST_TIMEOUT,
-    DEFAULT_SILENCE_TIMEOUT,
     ELECTION_MARKERS,
     Attempt,
     CompareFailedError,
+    ConnectionOptions,
     KeyExistsError,
     KeyNotFoundError,
     Node,
@@ -44,6 +41,9 @@ from .interface import (
 )
 from .retry import Deadline
 from .v2_watch import V2WatchStream
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # Python 3.10 has no typing.Unpack
 
 __all__ = [
     "CompareFailedError",
@@ -160,84 +160,30 @@ _Cert = str | tuple[str, str] | None
 
 
 class EtcdConnection(Transport):
-    """A connection to an etcd cluster over the v2 API, on one or more endpoints.
-
-    Args:
-        endpoints: ``(host, port)`` pairs, tried in order and round-robin on failure.
-        protocol: ``"http"`` or ``"https"``.
-        cert: client certificate file (with ``key``, or a combined PEM file).
-        key: private key of ``cert``.
-        cacert: CA bundle used to verify the server.
-        username: user name for etcd authentication (needs ``password``).
-        password: password for ``username``.
-        read_timeout: the time budget for retrying a failed operation across endpoints
-            before giving up with :class:`~etcd_rendezvous.api.RendezvousConnectionError`
-            (unless the caller set a deadline with
-            :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by`).
-        connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
-        request_timeout: seconds one request waits for an answer before the next
-            endpoint is tried.
-        silence_timeout: seconds a wait may hear nothing from its member before it is
-            re-armed on the next endpoint (see
-            :attr:`~etcd_rendezvous._transport.interface.Transport.silence_timeout`).
+    """A connection to an etcd cluster over the v2 API, on one or more endpoints: one
+    python-etcd client per endpoint. The options are
+    :class:`~etcd_rendezvous._transport.interface.Transport`'s.
     """
 
     api = "v2"
 
-    def __init__(
-        self,
-        endpoints: Sequence[Endpoint],
-        *,
-        protocol: str = "http",
-        cert: str | None = None,
-        key: str | None = None,
-        cacert: str | None = None,
-        username: str | None = None,
-        password: str | None = None,
-        read_timeout: float = DEFAULT_READ_TIMEOUT,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-        silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        super().__init__(
-            endpoints,
-            protocol=protocol,
-            cert=cert,
-            key=key,
-            username=username,
-            password=password,
-            read_timeout=read_timeout,
-            connect_timeout=connect_timeout,
-            request_timeout=request_timeout,
-            silence_timeout=silence_timeout,
-            sleep=sleep,
-        )
-        client_cert: _Cert = (cert, key) if cert and key else cert
-        self._clients = [
-            self._make_client(h, p, client_cert, cacert, username, password) for h, p in endpoints
-        ]
+    def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
+        super().__init__(endpoints, **options)
+        self._clients = [self._make_client(host, port) for host, port in endpoints]
         self._version: str | None = None
 
     # -- construction ---------------------------------------------------------------
 
-    def _make_client(
-        self,
-        host: str,
-        port: int,
-        cert: _Cert,
-        cacert: str | None,
-        username: str | None,
-        password: str | None,
-    ) -> Any:
+    def _make_client(self, host: str, port: int) -> Any:
+        cert: _Cert = (self._cert, self._key) if self._cert and self._key else self._cert
         client = etcd.Client(
             host=host,
             port=port,
             protocol=self._protocol,
             cert=cert,
-            ca_cert=cacert,
-            username=username,
-            password=password,
+            ca_cert=self._cacert,
+            username=self._username,
+            password=self._password,
             read_timeout=self._read_timeout,
             allow_reconnect=False,
         )
