@@ -59,6 +59,7 @@ from etcd_rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     RendezvousTimeout,
 )
+from etcd_rendezvous.events import RdzvEvent, add_event_handler, remove_event_handler
 from support.wait import wait_until
 
 from .test_dynamic_admission import Clock, MemoryRegistry
@@ -653,6 +654,65 @@ def test_run_marks_rendezvous_closed() -> None:
     expected = _RendezvousState()
     expected.closed = True
     assert vars(state) == vars(expected)
+
+
+_PENDING = "of the rendezvous 'dummy_run_id'. Pending sync."
+
+
+@pytest.mark.parametrize(
+    ("action", "listed", "message"),
+    [
+        (
+            _Action.ADD_TO_PARTICIPANTS,
+            "",
+            f"The node '{ME}' added itself to the participants of round 3 {_PENDING}",
+        ),
+        (
+            _Action.ADD_TO_WAIT_LIST,
+            "",
+            f"The node '{ME}' added itself to the wait list of round 4 {_PENDING}",
+        ),
+        (
+            _Action.ADD_TO_REDUNDANCY_LIST,
+            "",
+            f"The node '{ME}' added itself to the redundancy list of round 4 {_PENDING}",
+        ),
+        (
+            _Action.REMOVE_FROM_PARTICIPANTS,
+            "participants",
+            f"The node '{ME}' removed itself from the participants of round 3 {_PENDING}",
+        ),
+        (
+            _Action.REMOVE_FROM_WAIT_LIST,
+            "wait_list",
+            f"The node '{ME}' removed itself from the wait list of round 4 {_PENDING}",
+        ),
+        (
+            _Action.REMOVE_FROM_REDUNDANCY_LIST,
+            "redundancy_list",
+            # PyTorch's wording: "redundant list".
+            f"The node '{ME}' removed itself from the redundant list of round 4 {_PENDING}",
+        ),
+    ],
+)
+def test_run_records_pytorchs_message_of_each_change(
+    frozen_now: datetime, action: _Action, listed: str, message: str
+) -> None:
+    state = _RendezvousState()
+    state.round = 3
+    if listed == "participants":
+        state.participants[ME] = 0
+    elif listed:
+        getattr(state, listed).add(ME)
+    state.last_heartbeats[ME] = NOW
+    seen: list[RdzvEvent] = []
+    add_event_handler(seen.append)
+    try:
+        run_action(action, state, make_settings(1, 3))
+    finally:
+        remove_event_handler(seen.append)
+    method = action.name.lower()
+    assert [event.message for event in seen if event.name.endswith(f"._{method}")] == [message]
 
 
 @pytest.mark.parametrize(

@@ -495,6 +495,13 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
     def _whom(self, node: _NodeDesc) -> str:
         return "itself" if node == self._node else f"the node '{node}'"
 
+    def _pending(self, change: str, round_: int) -> str:
+        """The message of a change to round ``round_`` of the state (PyTorch's words)."""
+        return (
+            f"The node '{self._node}' {change} of round {round_} of the rendezvous "
+            f"'{self._settings.run_id}'. Pending sync."
+        )
+
     def _keep_alive(self, node: _NodeDesc) -> None:
         whose = "its" if node == self._node else "the"
         of = "" if node == self._node else f" of the node '{node}'"
@@ -506,11 +513,8 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._state.last_heartbeats[node] = _now()
 
     def _add_to_participants(self, node: _NodeDesc) -> None:
-        msg = (
-            f"The node '{self._node}' added {self._whom(node)} to the participants of round "
-            f"{self._state.round} of the rendezvous '{self._settings.run_id}'. Pending sync."
-        )
-        self._tell("_add_to_participants", node, msg)
+        change = f"added {self._whom(node)} to the participants"
+        self._tell("_add_to_participants", node, self._pending(change, self._state.round))
         state = self._state
         state.wait_list.discard(node)
 
@@ -526,31 +530,21 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             self._mark_rendezvous_complete()
 
     def _add_to_wait_list(self, node: _NodeDesc) -> None:
-        msg = (
-            f"The node '{self._node}' added {self._whom(node)} to the wait list of round "
-            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
-        )
-        self._tell("_add_to_wait_list", node, msg)
+        change = f"added {self._whom(node)} to the wait list"
+        self._tell("_add_to_wait_list", node, self._pending(change, self._state.round + 1))
         self._state.redundancy_list.discard(node)
         self._state.wait_list.add(node)
         self._keep_alive(node)
 
     def _add_to_redundancy_list(self, node: _NodeDesc) -> None:
-        msg = (
-            f"The node '{self._node}' added {self._whom(node)} to the redundancy list of round "
-            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
-        )
-        self._tell("_add_to_redundancy_list", node, msg)
+        change = f"added {self._whom(node)} to the redundancy list"
+        self._tell("_add_to_redundancy_list", node, self._pending(change, self._state.round + 1))
         self._state.redundancy_list.add(node)
         self._keep_alive(node)
 
     def _remove_from_participants(self, node: _NodeDesc) -> None:
-        msg = (
-            f"The node '{self._node}' removed {self._whom(node)} from the participants of "
-            f"round {self._state.round} of the rendezvous '{self._settings.run_id}'. "
-            "Pending sync."
-        )
-        self._tell("_remove_from_participants", node, msg)
+        change = f"removed {self._whom(node)} from the participants"
+        self._tell("_remove_from_participants", node, self._pending(change, self._state.round))
         state = self._state
         del state.participants[node]
         state.last_heartbeats.pop(node, None)
@@ -559,23 +553,19 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         _remove_participant_epilogue(state, self._settings)
 
     def _remove_from_wait_list(self) -> None:
-        msg = (
-            f"The node '{self._node}' removed itself from the wait list of round "
-            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
-        )
-        self._record("_remove_from_wait_list", msg)
-        logger.debug(msg)
-        self._state.wait_list.remove(self._node)
-        del self._state.last_heartbeats[self._node]
+        self._remove_itself("_remove_from_wait_list", "wait list", self._state.wait_list)
 
     def _remove_from_redundancy_list(self) -> None:
-        msg = (
-            f"The node '{self._node}' removed itself from the redundant list of round "
-            f"{self._state.round + 1} of the rendezvous '{self._settings.run_id}'. Pending sync."
+        # "redundant list": PyTorch's wording of this one message.
+        self._remove_itself(
+            "_remove_from_redundancy_list", "redundant list", self._state.redundancy_list
         )
-        self._record("_remove_from_redundancy_list", msg)
-        logger.debug(msg)
-        self._state.redundancy_list.remove(self._node)
+
+    def _remove_itself(self, method: str, name: str, members: set[_NodeDesc]) -> None:
+        """Take this node off the wait or redundancy list ``members`` (called ``name``)."""
+        change = f"removed itself from the {name}"
+        self._tell(method, self._node, self._pending(change, self._state.round + 1))
+        members.remove(self._node)
         del self._state.last_heartbeats[self._node]
 
     def _mark_rendezvous_complete(self) -> None:

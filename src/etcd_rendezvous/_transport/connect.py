@@ -14,20 +14,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..api import RendezvousConnectionError
-from .interface import (
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_READ_TIMEOUT,
-    DEFAULT_REQUEST_TIMEOUT,
-    DEFAULT_SILENCE_TIMEOUT,
-    ETCD_APIS,
-    Transport,
-)
+from .interface import ETCD_APIS, ConnectionOptions, Transport
 from .retry import Deadline
 from .v2 import EtcdConnection
 from .v3 import EtcdV3Connection
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # Python 3.10 has no typing.Unpack
 
 __all__ = ["ETCD_APIS", "check_etcd_api", "open_transport"]
 
@@ -53,19 +49,11 @@ def open_transport(
     endpoints: Sequence[Endpoint],
     *,
     etcd_api: str = "auto",
-    protocol: str = "http",
-    cert: str | None = None,
-    key: str | None = None,
-    cacert: str | None = None,
-    username: str | None = None,
-    password: str | None = None,
-    read_timeout: float = DEFAULT_READ_TIMEOUT,
-    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-    silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
     deadline: Deadline | None = None,
+    **options: Unpack[ConnectionOptions],
 ) -> Transport:
-    """Open a connection to the etcd cluster at ``endpoints`` over the chosen API.
+    """Open a connection to the etcd cluster at ``endpoints`` over the chosen API, with
+    ``options`` (:class:`~etcd_rendezvous._transport.interface.Transport`'s).
 
     The server is asked which APIs it serves (one ``GET /version`` and one
     ``GET /v2/keys/``) within ``deadline`` (default: ``connect_timeout`` plus one
@@ -77,21 +65,9 @@ def open_transport(
             the API that ``etcd_api`` insists on.
     """
     api = check_etcd_api(etcd_api)
-    options: dict[str, Any] = {
-        "protocol": protocol,
-        "cert": cert,
-        "key": key,
-        "cacert": cacert,
-        "username": username,
-        "password": password,
-        "read_timeout": read_timeout,
-        "connect_timeout": connect_timeout,
-        "request_timeout": request_timeout,
-        "silence_timeout": silence_timeout,
-    }
     probe = EtcdV3Connection(endpoints, **options)
     try:
-        budget = deadline if deadline is not None else Deadline(connect_timeout)
+        budget = deadline if deadline is not None else Deadline(probe.connect_timeout)
         version, serves_v2 = probe.probe(budget)
         _check_served(probe, api, version, serves_v2, budget)
         chosen = api if api != "auto" else "v2" if serves_v2 else "v3"

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Generic, TypeVar
+from typing import Generic, TypedDict, TypeVar
 
 from ..api import RendezvousConnectionError, RendezvousError
 from ..metrics import MetricKind, record_metric
@@ -34,6 +34,7 @@ __all__ = [
     "WRITE_ACTIONS",
     "Attempt",
     "CompareFailedError",
+    "ConnectionOptions",
     "KeyExistsError",
     "KeyNotFoundError",
     "Node",
@@ -48,6 +49,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_Closing_T = TypeVar("_Closing_T", bound="_Closing")
 
 DEFAULT_READ_TIMEOUT = 60.0
 DEFAULT_CONNECT_TIMEOUT = 5.0
@@ -267,7 +269,26 @@ class Node:
     lease: int = 0
 
 
-class WatchStream(abc.ABC):
+class _Closing(abc.ABC):
+    """Something its owner closes: a context manager that calls :meth:`close` on exit."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what this holds. Idempotent."""
+
+    def __enter__(self: _Closing_T) -> _Closing_T:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class WatchStream(_Closing):
     """The changes of one key (or of every key below it) from a start index on, in order,
     over as few etcd requests as the API allows (one, unless the stream breaks).
 
@@ -327,7 +348,7 @@ class WatchStream(abc.ABC):
         """End the stream and wake a thread blocked in :meth:`next`. Idempotent."""
         self._closed = True
 
-    def _wake(self) -> None:  # noqa: B027 (a hook; streams that wait per change ignore it)
+    def _wake(self) -> None:
         """Called when the transport moves on to another endpoint (a stream listening to
         the one left re-arms; this one waits once per change, so there is nothing to do)."""
 
@@ -336,17 +357,6 @@ class WatchStream(abc.ABC):
             what = "watch stream" if self._closed else "etcd connection"
             raise TransportClosedError(f"Could not watch {self._key!r}: the {what} was closed.")
 
-    def __enter__(self) -> WatchStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(key={self._key!r}, next_index={self._next_index}, "
@@ -354,7 +364,24 @@ class WatchStream(abc.ABC):
         )
 
 
-class Transport(abc.ABC):
+class ConnectionOptions(TypedDict, total=False):
+    """The keyword options of a :class:`Transport` implementation's constructor (and of
+    :func:`~etcd_rendezvous._transport.connect.open_transport`); see :class:`Transport`."""
+
+    protocol: str
+    cert: str | None
+    key: str | None
+    cacert: str | None
+    username: str | None
+    password: str | None
+    read_timeout: float
+    connect_timeout: float
+    request_timeout: float
+    silence_timeout: float
+    sleep: Callable[[float], None]
+
+
+class Transport(_Closing):
     """A connection to an etcd cluster over one or more endpoints.
 
     Every operation retries failures that are worth retrying (unreachable endpoint,
@@ -365,6 +392,25 @@ class Transport(abc.ABC):
     stops answering without closing its connections costs seconds, not the deadline. A
     transport is closed by its owner with :meth:`close` (or by using it as a context
     manager).
+
+    Args:
+        endpoints: ``(host, port)`` pairs, tried in order and round-robin on failure.
+        protocol: ``"http"`` or ``"https"``.
+        cert: client certificate file (with ``key``, or a combined PEM file).
+        key: private key of ``cert``.
+        cacert: CA bundle used to verify the server.
+        username: etcd user (needs ``password``); on v3 authenticated through
+            ``/v3/auth/authenticate``, and again whenever the token expires.
+        password: password for ``username``.
+        read_timeout: the time budget for retrying a failed operation across endpoints
+            before giving up with :class:`~etcd_rendezvous.api.RendezvousConnectionError`
+            (unless the caller set a deadline with :meth:`bounded_by`).
+        connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
+        request_timeout: seconds one request waits for an answer before the next
+            endpoint is tried.
+        silence_timeout: seconds a wait may hear nothing from its member before it is
+            re-armed on the next endpoint (see :attr:`silence_timeout`).
+        sleep: how the retry loop sleeps between attempts (a test may replace it).
     """
 
     #: ``"v2"`` or ``"v3"``: the etcd API this transport speaks.
@@ -374,18 +420,19 @@ class Transport(abc.ABC):
         self,
         endpoints: Sequence[tuple[str, int]],
         *,
-        protocol: str,
-        cert: str | None,
-        key: str | None,
-        username: str | None,
-        password: str | None,
-        read_timeout: float,
-        connect_timeout: float,
-        request_timeout: float,
-        silence_timeout: float,
-        sleep: Callable[[float], None],
+        protocol: str = "http",
+        cert: str | None = None,
+        key: str | None = None,
+        cacert: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        """Check the options both transports share; subclasses add their clients."""
+        """Check and keep the options; an implementation then opens its clients."""
         if not endpoints:
             raise ValueError("endpoints: at least one etcd endpoint is required.")
         check_tls_options(protocol, cert, key)
@@ -399,6 +446,11 @@ class Transport(abc.ABC):
         if silence_timeout <= 0:
             raise ValueError(f"silence_timeout: must be positive, got {silence_timeout!r}.")
         self._protocol = protocol
+        self._cert = cert
+        self._key = key
+        self._cacert = cacert
+        self._username = username
+        self._password = password
         self._endpoints = [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints]
         self._read_timeout = float(read_timeout)
         self._connect_timeout = float(connect_timeout)
@@ -480,17 +532,6 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def _release(self) -> None:
         """Release the implementation's network resources (called once)."""
-
-    def __enter__(self) -> Transport:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(endpoints={self._endpoints!r})"

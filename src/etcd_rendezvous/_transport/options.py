@@ -13,7 +13,13 @@ import os
 from ..api import RendezvousParameters
 from ..utils import parse_rendezvous_endpoints
 from .connect import check_etcd_api, open_transport
-from .interface import DEFAULT_REQUEST_TIMEOUT, DEFAULT_SILENCE_TIMEOUT, Transport
+from .interface import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
+    DEFAULT_SILENCE_TIMEOUT,
+    Transport,
+)
 from .retry import Deadline
 
 __all__ = [
@@ -128,6 +134,35 @@ def create_etcd_connection(
     """
     etcd_api = check_etcd_api(params.get("etcd_api", "auto"))
     endpoints = parse_rendezvous_endpoints(params.endpoint, DEFAULT_PORT)
+    protocol, cert, key, cacert = _tls_options(params, cert_option, key_option, cacert_option)
+    username, password = _credentials(params)
+    read_timeout = seconds(params, "read_timeout", DEFAULT_READ_TIMEOUT)
+    connect_timeout = seconds(params, "connect_timeout", DEFAULT_CONNECT_TIMEOUT)
+    request_timeout = seconds(params, "request_timeout", DEFAULT_REQUEST_TIMEOUT)
+    silence_timeout = seconds(params, "silence_timeout", DEFAULT_SILENCE_TIMEOUT)
+    probe = Deadline(connect_timeout) if deadline is None else deadline.earliest(connect_timeout)
+    return open_transport(
+        endpoints,
+        etcd_api=etcd_api,
+        protocol=protocol,
+        cert=cert,
+        key=key,
+        cacert=cacert,
+        username=username,
+        password=password,
+        read_timeout=read_timeout,
+        connect_timeout=connect_timeout,
+        request_timeout=request_timeout,
+        silence_timeout=silence_timeout,
+        deadline=probe,
+    )
+
+
+def _tls_options(
+    params: RendezvousParameters, cert_option: str, key_option: str, cacert_option: str
+) -> tuple[str, str | None, str | None, str | None]:
+    """The protocol and the TLS files (under the backend's option names):
+    ``(protocol, cert, key, cacert)``."""
     protocol = str(params.get("protocol") or "http").strip().lower()
     if protocol not in ("http", "https"):
         raise ValueError(f"protocol: the etcd protocol must be http or https, got {protocol!r}.")
@@ -140,28 +175,17 @@ def create_etcd_connection(
         logger.warning(
             "%s/%s are ignored with protocol=http; did you mean https?", cert_option, cacert_option
         )
+    return protocol, cert, key, cacert
+
+
+def _credentials(params: RendezvousParameters) -> tuple[str | None, str | None]:
+    """``(username, password)``: both or neither (see :func:`etcd_password`)."""
     username = params.get("username")
     password = etcd_password(params)
     if (username is None) != (password is None):
         missing = "password" if password is None else "username"
         raise ValueError(f"{missing}: username and password must be given together.")
-    read_timeout = seconds(params, "read_timeout", 60.0)
-    connect_timeout = seconds(params, "connect_timeout", 5.0)
-    request_timeout = seconds(params, "request_timeout", DEFAULT_REQUEST_TIMEOUT)
-    silence_timeout = seconds(params, "silence_timeout", DEFAULT_SILENCE_TIMEOUT)
-    probe = Deadline(connect_timeout) if deadline is None else deadline.earliest(connect_timeout)
-    return open_transport(
-        endpoints,
-        etcd_api=etcd_api,
-        protocol=protocol,
-        cert=cert,
-        key=key,
-        cacert=cacert,
-        username=None if username is None else str(username),
-        password=None if password is None else str(password),
-        read_timeout=read_timeout,
-        connect_timeout=connect_timeout,
-        request_timeout=request_timeout,
-        silence_timeout=silence_timeout,
-        deadline=probe,
+    return (
+        None if username is None else str(username),
+        None if password is None else str(password),
     )

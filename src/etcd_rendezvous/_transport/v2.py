@@ -12,10 +12,9 @@ from __future__ import annotations
 import logging
 import ssl
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import etcd
 import urllib3
@@ -23,13 +22,11 @@ from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnection
 
 from ..api import RendezvousConnectionError, RendezvousStateError
 from .interface import (
-    DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
-    DEFAULT_REQUEST_TIMEOUT,
-    DEFAULT_SILENCE_TIMEOUT,
     ELECTION_MARKERS,
     Attempt,
     CompareFailedError,
+    ConnectionOptions,
     KeyExistsError,
     KeyNotFoundError,
     Node,
@@ -39,11 +36,15 @@ from .interface import (
     WatchHistoryLostError,
     WatchStream,
     _AmbiguousError,
+    _ConditionError,
     _UnsentError,
     transient_answer,
 )
 from .retry import Deadline
 from .v2_watch import V2WatchStream
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # Python 3.10 has no typing.Unpack
 
 __all__ = [
     "CompareFailedError",
@@ -160,84 +161,30 @@ _Cert = str | tuple[str, str] | None
 
 
 class EtcdConnection(Transport):
-    """A connection to an etcd cluster over the v2 API, on one or more endpoints.
-
-    Args:
-        endpoints: ``(host, port)`` pairs, tried in order and round-robin on failure.
-        protocol: ``"http"`` or ``"https"``.
-        cert: client certificate file (with ``key``, or a combined PEM file).
-        key: private key of ``cert``.
-        cacert: CA bundle used to verify the server.
-        username: user name for etcd authentication (needs ``password``).
-        password: password for ``username``.
-        read_timeout: the time budget for retrying a failed operation across endpoints
-            before giving up with :class:`~etcd_rendezvous.api.RendezvousConnectionError`
-            (unless the caller set a deadline with
-            :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by`).
-        connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
-        request_timeout: seconds one request waits for an answer before the next
-            endpoint is tried.
-        silence_timeout: seconds a wait may hear nothing from its member before it is
-            re-armed on the next endpoint (see
-            :attr:`~etcd_rendezvous._transport.interface.Transport.silence_timeout`).
+    """A connection to an etcd cluster over the v2 API, on one or more endpoints: one
+    python-etcd client per endpoint. The options are
+    :class:`~etcd_rendezvous._transport.interface.Transport`'s.
     """
 
     api = "v2"
 
-    def __init__(
-        self,
-        endpoints: Sequence[Endpoint],
-        *,
-        protocol: str = "http",
-        cert: str | None = None,
-        key: str | None = None,
-        cacert: str | None = None,
-        username: str | None = None,
-        password: str | None = None,
-        read_timeout: float = DEFAULT_READ_TIMEOUT,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-        silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        super().__init__(
-            endpoints,
-            protocol=protocol,
-            cert=cert,
-            key=key,
-            username=username,
-            password=password,
-            read_timeout=read_timeout,
-            connect_timeout=connect_timeout,
-            request_timeout=request_timeout,
-            silence_timeout=silence_timeout,
-            sleep=sleep,
-        )
-        client_cert: _Cert = (cert, key) if cert and key else cert
-        self._clients = [
-            self._make_client(h, p, client_cert, cacert, username, password) for h, p in endpoints
-        ]
+    def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
+        super().__init__(endpoints, **options)
+        self._clients = [self._make_client(host, port) for host, port in endpoints]
         self._version: str | None = None
 
     # -- construction ---------------------------------------------------------------
 
-    def _make_client(
-        self,
-        host: str,
-        port: int,
-        cert: _Cert,
-        cacert: str | None,
-        username: str | None,
-        password: str | None,
-    ) -> Any:
+    def _make_client(self, host: str, port: int) -> Any:
+        cert: _Cert = (self._cert, self._key) if self._cert and self._key else self._cert
         client = etcd.Client(
             host=host,
             port=port,
             protocol=self._protocol,
             cert=cert,
-            ca_cert=cacert,
-            username=username,
-            password=password,
+            ca_cert=self._cacert,
+            username=self._username,
+            password=self._password,
             read_timeout=self._read_timeout,
             allow_reconnect=False,
         )
@@ -320,76 +267,89 @@ class EtcdConnection(Transport):
         library error for permanent failures.
         """
         client = self._clients[idx]
-        endpoint = self._endpoints[idx]
         client.http.read_cap.value = cap
         try:
             result = call(client)
-            self._heard_from(idx)
-            return result
-        except etcd.EtcdKeyNotFound as exc:
-            self._heard_from(idx)
-            raise KeyNotFoundError(key, _payload_index(exc)) from None
-        except etcd.EtcdAlreadyExist as exc:
-            self._heard_from(idx)
-            raise KeyExistsError(key, _payload_index(exc)) from None
-        except etcd.EtcdCompareFailed as exc:
-            self._heard_from(idx)
-            raise CompareFailedError(key, _payload_index(exc)) from None
         except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
-            raise
+            raise  # the watch's own answers: v2_watch reads them
         except etcd.EtcdConnectionFailed as exc:
-            cause = _transport_cause(exc)
-            if isinstance(cause, (SSLError, ssl.SSLError)):
-                raise RendezvousConnectionError(
-                    f"TLS connection to etcd endpoint {endpoint} failed while trying to {what} "
-                    f"{key!r}: {cause}. Check protocol, cacert, cert and key."
-                ) from None
-            message = f"{endpoint}: {cause}"
-            if _was_not_sent(cause):
-                raise _UnsentError(message) from None
-            raise _AmbiguousError(message) from None
-        except etcd.EtcdInsufficientPermissions as exc:
-            if client.username is None:
-                raise RendezvousConnectionError(
-                    f"etcd endpoint {endpoint} refused to {what} {key!r}: {exc}. "
-                    "Check username and password."
-                ) from None
-            permission = "read" if what in _READS else "write"
-            raise RendezvousConnectionError(
-                f"etcd endpoint {endpoint} refused to {what} {key!r}: user "
-                f"{client.username!r} has no {permission} permission on it ({exc}), "
-                "or a wrong password. Grant it to one of the user's roles (etcd's v2 "
-                f"auth: a {permission} pattern of the role's kv permissions; '<key>*' for "
-                "every key below a prefix)."
-            ) from None
-        except etcd.EtcdClusterIdChanged as exc:
-            raise RendezvousConnectionError(
-                f"etcd endpoint {endpoint} belongs to another cluster than before: {exc}"
-            ) from None
-        except (etcd.EtcdNotFile, etcd.EtcdNotDir) as exc:
-            raise RendezvousStateError(
-                f"etcd refused to {what} {key!r}: {exc}. Another program may have written "
-                "a key where a directory belongs (or the reverse)."
-            ) from None
+            raise self._connection_failure(idx, what, key, exc) from None
         except etcd.EtcdException as exc:
-            if _is_transient_server_error(exc):
-                # An election: the next member may already have a leader.
-                raise transient_answer(endpoint, str(exc)) from None
-            if "404 page not found" in str(exc):
-                raise RendezvousConnectionError(
-                    f"etcd endpoint {endpoint} does not serve the v2 API (it answered 404 "
-                    f"when asked to {what} {key!r}). Start etcd with --enable-v2, or use "
-                    "etcd_api=v3 (or auto)."
-                ) from None
-            raise OperationRefusedError(
-                f"etcd endpoint {endpoint} failed to {what} {key!r}: {exc}"
-            ) from None
+            refusal = _refusal(key, exc)
+            if refusal is not None:
+                self._heard_from(idx)
+                raise refusal from None
+            raise self._server_failure(idx, what, key, exc) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             # python-etcd wraps most of these; anything that slips through is a
             # transport failure of unknown outcome.
-            raise _AmbiguousError(f"{endpoint}: {exc}") from None
+            raise _AmbiguousError(f"{self._endpoints[idx]}: {exc}") from None
         finally:
             client.http.read_cap.value = None
+        self._heard_from(idx)
+        return result
+
+    def _connection_failure(
+        self, idx: int, what: str, key: str, exc: etcd.EtcdConnectionFailed
+    ) -> Exception:
+        """The error for a request that failed on the connection: TLS is permanent; the
+        rest is retried, as unsent if it never reached the server."""
+        endpoint = self._endpoints[idx]
+        cause = _transport_cause(exc)
+        if isinstance(cause, (SSLError, ssl.SSLError)):
+            return RendezvousConnectionError(
+                f"TLS connection to etcd endpoint {endpoint} failed while trying to {what} "
+                f"{key!r}: {cause}. Check protocol, cacert, cert and key."
+            )
+        message = f"{endpoint}: {cause}"
+        return _UnsentError(message) if _was_not_sent(cause) else _AmbiguousError(message)
+
+    def _server_failure(self, idx: int, what: str, key: str, exc: etcd.EtcdException) -> Exception:
+        """The error for an error answer of etcd other than a refusal on the key: an
+        election is retried; anything else is permanent, and the message says what to
+        check."""
+        endpoint = self._endpoints[idx]
+        if isinstance(exc, etcd.EtcdInsufficientPermissions):
+            return self._permission_failure(idx, what, key, exc)
+        if isinstance(exc, etcd.EtcdClusterIdChanged):
+            return RendezvousConnectionError(
+                f"etcd endpoint {endpoint} belongs to another cluster than before: {exc}"
+            )
+        if isinstance(exc, (etcd.EtcdNotFile, etcd.EtcdNotDir)):
+            return RendezvousStateError(
+                f"etcd refused to {what} {key!r}: {exc}. Another program may have written "
+                "a key where a directory belongs (or the reverse)."
+            )
+        if _is_transient_server_error(exc):
+            # An election: the next member may already have a leader.
+            return transient_answer(endpoint, str(exc))
+        if "404 page not found" in str(exc):
+            return RendezvousConnectionError(
+                f"etcd endpoint {endpoint} does not serve the v2 API (it answered 404 "
+                f"when asked to {what} {key!r}). Start etcd with --enable-v2, or use "
+                "etcd_api=v3 (or auto)."
+            )
+        return OperationRefusedError(f"etcd endpoint {endpoint} failed to {what} {key!r}: {exc}")
+
+    def _permission_failure(
+        self, idx: int, what: str, key: str, exc: etcd.EtcdInsufficientPermissions
+    ) -> RendezvousConnectionError:
+        """The error for a refusal by etcd's v2 auth, naming the permission missing."""
+        endpoint = self._endpoints[idx]
+        username = self._clients[idx].username
+        if username is None:
+            return RendezvousConnectionError(
+                f"etcd endpoint {endpoint} refused to {what} {key!r}: {exc}. "
+                "Check username and password."
+            )
+        permission = "read" if what in _READS else "write"
+        return RendezvousConnectionError(
+            f"etcd endpoint {endpoint} refused to {what} {key!r}: user "
+            f"{username!r} has no {permission} permission on it ({exc}), "
+            "or a wrong password. Grant it to one of the user's roles (etcd's v2 "
+            f"auth: a {permission} pattern of the role's kv permissions; '<key>*' for "
+            "every key below a prefix)."
+        )
 
     # -- reads ------------------------------------------------------------------------
 
@@ -617,6 +577,22 @@ def _prev_conditions(prev: Node) -> dict[str, Any]:
         # etcd refuses an empty prevValue; the index alone is the stronger check.
         conditions["prevValue"] = prev.value
     return conditions
+
+
+#: python-etcd's refusals on a key's state, as the interface's condition errors.
+_REFUSALS: tuple[tuple[type[etcd.EtcdException], type[_ConditionError]], ...] = (
+    (etcd.EtcdKeyNotFound, KeyNotFoundError),
+    (etcd.EtcdAlreadyExist, KeyExistsError),
+    (etcd.EtcdCompareFailed, CompareFailedError),
+)
+
+
+def _refusal(key: str, exc: etcd.EtcdException) -> _ConditionError | None:
+    """The condition error for ``exc`` if it is a refusal on ``key``'s state."""
+    for refused, error in _REFUSALS:
+        if isinstance(exc, refused):
+            return error(key, _payload_index(exc))
+    return None
 
 
 def _payload_index(exc: etcd.EtcdException) -> int | None:

@@ -15,7 +15,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import urllib3
 from urllib3.exceptions import (
@@ -28,11 +28,8 @@ from urllib3.exceptions import (
 from ..api import RendezvousConnectionError
 from . import v3_wire as wire
 from .interface import (
-    DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_READ_TIMEOUT,
-    DEFAULT_REQUEST_TIMEOUT,
-    DEFAULT_SILENCE_TIMEOUT,
     Attempt,
+    ConnectionOptions,
     KeyExistsError,
     KeyNotFoundError,
     Node,
@@ -45,6 +42,9 @@ from .interface import (
 )
 from .retry import Deadline
 from .v3_watch import V3WatchStream
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # Python 3.10 has no typing.Unpack
 
 __all__ = ["EtcdV3Connection"]
 
@@ -84,66 +84,21 @@ class _LeaseGoneError(Exception):
 
 
 class EtcdV3Connection(Transport):
-    """A connection to an etcd cluster over the v3 API's JSON gateway.
-
-    Args:
-        endpoints: ``(host, port)`` pairs, tried in order and round-robin on failure.
-        protocol: ``"http"`` or ``"https"``.
-        cert: client certificate file (with ``key``, or a combined PEM file).
-        key: private key of ``cert``.
-        cacert: CA bundle used to verify the server.
-        username: etcd user (needs ``password``); authenticated through
-            ``/v3/auth/authenticate``, and again whenever the token expires.
-        password: password for ``username``.
-        read_timeout: the retry budget of an operation outside
-            :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by`.
-        connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
-        request_timeout: seconds one request waits for an answer before the next
-            endpoint is tried.
-        silence_timeout: seconds a wait may hear nothing from its member before it is
-            re-armed on the next endpoint (see
-            :attr:`~etcd_rendezvous._transport.interface.Transport.silence_timeout`).
+    """A connection to an etcd cluster over the v3 API's JSON gateway: one urllib3 pool
+    manager for all endpoints. The options are
+    :class:`~etcd_rendezvous._transport.interface.Transport`'s.
     """
 
     api = "v3"
 
-    def __init__(
-        self,
-        endpoints: Sequence[Endpoint],
-        *,
-        protocol: str = "http",
-        cert: str | None = None,
-        key: str | None = None,
-        cacert: str | None = None,
-        username: str | None = None,
-        password: str | None = None,
-        read_timeout: float = DEFAULT_READ_TIMEOUT,
-        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
-        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
-        silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        super().__init__(
-            endpoints,
-            protocol=protocol,
-            cert=cert,
-            key=key,
-            username=username,
-            password=password,
-            read_timeout=read_timeout,
-            connect_timeout=connect_timeout,
-            request_timeout=request_timeout,
-            silence_timeout=silence_timeout,
-            sleep=sleep,
-        )
+    def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
+        super().__init__(endpoints, **options)
         pool_kw: dict[str, Any] = {"retries": False, "maxsize": 8}
-        if protocol == "https":
-            pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=cacert)
-            if cert:
-                pool_kw.update(cert_file=cert, key_file=key)
+        if self._protocol == "https":
+            pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=self._cacert)
+            if self._cert:
+                pool_kw.update(cert_file=self._cert, key_file=self._key)
         self._pool = urllib3.PoolManager(num_pools=max(4, len(endpoints)), **pool_kw)
-        self._username = username
-        self._password = password
         self._token: str | None = None
         self._auth_lock = threading.Lock()
         self._version: str | None = None
