@@ -9,10 +9,8 @@ PyTorch, and on v3: PyTorch's backend speaks only v2).
 from __future__ import annotations
 
 import json
-import threading
 import time
 from base64 import b64encode
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,6 +29,7 @@ from etcd_rendezvous.dynamic_rendezvous import NodeDesc
 from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, create_backend
 from etcd_rendezvous.etcd_store import EtcdStore
 from support.faultproxy import FaultProxy
+from support.threads import InThread
 
 
 @pytest.fixture
@@ -48,13 +47,6 @@ def _set(backend: EtcdRendezvousBackend, state: bytes, token: Any = None) -> tup
     result = backend.set_state(state, token)
     assert result is not None
     return result
-
-
-def _in_thread(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
-    result: list[object] = []
-    thread = threading.Thread(target=lambda: result.append(target()), daemon=True)
-    thread.start()
-    return thread, result
 
 
 # -- the backend contract (PyTorch's RendezvousBackendTestMixin) ----------------------------
@@ -205,12 +197,11 @@ def test_compare_and_swap_whose_answer_was_lost_is_recognised(
 
 def test_wait_for_change_returns_promptly_on_a_change(backend, conn):
     _, token, _ = _set(backend, b"x")
-    waiter, done = _in_thread(lambda: backend.wait_for_change(token, 30))
+    waiter = InThread(lambda: backend.wait_for_change(token, 30))
     started = time.monotonic()
     _, new_token, _ = _set(backend, b"y", token)
-    waiter.join(10)
     # The change brought the new state: the caller needs no read.
-    assert done == [(b"y", new_token)]
+    assert waiter.result(10) == (b"y", new_token)
     assert time.monotonic() - started < 5
 
 
@@ -233,10 +224,9 @@ def test_waits_share_one_watch_stream(backend, monkeypatch):
     monkeypatch.setattr(backend.connection, "watch_stream", counting)
     _, token, _ = _set(backend, b"0")
     for i in range(1, 6):
-        waiter, done = _in_thread(lambda token=token: backend.wait_for_change(token, 30))
+        waiter = InThread(lambda token=token: backend.wait_for_change(token, 30))
         _, token, _ = _set(backend, str(i).encode(), token)
-        waiter.join(10)
-        assert done == [(str(i).encode(), token)]
+        assert waiter.result(10) == (str(i).encode(), token)
     assert len(opened) == 1
 
 
@@ -251,20 +241,18 @@ def test_wait_for_change_times_out_without_a_change(backend, conn):
 
 def test_wait_for_change_from_no_state_sees_the_creation(backend, conn):
     assert backend.get_state() is None
-    waiter, done = _in_thread(lambda: backend.wait_for_change(None, 30))
+    waiter = InThread(lambda: backend.wait_for_change(None, 30))
     started = time.monotonic()
     _, token, _ = _set(backend, b"x")
-    waiter.join(10)
-    assert done == [(b"x", token)]
+    assert waiter.result(10) == (b"x", token)
     assert time.monotonic() - started < 5
 
 
 def test_wait_for_change_sees_expiry_and_deletion(backend, conn):
     _, token, _ = _set(backend, b"x")
-    waiter, done = _in_thread(lambda: backend.wait_for_change(token, 30))
+    waiter = InThread(lambda: backend.wait_for_change(token, 30))
     conn.delete(backend.key)
-    waiter.join(10)
-    assert done == [None]
+    assert waiter.result(10) is None
 
 
 def test_wait_for_change_past_etcd_history(backend, conn, etcd_prefix):
@@ -418,10 +406,9 @@ def test_get_waits_for_store_key_on_a_fresh_etcd(private_etcd_server, run_id):
     key = RendezvousStoreInfo.MASTER_ADDR_KEY
     assert not store.check([key])
     assert store.num_keys() == 0
-    getter, result = _in_thread(lambda: store.get(key))
+    getter = InThread(lambda: store.get(key))
     store.set(key, b"foo")
-    getter.join(30)
-    assert result == [b"foo"]
+    assert getter.result(30) == b"foo"
 
 
 @pytest.mark.parametrize(
@@ -547,10 +534,9 @@ def test_torch_and_we_share_state_and_tokens(torch_backend, etcd_server, run_id)
 def test_our_watch_sees_a_torch_write(torch_backend, etcd_server, run_id):
     ours, _ = create_backend(_params(etcd_server.get_endpoint(), run_id, read_timeout=10))
     _, token, _ = _set(ours, b"x")
-    waiter, done = _in_thread(lambda: ours.wait_for_change(token, 30))
+    waiter = InThread(lambda: ours.wait_for_change(token, 30))
     _, torch_token, _ = torch_backend.set_state(b"y", token)
-    waiter.join(10)
-    assert done == [(b"y", torch_token)]
+    assert waiter.result(10) == (b"y", torch_token)
     ours.close()
 
 

@@ -28,6 +28,7 @@ from etcd_rendezvous.etcd_store import DEFAULT_TIMEOUT, EtcdStore, cas_delay
 from etcd_rendezvous.layout import store_value_key
 from support.faultproxy import FaultProxy
 from support.history import forget_history
+from support.threads import InThread
 
 SHORT = timedelta(seconds=0.3)
 # Generous: only reached if a test is about to fail.
@@ -92,29 +93,6 @@ def own_store(etcd_server: EtcdServer) -> Iterator[StoreFactory]:
     yield make
     for store in stores:
         store.close()
-
-
-def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    """Run ``target`` in a thread; the dict gets ``result`` or ``error``."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = target()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="etcd-store-test", daemon=True)
-    thread.start()
-    return thread, outcome
-
-
-def joined(thread: threading.Thread, outcome: dict[str, Any]) -> Any:
-    thread.join(LONG.total_seconds())
-    assert not thread.is_alive(), "the thread did not finish"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
 
 
 # -- construction ---------------------------------------------------------------------------
@@ -203,11 +181,11 @@ def test_get_blocks_until_another_thread_sets(
     store: EtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = Spy(conn, monkeypatch)
-    thread, outcome = in_thread(lambda: store.get("late"))
+    call = InThread(lambda: store.get("late"))
     assert spy.watching.wait(LONG.total_seconds())
-    assert "result" not in outcome
+    assert not call.done
     store.set("late", "finally")
-    assert joined(thread, outcome) == b"finally"
+    assert call.result(LONG.total_seconds()) == b"finally"
     # One read that found it missing, then one watch on that key: no polling.
     path = store.prefix + b64("late")
     assert len(spy.named("watch")) == 1
@@ -221,10 +199,10 @@ def test_get_waits_for_key_whose_encoding_ends_in_slash(
     store: EtcdStore, conn: Transport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spy = Spy(conn, monkeypatch)
-    thread, outcome = in_thread(lambda: store.get("a??"))
+    call = InThread(lambda: store.get("a??"))
     assert spy.watching.wait(LONG.total_seconds())
     store.set("a??", "v")
-    assert joined(thread, outcome) == b"v"
+    assert call.result(LONG.total_seconds()) == b"v"
 
 
 def test_get_recovers_when_etcd_dropped_the_watched_history(
@@ -409,12 +387,12 @@ def test_wait_for_many_keys_set_later(
     store.set("rank-0", "already")
     store.set("unrelated", "x")
     spy = Spy(conn, monkeypatch)
-    thread, outcome = in_thread(lambda: store.wait(keys))
+    call = InThread(lambda: store.wait(keys))
     assert spy.watching.wait(LONG.total_seconds())
     writer = EtcdStore(conn, store.prefix, timeout=LONG)
     for key in reversed(keys[1:]):
         writer.set(key, "here")
-    joined(thread, outcome)
+    call.result(LONG.total_seconds())
     # Each key was read once (ours plus nothing else); the rest came from one
     # recursive watch on the store directory, resumed event after event.
     wanted = {store.prefix + b64(key) for key in keys}
@@ -508,10 +486,10 @@ def test_multi_get_waits_and_times_out(
 ) -> None:
     store.set("a", "1")
     spy = Spy(conn, monkeypatch)
-    thread, outcome = in_thread(lambda: store.multi_get(["a", "b", "c"]))
+    call = InThread(lambda: store.multi_get(["a", "b", "c"]))
     assert spy.watching.wait(LONG.total_seconds())
     store.multi_set(["c", "b"], ["3", "2"])
-    assert joined(thread, outcome) == [b"1", b"2", b"3"]
+    assert call.result(LONG.total_seconds()) == [b"1", b"2", b"3"]
     store.set_timeout(SHORT)
     with pytest.raises(LookupError, match="'zz'"):
         store.multi_get(["a", "zz"])
@@ -651,10 +629,10 @@ def test_ours_wakes_on_torch_write(
 ) -> None:
     theirs = torch_store_class(etcd_server.get_client(), store.prefix, timeout=LONG)
     spy = Spy(conn, monkeypatch)
-    thread, outcome = in_thread(lambda: store.get("MASTER_ADDR"))
+    call = InThread(lambda: store.get("MASTER_ADDR"))
     assert spy.watching.wait(LONG.total_seconds())
     theirs.set("MASTER_ADDR", "10.0.0.1")
-    assert joined(thread, outcome) == b"10.0.0.1"
+    assert call.result(LONG.total_seconds()) == b"10.0.0.1"
 
 
 # -- a write whose answer and history were lost -------------------------------------------

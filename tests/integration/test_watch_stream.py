@@ -28,6 +28,7 @@ from support.etcd_requests import counter, read_metrics
 from support.faultproxy import FaultProxy
 from support.history import forget_history
 from support.processes import process_state
+from support.threads import InThread
 from support.wait import wait_until
 
 
@@ -321,43 +322,23 @@ def test_closing_a_stream_from_another_thread_wakes_its_blocked_next(
     conn: Transport, key: str
 ) -> None:
     stream = conn.watch_stream(key, conn.set(key, "v").modified_index + 1)
-    outcome: list[BaseException | Node | None] = []
-
-    def wait() -> None:
-        try:
-            outcome.append(stream.next(30))
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=wait, name="test-next")
-    thread.start()
+    blocked = InThread(lambda: stream.next(30), name="test-next")
     assert stream.next_index > 0
     started = time.monotonic()
     stream.close()
-    thread.join(5)
-    assert not thread.is_alive()
+    with pytest.raises(TransportClosedError):
+        blocked.result(5)
     assert time.monotonic() - started < 1
-    assert isinstance(outcome[0], TransportClosedError)
 
 
 def test_closing_the_transport_wakes_a_blocked_next(conn: Transport, key: str) -> None:
     stream = conn.watch_stream(key, conn.set(key, "v").modified_index + 1)
-    outcome: list[BaseException | Node | None] = []
-
-    def wait() -> None:
-        try:
-            outcome.append(stream.next(30))
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=wait, name="test-next")
-    thread.start()
+    blocked = InThread(lambda: stream.next(30), name="test-next")
     started = time.monotonic()
     conn.close()
-    thread.join(5)
-    assert not thread.is_alive()
+    with pytest.raises(TransportClosedError):
+        blocked.result(5)
     assert time.monotonic() - started < 1
-    assert isinstance(outcome[0], TransportClosedError)
     assert stream.closed
 
 
