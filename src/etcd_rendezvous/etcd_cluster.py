@@ -34,14 +34,22 @@ from types import TracebackType
 import urllib3
 
 from ._process.etcd import HOST, NotReadyError, free_ports
-from ._process.member import DATA_NAME, Errors, Leftovers, Member, Program, clean_up, discard
-from .etcd_server import EtcdServerError, EtcdServerTimeoutError, find_etcd_binary
+from ._process.member import (
+    DATA_NAME,
+    EtcdServerError,
+    EtcdServerTimeoutError,
+    Leftovers,
+    Member,
+    Program,
+    clean_up,
+    discard,
+)
+from .etcd_server import find_etcd_binary
 
 __all__ = ["EtcdCluster", "EtcdClusterMember"]
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = Errors(failure=EtcdServerError, timeout=EtcdServerTimeoutError)
 # etcd's defaults are 100 ms and 1 s; shorter makes a lost leader replaced in about a
 # second. Five heartbeats per election timeout is the ratio etcd recommends.
 _TIMING_ARGS = ("--heartbeat-interval=50", "--election-timeout=500")
@@ -489,7 +497,6 @@ class EtcdCluster:
                     port=client_ports[i],
                     flags=flags,
                     leftovers=self._leftovers,
-                    errors=_ERRORS,
                 )
             )
         self._members = [

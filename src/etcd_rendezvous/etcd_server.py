@@ -35,7 +35,8 @@ from ._process.member import (
     DATA_NAME,
     LOG_NAME,
     LOG_TAIL_LINES,
-    Errors,
+    EtcdServerError,
+    EtcdServerTimeoutError,
     Leftovers,
     Member,
     Program,
@@ -70,19 +71,8 @@ _INSTALL_HINT = (
 )
 
 
-class EtcdServerError(RuntimeError):
-    """The local etcd server could not be found, started or controlled."""
-
-
 class EtcdBinaryNotFoundError(EtcdServerError, FileNotFoundError):
     """No usable etcd binary: the message names every place that was looked at."""
-
-
-class EtcdServerTimeoutError(EtcdServerError, TimeoutError):
-    """etcd did not answer within the start timeout."""
-
-
-_ERRORS = Errors(failure=EtcdServerError, timeout=EtcdServerTimeoutError)
 
 
 def bundled_etcd_binary() -> str | None:
@@ -508,7 +498,6 @@ class EtcdServer:
                 "--election-timeout=100",
             ],
             leftovers=self._leftovers,
-            errors=_ERRORS,
             tls=self._tls,
         )
 

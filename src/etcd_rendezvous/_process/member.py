@@ -2,8 +2,10 @@
 
 A :class:`Member` builds its command line, starts etcd with its output appended to a
 log, waits until it is ready (telling a port taken by another process from any other
-failure), and stops, kills, suspends and resumes it. It raises the exception classes
-its owner gives it (:class:`Errors`), so the public modules keep theirs.
+failure), and stops, kills, suspends and resumes it. Its errors are the public
+:class:`~etcd_rendezvous.etcd_server.EtcdServerError` and
+:class:`~etcd_rendezvous.etcd_server.EtcdServerTimeoutError`, defined here (below both
+owners) and exported by :mod:`etcd_rendezvous.etcd_server`.
 """
 
 from __future__ import annotations
@@ -72,12 +74,16 @@ class Program:
         return removed_flag_problem(self.binary, [*v2_flags(self.enable_v2), *self.extra_args])
 
 
-@dataclass(frozen=True)
-class Errors:
-    """The exception classes a member raises: a failure, and a start that timed out."""
+class EtcdServerError(RuntimeError):
+    """The local etcd server could not be found, started or controlled."""
 
-    failure: type[Exception]
-    timeout: type[Exception]
+
+class EtcdServerTimeoutError(EtcdServerError, TimeoutError):
+    """etcd did not answer within the start timeout."""
+
+
+# Public through etcd_server, and named after it (pickles, reprs, the API docs).
+EtcdServerError.__module__ = EtcdServerTimeoutError.__module__ = "etcd_rendezvous.etcd_server"
 
 
 @dataclass(frozen=True)
@@ -177,7 +183,6 @@ class Member:
         port: int,
         flags: Sequence[str],
         leftovers: Leftovers,
-        errors: Errors,
         tls: Tls | None = None,
     ) -> None:
         self.program = program
@@ -188,7 +193,6 @@ class Member:
         self.port = port
         self._flags = list(flags)
         self._leftovers = leftovers
-        self._errors = errors
         self._tls = tls or Tls()
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -294,9 +298,9 @@ class Member:
         ``deadline`` is left running.
 
         Raises:
-            Errors.failure: if etcd exited for another reason (the message has the
+            EtcdServerError: if etcd exited for another reason (the message has the
                 flag it refused, or its log's tail).
-            Errors.timeout: if ``deadline`` passes first.
+            EtcdServerTimeoutError: if ``deadline`` passes first.
         """
         proc = self._require_proc()
         pool = self._tls.pool()
@@ -316,15 +320,15 @@ class Member:
                 return False
             refused = unknown_flag_problem(self.program.binary, output)
             if refused:
-                raise self._errors.failure(f"{refused}; command: {self._command}") from None
-            raise self._errors.failure(
+                raise EtcdServerError(f"{refused}; command: {self._command}") from None
+            raise EtcdServerError(
                 f"{self.label} exited with code {proc.returncode} during start-up "
                 f"(command: {self._command}). Last lines of {self.log_path}:\n"
                 f"{last_lines(output, LOG_TAIL_LINES)}"
             ) from None
         except ProbeTimeoutError as exc:
             output = read_log_from(self.log_path, self._log_offset)
-            raise self._errors.timeout(
+            raise EtcdServerTimeoutError(
                 f"{self.label} at {self.client_url} was not ready in time ({exc}; command: "
                 f"{self._command}). Last lines of {self.log_path}:\n"
                 f"{last_lines(output, LOG_TAIL_LINES)}"
@@ -340,8 +344,8 @@ class Member:
         returns once the process is started.
 
         Raises:
-            Errors.failure: if the ports stay taken, or etcd fails otherwise.
-            Errors.timeout: if etcd is not ready within ``timeout``.
+            EtcdServerError: if the ports stay taken, or etcd fails otherwise.
+            EtcdServerTimeoutError: if etcd is not ready within ``timeout``.
         """
         with self._lock:
             self.stop()
@@ -356,7 +360,7 @@ class Member:
                     return
                 # Whoever holds our port may let go: wait a little, on a deadline.
                 time.sleep(min(0.05 * attempt, max(0.0, deadline - time.monotonic())))
-            raise self._errors.failure(
+            raise EtcdServerError(
                 f"{self.label} could not bind port {self.port} (or another of its ports) "
                 f"again in {attempts} attempts"
             )
@@ -406,13 +410,13 @@ class Member:
     def _require_proc(self) -> subprocess.Popen[bytes]:
         proc = self._proc
         if proc is None:
-            raise self._errors.failure(f"{self.label} has not been started")
+            raise EtcdServerError(f"{self.label} has not been started")
         return proc
 
     def _require_alive(self) -> subprocess.Popen[bytes]:
         proc = self._require_proc()
         if proc.poll() is not None:
-            raise self._errors.failure(
+            raise EtcdServerError(
                 f"{self.label} (pid {proc.pid}) has exited with code {proc.returncode}"
             )
         return proc
