@@ -311,7 +311,7 @@ def test_a_recursive_watch_skips_siblings_in_its_range(replay: Any) -> None:
 def test_a_delete_event_has_no_value() -> None:
     kv = {"key": b64("/k"), "mod_revision": "10"}
     message = {"result": {"header": HEADER, "events": [{"type": "DELETE", "kv": kv}]}}
-    objects = list(iter_objects([json.dumps(message).encode()]))
+    objects = list(iter_objects([json.dumps(message).encode()], "v3"))
     node = _event_node(objects[0]["result"]["events"][0], 10)
     assert (node.action, node.value, node.modified_index) == ("delete", None, 10)
 
@@ -413,7 +413,7 @@ def test_iter_objects_handles_whitespace_and_multibyte_splits() -> None:
     text = json.dumps({"result": {"v": "é"}}, ensure_ascii=False).encode()
     cut = text.index("é".encode()) + 1  # inside the two-byte character
     chunks = [b"  ", text[:cut], text[cut:] + b"\n", b'{"a": 1}{"b"', b": 2}"]
-    assert list(iter_objects(chunks)) == [{"result": {"v": "é"}}, {"a": 1}, {"b": 2}]
+    assert list(iter_objects(chunks, "v3")) == [{"result": {"v": "é"}}, {"a": 1}, {"b": 2}]
 
 
 # -- answers recorded from real servers ----------------------------------------------------

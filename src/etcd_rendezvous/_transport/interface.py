@@ -227,6 +227,24 @@ _OPS = {
 }
 
 
+#: The metric labels (``op``, ``api``) of the operation the current thread is sending:
+#: set by :meth:`Transport._operate` around each attempt, read by :func:`count_bytes`.
+_sending = threading.local()
+
+
+def count_bytes(api: str, sent: int, received: int, op: str | None = None) -> None:
+    """Count the HTTP body bytes of one request (``sent``) and of its answer
+    (``received``) as the metrics ``transport.bytes_sent`` and
+    ``transport.bytes_received``, labelled with the ``op`` and ``api`` of the operation
+    this thread is sending (``op``, when given, wins; ``other`` outside any)."""
+    labels: dict[str, str] = dict(getattr(_sending, "labels", None) or {"api": api})
+    labels["op"] = op or labels.get("op", "other")
+    if sent:
+        record_metric("transport.bytes_sent", sent, **labels)
+    if received:
+        record_metric("transport.bytes_received", received, **labels)
+
+
 def op_name(what: str) -> str:
     """The ``op`` label of the metrics of an operation described as ``what``
     (``compare-and-swap`` -> ``compare_and_swap``)."""
@@ -866,11 +884,14 @@ class Transport(_Closing):
             endpoint = self._pick()
             cap = min(self._request_timeout, max(deadline.remaining(), floor))
             record_metric("transport.requests", **labels)
+            outer, _sending.labels = getattr(_sending, "labels", None), labels
             try:
                 attempt = try_once(send, endpoint, cap if cap_requests else None)
             except BaseException:  # a permanent failure
                 self._record_duration(labels, started)
                 raise
+            finally:
+                _sending.labels = outer
             if attempt.outcome in (Outcome.APPLIED, Outcome.REFUSED):
                 self._record_duration(labels, started)
                 return dataclasses.replace(attempt, after_unknown=unknown)

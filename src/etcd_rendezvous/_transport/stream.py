@@ -24,7 +24,14 @@ from typing import Any
 
 from ..api import RendezvousConnectionError, RendezvousError
 from ..metrics import record_metric
-from .interface import Node, Transport, WatchHistoryLostError, WatchStream, _AmbiguousError
+from .interface import (
+    Node,
+    Transport,
+    WatchHistoryLostError,
+    WatchStream,
+    _AmbiguousError,
+    count_bytes,
+)
 from .retry import REWATCH, Deadline
 
 __all__ = [
@@ -422,8 +429,9 @@ def _socket_of(response: Any) -> Any:
     return getattr(connection, "sock", None)
 
 
-def iter_objects(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
-    """The JSON objects of a watch stream, however its chunks split them.
+def iter_objects(chunks: Iterable[bytes], api: str) -> Iterator[dict[str, Any]]:
+    """The JSON objects of a watch stream, however its chunks split them; every chunk's
+    bytes are counted as ``transport.bytes_received`` of op ``watch`` on ``api``.
 
     A chunk may hold several objects, part of one, or whitespace between them.
 
@@ -434,6 +442,7 @@ def iter_objects(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
     buffer = ""
     pending = b""
     for chunk in chunks:
+        count_bytes(api, 0, len(chunk), op="watch")
         pending += chunk
         try:
             buffer += pending.decode("utf-8")

@@ -38,6 +38,7 @@ from .interface import (
     _AmbiguousError,
     _ConditionError,
     _UnsentError,
+    count_bytes,
     transient_answer,
 )
 from .retry import Deadline
@@ -119,7 +120,18 @@ class _NoRetryPoolManager(urllib3.PoolManager):
                 else min(self._connect_timeout, float(timeout))
             )
             kw["timeout"] = urllib3.Timeout(connect=connect, read=timeout)
-        return super().urlopen(method, url, redirect=redirect, **kw)
+        response = super().urlopen(method, url, redirect=redirect, **kw)
+        body = kw.get("body")
+        sent = len(body) if isinstance(body, (bytes, str)) else 0
+        if "stream=true" in url.partition("?")[2].split("&"):
+            # A streaming watch's answer is read, and counted, as a stream (stream.py).
+            count_bytes("v2", sent, 0)
+        else:
+            # python-etcd asks for the body unread (to check the headers first), then
+            # reads it whole at once: reading it here fails the same way, and it stays
+            # cached for python-etcd.
+            count_bytes("v2", sent, len(response.data or b""))
+        return response
 
 
 def _transport_cause(exc: BaseException) -> BaseException:

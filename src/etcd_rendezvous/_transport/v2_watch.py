@@ -95,7 +95,7 @@ def _messages(endpoint: str, response: Any, etcd_index: int) -> Messages:
     """The changes of one answer, one at a time; ends after a change from the history
     (``etcd_index`` is the answer's ``X-Etcd-Index``), for which etcd watches no more."""
     try:
-        for message in iter_objects(response.stream(64 * 1024)):
+        for message in iter_objects(response.stream(64 * 1024), "v2"):
             node = _event_node(message, etcd_index)
             yield Changes([node])
             if node.modified_index <= etcd_index:

@@ -38,6 +38,7 @@ from .interface import (
     WatchStream,
     _AmbiguousError,
     _UnsentError,
+    count_bytes,
     transient_answer,
 )
 from .retry import Deadline
@@ -143,11 +144,12 @@ class EtcdV3Connection(Transport):
         if path == _AUTHENTICATE:
             # etcd 3.4 refuses to authenticate a request that carries an expired token.
             headers.pop("Authorization", None)
+        payload = None if body is None else json.dumps(body).encode()
         try:
             response = self._pool.request(
                 "GET" if body is None else "POST",
                 endpoint + path,
-                body=None if body is None else json.dumps(body).encode(),
+                body=payload,
                 headers=headers,
                 timeout=timeout,
                 retries=False,
@@ -155,6 +157,7 @@ class EtcdV3Connection(Transport):
         except BaseException as exc:
             raise self._transport_failure(idx, exc, where) from None
         self._heard_from(idx)
+        count_bytes(self.api, len(payload or b""), len(response.data or b""))
         if response.status == 200:
             try:
                 data = json.loads(response.data)

@@ -16,7 +16,7 @@ from urllib3.exceptions import HTTPError
 
 from ..api import RendezvousConnectionError
 from . import v3_wire as wire
-from .interface import Node, Transport, WatchHistoryLostError, _AmbiguousError
+from .interface import Node, Transport, WatchHistoryLostError, _AmbiguousError, count_bytes
 from .retry import Deadline
 from .stream import (
     Changes,
@@ -95,11 +95,13 @@ class V3WatchStream(StreamingWatch):
         # A live member starts its answer at once; then the reader waits for as long
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
         wait = min(transport.request_timeout, max(deadline.remaining(), transport._last_chance()))
+        body = json.dumps({"create_request": request}).encode()
+        count_bytes(transport.api, len(body), 0, op="watch")
         try:
             response = gateway._pool.urlopen(
                 "POST",
                 transport.endpoints[endpoint] + "/v3/watch",
-                body=json.dumps({"create_request": request}).encode(),
+                body=body,
                 headers=gateway._headers(),
                 timeout=urllib3.Timeout(connect=min(transport.connect_timeout, wait), read=wait),
                 retries=False,
@@ -124,7 +126,7 @@ def _messages(
 ) -> Messages:
     """The messages of one watch answer (from ``endpoint``, number ``idx``)."""
     try:
-        for message in iter_objects(response.stream(64 * 1024)):
+        for message in iter_objects(response.stream(64 * 1024), "v3"):
             yield _handle(gateway, endpoint, idx, message, key, recursive, start)
     except (HTTPError, OSError, ValueError, TypeError) as exc:
         raise _AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
