@@ -1,4 +1,4 @@
-"""A rendezvous of 8 to 256 nodes: seconds, and etcd requests per node.
+"""A rendezvous of 8 to 256 nodes: seconds, etcd requests, bytes and client CPU per node.
 
 Usage::
 
@@ -50,9 +50,19 @@ publishes its address through the etcd store and starts no TCPStore). Measured:
   with ``keep_alive_interval = --keep-alive-interval``, then for ``--heartbeat-seconds``
   the heartbeat threads run alone: requests per node **per minute**.
 
-``--breakdown`` prints each row's requests by API and method, per node, and the CPU
-seconds of the row's busiest process in the measured interval: close to the row's
-seconds, the client's CPU is the bottleneck and more ``--procs`` help.
+Every row also has, per node, the **KB** the clients received from etcd and sent to it
+(``kB in``, ``kB out``: HTTP bodies, watch streams included, counted by the transport:
+``transport.bytes_received`` and ``transport.bytes_sent`` of
+:mod:`etcd_rendezvous.metrics`), on v3 the **KB etcd's gRPC server sent**
+(``srv kB``: ``etcd_network_client_grpc_sent_bytes_total``, through the JSON gateway;
+etcd counts no v2 bytes), and the **client CPU** (``CPU ms``: the CPU time of all the
+row's processes in the measured phase, divided by N; the nodes are threads, so this
+includes their share of the GIL's overhead).
+
+``--breakdown`` prints each row's requests by API and method, per node, the KB per node
+received by operation (``read``, ``list``, ``watch``, ...), and the CPU seconds of the
+row's busiest process in the measured interval: close to the row's seconds, the
+client's CPU is the bottleneck and more ``--procs`` help.
 """
 
 from __future__ import annotations
@@ -91,7 +101,15 @@ from _bench_common import (
 )
 
 from etcd_rendezvous.etcd_server import EtcdServer
-from support.etcd_requests import Requests, read_metrics, requests_since
+from etcd_rendezvous.metrics import MetricsCollector
+from support.etcd_requests import (
+    Bytes,
+    Requests,
+    changes,
+    count_bytes,
+    count_requests,
+    read_metrics,
+)
 
 FIRST, RERENDEZVOUS, HEARTBEATS = "first", "rerendezvous", "heartbeats"
 
@@ -139,11 +157,27 @@ class NodeResult:
 
 @dataclass(frozen=True)
 class Phase:
-    """What one process reports of a phase: its nodes' results, and the CPU seconds
-    the process used from the start signal until its last node was done."""
+    """What one process reports of a phase: its nodes' results, the CPU seconds the
+    process used from the start signal until its last node was done, and the HTTP body
+    bytes its transports received and sent meanwhile (received also by ``op``)."""
 
     results: list[NodeResult]
     cpu: float
+    received: float = 0.0
+    sent: float = 0.0
+    received_by_op: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: The CPU seconds of every process of the row, summed (in the parent's sum).
+    cpu_total: float = 0.0
+
+
+def _received_by_op(collected: MetricsCollector) -> dict[str, float]:
+    """``transport.bytes_received`` by ``op``, from what ``collected`` added up."""
+    by_op: dict[str, float] = {}
+    for entry in collected.snapshot()["counters"]:
+        if entry["name"] == "transport.bytes_received":
+            op = entry["labels"].get("op", "other")
+            by_op[op] = by_op.get(op, 0.0) + entry["value"]
+    return by_op
 
 
 def _join(handler: Any) -> NodeResult:
@@ -196,13 +230,22 @@ def _run_nodes(
     ready()
     if not go.wait(_SETUP_TIMEOUT + timeout):
         raise RuntimeError("the parent gave no start signal")
-    cpu = time.process_time()
-    on_go()
-    released.set()
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.join(max(deadline - time.monotonic(), 0.0))
-    return Phase(list(results), time.process_time() - cpu)
+    with MetricsCollector() as collected:
+        cpu = time.process_time()
+        on_go()
+        released.set()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        cpu = time.process_time() - cpu
+    return Phase(
+        list(results),
+        cpu,
+        received=collected.counter("transport.bytes_received"),
+        sent=collected.counter("transport.bytes_sent"),
+        received_by_op=_received_by_op(collected),
+        cpu_total=cpu,
+    )
 
 
 def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any) -> None:
@@ -316,6 +359,15 @@ class Outcome:
     #: CPU seconds of the busiest process of the row in the measured phase (first
     #: rendezvous, re-rendezvous): near ``seconds``, the client's CPU is the bottleneck.
     cpu: float = 0.0
+    #: CPU seconds of all the row's processes in the measured phase, summed.
+    cpu_total: float = 0.0
+    #: HTTP body bytes the clients received from etcd and sent to it (all processes).
+    client_received: float = 0.0
+    client_sent: float = 0.0
+    #: ``client_received`` by operation.
+    received_by_op: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Bytes etcd's gRPC server exchanged with its clients (v3; zero on v2).
+    server: Bytes | None = None
     problem: str = ""
 
 
@@ -343,7 +395,33 @@ def _gathered(inbox: _Inbox, kind: str, deadline: float, timeout: float) -> Phas
     if phases is None:
         raise RowError(f"timeout (not done within {timeout:g} s)")
     results = [result for phase in phases for result in phase.results]
-    return Phase(results, max(phase.cpu for phase in phases))
+    by_op: dict[str, float] = {}
+    for phase in phases:
+        for op, value in phase.received_by_op.items():
+            by_op[op] = by_op.get(op, 0.0) + value
+    return Phase(
+        results,
+        max(phase.cpu for phase in phases),
+        received=sum(phase.received for phase in phases),
+        sent=sum(phase.sent for phase in phases),
+        received_by_op=dict(sorted(by_op.items(), key=lambda item: -item[1])),
+        cpu_total=sum(phase.cpu for phase in phases),
+    )
+
+
+def _counted(phase: Phase, delta: dict[str, float], **fields: Any) -> Outcome:
+    """A measured phase's outcome: etcd's counters that changed (``delta``) and what the
+    processes counted."""
+    return Outcome(
+        requests=count_requests(delta),
+        server=count_bytes(delta),
+        cpu=phase.cpu,
+        cpu_total=phase.cpu_total,
+        client_received=phase.received,
+        client_sent=phase.sent,
+        received_by_op=phase.received_by_op,
+        **fields,
+    )
 
 
 def _measure(
@@ -368,30 +446,34 @@ def _measure(
     except RowError as exc:
         raise RowError(exc if plan.mode == FIRST else f"first round: {exc}") from None
     if plan.mode == FIRST:
-        requests = requests_since(url, before)
+        delta = changes(before, read_metrics(url))
         seconds = max(r.finished for r in first.results) - started
-        return Outcome(seconds, requests=requests, cpu=first.cpu)
+        return _counted(first, delta, seconds=seconds)
     if plan.mode == RERENDEZVOUS and inbox.gather("ready again", _deadline(_SETUP_TIMEOUT)) is None:
         raise RowError("the nodes were not ready for the second round")
     before = read_metrics(url)
     started = time.monotonic()
     if plan.mode == HEARTBEATS:
         time.sleep(heartbeat_seconds)  # the window, in which only heartbeats run
-        requests = requests_since(url, before)
-        return Outcome(window=time.monotonic() - started, requests=requests)
+        delta = changes(before, read_metrics(url))
+        return Outcome(
+            window=time.monotonic() - started,
+            requests=count_requests(delta),
+            server=count_bytes(delta),
+        )
     second.set()
     try:
         again = _gathered(inbox, "rejoined", started + timeout + _MARGIN, timeout)
-        requests = requests_since(url, before)
+        delta = changes(before, read_metrics(url))
         _check(again.results, nodes, timeout)
     except RowError as exc:
         raise RowError(f"second round: {exc}") from None
-    return Outcome(
+    return _counted(
+        again,
+        delta,
         seconds=max(r.finished for r in again.results) - started,
         detect=min(r.detected for r in again.results if r.polls) - started,
         polls=sum(r.polls for r in again.results) / nodes,
-        requests=requests,
-        cpu=again.cpu,
     )
 
 
@@ -464,11 +546,28 @@ def _per_node(requests: Requests, scale: float) -> str:
     )
 
 
+#: The titles of the bytes and CPU columns (first rendezvous, re-rendezvous).
+_COSTS = f" {'kB in':>7} {'kB out':>6} {'srv kB':>7} {'CPU ms':>6}"
+
+
+def _costs(outcome: Outcome, nodes: int) -> str:
+    """Per node: kB received and sent by the clients, kB sent by etcd's gRPC server
+    (``-`` when it counted none: the v2 API), client CPU milliseconds."""
+    server = outcome.server.sent if outcome.server is not None else 0.0
+    return (
+        f" {outcome.client_received / nodes / 1000:>7.1f} "
+        f"{outcome.client_sent / nodes / 1000:>6.1f} "
+        + (f"{server / nodes / 1000:>7.1f}" if server else f"{'-':>7}")
+        + f" {outcome.cpu_total / nodes * 1000:>6.1f}"
+    )
+
+
 _HEADERS = {
-    FIRST: f"{'seconds':>8} {'writes/node':>11} {'reads/node':>10} {'keep-alive/node':>15}",
+    FIRST: f"{'seconds':>8} {'writes/node':>11} {'reads/node':>10} {'keep-alive/node':>15}"
+    + _COSTS,
     RERENDEZVOUS: (
         f"{'seconds':>8} {'detect':>7} {'writes/node':>11} {'reads/node':>10} "
-        f"{'keep-alive/node':>15} {'polls/node':>10}"
+        f"{'keep-alive/node':>15} {'polls/node':>10}" + _COSTS
     ),
     HEARTBEATS: (
         f"{'seconds':>8} {'writes/node':>11} {'reads/node':>10} {'keep-alive/node':>15}"
@@ -497,16 +596,21 @@ def row(plan: Plan, procs: int, outcome: Outcome) -> str:
         numbers = (
             f"{outcome.seconds:>8.2f} {outcome.detect:>7.2f} "
             f"{_per_node(requests, scale)} {outcome.polls:>10.1f}"
-        )
+        ) + _costs(outcome, plan.nodes)
     else:
-        numbers = f"{outcome.seconds:>8.2f} {_per_node(requests, scale)}"
+        numbers = f"{outcome.seconds:>8.2f} {_per_node(requests, scale)}" + _costs(
+            outcome, plan.nodes
+        )
     other = "".join(f"  +{v * scale:.1f} {k}" for k, v in requests.other.items())
     return f"{start} {numbers}{other}"
 
 
 def record(plan: Plan, procs: int, outcome: Outcome) -> dict[str, Any]:
     """One row as a JSON object, for ``--json`` (and ``plot_scale.py``): requests per
-    node (per node and minute for heartbeats); ``problem`` instead when there is none."""
+    node (per node and minute for heartbeats); bytes (``kb_received``, ``kb_sent``,
+    ``kb_server_sent``, ``kb_server_received``, ``kb_received_by_op``: kB per node) and
+    client CPU (``cpu_ms``: ms per node; ``busiest_cpu_s``: the busiest process's CPU
+    seconds) except for heartbeats; ``problem`` instead when there is none."""
     variant = plan.variant
     entry: dict[str, Any] = {
         "mode": plan.mode,
@@ -528,6 +632,20 @@ def record(plan: Plan, procs: int, outcome: Outcome) -> dict[str, Any]:
     )
     if plan.mode == RERENDEZVOUS:
         entry.update(detect=round(outcome.detect, 3), polls=round(outcome.polls, 2))
+    if plan.mode != HEARTBEATS:
+        server = outcome.server or Bytes(0.0, 0.0)
+        per_kb = 1 / plan.nodes / 1000
+        entry.update(
+            kb_received=round(outcome.client_received * per_kb, 2),
+            kb_sent=round(outcome.client_sent * per_kb, 2),
+            kb_server_sent=round(server.sent * per_kb, 2),
+            kb_server_received=round(server.received * per_kb, 2),
+            kb_received_by_op={
+                op: round(value * per_kb, 2) for op, value in outcome.received_by_op.items()
+            },
+            cpu_ms=round(outcome.cpu_total / plan.nodes * 1000, 2),
+            busiest_cpu_s=round(outcome.cpu, 3),
+        )
     return entry
 
 
@@ -537,8 +655,15 @@ def breakdown(mode: str, nodes: int, outcome: Outcome) -> str:
     if outcome.requests is None:
         return ""
     per = nodes * (outcome.window / 60 if mode == HEARTBEATS else 1)
-    cpu = "" if mode == HEARTBEATS else f"; busiest process: {outcome.cpu:.2f} CPU s"
-    return f"    {outcome.requests.describe(per)}{cpu}"
+    if mode == HEARTBEATS:
+        return f"    {outcome.requests.describe(per)}"
+    received = ", ".join(
+        f"{op} {value / nodes / 1000:.1f}" for op, value in outcome.received_by_op.items()
+    )
+    return (
+        f"    {outcome.requests.describe(per)}; busiest process: {outcome.cpu:.2f} CPU s\n"
+        f"    kB in/node by op: {received or '-'}"
+    )
 
 
 # -- the command line ---------------------------------------------------------------------

@@ -24,6 +24,13 @@ Every request lands in one class:
 
 A request of any other kind goes to :attr:`Requests.other`, so nothing goes uncounted.
 Reading ``/metrics`` is not itself counted by any of these counters.
+
+Bytes (v3 only, :func:`bytes_since`): ``etcd_network_client_grpc_sent_bytes_total`` and
+``etcd_network_client_grpc_received_bytes_total`` count the protobuf bytes between
+etcd's gRPC server and its clients, the JSON gateway inside etcd included (so a value
+costs its raw size there, not the gateway's base64). etcd counts no bytes of its v2
+API: there the transport's own counters (``transport.bytes_received`` and
+``transport.bytes_sent`` of :mod:`etcd_rendezvous.metrics`) are the measurement.
 """
 
 from __future__ import annotations
@@ -35,8 +42,11 @@ from dataclasses import dataclass
 import urllib3
 
 __all__ = [
+    "Bytes",
     "Requests",
+    "bytes_since",
     "changes",
+    "count_bytes",
     "count_requests",
     "counter",
     "read_metrics",
@@ -57,6 +67,9 @@ _COUNTERS = (
 _V2_WATCHES = "etcd_debugging_store_watch_requests_total"
 #: v2 store writes by action; ``update`` is a TTL refresh (or a node leaving a round).
 _V2_STORE_WRITES = "etcd_debugging_store_writes_total"
+#: The bytes etcd's gRPC server sent to and received from its clients (v3).
+_GRPC_SENT = "etcd_network_client_grpc_sent_bytes_total"
+_GRPC_RECEIVED = "etcd_network_client_grpc_received_bytes_total"
 
 _READ, _WRITE, _KEEPALIVE = "reads", "writes", "keepalives"
 #: The class of each request, by the name :func:`count_requests` gives it.
@@ -176,3 +189,26 @@ def requests_since(client_url: str, before: dict[str, float]) -> Requests:
     """The requests etcd at ``client_url`` received since ``before`` was read from it
     (with :func:`read_metrics`)."""
     return count_requests(changes(before, read_metrics(client_url)))
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """The bytes etcd's gRPC server exchanged with its clients in one interval, as
+    totals (the v3 API and its JSON gateway; 0 for the v2 API, which etcd does not
+    count)."""
+
+    #: Bytes etcd sent: the answers and watch events its clients received.
+    sent: float
+    #: Bytes etcd received: its clients' requests.
+    received: float
+
+
+def count_bytes(delta: dict[str, float]) -> Bytes:
+    """The gRPC byte counters that changed during an interval (from :func:`changes`)."""
+    return Bytes(counter(delta, _GRPC_SENT), counter(delta, _GRPC_RECEIVED))
+
+
+def bytes_since(client_url: str, before: dict[str, float]) -> Bytes:
+    """The bytes etcd at ``client_url`` exchanged with its gRPC clients since
+    ``before`` was read from it (with :func:`read_metrics`)."""
+    return count_bytes(changes(before, read_metrics(client_url)))
