@@ -3,7 +3,7 @@ keep-alives (the request-count test and the benchmarks rest on it)."""
 
 from __future__ import annotations
 
-from support.etcd_requests import changes, count_requests, samples
+from support.etcd_requests import changes, count_bytes, count_requests, samples
 
 
 def test_v2_watches_are_reads_and_ttl_refreshes_are_keepalives_not_writes() -> None:
@@ -60,3 +60,16 @@ def test_changes_keep_only_the_counters_that_moved() -> None:
     assert delta == {'a{x="1"}': 3.0, 'c{y="z"}': 1.0}
     assert list(samples(delta, "c")) == [({"y": "z"}, 1.0)]
     assert list(samples(delta, "b")) == []
+
+
+def test_grpc_bytes_are_read_from_etcds_two_counters() -> None:
+    delta = {
+        "etcd_network_client_grpc_sent_bytes_total": 5000.0,
+        "etcd_network_client_grpc_received_bytes_total": 700.0,
+        'etcd_http_received_total{method="GET"}': 5.0,
+    }
+
+    counted = count_bytes(delta)
+
+    assert (counted.sent, counted.received) == (5000.0, 700.0)
+    assert count_bytes({}) == type(counted)(0.0, 0.0)
