@@ -1,12 +1,15 @@
-"""Request counts at scale (issue 9): one rendezvous of 64 nodes, counted from etcd's ``/metrics``.
+"""Requests and bytes at scale: one rendezvous of 64 nodes, counted from etcd's ``/metrics``
+and the transport's byte counters.
 
 Each backend must complete a 64-node rendezvous with at most 4 etcd writes and 8 reads
 per node (totals divided by 64; keep-alive refreshes excluded, see
 ``tests/support/etcd_requests.py`` for how requests are classified), on whichever etcd API the
-test pass uses (``ETCD_RENDEZVOUS_ETCD_API``). The nodes are threads of this process,
-each with its own handler and connection, created before the count starts; they call
-``next_rendezvous()`` together. The test counts requests, not seconds
-(``benchmarks/bench_scale.py`` measures both).
+test pass uses (``ETCD_RENDEZVOUS_ETCD_API``), and receive at most a few times the
+state's size per node: ``MAX_STATE_READS`` full reads of the state plus a fixed cost
+(the client's ``transport.bytes_received``; on v3 also etcd's gRPC bytes sent). The
+nodes are threads of this process, each with its own handler and connection, created
+before the count starts; they call ``next_rendezvous()`` together. The tests count
+requests and bytes, not seconds (``benchmarks/bench_scale.py`` measures all three).
 
 The etcd is the test's own (``private_etcd_server``), so no other test's traffic lands
 in the count.
@@ -26,9 +29,18 @@ from etcd_rendezvous.api import RendezvousInfo, RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler
 from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.metrics import MetricsCollector
 from etcd_rendezvous.pytest_plugin import etcd_api_under_test
 from etcd_rendezvous.registry import get_rendezvous_handler
-from support.etcd_requests import read_metrics, requests_since
+from support.etcd_requests import (
+    changes,
+    count_bytes,
+    count_requests,
+    read_metrics,
+    requests_since,
+)
+from support.rdzv import state_key
+from support.transports import TRANSPORTS
 
 NODES = 64
 MAX_WRITES_PER_NODE = 4
@@ -196,3 +208,95 @@ def test_replacing_a_node_of_64_costs_a_constant_number_of_requests_per_node(
     assert not requests.other, f"requests of no known class: {requests.other}; {counted}"
     assert writes <= MAX_RE_WRITES_PER_NODE, counted
     assert reads <= MAX_RE_READS_PER_NODE, counted
+
+
+#: Full reads of the state a node may make in a first rendezvous (at its start, once
+#: admitted, once the rendezvous is final, and one to spare).
+MAX_STATE_READS = 4
+#: What a node receives besides the state, in bytes: 1.5 times the most a node received
+#: in a rendezvous of 8 (where the state is small), over both backends and APIs.
+#: Measured with ``python benchmarks/bench_scale.py --impls ours --nodes 8 --procs 1
+#: --timeout 30`` (etcd 3.5.1; column "kB in"): etcd v2 5.0, etcd v3 7.2, etcd-v2 v2
+#: 6.1, etcd-v2 v3 6.5 kB per node.
+FIXED_BYTES = 11_000
+#: Listings of the members' keys per node: a few nodes list, the others read the state.
+MAX_LISTINGS_PER_NODE = 0.5
+
+
+def _state_size(server: EtcdServer, backend: str, run_id: str) -> int:
+    """The bytes of the run's state value as etcd holds it now (``S``)."""
+    with TRANSPORTS[etcd_api_under_test()]([(server.get_host(), server.get_port())]) as conn:
+        value = conn.get(state_key(backend, run_id)).value
+    return len((value or "").encode())
+
+
+#: etcd-v2 on the v2 API is at the bound today: its nodes receive 17 to 34 kB each
+#: (against 26 kB, for a 3.8 kB state), over the bound in 3 of 8 runs -- the watches'
+#: replay of every state change is what varies. Not strict, since it passes as often.
+_DYNAMIC_AT_THE_BOUND = pytest.mark.xfail(
+    etcd_api_under_test() == "v2",
+    reason="etcd-v2 nodes on v2 receive up to 34 kB at 64 nodes, over the 26 kB bound in "
+    "3 of 8 runs",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize(
+    "handlers",
+    ["etcd", pytest.param("etcd-v2", marks=_DYNAMIC_AT_THE_BOUND)],
+    indirect=True,
+)
+def test_rendezvous_of_64_nodes_reads_the_state_a_constant_number_of_times(
+    handlers: list[Handler], private_etcd_server: EtcdServer, run_id: str, request: Any
+) -> None:
+    """Bytes received per node are at most ``MAX_STATE_READS`` states plus a fixed cost:
+    no node receives a listing of every node, or every version of the state, on top."""
+    backend = request.node.callspec.params["handlers"]
+    before = read_metrics(private_etcd_server.client_url)
+    with MetricsCollector() as collected:
+        infos = _rendezvous_together(handlers)
+    delta = changes(before, read_metrics(private_etcd_server.client_url))
+    size = _state_size(private_etcd_server, backend, run_id)
+
+    assert sorted(info.rank for info in infos) == list(range(NODES))
+    bound = MAX_STATE_READS * size + FIXED_BYTES
+    received = collected.counter("transport.bytes_received") / NODES
+    server_sent = count_bytes(delta).sent / NODES
+    by_op = {
+        entry["labels"]["op"]: round(entry["value"] / NODES)
+        for entry in collected.snapshot()["counters"]
+        if entry["name"] == "transport.bytes_received"
+    }
+    counted = (
+        f"{received:.0f} B/node received (at most {bound} = {MAX_STATE_READS} x {size} B "
+        f"state + {FIXED_BYTES}); etcd's gRPC sent {server_sent:.0f} B/node; received by "
+        f"op, per node: {by_op}"
+    )
+    assert received <= bound, counted
+    assert server_sent <= bound, counted  # 0 on v2: etcd counts no v2 bytes
+
+
+@pytest.mark.parametrize("handlers", ["etcd", "etcd-v2"], indirect=True)
+@pytest.mark.xfail(
+    strict=True,
+    reason="today about every node lists the member keys once (0.9 per node for etcd, "
+    "1.0 for etcd-v2, on either API)",
+)
+def test_rendezvous_of_64_nodes_lists_the_member_keys_from_few_nodes(
+    handlers: list[Handler], private_etcd_server: EtcdServer
+) -> None:
+    """At most ``MAX_LISTINGS_PER_NODE`` listings of the member keys per node (the
+    transport's ``list`` operations): a listing is O(N) bytes, so only a few nodes may
+    make one."""
+    before = read_metrics(private_etcd_server.client_url)
+    with MetricsCollector() as collected:
+        infos = _rendezvous_together(handlers)
+    requests = count_requests(changes(before, read_metrics(private_etcd_server.client_url)))
+
+    assert sorted(info.rank for info in infos) == list(range(NODES))
+    listings = collected.counter("transport.requests", op="list") / NODES
+    counted = (
+        f"{listings:.2f} listings/node (at most {MAX_LISTINGS_PER_NODE}); requests by "
+        f"method, per node: {requests.describe(NODES)}"
+    )
+    assert listings <= MAX_LISTINGS_PER_NODE, counted
