@@ -8,10 +8,11 @@ Usage::
         --json benchmarks/results/scale-rerendezvous.json
     python benchmarks/plot_scale.py  # writes docs/_static/scale-*.png
 
-For each results file (default: both of ``benchmarks/results/``) one figure of two
-panels against the number of nodes: the seconds the rendezvous took, and the etcd
-requests per node (writes and reads). One line per backend, API and implementation;
-a row that timed out is left out of its line and marked in the legend.
+For each results file (default: the ``scale-*.json`` of ``benchmarks/results/``) one
+figure of panels against the number of nodes: the seconds the rendezvous took, the etcd
+requests per node (writes and reads), and, where the rows have them, the kB per node
+the clients received. One line per backend, API and implementation; a row that timed
+out is left out of its line and marked in the legend.
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def plot(results: Path, out_dir: Path) -> Path:
     document = json.loads(results.read_text())
     rows = document["rows"]
     mode = rows[0]["mode"]
-    figure, (seconds_ax, requests_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    with_bytes = any("kb_received" in row for row in rows)
+    panels = 3 if with_bytes else 2
+    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+    seconds_ax, requests_ax = axes[0], axes[1]
     for name, entries in _series(rows).items():
         done = [e for e in entries if "problem" not in e]
         failed = [e["nodes"] for e in entries if "problem" in e]
@@ -61,7 +65,18 @@ def plot(results: Path, out_dir: Path) -> Path:
         requests_ax.plot(
             nodes, [e["writes"] + e["reads"] for e in done], style, marker="o", label=label
         )
-    for ax in (seconds_ax, requests_ax):
+        if with_bytes:
+            measured = [e for e in done if "kb_received" in e]
+            axes[2].plot(
+                [e["nodes"] for e in measured],
+                [e["kb_received"] for e in measured],
+                style,
+                marker="o",
+                label=label,
+            )
+    if with_bytes:
+        axes[2].set_ylabel("kB received per node (client)")
+    for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("nodes (N)")
