@@ -335,12 +335,23 @@ class Api:
 
 @dataclass(frozen=True)
 class Names:
-    """How long the names are: the run id and each node's host name."""
+    """How long the names are: the run id and each node's host name (``{i}``: the
+    node's number, for a host of its own; else all nodes share one, as in the
+    benchmark), ``procs`` processes per host."""
 
     run_id: str = "scale-0123abcd"
     host: str = "127.0.0.1"
     procs: int = 4
     first_pid: int = 123456
+
+    def host_of(self, node: int) -> str:
+        return self.host.format(i=node, rack=node // 32)
+
+    def local(self, node: int) -> tuple[int, int]:
+        """(pid, local id) of the ``node``-th node."""
+        if "{i}" in self.host:  # one agent per host
+            return self.first_pid, 0
+        return self.first_pid + node % self.procs, node // self.procs
 
 
 #: Above this many nodes the states written before the last one are not all encoded:
@@ -398,10 +409,7 @@ class LegacyFormat(_Sizes):
         self.member_keys = [
             self.layout.member_key("1", new_member_name(rng.getrandbits(64))) for _ in range(nodes)
         ]
-        who = [
-            _dumps({"host": names.host, "pid": names.first_pid + i % names.procs})
-            for i in range(nodes)
-        ]
+        who = [_dumps({"host": names.host_of(i), "pid": names.local(i)[0]}) for i in range(nodes)]
         self.member_values = [json.dumps(json.loads(w)) for w in who]  # as the worker spells it
         self.ttl = 10
 
@@ -432,10 +440,7 @@ class DynamicFormat(_Sizes):
         self.directory = layout.nodes_dir
         self.hint_key = self.directory + "/progress"
         self.nodes = nodes
-        self.descs = [
-            NodeDesc(names.host, names.first_pid + i % names.procs, i // names.procs)
-            for i in range(nodes)
-        ]
+        self.descs = [NodeDesc(names.host_of(i), *names.local(i)) for i in range(nodes)]
         self.member_keys = [layout.node_key(d.addr, d.pid, d.local_id) for d in self.descs]
         self.member_values = [_node_value(d) for d in self.descs]
         self.ttl = 30
@@ -571,6 +576,7 @@ class Sim:
         self.admitted_at = [-1.0] * nodes
         self.just_admitted: list[int] = []
         self.heard = [0.0] * nodes  # when a node last received a watch event
+        self.waiting = [0] * nodes  # requests sent and not yet answered
         self.last_heard = [0.0] * nodes
 
     # -- the event loop ----------------------------------------------------------------
@@ -631,9 +637,14 @@ class Sim:
             self.stats[node].add(op, sent, received)
             self.max_request_wire = max(self.max_request_wire, sent)
             arrives = self.decoded(node, self.transmit(received), received)
-            if then is not None:
-                self.at(arrives, then)
+            self.at(arrives, answered)
 
+        def answered() -> None:
+            self.waiting[node] -= 1
+            if then is not None:
+                then()
+
+        self.waiting[node] += 1
         self.at(self.now + self.settings.rtt / 2, at_server)
 
     # -- etcd --------------------------------------------------------------------------
@@ -967,6 +978,9 @@ class Sim:
             if self.heard[node] > armed:  # a hint came: silent since then only
                 self.silence(node, since=self.heard[node])
                 return
+            if self.waiting[node]:  # etcd is slow to answer: no reason to ask more
+                self.silence(node, since=self.now)
+                return
             self.fallbacks[node] += 1
             self.get_state(node, lambda: self.follow(node))
 
@@ -1110,7 +1124,7 @@ def limit_nodes(backend: str, names: Names, distinct_beats: bool = False) -> int
 
 LONG_NAMES = Names(
     run_id="3f2b8c1e-5d4a-4e6b-9c7d-0a1b2c3d4e5f",
-    host="gpu-node-01234.rack-042.training.cluster.example.com",
+    host="gpu-node-{i:05d}.rack-{rack:03d}.training.cluster.example.com",
 )
 
 
@@ -1124,7 +1138,7 @@ def limits() -> list[dict[str, Any]]:
                     "backend": backend,
                     "names": label,
                     "run_id": names.run_id,
-                    "host": names.host,
+                    "host": names.host_of(1234),
                     "heartbeats": "distinct" if distinct else "shared",
                     "bytes_per_node": round(state_size(backend, 1024, names, distinct) / 1024, 1),
                     "state_at_10000": state_size(backend, 10000, names, distinct),
