@@ -30,10 +30,10 @@ Two protocols:
 
 ``progress``
     Followers watch a small hint key written with every state write and read the state a
-    constant number of times (at the start, when the hint says they were decided, when it
-    says final). Only the ``ADMIT_CANDIDATES`` oldest undecided nodes act, the p-th after
-    ``ADMIT_GATHER + p * ADMIT_STAGGER`` seconds without progress: it reads the state,
-    lists (v3: only the keys created after the last decided one), admits every listed
+    constant number of times (at the start, and when the hint says final). Only the few
+    oldest undecided nodes act, the p-th after ``gather + p * stagger`` seconds without
+    progress (:class:`Rules`, per backend, as the backends have them): it reads the
+    state, lists (v3: only the keys created after the last decided one), admits every listed
     undecided key (a slow older one included) and writes the hint. One node relays
     (watches the state for writes not described by the hint).
 
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import heapq
 import json
 import random
@@ -90,27 +91,60 @@ SMALL_MESSAGE = 16 * 1024
 #: the older key it waits for (the backends' ``ADMISSION_GRACE``).
 NOW_GRACE = 2.0
 
-# -- the progress protocol's parameters (align them with the backends) ---------------------
+# -- the progress protocol's parameters, per backend ---------------------------------------
 
-#: How many of the oldest undecided nodes may list and write a batch.
-ADMIT_CANDIDATES = 3
-#: Seconds the oldest undecided node waits for more keys before it lists.
-ADMIT_GATHER = 0.1
-#: Seconds more each further candidate waits without progress before it acts.
-ADMIT_STAGGER = 0.25
-#: Seconds without any batch after which the next undecided nodes, up to the
-#: ``ADMIT_TAIL``-th oldest, act too (the p-th after ``p * ADMIT_STAGGER`` more): the
-#: candidates are all stuck.
-ADMIT_IDLE = 2.0
-ADMIT_TAIL = 8
-#: Full-state reads of a follower after the one at its start: when the hint says it was
-#: decided (its rank), and when it says final (skipped if that was the same write).
-STATE_READS_WHEN_DECIDED = 1
-STATE_READS_WHEN_FINAL = 1
-#: Seconds without a hint after which a waiting node reads the state itself; each
-#: further silent spell is this many times longer (a loaded etcd is not read harder).
-PROGRESS_SILENCE = 3.0
-PROGRESS_SILENCE_BACKOFF = 2.0
+
+@dataclass(frozen=True)
+class Rules:
+    """The few numbers of the progress protocol (the backends' own constants)."""
+
+    #: How many of the oldest undecided nodes may list and write a batch; the
+    #: nodes behind them act only when nobody did for a while (not modelled).
+    candidates: int
+    #: Seconds the oldest undecided node waits for more keys before it lists...
+    gather: float
+    #: ... and each further candidate waits this many more without progress.
+    stagger: float
+    #: Full-state reads of a follower after the one at its start: when the hint says its
+    #: key was decided, and when it says final (one read if the same write did both).
+    reads_when_decided: int
+    reads_when_final: int
+    #: Whether a follower reads the hint once besides watching it.
+    reads_hint: bool
+    #: Seconds without a hint after which a waiting node reads the state itself; each
+    #: further silent spell is ``silence_backoff`` times longer, up to ``silence_max``.
+    silence: float
+    silence_backoff: float
+    silence_max: float
+
+
+#: ``etcd`` (``_legacy/admission.py``: ``ADMIT_GATHER``, ``ADMIT_STAGGER``,
+#: ``ADMIT_CANDIDATES``; ``_legacy/feed.py``: ``SILENCE``, ``SILENCE_MAX``): a decided
+#: worker reads the state once ``min_workers`` joined, here at the final write.
+LEGACY_RULES = Rules(
+    candidates=8,
+    gather=0.02,
+    stagger=0.05,
+    reads_when_decided=0,
+    reads_when_final=1,
+    reads_hint=False,
+    silence=2.0,
+    silence_backoff=2.0,
+    silence_max=8.0,
+)
+#: ``etcd-v2`` (``_dynamic/admission.py``: ``ADMIT_STAGGER``, ``_STAGGER_CAP``,
+#: ``PROGRESS_SILENCE``): a decided node reads the state once the round completes.
+DYNAMIC_RULES = Rules(
+    candidates=8,
+    gather=0.0,
+    stagger=0.1,
+    reads_when_decided=0,
+    reads_when_final=1,
+    reads_hint=True,
+    silence=2.0,
+    silence_backoff=1.0,
+    silence_max=2.0,
+)
 #: How many nodes watch the full state all along (the relay for writes of PyTorch's
 #: workers, which write no hint).
 RELAYS = 1
@@ -529,6 +563,7 @@ class Sim:
         self, fmt: Format, api: str, protocol: str, nodes: int, settings: Settings
     ) -> None:
         self.fmt, self.api, self.protocol, self.n = fmt, Api(api), protocol, nodes
+        self.rules = LEGACY_RULES if isinstance(fmt, LegacyFormat) else DYNAMIC_RULES
         self.settings = settings
         rng = random.Random(settings.seed * 7919 + nodes)
         self.arrival = sorted(rng.uniform(0.0, settings.window) for _ in range(nodes))
@@ -711,7 +746,7 @@ class Sim:
             member = self.members[position]
             if member not in self.admitted_set:
                 first.add(member)
-                if len(first) >= ADMIT_TAIL:
+                if len(first) >= self.rules.candidates:
                     break
         return (
             first | set(self.just_admitted) if kind == "hint" or self.protocol == "now" else first
@@ -825,7 +860,10 @@ class Sim:
         """Watch the hint, read it once, and decide."""
         self.watch(node, self.fmt.hint_key)
         key = self.fmt.hint_key
-        self.request(node, "read", lambda: self.api.get(self.keys.get(key), key, self.index), None)
+        if self.rules.reads_hint:
+            self.request(
+                node, "read", lambda: self.api.get(self.keys.get(key), key, self.index), None
+            )
         self.follow(node)
 
     def create(self, node: int) -> None:
@@ -940,16 +978,16 @@ class Sim:
         self.generation[node] += 1
         if node in self.admitted_set:
             if self.final:
-                for _ in range(STATE_READS_WHEN_FINAL):
+                for _ in range(self.rules.reads_when_final):
                     self.get_state(node, lambda: self.check_done(node))
             elif not self.decided_read[node]:
                 self.decided_read[node] = True
-                for _ in range(STATE_READS_WHEN_DECIDED):
+                for _ in range(self.rules.reads_when_decided):
                     self.get_state(node, lambda: None)
             self.silence(node)
             return
         position = self.undecided_position(node)
-        if position is None or position >= ADMIT_TAIL:
+        if position is None or position >= self.rules.candidates:
             self.silence(node)
             return
         if self.api.name == "v3":  # v3 counts the older undecided keys; v2 infers it
@@ -957,8 +995,7 @@ class Sim:
                 node, "count", lambda: self.api.count(self.fmt.directory, self.index), None
             )
         generation = self.generation[node]
-        first = ADMIT_GATHER if position < ADMIT_CANDIDATES else ADMIT_IDLE
-        wait = first + position * ADMIT_STAGGER
+        wait = self.rules.gather + position * self.rules.stagger
         self.at(self.now + wait, lambda: self.candidate_acts(node, generation))
 
     def undecided_position(self, node: int) -> int | None:
@@ -969,16 +1006,17 @@ class Sim:
                 return position
             if member not in self.admitted_set:
                 position += 1
-                if position >= ADMIT_TAIL:
+                if position >= self.rules.candidates:
                     return position
         return None
 
     def silence(self, node: int, since: float | None = None) -> None:
         """Read the state if no hint reaches ``node`` for a while (see
-        :data:`PROGRESS_SILENCE`)."""
+        :attr:`Rules.silence`)."""
         generation = self.generation[node]
         armed = self.now if since is None else since
-        wait = PROGRESS_SILENCE * PROGRESS_SILENCE_BACKOFF ** self.fallbacks[node]
+        rules = self.rules
+        wait = min(rules.silence * rules.silence_backoff ** self.fallbacks[node], rules.silence_max)
 
         def check() -> None:
             if self.generation[node] != generation or self.stats[node].done >= 0:
@@ -1261,6 +1299,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--check", type=Path, default=DIAGNOSIS, help="measured bench_scale.py rows to compare"
     )
+    parser.add_argument(
+        "--gather",
+        type=float,
+        help="seconds the oldest undecided node waits before a batch (both backends)",
+    )
     parser.add_argument("--no-check", action="store_true", help="skip the comparison")
     parser.add_argument("--no-limits", action="store_true", help="skip the request-size limits")
     parser.add_argument(
@@ -1273,6 +1316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--client-overhead", type=float, default=0.0007, help="CPU seconds per message"
     )
     args = parser.parse_args(argv)
+    if args.gather is not None:
+        global LEGACY_RULES, DYNAMIC_RULES  # noqa: PLW0603 (a command-line override)
+        LEGACY_RULES = dataclasses.replace(LEGACY_RULES, gather=args.gather)
+        DYNAMIC_RULES = dataclasses.replace(DYNAMIC_RULES, gather=args.gather)
     rows = []
     started = time.process_time()
     for nodes in args.nodes:
@@ -1327,15 +1374,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "slow": args.slow,
                 "slow_delay": args.slow_delay,
                 "seed": args.seed,
-                "admit_candidates": ADMIT_CANDIDATES,
-                "admit_gather": ADMIT_GATHER,
-                "admit_stagger": ADMIT_STAGGER,
-                "admit_idle": ADMIT_IDLE,
-                "admit_tail": ADMIT_TAIL,
-                "state_reads_when_decided": STATE_READS_WHEN_DECIDED,
-                "state_reads_when_final": STATE_READS_WHEN_FINAL,
-                "progress_silence": PROGRESS_SILENCE,
-                "progress_silence_backoff": PROGRESS_SILENCE_BACKOFF,
+                "rules": {
+                    "etcd": dataclasses.asdict(LEGACY_RULES),
+                    "etcd-v2": dataclasses.asdict(DYNAMIC_RULES),
+                },
                 "max_request_bytes": MAX_REQUEST_BYTES,
             },
             "rows": rows,
