@@ -608,6 +608,7 @@ class Sim:
         self.generation = [0] * nodes
         self.decided_read = [False] * nodes
         self.fallbacks = [0] * nodes
+        self.final_read = [False] * nodes
         self.admitted_at = [-1.0] * nodes
         self.just_admitted: list[int] = []
         self.heard = [0.0] * nodes  # when a node last received a watch event
@@ -978,8 +979,10 @@ class Sim:
         self.generation[node] += 1
         if node in self.admitted_set:
             if self.final:
-                for _ in range(self.rules.reads_when_final):
-                    self.get_state(node, lambda: self.check_done(node))
+                if not self.final_read[node]:  # once: a late hint of an older write
+                    self.final_read[node] = True  # (v2 writes it after the state) reads
+                    for _ in range(self.rules.reads_when_final):  # nothing more
+                        self.get_state(node, lambda: self.check_done(node))
             elif not self.decided_read[node]:
                 self.decided_read[node] = True
                 for _ in range(self.rules.reads_when_decided):
@@ -1028,7 +1031,7 @@ class Sim:
                 self.silence(node, since=self.now)
                 return
             self.fallbacks[node] += 1
-            self.get_state(node, lambda: self.follow(node))
+            self.get_state(node, lambda: self.check_done(node) or self.follow(node))
 
         self.at(armed + wait, check)
 
@@ -1037,14 +1040,17 @@ class Sim:
             return
 
         def admit() -> None:
-            version = self.state_version
+            version = self.seen[node]  # the state it read: its compare-and-swap's base
+            listed = self.members[: self.listed[node]]
+            if all(i in self.admitted_set for i in listed[self.next_pending :]):
+                self.follow(node)  # nothing left to admit: no write
+                return
 
             def execute() -> tuple[int, int]:
                 prev = self.keys.get(self.fmt.state_key)
                 if version != self.state_version or prev is None:  # lost the race
                     lost = prev or Entry(self.fmt.state_key, "", 0, 0, 0, None)
                     return self.api.cas(lost, lost, self.index)
-                listed = self.members[: self.listed[node]]
                 admit = [i for i in listed if i not in self.admitted_set]
                 upto = self.created[listed[-1]]
                 return self.write_state(node, admit, upto)
