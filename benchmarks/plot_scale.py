@@ -118,7 +118,7 @@ def plot_sim(results: Path, out_dir: Path) -> Path:
         ("kB received per node", lambda r: r["kb_received"]),
         ("etcd requests per node", lambda r: r["requests"]),
         (
-            "kB received per node / state size (kB)",
+            "bytes received per node / final state size",
             lambda r: r["kb_received"] * 1000 / r["state_bytes"],
         ),
     )
