@@ -515,6 +515,7 @@ class EtcdRendezvous:
             return None
         state = self._feed.note(active_version).state or {}
         logger.info("New rendezvous state created: %s", state)
+        self._join.publish(str(state["version"]), active_version, state)
         return str(state["version"])
 
     def _await_change(self) -> None:
@@ -543,6 +544,8 @@ class EtcdRendezvous:
             this_rank == self._num_min_workers - 1
             and self._feed.current().status_in(expected_version) == "joinable"
         ):
+            # It keeps the state alive and freezes it: it follows the state itself.
+            self._feed.follow_state()
             logger.info("Rank %s is responsible for join last call.", this_rank)
             self.handle_join_last_call(expected_version, Deadline(self._last_call_timeout))
             logger.info("Rank %s finished join last call.", this_rank)
@@ -790,7 +793,9 @@ class EtcdRendezvous:
         except CompareFailedError:
             logger.debug("Join last-call TTL refresh CAS unsuccessful; the state changed")
             return
-        self._feed.note(node)
+        observed = self._feed.note(node)
+        if observed.state is not None and observed.state.get("version") is not None:
+            self._join.publish(str(observed.state["version"]), node, observed.state)
 
     # -- the state --------------------------------------------------------------------
 
