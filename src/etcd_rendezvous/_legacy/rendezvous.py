@@ -185,6 +185,9 @@ class EtcdRendezvous:
             self._last_call_timeout = float(last_call_timeout)
             self._rendezvous_deadline = Deadline(self._timeout)
             self._feed = StateFeed(self._conn, self._layout.state_key, parse_state)
+            # num_workers_waiting()'s own: a stream on the state, kept open between calls.
+            self._waiting_feed = StateFeed(self._conn, self._layout.state_key, parse_state)
+            self._waiting_lock = threading.Lock()
             self._join = BatchJoin(
                 self._conn,
                 self._layout,
@@ -287,6 +290,10 @@ class EtcdRendezvous:
                 return
             self._closed = True
         self.stop_lease_renewals()
+        waiting_feed = getattr(self, "_waiting_feed", None)  # (absent if __init__ raised)
+        if waiting_feed is not None:
+            with self._waiting_lock:
+                waiting_feed.close()
         if self._owns_conn:
             self._conn.close()
 
@@ -810,6 +817,23 @@ class EtcdRendezvous:
         state = parse_state(active_version)
         self._last_state = state
         return active_version, state
+
+    def num_workers_waiting(self) -> int:
+        """``num_workers_waiting`` of the current state if it is final, else 0.
+
+        The first call reads the state and leaves a watch stream on it open; later calls
+        take in what the stream delivered (the newest state only), so that an agent
+        polling this every moment costs etcd nothing while the state does not change,
+        and one read of the state per change.
+
+        Raises:
+            RendezvousStateError: the state is corrupt.
+        """
+        with self._waiting_lock:
+            state = self._waiting_feed.current().state
+        if state is None or state["status"] != "final":
+            return 0
+        return int(state["num_workers_waiting"])
 
     def try_wait_for_state_change(
         self, etcd_index: int, timeout: float | None = None
