@@ -300,8 +300,12 @@ class StateFeed:
         if hint is None:
             logger.debug("Ignoring the unreadable hint in %s: %r", node.key, node.value)
             return False
-        if self._hint is not None and hint.index <= self._hint.index:
-            return False
+        known = self._hint
+        if known is not None and (hint.index, hint.decided_upto) <= (
+            known.index,
+            known.decided_upto,
+        ):
+            return False  # (the same state, described again by a worker that knew more: kept)
         self._hint, self._hint_at = hint, node.modified_index
         self._heard_at = time.monotonic()
         if self._latest is not None and hint.index <= self._latest.index:
