@@ -267,7 +267,10 @@ def test_workers_that_announced_and_died_are_admitted_and_the_version_ends_when_
     wait_until(lambda: len(_member_keys(conn, run_id)) == 3, what="the victim's member key")
     victim.kill()
     victim_key = _member_keys(conn, run_id)[-1]
+    assert json.loads(conn.get(key).value)["participants"] == [0]
 
+    # A live successor admits them, then finds itself beyond max_workers: late.
+    rest = _join_all_sent(_spawn(workers, etcd_server, run_id, 2, 3, 3))
     joined_first = expect_joined(first.next_event(), first)
     assert (joined_first["version"], joined_first["rank"], joined_first["world_size"]) == (
         "1",
@@ -280,7 +283,6 @@ def test_workers_that_announced_and_died_are_admitted_and_the_version_ends_when_
     assert state["members"][member_name(victim_key)] == 2
 
     # Late for version 1, the others wait until the dead members' keys lapse.
-    rest = _join_all_sent(_spawn(workers, etcd_server, run_id, 2, 3, 3))
     first.send("join")
     joined = [expect_joined(w.next_event(), w) for w in [first, *rest]]
     assert sorted(j["rank"] for j in joined) == [0, 1, 2]

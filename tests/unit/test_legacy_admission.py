@@ -304,6 +304,16 @@ def test_a_far_behind_worker_waits_for_the_tail_before_it_lists() -> None:
     )
 
 
+def test_the_state_and_hint_writes_do_not_count_in_the_distance() -> None:
+    """Our key came after the batch's state write (101) and hint (102): it is first."""
+    me = entry(3, created=103)
+    step = admission_step(observed(joinable(), 101), None, 100, "1", me, ADMIT_GATHER, (101, 102))
+    assert step == Admit()
+    assert admission_step(observed(joinable(), 101), None, 100, "1", me, ADMIT_GATHER) == Wait(
+        pytest.approx(2 * ADMIT_STAGGER)
+    )
+
+
 def test_without_a_decided_index_the_distance_is_from_the_state() -> None:
     """No hint (PyTorch's workers made the state): the distance counts from the state's
     own index; a key older than the state, not admitted, is first in line."""
@@ -414,6 +424,7 @@ class _Conn:
         return self.node
 
     def watch_stream(self, key: str, start_index: int) -> _Stream:
+        assert start_index == 0 or start_index == self.node.etcd_index + 1
         self.streams.append(_Stream())
         return self.streams[-1]
 
@@ -436,6 +447,8 @@ def test_the_feed_hands_out_the_changes_its_stream_already_delivered() -> None:
     final = {"status": "final", "version": "1", "participants": [0]}
     feed, conn = _feed(final)
     assert feed.current().state == final
+    assert conn.streams == []  # opened by the first wait, from just after the read
+    assert feed.wait(0.0) is False
     conn.streams[0].delivered.append(_change(None, 11))
     assert feed.current().state is None
     assert feed.current().index == 11
@@ -445,6 +458,7 @@ def test_the_feed_hands_out_the_changes_its_stream_already_delivered() -> None:
 def test_a_change_delivered_before_the_wait_counts_as_one() -> None:
     feed, conn = _feed(joinable(1))
     feed.current()
+    feed.wait(0.0)
     conn.streams[0].delivered.append(_change(joinable(2), 11))
     assert feed.wait(0.0) is True
     assert feed.current().state == joinable(2)
@@ -461,6 +475,7 @@ def test_the_feed_decodes_only_the_newest_of_a_burst() -> None:
 
     feed = StateFeed(conn, LAYOUT.state_key, parse)  # type: ignore[arg-type]
     feed.current()
+    feed.wait(0.0)
     conn.streams[0].delivered.extend(_change(joinable(n), 10 + n) for n in range(2, 6))
     assert feed.wait(0.0) is True
     assert feed.current().state == joinable(5)

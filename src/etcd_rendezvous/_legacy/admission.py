@@ -348,12 +348,14 @@ def admission_step(
     version: str,
     me: Announced,
     quiet_for: float,
+    other_writes: Sequence[int] = (),
 ) -> AdmissionStep:
     """What a worker that announced ``me`` in ``version`` does next, given the state it
     last saw, the hint (``news``) that the state changed since, if any, the newest
-    index up to which member keys are known to be decided (0: unknown) and the seconds
-    nothing changed. The hint only decides whether to read the state: admission is
-    what the state says."""
+    index up to which member keys are known to be decided (0: unknown), the seconds
+    nothing changed, and the indexes of writes known not to be member keys (the state's,
+    the hint's), which do not count in our distance. The hint only decides whether to
+    read the state: admission is what the state says."""
     state = observed.state
     status = observed.status_in(version)
     if state is None or status not in ("joinable", "frozen", "final"):
@@ -365,7 +367,9 @@ def admission_step(
         return Leave(f"version {version} became {status} without us: late")
     if news is not None and _concerns(news, version, status, me):
         return Read()
-    delay = admit_delay(me.created_index - (decided_upto or observed.index), me.name)
+    base = decided_upto or observed.index
+    between = {w for w in other_writes if base < w < me.created_index}
+    delay = admit_delay(me.created_index - base - len(between), me.name)
     if quiet_for >= delay:
         return Admit()
     return Wait(delay - quiet_for)
@@ -507,7 +511,9 @@ class BatchJoin:
             me = self._require_member(version).entry
             news = self._feed.news
             decided = self._decided_upto()
-            match admission_step(observed, news, decided, version, me, self._quiet(since)):
+            writes = (observed.index, self._feed.hint_written_at)
+            quiet = self._quiet(since)
+            match admission_step(observed, news, decided, version, me, quiet, writes):
                 case Admitted(rank):
                     return rank
                 case Leave(reason):

@@ -103,6 +103,11 @@ class StateFeed:
         return self._hint
 
     @property
+    def hint_written_at(self) -> int:
+        """The store index of the write of the hint key that brought :attr:`hint` (0: none)."""
+        return self._hint_at if self._hint is not None else 0
+
+    @property
     def news(self) -> Hint | None:
         """The newest hint, if it describes a state newer than the one last seen and was
         written after we saw it (a hint older than our read, or one that lies about its
@@ -128,13 +133,14 @@ class StateFeed:
 
     def current(self) -> Observed:
         """The latest state known: read from etcd on first use and after an error, else
-        the newest change the stream already delivered (without waiting).
+        the newest change the stream (once a wait opened it) already delivered, without
+        waiting.
 
         Taking in what was delivered matters: a caller that went round without waiting
         (it read the key itself and found it changed or gone) would otherwise decide
         again and again on a state that no longer exists.
         """
-        if self._latest is None or (self._stream is None and self._hint_key is None):
+        if self._latest is None:
             return self._restart()
         if self._stream is not None:
             self._receive(0.0)
@@ -152,8 +158,12 @@ class StateFeed:
         if self._stream is None:
             if self._hint_key is not None:
                 self._open_hints()
-            else:
+            elif self._latest is None:
                 self._restart()  # (not current(): what it took in would not count as a change)
+            if self._stream is None:
+                # From just after our read: every change since comes in, and a worker
+                # that follows the hints instead never opened it.
+                self._stream = self._conn.watch_stream(self._key, self._seen_at + 1)
         return self._receive(max(0.0, timeout))
 
     def follow_hints(self, hint_key: str) -> None:
@@ -234,13 +244,13 @@ class StateFeed:
             stream.close()
 
     def _restart(self) -> Observed:
-        """Open the stream from now, then read the state: a stream opened from the
-        read's index would, on v2, cost a request per change made since (while many
-        workers write the state, that is many). Changes made between the two come in
-        both; the stream's copies are older than the read and are ignored."""
+        """Read the state, to follow it from there: the stream is opened by the first
+        :meth:`wait`, from just after the read (a worker that goes on to follow the hint
+        never opens it). On v2 a stream opened from an index in etcd's history costs a
+        request per change of the state since; a wait follows its read closely, so there
+        are few."""
         self._close_stream()
         self._hint_key = None
-        self._stream = self._conn.watch_stream(self._key, 0)
         try:
             return self._read()
         except BaseException:
@@ -262,18 +272,12 @@ class StateFeed:
         return observed
 
     def _open_hints(self) -> None:
-        """Open the stream on the hint key from now, then read the hint."""
+        """Open the stream on the hint key from now. The hint already there is not read:
+        it describes a state we have seen or one the next hint describes better."""
         key = self._hint_key
         if key is None:  # pragma: no cover (callers set it)
             return
         self._stream = self._conn.watch_stream(key, 0)
-        try:
-            node = self._conn.try_get(key)
-        except BaseException:
-            self.close()
-            raise
-        if node is not None:
-            self._take_hint(node)
 
     def _apply(self, event: Node) -> bool:
         """Take in one change (of the state, or of the hint key); whether it was news."""
