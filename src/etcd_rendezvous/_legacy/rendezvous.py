@@ -830,6 +830,7 @@ class EtcdRendezvous:
             RendezvousStateError: the state is corrupt.
         """
         with self._waiting_lock:
+            self._waiting_feed.wait(0.0)  # (reads the state the first time)
             state = self._waiting_feed.current().state
         if state is None or state["status"] != "final":
             return 0
