@@ -576,3 +576,13 @@ def test_a_hint_round_trips_and_rejects_what_is_not_one() -> None:
     assert Hint.decode(None) is None
     assert Hint.decode("[]") is None
     assert Hint.decode(written.encode().replace("42", "true")) is None
+
+
+def test_a_decided_worker_reads_when_it_may_be_the_last_call_worker_or_after_a_silence() -> None:
+    """A hint that decided our key leads to a read only once min_workers joined (our rank
+    may be min_workers - 1) or after a silence; until then, one read at the end does."""
+    decided = hint(60, 103)  # count 2
+    now = observed(joinable(), 50)
+    assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=2) == Read()
+    assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=3, unheard=1.5) == Wait(1.5)
+    assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=3, unheard=0.0) == Read()

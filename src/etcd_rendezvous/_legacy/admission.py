@@ -91,8 +91,8 @@ ADMISSION_GRACE = 2.0
 #: first ``ADMIT_CANDIDATES`` steps; further behind, it waits a moment more, drawn from
 #: ``ADMIT_TAIL`` seconds. The oldest undecided worker fires first; should it be slow, the
 #: next takes over one step later and admits it too.
-ADMIT_GATHER = 0.05
-ADMIT_STAGGER = 0.1
+ADMIT_GATHER = 0.02
+ADMIT_STAGGER = 0.05
 ADMIT_CANDIDATES = 8
 ADMIT_TAIL = 1.0
 #: Each such key (member) adds this much to the grace, up to twice the grace: the
@@ -349,13 +349,21 @@ def admission_step(
     me: Announced,
     quiet_for: float,
     other_writes: Sequence[int] = (),
+    *,
+    min_workers: int = 1,
+    unheard: float = float("inf"),
 ) -> AdmissionStep:
     """What a worker that announced ``me`` in ``version`` does next, given the state it
     last saw, the hint (``news``) that the state changed since, if any, the newest
     index up to which member keys are known to be decided (0: unknown), the seconds
-    nothing changed, and the indexes of writes known not to be member keys (the state's,
-    the hint's), which do not count in our distance. The hint only decides whether to
-    read the state: admission is what the state says."""
+    nothing changed, the indexes of writes known not to be member keys (the state's,
+    the hint's), which do not count in our distance, and the seconds left of the
+    silence after which to read the state anyway.
+
+    The hint only decides whether to read the state: admission is what the state says.
+    A worker the hint says was decided reads the state once the version is final or
+    frozen, or once ``min_workers`` joined (it may be the last-call worker): one read
+    then gives its rank and, often, the world."""
     state = observed.state
     status = observed.status_in(version)
     if state is None or status not in ("joinable", "frozen", "final"):
@@ -365,8 +373,12 @@ def admission_step(
         return Admitted(members[me.name])
     if status != "joinable":
         return Leave(f"version {version} became {status} without us: late")
-    if news is not None and _concerns(news, version, status, me):
+    if news is not None and _concerns(news, version, status, None):
         return Read()
+    if news is not None and news.decided_upto >= me.created_index:
+        if news.count >= min_workers or unheard <= 0:
+            return Read()
+        return Wait(unheard)  # admitted, as far as the hint says: nothing to do yet
     base = decided_upto or observed.index
     between = {w for w in other_writes if base < w < me.created_index}
     delay = admit_delay(me.created_index - base - len(between), me.name)
@@ -500,11 +512,14 @@ class BatchJoin:
         Raises:
             RestartAttempt: the version ended, or froze without us (our key is deleted).
         """
-        me = self._announce(version)
         observed = self._feed.current()
-        if observed.status_in(version) and me.name in members_of(observed.state or {}):
-            return members_of(observed.state or {})[me.name]  # we created the version
+        members = members_of(observed.state or {}) if observed.status_in(version) else {}
+        mine = self._member
+        if mine is not None and mine.version == version and mine.entry.name in members:
+            return members[mine.entry.name]  # we created the version
+        # Hints from before our announce on: none that decides our key is missed.
         self._feed.follow_hints(self._layout.progress_key(version))
+        self._announce(version)
         since = time.monotonic()
         while True:
             observed = self._feed.current()
@@ -513,7 +528,18 @@ class BatchJoin:
             decided = self._decided_upto()
             writes = (observed.index, self._feed.hint_written_at)
             quiet = self._quiet(since)
-            match admission_step(observed, news, decided, version, me, quiet, writes):
+            unheard = self._feed.silence - self._feed.silent_for
+            match admission_step(
+                observed,
+                news,
+                decided,
+                version,
+                me,
+                quiet,
+                writes,
+                min_workers=self._min,
+                unheard=unheard,
+            ):
                 case Admitted(rank):
                     return rank
                 case Leave(reason):
@@ -552,7 +578,7 @@ class BatchJoin:
                 case Read():
                     self._read(version)
                 case Confirm(without_lower):
-                    observed = self._read(version)
+                    observed = self._read(version, relay=False)
                     if observed.status_in(version) != "frozen" or observed.state is None:
                         continue
                     listed_at, entries = self._list(version)
@@ -645,13 +671,16 @@ class BatchJoin:
         hint = self._feed.hint
         return max(self._decided, hint.decided_upto if hint is not None else 0)
 
-    def _read(self, version: str) -> Observed:
+    def _read(self, version: str, *, relay: bool = True) -> Observed:
         """Read the state; if it is newer than the hint says (a write by PyTorch's
-        workers, or by one of ours that died before its hint), pass the word on."""
+        workers, or by one of ours that died before its hint), pass the word on, unless
+        not to ``relay`` (a candidate's read, which may come between a write and its
+        hint: the others hear of the write from its writer, or read after a silence)."""
         observed = self._feed.refresh()
         hint = self._feed.hint
         if (
-            observed.state is not None
+            relay
+            and observed.state is not None
             and observed.status_in(version) is not None
             and (hint is None or hint.index < observed.index)
         ):
@@ -661,7 +690,7 @@ class BatchJoin:
     def _batch(self, version: str, seen: Observed) -> None:
         """Our turn to admit: read the state (unless it changed meanwhile, as a hint
         might not have said), list the member keys, admit every announced one."""
-        observed = self._read(version)
+        observed = self._read(version, relay=False)
         if observed.index != seen.index or observed.status_in(version) != "joinable":
             return  # decide again on what we read
         if observed.state is None:  # pragma: no cover (checked by status_in)

@@ -198,9 +198,9 @@ class StateFeed:
 
     def _receive(self, timeout: float) -> bool:
         """Take in the changes the open stream delivers within ``timeout`` seconds (every
-        one already delivered, and at most one wait; only the newest is decoded); whether
-        there was news. After lost history the state is read again; after any other
-        error the feed is closed."""
+        one already delivered, and at most one wait; of the states, only the newest is
+        decoded); whether there was news. After lost history the state is read again;
+        after any other error the feed is closed."""
         stream = self._stream
         if stream is None:  # pragma: no cover (callers opened it)
             return False
@@ -210,6 +210,13 @@ class StateFeed:
                 event = stream.next(deadline.remaining())
                 if event is None:
                     return False
+                if self._hint_key is not None:  # small: each may tell something
+                    news = self._apply(event)
+                    while (more := stream.next(0.0)) is not None:
+                        news = self._apply(more) or news
+                    if news:
+                        return True
+                    continue
                 while (more := stream.next(0.0)) is not None:
                     event = more
                 if self._apply(event):
