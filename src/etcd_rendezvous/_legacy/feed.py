@@ -58,10 +58,10 @@ class Observed:
 class StateFeed:
     """The rendezvous state as one watch stream delivers it.
 
-    Following the state (the default), :meth:`current` reads the state once and opens
-    the stream right after that read; :meth:`wait` takes in the changes (decoding only
-    the newest of a burst); :meth:`note` takes in the answer to our own write. After an
-    error the feed starts again from a read at the next :meth:`current`.
+    Following the state (the default), :meth:`current` reads the state once; the first
+    :meth:`wait` opens the stream from just after that read and takes in the changes
+    (decoding only the newest of a burst); :meth:`note` takes in the answer to our own
+    write. After an error the feed starts again from a read at the next :meth:`current`.
 
     Following a hint key (:meth:`follow_hints`), the stream carries the hints instead:
     :meth:`current` gives the state last read without reading it, :attr:`news` the hint
