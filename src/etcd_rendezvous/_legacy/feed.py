@@ -58,10 +58,10 @@ class Observed:
 class StateFeed:
     """The rendezvous state as one watch stream delivers it.
 
-    Following the state (the default), :meth:`current` reads the state once; the first
-    :meth:`wait` opens the stream from just after that read and takes in the changes
-    (decoding only the newest of a burst); :meth:`note` takes in the answer to our own
-    write. After an error the feed starts again from a read at the next :meth:`current`.
+    Following the state (the default), :meth:`current` reads the state once and opens
+    the stream right before that read; :meth:`wait` takes in the changes (decoding only
+    the newest of a burst); :meth:`note` takes in the answer to our own write. After an
+    error the feed starts again from a read at the next :meth:`current`.
 
     Following a hint key (:meth:`follow_hints`), the stream carries the hints instead:
     :meth:`current` gives the state last read without reading it, :attr:`news` the hint
@@ -133,8 +133,7 @@ class StateFeed:
 
     def current(self) -> Observed:
         """The latest state known: read from etcd on first use and after an error, else
-        the newest change the stream (once a wait opened it) already delivered, without
-        waiting.
+        the newest change the stream already delivered, without waiting.
 
         Taking in what was delivered matters: a caller that went round without waiting
         (it read the key itself and found it changed or gone) would otherwise decide
@@ -160,9 +159,7 @@ class StateFeed:
                 self._open_hints()
             elif self._latest is None:
                 self._restart()  # (not current(): what it took in would not count as a change)
-            if self._stream is None:
-                # From just after our read: every change since comes in, and a worker
-                # that follows the hints instead never opened it.
+            if self._stream is None:  # (after lost history, or on the hint key's)
                 self._stream = self._conn.watch_stream(self._key, self._seen_at + 1)
         return self._receive(max(0.0, timeout))
 
@@ -251,13 +248,13 @@ class StateFeed:
             stream.close()
 
     def _restart(self) -> Observed:
-        """Read the state, to follow it from there: the stream is opened by the first
-        :meth:`wait`, from just after the read (a worker that goes on to follow the hint
-        never opens it). On v2 a stream opened from an index in etcd's history costs a
-        request per change of the state since; a wait follows its read closely, so there
-        are few."""
+        """Open the stream from now, then read the state: a stream opened from the
+        read's index would, on v2, cost a request per change made since (while many
+        workers write the state, that is many). Changes made between the two come in
+        both; the stream's copies are older than the read and are ignored."""
         self._close_stream()
         self._hint_key = None
+        self._stream = self._conn.watch_stream(self._key, 0)
         try:
             return self._read()
         except BaseException:
