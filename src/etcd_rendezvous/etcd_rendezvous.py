@@ -175,14 +175,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
             RendezvousConnectionError: etcd stayed unreachable for the rendezvous
                 ``timeout``.
         """
-        try:
-            with self._rdzv_impl.bounded():
-                _, state = self._rdzv_impl.get_rdzv_state()
-        except KeyNotFoundError:
-            return 0
-        if state["status"] == "final":
-            return int(state["num_workers_waiting"])
-        return 0
+        with self._rdzv_impl.bounded():
+            return self._rdzv_impl.num_workers_waiting()
 
     def get_run_id(self) -> str:
         """Return the run id."""

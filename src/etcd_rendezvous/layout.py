@@ -147,6 +147,12 @@ class LegacyLayout:
         :func:`waiter_name`), to be counted in ``num_workers_waiting``."""
         return f"{self.version_dir(version)}/{name}"
 
+    def progress_key(self, version: str) -> str:
+        """``.../rdzv/v_<version>/progress``: a small summary of the version's latest state
+        write made by a worker of this package (a hint that lets waiting workers skip
+        reading the state; PyTorch's workers ignore it)."""
+        return f"{self.version_dir(version)}/progress"
+
     def extra_data_key(self, version: str) -> str:
         """``.../rdzv/v_<version>/extra_data``: the version's extra data (a JSON object)."""
         return f"{self.version_dir(version)}/extra_data"

@@ -245,12 +245,14 @@ def _member_keys(conn, run_id: str, version: str = "1") -> list[str]:
     return [normalize_key(c.key) for c in sorted(members, key=lambda c: c.created_index)]
 
 
-def test_workers_that_announced_and_died_are_left_out_after_the_grace(
+def test_workers_that_announced_and_died_are_admitted_and_the_version_ends_when_they_lapse(
     etcd_server, run_id, workers, conn
 ):
     """The oldest announced keys belong to dead workers (one that never admitted anyone,
-    one SIGKILLed while waiting its turn): the others admit themselves without them once
-    the state stayed unchanged for the grace period, and neither becomes a participant."""
+    one SIGKILLed while waiting its turn). A successor cannot tell them from slow ones:
+    it admits them with itself, in created order, without waiting for a grace period.
+    The version then ends as when any member dies, once their keys lapse, and the live
+    workers meet in the next one."""
     key = _state_key(run_id)
     (first,) = _spawn(workers, etcd_server, run_id, 1, 3, 3)
     first.send("join")
@@ -261,25 +263,30 @@ def test_workers_that_announced_and_died_are_left_out_after_the_grace(
     conn.set(dead, None, ttl=CONST_WORKER_KEEPALIVE_TTL)
     (victim,) = _spawn(workers, etcd_server, run_id, 1, 3, 3)
     victim.send("join")
-    # The victim waits for the dead key's worker to admit it: kill it meanwhile.
+    # Both wait for an older one to act; kill the victim meanwhile.
     wait_until(lambda: len(_member_keys(conn, run_id)) == 3, what="the victim's member key")
     victim.kill()
     victim_key = _member_keys(conn, run_id)[-1]
     assert json.loads(conn.get(key).value)["participants"] == [0]
 
-    rest = _spawn(workers, etcd_server, run_id, 2, 3, 3)
-    joined = [expect_joined(w.next_event(), w) for w in [first, *_join_all_sent(rest)]]
-    assert sorted(j["rank"] for j in joined) == [0, 1, 2]
-    assert {(j["version"], j["world_size"]) for j in joined} == {("1", 3)}
-    # Left out after the grace period (a little longer for the worker behind both).
-    assert max(j["elapsed"] for j in joined[1:]) < 2 * ADMISSION_GRACE + 5
+    # A live successor admits them, then finds itself beyond max_workers: late.
+    rest = _join_all_sent(_spawn(workers, etcd_server, run_id, 2, 3, 3))
+    joined_first = expect_joined(first.next_event(), first)
+    assert (joined_first["version"], joined_first["rank"], joined_first["world_size"]) == (
+        "1",
+        0,
+        3,
+    )
     state = json.loads(conn.get(key).value)
     assert state["status"] == "final"
-    names = set(state["members"])
-    assert member_name(dead) not in names
-    assert member_name(victim_key) not in names
-    assert dead not in state["keep_alives"]
-    assert victim_key not in state["keep_alives"]
+    assert state["members"][member_name(dead)] == 1
+    assert state["members"][member_name(victim_key)] == 2
+
+    # Late for version 1, the others wait until the dead members' keys lapse.
+    first.send("join")
+    joined = [expect_joined(w.next_event(), w) for w in [first, *rest]]
+    assert sorted(j["rank"] for j in joined) == [0, 1, 2]
+    assert {(j["version"], j["world_size"]) for j in joined} == {("2", 3)}
 
 
 def _join_all_sent(group: list[Worker]) -> list[Worker]:

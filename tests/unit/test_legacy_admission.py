@@ -10,6 +10,10 @@ import pytest
 
 from etcd_rendezvous._legacy.admission import (
     ADMISSION_GRACE,
+    ADMIT_CANDIDATES,
+    ADMIT_GATHER,
+    ADMIT_STAGGER,
+    ADMIT_TAIL,
     AdmissionStep,
     Admit,
     Admitted,
@@ -18,9 +22,10 @@ from etcd_rendezvous._legacy.admission import (
     Confirm,
     ConfirmationStep,
     Leave,
-    ListAgain,
+    Read,
     Wait,
     admission_step,
+    admit_delay,
     announced,
     confirmation_step,
     create_spread,
@@ -29,11 +34,13 @@ from etcd_rendezvous._legacy.admission import (
     plan_confirmation,
     plan_freeze,
 )
-from etcd_rendezvous._legacy.feed import Observed, StateFeed
+from etcd_rendezvous._legacy.feed import SILENCE, SILENCE_MAX, Observed, StateFeed
 from etcd_rendezvous._legacy.state import (
     CONST_ETCD_FROZEN_TTL,
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
     MEMBERS,
+    Hint,
+    describe,
 )
 from etcd_rendezvous._transport.interface import Node
 from etcd_rendezvous.api import RendezvousStateError
@@ -204,52 +211,51 @@ _GONE = "Rendezvous state transition no longer possible."
 _AB_ADMITTED = joinable(2, {A.name: 0, B.name: 1})
 
 
+def hint(index: int, decided_upto: int, status: str = "joinable", version: str = "1") -> Hint:
+    return Hint(index, status, version, decided_upto, count=2, waiting=0)
+
+
+#: The last state write admitted the keys up to index 100 (A and older).
+_DECIDED = 100
+_ONE_STEP = admit_delay(2, A.name)
+
+
 @pytest.mark.parametrize(
-    ("state", "index", "me", "entries", "listed_at", "quiet_for", "expected"),
+    ("state", "news", "me", "quiet_for", "expected"),
     [
-        pytest.param(joinable(), 50, A, [A, B], 50, 0.0, Admit(), id="oldest-admits-at-once"),
+        pytest.param(joinable(), None, A, 0.0, Wait(ADMIT_GATHER), id="oldest-gathers-first"),
+        pytest.param(joinable(), None, A, ADMIT_GATHER, Admit(), id="oldest-admits-first"),
+        pytest.param(joinable(), None, B, ADMIT_GATHER, Wait(ADMIT_STAGGER), id="next-waits"),
         pytest.param(
-            joinable(), 50, C, [A, B, C], 50, 0.5, Wait(grace(2) - 0.5), id="younger-waits"
+            joinable(), None, B, _ONE_STEP, Admit(), id="next-admits-a-slow-oldest-one-step-later"
+        ),
+        pytest.param(joinable(), hint(60, 103), C, 0.0, Read(), id="hint-says-our-key-was-decided"),
+        pytest.param(
+            joinable(), hint(60, 101, "frozen"), C, 0.0, Read(), id="hint-says-status-changed"
         ),
         pytest.param(
-            joinable(),
-            50,
-            C,
-            [A, B, C],
-            50,
-            grace(2),
-            Admit(without_older=True),
-            id="younger-admits-without-the-older-after-the-grace",
+            joinable(), hint(60, 102), C, 0.0, Wait(admit_delay(3, C.name)), id="hint-not-ours"
         ),
+        pytest.param(joinable(3, {B.name: 2}), None, B, 0.0, Admitted(2), id="admitted-has-rank"),
         pytest.param(
-            _AB_ADMITTED, 60, C, [A, B, C], 50, 0.0, ListAgain(), id="left-oldest-lists-again"
+            joinable(), hint(60, 500), B, 0.0, Read(), id="a-hint-is-never-taken-for-admission"
         ),
-        pytest.param(_AB_ADMITTED, 60, C, [A, B, C], 60, 0.0, Admit(), id="listed-then-admits"),
-        pytest.param(
-            joinable(3, {B.name: 2}), 50, B, [A, B], 50, 0.0, Admitted(2), id="admitted-has-rank"
-        ),
-        pytest.param(None, 50, B, [A, B], 50, 0.0, Leave(_LATE), id="no-state"),
-        pytest.param({"status": "setup"}, 50, B, [A, B], 50, 0.0, Leave(_LATE), id="setup"),
-        pytest.param({"status": "closed"}, 50, B, [A, B], 50, 0.0, Leave(_LATE), id="closed"),
-        pytest.param(
-            {**joinable(), "version": "2"}, 50, B, [A, B], 50, 0.0, Leave(_LATE), id="next-version"
-        ),
+        pytest.param(None, None, B, 0.0, Leave(_LATE), id="no-state"),
+        pytest.param({"status": "setup"}, None, B, 0.0, Leave(_LATE), id="setup"),
+        pytest.param({"status": "closed"}, None, B, 0.0, Leave(_LATE), id="closed"),
+        pytest.param({**joinable(), "version": "2"}, None, B, 0.0, Leave(_LATE), id="next-version"),
         pytest.param(
             frozen([], {A.name: 0}, 1),
-            50,
+            None,
             B,
-            [A, B],
-            50,
             0.0,
             Leave("version 1 became frozen without us: late"),
             id="frozen-without-us",
         ),
         pytest.param(
             {**frozen([A.key], {A.name: 0}, 1), "status": "final", "num_workers_waiting": 0},
-            50,
+            None,
             B,
-            [A, B],
-            50,
             0.0,
             Leave("version 1 became final without us: late"),
             id="final-without-us",
@@ -258,57 +264,128 @@ _AB_ADMITTED = joinable(2, {A.name: 0, B.name: 1})
 )
 def test_admission_step(
     state: dict[str, Any] | None,
-    index: int,
+    news: Hint | None,
     me: Announced,
-    entries: list[Announced],
-    listed_at: int,
     quiet_for: float,
     expected: AdmissionStep,
 ) -> None:
-    """What a worker waiting to be admitted does next, for each state it may observe."""
-    assert (
-        admission_step(observed(state, index), "1", me, entries, listed_at, quiet_for) == expected
+    """What a worker waiting to be admitted does next, for each state it may observe (and
+    hint of a newer one): keys A (101), B (102), C (103) after the last decided one (100)."""
+    step = admission_step(observed(state, 50), news, _DECIDED, "1", me, quiet_for)
+    if isinstance(expected, Wait) and isinstance(step, Wait):
+        assert step.timeout == pytest.approx(expected.timeout)
+    else:
+        assert step == expected
+
+
+def test_a_slow_head_is_admitted_by_its_successor() -> None:
+    """B fires one stagger after A would have; its batch admits A too, in created order."""
+    assert admit_delay(B.created_index - _DECIDED, B.name) > admit_delay(1, A.name)
+    assert admission_step(observed(joinable(), 50), None, _DECIDED, "1", B, _ONE_STEP) == Admit()
+    write = plan_admission(joinable(), [A, B, C], min_workers=1, max_workers=8)
+    assert write is not None
+    assert write.state[MEMBERS] == {A.name: 0, B.name: 1, C.name: 2}
+
+
+def test_a_far_behind_worker_waits_for_the_tail_before_it_lists() -> None:
+    """Beyond the candidates' steps a worker never fires before every candidate had its
+    turn, then at a moment of its own (drawn from its name), within the tail."""
+    candidates_done = ADMIT_GATHER + ADMIT_STAGGER * (ADMIT_CANDIDATES - 1)
+    delays = [admit_delay(ADMIT_CANDIDATES + i, new_member_name(i * 7919)) for i in range(200)]
+    assert all(candidates_done <= d <= candidates_done + ADMIT_TAIL for d in delays)
+    assert len({round(d, 3) for d in delays}) > 100  # spread, not all at once
+    far = entry(1, created=_DECIDED + 1000)
+    quiet = candidates_done - 0.01
+    step = admission_step(observed(joinable(), 50), None, _DECIDED, "1", far, quiet)
+    assert isinstance(step, Wait)
+    # The delays never shrink with the distance: the oldest undecided worker goes first.
+    assert [admit_delay(d, A.name) for d in range(1, 20)] == sorted(
+        admit_delay(d, A.name) for d in range(1, 20)
     )
 
 
-def test_the_grace_grows_with_the_place_in_line_up_to_twice_its_length() -> None:
-    assert grace(1) == ADMISSION_GRACE
-    assert ADMISSION_GRACE < grace(2) < grace(3) < 2 * ADMISSION_GRACE
-    assert grace(1000) == 2 * ADMISSION_GRACE
+def test_the_state_and_hint_writes_do_not_count_in_the_distance() -> None:
+    """Our key came after the batch's state write (101) and hint (102): it is first."""
+    me = entry(3, created=103)
+    step = admission_step(observed(joinable(), 101), None, 100, "1", me, ADMIT_GATHER, (101, 102))
+    assert step == Admit()
+    assert admission_step(observed(joinable(), 101), None, 100, "1", me, ADMIT_GATHER) == Wait(
+        pytest.approx(2 * ADMIT_STAGGER)
+    )
+
+
+def test_without_a_decided_index_the_distance_is_from_the_state() -> None:
+    """No hint (PyTorch's workers made the state): the distance counts from the state's
+    own index; a key older than the state, not admitted, is first in line."""
+    old = entry(1, created=40)
+    assert admission_step(observed(joinable(), 50), None, 0, "1", old, ADMIT_GATHER) == Admit()
 
 
 _MEMBERS = {A.name: 0, B.name: 1, C.name: 2}
 #: Frozen by a PyTorch worker (rank 3): none of ours confirmed yet.
 _FROZEN_BY_TORCH = frozen([], _MEMBERS, 4)
 _CONFIRMED = frozen([A.key, B.key, C.key], _MEMBERS, 4)
+_LONG = 100.0
 
 
 @pytest.mark.parametrize(
-    ("state", "me", "quiet_for", "expected"),
+    ("state", "news", "me", "quiet_for", "unheard", "expected"),
     [
-        pytest.param(_FROZEN_BY_TORCH, A, 0.0, Confirm(), id="lowest-unconfirmed-confirms"),
-        pytest.param(_FROZEN_BY_TORCH, C, 0.0, Wait(grace(2)), id="others-wait-their-turn"),
+        pytest.param(_FROZEN_BY_TORCH, None, A, 0.0, _LONG, Confirm(), id="lowest-confirms"),
         pytest.param(
-            _FROZEN_BY_TORCH, C, grace(2), Confirm(without_lower=True), id="then-confirm-anyway"
+            _FROZEN_BY_TORCH, None, C, 0.0, _LONG, Wait(grace(2)), id="others-wait-their-turn"
         ),
-        pytest.param(_CONFIRMED, A, 0.0, Wait(), id="confirmed-waits-for-pytorchs-members"),
+        pytest.param(
+            _FROZEN_BY_TORCH,
+            None,
+            C,
+            grace(2),
+            _LONG,
+            Confirm(without_lower=True),
+            id="then-confirm-anyway",
+        ),
+        pytest.param(_CONFIRMED, None, A, 0.0, _LONG, Wait(_LONG), id="confirmed-waits"),
         pytest.param(
             {**_CONFIRMED, "status": "final", "num_workers_waiting": 0},
+            None,
             A,
             0.0,
+            _LONG,
             Complete(world_size=4),
             id="final-completes",
         ),
-        pytest.param(joinable(3, _MEMBERS), A, 0.0, Wait(), id="joinable-waits-for-the-freeze"),
-        pytest.param(None, A, 0.0, Leave(_GONE), id="no-state"),
-        pytest.param(_CONFIRMED, D, 0.0, Leave(_GONE), id="not-a-member"),
+        pytest.param(joinable(3, _MEMBERS), None, A, 0.0, _LONG, Wait(_LONG), id="joinable-waits"),
+        pytest.param(
+            joinable(3, _MEMBERS), hint(60, 200), A, 0.0, _LONG, Wait(_LONG), id="more-admitted"
+        ),
+        pytest.param(
+            joinable(3, _MEMBERS), hint(60, 200, "final"), A, 0.0, _LONG, Read(), id="hint-final"
+        ),
+        pytest.param(
+            _CONFIRMED, hint(60, 200, "frozen"), A, 0.0, _LONG, Read(), id="frozen-any-news"
+        ),
+        pytest.param(joinable(3, _MEMBERS), None, A, 0.0, 0.0, Read(), id="silence-reads"),
+        pytest.param(None, None, A, 0.0, _LONG, Leave(_GONE), id="no-state"),
+        pytest.param(_CONFIRMED, None, D, 0.0, _LONG, Leave(_GONE), id="not-a-member"),
     ],
 )
 def test_confirmation_step(
-    state: dict[str, Any] | None, me: Announced, quiet_for: float, expected: ConfirmationStep
+    state: dict[str, Any] | None,
+    news: Hint | None,
+    me: Announced,
+    quiet_for: float,
+    unheard: float,
+    expected: ConfirmationStep,
 ) -> None:
     """What an admitted worker does next until the version is final."""
-    assert confirmation_step(observed(state), "1", me.name, VDIR, quiet_for) == expected
+    step = confirmation_step(observed(state), news, "1", me.name, VDIR, quiet_for, unheard)
+    assert step == expected
+
+
+def test_the_grace_grows_with_the_place_in_line_up_to_twice_its_length() -> None:
+    assert grace(1) == ADMISSION_GRACE
+    assert ADMISSION_GRACE < grace(2) < grace(3) < 2 * ADMISSION_GRACE
+    assert grace(1000) == 2 * ADMISSION_GRACE
 
 
 def test_create_spread_grows_with_workers_and_round_trips_and_is_capped() -> None:
@@ -347,6 +424,7 @@ class _Conn:
         return self.node
 
     def watch_stream(self, key: str, start_index: int) -> _Stream:
+        assert start_index == 0 or start_index == self.node.etcd_index + 1
         self.streams.append(_Stream())
         return self.streams[-1]
 
@@ -369,6 +447,7 @@ def test_the_feed_hands_out_the_changes_its_stream_already_delivered() -> None:
     final = {"status": "final", "version": "1", "participants": [0]}
     feed, conn = _feed(final)
     assert feed.current().state == final
+    assert len(conn.streams) == 1  # opened from now, before the read
     conn.streams[0].delivered.append(_change(None, 11))
     assert feed.current().state is None
     assert feed.current().index == 11
@@ -378,7 +457,131 @@ def test_the_feed_hands_out_the_changes_its_stream_already_delivered() -> None:
 def test_a_change_delivered_before_the_wait_counts_as_one() -> None:
     feed, conn = _feed(joinable(1))
     feed.current()
+    feed.wait(0.0)
     conn.streams[0].delivered.append(_change(joinable(2), 11))
     assert feed.wait(0.0) is True
     assert feed.current().state == joinable(2)
     assert feed.wait(0.0) is False
+
+
+def test_the_feed_decodes_only_the_newest_of_a_burst() -> None:
+    parsed: list[int] = []
+    conn = _Conn(joinable(1))
+
+    def parse(node: Node) -> dict[str, Any]:
+        parsed.append(node.modified_index)
+        return dict(json.loads(node.value or ""))
+
+    feed = StateFeed(conn, LAYOUT.state_key, parse)  # type: ignore[arg-type]
+    feed.current()
+    feed.wait(0.0)
+    conn.streams[0].delivered.extend(_change(joinable(n), 10 + n) for n in range(2, 6))
+    assert feed.wait(0.0) is True
+    assert feed.current().state == joinable(5)
+    assert parsed == [10, 15]
+
+
+# -- the feed following the progress hint ---------------------------------------------------
+
+_HINT_KEY = LAYOUT.progress_key("1")
+
+
+class _HintConn(_Conn):
+    """A transport with the state key and the version's progress key."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        super().__init__(state)
+        self.hint: Node | None = None
+
+    def try_get(self, key: str) -> Node | None:
+        assert key == _HINT_KEY
+        return self.hint
+
+
+def _hint_write(value: str, index: int, action: str = "set") -> Node:
+    return Node(_HINT_KEY, value, index, 1, index, None, False, (), action)
+
+
+def _following(state: dict[str, Any]) -> tuple[StateFeed, _HintConn]:
+    conn = _HintConn(state)
+    feed = StateFeed(conn, LAYOUT.state_key, lambda node: json.loads(node.value or ""))  # type: ignore[arg-type]
+    feed.current()
+    feed.follow_hints(_HINT_KEY)
+    return feed, conn
+
+
+def test_a_worker_following_the_hint_reads_the_state_only_when_told() -> None:
+    feed, conn = _following(joinable(1))
+    hints = conn.streams[-1]
+    hints.delivered.append(_hint_write(describe(joinable(2), 12, 11).encode(), 13))
+    assert feed.wait(0.0) is True
+    assert feed.news == describe(joinable(2), 12, 11)
+    assert feed.current().state == joinable(1)  # not read: a hint is not the state
+    assert conn.reads == 1
+    conn.node = _change(joinable(2), 12)
+    conn.node = Node(LAYOUT.state_key, conn.node.value, 12, 1, 14, None, False, (), "get")
+    assert feed.refresh().state == joinable(2)
+    assert feed.news is None
+    assert conn.reads == 2
+
+
+def test_a_hint_is_never_trusted_over_the_state() -> None:
+    """A hint that claims a state newer than etcd holds is news once: after a read made
+    later than the hint, the state is what counts, and the hint is dropped."""
+    feed, conn = _following(joinable(1))
+    conn.streams[-1].delivered.append(_hint_write(describe(joinable(9), 999, 999).encode(), 13))
+    assert feed.wait(0.0) is True
+    assert feed.news is not None
+    conn.node = Node(LAYOUT.state_key, json.dumps(joinable(1)), 10, 1, 14, None, False, (), "get")
+    assert feed.refresh().state == joinable(1)
+    assert feed.news is None
+    assert feed.hint is None
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        _hint_write("{not json", 13),
+        _hint_write('{"index": "12"}', 13),
+        _hint_write("", 13, action="delete"),
+    ],
+    ids=["garbage", "wrong-fields", "deleted"],
+)
+def test_a_broken_hint_is_ignored(event: Node) -> None:
+    feed, conn = _following(joinable(1))
+    conn.streams[-1].delivered.append(event)
+    assert feed.wait(0.0) is False
+    assert feed.news is None
+
+
+def test_silence_doubles_after_reads_that_find_nothing_and_resets_on_news() -> None:
+    feed, conn = _following(joinable(1))
+    assert SILENCE <= feed.silence <= 1.25 * SILENCE
+    feed.refresh()
+    feed.refresh()
+    assert 4 * SILENCE <= feed.silence <= 1.25 * min(4 * SILENCE, SILENCE_MAX)
+    for _ in range(5):
+        feed.refresh()
+    assert SILENCE_MAX <= feed.silence <= 1.25 * SILENCE_MAX
+    conn.node = Node(LAYOUT.state_key, json.dumps(joinable(2)), 20, 1, 20, None, False, (), "get")
+    feed.refresh()
+    assert SILENCE <= feed.silence <= 1.25 * SILENCE
+
+
+def test_a_hint_round_trips_and_rejects_what_is_not_one() -> None:
+    written = describe({**joinable(3), "num_workers_waiting": 2}, 42, 40)
+    assert written == Hint(42, "joinable", "1", 40, count=3, waiting=2)
+    assert Hint.decode(written.encode()) == written
+    assert Hint.decode(None) is None
+    assert Hint.decode("[]") is None
+    assert Hint.decode(written.encode().replace("42", "true")) is None
+
+
+def test_a_decided_worker_reads_when_it_may_be_the_last_call_worker_or_after_a_silence() -> None:
+    """A hint that decided our key leads to a read only once min_workers joined (our rank
+    may be min_workers - 1) or after a silence; until then, one read at the end does."""
+    decided = hint(60, 103)  # count 2
+    now = observed(joinable(), 50)
+    assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=2) == Read()
+    assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=3, unheard=1.5) == Wait(1.5)
+    assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=3, unheard=0.0) == Read()

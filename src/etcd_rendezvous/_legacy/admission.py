@@ -1,11 +1,13 @@
 """Batched admission: how a worker of the legacy ``etcd`` backend joins in a few requests.
 
 Workers announce themselves with a member key ``rdzv/v_<V>/node_<hex>`` (also their
-keep-alive key); the worker whose key is the oldest not yet admitted admits every
-announced key in one compare-and-swap, recording their ranks in the state's ``members``
-field; a state frozen by PyTorch's workers is confirmed the same way. The protocol, its
-grace periods and the wire format: docs/how-it-works.rst, section "Joining in a few
-requests".
+keep-alive key); a few candidates, the workers whose keys are the oldest not yet
+decided, each after a stagger on that age, list the member keys and admit every
+announced one in one compare-and-swap, recording their ranks in the state's ``members``
+field, then write the version's ``progress`` hint; the others wait on the hint and read
+the state only when it concerns them. A state frozen by PyTorch's workers is confirmed
+the same way. The protocol, its delays and the wire format: docs/how-it-works.rst,
+section "Joining in a few requests".
 
 The decisions (:func:`admission_step`, :func:`confirmation_step`, :func:`plan_admission`,
 :func:`plan_freeze`, :func:`plan_confirmation`) are plain functions of what a worker
@@ -42,11 +44,17 @@ from .state import (
     CONST_WORKER_KEEPALIVE_TTL,
     LOGGER_NAME,
     MEMBERS,
+    Hint,
+    describe,
     members_of,
 )
 
 __all__ = [
     "ADMISSION_GRACE",
+    "ADMIT_CANDIDATES",
+    "ADMIT_GATHER",
+    "ADMIT_STAGGER",
+    "ADMIT_TAIL",
     "AdmissionStep",
     "Admit",
     "Admitted",
@@ -56,11 +64,12 @@ __all__ = [
     "Confirm",
     "ConfirmationStep",
     "Leave",
-    "ListAgain",
+    "Read",
     "RestartAttempt",
     "Wait",
     "Write",
     "admission_step",
+    "admit_delay",
     "announced",
     "confirmation_step",
     "create_spread",
@@ -72,9 +81,20 @@ __all__ = [
 
 logger = logging.getLogger(LOGGER_NAME)
 
-#: Seconds the state may stay unchanged before a worker admits (or confirms) without
-#: the older un-admitted keys (the lower-ranked unconfirmed members) it waits for.
+#: Seconds the state may stay unchanged before a worker confirms without the
+#: lower-ranked unconfirmed members it waits for.
 ADMISSION_GRACE = 2.0
+
+#: Admission by candidates (:func:`admit_delay`): a worker not yet admitted makes the
+#: batch once nothing happened for ``ADMIT_GATHER`` seconds (more keys arrive meanwhile)
+#: plus ``ADMIT_STAGGER`` per index step its key is behind the last decided one, for the
+#: first ``ADMIT_CANDIDATES`` steps; further behind, it waits a moment more, drawn from
+#: ``ADMIT_TAIL`` seconds. The oldest undecided worker fires first; should it be slow, the
+#: next takes over one step later and admits it too.
+ADMIT_GATHER = 0.02
+ADMIT_STAGGER = 0.05
+ADMIT_CANDIDATES = 8
+ADMIT_TAIL = 1.0
 #: Each such key (member) adds this much to the grace, up to twice the grace: the
 #: worker next in line acts first, and its write spares the others the trouble.
 _GRACE_STAGGER = 0.1
@@ -99,6 +119,23 @@ def grace(waited_for: int) -> float:
     ``waited_for`` workers ahead of it (see :data:`ADMISSION_GRACE`)."""
     stagger = _GRACE_STAGGER * max(0, waited_for - 1)
     return ADMISSION_GRACE + min(stagger, ADMISSION_GRACE)
+
+
+def admit_delay(behind: int, name: str) -> float:
+    """Seconds of quiet after which the worker whose member key ``name`` was created
+    ``behind`` index steps after the last decided key makes the admission batch (see
+    :data:`ADMIT_STAGGER`). The index steps count every write to etcd, so they bound
+    the number of undecided keys ahead from above: the oldest undecided key has the
+    shortest delay. Past :data:`ADMIT_CANDIDATES` steps, a spread drawn from the name
+    (random hex digits) keeps the workers far behind from all firing at once."""
+    steps = max(1, behind)
+    if steps < ADMIT_CANDIDATES:
+        return ADMIT_GATHER + ADMIT_STAGGER * (steps - 1)
+    try:
+        spread = int(name[-4:], 16) / 0x10000
+    except ValueError:
+        spread = 0.5
+    return ADMIT_GATHER + ADMIT_STAGGER * (ADMIT_CANDIDATES - 1) + ADMIT_TAIL * spread
 
 
 def create_spread(max_workers: int, round_trip: float) -> float:
@@ -236,7 +273,7 @@ def plan_confirmation(
 
 
 # What a worker does next: one small type per decision. An admission step is one of
-# Admitted, Leave, ListAgain, Admit, Wait; a confirmation step one of Complete, Leave,
+# Admitted, Leave, Read, Admit, Wait; a confirmation step one of Complete, Leave, Read,
 # Confirm, Wait.
 
 
@@ -262,16 +299,15 @@ class Leave:
 
 
 @dataclass(frozen=True)
-class ListAgain:
-    """The state changed since our listing: list the version directory, decide again."""
+class Read:
+    """Read the state: a hint says it changed in a way that concerns us, or we heard
+    nothing for a while."""
 
 
 @dataclass(frozen=True)
 class Admit:
-    """Admit the announced keys, leaving out the older un-admitted ones if
-    ``without_older`` (their workers did not act within the grace period)."""
-
-    without_older: bool = False
+    """Our turn: read the state, list the member keys and admit every announced one
+    (older ones included, however slow their workers are)."""
 
 
 @dataclass(frozen=True)
@@ -284,28 +320,50 @@ class Confirm:
 
 @dataclass(frozen=True)
 class Wait:
-    """Wait for the state to change, at most ``timeout`` seconds (``None``: until it does)."""
+    """Wait for the state to change (or a hint of it), at most ``timeout`` seconds
+    (``None``: until it does)."""
 
     timeout: float | None = None
 
 
 #: What a worker waiting to be admitted does next (:func:`admission_step`).
-AdmissionStep: TypeAlias = Admitted | Leave | ListAgain | Admit | Wait
+AdmissionStep: TypeAlias = Admitted | Leave | Read | Admit | Wait
 #: What an admitted worker does next until the version is final (:func:`confirmation_step`).
-ConfirmationStep: TypeAlias = Complete | Leave | Confirm | Wait
+ConfirmationStep: TypeAlias = Complete | Leave | Read | Confirm | Wait
+
+
+def _concerns(news: Hint, version: str, status: str | None, me: Announced | None) -> bool:
+    """Whether the state ``news`` describes is worth reading for a worker that saw
+    ``version`` in ``status``: it left that status or version, or (for ``me``, a worker
+    not yet admitted) it decided our key."""
+    if news.version != version or news.status != status or status == "frozen":
+        return True
+    return me is not None and news.decided_upto >= me.created_index
 
 
 def admission_step(
     observed: Observed,
+    news: Hint | None,
+    decided_upto: int,
     version: str,
     me: Announced,
-    entries: Sequence[Announced],
-    listed_at: int,
     quiet_for: float,
+    other_writes: Sequence[int] = (),
+    *,
+    min_workers: int = 1,
+    unheard: float = float("inf"),
 ) -> AdmissionStep:
     """What a worker that announced ``me`` in ``version`` does next, given the state it
-    observed, its listing ``entries`` (taken when the state's index was ``listed_at``)
-    and the seconds the state has been unchanged."""
+    last saw, the hint (``news``) that the state changed since, if any, the newest
+    index up to which member keys are known to be decided (0: unknown), the seconds
+    nothing changed, the indexes of writes known not to be member keys (the state's,
+    the hint's), which do not count in our distance, and the seconds left of the
+    silence after which to read the state anyway.
+
+    The hint only decides whether to read the state: admission is what the state says.
+    A worker the hint says was decided reads the state once the version is final or
+    frozen, or once ``min_workers`` joined (it may be the last-call worker): one read
+    then gives its rank and, often, the world."""
     state = observed.state
     status = observed.status_in(version)
     if state is None or status not in ("joinable", "frozen", "final"):
@@ -315,23 +373,33 @@ def admission_step(
         return Admitted(members[me.name])
     if status != "joinable":
         return Leave(f"version {version} became {status} without us: late")
-    older = [
-        e
-        for e in entries
-        if e.created_index < me.created_index and e.name not in members and e.name != me.name
-    ]
-    patience = grace(len(older)) - quiet_for
-    if older and patience > 0:
-        return Wait(patience)
-    if listed_at < observed.index:
-        return ListAgain()
-    return Admit(without_older=bool(older))
+    if news is not None and _concerns(news, version, status, None):
+        return Read()
+    if news is not None and news.decided_upto >= me.created_index:
+        if news.count >= min_workers or unheard <= 0:
+            return Read()
+        return Wait(unheard)  # admitted, as far as the hint says: nothing to do yet
+    base = decided_upto or observed.index
+    between = {w for w in other_writes if base < w < me.created_index}
+    delay = admit_delay(me.created_index - base - len(between), me.name)
+    if quiet_for >= delay:
+        return Admit()
+    return Wait(delay - quiet_for)
 
 
 def confirmation_step(
-    observed: Observed, version: str, me: str, version_dir: str, quiet_for: float
+    observed: Observed,
+    news: Hint | None,
+    version: str,
+    me: str,
+    version_dir: str,
+    quiet_for: float,
+    unheard: float,
 ) -> ConfirmationStep:
-    """What our admitted member named ``me`` does next until ``version`` is final."""
+    """What our admitted member named ``me`` does next until ``version`` is final, given
+    the state last seen, the hint (``news``) that it changed since, if any, the seconds
+    it has been unchanged and the seconds left of the silence after which to read it
+    anyway (``unheard``; 0 or less: read now)."""
     state = observed.state
     status = observed.status_in(version)
     ongoing = status in ("joinable", "frozen", "final")
@@ -339,8 +407,10 @@ def confirmation_step(
         return Leave("Rendezvous state transition no longer possible.")
     if status == "final":
         return Complete(len(state["participants"]))
+    if (news is not None and _concerns(news, version, status, None)) or unheard <= 0:
+        return Read()
     if status == "joinable":
-        return Wait()
+        return Wait(unheard)
     confirmed = {normalize_key(key) for key in state["keep_alives"]}
     missing = sorted(
         (rank, name)
@@ -349,11 +419,11 @@ def confirmation_step(
     )
     names = [name for _, name in missing]
     if me not in names:
-        return Wait()
+        return Wait(unheard)
     position = names.index(me)
     patience = grace(position) - quiet_for
     if position and patience > 0:
-        return Wait(patience)
+        return Wait(min(patience, unheard))
     return Confirm(without_lower=position > 0)
 
 
@@ -409,6 +479,8 @@ class BatchJoin:
         self._timeout_error = timeout_error
         self._deadline = Deadline.never()
         self._member: _Member | None = None
+        #: The newest index up to which member keys were decided by our own writes.
+        self._decided = 0
 
     @property
     def member_key(self) -> str | None:
@@ -420,11 +492,13 @@ class BatchJoin:
         left to lapse (its keeper was stopped)."""
         self._deadline = deadline
         self._member = None
+        self._decided = 0
 
     def opening_state(self, version: str) -> Write:
         """Announce ourselves in the new ``version`` we are creating: its first joinable
         state, with us admitted."""
         me = self._announce(version)
+        self._decided = me.created_index
         opening = {"status": "joinable", "version": version, "participants": []}
         write = plan_admission(opening, [me], min_workers=self._min, max_workers=self._max)
         if write is None:  # pragma: no cover (an empty state has room for us)
@@ -438,35 +512,43 @@ class BatchJoin:
         Raises:
             RestartAttempt: the version ended, or froze without us (our key is deleted).
         """
-        me = self._announce(version)
         observed = self._feed.current()
-        if observed.status_in(version) and me.name in members_of(observed.state or {}):
-            return members_of(observed.state or {})[me.name]  # we created the version
-        listed_at, entries = self._list(version)
+        members = members_of(observed.state or {}) if observed.status_in(version) else {}
+        mine = self._member
+        if mine is not None and mine.version == version and mine.entry.name in members:
+            return members[mine.entry.name]  # we created the version
+        # Hints from before our announce on: none that decides our key is missed.
+        self._feed.follow_hints(self._layout.progress_key(version))
+        self._announce(version)
         since = time.monotonic()
         while True:
             observed = self._feed.current()
-            me = self._require_member(version).entry  # as listed
+            me = self._require_member(version).entry
+            news = self._feed.news
+            decided = self._decided_upto()
+            writes = (observed.index, self._feed.hint_written_at)
             quiet = self._quiet(since)
-            match admission_step(observed, version, me, entries, listed_at, quiet):
+            unheard = self._feed.silence - self._feed.silent_for
+            match admission_step(
+                observed,
+                news,
+                decided,
+                version,
+                me,
+                quiet,
+                writes,
+                min_workers=self._min,
+                unheard=unheard,
+            ):
                 case Admitted(rank):
                     return rank
                 case Leave(reason):
                     self.discard()
                     raise RestartAttempt(reason)
-                case ListAgain():
-                    listed_at, entries = self._list(version)
-                case Admit(without_older):
-                    if without_older:
-                        logger.info("No admission for a while: admitting without the older keys")
-                    write = plan_admission(
-                        observed.state or {},
-                        entries,
-                        min_workers=self._min,
-                        max_workers=self._max,
-                        skip_older_than=me.created_index if without_older else None,
-                    )
-                    self._swap(observed, write)
+                case Read():
+                    self._read(version)
+                case Admit():
+                    self._batch(version, observed)
                 case Wait(timeout):
                     self._wait(timeout)
 
@@ -479,26 +561,36 @@ class BatchJoin:
         """
         me = self._require_member(version).entry
         version_dir = self._layout.version_dir(version)
+        self._feed.follow_hints(self._layout.progress_key(version))
         since = time.monotonic()
         while True:
             observed = self._feed.current()
+            feed = self._feed
+            unheard = feed.silence - feed.silent_for
             quiet = self._quiet(since)
-            match confirmation_step(observed, version, me.name, version_dir, quiet):
+            match confirmation_step(
+                observed, feed.news, version, me.name, version_dir, quiet, unheard
+            ):
                 case Complete(world_size):
                     return world_size
                 case Leave(reason):
                     raise RestartAttempt(f"{reason} Must re-enter.")
+                case Read():
+                    self._read(version)
                 case Confirm(without_lower):
-                    _, entries = self._list(version)
+                    observed = self._read(version, relay=False)
+                    if observed.status_in(version) != "frozen" or observed.state is None:
+                        continue
+                    listed_at, entries = self._list(version)
                     write = plan_confirmation(
-                        observed.state or {},
+                        observed.state,
                         entries,
                         min_workers=self._min,
                         skip_below_rank=rank if without_lower else None,
                     )
                     if write is None:
                         raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
-                    self._swap(observed, write)
+                    self._swap(version, observed, write, listed_at)
                 case Wait(timeout):
                     self._wait(timeout)
 
@@ -508,8 +600,14 @@ class BatchJoin:
         observed = self._feed.current()
         if observed.status_in(version) != "joinable" or observed.state is None:
             return False
-        _, entries = self._list(version)
-        return self._swap(observed, plan_freeze(observed.state, entries, min_workers=self._min))
+        listed_at, entries = self._list(version)
+        write = plan_freeze(observed.state, entries, min_workers=self._min)
+        return self._swap(version, observed, write, listed_at)
+
+    def publish(self, version: str, node: Node, state: dict[str, Any]) -> None:
+        """Write the ``progress`` hint of ``version`` for our write ``node`` of ``state``
+        (one we made outside the batches: the opening state, a TTL refresh)."""
+        self._hint(version, describe(state, node.modified_index, self._decided_upto()))
 
     def discard(self) -> None:
         """Stop keeping our member key alive and delete it (a failure is only logged).
@@ -536,6 +634,7 @@ class BatchJoin:
             if self._member.version == version:
                 return self._member.entry
             self.discard()
+        self._decided = 0
         key = self._layout.member_key(version, new_member_name(secrets.randbits(64)))
         # The value says who we are, for operators (``etcd-rendezvous status -v``); no
         # worker reads it.
@@ -552,9 +651,10 @@ class BatchJoin:
         return self._member
 
     def _list(self, version: str) -> tuple[int, list[Announced]]:
-        """The index of the state we knew, and the member keys listed just after."""
-        listed_at = self._feed.current().index
-        entries = announced(self._conn.list_dir(self._layout.version_dir(version)))
+        """The member keys of ``version`` and the store index at which they were listed
+        (every key created at or before it is among them)."""
+        listing = self._conn.list_dir(self._layout.version_dir(version))
+        entries = announced(listing)
         member = self._require_member(version)
         listed = [e for e in entries if e.name == member.entry.name]
         if not listed:
@@ -563,13 +663,50 @@ class BatchJoin:
         # The listing has the key's creation index for sure (the answer to our write may
         # have been to a second copy of it, sent after a connection failure).
         self._member = dataclasses.replace(member, entry=listed[0])
+        listed_at = max([listing.etcd_index, *(e.created_index for e in entries)])
         return listed_at, entries
 
-    def _swap(self, observed: Observed, write: Write | None) -> bool:
-        """Compare-and-swap ``write`` in place of ``observed``; if another write came
-        first, wait until we see it. Returns whether ours won."""
+    def _decided_upto(self) -> int:
+        """The newest index up to which member keys are known decided (0: unknown)."""
+        hint = self._feed.hint
+        return max(self._decided, hint.decided_upto if hint is not None else 0)
+
+    def _read(self, version: str, *, relay: bool = True) -> Observed:
+        """Read the state; if it is newer than the hint says (a write by PyTorch's
+        workers, or by one of ours that died before its hint), pass the word on, unless
+        not to ``relay`` (a candidate's read, which may come between a write and its
+        hint: the others hear of the write from its writer, or read after a silence)."""
+        observed = self._feed.refresh()
+        hint = self._feed.hint
+        if (
+            relay
+            and observed.state is not None
+            and observed.status_in(version) is not None
+            and (hint is None or hint.index < observed.index)
+        ):
+            self._hint(version, describe(observed.state, observed.index, self._decided_upto()))
+        return observed
+
+    def _batch(self, version: str, seen: Observed) -> None:
+        """Our turn to admit: read the state (unless it changed meanwhile, as a hint
+        might not have said), list the member keys, admit every announced one."""
+        observed = self._read(version, relay=False)
+        if observed.index != seen.index or observed.status_in(version) != "joinable":
+            return  # decide again on what we read
+        if observed.state is None:  # pragma: no cover (checked by status_in)
+            return
+        listed_at, entries = self._list(version)
+        write = plan_admission(
+            observed.state, entries, min_workers=self._min, max_workers=self._max
+        )
+        self._swap(version, observed, write, listed_at)
+
+    def _swap(self, version: str, observed: Observed, write: Write | None, listed_at: int) -> bool:
+        """Compare-and-swap ``write`` (made from a listing at ``listed_at``) in place of
+        ``observed``, then write the hint. Returns whether ours won (if not, the caller
+        decides again: the next hint, or read, tells what came first)."""
         if write is None or observed.node is None:
-            self._wait()
+            self._wait(self._feed.silence)
             return False
         try:
             node = self._conn.compare_and_swap(
@@ -577,11 +714,20 @@ class BatchJoin:
             )
         except (CompareFailedError, KeyNotFoundError):
             logger.debug("Rendezvous state CAS unsuccessful; deciding again")
-            if self._feed.current().index <= observed.index:
-                self._wait()
+            self._wait(ADMIT_GATHER)
             return False
+        self._decided = max(self._decided, listed_at)
         self._feed.note(node)
+        self._hint(version, describe(write.state, node.modified_index, self._decided))
         return True
+
+    def _hint(self, version: str, hint: Hint) -> None:
+        """Write ``hint`` in ``version``'s ``progress`` key (a failure is only logged: the
+        others then read the state after a silence)."""
+        try:
+            self._conn.set(self._layout.progress_key(version), hint.encode())
+        except RendezvousError as exc:
+            logger.info("Could not write the progress hint of version %s: %s", version, exc)
 
     def _quiet(self, since: float) -> float:
         """Seconds the state has been unchanged while we waited (since ``since``)."""

@@ -185,6 +185,9 @@ class EtcdRendezvous:
             self._last_call_timeout = float(last_call_timeout)
             self._rendezvous_deadline = Deadline(self._timeout)
             self._feed = StateFeed(self._conn, self._layout.state_key, parse_state)
+            # num_workers_waiting()'s own: a stream on the state, kept open between calls.
+            self._waiting_feed = StateFeed(self._conn, self._layout.state_key, parse_state)
+            self._waiting_lock = threading.Lock()
             self._join = BatchJoin(
                 self._conn,
                 self._layout,
@@ -287,6 +290,10 @@ class EtcdRendezvous:
                 return
             self._closed = True
         self.stop_lease_renewals()
+        waiting_feed = getattr(self, "_waiting_feed", None)  # (absent if __init__ raised)
+        if waiting_feed is not None:
+            with self._waiting_lock:
+                waiting_feed.close()
         if self._owns_conn:
             self._conn.close()
 
@@ -515,6 +522,7 @@ class EtcdRendezvous:
             return None
         state = self._feed.note(active_version).state or {}
         logger.info("New rendezvous state created: %s", state)
+        self._join.publish(str(state["version"]), active_version, state)
         return str(state["version"])
 
     def _await_change(self) -> None:
@@ -543,6 +551,8 @@ class EtcdRendezvous:
             this_rank == self._num_min_workers - 1
             and self._feed.current().status_in(expected_version) == "joinable"
         ):
+            # It keeps the state alive and freezes it: it follows the state itself.
+            self._feed.follow_state()
             logger.info("Rank %s is responsible for join last call.", this_rank)
             self.handle_join_last_call(expected_version, Deadline(self._last_call_timeout))
             logger.info("Rank %s finished join last call.", this_rank)
@@ -790,7 +800,9 @@ class EtcdRendezvous:
         except CompareFailedError:
             logger.debug("Join last-call TTL refresh CAS unsuccessful; the state changed")
             return
-        self._feed.note(node)
+        observed = self._feed.note(node)
+        if observed.state is not None and observed.state.get("version") is not None:
+            self._join.publish(str(observed.state["version"]), node, observed.state)
 
     # -- the state --------------------------------------------------------------------
 
@@ -805,6 +817,24 @@ class EtcdRendezvous:
         state = parse_state(active_version)
         self._last_state = state
         return active_version, state
+
+    def num_workers_waiting(self) -> int:
+        """``num_workers_waiting`` of the current state if it is final, else 0.
+
+        The first call reads the state and leaves a watch stream on it open; later calls
+        take in what the stream delivered (the newest state only), so that an agent
+        polling this every moment costs etcd nothing while the state does not change,
+        and one read of the state per change.
+
+        Raises:
+            RendezvousStateError: the state is corrupt.
+        """
+        with self._waiting_lock:
+            self._waiting_feed.wait(0.0)  # (reads the state the first time)
+            state = self._waiting_feed.current().state
+        if state is None or state["status"] != "final":
+            return 0
+        return int(state["num_workers_waiting"])
 
     def try_wait_for_state_change(
         self, etcd_index: int, timeout: float | None = None

@@ -10,6 +10,7 @@ corrupt key is reported, naming it, instead of derailing the state machine.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from .._transport.interface import Node
@@ -23,6 +24,8 @@ __all__ = [
     "LOGGER_NAME",
     "MEMBERS",
     "WAITING",
+    "Hint",
+    "describe",
     "member_ranks",
     "members_of",
     "parse_state",
@@ -150,3 +153,73 @@ def members_of(state: dict[str, Any]) -> dict[str, int]:
 def waiters_of(state: dict[str, Any]) -> set[str]:
     """The wait keys (names) already counted in ``state``."""
     return set(state.get(WAITING) or ())
+
+
+@dataclass(frozen=True)
+class Hint:
+    """The version's ``progress`` key (:meth:`~etcd_rendezvous.layout.LegacyLayout.progress_key`):
+    what one of our workers wrote about a state write, right after making it. A hint
+    only: it tells a waiting worker whether reading the state is worth it, never what
+    the state holds (PyTorch's workers neither read nor write it, so it can be stale).
+    """
+
+    #: The modification index of the state write it describes.
+    index: int
+    #: That state's status and version.
+    status: str
+    version: str | None
+    #: Every member key created at or before this index was decided by that write (or
+    #: an earlier one): admitted, or left out of a full rendezvous.
+    decided_upto: int
+    #: The state's participants and ``num_workers_waiting``.
+    count: int
+    waiting: int
+
+    def encode(self) -> str:
+        """The key's value (JSON, a few dozen bytes)."""
+        return json.dumps(
+            {
+                "index": self.index,
+                "status": self.status,
+                "version": self.version,
+                "decided_upto": self.decided_upto,
+                "count": self.count,
+                "waiting": self.waiting,
+            }
+        )
+
+    @classmethod
+    def decode(cls, value: str | None) -> Hint | None:
+        """The hint in ``value``; ``None`` if it is not one (garbage is ignored: the
+        workers then read the state, which is the authority)."""
+        try:
+            data = json.loads(value or "")
+            hint = cls(
+                index=data["index"],
+                status=data["status"],
+                version=data["version"],
+                decided_upto=data["decided_upto"],
+                count=data["count"],
+                waiting=data["waiting"],
+            )
+        except (ValueError, TypeError, KeyError):
+            return None
+        ints = (hint.index, hint.decided_upto, hint.count, hint.waiting)
+        if not all(type(n) is int for n in ints) or type(hint.status) is not str:
+            return None
+        if hint.version is not None and type(hint.version) is not str:
+            return None
+        return hint
+
+
+def describe(state: dict[str, Any], index: int, decided_upto: int) -> Hint:
+    """The hint describing ``state``, written at ``index``, whose writer had decided every
+    member key created at or before ``decided_upto``."""
+    return Hint(
+        index=index,
+        status=str(state.get("status")),
+        version=state.get("version"),
+        decided_upto=decided_upto,
+        count=len(state.get("participants", ())),
+        waiting=int(state.get("num_workers_waiting", 0)),
+    )

@@ -1,0 +1,137 @@
+"""The legacy backend's ``progress`` hint against a real etcd: a hint is never needed for
+a rendezvous to complete, only for it to be cheap.
+
+Workers waiting on the hint read the state after a silence; candidates admit after
+their stagger whatever the hint says. So a hint key overwritten with garbage, or
+deleted, all through the rendezvous (a vandal, a crash between a state write and its
+hint, PyTorch's workers, which never write it) only slows the rendezvous down. The mixed
+fleets of ``test_interop_torch.py`` cover PyTorch's own workers writing the state.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from etcd_rendezvous._legacy.state import Hint
+from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
+from etcd_rendezvous.api import RendezvousParameters
+from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.layout import LegacyLayout
+from etcd_rendezvous.metrics import MetricsCollector
+from etcd_rendezvous.registry import get_rendezvous_handler
+from support.wait import wait_until
+
+PREFIX = "/torchelastic/p2p"
+WORKERS = 4
+
+
+def _handler(etcd_server: EtcdServer, run_id: str, n: int) -> EtcdRendezvousHandler:
+    params = RendezvousParameters(
+        backend="etcd",
+        endpoint=etcd_server.get_endpoint(),
+        run_id=run_id,
+        min_nodes=n,
+        max_nodes=n,
+        local_addr="127.0.0.1",
+        timeout="60",
+        last_call_timeout="1",
+        torch_store="false",
+    )
+    handler = get_rendezvous_handler(params)
+    assert isinstance(handler, EtcdRendezvousHandler)
+    return handler
+
+
+class _Vandal:
+    """Overwrites the version's hint with ``value`` (or deletes it, if ``None``) every
+    few milliseconds until stopped; counts its successful vandalisms."""
+
+    def __init__(self, conn: Transport, key: str, value: str | None) -> None:
+        self.done = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(conn, key, value), name="hint-vandal", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, conn: Transport, key: str, value: str | None) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                if value is None:
+                    conn.delete(key)
+                else:
+                    conn.set(key, value)
+                self.done += 1
+            except KeyNotFoundError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[list[EtcdRendezvousHandler]]:
+    made = [_handler(etcd_server, run_id, WORKERS) for _ in range(WORKERS)]
+    yield made
+    for handler in made:
+        handler.close()
+
+
+@pytest.mark.parametrize("value", ["{not json", '{"index": 99999999}', None])
+def test_a_garbled_or_deleted_hint_does_not_stop_the_rendezvous(
+    etcd_server: EtcdServer,
+    run_id: str,
+    conn: Transport,
+    handlers: list[EtcdRendezvousHandler],
+    value: str | None,
+) -> None:
+    """The first worker makes version 1 (and its hint); from then on a vandal garbles or
+    deletes the hint all the time; the other workers still join, with distinct ranks."""
+    assert Hint.decode(value) is None
+    hint_key = LegacyLayout(PREFIX, run_id).progress_key("1")
+    first, *others = handlers
+    with ThreadPoolExecutor(WORKERS) as pool:
+        started = pool.submit(first.next_rendezvous)
+        wait_until(lambda: conn.try_get(hint_key) is not None, what="the hint of version 1")
+        vandal = _Vandal(conn, hint_key, value)
+        try:
+            began = time.monotonic()
+            infos = [started, *(pool.submit(h.next_rendezvous) for h in others)]
+            results = [f.result(timeout=90) for f in infos]
+            took = time.monotonic() - began
+        finally:
+            vandal.stop()
+    assert vandal.done > 0
+    assert sorted(info.rank for info in results) == list(range(WORKERS))
+    assert {info.world_size for info in results} == {WORKERS}
+    # Without hints the silence (2 s, then 4 and 8) and the candidates' stagger still act.
+    assert took < 45, took
+
+
+def test_num_nodes_waiting_follows_the_state_without_reading_it_per_call(
+    etcd_server: EtcdServer, run_id: str, conn: Transport
+) -> None:
+    """num_nodes_waiting() reads the state once, then only takes in its changes: many
+    calls cost no request, and a change (a waiter counted by a PyTorch worker, which
+    writes no hint) shows at the next call."""
+    with _handler(etcd_server, run_id, 1) as handler:
+        handler.next_rendezvous()
+        assert handler.num_nodes_waiting() == 0
+        with MetricsCollector() as collected:
+            for _ in range(50):
+                assert handler.num_nodes_waiting() == 0
+        assert collected.counter("transport.requests") == 0
+        key = LegacyLayout(PREFIX, run_id).state_key
+        node = conn.get(key)
+        state = json.loads(node.value or "")
+        state["num_workers_waiting"] = 2  # as PyTorch's announce_self_waiting does
+        conn.compare_and_swap(key, json.dumps(state), node)
+        wait_until(lambda: handler.num_nodes_waiting() == 2, what="the waiters counted")
