@@ -109,6 +109,7 @@ from support.etcd_requests import (
     count_bytes,
     count_requests,
     read_metrics,
+    server_cpu,
 )
 
 FIRST, RERENDEZVOUS, HEARTBEATS = "first", "rerendezvous", "heartbeats"
@@ -368,6 +369,8 @@ class Outcome:
     received_by_op: dict[str, float] = dataclasses.field(default_factory=dict)
     #: Bytes etcd's gRPC server exchanged with its clients (v3; zero on v2).
     server: Bytes | None = None
+    #: CPU seconds etcd's process used in the measured phase.
+    server_cpu: float = 0.0
     problem: str = ""
 
 
@@ -415,6 +418,7 @@ def _counted(phase: Phase, delta: dict[str, float], **fields: Any) -> Outcome:
     return Outcome(
         requests=count_requests(delta),
         server=count_bytes(delta),
+        server_cpu=server_cpu(delta),
         cpu=phase.cpu,
         cpu_total=phase.cpu_total,
         client_received=phase.received,
@@ -610,7 +614,8 @@ def record(plan: Plan, procs: int, outcome: Outcome) -> dict[str, Any]:
     node (per node and minute for heartbeats); bytes (``kb_received``, ``kb_sent``,
     ``kb_server_sent``, ``kb_server_received``, ``kb_received_by_op``: kB per node) and
     client CPU (``cpu_ms``: ms per node; ``busiest_cpu_s``: the busiest process's CPU
-    seconds) except for heartbeats; ``problem`` instead when there is none."""
+    seconds; ``etcd_cpu_s``: etcd's) except for heartbeats; ``problem`` instead when there is
+    none."""
     variant = plan.variant
     entry: dict[str, Any] = {
         "mode": plan.mode,
@@ -645,6 +650,7 @@ def record(plan: Plan, procs: int, outcome: Outcome) -> dict[str, Any]:
             },
             cpu_ms=round(outcome.cpu_total / plan.nodes * 1000, 2),
             busiest_cpu_s=round(outcome.cpu, 3),
+            etcd_cpu_s=round(outcome.server_cpu, 3),
         )
     return entry
 
@@ -661,7 +667,8 @@ def breakdown(mode: str, nodes: int, outcome: Outcome) -> str:
         f"{op} {value / nodes / 1000:.1f}" for op, value in outcome.received_by_op.items()
     )
     return (
-        f"    {outcome.requests.describe(per)}; busiest process: {outcome.cpu:.2f} CPU s\n"
+        f"    {outcome.requests.describe(per)}; busiest process: {outcome.cpu:.2f} CPU s; "
+        f"etcd: {outcome.server_cpu:.2f} CPU s\n"
         f"    kB in/node by op: {received or '-'}"
     )
 

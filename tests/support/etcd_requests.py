@@ -212,3 +212,9 @@ def bytes_since(client_url: str, before: dict[str, float]) -> Bytes:
     """The bytes etcd at ``client_url`` exchanged with its gRPC clients since
     ``before`` was read from it (with :func:`read_metrics`)."""
     return count_bytes(changes(before, read_metrics(client_url)))
+
+
+def server_cpu(delta: dict[str, float]) -> float:
+    """The CPU seconds etcd's process used during an interval (from :func:`changes`):
+    its ``process_cpu_seconds_total``."""
+    return counter(delta, "process_cpu_seconds_total")
