@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import os
 import threading
 import time
@@ -74,6 +75,10 @@ _EXCHANGE_GRACE = 0.5
 #: Longest a node spends deleting its key when it leaves without a deadline of its own
 #: (``close()``, a failed ``next_rendezvous()``), in seconds: the key expires anyway.
 _WITHDRAW_TIMEOUT = 1.0
+#: Seconds during which :meth:`DynamicRendezvousHandler.num_nodes_waiting` trusts the
+#: progress key's count of zero after a read of the whole state (our writes keep the key
+#: current; PyTorch's are relayed by the heartbeat aggregator within an interval).
+_WAITING_RECHECK = 10.0
 
 
 # -- the handler ----------------------------------------------------------------------------
@@ -199,6 +204,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._store = store
         self._state_holder = state_holder
         self._node_keys = node_keys
+        # When num_nodes_waiting() last read the whole state.
+        self._waiting_read_at = -math.inf
         self._op_executor = _DistributedRendezvousOpExecutor(
             self._this_node, self._state_holder, self._settings, node_keys
         )
@@ -486,7 +493,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
     @_records_failure
     def num_nodes_waiting(self) -> int:
         """See base class. Ends within ``join_timeout`` (plus about a second)."""
+        keys = self._node_keys
+        if keys is not None and time.monotonic() - self._waiting_read_at < _WAITING_RECHECK:
+            deadline = self._get_deadline(self._settings.timeout.join)
+            bound = self._state_holder.bounded_by(Deadline.at(deadline))
+            with self._locked(deadline, "read the progress of"), bound:
+                token = self._state_holder.token
+                waiting = keys.waiting_hint(token if isinstance(token, int) else 0)
+            if waiting == 0:
+                return 0  # The progress key says so: no need to read the whole state.
         with self._synced(self._settings.timeout.join, "read the state of") as state:
+            self._waiting_read_at = time.monotonic()
             return len(state.wait_list)
 
     @contextlib.contextmanager
