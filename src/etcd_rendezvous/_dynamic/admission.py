@@ -770,8 +770,8 @@ class NodeKeys:
             return  # We never read the key: we do not know what it says is decided.
         self._heard_at = self._clock()
         deciding, self._deciding = self._deciding, None
-        if not written and (self._hint is None or token <= self._hint.token):
-            return
+        if not written and (not self._joining or self._hint is None or token <= self._hint.token):
+            return  # Only a node that follows the key knows what it misses.
         if written and deciding is not None:
             self._decided_upto = max(self._decided_upto, deciding)
         progress = Progress.of(token, state, self._decided_upto)

@@ -36,7 +36,7 @@ from ..events import NodeState, _records_failure, record_rdzv_event
 from ..layout import dynamic_store_prefix
 from ..metrics import MetricKind, record_metric
 from .admission import NodeKeys, NodeRegistry
-from .backend import RendezvousBackend, _delay
+from .backend import _POLL_INTERVAL, RendezvousBackend, _delay
 from .executor import _DistributedRendezvousOpExecutor, _RendezvousOpExecutor
 from .holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
 from .ops import (
@@ -206,6 +206,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._node_keys = node_keys
         # When num_nodes_waiting() last read the whole state.
         self._waiting_read_at = -math.inf
+        # When the progress key was last read for it, and what it said.
+        self._waiting_hint: tuple[float, int | None] = (-math.inf, None)
         self._op_executor = _DistributedRendezvousOpExecutor(
             self._this_node, self._state_holder, self._settings, node_keys
         )
@@ -493,13 +495,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
     @_records_failure
     def num_nodes_waiting(self) -> int:
         """See base class. Ends within ``join_timeout`` (plus about a second)."""
-        keys = self._node_keys
-        if keys is not None and time.monotonic() - self._waiting_read_at < _WAITING_RECHECK:
-            deadline = self._get_deadline(self._settings.timeout.join)
-            bound = self._state_holder.bounded_by(Deadline.at(deadline))
-            with self._locked(deadline, "read the progress of"), bound:
-                token = self._state_holder.token
-                waiting = keys.waiting_hint(token if isinstance(token, int) else 0)
+        keys, now = self._node_keys, time.monotonic()
+        holder = self._state_holder
+        cached = isinstance(holder, _BackendRendezvousStateHolder) and holder.cached
+        if keys is not None and not cached and now - self._waiting_read_at < _WAITING_RECHECK:
+            at, waiting = self._waiting_hint
+            if now - at >= _POLL_INTERVAL:  # Polls come often: one read a second at most.
+                deadline = self._get_deadline(self._settings.timeout.join)
+                bound = self._state_holder.bounded_by(Deadline.at(deadline))
+                with self._locked(deadline, "read the progress of"), bound:
+                    token = self._state_holder.token
+                    waiting = keys.waiting_hint(token if isinstance(token, int) else 0)
+                self._waiting_hint = (now, waiting)
             if waiting == 0:
                 return 0  # The progress key says so: no need to read the whole state.
         with self._synced(self._settings.timeout.join, "read the state of") as state:

@@ -146,6 +146,13 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         """See base class (reads of the backend, not changes its watch brought)."""
         return self._fetches
 
+    @property
+    def cached(self) -> bool:
+        """Whether the next :meth:`sync` serves the state held without reading it."""
+        return self._cache_duration > 0 and self._last_sync_time >= max(
+            time.monotonic() - self._cache_duration, 0
+        )
+
     def invalidate(self) -> None:
         """Make the next :meth:`sync` read the state from the backend."""
         self._last_sync_time = -1
