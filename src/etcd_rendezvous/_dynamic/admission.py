@@ -403,6 +403,7 @@ class NodeKeys:
         self._hint: Progress | None = None
         self._hint_index: int | None = None
         self._decided_upto = 0
+        self._decided_at = -math.inf
         self._heard_at = -math.inf
         self._deciding: int | None = None
         self._min_nodes = settings.min_nodes
@@ -530,7 +531,8 @@ class NodeKeys:
                 self._attempt = attempt = self._new_attempt(listing)
                 attempt.mark = mark
             if attempt.staggered:
-                idle = now - max(attempt.progress_at, self._heard_at)
+                # Progress: a batch decided more keys (not any write: heartbeat folds).
+                idle = now - max(attempt.progress_at, self._decided_at)
                 wait = stagger_wait(created, self._decided_upto, idle, attempt.jitter)
                 if wait > 0:
                     return Wait(wait)
@@ -724,7 +726,8 @@ class NodeKeys:
         self._hint_index = max(index, self._hint_index or 0)
         if progress is None:
             return False
-        self._decided_upto = max(self._decided_upto, progress.decided_upto)
+        if progress.decided_upto > self._decided_upto:
+            self._decided_upto, self._decided_at = progress.decided_upto, self._clock()
         if self._hint is not None and progress.token <= self._hint.token:
             return False
         self._hint = progress
@@ -772,8 +775,8 @@ class NodeKeys:
         deciding, self._deciding = self._deciding, None
         if not written and (not self._joining or self._hint is None or token <= self._hint.token):
             return  # Only a node that follows the key knows what it misses.
-        if written and deciding is not None:
-            self._decided_upto = max(self._decided_upto, deciding)
+        if written and deciding is not None and deciding > self._decided_upto:
+            self._decided_upto, self._decided_at = deciding, self._clock()
         progress = Progress.of(token, state, self._decided_upto)
         board.write_progress(progress)
         if self._hint is None or token > self._hint.token:
