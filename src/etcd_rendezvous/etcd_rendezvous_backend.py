@@ -104,6 +104,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._closed = False
         # The watch stream on the state key (opened by the first wait_for_change).
         self._stream: WatchStream | None = None
+        # The watch stream on the progress key (see ``wait_progress``).
+        self._progress_stream: WatchStream | None = None
         self._watch_lock = threading.Lock()
         if not run_id:
             self.close()
@@ -118,9 +120,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         # What the last read or write saw: the state's modifiedIndex (``None``: no
         # state) and the etcd index of that answer, from which a watch misses nothing.
         self._observed: tuple[int | None, int] | None = None
-        # The watch stream on the progress key (see ``wait_progress``), and the etcd
-        # index at which the last listing of the node keys was served.
-        self._progress_stream: WatchStream | None = None
+        # The etcd index at which the last listing of the node keys was served.
         self._listed_at = 0
 
     def __repr__(self) -> str:
