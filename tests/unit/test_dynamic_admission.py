@@ -597,7 +597,7 @@ def test_the_hint_is_never_trusted_over_the_state() -> None:
     assert not concerns(Progress(6, 2, False, False, 100, 1, 0), 5, state, A, 10, 2)
 
 
-def test_a_silent_progress_key_sends_the_node_to_the_state() -> None:
+def test_a_silent_progress_key_sends_the_node_to_the_key_then_the_state() -> None:
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = joining(A, registry, clock)
@@ -608,7 +608,21 @@ def test_a_silent_progress_key_sends_the_node_to_the_state() -> None:
     # Garbage (or a deletion) in the key is no change: silence again, then the state.
     registry.changes.append((None, registry.index + 1))
     assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.KEEP
-    assert keys.await_progress(PROGRESS_SILENCE, 0, RendezvousState()) is Heard.READ
+    # The next silence is drawn between one and two PROGRESS_SILENCE (nodes spread out).
+    assert keys.await_progress(2 * PROGRESS_SILENCE, 0, RendezvousState()) is Heard.READ
+
+
+def test_a_watch_lagging_behind_the_key_is_caught_up_by_a_read_of_the_key() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining(A, registry, clock)
+    keys.admission(wants_all_but(), "m", token=0)
+    registry.progress = summary(9, 0)  # written, but the watch has not delivered it
+    clock.now += PROGRESS_SILENCE
+    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.KEEP  # not ours
+    registry.progress = Progress(10, 0, True, False, 0, 1, 0)
+    clock.now += 2 * PROGRESS_SILENCE
+    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.READ  # complete
 
 
 def test_a_state_the_key_does_not_describe_is_relayed_and_ours_summarised() -> None:

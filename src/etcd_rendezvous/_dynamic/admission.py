@@ -405,6 +405,7 @@ class NodeKeys:
         self._decided_upto = 0
         self._decided_at = -math.inf
         self._heard_at = -math.inf
+        self._silence = PROGRESS_SILENCE
         self._deciding: int | None = None
         self._min_nodes = settings.min_nodes
 
@@ -726,12 +727,12 @@ class NodeKeys:
         self._hint_index = max(index, self._hint_index or 0)
         if progress is None:
             return False
+        self._heard_at = self._clock()  # Someone is at work (or checked, see state_read).
         if progress.decided_upto > self._decided_upto:
             self._decided_upto, self._decided_at = progress.decided_upto, self._clock()
         if self._hint is not None and progress.token <= self._hint.token:
             return False
         self._hint = progress
-        self._heard_at = self._clock()
         return True
 
     def await_progress(self, timeout: float, token: int, state: RendezvousState) -> Heard:
@@ -747,9 +748,17 @@ class NodeKeys:
         deadline = self._clock() + max(timeout, 0.0)
         while True:
             now = self._clock()
-            silence_at = self._heard_at + PROGRESS_SILENCE
+            silence_at = self._heard_at + self._silence
             if now >= silence_at:
+                # Silence (spread out over the nodes): a look at the key itself first (our
+                # watch may lag behind it), then at the state, which the key may miss.
                 self._heard_at = now
+                self._silence = PROGRESS_SILENCE * (1.0 + random.random())
+                progress, _, index = board.read_progress()
+                if progress is not None and self._hear(progress, index):
+                    if concerns(progress, token, state, self._node, self._created, self._min_nodes):
+                        return Heard.READ
+                    return Heard.KEEP
                 return Heard.READ
             if now >= deadline:
                 return Heard.KEEP
