@@ -61,11 +61,11 @@ ADMISSION_GRACE = 2.0
 #: Seconds between the candidate admitters (see :func:`stagger_wait`): the node whose key
 #: is the k-th after the last decided index makes the batch after ``k`` steps without
 #: progress.
-ADMIT_STAGGER = 0.1
+ADMIT_STAGGER = 0.25
 #: Beyond this many steps, a node waits as the last candidate does, plus a random part
 #: of :data:`_TAIL_JITTER`: it makes a batch only if nobody did for that long.
 _STAGGER_CAP = 8
-_TAIL_JITTER = 1.0
+_TAIL_JITTER = 2.0
 
 #: Seconds a node that follows the progress key waits without hearing of a change (on
 #: the progress key, or in a read of the state) before it reads the state anyway: a
