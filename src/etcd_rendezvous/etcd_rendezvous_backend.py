@@ -413,13 +413,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def read_progress(self) -> tuple[Progress | None, bool, int]:
         """The summary the progress key holds (``None``: absent or not a summary),
-        whether the key exists, and the etcd index to watch its next change from."""
+        whether the key exists, and its modification index (if it exists; else the etcd
+        index of the answer): its next change comes after it."""
         try:
             node = self._conn.get(self._nodes.progress_key)
         except KeyNotFoundError as exc:
             index = exc.etcd_index if exc.etcd_index is not None else self._conn.last_index
             return None, False, index
-        return _parse_progress(node.value), True, max(node.modified_index, node.etcd_index)
+        return _parse_progress(node.value), True, node.modified_index
 
     def create_progress(self, progress: Progress) -> bool:
         """Create the progress key with ``progress`` (the state's TTL); ``False`` if it
@@ -430,9 +431,28 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return False
         return True
 
-    def write_progress(self, progress: Progress) -> None:
-        """Write ``progress`` into the progress key (the state's TTL)."""
-        self._conn.set(self._nodes.progress_key, _progress_value(progress), ttl=self._ttl)
+    def write_progress(self, progress: Progress) -> int:
+        """Write ``progress`` into the progress key (the state's TTL); return the write's
+        modification index."""
+        value = _progress_value(progress)
+        return self._conn.set(self._nodes.progress_key, value, ttl=self._ttl).modified_index
+
+    def replace_progress(self, progress: Progress, index: int) -> int | None:
+        """Write ``progress`` into the progress key only if it was not written since its
+        modification index ``index`` (or, if it is gone, create it); the write's
+        modification index, or ``None`` if it did not write."""
+        value = _progress_value(progress)
+        key = self._nodes.progress_key
+        try:
+            node = self._conn.compare_and_swap(key, value, _prev(key, index), ttl=self._ttl)
+        except CompareFailedError:
+            return None
+        except KeyNotFoundError:
+            try:
+                node = self._conn.create(key, value, ttl=self._ttl)
+            except KeyExistsError:
+                return None
+        return node.modified_index
 
     def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
         """The changes of the progress key after the etcd index ``after`` (each summary,

@@ -479,6 +479,7 @@ class BoardRegistry(MemoryRegistry):
         self.clock = clock
         self.progress: Progress | None = None
         self.exists = False
+        self.progress_index = 0
         self.changes: list[tuple[Progress | None, int]] = []
         self.written: list[Progress] = []
         self.listed_at = 0
@@ -489,7 +490,7 @@ class BoardRegistry(MemoryRegistry):
 
     def read_progress(self) -> tuple[Progress | None, bool, int]:
         self._count("read_progress")
-        return self.progress, self.exists, self.index
+        return self.progress, self.exists, self.progress_index if self.exists else self.index
 
     def create_progress(self, progress: Progress) -> bool:
         if self.exists:
@@ -497,11 +498,18 @@ class BoardRegistry(MemoryRegistry):
         self.write_progress(progress)
         return True
 
-    def write_progress(self, progress: Progress) -> None:
+    def write_progress(self, progress: Progress) -> int:
         self._count("write_progress")
         self.index += 1
-        self.progress, self.exists = progress, True
+        self.progress, self.exists, self.progress_index = progress, True, self.index
         self.written.append(progress)
+        return self.index
+
+    def replace_progress(self, progress: Progress, index: int) -> int | None:
+        self._count("replace_progress")
+        if self.exists and index != self.progress_index:
+            return None
+        return self.write_progress(progress)
 
     def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
         self._count("wait_progress")
@@ -516,7 +524,7 @@ class BoardRegistry(MemoryRegistry):
     def publish(self, progress: Progress) -> None:
         """Another node wrote ``progress``: the key holds it and watches deliver it."""
         self.index += 1
-        self.progress, self.exists = progress, True
+        self.progress, self.exists, self.progress_index = progress, True, self.index
         self.changes.append((progress, self.index))
 
 
@@ -640,6 +648,9 @@ def test_a_state_the_key_does_not_describe_is_relayed_and_ours_summarised() -> N
     assert len(registry.written) == 2
     keys.state_read(25, state, written=False)  # PyTorch's worker wrote 25: relay it
     assert registry.written[-1] == Progress(25, 0, False, False, decided, 1, 0)
+    registry.publish(Progress(27, 0, True, False, decided + 5, 1, 0))  # not heard yet
+    keys.state_read(27, state, written=False)  # a relay never overwrites a newer summary
+    assert registry.progress == Progress(27, 0, True, False, decided + 5, 1, 0)
     keys.end_join()
     keys.state_read(30, state, written=False)  # not following the key: no relay
     assert registry.written[-1].token == 25

@@ -184,8 +184,14 @@ class ProgressBoard(Protocol):
     def create_progress(self, progress: Progress) -> bool:
         """Create the progress key with ``progress``; ``False`` if it exists."""
 
-    def write_progress(self, progress: Progress) -> None:
-        """Write ``progress`` into the progress key (whatever it holds)."""
+    def write_progress(self, progress: Progress) -> int:
+        """Write ``progress`` into the progress key (whatever it holds); return the
+        write's modification index."""
+
+    def replace_progress(self, progress: Progress, index: int) -> int | None:
+        """Write ``progress`` only if the key was not written since its modification
+        index ``index`` (create it if it is gone); the write's modification index, or
+        ``None`` if it did not write."""
 
     def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
         """The changes of the progress key after the etcd index ``after``, waiting up to
@@ -787,7 +793,14 @@ class NodeKeys:
         if written and deciding is not None and deciding > self._decided_upto:
             self._decided_upto, self._decided_at = deciding, self._clock()
         progress = Progress.of(token, state, self._decided_upto)
-        board.write_progress(progress)
+        index = (
+            board.write_progress(progress)
+            if written
+            else board.replace_progress(progress, self._hint_index)
+        )
+        if index is None:
+            return  # Someone wrote the key since we heard it: its summary may know more.
+        self._hint_index = max(index, self._hint_index)
         if self._hint is None or token > self._hint.token:
             self._hint = progress
 
