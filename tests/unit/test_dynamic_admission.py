@@ -12,6 +12,7 @@ from etcd_rendezvous._dynamic.admission import (
     _STAGGER_CAP,
     _TAIL_JITTER,
     ADMISSION_GRACE,
+    ADMIT_GATHER,
     ADMIT_STAGGER,
     EXIT_GATHER,
     PROGRESS_SILENCE,
@@ -539,11 +540,14 @@ def joining(node: NodeDesc, registry: BoardRegistry, clock: Clock) -> NodeKeys:
 
 
 def test_the_stagger_grows_with_the_distance_and_is_capped() -> None:
-    assert stagger_wait(created=12, decided_upto=10, idle=0.0) == 0.0  # the oldest: at once
-    assert stagger_wait(created=13, decided_upto=10, idle=0.0) == pytest.approx(ADMIT_STAGGER)
-    assert stagger_wait(created=13, decided_upto=10, idle=ADMIT_STAGGER) == 0.0
+    # The oldest: after a moment to gather the nodes arriving with it.
+    assert stagger_wait(created=12, decided_upto=10, idle=0.0) == pytest.approx(ADMIT_GATHER)
+    assert stagger_wait(created=12, decided_upto=10, idle=ADMIT_GATHER) == 0.0
+    second = stagger_wait(created=13, decided_upto=10, idle=0.0)
+    assert second == pytest.approx(ADMIT_GATHER + ADMIT_STAGGER)
+    assert stagger_wait(created=13, decided_upto=10, idle=ADMIT_GATHER + ADMIT_STAGGER) == 0.0
     far = stagger_wait(created=10_000, decided_upto=10, idle=0.0, jitter=0.5)
-    assert far == pytest.approx(_STAGGER_CAP * ADMIT_STAGGER + 0.5 * _TAIL_JITTER)
+    assert far == pytest.approx(ADMIT_GATHER + _STAGGER_CAP * ADMIT_STAGGER + 0.5 * _TAIL_JITTER)
 
 
 def test_a_node_far_behind_never_lists_while_batches_are_made() -> None:
@@ -574,6 +578,8 @@ def test_a_slow_head_is_admitted_by_its_successor() -> None:
     registry = BoardRegistry(clock)
     head, next_ = joining(A, registry, clock), joining(B, registry, clock)
     # A creates the progress key, then both announce: A's key is the oldest undecided.
+    assert waits(head.admission(wants_all_but(), "m", token=0)) == pytest.approx(ADMIT_GATHER)
+    clock.now += 2 * ADMIT_GATHER
     assert head.admission(wants_all_but(), "m", token=0) == Batch([A])
     registry.keys.pop(A)  # start over: A announced, but is slow to make its batch
     registry.keys[A] = registry.index
@@ -588,6 +594,8 @@ def test_a_candidate_holding_an_older_state_than_the_hint_reads_it_first() -> No
     registry = BoardRegistry(clock)
     registry.publish(summary(7, 0))  # a state newer than the one A read (token 3)
     keys = joining(A, registry, clock)
+    assert isinstance(keys.admission(wants_all_but(), "m", token=3), Wait)
+    clock.now += 2 * ADMIT_GATHER
     assert keys.admission(wants_all_but(), "m", token=3) == Refresh()
     assert keys.admission(wants_all_but(), "m", token=7) == Batch([A])
 

@@ -34,6 +34,7 @@ from .state import NodeDesc, RendezvousState
 
 __all__ = [
     "ADMISSION_GRACE",
+    "ADMIT_GATHER",
     "ADMIT_STAGGER",
     "EXIT_GATHER",
     "PROGRESS_SILENCE",
@@ -62,6 +63,10 @@ ADMISSION_GRACE = 2.0
 #: is the k-th after the last decided index makes the batch after ``k`` steps without
 #: progress.
 ADMIT_STAGGER = 0.25
+#: Seconds the first candidate waits after it asks, unless a batch decides its key first:
+#: the nodes that arrive meanwhile are admitted in the same write (fewer state writes,
+#: each a change every waiting node hears of).
+ADMIT_GATHER = 0.1
 #: Beyond this many steps, a node waits as the last candidate does, plus a random part
 #: of :data:`_TAIL_JITTER`: it makes a batch only if nobody did for that long.
 _STAGGER_CAP = 8
@@ -229,7 +234,7 @@ def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0
     :data:`_TAIL_JITTER` more). Other writes only make the distance longer.
     """
     ahead = max(created - decided_upto - 2, 0)
-    steps = min(ahead, _STAGGER_CAP) * ADMIT_STAGGER
+    steps = ADMIT_GATHER + min(ahead, _STAGGER_CAP) * ADMIT_STAGGER
     if ahead >= _STAGGER_CAP:
         steps += jitter * _TAIL_JITTER
     return max(steps - idle, 0.0)
