@@ -809,10 +809,9 @@ class NodeKeys:
         if self._hint is None or token > self._hint.token:
             self._hint = progress
 
-    def waiting_hint(self, token: int) -> int | None:
-        """The length of the wait list as the progress key tells it (one small read), if
-        it describes the state held (``token``) or a newer one, else ``None`` (read the
-        state)."""
+    def waiting_hint(self, token: int) -> Progress | None:
+        """The progress key's summary (one small read), if it describes the state held
+        (``token``) or a newer one, else ``None`` (read the state)."""
         board = self._board
         if board is None:
             return None
@@ -820,7 +819,7 @@ class NodeKeys:
         if progress is None or progress.token < token:
             return None
         self._hear(progress, index)
-        return progress.waiting
+        return progress
 
     # -- heartbeats -------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from ..events import NodeState, _records_failure, record_rdzv_event
 from ..layout import dynamic_store_prefix
 from ..metrics import MetricKind, record_metric
 from .admission import NodeKeys, NodeRegistry
-from .backend import _POLL_INTERVAL, RendezvousBackend, _delay
+from .backend import RendezvousBackend, _delay
 from .executor import _DistributedRendezvousOpExecutor, _RendezvousOpExecutor
 from .holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
 from .ops import (
@@ -79,6 +79,8 @@ _WITHDRAW_TIMEOUT = 1.0
 #: progress key's count of zero after a read of the whole state (our writes keep the key
 #: current; PyTorch's are relayed by the heartbeat aggregator within an interval).
 _WAITING_RECHECK = 10.0
+#: Seconds during which it answers from the last read of the progress key.
+_WAITING_POLL = 2.0
 
 
 # -- the handler ----------------------------------------------------------------------------
@@ -500,13 +502,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
         cached = isinstance(holder, _BackendRendezvousStateHolder) and holder.cached
         if keys is not None and not cached and now - self._waiting_read_at < _WAITING_RECHECK:
             at, waiting = self._waiting_hint
-            if now - at >= _POLL_INTERVAL:  # Polls come often: one read a second at most.
+            if now - at >= _WAITING_POLL:  # Polls come often (torchrun: 10 a second).
                 deadline = self._get_deadline(self._settings.timeout.join)
                 bound = self._state_holder.bounded_by(Deadline.at(deadline))
                 with self._locked(deadline, "read the progress of"), bound:
-                    token = self._state_holder.token
-                    waiting = keys.waiting_hint(token if isinstance(token, int) else 0)
+                    token = holder.token
+                    progress = keys.waiting_hint(token if isinstance(token, int) else 0)
+                waiting = None if progress is None else progress.waiting
                 self._waiting_hint = (now, waiting)
+                if progress is not None and progress.token == token:
+                    holder.keep()  # The state held is still the latest: no need to read it.
             if waiting == 0:
                 return 0  # The progress key says so: no need to read the whole state.
         with self._synced(self._settings.timeout.join, "read the state of") as state:
