@@ -66,7 +66,7 @@ ADMIT_STAGGER = 0.25
 #: Seconds the first candidate waits after it asks, unless a batch decides its key first:
 #: the nodes that arrive meanwhile are admitted in the same write (fewer state writes,
 #: each a change every waiting node hears of).
-ADMIT_GATHER = 0.1
+ADMIT_GATHER = 0.25
 #: Beyond this many steps, a node waits as the last candidate does, plus a random part
 #: of :data:`_TAIL_JITTER`: it makes a batch only if nobody did for that long.
 _STAGGER_CAP = 8
@@ -714,23 +714,23 @@ class NodeKeys:
 
     def _know_progress(self) -> None:
         """Read the progress key before announcing (creating it if there is none), so that
-        our key is younger than the decided index it holds (see :func:`stagger_wait`)."""
+        our key is younger than the decided index it holds (see :func:`stagger_wait`).
+        A node that loses the race to create it learns what the winner wrote from its
+        watch, which starts before the winner's write."""
         board = self._board
         if board is None:
             return
-        for _ in range(3):
-            progress, exists, index = board.read_progress()
-            if progress is not None:
-                self._hear(progress, index)
-                return
-            first = Progress(0, 0, False, False, index, 0, 0)
-            if exists:
-                board.write_progress(first)  # garbage: start afresh
-                self._hear(first, index)
-                return
-            if board.create_progress(first):
-                self._hear(first, index)
-                return
+        progress, exists, index = board.read_progress()
+        if progress is not None:
+            self._hear(progress, index)
+            return
+        first = Progress(0, 0, False, False, index, 0, 0)
+        if exists:
+            self._hear(first, board.write_progress(first))  # garbage: start afresh
+        elif board.create_progress(first):
+            self._hear(first, index)
+        else:
+            self._hint_index = index
 
     def _hear(self, progress: Progress | None, index: int) -> bool:
         """Note a summary read or watched at ``index``; whether it is newer than the

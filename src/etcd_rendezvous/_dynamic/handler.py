@@ -364,6 +364,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         if keys is not None:
             keys.begin_join()
+            holder = self._state_holder
+            if holder.token is None and holder.fetches == 0:
+                # A fresh node (in no round, never read the state) announces itself and
+                # waits on the progress key: it reads the state once the key says so (a
+                # batch admitted it, or it must make one), not before.
+                holder.keep()
         progress = ProgressLog(
             lambda: self._describe_progress(deadline),
             progress_interval(self._settings.timeout.join.total_seconds()),
