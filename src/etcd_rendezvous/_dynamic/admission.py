@@ -66,7 +66,7 @@ ADMIT_STAGGER = 0.25
 #: Seconds the first candidate waits after it asks, unless a batch decides its key first:
 #: the nodes that arrive meanwhile are admitted in the same write (fewer state writes,
 #: each a change every waiting node hears of).
-ADMIT_GATHER = 0.25
+ADMIT_GATHER = 0.1
 #: Beyond this many steps, a node waits as the last candidate does, plus a random part
 #: of :data:`_TAIL_JITTER`: it makes a batch only if nobody did for that long.
 _STAGGER_CAP = 8
