@@ -423,10 +423,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return _parse_progress(node.value), True, node.modified_index
 
     def create_progress(self, progress: Progress) -> bool:
-        """Create the progress key with ``progress`` (the state's TTL); ``False`` if it
-        exists."""
+        """Create the progress key with ``progress``; ``False`` if it exists. Without a
+        TTL (on v3 a lease would be one more write for each of the many nodes that try
+        at once): the first summary of a state write gives it the state's."""
         try:
-            self._conn.create(self._nodes.progress_key, _progress_value(progress), ttl=self._ttl)
+            self._conn.create(self._nodes.progress_key, _progress_value(progress))
         except KeyExistsError:
             return False
         return True
