@@ -73,8 +73,9 @@ _STAGGER_CAP = 8
 _TAIL_JITTER = 2.0
 
 #: Seconds a node that follows the progress key waits without hearing of a change (on
-#: the progress key, or in a read of the state) before it reads the state anyway: a
-#: state written by PyTorch's workers, or by a node that died before its progress write.
+#: the progress key, or in a read of the state) before it reads the key, then the state,
+#: anyway: a state written by PyTorch's workers, or by a node that died before its
+#: summary. After the first silence, each node draws its next between this and twice it.
 PROGRESS_SILENCE = 2.0
 
 
