@@ -20,7 +20,7 @@ import threading
 from base64 import b64decode, b64encode
 from typing import Any
 
-from ._dynamic.admission import AnnouncedNode
+from ._dynamic.admission import AnnouncedNode, Progress
 from ._dynamic.backend import RendezvousBackend, Token
 from ._dynamic.state import NodeDesc
 from ._transport.interface import (
@@ -104,6 +104,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         self._closed = False
         # The watch stream on the state key (opened by the first wait_for_change).
         self._stream: WatchStream | None = None
+        # The watch stream on the progress key (see ``wait_progress``).
+        self._progress_stream: WatchStream | None = None
         self._watch_lock = threading.Lock()
         if not run_id:
             self.close()
@@ -118,6 +120,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         # What the last read or write saw: the state's modifiedIndex (``None``: no
         # state) and the etcd index of that answer, from which a watch misses nothing.
         self._observed: tuple[int | None, int] | None = None
+        # The etcd index at which the last listing of the node keys was served.
+        self._listed_at = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(key={self._key!r}, endpoints={self._conn.endpoints!r})"
@@ -137,9 +141,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
             if self._closed:
                 return
             self._closed = True
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            stream.close()
+        for stream in (self._stream, self._progress_stream):
+            if stream is not None:
+                stream.close()
+        self._stream = self._progress_stream = None
         if self._owns_conn:
             self._conn.close()
 
@@ -256,6 +261,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         rewatch = REWATCH.start(max(0.0, timeout))
         deadline = rewatch.deadline
         with self._watch_lock:
+            if timeout <= 0 and self._stream is None:
+                return None  # Nothing watched, nothing known: no stream to open for that.
             while True:
                 if self._stream is None:
                     changed, node = self._open_stream(expected)
@@ -338,6 +345,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return []
         nodes = []
         self._listed_keys = {}
+        self._listed_at = listing.etcd_index
         for child in listing.children:
             # The name spells the node (cheaper than its value, at a few hundred nodes).
             fields = None if child.is_dir else parse_node_key_name(child.key.rsplit("/", 1)[-1])
@@ -395,6 +403,93 @@ class EtcdRendezvousBackend(RendezvousBackend):
         lock = self._conn.try_get(self._nodes.aggregator_key)
         if lock is not None and _parse_node(lock) == node:
             self._conn.compare_and_delete(self._nodes.aggregator_key, lock)
+
+    # -- the progress key (see etcd_rendezvous._dynamic.admission.ProgressBoard) ---------
+
+    @property
+    def listed_at(self) -> int:
+        """The etcd index at which the last :meth:`list_nodes` was served."""
+        return self._listed_at
+
+    def read_progress(self) -> tuple[Progress | None, bool, int]:
+        """The summary the progress key holds (``None``: absent or not a summary),
+        whether the key exists, and its modification index (if it exists; else the etcd
+        index of the answer): its next change comes after it."""
+        try:
+            node = self._conn.get(self._nodes.progress_key)
+        except KeyNotFoundError as exc:
+            index = exc.etcd_index if exc.etcd_index is not None else self._conn.last_index
+            return None, False, index
+        return _parse_progress(node.value), True, node.modified_index
+
+    def create_progress(self, progress: Progress) -> bool:
+        """Create the progress key with ``progress``; ``False`` if it exists. Without a
+        TTL (on v3 a lease would be one more write for each of the many nodes that try
+        at once): the first summary of a state write gives it the state's."""
+        try:
+            self._conn.create(self._nodes.progress_key, _progress_value(progress))
+        except KeyExistsError:
+            return False
+        return True
+
+    def write_progress(self, progress: Progress) -> int:
+        """Write ``progress`` into the progress key (the state's TTL); return the write's
+        modification index."""
+        value = _progress_value(progress)
+        return self._conn.set(self._nodes.progress_key, value, ttl=self._ttl).modified_index
+
+    def replace_progress(self, progress: Progress, index: int) -> int | None:
+        """Write ``progress`` into the progress key only if it was not written since its
+        modification index ``index`` (or, if it is gone, create it); the write's
+        modification index, or ``None`` if it did not write."""
+        value = _progress_value(progress)
+        key = self._nodes.progress_key
+        try:
+            node = self._conn.compare_and_swap(key, value, _prev(key, index), ttl=self._ttl)
+        except CompareFailedError:
+            return None
+        except KeyNotFoundError:
+            try:
+                node = self._conn.create(key, value, ttl=self._ttl)
+            except KeyExistsError:
+                return None
+        return node.modified_index
+
+    def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
+        """The changes of the progress key after the etcd index ``after`` (each summary,
+        ``None`` for a deletion or garbage, with its index), waiting up to ``timeout``
+        seconds for the first; one stream, opened at the first call. If etcd no longer
+        has the history, the key is read instead."""
+        deadline = Deadline(max(timeout, 0.0))
+        with self._watch_lock:
+            if self._progress_stream is None:
+                self._progress_stream = self._conn.watch_stream(self._nodes.progress_key, after + 1)
+            stream = self._progress_stream
+            changes: list[tuple[Progress | None, int]] = []
+            try:
+                change = stream.next(deadline.remaining())
+                while change is not None:
+                    value = None if change.action in DELETE_ACTIONS else change.value
+                    changes.append((_parse_progress(value), change.modified_index))
+                    change = stream.next(0.0)
+            except WatchHistoryLostError:
+                self._progress_stream = None
+                stream.close()
+                progress, _, index = self.read_progress()
+                return [(progress, index)]
+            except BaseException:
+                self._progress_stream = None
+                stream.close()
+                raise
+            return changes
+
+    def stop_waiting(self) -> None:
+        """Close the watches of the state and of the progress key (reopened on demand)."""
+        with self._watch_lock:
+            self._drop_stream()
+            stream, self._progress_stream = self._progress_stream, None
+            if stream is not None:
+                stream.close()
 
     def _node_key(self, node: NodeDesc) -> str:
         return self._nodes.node_key(node.addr, node.pid, node.local_id)
@@ -502,6 +597,40 @@ def _leaving(value: str | None) -> int | None:
     except (ValueError, AttributeError):
         return None
     return leaving if type(leaving) is int else None
+
+
+#: The fields of the progress key's JSON value, in the order of :class:`Progress`.
+_PROGRESS_FIELDS = (
+    "token",
+    "round",
+    "complete",
+    "closed",
+    "decided_upto",
+    "participants",
+    "waiting",
+)
+
+
+def _progress_value(progress: Progress) -> str:
+    """The progress key's value: the summary as a small JSON object."""
+    return json.dumps({name: getattr(progress, name) for name in _PROGRESS_FIELDS})
+
+
+def _parse_progress(value: str | None) -> Progress | None:
+    """The summary the progress key's value holds; ``None`` for anything else (a hint
+    that cannot be read is as good as none: the reader falls back on the state)."""
+    try:
+        fields = json.loads(value or "")
+    except ValueError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    values = [fields.get(name) for name in _PROGRESS_FIELDS]
+    flags = (values[2], values[3])
+    counts = values[:2] + values[4:]
+    if any(type(v) is not bool for v in flags) or any(type(v) is not int for v in counts):
+        return None
+    return Progress(*values)  # type: ignore[arg-type]
 
 
 def _parse_node(key: Node) -> NodeDesc | None:

@@ -222,6 +222,8 @@ def etcd_v2_state_key(run_id: str, key_prefix: str | None = ETCD_V2_STATE_PREFIX
 _ROOT_NODES_DIR = "/rendezvous_nodes"
 _NODES_DIR_SUFFIX = "_nodes"
 _AGGREGATOR_NAME = "aggregator"
+#: The last segment of the progress key of an ``etcd-v2`` run (see :class:`EtcdV2NodesLayout`).
+_PROGRESS_NAME = "progress"
 #: Characters a node key name or an escaped run id keeps as they are; every other byte
 #: becomes ``~`` and two hex digits. Neither ``%`` (which etcd's v2 HTTP API would
 #: decode) nor ``_`` (the separator, and on v2 the mark of a hidden key) nor ``/``
@@ -288,6 +290,13 @@ class EtcdV2NodesLayout:
         """``<nodes_dir>/aggregator``: the lock of the node that folds the others'
         heartbeats into the state (a name no node key can have)."""
         return f"{self.nodes_dir}/{_AGGREGATOR_NAME}"
+
+    @property
+    def progress_key(self) -> str:
+        """``<nodes_dir>/progress``: a small summary of the last state write by one of
+        our nodes, which our waiting nodes watch instead of the state (a name no node key
+        can have)."""
+        return f"{self.nodes_dir}/{_PROGRESS_NAME}"
 
 
 def node_key_name(addr: str, pid: int, local_id: int) -> str:

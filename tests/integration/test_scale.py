@@ -230,20 +230,9 @@ def _state_size(server: EtcdServer, backend: str, run_id: str) -> int:
     return len((value or "").encode())
 
 
-#: etcd-v2 on the v2 API is at the bound today: its nodes receive 17 to 34 kB each
-#: (against 26 kB, for a 3.8 kB state), over the bound in 3 of 8 runs -- the watches'
-#: replay of every state change is what varies. Not strict, since it passes as often.
-_DYNAMIC_AT_THE_BOUND = pytest.mark.xfail(
-    etcd_api_under_test() == "v2",
-    reason="etcd-v2 nodes on v2 receive up to 34 kB at 64 nodes, over the 26 kB bound in "
-    "3 of 8 runs",
-    strict=False,
-)
-
-
 @pytest.mark.parametrize(
     "handlers",
-    ["etcd", pytest.param("etcd-v2", marks=_DYNAMIC_AT_THE_BOUND)],
+    ["etcd", "etcd-v2"],
     indirect=True,
 )
 def test_rendezvous_of_64_nodes_reads_the_state_a_constant_number_of_times(
@@ -280,14 +269,7 @@ def test_rendezvous_of_64_nodes_reads_the_state_a_constant_number_of_times(
     "handlers",
     [
         "etcd",
-        pytest.param(
-            "etcd-v2",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="today about every node lists the member keys once (1.0 per node "
-                "for etcd-v2, on either API)",
-            ),
-        ),
+        "etcd-v2",
     ],
     indirect=True,
 )

@@ -9,13 +9,23 @@ import pytest
 
 from etcd_rendezvous._dynamic.admission import (
     _REAP_STEP,
+    _STAGGER_CAP,
+    _TAIL_JITTER,
     ADMISSION_GRACE,
+    ADMIT_GATHER,
+    ADMIT_STAGGER,
     EXIT_GATHER,
+    PROGRESS_SILENCE,
     AnnouncedNode,
     Batch,
     Gone,
+    Heard,
     NodeKeys,
+    Progress,
+    Refresh,
     Wait,
+    concerns,
+    stagger_wait,
 )
 from etcd_rendezvous.dynamic_rendezvous import (
     NodeDesc,
@@ -152,19 +162,17 @@ def test_a_node_waits_until_its_predecessors_are_admitted() -> None:
     assert c.admission(wants_all_but(A, B), "m2") == Batch([A, B, C])
 
 
-def test_a_predecessor_stuck_for_the_grace_period_is_skipped() -> None:
+def test_a_predecessor_stuck_for_the_grace_period_is_admitted_with_the_others() -> None:
     registry, clock = MemoryRegistry(), Clock()
-    registry.announce_node(D, 15)  # Died after announcing.
+    registry.announce_node(D, 15)  # Slow: announced, but never makes its batch.
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
     assert waits(a.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
     assert waits(b.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
     clock.now += ADMISSION_GRACE / 2
     assert waits(a.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE / 2)
     clock.now += ADMISSION_GRACE / 2
-    # D is taken for dead; A is then the oldest and admits everyone but D.
-    assert a.admission(wants_all_but(), "m") == Batch([A, B])
-    # B skips D as well but still waits for A (only one key per grace period).
-    assert waits(b.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
+    # Its key is alive: D is slow, not dead. A admits it with everyone, in one batch.
+    assert a.admission(wants_all_but(), "m") == Batch([D, A, B])
 
 
 def test_admissions_of_others_reset_the_grace_period() -> None:
@@ -458,3 +466,200 @@ def test_a_key_taken_for_dead_that_is_renewed_after_all_is_admitted_again() -> N
     b.admitted()
     assert b.admission(wants_all_but(), "m3") == Batch([B, C])
     assert registry.calls["expires_in"] == probes
+
+
+# -- the progress key and the candidate admitters ----------------------------------------
+
+
+class BoardRegistry(MemoryRegistry):
+    """A registry with a progress key: its value, and the changes a watch would deliver
+    (``None`` for garbage or a deletion); ``listed_at`` is the index of the last listing."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.progress: Progress | None = None
+        self.exists = False
+        self.progress_index = 0
+        self.changes: list[tuple[Progress | None, int]] = []
+        self.written: list[Progress] = []
+        self.listed_at = 0
+
+    def list_nodes(self) -> list[AnnouncedNode]:
+        self.listed_at = self.index
+        return super().list_nodes()
+
+    def read_progress(self) -> tuple[Progress | None, bool, int]:
+        self._count("read_progress")
+        return self.progress, self.exists, self.progress_index if self.exists else self.index
+
+    def create_progress(self, progress: Progress) -> bool:
+        if self.exists:
+            return False
+        self.write_progress(progress)
+        return True
+
+    def write_progress(self, progress: Progress) -> int:
+        self._count("write_progress")
+        self.index += 1
+        self.progress, self.exists, self.progress_index = progress, True, self.index
+        self.written.append(progress)
+        return self.index
+
+    def replace_progress(self, progress: Progress, index: int) -> int | None:
+        self._count("replace_progress")
+        if self.exists and index != self.progress_index:
+            return None
+        return self.write_progress(progress)
+
+    def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
+        self._count("wait_progress")
+        changes, self.changes = self.changes, []
+        if not changes:
+            self.clock.now += timeout  # nothing came: the wait lasted its timeout
+        return changes
+
+    def stop_waiting(self) -> None:
+        self._count("stop_waiting")
+
+    def publish(self, progress: Progress) -> None:
+        """Another node wrote ``progress``: the key holds it and watches deliver it."""
+        self.index += 1
+        self.progress, self.exists, self.progress_index = progress, True, self.index
+        self.changes.append((progress, self.index))
+
+
+def summary(token: int, decided: int, *, complete: bool = False, count: int = 0) -> Progress:
+    return Progress(token, 0, complete, False, decided, count, 0)
+
+
+def joining(node: NodeDesc, registry: BoardRegistry, clock: Clock) -> NodeKeys:
+    keys = keys_of(node, registry, clock)
+    keys.begin_join()
+    return keys
+
+
+def test_the_stagger_grows_with_the_distance_and_is_capped() -> None:
+    # The oldest: after a moment to gather the nodes arriving with it.
+    assert stagger_wait(created=12, decided_upto=10, idle=0.0) == pytest.approx(ADMIT_GATHER)
+    assert stagger_wait(created=12, decided_upto=10, idle=ADMIT_GATHER) == 0.0
+    second = stagger_wait(created=13, decided_upto=10, idle=0.0)
+    assert second == pytest.approx(ADMIT_GATHER + ADMIT_STAGGER)
+    assert stagger_wait(created=13, decided_upto=10, idle=ADMIT_GATHER + ADMIT_STAGGER) == 0.0
+    far = stagger_wait(created=10_000, decided_upto=10, idle=0.0, jitter=0.5)
+    assert far == pytest.approx(ADMIT_GATHER + _STAGGER_CAP * ADMIT_STAGGER + 0.5 * _TAIL_JITTER)
+
+
+def test_a_node_far_behind_never_lists_while_batches_are_made() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining(A, registry, clock)
+    for _ in range(30):  # other nodes' keys: A is far behind the decided index
+        registry.index += 1
+    decided = registry.index
+    registry.publish(summary(5, decided))
+    far = joining(B, registry, clock)
+    registry.index += 40  # forty more nodes announce after the decided index, before B
+    registry.keys.pop(B, None)
+    registry.announce_node(B, 15)
+    for token in range(6, 16):  # a batch every half step: progress all the time
+        outcome = far.admission(wants_all_but(), "m", token=token)
+        assert isinstance(outcome, Wait)
+        assert outcome.seconds > 0
+        clock.now += ADMIT_STAGGER / 2
+        registry.publish(summary(token + 1, decided))
+        assert far.await_progress(1.0, token, RendezvousState()) is Heard.KEEP
+    assert registry.calls.get("list", 0) == 0
+    del keys
+
+
+def test_a_slow_head_is_admitted_by_its_successor() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    head, next_ = joining(A, registry, clock), joining(B, registry, clock)
+    # A creates the progress key, then both announce: A's key is the oldest undecided.
+    assert waits(head.admission(wants_all_but(), "m", token=0)) == pytest.approx(ADMIT_GATHER)
+    clock.now += 2 * ADMIT_GATHER
+    assert head.admission(wants_all_but(), "m", token=0) == Batch([A])
+    registry.keys.pop(A)  # start over: A announced, but is slow to make its batch
+    registry.keys[A] = registry.index
+    assert waits(next_.admission(wants_all_but(), "m", token=0)) > 0
+    clock.now += ADMIT_STAGGER * (_STAGGER_CAP + 2)  # no progress from A all that time
+    assert next_.admission(wants_all_but(), "m", token=0) == Batch([A, B])
+    assert not any("dead" in name for name in registry.calls)
+
+
+def test_a_candidate_holding_an_older_state_than_the_hint_reads_it_first() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    registry.publish(summary(7, 0))  # a state newer than the one A read (token 3)
+    keys = joining(A, registry, clock)
+    assert isinstance(keys.admission(wants_all_but(), "m", token=3), Wait)
+    clock.now += 2 * ADMIT_GATHER
+    assert keys.admission(wants_all_but(), "m", token=3) == Refresh()
+    assert keys.admission(wants_all_but(), "m", token=7) == Batch([A])
+
+
+def test_the_hint_is_never_trusted_over_the_state() -> None:
+    state = RendezvousState()
+    state.round = 2
+    # A summary of an older (or the same) state than the one held tells nothing.
+    assert not concerns(summary(5, 100, complete=True), 5, state, A, 10, 2)
+    assert not concerns(summary(4, 100, complete=True), 5, state, A, 10, 2)
+    # A newer one that completes the round, or starts the last call: read the state.
+    newer = Progress(6, 2, True, False, 100, 2, 0)
+    assert concerns(newer, 5, state, A, 10, 2)
+    assert concerns(Progress(6, 2, False, False, 0, 2, 0), 5, state, A, 10, 2)
+    # Our key decided while the round is incomplete: wait for the round to complete.
+    assert not concerns(Progress(6, 2, False, False, 100, 1, 0), 5, state, A, 10, 2)
+
+
+def test_a_silent_progress_key_sends_the_node_to_the_key_then_the_state() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining(A, registry, clock)
+    keys.admission(wants_all_but(), "m", token=0)
+    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.KEEP
+    clock.now += PROGRESS_SILENCE
+    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.READ
+    # Garbage (or a deletion) in the key is no change: silence again, then the state.
+    registry.changes.append((None, registry.index + 1))
+    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.KEEP
+    # The next silence is drawn between one and two PROGRESS_SILENCE (nodes spread out).
+    assert keys.await_progress(2 * PROGRESS_SILENCE, 0, RendezvousState()) is Heard.READ
+
+
+def test_a_watch_lagging_behind_the_key_is_caught_up_by_a_read_of_the_key() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining(A, registry, clock)
+    keys.admission(wants_all_but(), "m", token=0)
+    registry.progress = summary(9, 0)  # written, but the watch has not delivered it
+    clock.now += PROGRESS_SILENCE
+    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.KEEP  # not ours
+    registry.progress = Progress(10, 0, True, False, 0, 1, 0)
+    clock.now += 2 * PROGRESS_SILENCE
+    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.READ  # complete
+
+
+def test_a_state_the_key_does_not_describe_is_relayed_and_ours_summarised() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining(A, registry, clock)
+    keys.admission(wants_all_but(), "m", token=0)
+    decided = registry.listed_at
+    state = RendezvousState()
+    state.participants[A] = 0
+    keys.state_read(20, state, written=True)  # our batch: it decided up to its listing
+    assert registry.written[-1] == Progress(20, 0, False, False, decided, 1, 0)
+    keys.state_read(20, state, written=False)  # read, and the key describes it: nothing
+    assert len(registry.written) == 2
+    keys.state_read(25, state, written=False)  # PyTorch's worker wrote 25: relay it
+    assert registry.written[-1] == Progress(25, 0, False, False, decided, 1, 0)
+    registry.publish(Progress(27, 0, True, False, decided + 5, 1, 0))  # not heard yet
+    keys.state_read(27, state, written=False)  # a relay never overwrites a newer summary
+    assert registry.progress == Progress(27, 0, True, False, decided + 5, 1, 0)
+    keys.end_join()
+    keys.state_read(30, state, written=False)  # not following the key: no relay
+    assert registry.written[-1].token == 25
+    assert registry.calls["stop_waiting"] == 1

@@ -18,8 +18,10 @@ writer".
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -32,20 +34,49 @@ from .state import NodeDesc, RendezvousState
 
 __all__ = [
     "ADMISSION_GRACE",
+    "ADMIT_GATHER",
+    "ADMIT_STAGGER",
     "EXIT_GATHER",
+    "PROGRESS_SILENCE",
     "AnnouncedNode",
     "Batch",
     "Gone",
+    "Heard",
     "NodeKeys",
     "NodeRegistry",
+    "Progress",
+    "ProgressBoard",
+    "Refresh",
     "Wait",
+    "concerns",
+    "stagger_wait",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a node waits for the keys older than its own to be admitted, while no node
-#: is admitted at all, before it takes the oldest for a dead node's and skips it.
+#: Seconds a node whose key is older than the progress key says was decided waits for
+#: the keys older than its own to be admitted, while no node is admitted at all, before it
+#: admits them itself (with every other listed key) in a batch of its own.
 ADMISSION_GRACE = 2.0
+
+#: Seconds between the candidate admitters (see :func:`stagger_wait`): the node whose key
+#: is the k-th after the last decided index makes the batch after ``k`` steps without
+#: progress.
+ADMIT_STAGGER = 0.25
+#: Seconds the first candidate waits after it asks, unless a batch decides its key first:
+#: the nodes that arrive meanwhile are admitted in the same write (fewer state writes,
+#: each a change every waiting node hears of).
+ADMIT_GATHER = 0.1
+#: Beyond this many steps, a node waits as the last candidate does, plus a random part
+#: of :data:`_TAIL_JITTER`: it makes a batch only if nobody did for that long.
+_STAGGER_CAP = 8
+_TAIL_JITTER = 2.0
+
+#: Seconds a node that follows the progress key waits without hearing of a change (on
+#: the progress key, or in a read of the state) before it reads the key, then the state,
+#: anyway: a state written by PyTorch's workers, or by a node that died before its
+#: summary. After the first silence, each node draws its next between this and twice it.
+PROGRESS_SILENCE = 2.0
 
 
 #: Seconds a node that asked to leave its round waits before it lists the keys: the
@@ -107,6 +138,136 @@ class Gone:
     of the round."""
 
     nodes: list[NodeDesc]
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """This node would make the batch now, but the state it holds is older than the
+    one the progress key describes: read the state first, then ask again."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the progress key says: a summary of one state write (a hint; the state is
+    the authority). See "The progress key" in docs/how-it-works.rst."""
+
+    #: The token (etcd index) of the state write it describes (0: none yet).
+    token: int
+    round: int
+    complete: bool
+    closed: bool
+    #: Every node key created at or before this etcd index was decided by a batch.
+    decided_upto: int
+    #: How many participants, and how many nodes on the wait list.
+    participants: int
+    waiting: int
+
+    @classmethod
+    def of(cls, token: int, state: RendezvousState, decided_upto: int) -> Progress:
+        """The summary of ``state``, written with ``token``."""
+        return cls(
+            token,
+            state.round,
+            state.complete,
+            state.closed,
+            decided_upto,
+            len(state.participants),
+            len(state.wait_list),
+        )
+
+
+@runtime_checkable
+class ProgressBoard(Protocol):
+    """The progress key, for a backend that keeps one (this package's ``etcd-v2``).
+
+    Every method may raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
+    """
+
+    def read_progress(self) -> tuple[Progress | None, bool, int]:
+        """The progress key's summary (``None`` if absent or not a summary), whether the
+        key exists, and the etcd index from which to wait for its next change."""
+
+    def create_progress(self, progress: Progress) -> bool:
+        """Create the progress key with ``progress``; ``False`` if it exists."""
+
+    def write_progress(self, progress: Progress) -> int:
+        """Write ``progress`` into the progress key (whatever it holds); return the
+        write's modification index."""
+
+    def replace_progress(self, progress: Progress, index: int) -> int | None:
+        """Write ``progress`` only if the key was not written since its modification
+        index ``index`` (create it if it is gone); the write's modification index, or
+        ``None`` if it did not write."""
+
+    def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
+        """The changes of the progress key after the etcd index ``after``, waiting up to
+        ``timeout`` seconds for the first: each summary (``None``: deleted, or not a
+        summary) with its index. Empty if none came."""
+
+    def stop_waiting(self) -> None:
+        """Close the watches of the state and of the progress key (reopened on demand)."""
+
+    @property
+    def listed_at(self) -> int:
+        """The etcd index at which the last :meth:`NodeRegistry.list_nodes` was served."""
+
+
+class Heard(enum.Enum):
+    """What a follower's wait on the progress key ended with."""
+
+    READ = "read"
+    """The progress key names a change that concerns the node (or it was silent too
+    long): read the state."""
+    KEEP = "keep"
+    """Nothing that concerns the node: the state it holds stands."""
+
+
+def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0.0) -> float:
+    """Seconds until the node whose key was created at ``created`` makes the batch, when
+    every key up to ``decided_upto`` was decided and nobody made progress for ``idle``
+    seconds (0: now).
+
+    Every undecided key older than ours took an etcd index between ``decided_upto`` and
+    ``created``, so the distance bounds from above how many nodes are ahead of us: the
+    oldest undecided node fires first, the next one a step later if the oldest is slow
+    (and admits it with everyone else), and a node far behind never lists at all unless
+    nobody made progress for :data:`_STAGGER_CAP` steps (then after a random part of
+    :data:`_TAIL_JITTER` more). Other writes only make the distance longer.
+    """
+    ahead = max(created - decided_upto - 2, 0)
+    steps = ADMIT_GATHER + min(ahead, _STAGGER_CAP) * ADMIT_STAGGER
+    if ahead >= _STAGGER_CAP:
+        steps += jitter * _TAIL_JITTER
+    return max(steps - idle, 0.0)
+
+
+def concerns(
+    progress: Progress,
+    token: int,
+    state: RendezvousState,
+    node: NodeDesc,
+    created: int | None,
+    min_nodes: int,
+) -> bool:
+    """Whether a follower holding ``state`` (read with ``token``) must read the state that
+    ``progress`` describes: the round ended, completed or closed, its own key (created at
+    ``created``) was decided, or the participants reached ``min_nodes`` (the last call
+    started). Never trusted over the state: it only tells when to read it."""
+    if progress.token <= token:
+        return False
+    if (progress.round, progress.complete, progress.closed) != (
+        state.round,
+        state.complete,
+        state.closed,
+    ):
+        return True
+    if len(state.participants) < min_nodes <= progress.participants:
+        return True
+    # A node whose key was decided learns how once the round completes (or the last
+    # call starts); before that, only a node left waiting in a complete round reads it.
+    admitted = node in state.participants or node in state.wait_list
+    decided = created is not None and progress.decided_upto >= created
+    return not admitted and decided and state.complete
 
 
 @runtime_checkable
@@ -173,18 +334,21 @@ class _Attempt:
     progress_at: float
     #: What the state's admissions looked like at the last look (see ``admission``).
     mark: object = None
-    #: Predecessors taken for dead (they blocked us for a whole grace period).
-    suspects: set[NodeDesc] = field(default_factory=set)
+    #: Whether the node waits for its turn as a candidate admitter (see
+    #: :func:`stagger_wait`) rather than for its listed predecessors.
+    staggered: bool = False
+    #: The random part of the wait of a node far behind (see :func:`stagger_wait`).
+    jitter: float = field(default_factory=random.random)
 
     def blockers(self, wants: WantsAdmission) -> list[NodeDesc]:
-        """The predecessors still waiting for admission, oldest first (suspects aside)."""
-        waiting = [n for n in self.predecessors if n not in self.suspects and wants(n)]
+        """The predecessors still waiting for admission, oldest first."""
+        waiting = [n for n in self.predecessors if wants(n)]
         return sorted(waiting, key=self.predecessors.__getitem__)
 
     def blocked(self, wants: WantsAdmission) -> bool:
-        """Whether a predecessor still waits for admission (suspects aside). Looks at
-        the youngest first: they are the likeliest to wait, and one is enough."""
-        return any(wants(node) for node in reversed(self.predecessors) if node not in self.suspects)
+        """Whether a predecessor still waits for admission. Looks at the youngest first:
+        they are the likeliest to wait, and one is enough."""
+        return any(wants(node) for node in reversed(self.predecessors))
 
 
 class NodeKeys:
@@ -243,6 +407,19 @@ class NodeKeys:
         self._dead: dict[NodeDesc, int] = {}
         self._reap_round: int | None = None
         self._reap_at = -math.inf
+        # The progress key (see ``await_progress``): the board, if the backend keeps one;
+        # the newest summary seen, the etcd index to watch it from, the highest decided
+        # index seen, when the node last heard of a change (from the key or a read of the
+        # state), and the index the batch being written decided up to.
+        self._board = registry if isinstance(registry, ProgressBoard) else None
+        self._hint: Progress | None = None
+        self._hint_index: int | None = None
+        self._decided_upto = 0
+        self._decided_at = -math.inf
+        self._heard_at = -math.inf
+        self._silence = PROGRESS_SILENCE
+        self._deciding: int | None = None
+        self._min_nodes = settings.min_nodes
 
     @property
     def node(self) -> NodeDesc:
@@ -268,10 +445,13 @@ class NodeKeys:
             self._attempt = None
 
     def end_join(self) -> None:
-        """``next_rendezvous()`` ended (if it failed, the handler withdraws the node)."""
+        """``next_rendezvous()`` ended (if it failed, the handler withdraws the node):
+        stop watching, lest every later state write (the heartbeat folds) reach us."""
         with self._lock:
             self._joining = False
             self._attempt = None
+            if self._board is not None:
+                self._board.stop_waiting()
 
     def withdraw(self) -> None:
         """Delete the node's key and release the aggregator lock if the node holds it."""
@@ -310,42 +490,81 @@ class NodeKeys:
 
     # -- admission --------------------------------------------------------------------
 
-    def admission(self, wants: WantsAdmission, mark: object) -> Batch | Wait:
+    def admission(
+        self, wants: WantsAdmission, mark: object, token: int | None = None
+    ) -> Batch | Wait | Refresh:
         """The batch this node must make now, or else how long to wait (at most) for
         another node to make it.
 
         ``wants`` tells whether a batch would do something for a node on the current
         state (take it out, or admit it); ``mark`` sums up the state's admissions (it
         changes whenever a node is admitted or leaves): while it changes, the nodes
-        ahead are making progress and none is taken for dead. The first call of an
-        attempt announces the node if needed and lists the keys; later ones list again
-        only to make the batch, or when a grace period passed without progress.
+        ahead are making progress. ``token`` is the token of the state held.
+
+        With a progress key, a node whose key is younger than the last decided index is
+        a candidate admitter in its turn (:func:`stagger_wait`): it lists the keys only
+        when its turn comes, and admits every listed key, older ones included. Any other
+        node (no progress key, or an older key: a node leaving its round) lists the keys
+        after announcing, waits for its listed predecessors, and admits them itself
+        after a grace period without progress. Only keys that are gone (or expired) are
+        left out; a slow node is admitted by the next one.
         """
         with self._lock:
             listing: list[AnnouncedNode] | None = None
             if self._created is None:
+                self._know_progress()
                 self._announce()
             gathering = self._left_at + EXIT_GATHER - self._clock()
             if self._attempt is None and gathering > 0:
                 return Wait(gathering)  # Let the others of the round ask to leave too.
-            if self._attempt is None:
-                listing = self._list()
-                self._attempt = self._new_attempt(listing)
-            attempt = self._attempt
             now = self._clock()
+            created = self._created if self._created is not None else 0
+            if self._attempt is None:
+                if (
+                    self._board is not None
+                    and self._hint_index is not None
+                    and (created > self._decided_upto)
+                ):
+                    self._attempt = _Attempt({}, now, staggered=True)
+                else:
+                    listing = self._list()
+                    self._attempt = self._new_attempt(listing)
+            attempt = self._attempt
             if mark != attempt.mark:
                 attempt.mark, attempt.progress_at = mark, now
-            blocked = attempt.blocked(wants)
-            if blocked and now - attempt.progress_at >= ADMISSION_GRACE:
+            stale = self._hint is not None and self._hint.token > (token or 0)
+            if attempt.staggered and created <= self._decided_upto:
+                if stale:
+                    # A batch decided our key: wait for the state that matters to us (the
+                    # round complete, the last call) instead of reading it now.
+                    return Wait(PROGRESS_SILENCE)
+                # The state that decided our key does not have us (our key was taken for
+                # dead, say): wait for the older keys, as a node with an old key does.
                 listing = self._list()
-                blocked = bool(self._skip_the_stuck(attempt, listing, wants, now))
-            if not blocked and listing is None:
+                self._attempt = attempt = self._new_attempt(listing)
+                attempt.mark = mark
+            if attempt.staggered:
+                # Progress: a batch decided more keys (not any write: heartbeat folds).
+                idle = now - max(attempt.progress_at, self._decided_at)
+                wait = stagger_wait(created, self._decided_upto, idle, attempt.jitter)
+                if wait > 0:
+                    return Wait(wait)
+                if stale:
+                    return Refresh()
                 listing = self._list()
-                # An older node that asked to leave since our last listing makes the
-                # batch (the oldest that asks does, after its own listing).
+            else:
                 blocked = attempt.blocked(wants)
-            if blocked or listing is None:
-                return Wait(max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0))
+                if blocked and now - attempt.progress_at >= ADMISSION_GRACE:
+                    listing = self._list()
+                    self._admit_the_slow(attempt, listing, wants, now)
+                    blocked = False
+                if not blocked and listing is None:
+                    listing = self._list()
+                    # An older node that asked to leave since our last listing makes the
+                    # batch (the oldest that asks does, after its own listing).
+                    blocked = attempt.blocked(wants)
+                if blocked or listing is None:
+                    return Wait(max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0))
             if not self._leading and self._registry.aggregator() is None:
                 # The first admitter aggregates from the start: the heartbeats of the
                 # nodes it admits are folded before any of them is late.
@@ -444,26 +663,23 @@ class NodeKeys:
         }
         return _Attempt(predecessors, self._clock())
 
-    def _skip_the_stuck(
+    def _admit_the_slow(
         self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission, now: float
-    ) -> list[NodeDesc]:
+    ) -> None:
         """A grace period passed without progress: forget the predecessors whose keys
-        are gone, and if some still block us, take the oldest for dead."""
+        are gone; those still listed are slow, not dead, and the batch admits them."""
         alive = {entry.node for entry in listing}
         attempt.predecessors = {n: i for n, i in attempt.predecessors.items() if n in alive}
-        blockers = attempt.blockers(wants)
-        if blockers:
-            logger.warning(
-                "The node '%s' waited %.1f s for the node '%s' to be admitted; taking it "
-                "for dead and admitting the nodes after it.",
+        slow = attempt.blockers(wants)
+        if slow:
+            logger.info(
+                "The node '%s' waited %.1f s for %d older node(s) to be admitted (the "
+                "oldest '%s'); admitting them with the others.",
                 self._node,
                 now - attempt.progress_at,
-                blockers[0],
+                len(slow),
+                slow[0],
             )
-            attempt.suspects.add(blockers[0])
-            attempt.progress_at = now
-            blockers = blockers[1:]
-        return blockers
 
     def listed(self) -> set[NodeDesc]:
         """The nodes of the listing the last batch came from: their keys were alive, so
@@ -477,7 +693,9 @@ class NodeKeys:
         # This attempt is over: a later admission (the next round) lists afresh, lest it
         # wait for predecessors of this one that are gone.
         self._attempt = None
-        batch = [entry.node for entry in listing if entry.node not in attempt.suspects]
+        if self._board is not None:
+            self._deciding = self._board.listed_at
+        batch = [entry.node for entry in listing]
         if self._node not in self._listed and wants(self._node):
             # Our key vanished after we announced it (the refresh will re-create it).
             batch.append(self._node)
@@ -487,6 +705,122 @@ class NodeKeys:
         self._created = self._registry.announce_node(self._node, self._ttl)
         self._next_tick = self._clock() + self._interval
         logger.debug("The node '%s' announced itself (index %s).", self._node, self._created)
+
+    # -- the progress key --------------------------------------------------------------
+
+    @property
+    def follows_progress(self) -> bool:
+        """Whether the node, joining, waits on the progress key instead of the state."""
+        return self._board is not None and self._joining and self._hint_index is not None
+
+    def _know_progress(self) -> None:
+        """Read the progress key before announcing (creating it if there is none), so that
+        our key is younger than the decided index it holds (see :func:`stagger_wait`).
+        A node that loses the race to create it learns what the winner wrote from its
+        watch, which starts before the winner's write."""
+        board = self._board
+        if board is None:
+            return
+        progress, exists, index = board.read_progress()
+        if progress is not None:
+            self._hear(progress, index)
+            return
+        first = Progress(0, 0, False, False, index, 0, 0)
+        if exists:
+            self._hear(first, board.write_progress(first))  # garbage: start afresh
+        elif board.create_progress(first):
+            self._hear(first, index)
+        else:
+            self._hint_index = index
+
+    def _hear(self, progress: Progress | None, index: int) -> bool:
+        """Note a summary read or watched at ``index``; whether it is newer than the
+        last one seen (a change of the state)."""
+        self._hint_index = max(index, self._hint_index or 0)
+        if progress is None:
+            return False
+        self._heard_at = self._clock()  # Someone is at work (or checked, see state_read).
+        if progress.decided_upto > self._decided_upto:
+            self._decided_upto, self._decided_at = progress.decided_upto, self._clock()
+        if self._hint is not None and progress.token <= self._hint.token:
+            return False
+        self._hint = progress
+        return True
+
+    def await_progress(self, timeout: float, token: int, state: RendezvousState) -> Heard:
+        """Wait up to ``timeout`` seconds on the progress key for a change of the state
+        that concerns this node (see :func:`concerns`), holding ``state`` read with
+        ``token``. Returns :attr:`Heard.KEEP` as soon as a change that does not concern
+        it is heard (to look at its turn again), or at the timeout; :attr:`Heard.READ`
+        for a change that does, or after :data:`PROGRESS_SILENCE` without any change
+        heard."""
+        board = self._board
+        if board is None or self._hint_index is None:
+            return Heard.READ
+        deadline = self._clock() + max(timeout, 0.0)
+        while True:
+            now = self._clock()
+            silence_at = self._heard_at + self._silence
+            if now >= silence_at:
+                # Silence (spread out over the nodes): a look at the key itself first (our
+                # watch may lag behind it), then at the state, which the key may miss.
+                self._heard_at = now
+                self._silence = PROGRESS_SILENCE * (1.0 + random.random())
+                progress, _, index = board.read_progress()
+                if progress is not None and self._hear(progress, index):
+                    if concerns(progress, token, state, self._node, self._created, self._min_nodes):
+                        return Heard.READ
+                    return Heard.KEEP
+                return Heard.READ
+            if now >= deadline:
+                return Heard.KEEP
+            changes = board.wait_progress(self._hint_index, min(deadline, silence_at) - now)
+            newer = [self._hear(p, index) for p, index in changes]
+            heard = [p for p, _ in changes if p is not None]
+            node, created, least = self._node, self._created, self._min_nodes
+            if any(concerns(p, token, state, node, created, least) for p in heard):
+                return Heard.READ
+            if any(newer):
+                return Heard.KEEP
+
+    def state_read(self, token: int, state: RendezvousState, written: bool) -> None:
+        """The node read (``written``: wrote) the state ``state`` with ``token``: after a
+        write of ours, summarise it in the progress key; after a read that finds a state
+        the key does not describe (PyTorch's workers wrote it, or one of ours died before
+        its summary), write the summary ourselves (relay). Never lowers the decided
+        index."""
+        board = self._board
+        if board is None or self._hint_index is None:
+            return  # We never read the key: we do not know what it says is decided.
+        self._heard_at = self._clock()
+        deciding, self._deciding = self._deciding, None
+        if not written and (not self._joining or self._hint is None or token <= self._hint.token):
+            return  # Only a node that follows the key knows what it misses.
+        if written and deciding is not None and deciding > self._decided_upto:
+            self._decided_upto, self._decided_at = deciding, self._clock()
+        progress = Progress.of(token, state, self._decided_upto)
+        index = (
+            board.write_progress(progress)
+            if written
+            else board.replace_progress(progress, self._hint_index)
+        )
+        if index is None:
+            return  # Someone wrote the key since we heard it: its summary may know more.
+        self._hint_index = max(index, self._hint_index)
+        if self._hint is None or token > self._hint.token:
+            self._hint = progress
+
+    def waiting_hint(self, token: int) -> Progress | None:
+        """The progress key's summary (one small read), if it describes the state held
+        (``token``) or a newer one, else ``None`` (read the state)."""
+        board = self._board
+        if board is None:
+            return None
+        progress, _, index = board.read_progress()
+        if progress is None or progress.token < token:
+            return None
+        self._hear(progress, index)
+        return progress
 
     # -- heartbeats -------------------------------------------------------------------
 

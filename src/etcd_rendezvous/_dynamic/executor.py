@@ -22,7 +22,7 @@ from datetime import timedelta
 from .._transport.retry import CONTENTION, Deadline, Retry
 from ..api import RendezvousClosedError, RendezvousTimeoutError
 from ..events import NodeState
-from .admission import NodeKeys, Wait
+from .admission import Heard, NodeKeys, Refresh, Wait
 from .backend import _POLL_INTERVAL
 from .holder import _remove_participant_epilogue, _RendezvousStateHolder
 from .ops import (
@@ -123,6 +123,8 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._awaiting_exit: int | None = None
         # The nodes whose heartbeats the aggregator is writing into the state.
         self._fold: set[_NodeDesc] | None = None
+        # Whether the next wait is to read the state instead (see ``_admit``).
+        self._refresh = False
         self._events = event_source(self, settings.run_id)
 
     def _record(self, method: str, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
@@ -213,8 +215,19 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         """Read the latest state shared by all nodes, or write ours back (which fails if
         another node synced its changes first). The backend retries etcd failures (an
         election) until the step's deadline, then raises."""
-        with self._state_holder.bounded_by(self._step_deadline(deadline)):
-            synced = _Synced(self._state_holder.sync())
+        holder = self._state_holder
+        fetches = holder.fetches
+        with holder.bounded_by(self._step_deadline(deadline)):
+            synced = _Synced(holder.sync())
+            keys, token = self._keys, holder.token
+            fetched = holder.fetches != fetches
+            if (
+                keys is not None
+                and isinstance(token, int)
+                and (fetched or synced is not _Synced.READ)
+            ):
+                # Summarise our write in the progress key, or relay a write it misses.
+                keys.state_read(token, holder.state, synced is _Synced.WRITTEN)
         if synced is _Synced.WRITTEN:
             retry.reset()
             msg = (
@@ -242,8 +255,23 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         timeout = self._time_to_next_event(deadline)
         if at_most is not None:
             timeout = min(timeout, at_most + _WAKE_UP_MARGIN)
-        with self._state_holder.bounded_by(self._step_deadline(deadline)):
-            self._state_holder.wait_for_change(timeout)
+        holder, keys = self._state_holder, self._keys
+        token = holder.token
+        if self._refresh:
+            self._refresh = False
+            holder.invalidate()
+            return
+        with holder.bounded_by(self._step_deadline(deadline)):
+            if keys is not None and keys.follows_progress:
+                # Wait on the small progress key; read the state only if it says so.
+                held = token if isinstance(token, int) else 0
+                heard = keys.await_progress(timeout, held, self._state)
+                if heard is Heard.READ:
+                    holder.invalidate()
+                else:
+                    holder.keep()
+                return
+            holder.wait_for_change(timeout)
 
     def _apply(self, action: _Action) -> None:
         """Carry out an action that changes the state (other than an admission)."""
@@ -303,7 +331,17 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         with self._state_holder.bounded_by(self._step_deadline(deadline)):
             if action == _Action.REMOVE_FROM_PARTICIPANTS:
                 keys.leave(state.round)
-            outcome = keys.admission(wants, (*mark, len(state.redundancy_list)))
+            token = self._state_holder.token
+            outcome = keys.admission(
+                wants,
+                (*mark, len(state.redundancy_list)),
+                token if isinstance(token, int) else None,
+            )
+        if isinstance(outcome, Refresh):
+            # Our state is older than the one the batch must be made on: read it first.
+            self._refresh = True
+            self._awaiting_admission = True
+            return 0.0
         if isinstance(outcome, Wait):
             self._awaiting_admission = True
             if action == _Action.REMOVE_FROM_PARTICIPANTS:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import math
 import os
 import threading
 import time
@@ -74,6 +75,12 @@ _EXCHANGE_GRACE = 0.5
 #: Longest a node spends deleting its key when it leaves without a deadline of its own
 #: (``close()``, a failed ``next_rendezvous()``), in seconds: the key expires anyway.
 _WITHDRAW_TIMEOUT = 1.0
+#: Seconds during which :meth:`DynamicRendezvousHandler.num_nodes_waiting` trusts the
+#: progress key's count of zero after a read of the whole state (our writes keep the key
+#: current; PyTorch's are relayed by the heartbeat aggregator within an interval).
+_WAITING_RECHECK = 10.0
+#: Seconds during which it answers from the last read of the progress key.
+_WAITING_POLL = 2.0
 
 
 # -- the handler ----------------------------------------------------------------------------
@@ -199,6 +206,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._store = store
         self._state_holder = state_holder
         self._node_keys = node_keys
+        # When num_nodes_waiting() last read the whole state.
+        self._waiting_read_at = -math.inf
+        # When the progress key was last read for it, and what it said.
+        self._waiting_hint: tuple[float, int | None] = (-math.inf, None)
         self._op_executor = _DistributedRendezvousOpExecutor(
             self._this_node, self._state_holder, self._settings, node_keys
         )
@@ -353,6 +364,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
         if keys is not None:
             keys.begin_join()
+            holder = self._state_holder
+            if holder.token is None and holder.fetches == 0:
+                # A fresh node (in no round, never read the state) announces itself and
+                # waits on the progress key: it reads the state once the key says so (a
+                # batch admitted it, or it must make one), not before.
+                holder.keep()
         progress = ProgressLog(
             lambda: self._describe_progress(deadline),
             progress_interval(self._settings.timeout.join.total_seconds()),
@@ -486,7 +503,25 @@ class DynamicRendezvousHandler(RendezvousHandler):
     @_records_failure
     def num_nodes_waiting(self) -> int:
         """See base class. Ends within ``join_timeout`` (plus about a second)."""
+        keys, now = self._node_keys, time.monotonic()
+        holder = self._state_holder
+        cached = isinstance(holder, _BackendRendezvousStateHolder) and holder.cached
+        if keys is not None and not cached and now - self._waiting_read_at < _WAITING_RECHECK:
+            at, waiting = self._waiting_hint
+            if now - at >= _WAITING_POLL:  # Polls come often (torchrun: 10 a second).
+                deadline = self._get_deadline(self._settings.timeout.join)
+                bound = self._state_holder.bounded_by(Deadline.at(deadline))
+                with self._locked(deadline, "read the progress of"), bound:
+                    token = holder.token
+                    progress = keys.waiting_hint(token if isinstance(token, int) else 0)
+                waiting = None if progress is None else progress.waiting
+                self._waiting_hint = (now, waiting)
+                if progress is not None and progress.token == token:
+                    holder.keep()  # The state held is still the latest: no need to read it.
+            if waiting == 0:
+                return 0  # The progress key says so: no need to read the whole state.
         with self._synced(self._settings.timeout.join, "read the state of") as state:
+            self._waiting_read_at = time.monotonic()
             return len(state.wait_list)
 
     @contextlib.contextmanager

@@ -78,6 +78,22 @@ class _RendezvousStateHolder(ABC):
         (the default: no bound)."""
         return contextlib.nullcontext()
 
+    @property
+    def token(self) -> Token:
+        """The fencing token of the state held (``None``: unknown, the default)."""
+        return None
+
+    @property
+    def fetches(self) -> int:
+        """How many times the state was read from the backend (0: not counted)."""
+        return 0
+
+    def invalidate(self) -> None:  # noqa: B027 (an optional hook)
+        """Make the next :meth:`sync` read the state (the default does nothing)."""
+
+    def keep(self) -> None:  # noqa: B027 (an optional hook)
+        """Serve the state held to the next :meth:`sync` (the default does nothing)."""
+
 
 class _BackendRendezvousStateHolder(_RendezvousStateHolder):
     """Hold the rendezvous state synced with other nodes via a backend.
@@ -113,11 +129,38 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         self._last_sync_time = -1
         self._dead_nodes = []
         self._events = event_source(self, settings.run_id)
+        self._fetches = 0
 
     @property
     def state(self) -> _RendezvousState:
         """See base class."""
         return self._state
+
+    @property
+    def token(self) -> Token:
+        """See base class (``None``: no state was seen)."""
+        return self._token
+
+    @property
+    def fetches(self) -> int:
+        """See base class (reads of the backend, not changes its watch brought)."""
+        return self._fetches
+
+    @property
+    def cached(self) -> bool:
+        """Whether the next :meth:`sync` serves the state held without reading it."""
+        return self._cache_duration > 0 and self._last_sync_time >= max(
+            time.monotonic() - self._cache_duration, 0
+        )
+
+    def invalidate(self) -> None:
+        """Make the next :meth:`sync` read the state from the backend."""
+        self._last_sync_time = -1
+
+    def keep(self) -> None:
+        """Serve the state held to the next :meth:`sync`, as if just read: the caller
+        knows (from the progress key) that no change concerns it."""
+        self._last_sync_time = time.monotonic()
 
     def _source(self) -> str:
         # Backends that do not derive from RendezvousBackend may lack the property.
@@ -149,6 +192,7 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
                 # Avoid overloading the backend if we are asked to retrieve the state
                 # repeatedly. Serve the cached state.
                 return None
+            self._fetches += 1
             get_response = self._backend.get_state()
             if get_response is not None:
                 state_bits, token = get_response

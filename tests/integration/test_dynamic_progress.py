@@ -1,0 +1,210 @@
+"""The progress key of our ``etcd-v2`` nodes against a real etcd: a hint, never the
+authority.
+
+Our waiting nodes watch a small progress key instead of the state, and read the state
+when it says something concerns them. Here the key is left behind, corrupted or
+deleted mid-rendezvous, and the state is written by a writer that never writes the key
+(our backend's bare ``set_state``, or PyTorch 2.13's own backend): the rendezvous
+completes all the same, through the silence fallback and the relay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+
+from etcd_rendezvous._dynamic.state import _encode_state
+from etcd_rendezvous.api import RendezvousParameters
+from etcd_rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    NodeDesc,
+    RendezvousState,
+    decode_state,
+)
+from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, _parse_progress
+from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.registry import get_rendezvous_handler
+from support.wait import wait_until
+
+pytestmark = pytest.mark.slow
+
+_HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+Handlers = Callable[..., list[DynamicRendezvousHandler]]
+
+#: A node of another implementation, last in rank order (so that rank 0 is ours).
+STRANGER = NodeDesc("zzz-host", 7, 0)
+
+
+@pytest.fixture
+def handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[Handlers]:
+    """Make handlers of one run (closed at teardown)."""
+    made: list[DynamicRendezvousHandler] = []
+
+    def make(count: int, min_nodes: int, max_nodes: int) -> list[Any]:
+        params = RendezvousParameters(
+            "etcd-v2",
+            etcd_server.get_endpoint(),
+            run_id,
+            min_nodes,
+            max_nodes,
+            local_addr="127.0.0.1",
+            join_timeout=60,
+            last_call_timeout=30,
+            keep_alive_interval=1,
+            keep_alive_max_attempt=10,
+            torch_store="false",
+        )
+        new = [get_rendezvous_handler(params) for _ in range(count)]
+        made.extend(new)
+        return new
+
+    yield make
+    for handler in made:
+        handler.close()
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(8) as executor:
+        yield executor
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def _backend(handler: DynamicRendezvousHandler) -> EtcdRendezvousBackend:
+    backend = handler._state_holder._backend  # type: ignore[attr-defined]
+    assert isinstance(backend, EtcdRendezvousBackend)
+    return backend
+
+
+def _state(handler: DynamicRendezvousHandler) -> tuple[RendezvousState, int]:
+    result = _backend(handler).get_state()
+    assert result is not None
+    return decode_state(result[0], "the test"), int(result[1])
+
+
+def _join(pool: ThreadPoolExecutor, group: list[Any]) -> list[Future[Any]]:
+    return [pool.submit(handler.next_rendezvous) for handler in group]
+
+
+def _participants(handler: DynamicRendezvousHandler, count: int) -> None:
+    wait_until(
+        lambda: (
+            _backend(handler).get_state() is not None
+            and len(_state(handler)[0].participants) == count
+        ),
+        timeout=30,
+        what=f"{count} participants",
+    )
+
+
+def _complete_with_a_stranger_raw(handler: DynamicRendezvousHandler) -> None:
+    """Add :data:`STRANGER` and complete the round with the backend's bare compare-and-
+    swap: a state write without a progress summary."""
+    backend = _backend(handler)
+    state, token = _state(handler)
+    state.participants[STRANGER] = 0
+    state.last_heartbeats[STRANGER] = datetime.now(timezone.utc)
+    state.complete, state.deadline = True, None
+    for rank, node in enumerate(sorted(state.participants)):
+        state.participants[node] = rank
+    written = backend.set_state(_encode_state(state), token)
+    assert written is not None
+    assert written[2], "the state changed under the test's write"
+
+
+def _complete_with_a_stranger_torch(handler: DynamicRendezvousHandler) -> None:
+    """The same, through PyTorch 2.13's own ``EtcdRendezvousBackend``, with PyTorch's
+    classes and ``pickle``."""
+    import etcd
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as torch_dynamic
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import (
+        EtcdRendezvousBackend as TorchBackend,
+    )
+
+    host, port = _backend(handler).connection.endpoints[0].rsplit("//", 1)[-1].split(":")
+    torch_backend = TorchBackend(
+        etcd.Client(host, int(port)), handler.get_run_id(), "/torch/elastic/rendezvous"
+    )
+    result = torch_backend.get_state()
+    assert result is not None
+    state = pickle.loads(result[0])
+    stranger = torch_dynamic._NodeDesc(STRANGER.addr, STRANGER.pid, STRANGER.local_id)
+    state.participants[stranger] = 0
+    state.last_heartbeats[stranger] = datetime.now(timezone.utc)
+    state.complete, state.deadline = True, None
+    for rank, node in enumerate(sorted(state.participants)):
+        state.participants[node] = rank
+    written = torch_backend.set_state(pickle.dumps(state), result[1])
+    assert written is not None
+    assert written[2], "the state changed under the test's write"
+
+
+WRITERS = [
+    pytest.param(_complete_with_a_stranger_raw, id="raw"),
+    pytest.param(
+        _complete_with_a_stranger_torch,
+        id="torch",
+        marks=[
+            pytest.mark.skipif(not _HAVE_TORCH, reason="PyTorch is not installed"),
+            pytest.mark.torch,
+            pytest.mark.v2_only(reason="PyTorch's etcd-v2 backend speaks only v2"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_state_written_without_a_summary_is_noticed_and_relayed(
+    handlers: Handlers, pool: ThreadPoolExecutor, writer: Callable[..., None]
+) -> None:
+    """Another implementation completes the round (it never writes the progress key):
+    our waiting nodes read the state after a silence, finish, and one of them writes the
+    summary it missed."""
+    group = handlers(2, 3, 3)
+    futures = _join(pool, group)
+    _participants(group[0], 2)
+    writer(group[0])
+    infos = [future.result(60) for future in futures]
+    assert sorted(info.rank for info in infos) == [0, 1]
+    assert {info.world_size for info in infos} == {3}
+    _, token = _state(group[0])
+    progress = _parse_progress(_backend(group[0]).connection.get(_progress_key(group[0])).value)
+    assert progress is not None
+    assert progress.token == token
+    assert progress.complete
+
+
+def _progress_key(handler: DynamicRendezvousHandler) -> str:
+    return _backend(handler).nodes_layout.progress_key
+
+
+@pytest.mark.parametrize("damage", ["garbage", "deleted"])
+def test_a_progress_key_damaged_mid_rendezvous_is_rebuilt(
+    handlers: Handlers, pool: ThreadPoolExecutor, damage: str
+) -> None:
+    """Two nodes wait for a third; the progress key is overwritten with garbage (or
+    deleted); the third joins all the same, and all three complete."""
+    group = handlers(3, 3, 3)
+    first, last = group[:2], group[2]
+    futures = _join(pool, first)
+    _participants(first[0], 2)
+    conn, key = _backend(last).connection, _progress_key(last)
+    if damage == "garbage":
+        conn.set(key, "not a summary {")
+    else:
+        conn.delete(key)
+    futures += _join(pool, [last])
+    infos = [future.result(60) for future in futures]
+    assert sorted(info.rank for info in infos) == [0, 1, 2]
+    assert {info.world_size for info in infos} == {3}
