@@ -13,9 +13,11 @@ Usage::
 
 For each results file (default: the ``scale-*.json`` of ``benchmarks/results/``) one
 figure of panels against the number of nodes: the seconds the rendezvous took, the etcd
-requests per node (writes and reads), and, where the rows have them, the kB per node
-the clients received. One line per backend, API and implementation; a row that timed
-out is left out of its line and marked in the legend.
+requests per node (writes and reads), and, where the rows have them, the kB per node the
+clients received and the client CPU milliseconds per node. The PNG is named after the
+results file (``scale-first.json`` gives ``scale-first.png``). One line per backend, API
+and implementation; a row that timed out is left out of its line and marked in the
+legend.
 
 ``--sim FILE`` draws the rows of ``benchmarks/sim_scale.py --json`` instead: kB received
 per node, requests per node, and kB received per node in units of the state's size,
@@ -59,7 +61,7 @@ def plot(results: Path, out_dir: Path) -> Path:
     rows = document["rows"]
     mode = rows[0]["mode"]
     with_bytes = any("kb_received" in row for row in rows)
-    panels = 3 if with_bytes else 2
+    panels = 4 if with_bytes else 2
     figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
     seconds_ax, requests_ax = axes[0], axes[1]
     for name, entries in _series(rows).items():
@@ -81,8 +83,16 @@ def plot(results: Path, out_dir: Path) -> Path:
                 marker="o",
                 label=label,
             )
+            axes[3].plot(
+                [e["nodes"] for e in measured],
+                [e["cpu_ms"] for e in measured],
+                style,
+                marker="o",
+                label=label,
+            )
     if with_bytes:
         axes[2].set_ylabel("kB received per node (client)")
+        axes[3].set_ylabel("client CPU ms per node")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -99,7 +109,7 @@ def plot(results: Path, out_dir: Path) -> Path:
     )
     figure.tight_layout()
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"scale-{mode}.png"
+    target = out_dir / f"{results.stem}.png"
     figure.savefig(target, dpi=110)
     plt.close(figure)
     return target
