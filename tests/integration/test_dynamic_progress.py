@@ -11,6 +11,7 @@ completes all the same, through the silence fallback and the relay.
 from __future__ import annotations
 
 import importlib.util
+import json
 import pickle
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -255,3 +256,29 @@ def test_a_rendezvous_after_a_thousand_other_writes_makes_few_requests(
     finally:
         for handler in group:
             handler.close()
+
+
+@pytest.mark.parametrize("lie", ["beyond-its-write", "above-the-state"])
+def test_a_summary_that_lies_mid_rendezvous_stops_nobody(
+    handlers: Handlers, pool: ThreadPoolExecutor, lie: str
+) -> None:
+    """Two nodes wait for a third; the progress key is overwritten with a summary that
+    reads as one but describes no state: a token beyond the write
+    that holds it, or within it but above every state. The third joins all the same, and
+    all three complete: the state, read, is the authority."""
+    group = handlers(3, 3, 3)
+    first, last = group[:2], group[2]
+    futures = _join(pool, first)
+    _participants(first[0], 2)
+    conn, key = _backend(last).connection, _progress_key(last)
+    conn.set(f"{key}-test-marker", "x")  # an index above the state's
+    index = conn.get(f"{key}-test-marker").modified_index
+    token = 10**12 if lie == "beyond-its-write" else index
+    fields = {"token": token, "round": 0, "complete": False, "closed": False}
+    fields |= {"decided_upto": 0, "participants": 0, "waiting": 0}
+    conn.set(key, json.dumps(fields))
+    assert _parse_progress(conn.get(key).value) is not None  # it reads as a summary
+    futures += _join(pool, [last])
+    infos = [future.result(60) for future in futures]
+    assert sorted(info.rank for info in infos) == [0, 1, 2]
+    assert {info.world_size for info in infos} == {3}
