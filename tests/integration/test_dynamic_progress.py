@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from etcd_rendezvous._dynamic.admission import Progress
 from etcd_rendezvous._dynamic.state import _encode_state
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import (
@@ -282,3 +283,31 @@ def test_a_summary_that_lies_mid_rendezvous_stops_nobody(
     infos = [future.result(60) for future in futures]
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert {info.world_size for info in infos} == {3}
+
+
+def test_a_summary_is_written_with_a_ttl_and_never_over_a_newer_one(handlers: Handlers) -> None:
+    """Two writers summarise two state writes; the one with the older summary comes
+    last, comparing on the version it heard: it keeps the newer summary. A writer of a
+    newer one than the key holds replaces it even so. The key always has the state's
+    TTL (a run that ends leaves nothing behind for ever)."""
+    (handler,) = handlers(1, 1, 1)
+    backend = _backend(handler)
+    conn, key = backend.connection, _progress_key(handler)
+
+    def summary(token: int) -> Progress:
+        return Progress(token, 0, False, False, 0, 1, 0)
+
+    first = backend.create_progress(summary(1))
+    assert first is not None
+    assert backend.create_progress(summary(2)) is None  # exists
+    assert conn.time_to_live(conn.get(key)) is not None
+    newer = backend.replace_progress(summary(50), first)
+    assert newer is not None
+    assert backend.write_progress(summary(40), first) is None  # heard before 50
+    assert _parse_progress(conn.get(key).value) == summary(50)
+    written = backend.write_progress(summary(60), first)
+    assert written is not None
+    held = conn.get(key)
+    assert _parse_progress(held.value) == summary(60)
+    assert held.modified_index == written
+    assert conn.time_to_live(held) is not None
