@@ -411,44 +411,59 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """The etcd index at which the last :meth:`list_nodes` was served."""
         return self._listed_at
 
-    def read_progress(self) -> tuple[Progress | None, bool, int]:
-        """The summary the progress key holds (``None``: absent or not a summary),
-        whether the key exists, and its modification index (if it exists; else the etcd
-        index of the answer): its next change comes after it."""
+    def read_progress(self) -> tuple[Progress | None, int | None, int]:
+        """The summary the progress key holds (``None``: absent or not a summary), the
+        key's modification index (``None``: absent), and the etcd index of the answer:
+        its next change comes after it (never an older index, which etcd may no longer
+        have the history of)."""
         try:
             node = self._conn.get(self._nodes.progress_key)
         except KeyNotFoundError as exc:
             index = exc.etcd_index if exc.etcd_index is not None else self._conn.last_index
-            return None, False, index
-        return _parse_progress(node.value), True, node.modified_index
+            return None, None, index
+        index = max(node.etcd_index, node.modified_index)
+        return _parse_progress(node.value), node.modified_index, index
 
-    def create_progress(self, progress: Progress) -> bool:
-        """Create the progress key with ``progress``; ``False`` if it exists. Without a
-        TTL (on v3 a lease would be one more write for each of the many nodes that try
-        at once): the first summary of a state write gives it the state's."""
-        try:
-            self._conn.create(self._nodes.progress_key, _progress_value(progress))
-        except KeyExistsError:
-            return False
-        return True
-
-    def write_progress(self, progress: Progress) -> int:
-        """Write ``progress`` into the progress key (the state's TTL); return the write's
-        modification index."""
+    def create_progress(self, progress: Progress) -> int | None:
+        """Create the progress key with ``progress`` and the state's TTL (never a key that
+        outlives the run); the write's modification index, or ``None`` if it exists."""
         value = _progress_value(progress)
-        return self._conn.set(self._nodes.progress_key, value, ttl=self._ttl).modified_index
+        try:
+            return self._conn.create(self._nodes.progress_key, value, ttl=self._ttl).modified_index
+        except KeyExistsError:
+            return None
+
+    def write_progress(self, progress: Progress, index: int) -> int | None:
+        """Write ``progress`` into the progress key (the state's TTL) unless it holds the
+        summary of a newer state: compare-and-swap on its modification index ``index``
+        (``0``: create it), and on a failure read it and try again while it holds an
+        older summary (or garbage). The write's modification index, or ``None`` if the
+        key holds a summary at least as new."""
+        for _ in range(_PROGRESS_TRIES):
+            written = self.replace_progress(progress, index)
+            if written is not None:
+                return written
+            held, version, _ = self.read_progress()
+            if held is not None and held.token >= progress.token:
+                return None
+            index = version or 0
+        return None
 
     def replace_progress(self, progress: Progress, index: int) -> int | None:
         """Write ``progress`` into the progress key only if it was not written since its
-        modification index ``index`` (or, if it is gone, create it); the write's
-        modification index, or ``None`` if it did not write."""
+        modification index ``index`` (or, if it is gone or ``index`` is ``0``, create
+        it); the write's modification index, or ``None`` if it did not write."""
         value = _progress_value(progress)
         key = self._nodes.progress_key
-        try:
-            node = self._conn.compare_and_swap(key, value, _prev(key, index), ttl=self._ttl)
-        except CompareFailedError:
-            return None
-        except KeyNotFoundError:
+        node: Node | None = None
+        if index > 0:
+            try:
+                node = self._conn.compare_and_swap(key, value, _prev(key, index), ttl=self._ttl)
+            except CompareFailedError:
+                return None
+            except KeyNotFoundError:
+                pass  # expired or deleted: create it
+        if node is None:
             try:
                 node = self._conn.create(key, value, ttl=self._ttl)
             except KeyExistsError:
@@ -457,9 +472,10 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
         """The changes of the progress key after the etcd index ``after`` (each summary,
-        ``None`` for a deletion or garbage, with its index), waiting up to ``timeout``
-        seconds for the first; one stream, opened at the first call. If etcd no longer
-        has the history, the key is read instead."""
+        ``None`` for a deletion or garbage, with its modification index), waiting up to
+        ``timeout`` seconds for the first; one stream, opened at the first call. If etcd
+        no longer has the history, the key is read instead, and the stream reopened from
+        that read (not from ``after`` again: that history is gone for good)."""
         deadline = Deadline(max(timeout, 0.0))
         with self._watch_lock:
             if self._progress_stream is None:
@@ -475,8 +491,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
             except WatchHistoryLostError:
                 self._progress_stream = None
                 stream.close()
-                progress, _, index = self.read_progress()
-                return [(progress, index)]
+                progress, version, index = self.read_progress()
+                self._progress_stream = self._conn.watch_stream(self._nodes.progress_key, index + 1)
+                return [(progress, version if version is not None else index)]
             except BaseException:
                 self._progress_stream = None
                 stream.close()
@@ -598,6 +615,10 @@ def _leaving(value: str | None) -> int | None:
         return None
     return leaving if type(leaving) is int else None
 
+
+#: How many times :meth:`EtcdRendezvousBackend.write_progress` tries to replace an older
+#: summary (each lost race is against a writer of a newer one, or a relay).
+_PROGRESS_TRIES = 3
 
 #: The fields of the progress key's JSON value, in the order of :class:`Progress`.
 _PROGRESS_FIELDS = (

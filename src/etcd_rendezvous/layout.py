@@ -276,9 +276,24 @@ class EtcdV2NodesLayout:
     @property
     def nodes_dir(self) -> str:
         """The run's directory of node keys."""
-        prefix = normalize_key(self.key_prefix or "/")
-        base = _ROOT_NODES_DIR if prefix == "/" else prefix + _NODES_DIR_SUFFIX
-        return f"{base}/{_escape(self.run_id)}"
+        return f"{self.runs_dir(self.key_prefix)}/{_escape(self.run_id)}"
+
+    @staticmethod
+    def runs_dir(key_prefix: str | None) -> str:
+        """The directory that holds the nodes directory of every run whose state keys
+        are below ``key_prefix`` (``None``: the root)."""
+        prefix = normalize_key(key_prefix or "/")
+        return _ROOT_NODES_DIR if prefix == "/" else prefix + _NODES_DIR_SUFFIX
+
+    @staticmethod
+    def run_id_of(name: str) -> str | None:
+        """The run id whose nodes directory is named ``name`` (the last segment of
+        :attr:`nodes_dir`); ``None`` if no run id is spelled so."""
+        try:
+            run_id = _unescape(name)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return run_id if run_id and _escape(run_id) == name else None
 
     def node_key(self, addr: str, pid: int, local_id: int) -> str:
         """``<nodes_dir>/<addr>_<pid>_<local_id>``: the key of one node (``addr``

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from etcd_rendezvous._dynamic.admission import Progress
 from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
 from etcd_rendezvous.cli._common import (
@@ -249,6 +250,41 @@ def test_gc_of_etcd_v2_runs(
         conn.list_dir(nodes_dir)
     assert infos[0].store.get("from-1") == b"x"  # the store keys are left
     del store
+    code, out, err = run_main(capsys, "list", *select, "--json")
+    assert (code, json.loads(out)) == (0, []), err
+
+
+def test_an_etcd_v2_run_with_only_its_progress_key_left_is_listed_and_collected(
+    etcd_server: EtcdServer, etcd_prefix: str, conn: Transport, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first node of a run creates the progress key and dies before its state is
+    written: the run has no state key and no node key, but the CLI still finds it, and
+    deletes (or collects) what is left."""
+    select = [*_endpoint(etcd_server), "--backend", "etcd-v2", "--prefix", etcd_prefix]
+    run_ids = [f"progress-only-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    for run_id in run_ids:
+        backend = EtcdRendezvousBackend(conn, run_id, key_prefix=etcd_prefix)
+        assert backend.create_progress(Progress(0, 0, False, False, 0, 0, 0)) is not None
+        assert conn.time_to_live(conn.get(backend.nodes_layout.progress_key)) is not None
+    code, out, err = run_main(capsys, "list", *select, "--json")
+    assert code == 0, err
+    runs = {run["run_id"]: run for run in json.loads(out)}
+    assert set(runs) == set(run_ids), runs
+    assert all(run["finished"] for run in runs.values()), runs
+    first, second = (EtcdV2NodesLayout(run_id, etcd_prefix).nodes_dir for run_id in run_ids)
+    assert first in runs[run_ids[0]]["keys"]
+
+    code, out, err = run_main(capsys, "delete", *select, "--run-id", run_ids[0], "--yes")
+    assert code == 0, err
+    with pytest.raises(KeyNotFoundError):
+        conn.list_dir(first)
+    code, out, err = run_main(
+        capsys, "gc", *select, "--older-than", "0", "--undated", "--yes", "--json"
+    )
+    assert code == 0, err
+    assert [r["run_id"] for r in json.loads(out)["runs"]] == [run_ids[1]], out
+    with pytest.raises(KeyNotFoundError):
+        conn.list_dir(second)
     code, out, err = run_main(capsys, "list", *select, "--json")
     assert (code, json.loads(out)) == (0, []), err
 

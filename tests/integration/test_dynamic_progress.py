@@ -11,14 +11,17 @@ completes all the same, through the silence fallback and the relay.
 from __future__ import annotations
 
 import importlib.util
+import json
 import pickle
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 
+from etcd_rendezvous._dynamic.admission import Progress
 from etcd_rendezvous._dynamic.state import _encode_state
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import (
@@ -30,6 +33,7 @@ from etcd_rendezvous.dynamic_rendezvous import (
 from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, _parse_progress
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.etcd_requests import read_metrics, requests_since
 from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
@@ -68,6 +72,20 @@ def handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[Handlers]:
     yield make
     for handler in made:
         handler.close()
+
+
+def _params(server: EtcdServer, run_id: str, nodes: int) -> RendezvousParameters:
+    return RendezvousParameters(
+        "etcd-v2",
+        server.get_endpoint(),
+        run_id,
+        nodes,
+        nodes,
+        local_addr="127.0.0.1",
+        join_timeout=60,
+        last_call_timeout=30,
+        torch_store="false",
+    )
 
 
 @pytest.fixture
@@ -208,3 +226,88 @@ def test_a_progress_key_damaged_mid_rendezvous_is_rebuilt(
     infos = [future.result(60) for future in futures]
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert {info.world_size for info in infos} == {3}
+
+
+def test_a_rendezvous_after_a_thousand_other_writes_makes_few_requests(
+    private_etcd_server: EtcdServer, run_id: str, pool: ThreadPoolExecutor
+) -> None:
+    """A re-rendezvous on a busy etcd: by then the progress key is older than the event
+    history etcd keeps (1000 events on v2). The node that waits for the other one watches
+    the key from the read that found it, not from its last change (a watch of history
+    that is gone fails at once, and reading the key and watching from the same old index
+    again would loop as fast as etcd answers)."""
+    server = private_etcd_server
+    group: list[Any] = [get_rendezvous_handler(_params(server, run_id, 2)) for _ in range(2)]
+    try:
+        assert sorted(f.result(60).rank for f in _join(pool, group)) == [0, 1]
+        conn = _backend(group[0]).connection
+        for i in range(1100):  # other work on the same etcd
+            conn.set(f"/other/work/{i % 40}", str(i))
+        before = read_metrics(server.client_url)
+        first = pool.submit(group[0].next_rendezvous)
+        # The first node waits in the next round for 2 s (its silences included).
+        with pytest.raises(FutureTimeout):  # alone, it waits (3 s, silences included)
+            first.result(3.0)
+        second = pool.submit(group[1].next_rendezvous)
+        assert sorted([first.result(60).rank, second.result(60).rank]) == [0, 1]
+        requests = requests_since(server.client_url, before)
+        # Both nodes' requests, the first's 3 s of waiting included (30 on v2; spinning
+        # on the lost history made 300).
+        assert requests.reads + requests.writes <= 50, requests.describe()
+    finally:
+        for handler in group:
+            handler.close()
+
+
+@pytest.mark.parametrize("lie", ["beyond-its-write", "above-the-state"])
+def test_a_summary_that_lies_mid_rendezvous_stops_nobody(
+    handlers: Handlers, pool: ThreadPoolExecutor, lie: str
+) -> None:
+    """Two nodes wait for a third; the progress key is overwritten with a summary that
+    reads as one but describes no state: a token beyond the write
+    that holds it, or within it but above every state. The third joins all the same, and
+    all three complete: the state, read, is the authority."""
+    group = handlers(3, 3, 3)
+    first, last = group[:2], group[2]
+    futures = _join(pool, first)
+    _participants(first[0], 2)
+    conn, key = _backend(last).connection, _progress_key(last)
+    conn.set(f"{key}-test-marker", "x")  # an index above the state's
+    index = conn.get(f"{key}-test-marker").modified_index
+    token = 10**12 if lie == "beyond-its-write" else index
+    fields = {"token": token, "round": 0, "complete": False, "closed": False}
+    fields |= {"decided_upto": 0, "participants": 0, "waiting": 0}
+    conn.set(key, json.dumps(fields))
+    assert _parse_progress(conn.get(key).value) is not None  # it reads as a summary
+    futures += _join(pool, [last])
+    infos = [future.result(60) for future in futures]
+    assert sorted(info.rank for info in infos) == [0, 1, 2]
+    assert {info.world_size for info in infos} == {3}
+
+
+def test_a_summary_is_written_with_a_ttl_and_never_over_a_newer_one(handlers: Handlers) -> None:
+    """Two writers summarise two state writes; the one with the older summary comes
+    last, comparing on the version it heard: it keeps the newer summary. A writer of a
+    newer one than the key holds replaces it even so. The key always has the state's
+    TTL (a run that ends leaves nothing behind for ever)."""
+    (handler,) = handlers(1, 1, 1)
+    backend = _backend(handler)
+    conn, key = backend.connection, _progress_key(handler)
+
+    def summary(token: int) -> Progress:
+        return Progress(token, 0, False, False, 0, 1, 0)
+
+    first = backend.create_progress(summary(1))
+    assert first is not None
+    assert backend.create_progress(summary(2)) is None  # exists
+    assert conn.time_to_live(conn.get(key)) is not None
+    newer = backend.replace_progress(summary(50), first)
+    assert newer is not None
+    assert backend.write_progress(summary(40), first) is None  # heard before 50
+    assert _parse_progress(conn.get(key).value) == summary(50)
+    written = backend.write_progress(summary(60), first)
+    assert written is not None
+    held = conn.get(key)
+    assert _parse_progress(held.value) == summary(60)
+    assert held.modified_index == written
+    assert conn.time_to_live(held) is not None

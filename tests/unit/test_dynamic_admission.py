@@ -489,28 +489,33 @@ class BoardRegistry(MemoryRegistry):
         self.listed_at = self.index
         return super().list_nodes()
 
-    def read_progress(self) -> tuple[Progress | None, bool, int]:
+    def read_progress(self) -> tuple[Progress | None, int | None, int]:
         self._count("read_progress")
-        return self.progress, self.exists, self.progress_index if self.exists else self.index
+        return self.progress, self.progress_index if self.exists else None, self.index
 
-    def create_progress(self, progress: Progress) -> bool:
+    def create_progress(self, progress: Progress) -> int | None:
         if self.exists:
-            return False
-        self.write_progress(progress)
-        return True
+            return None
+        return self._put(progress)
 
-    def write_progress(self, progress: Progress) -> int:
+    def write_progress(self, progress: Progress, index: int) -> int | None:
         self._count("write_progress")
-        self.index += 1
-        self.progress, self.exists, self.progress_index = progress, True, self.index
-        self.written.append(progress)
-        return self.index
+        held = self.progress if self.exists and index != self.progress_index else None
+        if held is not None and held.token >= progress.token:
+            return None  # a summary at least as new: kept
+        return self._put(progress)
 
     def replace_progress(self, progress: Progress, index: int) -> int | None:
         self._count("replace_progress")
         if self.exists and index != self.progress_index:
             return None
-        return self.write_progress(progress)
+        return self._put(progress)
+
+    def _put(self, progress: Progress) -> int:
+        self.index += 1
+        self.progress, self.exists, self.progress_index = progress, True, self.index
+        self.written.append(progress)
+        return self.index
 
     def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
         self._count("wait_progress")
@@ -523,8 +528,9 @@ class BoardRegistry(MemoryRegistry):
         self._count("stop_waiting")
 
     def publish(self, progress: Progress) -> None:
-        """Another node wrote ``progress``: the key holds it and watches deliver it."""
-        self.index += 1
+        """Another node wrote ``progress``: the key holds it and watches deliver it
+        (written after the state and the listing it describes, as etcd orders them)."""
+        self.index = max(self.index, progress.token, progress.decided_upto) + 1
         self.progress, self.exists, self.progress_index = progress, True, self.index
         self.changes.append((progress, self.index))
 
@@ -592,7 +598,7 @@ def test_a_slow_head_is_admitted_by_its_successor() -> None:
 def test_a_candidate_holding_an_older_state_than_the_hint_reads_it_first() -> None:
     clock = Clock()
     registry = BoardRegistry(clock)
-    registry.publish(summary(7, 0))  # a state newer than the one A read (token 3)
+    registry.publish(summary(7, 7))  # a state newer than the one A read (token 3)
     keys = joining(A, registry, clock)
     assert isinstance(keys.admission(wants_all_but(), "m", token=3), Wait)
     clock.now += 2 * ADMIT_GATHER
@@ -635,9 +641,11 @@ def test_a_watch_lagging_behind_the_key_is_caught_up_by_a_read_of_the_key() -> N
     keys = joining(A, registry, clock)
     keys.admission(wants_all_but(), "m", token=0)
     registry.progress = summary(9, 0)  # written, but the watch has not delivered it
+    registry.index = registry.progress_index = 20
     clock.now += PROGRESS_SILENCE
     assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.KEEP  # not ours
     registry.progress = Progress(10, 0, True, False, 0, 1, 0)
+    registry.index = registry.progress_index = 21
     clock.now += 2 * PROGRESS_SILENCE
     assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.READ  # complete
 
@@ -663,3 +671,48 @@ def test_a_state_the_key_does_not_describe_is_relayed_and_ours_summarised() -> N
     keys.state_read(30, state, written=False)  # not following the key: no relay
     assert registry.written[-1].token == 25
     assert registry.calls["stop_waiting"] == 1
+
+
+def test_a_summary_beyond_its_own_write_is_never_heard() -> None:
+    """A summary claims a state (or a listing) written after the summary itself: garbage
+    that reads as one. A candidate does not wait for it: it makes its batch."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining(A, registry, clock)
+    assert isinstance(keys.admission(wants_all_but(), "m", token=0), Wait)
+    registry.index += 1
+    lie = Progress(10**12, 0, False, False, 10**12, 0, 0)
+    registry.progress, registry.progress_index = lie, registry.index
+    registry.changes.append((lie, registry.index))
+    assert keys.await_progress(1.0, 0, RendezvousState()) is Heard.KEEP
+    clock.now += 2 * ADMIT_GATHER
+    assert keys.admission(wants_all_but(), "m", token=0) == Batch([A])
+
+
+def test_a_summary_of_a_state_no_read_finds_is_dropped_after_a_read() -> None:
+    """A summary written after the token it claims, but of no state a read finds (a token
+    above the state's): the read of the state drops it, and what it said was decided; the
+    candidate makes its batch, and the key is relayed the state read."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining(A, registry, clock)
+    assert isinstance(keys.admission(wants_all_but(), "m", token=3), Wait)
+    registry.index += 1000
+    lie = Progress(registry.index - 1, 0, False, False, registry.index - 1, 0, 0)
+    registry.publish(lie)
+    keys.await_progress(1.0, 3, RendezvousState())
+    outcomes = []
+    for _ in range(5):  # wait, read the state when told (or after a silence), ask again
+        outcome = keys.admission(wants_all_but(), "m", token=3)
+        outcomes.append(outcome)
+        if isinstance(outcome, Batch):
+            break
+        if isinstance(outcome, Wait):
+            clock.now += outcome.seconds
+            keys.await_progress(outcome.seconds, 3, RendezvousState())
+        keys.state_read(3, RendezvousState(), written=False)
+    assert isinstance(outcomes[-1], Batch), outcomes
+    assert A in outcomes[-1].nodes
+    # The read replaced the lie with a summary of the state it found.
+    assert registry.progress is not None
+    assert registry.progress.token == 3

@@ -183,16 +183,20 @@ class ProgressBoard(Protocol):
     Every method may raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
     """
 
-    def read_progress(self) -> tuple[Progress | None, bool, int]:
-        """The progress key's summary (``None`` if absent or not a summary), whether the
-        key exists, and the etcd index from which to wait for its next change."""
+    def read_progress(self) -> tuple[Progress | None, int | None, int]:
+        """The progress key's summary (``None`` if absent or not a summary), its
+        modification index (``None`` if absent), and the etcd index of the read, from
+        which to wait for its next change."""
 
-    def create_progress(self, progress: Progress) -> bool:
-        """Create the progress key with ``progress``; ``False`` if it exists."""
+    def create_progress(self, progress: Progress) -> int | None:
+        """Create the progress key with ``progress`` (with the state's TTL); the write's
+        modification index, or ``None`` if the key exists."""
 
-    def write_progress(self, progress: Progress) -> int:
-        """Write ``progress`` into the progress key (whatever it holds); return the
-        write's modification index."""
+    def write_progress(self, progress: Progress, index: int) -> int | None:
+        """Write ``progress`` into the progress key unless it holds a summary of a newer
+        state (compare-and-swap on its modification index ``index``, ``0`` if absent,
+        read again after a lost race); the write's modification index, or ``None`` if
+        the key holds a summary at least as new."""
 
     def replace_progress(self, progress: Progress, index: int) -> int | None:
         """Write ``progress`` only if the key was not written since its modification
@@ -202,7 +206,7 @@ class ProgressBoard(Protocol):
     def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
         """The changes of the progress key after the etcd index ``after``, waiting up to
         ``timeout`` seconds for the first: each summary (``None``: deleted, or not a
-        summary) with its index. Empty if none came."""
+        summary) with its modification index. Empty if none came."""
 
     def stop_waiting(self) -> None:
         """Close the watches of the state and of the progress key (reopened on demand)."""
@@ -414,6 +418,10 @@ class NodeKeys:
         self._board = registry if isinstance(registry, ProgressBoard) else None
         self._hint: Progress | None = None
         self._hint_index: int | None = None
+        # The progress key's modification index as last heard (0: none), on which our
+        # writes of it compare-and-swap.
+        self._hint_version = 0
+        self._lie_version = 0  # The version of the last summary found false (logged once).
         self._decided_upto = 0
         self._decided_at = -math.inf
         self._heard_at = -math.inf
@@ -721,23 +729,48 @@ class NodeKeys:
         board = self._board
         if board is None:
             return
-        progress, exists, index = board.read_progress()
+        progress, version, index = board.read_progress()
         if progress is not None:
-            self._hear(progress, index)
+            self._hear(progress, version, index)
             return
         first = Progress(0, 0, False, False, index, 0, 0)
-        if exists:
-            self._hear(first, board.write_progress(first))  # garbage: start afresh
-        elif board.create_progress(first):
-            self._hear(first, index)
+        if version is not None:  # garbage: start afresh
+            written = board.write_progress(first, version)
+            if written is not None:
+                self._hear(first, written)
+                return
         else:
-            self._hint_index = index
-
-    def _hear(self, progress: Progress | None, index: int) -> bool:
-        """Note a summary read or watched at ``index``; whether it is newer than the
-        last one seen (a change of the state)."""
+            created = board.create_progress(first)
+            if created is not None:
+                self._hear(first, created)
+                return
         self._hint_index = max(index, self._hint_index or 0)
+
+    def _hear(self, progress: Progress | None, version: int | None, index: int = 0) -> bool:
+        """Note a summary read or watched: the key's modification index ``version``
+        (``None``: unknown) and the etcd index ``index`` of the read (a watched change:
+        its version). Whether it is newer than the last one seen (a change of the state).
+
+        A summary written at ``version`` describes a state written before it, decided
+        with a listing taken before it: one that claims a later token or decided index
+        is a lie (garbage that reads as a summary) and is not heard at all."""
+        if version is not None:
+            self._hint_version = max(version, self._hint_version)
+        self._hint_index = max(index, version or 0, self._hint_index or 0)
         if progress is None:
+            return False
+        if version is not None and max(progress.token, progress.decided_upto) >= version:
+            if version == self._lie_version:
+                return False
+            self._lie_version = version
+            logger.warning(
+                "The progress key of the node '%s' holds a summary that cannot be true "
+                "(token %d, decided index %d, written at %d); ignoring it.",
+                self._node,
+                progress.token,
+                progress.decided_upto,
+                version,
+            )
             return False
         self._heard_at = self._clock()  # Someone is at work (or checked, see state_read).
         if progress.decided_upto > self._decided_upto:
@@ -766,8 +799,8 @@ class NodeKeys:
                 # watch may lag behind it), then at the state, which the key may miss.
                 self._heard_at = now
                 self._silence = PROGRESS_SILENCE * (1.0 + random.random())
-                progress, _, index = board.read_progress()
-                if progress is not None and self._hear(progress, index):
+                progress, version, index = board.read_progress()
+                if progress is not None and self._hear(progress, version, index):
                     if concerns(progress, token, state, self._node, self._created, self._min_nodes):
                         return Heard.READ
                     return Heard.KEEP
@@ -775,7 +808,7 @@ class NodeKeys:
             if now >= deadline:
                 return Heard.KEEP
             changes = board.wait_progress(self._hint_index, min(deadline, silence_at) - now)
-            newer = [self._hear(p, index) for p, index in changes]
+            newer = [self._hear(p, version) for p, version in changes]
             heard = [p for p, _ in changes if p is not None]
             node, created, least = self._node, self._created, self._min_nodes
             if any(concerns(p, token, state, node, created, least) for p in heard):
@@ -794,18 +827,34 @@ class NodeKeys:
             return  # We never read the key: we do not know what it says is decided.
         self._heard_at = self._clock()
         deciding, self._deciding = self._deciding, None
-        if not written and (not self._joining or self._hint is None or token <= self._hint.token):
+        hint = self._hint
+        lie = not written and hint is not None and hint.token > token
+        if lie and hint is not None:
+            # The state is the authority: the summary we heard describes no state that
+            # a read finds. Forget it (a candidate would wait for it for ever), and what
+            # it said was decided beyond the state read; the relay below replaces it.
+            logger.warning(
+                "The node '%s' read the state written at %d, but the progress key "
+                "described one written at %d; ignoring that summary.",
+                self._node,
+                token,
+                hint.token,
+            )
+            self._hint = None
+            self._decided_upto = min(self._decided_upto, token)
+        elif not written and (not self._joining or self._hint is None or token <= self._hint.token):
             return  # Only a node that follows the key knows what it misses.
         if written and deciding is not None and deciding > self._decided_upto:
             self._decided_upto, self._decided_at = deciding, self._clock()
         progress = Progress.of(token, state, self._decided_upto)
         index = (
-            board.write_progress(progress)
+            board.write_progress(progress, self._hint_version)
             if written
-            else board.replace_progress(progress, self._hint_index)
+            else board.replace_progress(progress, self._hint_version)
         )
         if index is None:
             return  # Someone wrote the key since we heard it: its summary may know more.
+        self._hint_version = max(index, self._hint_version)
         self._hint_index = max(index, self._hint_index)
         if self._hint is None or token > self._hint.token:
             self._hint = progress
@@ -816,10 +865,10 @@ class NodeKeys:
         board = self._board
         if board is None:
             return None
-        progress, _, index = board.read_progress()
+        progress, version, index = board.read_progress()
         if progress is None or progress.token < token:
             return None
-        self._hear(progress, index)
+        self._hear(progress, version, index)
         return progress
 
     # -- heartbeats -------------------------------------------------------------------

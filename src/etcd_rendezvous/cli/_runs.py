@@ -35,6 +35,7 @@ from ..layout import (
     DEFAULT_PREFIX,
     ETCD_V2_STATE_PREFIX,
     ETCD_V2_STORE_PREFIX,
+    EtcdV2NodesLayout,
     LegacyLayout,
     dynamic_store_prefix,
     dynamic_store_round,
@@ -275,14 +276,26 @@ def summarize_etcd(run: EtcdRun, api: str) -> RunSummary:
 
 def list_etcd_v2_run_ids(conn: Transport, state_prefix: str) -> list[str]:
     """The run ids of ``etcd-v2`` runs: the keys (not directories) directly below the
-    state prefix."""
+    state prefix, and the runs with a nodes directory (node keys, the aggregator lock,
+    the progress key) but no state key left."""
+    run_ids = {_last_segment(child) for child in _children(conn, state_prefix) if not child.is_dir}
+    runs_dir = EtcdV2NodesLayout.runs_dir(None if state_prefix == "/" else state_prefix)
+    for child in _children(conn, runs_dir):
+        run_id = EtcdV2NodesLayout.run_id_of(_last_segment(child)) if child.is_dir else None
+        if run_id is not None:
+            run_ids.add(run_id)
+    return sorted(run_ids)
+
+
+def _children(conn: Transport, directory: str) -> tuple[Node, ...]:
     try:
-        listing = conn.list_dir(normalize_key(state_prefix))
+        return conn.list_dir(normalize_key(directory)).children
     except KeyNotFoundError:
-        return []
-    return sorted(
-        child.key.rstrip("/").rsplit("/", 1)[-1] for child in listing.children if not child.is_dir
-    )
+        return ()
+
+
+def _last_segment(node: Node) -> str:
+    return node.key.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _leaves(node: Node) -> list[Node]:
@@ -428,12 +441,14 @@ def read_run(
     """The :class:`RunSummary` of one run of ``backend`` under ``prefix`` (the
     backend's default when ``None``), with its store keys where :func:`owns_store_keys`
     allows (and ``store_keys``: they take a read of the whole store); ``None`` if etcd
-    has no key of it (no run directory nor state; for ``etcd-v2``, no state key nor node
-    key)."""
+    has no key of it (no run directory nor state; for ``etcd-v2``, no state key nor any
+    key in its nodes directory: node keys, the aggregator lock, the progress key)."""
     if backend == "etcd-v2":
         state_prefix = _v2_state_prefix(prefix)
         probe = EtcdRendezvousBackend(conn, run_id, key_prefix=state_prefix or None)
-        if conn.try_get(probe.key) is None and not probe.list_nodes():
+        if conn.try_get(probe.key) is None and not _exists_below(
+            conn, probe.nodes_layout.nodes_dir
+        ):
             return None
         found = etcd_v2_store_keys(conn) if store_keys and owns_store_keys(prefix) else {}
         return _etcd_v2_run(conn, prefix, run_id, found)
