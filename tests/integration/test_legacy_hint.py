@@ -135,3 +135,46 @@ def test_num_nodes_waiting_follows_the_state_without_reading_it_per_call(
         state["num_workers_waiting"] = 2  # as PyTorch's announce_self_waiting does
         conn.compare_and_swap(key, json.dumps(state), node)
         wait_until(lambda: handler.num_nodes_waiting() == 2, what="the waiters counted")
+
+
+def test_a_worker_left_out_of_a_frozen_version_joins_the_next(
+    etcd_server: EtcdServer, run_id: str, conn: Transport
+) -> None:
+    """A worker waiting in version 1 finds it frozen without it (PyTorch's last call, a
+    worker whose member key lapsed under load): it waits for the frozen state to end
+    on the state itself, not on version 1's hint, which no one writes again. When the
+    frozen state lapses (no hint tells of that), it starts version 2 with the next
+    worker well before its timeout."""
+    layout = LegacyLayout(PREFIX, run_id)
+    with (
+        _handler(etcd_server, run_id, 2) as first,
+        _handler(etcd_server, run_id, 2) as second,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        started = pool.submit(first.next_rendezvous)
+        wait_until(
+            lambda: conn.try_get(layout.progress_key("1")) is not None,
+            what="version 1 and its hint",
+        )
+        node = conn.get(layout.state_key)
+        frozen = {
+            "status": "frozen",
+            "version": "1",
+            "participants": [0, 1],
+            "keep_alives": [],
+            "members": {"node_00000000000000aa": 0, "node_00000000000000bb": 1},
+        }
+        conn.compare_and_swap(layout.state_key, json.dumps(frozen), node, ttl=3)
+
+        def lapsed() -> bool:
+            node = conn.try_get(layout.state_key)
+            return node is None or json.loads(node.value or "{}").get("status") != "frozen"
+
+        wait_until(lapsed, timeout=15, what="the frozen state to lapse")
+        began = time.monotonic()
+        joined = pool.submit(second.next_rendezvous)
+        results = [started.result(timeout=90), joined.result(timeout=90)]
+        took = time.monotonic() - began
+    assert sorted(info.rank for info in results) == [0, 1]
+    assert {info.world_size for info in results} == {2}
+    assert took < 20, took

@@ -449,6 +449,11 @@ class EtcdRendezvous:
         while True:
             retry.check()
             logger.info("Attempting to join next rendezvous")
+            # An attempt decides on the state itself and waits on its changes: the hint
+            # key of a version the last attempt left is written no more (a frozen state
+            # that lapses, say, tells nothing there), and the state it last showed may
+            # be long gone.
+            self._feed.follow_state()
             try:
                 return self.init_phase()
             except (EtcdRendezvousRetryImmediately, RestartAttempt) as exc:
