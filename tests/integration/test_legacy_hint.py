@@ -178,3 +178,39 @@ def test_a_worker_left_out_of_a_frozen_version_joins_the_next(
     assert sorted(info.rank for info in results) == [0, 1]
     assert {info.world_size for info in results} == {2}
     assert took < 20, took
+
+
+def test_num_nodes_waiting_hears_no_state_write_of_the_next_rendezvous(
+    etcd_server: EtcdServer, run_id: str, conn: Transport
+) -> None:
+    """The stream num_nodes_waiting() keeps on the state is closed when the worker enters
+    the next rendezvous: the states written meanwhile reach the worker through its join
+    only (a follower reads few of them), not a second time through that stream."""
+    layout = LegacyLayout(PREFIX, run_id)
+    with (
+        _handler(etcd_server, run_id, 2) as first,
+        _handler(etcd_server, run_id, 2) as second,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        for info in pool.map(lambda h: h.next_rendezvous(), [first, second]):
+            assert info.world_size == 2
+        assert first.num_nodes_waiting() == 0  # (its stream on the state is open)
+        conn.delete(layout.state_key)  # version 1 ends
+        with MetricsCollector() as collected:
+            again = pool.submit(first.next_rendezvous)
+            wait_until(
+                lambda: conn.try_get(layout.progress_key("2")) is not None,
+                what="version 2 and its hint",
+            )
+            # A large state, as a PyTorch worker may write it (an unknown field kept):
+            # every copy of it that a stream brings shows in the bytes.
+            node = conn.get(layout.state_key)
+            state = {**json.loads(node.value or ""), "note": "x" * 100_000}
+            conn.compare_and_swap(layout.state_key, json.dumps(state), node)
+            joined = pool.submit(second.next_rendezvous)
+            results = [again.result(timeout=90), joined.result(timeout=90)]
+        assert sorted(info.rank for info in results) == [0, 1]
+        streamed = collected.counter("transport.bytes_received", op="watch")
+        # (the waiting stream kept open would bring the large state twice, or more)
+        assert streamed < 50_000, streamed
+        assert first.num_nodes_waiting() == 0
