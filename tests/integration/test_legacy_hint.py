@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from etcd_rendezvous._legacy.state import Hint
+from etcd_rendezvous._legacy.admission import BatchJoin
+from etcd_rendezvous._legacy.feed import StateFeed
+from etcd_rendezvous._legacy.state import Hint, parse_state
 from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler
@@ -214,3 +216,36 @@ def test_num_nodes_waiting_hears_no_state_write_of_the_next_rendezvous(
         # (the waiting stream kept open would bring the large state twice, or more)
         assert streamed < 50_000, streamed
         assert first.num_nodes_waiting() == 0
+
+
+def test_a_late_hint_does_not_replace_a_newer_one(run_id: str, conn: Transport) -> None:
+    """Two workers hint at once and the older state's hint lands last: the key keeps
+    the newer one. A stored hint of an index etcd has not reached (a lie) is replaced."""
+    layout = LegacyLayout(PREFIX, run_id)
+    join = BatchJoin(
+        conn,
+        layout,
+        StateFeed(conn, layout.state_key, parse_state),
+        min_workers=4,
+        max_workers=4,
+        keep_alive=lambda key, lease: pytest.fail("no key to keep alive"),
+        timeout_error=lambda: AssertionError("no deadline"),
+    )
+    state = {"status": "joinable", "version": "1", "participants": [0]}
+    older = conn.set(layout.state_key, json.dumps(state))
+    newer_state = {**state, "participants": [0, 1]}
+    newer = conn.set(layout.state_key, json.dumps(newer_state))
+    hint_key = layout.progress_key("1")
+
+    def stored() -> tuple[int, int] | None:
+        hint = Hint.decode(conn.get(hint_key).value)
+        return None if hint is None else (hint.index, hint.count)
+
+    join.publish("1", newer, newer_state)
+    assert stored() == (newer.modified_index, 2)
+    join.publish("1", older, state)  # late
+    assert stored() == (newer.modified_index, 2)
+    lie = Hint(10**12, "joinable", "1", 10**12, 9, 0)
+    conn.set(hint_key, lie.encode())
+    join.publish("1", older, state)
+    assert stored() == (older.modified_index, 1)
