@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from etcd_rendezvous._legacy.state import Hint
+from etcd_rendezvous._legacy.admission import BatchJoin
+from etcd_rendezvous._legacy.feed import StateFeed
+from etcd_rendezvous._legacy.state import Hint, parse_state
 from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler
@@ -135,3 +137,115 @@ def test_num_nodes_waiting_follows_the_state_without_reading_it_per_call(
         state["num_workers_waiting"] = 2  # as PyTorch's announce_self_waiting does
         conn.compare_and_swap(key, json.dumps(state), node)
         wait_until(lambda: handler.num_nodes_waiting() == 2, what="the waiters counted")
+
+
+def test_a_worker_left_out_of_a_frozen_version_joins_the_next(
+    etcd_server: EtcdServer, run_id: str, conn: Transport
+) -> None:
+    """A worker waiting in version 1 finds it frozen without it (PyTorch's last call, a
+    worker whose member key lapsed under load): it waits for the frozen state to end
+    on the state itself, not on version 1's hint, which no one writes again. When the
+    frozen state lapses (no hint tells of that), it starts version 2 with the next
+    worker well before its timeout."""
+    layout = LegacyLayout(PREFIX, run_id)
+    with (
+        _handler(etcd_server, run_id, 2) as first,
+        _handler(etcd_server, run_id, 2) as second,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        started = pool.submit(first.next_rendezvous)
+        wait_until(
+            lambda: conn.try_get(layout.progress_key("1")) is not None,
+            what="version 1 and its hint",
+        )
+        node = conn.get(layout.state_key)
+        frozen = {
+            "status": "frozen",
+            "version": "1",
+            "participants": [0, 1],
+            "keep_alives": [],
+            "members": {"node_00000000000000aa": 0, "node_00000000000000bb": 1},
+        }
+        conn.compare_and_swap(layout.state_key, json.dumps(frozen), node, ttl=3)
+
+        def lapsed() -> bool:
+            node = conn.try_get(layout.state_key)
+            return node is None or json.loads(node.value or "{}").get("status") != "frozen"
+
+        wait_until(lapsed, timeout=15, what="the frozen state to lapse")
+        began = time.monotonic()
+        joined = pool.submit(second.next_rendezvous)
+        results = [started.result(timeout=90), joined.result(timeout=90)]
+        took = time.monotonic() - began
+    assert sorted(info.rank for info in results) == [0, 1]
+    assert {info.world_size for info in results} == {2}
+    assert took < 20, took
+
+
+def test_num_nodes_waiting_hears_no_state_write_of_the_next_rendezvous(
+    etcd_server: EtcdServer, run_id: str, conn: Transport
+) -> None:
+    """The stream num_nodes_waiting() keeps on the state is closed when the worker enters
+    the next rendezvous: the states written meanwhile reach the worker through its join
+    only (a follower reads few of them), not a second time through that stream."""
+    layout = LegacyLayout(PREFIX, run_id)
+    with (
+        _handler(etcd_server, run_id, 2) as first,
+        _handler(etcd_server, run_id, 2) as second,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        for info in pool.map(lambda h: h.next_rendezvous(), [first, second]):
+            assert info.world_size == 2
+        assert first.num_nodes_waiting() == 0  # (its stream on the state is open)
+        conn.delete(layout.state_key)  # version 1 ends
+        with MetricsCollector() as collected:
+            again = pool.submit(first.next_rendezvous)
+            wait_until(
+                lambda: conn.try_get(layout.progress_key("2")) is not None,
+                what="version 2 and its hint",
+            )
+            # A large state, as a PyTorch worker may write it (an unknown field kept):
+            # every copy of it that a stream brings shows in the bytes.
+            node = conn.get(layout.state_key)
+            state = {**json.loads(node.value or ""), "note": "x" * 100_000}
+            conn.compare_and_swap(layout.state_key, json.dumps(state), node)
+            joined = pool.submit(second.next_rendezvous)
+            results = [again.result(timeout=90), joined.result(timeout=90)]
+        assert sorted(info.rank for info in results) == [0, 1]
+        streamed = collected.counter("transport.bytes_received", op="watch")
+        # (the waiting stream kept open would bring the large state twice, or more)
+        assert streamed < 50_000, streamed
+        assert first.num_nodes_waiting() == 0
+
+
+def test_a_late_hint_does_not_replace_a_newer_one(run_id: str, conn: Transport) -> None:
+    """Two workers hint at once and the older state's hint lands last: the key keeps
+    the newer one. A stored hint of an index etcd has not reached (a lie) is replaced."""
+    layout = LegacyLayout(PREFIX, run_id)
+    join = BatchJoin(
+        conn,
+        layout,
+        StateFeed(conn, layout.state_key, parse_state),
+        min_workers=4,
+        max_workers=4,
+        keep_alive=lambda key, lease: pytest.fail("no key to keep alive"),
+        timeout_error=lambda: AssertionError("no deadline"),
+    )
+    state = {"status": "joinable", "version": "1", "participants": [0]}
+    older = conn.set(layout.state_key, json.dumps(state))
+    newer_state = {**state, "participants": [0, 1]}
+    newer = conn.set(layout.state_key, json.dumps(newer_state))
+    hint_key = layout.progress_key("1")
+
+    def stored() -> tuple[int, int] | None:
+        hint = Hint.decode(conn.get(hint_key).value)
+        return None if hint is None else (hint.index, hint.count)
+
+    join.publish("1", newer, newer_state)
+    assert stored() == (newer.modified_index, 2)
+    join.publish("1", older, state)  # late
+    assert stored() == (newer.modified_index, 2)
+    lie = Hint(10**12, "joinable", "1", 10**12, 9, 0)
+    conn.set(hint_key, lie.encode())
+    join.publish("1", older, state)
+    assert stored() == (older.modified_index, 1)

@@ -185,7 +185,8 @@ class EtcdRendezvous:
             self._last_call_timeout = float(last_call_timeout)
             self._rendezvous_deadline = Deadline(self._timeout)
             self._feed = StateFeed(self._conn, self._layout.state_key, parse_state)
-            # num_workers_waiting()'s own: a stream on the state, kept open between calls.
+            # num_workers_waiting()'s own: a stream on the state, kept open between calls
+            # while no rendezvous is in progress.
             self._waiting_feed = StateFeed(self._conn, self._layout.state_key, parse_state)
             self._waiting_lock = threading.Lock()
             self._join = BatchJoin(
@@ -379,6 +380,10 @@ class EtcdRendezvous:
             f"The worker attempts to join the next rendezvous of run '{self._run_id}'.",
             method="rendezvous_barrier",
         )
+        with self._waiting_lock:
+            # While the barrier runs, every state write of its admissions would reach
+            # num_workers_waiting()'s stream: it is opened again by the next call.
+            self._waiting_feed.close()
         if self._lease_this_rank is not None:
             # Disown our keep-alive in the previous rendezvous: it lapses, telling the
             # workers waiting on that version that we left it.
@@ -449,6 +454,11 @@ class EtcdRendezvous:
         while True:
             retry.check()
             logger.info("Attempting to join next rendezvous")
+            # An attempt decides on the state itself and waits on its changes: the hint
+            # key of a version the last attempt left is written no more (a frozen state
+            # that lapses, say, tells nothing there), and the state it last showed may
+            # be long gone.
+            self._feed.follow_state()
             try:
                 return self.init_phase()
             except (EtcdRendezvousRetryImmediately, RestartAttempt) as exc:
@@ -824,7 +834,9 @@ class EtcdRendezvous:
         The first call reads the state and leaves a watch stream on it open; later calls
         take in what the stream delivered (the newest state only), so that an agent
         polling this every moment costs etcd nothing while the state does not change,
-        and one read of the state per change.
+        and one read of the state per change. :meth:`rendezvous_barrier` closes the
+        stream (the states its admissions write are no news to the agent); the first
+        call after it reads the state again.
 
         Raises:
             RendezvousStateError: the state is corrupt.
