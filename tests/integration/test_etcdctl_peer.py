@@ -107,13 +107,14 @@ def test_etcdctl_sees_the_documented_keys_and_the_state_status_reports(
     run_dir = f"{etcd_prefix}/run_{run_id}"
     keys = listing(etcdctl, etcd_server, run_dir)
     # docs/etcd-v3.rst: the directory markers (empty values), the state, the version
-    # counter, a keep-alive key per member and the store's base64 keys.
+    # counter, a keep-alive key per member, the version's progress key and the store's
+    # base64 keys.
     for marker in (run_dir, f"{run_dir}/rdzv", f"{run_dir}/rdzv/v_1", f"{run_dir}/rdzv/v_1/kv"):
         assert keys.get(marker) == "", (marker, sorted(keys))
     assert f"{run_dir}/rdzv/version_counter" in keys
     documented = re.compile(
         rf"{re.escape(run_dir)}(/rdzv(/active_version|/version_counter|/v_1"
-        r"(/kv(/[A-Za-z0-9+/=]+)?|/node_[0-9a-f]+)?)?)?"
+        r"(/kv(/[A-Za-z0-9+/=]+)?|/node_[0-9a-f]+|/progress)?)?)?"
     )
     assert [key for key in keys if not documented.fullmatch(key)] == []
     assert len([key for key in keys if "/node_" in key]) == 2
