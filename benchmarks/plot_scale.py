@@ -76,20 +76,14 @@ def plot(results: Path, out_dir: Path) -> Path:
         )
         if with_bytes:
             measured = [e for e in done if "kb_received" in e]
-            axes[2].plot(
-                [e["nodes"] for e in measured],
-                [e["kb_received"] for e in measured],
-                style,
-                marker="o",
-                label=label,
-            )
-            axes[3].plot(
-                [e["nodes"] for e in measured],
-                [e["cpu_ms"] for e in measured],
-                style,
-                marker="o",
-                label=label,
-            )
+            for ax, field in ((axes[2], "kb_received"), (axes[3], "cpu_ms")):
+                ax.plot(
+                    [e["nodes"] for e in measured],
+                    [e[field] for e in measured],
+                    style,
+                    marker="o",
+                    label=label,
+                )
     if with_bytes:
         axes[2].set_ylabel("kB received per node (client)")
         axes[3].set_ylabel("client CPU ms per node")
