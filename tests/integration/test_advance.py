@@ -148,24 +148,22 @@ def test_a_remembered_index_is_written_on_without_a_read(
     assert traced.sent == ["cas"]
 
 
+@pytest.mark.parametrize(
+    ("later", "stands", "sent"),
+    [
+        ("4", str(OURS), ["cas", "get", "cas"]),  # older than ours: swapped out
+        ("8", "8", ["cas", "get"]),  # newer: left
+    ],
+)
 def test_a_stale_remembered_index_falls_back_to_a_read(
-    traced: Traced, other: Transport, key: str
+    traced: Traced, other: Transport, key: str, later: str, stands: str, sent: list[str]
 ) -> None:
     stale = other.set(key, "3")
-    other.set(key, "4")
-    assert traced.advance(key, expected=stale.modified_index) is not None
-    assert other.get(key).value == str(OURS)
-    assert traced.sent == ["cas", "get", "cas"]
-
-
-def test_a_stale_remembered_index_of_a_newer_value_leaves_it(
-    traced: Traced, other: Transport, key: str
-) -> None:
-    stale = other.set(key, "3")
-    other.set(key, "8")
-    assert traced.advance(key, expected=stale.modified_index) is None
-    assert other.get(key).value == "8"
-    assert traced.sent == ["cas", "get"]
+    other.set(key, later)
+    written = traced.advance(key, expected=stale.modified_index)
+    assert (written is not None) is (stands == str(OURS))
+    assert other.get(key).value == stands
+    assert traced.sent == sent
 
 
 def test_expected_zero_creates_without_a_read_and_reads_if_the_key_exists(

@@ -805,9 +805,9 @@ class Transport(_Closing):
         key: str,
         value: str,
         *,
+        expected: int | None = None,
         holds_newer: Callable[[Node], bool],
         ttl: int | None = None,
-        expected: int | None = None,
         tries: int = ADVANCE_TRIES,
     ) -> Node | None:
         """Write ``value`` into ``key`` unless it holds something at least as new
