@@ -24,6 +24,7 @@ from ._dynamic.admission import AnnouncedNode, Progress
 from ._dynamic.backend import RendezvousBackend, Token
 from ._dynamic.state import NodeDesc
 from ._transport.interface import (
+    ADVANCE_TRIES,
     DELETE_ACTIONS,
     CompareFailedError,
     KeyExistsError,
@@ -225,7 +226,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         try:
             if index:
                 node = self._conn.compare_and_swap(
-                    self._key, value, _prev(self._key, index), ttl=self._ttl
+                    self._key, value, Node.stand_in(self._key, index), ttl=self._ttl
                 )
             else:
                 node = self._conn.create(self._key, value, ttl=self._ttl)
@@ -427,48 +428,36 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def create_progress(self, progress: Progress) -> int | None:
         """Create the progress key with ``progress`` and the state's TTL (never a key that
         outlives the run); the write's modification index, or ``None`` if it exists."""
-        value = _progress_value(progress)
-        try:
-            return self._conn.create(self._nodes.progress_key, value, ttl=self._ttl).modified_index
-        except KeyExistsError:
-            return None
+        return self._advance_progress(progress, 0, tries=1)
 
     def write_progress(self, progress: Progress, index: int) -> int | None:
         """Write ``progress`` into the progress key (the state's TTL) unless it holds the
         summary of a newer state: compare-and-swap on its modification index ``index``
         (``0``: create it), and on a failure read it and try again while it holds an
         older summary (or garbage). The write's modification index, or ``None`` if the
-        key holds a summary at least as new."""
-        for _ in range(_PROGRESS_TRIES):
-            written = self.replace_progress(progress, index)
-            if written is not None:
-                return written
-            held, version, _ = self.read_progress()
-            if held is not None and held.token >= progress.token:
-                return None
-            index = version or 0
-        return None
+        key holds a summary at least as new (or others kept writing first)."""
+        return self._advance_progress(progress, index)
 
     def replace_progress(self, progress: Progress, index: int) -> int | None:
         """Write ``progress`` into the progress key only if it was not written since its
         modification index ``index`` (or, if it is gone or ``index`` is ``0``, create
         it); the write's modification index, or ``None`` if it did not write."""
-        value = _progress_value(progress)
-        key = self._nodes.progress_key
-        node: Node | None = None
-        if index > 0:
-            try:
-                node = self._conn.compare_and_swap(key, value, _prev(key, index), ttl=self._ttl)
-            except CompareFailedError:
-                return None
-            except KeyNotFoundError:
-                pass  # expired or deleted: create it
-        if node is None:
-            try:
-                node = self._conn.create(key, value, ttl=self._ttl)
-            except KeyExistsError:
-                return None
-        return node.modified_index
+        return self._advance_progress(progress, index, tries=1)
+
+    def _advance_progress(
+        self, progress: Progress, index: int, tries: int = ADVANCE_TRIES
+    ) -> int | None:
+        """Advance the progress key to ``progress`` (see :meth:`Transport.advance`) from
+        its modification index ``index``; the write's modification index, or ``None``."""
+        node = self._conn.advance(
+            self._nodes.progress_key,
+            _progress_value(progress),
+            holds_newer=lambda held: _holds_summary_since(held, progress),
+            ttl=self._ttl,
+            expected=index,
+            tries=tries,
+        )
+        return None if node is None else node.modified_index
 
     def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
         """The changes of the progress key after the etcd index ``after`` (each summary,
@@ -616,10 +605,6 @@ def _leaving(value: str | None) -> int | None:
     return leaving if type(leaving) is int else None
 
 
-#: How many times :meth:`EtcdRendezvousBackend.write_progress` tries to replace an older
-#: summary (each lost race is against a writer of a newer one, or a relay).
-_PROGRESS_TRIES = 3
-
 #: The fields of the progress key's JSON value, in the order of :class:`Progress`.
 _PROGRESS_FIELDS = (
     "token",
@@ -654,6 +639,12 @@ def _parse_progress(value: str | None) -> Progress | None:
     return Progress(*values)  # type: ignore[arg-type]
 
 
+def _holds_summary_since(held: Node, progress: Progress) -> bool:
+    """Whether the progress key ``held`` holds a summary at least as new as ``progress``."""
+    summary = _parse_progress(held.value)
+    return summary is not None and summary.token >= progress.token
+
+
 def _parse_node(key: Node) -> NodeDesc | None:
     """The node descriptor a node key holds, or ``None`` if it holds something else."""
     try:
@@ -666,24 +657,6 @@ def _parse_node(key: Node) -> NodeDesc | None:
     if type(addr) is not str or type(pid) is not int or type(local_id) is not int:
         return None
     return NodeDesc(addr, pid, local_id)
-
-
-def _prev(key: str, index: int) -> Node:
-    """A stand-in for the node read at ``index``: compare-and-swap on the index alone.
-
-    PyTorch's backend compares on ``prevIndex`` only; the index identifies the value.
-    """
-    return Node(
-        key=key,
-        value="",
-        modified_index=index,
-        created_index=0,
-        etcd_index=index,
-        ttl=None,
-        is_dir=False,
-        children=(),
-        action="get",
-    )
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:

@@ -30,7 +30,6 @@ from typing import Any, Protocol, TypeAlias
 
 from .._transport.interface import (
     CompareFailedError,
-    KeyExistsError,
     KeyNotFoundError,
     Node,
     Transport,
@@ -99,9 +98,6 @@ ADMIT_TAIL = 1.0
 #: Each such key (member) adds this much to the grace, up to twice the grace: the
 #: worker next in line acts first, and its write spares the others the trouble.
 _GRACE_STAGGER = 0.1
-
-#: Tries of a worker to write its hint while other hints keep landing first.
-_HINT_ATTEMPTS = 3
 
 #: A worker that finds no state watches it for a random moment before creating it, so
 #: that of many workers arriving at once only a few try (a failed try costs a write, two
@@ -730,33 +726,22 @@ class BatchJoin:
         newer state already (a failure is only logged: the others then read the state
         after a silence).
 
-        Two writers may hint at once, the older state's last: each reads the key and
-        swaps its hint in only in place of what it read, so the key never goes back to
-        an older state. A stored hint of an index etcd has not reached yet is a lie,
-        and is replaced."""
+        Two writers may hint at once, the older state's last: the key is advanced
+        (:meth:`~etcd_rendezvous._transport.interface.Transport.advance`), so it never
+        goes back to an older state. A stored hint of an index etcd has not reached yet
+        is a lie, and is replaced."""
+
+        def holds_newer(stored: Node) -> bool:
+            known = Hint.decode(stored.value)
+            return (
+                known is not None
+                and (known.index, known.decided_upto) >= (hint.index, hint.decided_upto)
+                and known.index <= stored.etcd_index
+            )
+
         key = self._layout.progress_key(version)
         try:
-            for _ in range(_HINT_ATTEMPTS):
-                stored = self._conn.try_get(key)
-                known = Hint.decode(stored.value) if stored is not None else None
-                if (
-                    stored is not None
-                    and known is not None
-                    and (known.index, known.decided_upto) >= (hint.index, hint.decided_upto)
-                    and known.index <= stored.etcd_index
-                ):
-                    return  # (it describes this state, or a newer one, as well)
-                try:
-                    if stored is None:
-                        self._conn.create(key, hint.encode())
-                    else:
-                        self._conn.compare_and_swap(key, hint.encode(), stored)
-                    return
-                except (CompareFailedError, KeyExistsError, KeyNotFoundError):
-                    continue  # another hint came first: compare with it
-            logger.debug(
-                "Gave up writing the progress hint of version %s: others kept at it", version
-            )
+            self._conn.advance(key, hint.encode(), holds_newer=holds_newer)
         except RendezvousError as exc:
             logger.info("Could not write the progress hint of version %s: %s", version, exc)
 

@@ -30,6 +30,7 @@ from ..metrics import MetricKind, record_metric
 from .retry import CONNECTION, Deadline
 
 __all__ = [
+    "ADVANCE_TRIES",
     "DELETE_ACTIONS",
     "WRITE_ACTIONS",
     "Attempt",
@@ -62,6 +63,10 @@ DEFAULT_SILENCE_TIMEOUT = 10.0
 
 #: The etcd APIs a transport can speak, and the ``etcd_api`` option's values.
 ETCD_APIS = ("auto", "v2", "v3")
+
+#: How many writes :meth:`Transport.advance` tries by default: each race lost is to a
+#: write of something newer, most likely, which the next read finds.
+ADVANCE_TRIES = 3
 
 #: Actions (:attr:`Node.action`) of changes after which the node holds the key's new value.
 WRITE_ACTIONS = frozenset({"set", "create", "update", "compareAndSwap"})
@@ -285,6 +290,23 @@ class Node:
     action: str
     #: The v3 lease the key is attached to (0: none, and always 0 on v2).
     lease: int = 0
+
+    @classmethod
+    def stand_in(cls, key: str, index: int) -> Node:
+        """A stand-in for ``key`` as read at modification index ``index``, for a
+        :meth:`Transport.compare_and_swap` that compares the index alone (PyTorch's
+        backend compares on ``prevIndex`` only: the index identifies the value)."""
+        return cls(
+            key=key,
+            value="",
+            modified_index=index,
+            created_index=0,
+            etcd_index=index,
+            ttl=None,
+            is_dir=False,
+            children=(),
+            action="get",
+        )
 
 
 class _Closing(abc.ABC):
@@ -777,6 +799,52 @@ class Transport(_Closing):
                 longer holds the history that would tell): re-read the key.
             KeyNotFoundError: the key no longer exists.
         """
+
+    def advance(
+        self,
+        key: str,
+        value: str,
+        *,
+        expected: int | None = None,
+        holds_newer: Callable[[Node], bool],
+        ttl: int | None = None,
+        tries: int = ADVANCE_TRIES,
+    ) -> Node | None:
+        """Write ``value`` into ``key`` unless it holds something at least as new
+        (``holds_newer`` of the node read), and never over a write made since that read.
+
+        Each try reads the key, then swaps ``value`` in by :meth:`compare_and_swap` on
+        what it read (or creates the key, if absent or gone since). Another write that
+        comes first (a lost race) starts the next try, ``tries`` at most. ``expected``:
+        the key's modification index as the caller remembers it (``0``: absent), written
+        on without a read by the first try.
+
+        Returns the node written, or ``None`` if the key holds something at least as new
+        or every try lost its race.
+        """
+        held = None if not expected else Node.stand_in(key, expected)
+        read = expected is None
+        for _ in range(tries):
+            if read:
+                held = self.try_get(key)
+                if held is not None and holds_newer(held):
+                    return None
+            try:
+                return self._swap_in(key, value, held, ttl)
+            except (CompareFailedError, KeyExistsError):
+                read = True  # another write came first: read it, then decide again
+        logger.debug("Gave up writing %r: another write came first %d times", key, tries)
+        return None
+
+    def _swap_in(self, key: str, value: str, held: Node | None, ttl: int | None) -> Node:
+        """Write ``value`` in place of ``held`` (compare-and-swap), or create ``key`` if
+        it was absent (``held`` is ``None``) or is gone since."""
+        if held is not None:
+            try:
+                return self.compare_and_swap(key, value, held, ttl=ttl)
+            except KeyNotFoundError:
+                pass  # expired or deleted since the read: create it
+        return self.create(key, value, ttl=ttl)
 
     @abc.abstractmethod
     def compare_and_delete(self, key: str, prev: Node) -> bool:
