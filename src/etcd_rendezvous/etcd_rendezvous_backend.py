@@ -391,10 +391,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return True
 
     def renew_aggregator(self, node: NodeDesc, ttl: int) -> bool:
-        """Restart the TTL of the aggregator lock (held by ``node``); ``False`` if gone."""
+        """Restart the TTL of the aggregator lock if ``node`` holds it; ``False`` if it
+        is gone or another node's (one request on v2, two on v3, as unconditionally)."""
         try:
-            self._conn.refresh(self._nodes.aggregator_key, ttl)
-        except KeyNotFoundError:
+            self._conn.refresh(self._nodes.aggregator_key, ttl, prev_value=_node_value(node))
+        except (KeyNotFoundError, CompareFailedError):
             return False
         return True
 

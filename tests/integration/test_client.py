@@ -23,6 +23,7 @@ import pytest
 from etcd_rendezvous._transport.interface import (
     CompareFailedError,
     KeyExistsError,
+    KeyNotFoundError,
     OperationRefusedError,
     Transport,
     WatchHistoryLostError,
@@ -668,6 +669,27 @@ def test_ttl_refresh_does_not_wake_watchers(direct: Transport, key: str) -> None
     direct.refresh(key, 30)
     assert direct.watch(key, written.modified_index + 1, timeout=0.3) is None
     assert direct.get(key).value == "v"
+
+
+def test_a_refresh_on_a_value_refreshes_only_that_value(direct: Transport, key: str) -> None:
+    def ttl() -> int | None:
+        return direct.time_to_live(direct.get(key))
+
+    direct.set(key, "mine", ttl=30)
+    with pytest.raises(CompareFailedError):
+        direct.refresh(key, 60, prev_value="theirs")
+    assert 0 < (ttl() or 0) <= 30
+    direct.refresh(key, 60, prev_value="mine")  # (On v3, a longer TTL: a new lease.)
+    assert 50 < (ttl() or 0) <= 60
+    direct.set(key, "mine")  # No TTL: one is attached only to the value compared.
+    with pytest.raises(CompareFailedError):
+        direct.refresh(key, 30, prev_value="theirs")
+    assert ttl() is None
+    direct.refresh(key, 30, prev_value="mine")
+    assert 0 < (ttl() or 0) <= 30
+    assert direct.get(key).value == "mine"
+    with pytest.raises(KeyNotFoundError):
+        direct.refresh(f"{key}-gone", 30, prev_value="mine")
 
 
 # -- 8. watches --------------------------------------------------------------------------
