@@ -223,6 +223,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 return self._current_state()
         value = b64encode(state).decode()
         try:
+            # PyTorch's pickle has no room for a tag; equal bytes are an equal state.
             if index:
                 node = self._conn.compare_and_swap(
                     self._key, value, _prev(self._key, index), ttl=self._ttl
