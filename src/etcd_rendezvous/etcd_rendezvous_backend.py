@@ -395,7 +395,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """Restart the TTL of the aggregator lock if ``node`` holds it; ``False`` if it
         is gone or another node's (one request on v2, two on v3, as unconditionally)."""
         try:
-            self._conn.refresh(self._nodes.aggregator_key, ttl, prev_value=_node_value(node))
+            self._conn.compare_and_refresh(self._nodes.aggregator_key, _node_value(node), ttl)
         except (KeyNotFoundError, CompareFailedError):
             return False
         return True

@@ -671,25 +671,25 @@ def test_ttl_refresh_does_not_wake_watchers(direct: Transport, key: str) -> None
     assert direct.get(key).value == "v"
 
 
-def test_a_refresh_on_a_value_refreshes_only_that_value(direct: Transport, key: str) -> None:
+def test_compare_and_refresh_refreshes_only_the_value_compared(direct: Transport, key: str) -> None:
     def ttl() -> int | None:
         return direct.time_to_live(direct.get(key))
 
     direct.set(key, "mine", ttl=30)
     with pytest.raises(CompareFailedError):
-        direct.refresh(key, 60, prev_value="theirs")
+        direct.compare_and_refresh(key, "theirs", 60)
     assert 0 < (ttl() or 0) <= 30
-    direct.refresh(key, 60, prev_value="mine")  # (On v3, a longer TTL: a new lease.)
+    direct.compare_and_refresh(key, "mine", 60)  # (On v3, a longer TTL: a new lease.)
     assert 50 < (ttl() or 0) <= 60
     direct.set(key, "mine")  # No TTL: one is attached only to the value compared.
     with pytest.raises(CompareFailedError):
-        direct.refresh(key, 30, prev_value="theirs")
+        direct.compare_and_refresh(key, "theirs", 30)
     assert ttl() is None
-    direct.refresh(key, 30, prev_value="mine")
+    direct.compare_and_refresh(key, "mine", 30)
     assert 0 < (ttl() or 0) <= 30
     assert direct.get(key).value == "mine"
     with pytest.raises(KeyNotFoundError):
-        direct.refresh(f"{key}-gone", 30, prev_value="mine")
+        direct.compare_and_refresh(f"{key}-gone", "mine", 30)
 
 
 # -- 8. watches --------------------------------------------------------------------------

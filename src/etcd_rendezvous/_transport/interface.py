@@ -733,15 +733,7 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
-    def refresh(
-        self,
-        key: str,
-        ttl: int,
-        *,
-        timeout: float | None = None,
-        lease: int = 0,
-        prev_value: str | None = None,
-    ) -> Node:
+    def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
         """Reset the TTL of an existing key without changing its value or waking watchers.
 
         ``timeout`` bounds the time spent retrying failures (default: the read timeout).
@@ -749,12 +741,19 @@ class Transport(_Closing):
         ``lease`` of the :class:`Node` that write returned, or of the last refresh), for
         a key no one else writes: it is kept alive without reading the key first. The
         returned node's ``lease`` is the one to pass next time.
-        ``prev_value``: refresh only if the key holds this value (a lock's holder
-        renewing it; ``lease`` is then ignored).
 
         Raises:
             KeyNotFoundError: the key (or its TTL) is gone.
-            CompareFailedError: the key does not hold ``prev_value``.
+        """
+
+    @abc.abstractmethod
+    def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
+        """Like :meth:`refresh` (a TTL of ``ttl``), only if ``key`` holds ``value``: a
+        lock's holder renewing it.
+
+        Raises:
+            KeyNotFoundError: the key (or its TTL) is gone.
+            CompareFailedError: the key holds another value.
         """
 
     @abc.abstractmethod

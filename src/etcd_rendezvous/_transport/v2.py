@@ -500,22 +500,19 @@ class EtcdConnection(Transport):
             ).unwrap()
         )
 
-    def refresh(
-        self,
-        key: str,
-        ttl: int,
-        *,
-        timeout: float | None = None,
-        lease: int = 0,
-        prev_value: str | None = None,
-    ) -> Node:
+    def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
         """Reset the TTL of an existing key without changing its value or notifying watchers.
 
         ``timeout`` bounds the time spent retrying connection failures (default: the
         read timeout). ``lease`` is for v3 (v2 refreshes in one request anyway).
-        ``prev_value`` is sent as ``prevValue``: still one request.
         """
-        condition = {} if prev_value is None else {"prevValue": prev_value}
+        return self._refresh(key, ttl, None if timeout is None else Deadline(timeout))
+
+    def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
+        """:meth:`refresh` with ``prevValue``: one request, as without it."""
+        return self._refresh(key, ttl, None, prevValue=value)
+
+    def _refresh(self, key: str, ttl: int, budget: Deadline | None, **condition: str) -> Node:
         return self._note_index(
             self._v2(
                 "refresh the TTL of",
@@ -523,7 +520,7 @@ class EtcdConnection(Transport):
                 lambda c: _node(
                     c.write(key, None, ttl=ttl, refresh=True, prevExist=True, **condition)
                 ),
-                budget=None if timeout is None else Deadline(timeout),
+                budget=budget,
             ).unwrap()
         )
 

@@ -488,15 +488,7 @@ class EtcdV3Connection(Transport):
 
         return self._leased("update", key, ttl, send, lease).unwrap()
 
-    def refresh(
-        self,
-        key: str,
-        ttl: int,
-        *,
-        timeout: float | None = None,
-        lease: int = 0,
-        prev_value: str | None = None,
-    ) -> Node:
+    def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
         """Keep ``key``'s lease alive (its TTL starts again), without waking watchers.
 
         The key's current lease is read first: another worker's write may have moved
@@ -510,18 +502,12 @@ class EtcdV3Connection(Transport):
         refresh): that lease is kept alive at once, and the key is read only if the lease
         is gone or shorter than ``ttl``. One request per refresh instead of two.
 
-        With ``prev_value``, the value read is compared (a keep-alive takes no
-        condition): the key can change hands between the read and the keep-alive only
-        if its lease lapses, and then the keep-alive fails too. A new lease is attached
-        only if the key is still as read. Two requests, as without ``lease``.
-
         Raises:
             KeyNotFoundError: the key is gone, or its lease lapsed.
-            CompareFailedError: the key does not hold ``prev_value``.
         """
         key = wire.norm(key)
         budget = Deadline(self._read_timeout if timeout is None else timeout)
-        if lease and prev_value is None:
+        if lease:
             with self.bounded_by(budget):
                 data = self._call(
                     "refresh the TTL of", key, "/v3/lease/keepalive", {"ID": str(lease)}
@@ -532,9 +518,29 @@ class EtcdV3Connection(Transport):
             # Lapsed (the key with it), or shorter than asked: do as without a lease.
         with self.bounded_by(budget):
             node = self.get(key)
-            if prev_value is not None and node.value != prev_value:
-                raise CompareFailedError(key, node.etcd_index)
-            unless_changed = 0 if prev_value is None else node.modified_index
+        return self._keep_alive(key, node, ttl, budget)
+
+    def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
+        """:meth:`refresh` after comparing the value read, as a keep-alive takes no
+        condition: between the read and the keep-alive, the key can change hands only
+        if its lease lapses (or its holder deletes it), and then the keep-alive fails
+        too. A new lease is attached only if the key is still as read. Two requests, as
+        :meth:`refresh` without ``lease``."""
+        key = wire.norm(key)
+        budget = Deadline(self._read_timeout)
+        with self.bounded_by(budget):
+            node = self.get(key)
+        if node.value != value:
+            raise CompareFailedError(key, node.etcd_index)
+        return self._keep_alive(key, node, ttl, budget, node.modified_index)
+
+    def _keep_alive(
+        self, key: str, node: Node, ttl: int, budget: Deadline, unless_changed: int = 0
+    ) -> Node:
+        """Keep alive the lease of ``node`` (``key`` as read), or attach a new one of
+        ``ttl`` if it has none or a shorter one (only if its modification revision is
+        still ``unless_changed``, unless that is 0)."""
+        with self.bounded_by(budget):
             if not node.lease:
                 # The key has no TTL: give it one, keeping its value (a v2 refresh would).
                 return self._attach_new_lease(key, ttl, unless_changed)
@@ -552,17 +558,15 @@ class EtcdV3Connection(Transport):
         return node
 
     def _attach_new_lease(self, key: str, ttl: int, unless_changed: int = 0) -> Node:
-        """Move ``key`` to a new lease of ``ttl``, keeping its value; with
-        ``unless_changed``, only if its modification revision is still that."""
         lease = self._grant(ttl, key)
         body = {"key": wire.b64(key), "lease": str(lease), "ignore_value": True}
-        if not unless_changed:
-            data = self._call("refresh the TTL of", key, "/v3/kv/put", body)
-        else:
+        if unless_changed:
             txn = wire.guarded_txn(key, unless_changed, {"request_put": body})
             data = self._call("refresh the TTL of", key, "/v3/kv/txn", txn)
             if not data.get("succeeded"):
                 raise wire.compare_failure(key, data, wire.revision(data))
+        else:
+            data = self._call("refresh the TTL of", key, "/v3/kv/put", body)
         revision = wire.revision(data)
         return wire.written(key, None, revision, 0, "refresh", lease)
 
