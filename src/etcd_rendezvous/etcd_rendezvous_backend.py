@@ -224,6 +224,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 return self._current_state()
         value = b64encode(state).decode()
         try:
+            # PyTorch's pickle has no room for a tag; equal bytes are an equal state.
             if index:
                 node = self._conn.compare_and_swap(
                     self._key, value, Node.stand_in(self._key, index), ttl=self._ttl
@@ -392,10 +393,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return True
 
     def renew_aggregator(self, node: NodeDesc, ttl: int) -> bool:
-        """Restart the TTL of the aggregator lock (held by ``node``); ``False`` if gone."""
+        """Restart the TTL of the aggregator lock if ``node`` holds it; ``False`` if it
+        is gone or another node's (one request on v2, two on v3, as unconditionally)."""
         try:
-            self._conn.refresh(self._nodes.aggregator_key, ttl)
-        except KeyNotFoundError:
+            self._conn.compare_and_refresh(self._nodes.aggregator_key, _node_value(node), ttl)
+        except (KeyNotFoundError, CompareFailedError):
             return False
         return True
 

@@ -174,13 +174,17 @@ class EventSource:
 
     An event recorded through ``source.record("next_rendezvous", ...)`` is named
     ``<file_name>:<class_name>.next_rendezvous``, e.g.
-    ``dynamic_rendezvous.py:DynamicRendezvousHandler.next_rendezvous``.
+    ``dynamic_rendezvous.py:DynamicRendezvousHandler.next_rendezvous``, or
+    ``<file_name>:<method>`` for a module-level function (``class_name`` empty), e.g.
+    ``dynamic_rendezvous.py:create_handler``. The names are given, never taken from the
+    code (a private class of ours may be renamed; its events keep PyTorch's names).
     """
 
     file_name: str
     """The file PyTorch records these events from, e.g. ``dynamic_rendezvous.py``."""
     class_name: str
-    """The class PyTorch records them from, e.g. ``DynamicRendezvousHandler``."""
+    """The class PyTorch records them from, e.g. ``DynamicRendezvousHandler``; empty
+    for a module-level function."""
     run_id: str
     """The run id of the rendezvous."""
 
@@ -196,8 +200,9 @@ class EventSource:
         local_id: int | None = None,
     ) -> None:
         """Record an event of ``method``; see :func:`record_rdzv_event` for the rest."""
+        owner = f"{self.class_name}." if self.class_name else ""
         _emit(
-            f"{self.file_name}:{self.class_name}.{method}",
+            f"{self.file_name}:{owner}{method}",
             run_id=self.run_id,
             message=message,
             node_state=node_state,

@@ -23,6 +23,7 @@ import pytest
 from etcd_rendezvous._transport.interface import (
     CompareFailedError,
     KeyExistsError,
+    KeyNotFoundError,
     OperationRefusedError,
     Transport,
     WatchHistoryLostError,
@@ -668,6 +669,27 @@ def test_ttl_refresh_does_not_wake_watchers(direct: Transport, key: str) -> None
     direct.refresh(key, 30)
     assert direct.watch(key, written.modified_index + 1, timeout=0.3) is None
     assert direct.get(key).value == "v"
+
+
+def test_compare_and_refresh_refreshes_only_the_value_compared(direct: Transport, key: str) -> None:
+    def ttl() -> int | None:
+        return direct.time_to_live(direct.get(key))
+
+    direct.set(key, "mine", ttl=30)
+    with pytest.raises(CompareFailedError):
+        direct.compare_and_refresh(key, "theirs", 60)
+    assert 0 < (ttl() or 0) <= 30
+    direct.compare_and_refresh(key, "mine", 60)  # (On v3, a longer TTL: a new lease.)
+    assert 50 < (ttl() or 0) <= 60
+    direct.set(key, "mine")  # No TTL: one is attached only to the value compared.
+    with pytest.raises(CompareFailedError):
+        direct.compare_and_refresh(key, "theirs", 30)
+    assert ttl() is None
+    direct.compare_and_refresh(key, "mine", 30)
+    assert 0 < (ttl() or 0) <= 30
+    assert direct.get(key).value == "mine"
+    with pytest.raises(KeyNotFoundError):
+        direct.compare_and_refresh(f"{key}-gone", "mine", 30)
 
 
 # -- 8. watches --------------------------------------------------------------------------

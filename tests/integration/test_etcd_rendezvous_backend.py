@@ -30,6 +30,7 @@ from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, creat
 from etcd_rendezvous.etcd_store import EtcdStore
 from support.faultproxy import FaultProxy
 from support.threads import InThread
+from support.wait import wait_until
 
 
 @pytest.fixture
@@ -365,6 +366,16 @@ def test_the_aggregator_lock(keyed, conn):
     keyed.release_aggregator(a)
     assert keyed.aggregator() is None
     assert keyed.claim_aggregator(b, 30)
+
+
+def test_a_lapsed_aggregator_cannot_renew_the_lock_another_node_took(keyed):
+    a, b = NodeDesc("a", 1, 0), NodeDesc("b", 1, 0)
+    assert keyed.claim_aggregator(a, 1)
+    wait_until(lambda: keyed.aggregator() is None, what="the aggregator lock to lapse")
+    assert keyed.claim_aggregator(b, 30)
+    assert not keyed.renew_aggregator(a, 30)  # b's lock: a renews only its own.
+    assert keyed.aggregator() == b
+    assert keyed.renew_aggregator(b, 30)
 
 
 # -- create_backend ----------------------------------------------------------------------------

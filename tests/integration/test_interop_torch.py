@@ -137,6 +137,7 @@ def test_late_workers_of_both_kinds_are_counted_exactly_and_admitted(
     assert state is not None
     assert state["num_workers_waiting"] == 4
     assert len(state["waiting"]) == 2
+    assert state["tag"]  # our count's own; PyTorch's increments carry it along
     assert [w.request("waiting") for w in members] == [{"event": "waiting", "n": 4}] * 2
 
     for worker in members:
@@ -144,6 +145,9 @@ def test_late_workers_of_both_kinds_are_counted_exactly_and_admitted(
     second = [expect_joined(w.next_event(), w) for w in [*members, *late]]
     assert sorted(j["rank"] for j in second) == list(range(6))
     assert {(j["version"], j["world_size"]) for j in second} == {("2", 6)}
+    # At least two of ours were admitted by one of ours: a tagged admission, whose tag
+    # PyTorch's joins carried along.
+    assert json.loads(conn.get(key).value)["tag"]
 
 
 def test_torch_sees_a_rendezvous_closed_by_us(etcd_server, run_id, workers, conn):

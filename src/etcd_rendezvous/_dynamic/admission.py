@@ -316,7 +316,7 @@ class NodeRegistry(Protocol):
         """Create the aggregator lock for ``node`` if nobody holds it; whether it did."""
 
     def renew_aggregator(self, node: NodeDesc, ttl: int) -> bool:
-        """Restart the TTL of the lock held by ``node``; ``False`` if it is gone."""
+        """Restart the TTL of the lock if ``node`` holds it; ``False`` if gone or another's."""
 
     def release_aggregator(self, node: NodeDesc) -> None:
         """Delete the aggregator lock if ``node`` holds it."""

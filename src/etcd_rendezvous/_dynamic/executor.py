@@ -36,7 +36,14 @@ from .ops import (
     _RendezvousKeepAliveOp,
     _StateHandler,
 )
-from .settings import LOGGER_NAME, RendezvousSettings, _now, event_source, record_node_event
+from .settings import (
+    EXECUTOR_EVENTS,
+    LOGGER_NAME,
+    RendezvousSettings,
+    _now,
+    event_source,
+    record_node_event,
+)
 from .state import _NodeDesc, _RendezvousState
 
 __all__ = ["_DistributedRendezvousOpExecutor", "_RendezvousOpExecutor"]
@@ -125,7 +132,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._fold: set[_NodeDesc] | None = None
         # Whether the next wait is to read the state instead (see ``_admit``).
         self._refresh = False
-        self._events = event_source(self, settings.run_id)
+        self._events = event_source(EXECUTOR_EVENTS, settings.run_id)
 
     def _record(self, method: str, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
         """Record an event of ``method`` for this node."""

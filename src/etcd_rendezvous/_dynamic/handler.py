@@ -32,7 +32,7 @@ from ..api import (
     RendezvousTimeoutError,
     Store,
 )
-from ..events import NodeState, _records_failure, record_rdzv_event
+from ..events import NodeState, _records_failure
 from ..layout import dynamic_store_prefix
 from ..metrics import MetricKind, record_metric
 from .admission import NodeKeys, NodeRegistry
@@ -48,7 +48,6 @@ from .ops import (
 from .periodic import _PeriodicTimer
 from .prefix_store import _prefix_store
 from .settings import (
-    EVENT_FILE,
     LOGGER_NAME,
     RendezvousSettings,
     RendezvousTimeout,
@@ -226,7 +225,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._owned_backend = owned_backend
         self._close_lock = threading.Lock()
         self._closed = False
-        self._events = event_source(self, settings.run_id)
+        self._events = event_source(type(self).__name__, settings.run_id)
 
     def __enter__(self) -> DynamicRendezvousHandler:
         return self
@@ -777,12 +776,8 @@ def create_handler(
         return _handler_from_params(store, backend, params, backend_name, owns_backend)
     except BaseException as e:
         if isinstance(e, Exception):
-            record_rdzv_event(
-                message=f"{type(e).__name__}: {e}",
-                run_id=params.run_id,
-                node_state=NodeState.FAILED,
-                name="create_handler",
-                file_name=EVENT_FILE,
+            event_source("", params.run_id).record(
+                "create_handler", f"{type(e).__name__}: {e}", NodeState.FAILED
             )
         close_backend = getattr(backend, "close", None)
         if owns_backend and close_backend is not None:

@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 
 from .._transport.retry import Deadline
 from .backend import _POLL_INTERVAL, RendezvousBackend, Token, _delay
-from .settings import LOGGER_NAME, RendezvousSettings, _now, event_source
+from .settings import LOGGER_NAME, STATE_HOLDER_EVENTS, RendezvousSettings, _now, event_source
 from .state import _encode_state, _NodeDesc, _RendezvousState, decode_state
 
 __all__ = [
@@ -128,7 +128,7 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         self._dirty = False
         self._last_sync_time = -1
         self._dead_nodes = []
-        self._events = event_source(self, settings.run_id)
+        self._events = event_source(STATE_HOLDER_EVENTS, settings.run_id)
         self._fetches = 0
 
     @property

@@ -17,7 +17,9 @@ from .state import _NodeDesc
 
 __all__ = [
     "EVENT_FILE",
+    "EXECUTOR_EVENTS",
     "LOGGER_NAME",
+    "STATE_HOLDER_EVENTS",
     "RendezvousSettings",
     "RendezvousTimeout",
     "_now",
@@ -34,10 +36,17 @@ LOGGER_NAME = "etcd_rendezvous.dynamic_rendezvous"
 EVENT_FILE = LOGGER_NAME.rpartition(".")[2] + ".py"
 
 
-def event_source(owner: object, run_id: str) -> EventSource:
-    """The recorder of ``owner``'s events, named as PyTorch names them:
-    ``dynamic_rendezvous.py:<owner's class>.<method>``."""
-    return EventSource(EVENT_FILE, type(owner).__name__, run_id)
+#: PyTorch's names of the private classes whose events ours record: constants, so that
+#: renaming one of ours cannot rename its events. (The public handler's events carry
+#: the name of its class, or of a subclass, as PyTorch's do.)
+EXECUTOR_EVENTS = "_DistributedRendezvousOpExecutor"
+STATE_HOLDER_EVENTS = "_BackendRendezvousStateHolder"
+
+
+def event_source(class_name: str, run_id: str) -> EventSource:
+    """The recorder of the events PyTorch records from its class ``class_name`` (``""``:
+    from a module-level function): ``dynamic_rendezvous.py:<class_name>.<method>``."""
+    return EventSource(EVENT_FILE, class_name, run_id)
 
 
 def record_node_event(

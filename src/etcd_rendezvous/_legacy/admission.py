@@ -708,9 +708,12 @@ class BatchJoin:
         if write is None or observed.node is None:
             self._wait(self._feed.silence)
             return False
+        # A tag (which PyTorch's workers ignore and carry along) makes the swap ours
+        # alone: a retry that finds another admitter's identical state is not misled.
+        state = {**write.state, "tag": secrets.token_hex(8)}
         try:
             node = self._conn.compare_and_swap(
-                self._layout.state_key, json.dumps(write.state), observed.node, ttl=write.ttl
+                self._layout.state_key, json.dumps(state), observed.node, ttl=write.ttl
             )
         except (CompareFailedError, KeyNotFoundError):
             logger.debug("Rendezvous state CAS unsuccessful; deciding again")

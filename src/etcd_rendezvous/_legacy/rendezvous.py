@@ -631,6 +631,7 @@ class EtcdRendezvous:
             self._check_version_dir(active_version, version, counted)
         self.create_path_if_not_exists(self._layout.store_dir(version))
         opening = self._join.opening_state(version)
+        # No tag needed: only the holder of our tagged setup state swaps it for this.
         return self._conn.compare_and_swap(
             self._layout.state_key, json.dumps(opening.state), active_version, ttl=opening.ttl
         )
@@ -909,6 +910,7 @@ class EtcdRendezvous:
                 return
             state["status"] = "closed"
             try:
+                # No tag needed: a closed state is closed whoever closed it.
                 self._conn.compare_and_swap(key, json.dumps(state), active_version)
                 self._record_closed()
                 return
@@ -965,6 +967,7 @@ class EtcdRendezvous:
             data = self._decode_extra_data(extra_data)
             data[key] = value
             try:
+                # No tag needed, as for the create: a value holding our key is ours.
                 self._conn.compare_and_swap(node, json.dumps(data), extra_data)
                 return
             except CompareFailedError:

@@ -107,8 +107,9 @@ def parse_state(node: Node) -> dict[str, Any]:
     add: ``members`` (member key name -> rank; see
     :mod:`etcd_rendezvous._legacy.admission`), ``waiting`` (the wait keys counted in
     ``num_workers_waiting``; see :mod:`etcd_rendezvous._legacy.waiting`) and ``tag``
-    (random hex digits making a write its writer's own, in the ``setup`` state and
-    after :meth:`~etcd_rendezvous.etcd_rendezvous.EtcdRendezvous.announce_self_waiting`;
+    (random hex digits making a write its writer's own, in the ``setup`` state, in
+    each admission and count, and after
+    :meth:`~etcd_rendezvous.etcd_rendezvous.EtcdRendezvous.announce_self_waiting`;
     not checked). See docs/how-it-works.rst, "Waiting in a few requests".
 
     Raises:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -217,6 +218,9 @@ class _Wait:
         counting = plan_count(final.state, self.waiting)
         if counting is None:
             return
+        # Tagged (PyTorch's workers carry the tag along): two counters reaching the same
+        # count write different values, so a retry takes only its own swap as applied.
+        counting = {**counting, "tag": secrets.token_hex(8)}
         try:
             node = self._conn.compare_and_swap(final.node.key, json.dumps(counting), final.node)
         except (CompareFailedError, KeyNotFoundError):

@@ -23,6 +23,30 @@ from typing import Any
 
 import urllib3
 
+__all__ = [
+    "ADDRESS_IN_USE",
+    "HOST",
+    "REMOVED_FLAGS",
+    "NotReadyError",
+    "ProbeTimeoutError",
+    "ProcessExitedError",
+    "binary_version",
+    "continue_process",
+    "free_ports",
+    "has_v2_api",
+    "last_lines",
+    "member_status",
+    "probe_member",
+    "read_log_from",
+    "removed_flag_problem",
+    "request_json",
+    "stop_process",
+    "terminate",
+    "unknown_flag_problem",
+    "v2_flags",
+    "wait_ready",
+]
+
 logger = logging.getLogger(__name__)
 
 #: The only address the local servers listen on.

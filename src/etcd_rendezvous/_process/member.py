@@ -41,6 +41,21 @@ from .etcd import (
     wait_ready,
 )
 
+__all__ = [
+    "DATA_NAME",
+    "LOG_NAME",
+    "LOG_TAIL_LINES",
+    "EtcdServerError",
+    "EtcdServerTimeoutError",
+    "Leftovers",
+    "Member",
+    "Program",
+    "Stderr",
+    "Tls",
+    "clean_up",
+    "discard",
+]
+
 logger = logging.getLogger(__name__)
 
 #: Names of etcd's data dir and of the file capturing its output, in a member's directory.

@@ -769,6 +769,16 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
+    def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
+        """Like :meth:`refresh` (a TTL of ``ttl``), only if ``key`` holds ``value``: a
+        lock's holder renewing it.
+
+        Raises:
+            KeyNotFoundError: the key (or its TTL) is gone.
+            CompareFailedError: the key holds another value.
+        """
+
+    @abc.abstractmethod
     def mkdir(self, key: str, *, ttl: int | None = None) -> bool:
         """Create directory ``key`` unless it exists. Returns whether it was created."""
 

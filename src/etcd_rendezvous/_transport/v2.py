@@ -506,12 +506,21 @@ class EtcdConnection(Transport):
         ``timeout`` bounds the time spent retrying connection failures (default: the
         read timeout). ``lease`` is for v3 (v2 refreshes in one request anyway).
         """
+        return self._refresh(key, ttl, None if timeout is None else Deadline(timeout))
+
+    def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
+        """:meth:`refresh` with ``prevValue``: one request, as without it."""
+        return self._refresh(key, ttl, None, prevValue=value)
+
+    def _refresh(self, key: str, ttl: int, budget: Deadline | None, **condition: str) -> Node:
         return self._note_index(
             self._v2(
                 "refresh the TTL of",
                 key,
-                lambda c: _node(c.write(key, None, ttl=ttl, refresh=True, prevExist=True)),
-                budget=None if timeout is None else Deadline(timeout),
+                lambda c: _node(
+                    c.write(key, None, ttl=ttl, refresh=True, prevExist=True, **condition)
+                ),
+                budget=budget,
             ).unwrap()
         )
 

@@ -29,6 +29,7 @@ from ..api import RendezvousConnectionError
 from . import v3_wire as wire
 from .interface import (
     Attempt,
+    CompareFailedError,
     ConnectionOptions,
     KeyExistsError,
     KeyNotFoundError,
@@ -517,9 +518,32 @@ class EtcdV3Connection(Transport):
             # Lapsed (the key with it), or shorter than asked: do as without a lease.
         with self.bounded_by(budget):
             node = self.get(key)
+        return self._keep_alive(key, node, ttl, budget)
+
+    def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
+        """:meth:`refresh` after comparing the value read, as a keep-alive takes no
+        condition: between the read and the keep-alive, the key can change hands only
+        if its lease lapses (or its holder deletes it), and then the keep-alive fails
+        too. A new lease is attached only if the key is still as read. Two requests, as
+        :meth:`refresh` without ``lease``."""
+        key = wire.norm(key)
+        budget = Deadline(self._read_timeout)
+        with self.bounded_by(budget):
+            node = self.get(key)
+        if node.value != value:
+            raise CompareFailedError(key, node.etcd_index)
+        return self._keep_alive(key, node, ttl, budget, node.modified_index)
+
+    def _keep_alive(
+        self, key: str, node: Node, ttl: int, budget: Deadline, unless_changed: int = 0
+    ) -> Node:
+        """Keep alive the lease of ``node`` (``key`` as read), or attach a new one of
+        ``ttl`` if it has none or a shorter one (only if its modification revision is
+        still ``unless_changed``, unless that is 0)."""
+        with self.bounded_by(budget):
             if not node.lease:
                 # The key has no TTL: give it one, keeping its value (a v2 refresh would).
-                return self._attach_new_lease(key, ttl)
+                return self._attach_new_lease(key, ttl, unless_changed)
             body = {"ID": str(node.lease)}
             data = self._call("refresh the TTL of", key, "/v3/lease/keepalive", body)
         result = data.get("result", data)
@@ -530,13 +554,19 @@ class EtcdV3Connection(Transport):
             directory = self._dir_leases.get(key) == node.lease
         if int(result["TTL"]) < ttl and not directory:
             with self.bounded_by(budget):
-                return self._attach_new_lease(key, ttl)
+                return self._attach_new_lease(key, ttl, unless_changed)
         return node
 
-    def _attach_new_lease(self, key: str, ttl: int) -> Node:
+    def _attach_new_lease(self, key: str, ttl: int, unless_changed: int = 0) -> Node:
         lease = self._grant(ttl, key)
         body = {"key": wire.b64(key), "lease": str(lease), "ignore_value": True}
-        data = self._call("refresh the TTL of", key, "/v3/kv/put", body)
+        if unless_changed:
+            txn = wire.guarded_txn(key, unless_changed, {"request_put": body})
+            data = self._call("refresh the TTL of", key, "/v3/kv/txn", txn)
+            if not data.get("succeeded"):
+                raise wire.compare_failure(key, data, wire.revision(data))
+        else:
+            data = self._call("refresh the TTL of", key, "/v3/kv/put", body)
         revision = wire.revision(data)
         return wire.written(key, None, revision, 0, "refresh", lease)
 
