@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous._dynamic.admission import ADMISSION_GRACE
-from etcd_rendezvous.api import RendezvousGracefulExitError, RendezvousParameters
+from etcd_rendezvous.api import RendezvousGracefulExitError
 from etcd_rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     NodeDesc,
@@ -30,7 +30,6 @@ from etcd_rendezvous.dynamic_rendezvous import (
 )
 from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_rendezvous.registry import get_rendezvous_handler
 from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
@@ -39,37 +38,15 @@ Handlers = Callable[..., list[DynamicRendezvousHandler]]
 
 
 @pytest.fixture
-def handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[Handlers]:
-    """Make handlers of one run (closed at teardown, which deletes their keys)."""
-    made: list[DynamicRendezvousHandler] = []
-
-    def make(count: int, min_nodes: int, max_nodes: int, **config: Any) -> list[Any]:
-        options: dict[str, Any] = {
-            "join_timeout": 60,
-            "last_call_timeout": 1,
-            "close_timeout": 10,
-            "keep_alive_interval": 1,
-            "keep_alive_max_attempt": 3,
-            "read_timeout": 10,
-            "torch_store": "false",
-        }
-        options.update(config)
-        params = RendezvousParameters(
-            "etcd-v2",
-            etcd_server.get_endpoint(),
-            run_id,
-            min_nodes,
-            max_nodes,
-            local_addr="127.0.0.1",
-            **options,
-        )
-        new = [get_rendezvous_handler(params) for _ in range(count)]
-        made.extend(new)
-        return new
-
-    yield make
-    for handler in made:
-        handler.close()
+def handler_options() -> dict[str, Any]:
+    """A short last call and a node dropped after 3 s without a heartbeat."""
+    return {
+        "last_call_timeout": 1,
+        "close_timeout": 10,
+        "keep_alive_interval": 1,
+        "keep_alive_max_attempt": 3,
+        "read_timeout": 10,
+    }
 
 
 @pytest.fixture

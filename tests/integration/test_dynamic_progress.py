@@ -23,7 +23,6 @@ import pytest
 
 from etcd_rendezvous._dynamic.admission import Progress
 from etcd_rendezvous._dynamic.state import _encode_state
-from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     NodeDesc,
@@ -32,7 +31,6 @@ from etcd_rendezvous.dynamic_rendezvous import (
 )
 from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, _parse_progress
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_rendezvous.registry import get_rendezvous_handler
 from support.etcd_requests import read_metrics, requests_since
 from support.wait import wait_until
 
@@ -47,45 +45,9 @@ STRANGER = NodeDesc("zzz-host", 7, 0)
 
 
 @pytest.fixture
-def handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[Handlers]:
-    """Make handlers of one run (closed at teardown)."""
-    made: list[DynamicRendezvousHandler] = []
-
-    def make(count: int, min_nodes: int, max_nodes: int) -> list[Any]:
-        params = RendezvousParameters(
-            "etcd-v2",
-            etcd_server.get_endpoint(),
-            run_id,
-            min_nodes,
-            max_nodes,
-            local_addr="127.0.0.1",
-            join_timeout=60,
-            last_call_timeout=30,
-            keep_alive_interval=1,
-            keep_alive_max_attempt=10,
-            torch_store="false",
-        )
-        new = [get_rendezvous_handler(params) for _ in range(count)]
-        made.extend(new)
-        return new
-
-    yield make
-    for handler in made:
-        handler.close()
-
-
-def _params(server: EtcdServer, run_id: str, nodes: int) -> RendezvousParameters:
-    return RendezvousParameters(
-        "etcd-v2",
-        server.get_endpoint(),
-        run_id,
-        nodes,
-        nodes,
-        local_addr="127.0.0.1",
-        join_timeout=60,
-        last_call_timeout=30,
-        torch_store="false",
-    )
+def handler_options() -> dict[str, Any]:
+    """A long last call (a round ends when it is full) and a tolerant heartbeat."""
+    return {"last_call_timeout": 30, "keep_alive_interval": 1, "keep_alive_max_attempt": 10}
 
 
 @pytest.fixture
@@ -229,7 +191,7 @@ def test_a_progress_key_damaged_mid_rendezvous_is_rebuilt(
 
 
 def test_a_rendezvous_after_a_thousand_other_writes_makes_few_requests(
-    private_etcd_server: EtcdServer, run_id: str, pool: ThreadPoolExecutor
+    private_etcd_server: EtcdServer, handlers: Handlers, pool: ThreadPoolExecutor
 ) -> None:
     """A re-rendezvous on a busy etcd: by then the progress key is older than the event
     history etcd keeps (1000 events on v2). The node that waits for the other one watches
@@ -237,26 +199,22 @@ def test_a_rendezvous_after_a_thousand_other_writes_makes_few_requests(
     that is gone fails at once, and reading the key and watching from the same old index
     again would loop as fast as etcd answers)."""
     server = private_etcd_server
-    group: list[Any] = [get_rendezvous_handler(_params(server, run_id, 2)) for _ in range(2)]
-    try:
-        assert sorted(f.result(60).rank for f in _join(pool, group)) == [0, 1]
-        conn = _backend(group[0]).connection
-        for i in range(1100):  # other work on the same etcd
-            conn.set(f"/other/work/{i % 40}", str(i))
-        before = read_metrics(server.client_url)
-        first = pool.submit(group[0].next_rendezvous)
-        # The first node waits in the next round for 2 s (its silences included).
-        with pytest.raises(FutureTimeout):  # alone, it waits (3 s, silences included)
-            first.result(3.0)
-        second = pool.submit(group[1].next_rendezvous)
-        assert sorted([first.result(60).rank, second.result(60).rank]) == [0, 1]
-        requests = requests_since(server.client_url, before)
-        # Both nodes' requests, the first's 3 s of waiting included (30 on v2; spinning
-        # on the lost history made 300).
-        assert requests.reads + requests.writes <= 50, requests.describe()
-    finally:
-        for handler in group:
-            handler.close()
+    group = handlers(2, 2, 2, server=server)
+    assert sorted(f.result(60).rank for f in _join(pool, group)) == [0, 1]
+    conn = _backend(group[0]).connection
+    for i in range(1100):  # other work on the same etcd
+        conn.set(f"/other/work/{i % 40}", str(i))
+    before = read_metrics(server.client_url)
+    first = pool.submit(group[0].next_rendezvous)
+    # The first node waits in the next round for 2 s (its silences included).
+    with pytest.raises(FutureTimeout):  # alone, it waits (3 s, silences included)
+        first.result(3.0)
+    second = pool.submit(group[1].next_rendezvous)
+    assert sorted([first.result(60).rank, second.result(60).rank]) == [0, 1]
+    requests = requests_since(server.client_url, before)
+    # Both nodes' requests, the first's 3 s of waiting included (30 on v2; spinning
+    # on the lost history made 300).
+    assert requests.reads + requests.writes <= 50, requests.describe()
 
 
 @pytest.mark.parametrize("lie", ["beyond-its-write", "above-the-state"])
