@@ -133,3 +133,10 @@ class Worker:
 def expect_joined(event: dict[str, Any], worker: Worker) -> dict[str, Any]:
     assert event["event"] == "joined", (event, worker.stderr)
     return event
+
+
+def join_all(group: Sequence[Worker]) -> list[dict[str, Any]]:
+    """Every worker of ``group`` joins at once; their ``joined`` events, in group order."""
+    for worker in group:
+        worker.send("join")
+    return [expect_joined(worker.next_event(), worker) for worker in group]
