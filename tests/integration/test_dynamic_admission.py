@@ -30,7 +30,7 @@ from etcd_rendezvous.dynamic_rendezvous import (
 )
 from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 from etcd_rendezvous.etcd_server import EtcdServer
-from support.wait import wait_until
+from support.wait import each_version, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -272,14 +272,11 @@ def test_the_aggregator_keeps_everyone_alive_and_a_killed_one_is_replaced(
     # The victim's key lapses (3 s), then its heartbeat in the state (3 s more); every
     # version of the state until then still has the survivors.
     backend = _backend(group[0])
-    deadline = time.monotonic() + 20
-    node = backend.connection.get(backend.key)
-    while victim._this_node in decode_state(b64decode(node.value or ""), "the test").participants:
+    for node in each_version(backend.connection, backend.key, 20):
         state = decode_state(b64decode(node.value or ""), "the test")
         assert all(h._this_node in state.participants for h in survivors), state.participants
-        assert time.monotonic() < deadline, "the killed node was never dropped"
-        change = backend.connection.watch(backend.key, node.modified_index + 1, 5)
-        node = change if change is not None else backend.connection.get(backend.key)
+        if victim._this_node not in state.participants:
+            break
     state = _state(group[0])
     assert {h._this_node for h in survivors} <= set(state.last_heartbeats)
     # Its fellows learn of it and rendezvous again without it.
