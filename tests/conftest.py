@@ -24,7 +24,7 @@ Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (se
   ``cleared_history``: etcd's history forgotten up to now, for that API; ``key``: a key
   in the test's namespace.
 * ``handlers``: our ``etcd-v2`` rendezvous handlers of the test's run, closed after it
-  (options: the module's ``handler_options`` fixture).
+  (options: the module's ``handler_options`` fixture); ``pool``: threads to run them in.
 * ``refused_port``: a loopback port nothing listens on; ``silent_port``: one that accepts
   connections and never answers.
 * ``received``: the rendezvous events recorded in the test's process while it runs.
@@ -40,6 +40,7 @@ import shutil
 import socket
 import uuid
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,13 @@ def connect(
 
 
 @pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for the test's in-process nodes (up to 32 at once)."""
+    with ThreadPoolExecutor(32) as executor:
+        yield executor
+
+
+@pytest.fixture
 def handler_options() -> dict[str, Any]:
     """Options of the ``handlers`` fixture's handlers; a module overrides this fixture to
     give its own (a test passes more to ``handlers``)."""
@@ -163,12 +171,17 @@ def handler_options() -> dict[str, Any]:
 
 @pytest.fixture
 def handlers(
-    etcd_server: EtcdServer, run_id: str, handler_options: dict[str, Any]
+    etcd_server: EtcdServer,
+    run_id: str,
+    handler_options: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Callable[..., list[Any]]]:
     """``handlers(count, min_nodes, max_nodes, server=etcd_server, **options)``: ``count``
     of our ``etcd-v2`` handlers of the run ``run_id`` (join timeout 60 s, no TCP store,
     then ``handler_options``, then ``options``), closed after the test (deleting their
-    keys)."""
+    keys). Rank 0 publishes its address through etcd and starts no agent TCPStore (nor
+    does a PyTorch handler the test makes)."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
     def make(
         count: int, min_nodes: int, max_nodes: int, server: EtcdServer | None = None, **options: Any

@@ -19,7 +19,7 @@ import pytest
 from etcd_rendezvous.api import RendezvousParameters, RendezvousStateError
 from etcd_rendezvous.dynamic_rendezvous import decode_state
 from etcd_rendezvous.etcd_server import EtcdServer
-from support.rdzv import Worker, expect_joined, join_all
+from support.rdzv import Worker, check_shared_store, expect_joined, join_all
 from support.wait import each_version, wait_until
 
 _HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -78,23 +78,12 @@ def _check_group(joined: list[dict], size: int) -> None:
     assert len({(j["master_addr"], j["master_port"]) for j in joined}) == 1
 
 
-def _check_shared_store(group: list[Worker], joined: list[dict]) -> None:
-    by_rank = {j["rank"]: w for j, w in zip(joined, group)}
-    for rank, worker in by_rank.items():
-        assert worker.request(f"set key{rank} value{rank}")["event"] == "ok"
-    for worker in group:
-        for rank in by_rank:
-            assert worker.request(f"get key{rank}") == {"event": "value", "value": f"value{rank}"}
-    totals = [w.request("add counter 1")["value"] for w in group]
-    assert sorted(totals) == list(range(1, len(group) + 1))
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_static_four_nodes(etcd_server, run_id, workers, impl):
     group = _spawn(workers, etcd_server, run_id, [impl] * 4, 4, 4, last_call=30)
     joined = join_all(group)
     _check_group(joined, 4)
-    _check_shared_store(group, joined)
+    check_shared_store(group, joined)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -182,7 +171,7 @@ def test_mixed_fleet_rendezvous_and_share_a_store(etcd_server, run_id, workers, 
         worker.send("join")
     joined = [expect_joined(w.next_event(), w) for w in group]
     _check_group(joined, 4)
-    _check_shared_store(group, joined)
+    check_shared_store(group, joined)
 
 
 @_NEEDS_TORCH

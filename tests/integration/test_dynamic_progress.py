@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime, timezone
 from typing import Any
@@ -29,9 +29,10 @@ from etcd_rendezvous.dynamic_rendezvous import (
     RendezvousState,
     decode_state,
 )
-from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, _parse_progress
+from etcd_rendezvous.etcd_rendezvous_backend import _parse_progress
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.etcd_requests import read_metrics, requests_since
+from support.handlers import backend_of, join_in
 from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
@@ -50,37 +51,16 @@ def handler_options() -> dict[str, Any]:
     return {"last_call_timeout": 30, "keep_alive_interval": 1, "keep_alive_max_attempt": 10}
 
 
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(8) as executor:
-        yield executor
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-
-
-def _backend(handler: DynamicRendezvousHandler) -> EtcdRendezvousBackend:
-    backend = handler._state_holder._backend  # type: ignore[attr-defined]
-    assert isinstance(backend, EtcdRendezvousBackend)
-    return backend
-
-
 def _state(handler: DynamicRendezvousHandler) -> tuple[RendezvousState, int]:
-    result = _backend(handler).get_state()
+    result = backend_of(handler).get_state()
     assert result is not None
     return decode_state(result[0], "the test"), int(result[1])
-
-
-def _join(pool: ThreadPoolExecutor, group: list[Any]) -> list[Future[Any]]:
-    return [pool.submit(handler.next_rendezvous) for handler in group]
 
 
 def _participants(handler: DynamicRendezvousHandler, count: int) -> None:
     wait_until(
         lambda: (
-            _backend(handler).get_state() is not None
+            backend_of(handler).get_state() is not None
             and len(_state(handler)[0].participants) == count
         ),
         timeout=30,
@@ -91,7 +71,7 @@ def _participants(handler: DynamicRendezvousHandler, count: int) -> None:
 def _complete_with_a_stranger_raw(handler: DynamicRendezvousHandler) -> None:
     """Add :data:`STRANGER` and complete the round with the backend's bare compare-and-
     swap: a state write without a progress summary."""
-    backend = _backend(handler)
+    backend = backend_of(handler)
     state, token = _state(handler)
     state.participants[STRANGER] = 0
     state.last_heartbeats[STRANGER] = datetime.now(timezone.utc)
@@ -112,7 +92,7 @@ def _complete_with_a_stranger_torch(handler: DynamicRendezvousHandler) -> None:
         EtcdRendezvousBackend as TorchBackend,
     )
 
-    host, port = _backend(handler).connection.endpoints[0].rsplit("//", 1)[-1].split(":")
+    host, port = backend_of(handler).connection.endpoints[0].rsplit("//", 1)[-1].split(":")
     torch_backend = TorchBackend(
         etcd.Client(host, int(port)), handler.get_run_id(), "/torch/elastic/rendezvous"
     )
@@ -152,21 +132,21 @@ def test_a_state_written_without_a_summary_is_noticed_and_relayed(
     our waiting nodes read the state after a silence, finish, and one of them writes the
     summary it missed."""
     group = handlers(2, 3, 3)
-    futures = _join(pool, group)
+    futures = join_in(pool, group)
     _participants(group[0], 2)
     writer(group[0])
     infos = [future.result(60) for future in futures]
     assert sorted(info.rank for info in infos) == [0, 1]
     assert {info.world_size for info in infos} == {3}
     _, token = _state(group[0])
-    progress = _parse_progress(_backend(group[0]).connection.get(_progress_key(group[0])).value)
+    progress = _parse_progress(backend_of(group[0]).connection.get(_progress_key(group[0])).value)
     assert progress is not None
     assert progress.token == token
     assert progress.complete
 
 
 def _progress_key(handler: DynamicRendezvousHandler) -> str:
-    return _backend(handler).nodes_layout.progress_key
+    return backend_of(handler).nodes_layout.progress_key
 
 
 @pytest.mark.parametrize("damage", ["garbage", "deleted"])
@@ -177,14 +157,14 @@ def test_a_progress_key_damaged_mid_rendezvous_is_rebuilt(
     deleted); the third joins all the same, and all three complete."""
     group = handlers(3, 3, 3)
     first, last = group[:2], group[2]
-    futures = _join(pool, first)
+    futures = join_in(pool, first)
     _participants(first[0], 2)
-    conn, key = _backend(last).connection, _progress_key(last)
+    conn, key = backend_of(last).connection, _progress_key(last)
     if damage == "garbage":
         conn.set(key, "not a summary {")
     else:
         conn.delete(key)
-    futures += _join(pool, [last])
+    futures += join_in(pool, [last])
     infos = [future.result(60) for future in futures]
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert {info.world_size for info in infos} == {3}
@@ -200,8 +180,8 @@ def test_a_rendezvous_after_a_thousand_other_writes_makes_few_requests(
     again would loop as fast as etcd answers)."""
     server = private_etcd_server
     group = handlers(2, 2, 2, server=server)
-    assert sorted(f.result(60).rank for f in _join(pool, group)) == [0, 1]
-    conn = _backend(group[0]).connection
+    assert sorted(f.result(60).rank for f in join_in(pool, group)) == [0, 1]
+    conn = backend_of(group[0]).connection
     for i in range(1100):  # other work on the same etcd
         conn.set(f"/other/work/{i % 40}", str(i))
     before = read_metrics(server.client_url)
@@ -227,9 +207,9 @@ def test_a_summary_that_lies_mid_rendezvous_stops_nobody(
     all three complete: the state, read, is the authority."""
     group = handlers(3, 3, 3)
     first, last = group[:2], group[2]
-    futures = _join(pool, first)
+    futures = join_in(pool, first)
     _participants(first[0], 2)
-    conn, key = _backend(last).connection, _progress_key(last)
+    conn, key = backend_of(last).connection, _progress_key(last)
     conn.set(f"{key}-test-marker", "x")  # an index above the state's
     index = conn.get(f"{key}-test-marker").modified_index
     token = 10**12 if lie == "beyond-its-write" else index
@@ -237,7 +217,7 @@ def test_a_summary_that_lies_mid_rendezvous_stops_nobody(
     fields |= {"decided_upto": 0, "participants": 0, "waiting": 0}
     conn.set(key, json.dumps(fields))
     assert _parse_progress(conn.get(key).value) is not None  # it reads as a summary
-    futures += _join(pool, [last])
+    futures += join_in(pool, [last])
     infos = [future.result(60) for future in futures]
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert {info.world_size for info in infos} == {3}
@@ -249,7 +229,7 @@ def test_a_summary_is_written_with_a_ttl_and_never_over_a_newer_one(handlers: Ha
     newer one than the key holds replaces it even so. The key always has the state's
     TTL (a run that ends leaves nothing behind for ever)."""
     (handler,) = handlers(1, 1, 1)
-    backend = _backend(handler)
+    backend = backend_of(handler)
     conn, key = backend.connection, _progress_key(handler)
 
     def summary(token: int) -> Progress:

@@ -44,7 +44,7 @@ from etcd_rendezvous.layout import (
     normalize_key,
 )
 from etcd_rendezvous.registry import get_rendezvous_handler
-from support.rdzv import Worker, expect_joined, join_all
+from support.rdzv import Worker, check_shared_store, expect_joined, join_all
 from support.wait import wait_for_state, wait_until
 
 
@@ -100,15 +100,7 @@ def test_static_four_workers_get_distinct_ranks(etcd_server, run_id, workers, co
 
 def test_workers_share_the_store(etcd_server, run_id, workers):
     group = _spawn(workers, etcd_server, run_id, 3, 3, 3)
-    joined = join_all(group)
-    by_rank = {j["rank"]: w for j, w in zip(joined, group)}
-    for rank, worker in by_rank.items():
-        assert worker.request(f"set key{rank} value{rank}")["event"] == "ok"
-    for worker in group:
-        for rank in by_rank:
-            assert worker.request(f"get key{rank}") == {"event": "value", "value": f"value{rank}"}
-    totals = [w.request("add counter 1")["value"] for w in group]
-    assert sorted(totals) == [1, 2, 3]
+    check_shared_store(group, join_all(group))
 
 
 def test_elastic_last_call_admits_a_worker_arriving_after_min(etcd_server, run_id, workers, conn):

@@ -140,3 +140,16 @@ def join_all(group: Sequence[Worker]) -> list[dict[str, Any]]:
     for worker in group:
         worker.send("join")
     return [expect_joined(worker.next_event(), worker) for worker in group]
+
+
+def check_shared_store(group: Sequence[Worker], joined: Sequence[dict[str, Any]]) -> None:
+    """Every worker reads what every rank wrote through the rendezvous' store, and their
+    adds to one counter are counted once each."""
+    by_rank = {j["rank"]: w for j, w in zip(joined, group)}
+    for rank, worker in by_rank.items():
+        assert worker.request(f"set key{rank} value{rank}")["event"] == "ok"
+    for worker in group:
+        for rank in by_rank:
+            assert worker.request(f"get key{rank}") == {"event": "value", "value": f"value{rank}"}
+    totals = [w.request("add counter 1")["value"] for w in group]
+    assert sorted(totals) == list(range(1, len(group) + 1))
