@@ -68,19 +68,29 @@ def _participants(handler: DynamicRendezvousHandler, count: int) -> None:
     )
 
 
+def _complete_with(state: Any, stranger: Any) -> None:
+    """Add ``stranger`` to ``state`` (ours or PyTorch's) and complete its round, ranks in
+    node order."""
+    state.participants[stranger] = 0
+    state.last_heartbeats[stranger] = datetime.now(timezone.utc)
+    state.complete, state.deadline = True, None
+    for rank, node in enumerate(sorted(state.participants)):
+        state.participants[node] = rank
+
+
+def _check_written(written: tuple[Any, ...] | None) -> None:
+    """``set_state``'s answer says that the test's write was applied."""
+    assert written is not None
+    assert written[2], "the state changed under the test's write"
+
+
 def _complete_with_a_stranger_raw(handler: DynamicRendezvousHandler) -> None:
     """Add :data:`STRANGER` and complete the round with the backend's bare compare-and-
     swap: a state write without a progress summary."""
     backend = backend_of(handler)
     state, token = _state(handler)
-    state.participants[STRANGER] = 0
-    state.last_heartbeats[STRANGER] = datetime.now(timezone.utc)
-    state.complete, state.deadline = True, None
-    for rank, node in enumerate(sorted(state.participants)):
-        state.participants[node] = rank
-    written = backend.set_state(_encode_state(state), token)
-    assert written is not None
-    assert written[2], "the state changed under the test's write"
+    _complete_with(state, STRANGER)
+    _check_written(backend.set_state(_encode_state(state), token))
 
 
 def _complete_with_a_stranger_torch(handler: DynamicRendezvousHandler) -> None:
@@ -100,14 +110,8 @@ def _complete_with_a_stranger_torch(handler: DynamicRendezvousHandler) -> None:
     assert result is not None
     state = pickle.loads(result[0])
     stranger = torch_dynamic._NodeDesc(STRANGER.addr, STRANGER.pid, STRANGER.local_id)
-    state.participants[stranger] = 0
-    state.last_heartbeats[stranger] = datetime.now(timezone.utc)
-    state.complete, state.deadline = True, None
-    for rank, node in enumerate(sorted(state.participants)):
-        state.participants[node] = rank
-    written = torch_backend.set_state(pickle.dumps(state), result[1])
-    assert written is not None
-    assert written[2], "the state changed under the test's write"
+    _complete_with(state, stranger)
+    _check_written(torch_backend.set_state(pickle.dumps(state), result[1]))
 
 
 WRITERS = [
