@@ -23,6 +23,8 @@ Both private servers serve the v2 API unless ``ETCD_RENDEZVOUS_ETCD_API=v3`` (se
   that transport, closed after the test (defaults: the ``connect_defaults`` mark);
   ``cleared_history``: etcd's history forgotten up to now, for that API; ``key``: a key
   in the test's namespace.
+* ``handlers``: our ``etcd-v2`` rendezvous handlers of the test's run, closed after it
+  (options: the module's ``handler_options`` fixture); ``pool``: threads to run them in.
 * ``refused_port``: a loopback port nothing listens on; ``silent_port``: one that accepts
   connections and never answers.
 * ``received``: the rendezvous events recorded in the test's process while it runs.
@@ -38,6 +40,7 @@ import shutil
 import socket
 import uuid
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,10 @@ from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
+from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.registry import get_rendezvous_handler
+from support.closing import closing_factory
 from support.faultproxy import FaultProxy
 from support.history import EVENT_HISTORY, forget_history
 from support.net import closed_port, endpoint_of
@@ -141,16 +147,62 @@ def connect(
     """
     marker = request.node.get_closest_marker("connect_defaults")
     defaults = {"read_timeout": 5.0, "connect_timeout": 1.0, **(marker.kwargs if marker else {})}
-    conns: list[Transport] = []
 
     def make(*endpoints: tuple[str, int], **kwargs: Any) -> Transport:
-        conn = TRANSPORTS[api](list(endpoints) or [endpoint_of(etcd_server)], **defaults | kwargs)
-        conns.append(conn)
-        return conn
+        return TRANSPORTS[api](list(endpoints) or [endpoint_of(etcd_server)], **defaults | kwargs)
 
-    yield make
-    for conn in conns:
-        conn.close()
+    with closing_factory(make, Transport.close) as connect:
+        yield connect
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for the test's in-process nodes (up to 32 at once)."""
+    with ThreadPoolExecutor(32) as executor:
+        yield executor
+
+
+@pytest.fixture
+def handler_options() -> dict[str, Any]:
+    """Options of the ``handlers`` fixture's handlers; a module overrides this fixture to
+    give its own (a test passes more to ``handlers``)."""
+    return {}
+
+
+@pytest.fixture
+def handlers(
+    etcd_server: EtcdServer,
+    run_id: str,
+    handler_options: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Callable[..., list[Any]]]:
+    """``handlers(count, min_nodes, max_nodes, server=etcd_server, **options)``: ``count``
+    of our ``etcd-v2`` handlers of the run ``run_id`` (join timeout 60 s, no TCP store,
+    then ``handler_options``, then ``options``), closed after the test (deleting their
+    keys). Rank 0 publishes its address through etcd and starts no agent TCPStore (nor
+    does a PyTorch handler the test makes)."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+    def make(
+        count: int, min_nodes: int, max_nodes: int, server: EtcdServer | None = None, **options: Any
+    ) -> list[Any]:
+        params = RendezvousParameters(
+            "etcd-v2",
+            (server or etcd_server).get_endpoint(),
+            run_id,
+            min_nodes,
+            max_nodes,
+            local_addr="127.0.0.1",
+            **{"join_timeout": 60, "torch_store": "false", **handler_options, **options},
+        )
+        return [get_rendezvous_handler(params) for _ in range(count)]
+
+    def close(group: list[Any]) -> None:
+        for handler in group:
+            handler.close()
+
+    with closing_factory(make, close) as handlers:
+        yield handlers
 
 
 @pytest.fixture

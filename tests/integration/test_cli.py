@@ -49,14 +49,24 @@ def _explain(result: subprocess.CompletedProcess[str]) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 
 
+def _demo_of_three(backend: str, *options: str) -> list[tuple[int, int, str, str]]:
+    """Run ``demo`` of three workers with ``backend``; check that they agree on one world
+    of three and a working store; return the table's rows."""
+    result = run_cli("demo", "--backend", backend, "--nodes", "3", *options)
+    assert result.returncode == 0, _explain(result)
+    rows = _rows(result.stdout)
+    assert sorted(rank for rank, *_ in rows) == [0, 1, 2], _explain(result)
+    assert {world for _, world, *_ in rows} == {3}
+    assert {store for *_, store in rows} == {"ok"}
+    assert "All 3 workers agree" in result.stdout
+    assert "Traceback" not in result.stderr, _explain(result)
+    return rows
+
+
 @pytest.mark.slow
 def test_demo_against_an_etcd_endpoint(etcd_server: EtcdServer, etcd_prefix: str) -> None:
-    result = run_cli(
-        "demo",
-        "--backend",
+    rows = _demo_of_three(
         "etcd",
-        "--nodes",
-        "3",
         "--endpoint",
         etcd_server.get_endpoint(),
         "--run-id",
@@ -64,40 +74,15 @@ def test_demo_against_an_etcd_endpoint(etcd_server: EtcdServer, etcd_prefix: str
         "--prefix",
         etcd_prefix,
     )
-    assert result.returncode == 0, _explain(result)
-    rows = _rows(result.stdout)
-    assert sorted(rank for rank, *_ in rows) == [0, 1, 2], _explain(result)
-    assert {world for _, world, *_ in rows} == {3}
     assert len({version for _, _, version, _ in rows}) == 1
-    assert {store for *_, store in rows} == {"ok"}
-    assert "All 3 workers agree" in result.stdout
-    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.slow
 def test_demo_with_the_etcd_v2_backend(etcd_server: EtcdServer) -> None:
     run_id = f"cli-v2-{uuid.uuid4().hex[:8]}"
-    result = run_cli(
-        "demo",
-        "--backend",
-        "etcd-v2",
-        "--nodes",
-        "3",
-        "--endpoint",
-        etcd_server.get_endpoint(),
-        "--run-id",
-        run_id,
-    )
-    assert result.returncode == 0, _explain(result)
-    rows = _rows(result.stdout)
-    assert sorted(rank for rank, *_ in rows) == [0, 1, 2], _explain(result)
-    assert {world for _, world, *_ in rows} == {3}
+    rows = _demo_of_three("etcd-v2", "--endpoint", etcd_server.get_endpoint(), "--run-id", run_id)
     # The version column is the round of the dynamic rendezvous: the first one, 0.
-    assert {version for _, _, version, _ in rows} == {"0"}, _explain(result)
-    assert {store for *_, store in rows} == {"ok"}
-    assert "All 3 workers agree" in result.stdout
-    assert "Traceback" not in result.stderr, _explain(result)
-
+    assert {version for _, _, version, _ in rows} == {"0"}, rows
     # Rank 0 closed the rendezvous once every rank was done with the store.
     endpoint = etcd_server.get_endpoint()
     status = run_cli(

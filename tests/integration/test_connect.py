@@ -30,16 +30,25 @@ def v2less_server(etcd_server: EtcdServer) -> Iterator[EtcdServer]:
         yield server
 
 
+def _auto_picks(
+    api: str, server: EtcdServer, etcd_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``etcd_api=auto`` against ``server`` opens a working connection of ``api`` and
+    logs its choice."""
+    caplog.set_level(logging.INFO, logger="etcd_rendezvous._transport.connect")
+    with open_transport([endpoint_of(server)]) as conn:
+        assert isinstance(conn, {"v2": EtcdConnection, "v3": EtcdV3Connection}[api])
+        assert conn.api == api
+        assert conn.set(f"{etcd_prefix}/k", "v").value == "v"
+        assert conn.get(f"{etcd_prefix}/k").value == "v"
+    assert f"using the {api} API (etcd_api=auto)" in caplog.text
+
+
 @pytest.mark.v2_only(reason="auto picks v2 only where the server serves it")
 def test_auto_picks_v2_where_the_server_serves_it(
     etcd_server: EtcdServer, etcd_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="etcd_rendezvous._transport.connect")
-    with open_transport([endpoint_of(etcd_server)]) as conn:
-        assert isinstance(conn, EtcdConnection)
-        assert conn.api == "v2"
-        assert conn.set(f"{etcd_prefix}/k", "v").value == "v"
-    assert "using the v2 API (etcd_api=auto)" in caplog.text
+    _auto_picks("v2", etcd_server, etcd_prefix, caplog)
     assert etcd_server.version is not None
     assert etcd_server.version in caplog.text
 
@@ -47,13 +56,7 @@ def test_auto_picks_v2_where_the_server_serves_it(
 def test_auto_picks_v3_where_the_server_has_no_v2(
     v2less_server: EtcdServer, etcd_prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="etcd_rendezvous._transport.connect")
-    with open_transport([endpoint_of(v2less_server)]) as conn:
-        assert isinstance(conn, EtcdV3Connection)
-        assert conn.api == "v3"
-        assert conn.set(f"{etcd_prefix}/k", "v").value == "v"
-        assert conn.get(f"{etcd_prefix}/k").value == "v"
-    assert "using the v3 API (etcd_api=auto)" in caplog.text
+    _auto_picks("v3", v2less_server, etcd_prefix, caplog)
 
 
 def test_v2_insisted_on_against_a_server_without_it_fails_fast_naming_option_and_version(

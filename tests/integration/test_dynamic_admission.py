@@ -14,24 +14,23 @@ import itertools
 import threading
 import time
 from base64 import b64decode
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from etcd_rendezvous._dynamic.admission import ADMISSION_GRACE
-from etcd_rendezvous.api import RendezvousGracefulExitError, RendezvousParameters
+from etcd_rendezvous.api import RendezvousGracefulExitError
 from etcd_rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     NodeDesc,
     RendezvousState,
     decode_state,
 )
-from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_rendezvous.registry import get_rendezvous_handler
-from support.wait import wait_until
+from support.handlers import backend_of, join_in
+from support.wait import each_version, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -39,62 +38,19 @@ Handlers = Callable[..., list[DynamicRendezvousHandler]]
 
 
 @pytest.fixture
-def handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[Handlers]:
-    """Make handlers of one run (closed at teardown, which deletes their keys)."""
-    made: list[DynamicRendezvousHandler] = []
-
-    def make(count: int, min_nodes: int, max_nodes: int, **config: Any) -> list[Any]:
-        options: dict[str, Any] = {
-            "join_timeout": 60,
-            "last_call_timeout": 1,
-            "close_timeout": 10,
-            "keep_alive_interval": 1,
-            "keep_alive_max_attempt": 3,
-            "read_timeout": 10,
-            "torch_store": "false",
-        }
-        options.update(config)
-        params = RendezvousParameters(
-            "etcd-v2",
-            etcd_server.get_endpoint(),
-            run_id,
-            min_nodes,
-            max_nodes,
-            local_addr="127.0.0.1",
-            **options,
-        )
-        new = [get_rendezvous_handler(params) for _ in range(count)]
-        made.extend(new)
-        return new
-
-    yield make
-    for handler in made:
-        handler.close()
-
-
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(32) as executor:
-        yield executor
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-
-
-def _join(pool: ThreadPoolExecutor, group: list[Any]) -> list[Future[Any]]:
-    return [pool.submit(handler.next_rendezvous) for handler in group]
-
-
-def _backend(handler: DynamicRendezvousHandler) -> EtcdRendezvousBackend:
-    backend = handler._state_holder._backend  # type: ignore[attr-defined]
-    assert isinstance(backend, EtcdRendezvousBackend)
-    return backend
+def handler_options() -> dict[str, Any]:
+    """A short last call and a node dropped after 3 s without a heartbeat."""
+    return {
+        "last_call_timeout": 1,
+        "close_timeout": 10,
+        "keep_alive_interval": 1,
+        "keep_alive_max_attempt": 3,
+        "read_timeout": 10,
+    }
 
 
 def _state(handler: DynamicRendezvousHandler) -> RendezvousState:
-    result = _backend(handler).get_state()
+    result = backend_of(handler).get_state()
     assert result is not None
     return decode_state(result[0], "the test")
 
@@ -109,7 +65,7 @@ def _check_ranks(group: list[DynamicRendezvousHandler], infos: list[Any]) -> Non
 
 def test_many_nodes_join_at_once_in_one_round(handlers: Handlers, pool: ThreadPoolExecutor):
     group = handlers(16, 16, 16)
-    infos = [future.result(60) for future in _join(pool, group)]
+    infos = [future.result(60) for future in join_in(pool, group)]
     _check_ranks(group, infos)
     state = _state(group[0])
     assert set(state.participants) == {h._this_node for h in group}
@@ -117,14 +73,14 @@ def test_many_nodes_join_at_once_in_one_round(handlers: Handlers, pool: ThreadPo
     assert not state.wait_list
     assert not state.redundancy_list
     # Every node announced itself: the keys of exactly these nodes.
-    listed = [entry.node for entry in _backend(group[0]).list_nodes()]
+    listed = [entry.node for entry in backend_of(group[0]).list_nodes()]
     assert sorted(listed) == sorted(h._this_node for h in group)
 
 
 def test_min_nodes_complete_after_the_last_call(handlers: Handlers, pool: ThreadPoolExecutor):
     group = handlers(3, 2, 5, last_call_timeout=2)
     started = time.monotonic()
-    infos = [future.result(60) for future in _join(pool, group)]
+    infos = [future.result(60) for future in join_in(pool, group)]
     _check_ranks(group, infos)
     # Not complete before the last call (started when the second node was admitted).
     assert time.monotonic() - started >= 1.5
@@ -135,14 +91,14 @@ def test_max_nodes_complete_without_waiting_for_the_last_call(
 ):
     group = handlers(4, 2, 4, last_call_timeout=60)
     started = time.monotonic()
-    infos = [future.result(60) for future in _join(pool, group)]
+    infos = [future.result(60) for future in join_in(pool, group)]
     _check_ranks(group, infos)
     assert time.monotonic() - started < 30
 
 
 def test_a_late_node_waits_for_the_next_round(handlers: Handlers, pool: ThreadPoolExecutor):
     members = handlers(2, 2, 3)
-    first = [future.result(60) for future in _join(pool, members)]
+    first = [future.result(60) for future in join_in(pool, members)]
     _check_ranks(members, first)
     (late,) = handlers(1, 2, 3)
     joining = pool.submit(late.next_rendezvous)
@@ -150,7 +106,7 @@ def test_a_late_node_waits_for_the_next_round(handlers: Handlers, pool: ThreadPo
     assert _state(late).wait_list == {late._this_node}
     # The members re-rendezvous, as their agents do when a node waits.
     group = [*members, late]
-    second = [future.result(60) for future in [*_join(pool, members), joining]]
+    second = [future.result(60) for future in [*join_in(pool, members), joining]]
     _check_ranks(group, second)
     assert late._state_holder.state.round == members[0]._state_holder.state.round > 0
 
@@ -159,7 +115,7 @@ def _state_writes(
     handler: DynamicRendezvousHandler, after: int, until: int
 ) -> list[RendezvousState]:
     """Every version of the state written after etcd index ``after`` up to ``until``."""
-    backend = _backend(handler)
+    backend = backend_of(handler)
     versions, index = [], after
     while index < until:
         change = backend.connection.watch(backend.key, index + 1, 5)
@@ -175,15 +131,15 @@ def test_nodes_leaving_a_round_are_taken_out_in_batches(
     """A node joins a complete round of 12: the 12 leave it (PyTorch: one write each) and
     all 13 join the next round, in a few state writes."""
     members = handlers(12, 12, 13, keep_alive_interval=5)
-    _check_ranks(members, [future.result(60) for future in _join(pool, members)])
+    _check_ranks(members, [future.result(60) for future in join_in(pool, members)])
     (late,) = handlers(1, 12, 13, keep_alive_interval=5)
     joining = pool.submit(late.next_rendezvous)
     wait_until(lambda: members[0].num_nodes_waiting() == 1, timeout=30, what="a waiting node")
-    before = _backend(late).connection.get(_backend(late).key).modified_index
+    before = backend_of(late).connection.get(backend_of(late).key).modified_index
     group = [*members, late]
-    second = [future.result(60) for future in [*_join(pool, members), joining]]
+    second = [future.result(60) for future in [*join_in(pool, members), joining]]
     _check_ranks(group, second)
-    after = _backend(late).connection.get(_backend(late).key).modified_index
+    after = backend_of(late).connection.get(backend_of(late).key).modified_index
     versions = _state_writes(late, before, after)
     assert versions[-1].round == 1
     assert len(versions[-1].participants) == 13
@@ -192,7 +148,7 @@ def test_nodes_leaving_a_round_are_taken_out_in_batches(
     removed = [len(a.participants) - len(b.participants) for a, b in itertools.pairwise(versions)]
     assert len(versions) <= 6, (len(versions), removed)
     # Every member's key says it left round 0; the late node's says nothing.
-    leaving = {e.node: e.leaving for e in _backend(late).list_nodes()}
+    leaving = {e.node: e.leaving for e in backend_of(late).list_nodes()}
     assert leaving == {**{h._this_node: 0 for h in members}, late._this_node: None}
 
 
@@ -200,7 +156,7 @@ def test_a_node_beyond_max_nodes_is_redundant_until_closed(
     handlers: Handlers, pool: ThreadPoolExecutor
 ):
     members = handlers(2, 2, 2)
-    _check_ranks(members, [future.result(60) for future in _join(pool, members)])
+    _check_ranks(members, [future.result(60) for future in join_in(pool, members)])
     (extra,) = handlers(1, 2, 2)
     joining = pool.submit(extra.next_rendezvous)
     wait_until(
@@ -220,14 +176,14 @@ def test_a_node_whose_key_expired_before_the_batch_is_not_admitted(
     group = handlers(4, 4, 4)
     # A node that announced itself and died before its admission: its key expires.
     dead = NodeDesc("dead-host", 1, 0)
-    _backend(group[0]).announce_node(dead, 1)
+    backend_of(group[0]).announce_node(dead, 1)
     wait_until(
-        lambda: all(e.node != dead for e in _backend(group[0]).list_nodes()),
+        lambda: all(e.node != dead for e in backend_of(group[0]).list_nodes()),
         timeout=10,
         what="the dead node's key to expire",
     )
     started = time.monotonic()
-    infos = [future.result(60) for future in _join(pool, group)]
+    infos = [future.result(60) for future in join_in(pool, group)]
     assert time.monotonic() - started < ADMISSION_GRACE + 15
     _check_ranks(group, infos)
     assert dead not in _state(group[0]).last_heartbeats
@@ -242,7 +198,7 @@ def test_a_slow_oldest_node_is_admitted_by_the_next_one(
     alive); once it gets going again, it finds itself admitted."""
     group = handlers(4, 4, 4, last_call_timeout=1)
     slow, others = group[0], group[1:]
-    backend = _backend(slow)
+    backend = backend_of(slow)
     stuck, release = threading.Event(), threading.Event()
     list_nodes = backend.list_nodes
 
@@ -252,13 +208,13 @@ def test_a_slow_oldest_node_is_admitted_by_the_next_one(
         return list_nodes()
 
     backend.list_nodes = slow_listing  # type: ignore[method-assign]
-    futures = _join(pool, [slow])
+    futures = join_in(pool, [slow])
     wait_until(stuck.is_set, timeout=30, what="the oldest node to start its batch")
     started = time.monotonic()
-    futures += _join(pool, others)
+    futures += join_in(pool, others)
 
     def complete() -> bool:
-        result = _backend(others[0]).get_state()
+        result = backend_of(others[0]).get_state()
         return result is not None and decode_state(result[0], "the test").complete
 
     try:
@@ -272,14 +228,14 @@ def test_a_slow_oldest_node_is_admitted_by_the_next_one(
 
 
 def _aggregator(handler: DynamicRendezvousHandler) -> NodeDesc | None:
-    return _backend(handler).aggregator()
+    return backend_of(handler).aggregator()
 
 
 def test_the_aggregator_keeps_everyone_alive_and_a_killed_one_is_replaced(
     handlers: Handlers, pool: ThreadPoolExecutor
 ):
     group = handlers(4, 3, 4, keep_alive_interval=1, keep_alive_max_attempt=3)
-    infos = [future.result(60) for future in _join(pool, group)]
+    infos = [future.result(60) for future in join_in(pool, group)]
     _check_ranks(group, infos)
     wait_until(lambda: _aggregator(group[0]) is not None, timeout=10, what="an aggregator")
     holder = _aggregator(group[0])
@@ -294,19 +250,16 @@ def test_the_aggregator_keeps_everyone_alive_and_a_killed_one_is_replaced(
     )
     # The victim's key lapses (3 s), then its heartbeat in the state (3 s more); every
     # version of the state until then still has the survivors.
-    backend = _backend(group[0])
-    deadline = time.monotonic() + 20
-    node = backend.connection.get(backend.key)
-    while victim._this_node in decode_state(b64decode(node.value or ""), "the test").participants:
+    backend = backend_of(group[0])
+    for node in each_version(backend.connection, backend.key, 20):
         state = decode_state(b64decode(node.value or ""), "the test")
         assert all(h._this_node in state.participants for h in survivors), state.participants
-        assert time.monotonic() < deadline, "the killed node was never dropped"
-        change = backend.connection.watch(backend.key, node.modified_index + 1, 5)
-        node = change if change is not None else backend.connection.get(backend.key)
+        if victim._this_node not in state.participants:
+            break
     state = _state(group[0])
     assert {h._this_node for h in survivors} <= set(state.last_heartbeats)
     # Its fellows learn of it and rendezvous again without it.
-    regrouped = [future.result(60) for future in _join(pool, survivors)]
+    regrouped = [future.result(60) for future in join_in(pool, survivors)]
     _check_ranks(survivors, regrouped)
 
 
@@ -314,15 +267,15 @@ def test_steady_heartbeats_do_not_write_the_state_per_node(
     handlers: Handlers, pool: ThreadPoolExecutor
 ):
     group = handlers(6, 6, 6, keep_alive_interval=1, keep_alive_max_attempt=3)
-    _check_ranks(group, [future.result(60) for future in _join(pool, group)])
+    _check_ranks(group, [future.result(60) for future in join_in(pool, group)])
     wait_until(lambda: _aggregator(group[0]) is not None, timeout=10, what="an aggregator")
-    first = _backend(group[0]).connection.get(_backend(group[0]).key).modified_index
-    conn = _backend(group[0]).connection
+    first = backend_of(group[0]).connection.get(backend_of(group[0]).key).modified_index
+    conn = backend_of(group[0]).connection
     writes = 0
     index = first
     deadline = time.monotonic() + 6
     while time.monotonic() < deadline:
-        change = conn.watch(_backend(group[0]).key, index + 1, deadline - time.monotonic())
+        change = conn.watch(backend_of(group[0]).key, index + 1, deadline - time.monotonic())
         if change is not None:
             writes += 1
             index = change.modified_index
@@ -375,7 +328,7 @@ def test_a_mixed_fleet_rendezvous_and_keeps_each_other_alive(
     theirs = _torch_handlers(etcd_server, run_id, 4, 8)
     try:
         group = [node for pair in zip(ours, theirs) for node in pair]
-        infos = [future.result(60) for future in _join(pool, group)]
+        infos = [future.result(60) for future in join_in(pool, group)]
         nodes = [(h._this_node.addr, h._this_node.pid, h._this_node.local_id) for h in group]
         assert [info.rank for info in infos] == [sorted(nodes).index(n) for n in nodes]
         assert {info.world_size for info in infos} == {8}
@@ -384,7 +337,7 @@ def test_a_mixed_fleet_rendezvous_and_keeps_each_other_alive(
         # Three times PyTorch's expiry (keep_alive_interval * keep_alive_max_attempt):
         # our nodes' heartbeats come from our aggregator, PyTorch's from PyTorch's nodes,
         # and neither side drops the other's nodes in any version of the state.
-        backend = _backend(ours[0])
+        backend = backend_of(ours[0])
         node = backend.connection.get(backend.key)
         deadline = time.monotonic() + 9
         while time.monotonic() < deadline:
@@ -413,18 +366,18 @@ def test_a_mixed_fleet_leaves_a_round_together(
     theirs = _torch_handlers(etcd_server, run_id, 4, 8, 9)
     try:
         members = [node for pair in zip(ours, theirs) for node in pair]
-        assert {f.result(60).world_size for f in _join(pool, members)} == {8}
+        assert {f.result(60).world_size for f in join_in(pool, members)} == {8}
         (late,) = handlers(1, 8, 9, keep_alive_interval=1, keep_alive_max_attempt=3)
         joining = pool.submit(late.next_rendezvous)
         wait_until(lambda: ours[0].num_nodes_waiting() == 1, timeout=30, what="a waiting node")
         group = [*members, late]
-        infos = [future.result(60) for future in [*_join(pool, members), joining]]
+        infos = [future.result(60) for future in [*join_in(pool, members), joining]]
         nodes = [(h._this_node.addr, h._this_node.pid, h._this_node.local_id) for h in group]
         assert [info.rank for info in infos] == [sorted(nodes).index(n) for n in nodes]
         assert {info.world_size for info in infos} == {9}
         assert len({h._state_holder.state.round for h in group}) == 1
         # Our members asked to leave through their keys; PyTorch's left by themselves.
-        leaving = {e.node: e.leaving for e in _backend(late).list_nodes()}
+        leaving = {e.node: e.leaving for e in backend_of(late).list_nodes()}
         assert leaving == {**{h._this_node: 0 for h in ours}, late._this_node: None}
     finally:
         for handler in theirs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
-import time
 from base64 import b64decode, b64encode
 from datetime import timedelta
 from pathlib import Path
@@ -20,8 +19,8 @@ import pytest
 from etcd_rendezvous.api import RendezvousParameters, RendezvousStateError
 from etcd_rendezvous.dynamic_rendezvous import decode_state
 from etcd_rendezvous.etcd_server import EtcdServer
-from support.rdzv import Worker, expect_joined
-from support.wait import wait_until
+from support.rdzv import Worker, check_shared_store, expect_joined, join_all
+from support.wait import each_version, wait_until
 
 _HAVE_TORCH = importlib.util.find_spec("torch") is not None
 _NEEDS_TORCH = pytest.mark.skipif(
@@ -71,12 +70,6 @@ def _spawn(
     return new
 
 
-def _join_all(group: list[Worker]) -> list[dict]:
-    for worker in group:
-        worker.send("join")
-    return [expect_joined(worker.next_event(), worker) for worker in group]
-
-
 def _check_group(joined: list[dict], size: int) -> None:
     assert sorted(j["rank"] for j in joined) == list(range(size))
     assert {j["world_size"] for j in joined} == {size}
@@ -85,29 +78,18 @@ def _check_group(joined: list[dict], size: int) -> None:
     assert len({(j["master_addr"], j["master_port"]) for j in joined}) == 1
 
 
-def _check_shared_store(group: list[Worker], joined: list[dict]) -> None:
-    by_rank = {j["rank"]: w for j, w in zip(joined, group)}
-    for rank, worker in by_rank.items():
-        assert worker.request(f"set key{rank} value{rank}")["event"] == "ok"
-    for worker in group:
-        for rank in by_rank:
-            assert worker.request(f"get key{rank}") == {"event": "value", "value": f"value{rank}"}
-    totals = [w.request("add counter 1")["value"] for w in group]
-    assert sorted(totals) == list(range(1, len(group) + 1))
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_static_four_nodes(etcd_server, run_id, workers, impl):
     group = _spawn(workers, etcd_server, run_id, [impl] * 4, 4, 4, last_call=30)
-    joined = _join_all(group)
+    joined = join_all(group)
     _check_group(joined, 4)
-    _check_shared_store(group, joined)
+    check_shared_store(group, joined)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_third_node_joining_during_last_call_completes_at_max(etcd_server, run_id, workers, impl):
     group = _spawn(workers, etcd_server, run_id, [impl] * 3, 2, 3, last_call=30)
-    joined = _join_all(group)
+    joined = join_all(group)
     _check_group(joined, 3)
     # Reaching max_nodes completes the rendezvous without waiting for the last call.
     assert max(j["elapsed"] for j in joined) < 20
@@ -116,7 +98,7 @@ def test_third_node_joining_during_last_call_completes_at_max(etcd_server, run_i
 @pytest.mark.parametrize("impl", IMPLS)
 def test_late_node_waits_and_is_admitted_on_rerendezvous(etcd_server, run_id, workers, impl):
     members = _spawn(workers, etcd_server, run_id, [impl] * 2, 2, 3, last_call=1)
-    first = _join_all(members)
+    first = join_all(members)
     _check_group(first, 2)
 
     (late,) = _spawn(workers, etcd_server, run_id, [impl], 2, 3, last_call=1)
@@ -133,7 +115,7 @@ def test_late_node_waits_and_is_admitted_on_rerendezvous(etcd_server, run_id, wo
 @pytest.mark.parametrize("impl", IMPLS)
 def test_killed_node_is_removed_after_its_heartbeats_lapse(etcd_server, run_id, workers, impl):
     group = _spawn(workers, etcd_server, run_id, [impl] * 3, 2, 3, last_call=1)
-    joined = _join_all(group)
+    joined = join_all(group)
     _check_group(joined, 3)
     victim = next(w for w, j in zip(group, joined) if j["rank"] == 2)
     survivors = [w for w in group if w is not victim]
@@ -141,9 +123,7 @@ def test_killed_node_is_removed_after_its_heartbeats_lapse(etcd_server, run_id, 
     victim.kill()
     # The survivors re-rendezvous (their agent restarts them); the victim is dropped
     # once it missed keep_alive_interval * keep_alive_max_attempt seconds of heartbeats.
-    for worker in survivors:
-        worker.send("join")
-    regrouped = [expect_joined(w.next_event(timeout=60), w) for w in survivors]
+    regrouped = join_all(survivors)
     _check_group(regrouped, 2)
     assert regrouped[0]["round"] > joined[0]["round"]
 
@@ -151,7 +131,7 @@ def test_killed_node_is_removed_after_its_heartbeats_lapse(etcd_server, run_id, 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_close(etcd_server, run_id, workers, impl):
     group = _spawn(workers, etcd_server, run_id, [impl] * 2, 2, 2)
-    _join_all(group)
+    join_all(group)
     assert group[0].request("closed") == {"event": "closed", "value": False}
     assert group[0].request("close") == {"event": "ok"}
     # is_closed() may serve a state cached for up to a second: it propagates eventually.
@@ -167,7 +147,7 @@ def test_close(etcd_server, run_id, workers, impl):
 
 def test_shutdown_stops_the_heartbeat_thread(etcd_server, run_id, workers):
     group = _spawn(workers, etcd_server, run_id, ["ours"] * 2, 2, 2)
-    _join_all(group)
+    join_all(group)
     event = group[0].request("shutdown")
     assert event["event"] == "shutdown"
     assert event["result"] is True
@@ -191,7 +171,7 @@ def test_mixed_fleet_rendezvous_and_share_a_store(etcd_server, run_id, workers, 
         worker.send("join")
     joined = [expect_joined(w.next_event(), w) for w in group]
     _check_group(joined, 4)
-    _check_shared_store(group, joined)
+    check_shared_store(group, joined)
 
 
 @_NEEDS_TORCH
@@ -200,14 +180,12 @@ def test_mixed_fleet_rendezvous_and_share_a_store(etcd_server, run_id, workers, 
 @pytest.mark.parametrize("victim_impl", ["ours", "torch"])
 def test_mixed_fleet_removes_a_killed_node(etcd_server, run_id, workers, victim_impl):
     group = _spawn(workers, etcd_server, run_id, ["ours", "torch", victim_impl], 2, 3)
-    joined = _join_all(group)
+    joined = join_all(group)
     _check_group(joined, 3)
     victim = group[2]
     victim.kill()
     survivors = group[:2]
-    for worker in survivors:
-        worker.send("join")
-    regrouped = [expect_joined(w.next_event(timeout=60), w) for w in survivors]
+    regrouped = join_all(survivors)
     _check_group(regrouped, 2)
 
 
@@ -216,7 +194,7 @@ def test_mixed_fleet_removes_a_killed_node(etcd_server, run_id, workers, victim_
 @pytest.mark.torch
 def test_torch_sees_a_rendezvous_closed_by_us(etcd_server, run_id, workers):
     ours, theirs = _spawn(workers, etcd_server, run_id, ["ours", "torch"], 2, 2)
-    _join_all([ours, theirs])
+    join_all([ours, theirs])
     assert ours.request("close") == {"event": "ok"}
     wait_until(lambda: theirs.request("closed")["value"], timeout=10, what="closed")
 
@@ -270,7 +248,7 @@ def test_late_node_is_admitted_with_the_shared_tcp_store(etcd_server, run_id, wo
     pytest.importorskip("torch.distributed", reason="TCPStore sharing needs PyTorch")
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     members = _spawn(workers, etcd_server, run_id, ["ours"] * 2, 2, 3, last_call=1)
-    first = _join_all(members)
+    first = join_all(members)
     _check_group(first, 2)
 
     (late,) = _spawn(workers, etcd_server, run_id, ["ours"], 2, 3, last_call=1)
@@ -296,7 +274,7 @@ def test_a_torch_node_surviving_a_round_finds_our_rank_0_s_new_tcp_store(
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     # Ranks go by node order (address, then pid): our node, spawned first, is rank 0.
     ours, theirs = _spawn(workers, etcd_server, run_id, ["ours", "torch"], 2, 3, last_call=1)
-    first = _join_all([ours, theirs])
+    first = join_all([ours, theirs])
     _check_group(first, 2)
     assert first[0]["rank"] == 0, "our node (the lower pid) should be rank 0"
     address = (first[0]["master_addr"], first[0]["master_port"])
@@ -331,7 +309,7 @@ def test_killed_heartbeat_aggregator_is_replaced_and_nobody_else_is_dropped(
     from etcd_rendezvous.layout import EtcdV2NodesLayout
 
     group = _spawn(workers, etcd_server, run_id, ["ours"] * 3, 2, 3, keep_alive_max_attempt=3)
-    joined = _join_all(group)
+    joined = join_all(group)
     _check_group(joined, 3)
     lock_key = EtcdV2NodesLayout(run_id).aggregator_key
     wait_until(lambda: conn.try_get(lock_key) is not None, timeout=15, what="an aggregator")
@@ -342,25 +320,18 @@ def test_killed_heartbeat_aggregator_is_replaced_and_nobody_else_is_dropped(
     # Another takes the lock once it lapses; the victim is dropped (its key lapses, then
     # its heartbeat), and no version of the state lacks a survivor meanwhile.
     state_key = f"/torch/elastic/rendezvous/{run_id}"
-    node = conn.get(state_key)
     pids = {w.proc.pid for w in survivors}
-    deadline = time.monotonic() + 30
-    while True:
+    for node in each_version(conn, state_key, 30):
         state = decode_state(b64decode(node.value), state_key)
         present = {n.pid for n in state.participants}
         assert pids <= present, (present, pids)
         if victim.proc.pid not in present:
             break
-        assert time.monotonic() < deadline, "the killed aggregator was never dropped"
-        change = conn.watch(state_key, node.modified_index + 1, 5)
-        node = change if change is not None else conn.get(state_key)
 
     def survivor_aggregates() -> bool:
         lock = conn.try_get(lock_key)
         return lock is not None and json.loads(lock.value)["pid"] in pids
 
     wait_until(survivor_aggregates, timeout=15, what="a surviving aggregator")
-    for worker in survivors:
-        worker.send("join")
-    regrouped = [expect_joined(w.next_event(timeout=60), w) for w in survivors]
+    regrouped = join_all(survivors)
     _check_group(regrouped, 2)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import pickle
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import datetime, timezone
 from typing import Any
@@ -23,17 +23,16 @@ import pytest
 
 from etcd_rendezvous._dynamic.admission import Progress
 from etcd_rendezvous._dynamic.state import _encode_state
-from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     NodeDesc,
     RendezvousState,
     decode_state,
 )
-from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend, _parse_progress
+from etcd_rendezvous.etcd_rendezvous_backend import _parse_progress
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_rendezvous.registry import get_rendezvous_handler
 from support.etcd_requests import read_metrics, requests_since
+from support.handlers import backend_of, join_in
 from support.wait import wait_until
 
 pytestmark = pytest.mark.slow
@@ -47,78 +46,21 @@ STRANGER = NodeDesc("zzz-host", 7, 0)
 
 
 @pytest.fixture
-def handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[Handlers]:
-    """Make handlers of one run (closed at teardown)."""
-    made: list[DynamicRendezvousHandler] = []
-
-    def make(count: int, min_nodes: int, max_nodes: int) -> list[Any]:
-        params = RendezvousParameters(
-            "etcd-v2",
-            etcd_server.get_endpoint(),
-            run_id,
-            min_nodes,
-            max_nodes,
-            local_addr="127.0.0.1",
-            join_timeout=60,
-            last_call_timeout=30,
-            keep_alive_interval=1,
-            keep_alive_max_attempt=10,
-            torch_store="false",
-        )
-        new = [get_rendezvous_handler(params) for _ in range(count)]
-        made.extend(new)
-        return new
-
-    yield make
-    for handler in made:
-        handler.close()
-
-
-def _params(server: EtcdServer, run_id: str, nodes: int) -> RendezvousParameters:
-    return RendezvousParameters(
-        "etcd-v2",
-        server.get_endpoint(),
-        run_id,
-        nodes,
-        nodes,
-        local_addr="127.0.0.1",
-        join_timeout=60,
-        last_call_timeout=30,
-        torch_store="false",
-    )
-
-
-@pytest.fixture
-def pool() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(8) as executor:
-        yield executor
-
-
-@pytest.fixture(autouse=True)
-def _no_shared_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-
-
-def _backend(handler: DynamicRendezvousHandler) -> EtcdRendezvousBackend:
-    backend = handler._state_holder._backend  # type: ignore[attr-defined]
-    assert isinstance(backend, EtcdRendezvousBackend)
-    return backend
+def handler_options() -> dict[str, Any]:
+    """A long last call (a round ends when it is full) and a tolerant heartbeat."""
+    return {"last_call_timeout": 30, "keep_alive_interval": 1, "keep_alive_max_attempt": 10}
 
 
 def _state(handler: DynamicRendezvousHandler) -> tuple[RendezvousState, int]:
-    result = _backend(handler).get_state()
+    result = backend_of(handler).get_state()
     assert result is not None
     return decode_state(result[0], "the test"), int(result[1])
-
-
-def _join(pool: ThreadPoolExecutor, group: list[Any]) -> list[Future[Any]]:
-    return [pool.submit(handler.next_rendezvous) for handler in group]
 
 
 def _participants(handler: DynamicRendezvousHandler, count: int) -> None:
     wait_until(
         lambda: (
-            _backend(handler).get_state() is not None
+            backend_of(handler).get_state() is not None
             and len(_state(handler)[0].participants) == count
         ),
         timeout=30,
@@ -126,19 +68,29 @@ def _participants(handler: DynamicRendezvousHandler, count: int) -> None:
     )
 
 
-def _complete_with_a_stranger_raw(handler: DynamicRendezvousHandler) -> None:
-    """Add :data:`STRANGER` and complete the round with the backend's bare compare-and-
-    swap: a state write without a progress summary."""
-    backend = _backend(handler)
-    state, token = _state(handler)
-    state.participants[STRANGER] = 0
-    state.last_heartbeats[STRANGER] = datetime.now(timezone.utc)
+def _complete_with(state: Any, stranger: Any) -> None:
+    """Add ``stranger`` to ``state`` (ours or PyTorch's) and complete its round, ranks in
+    node order."""
+    state.participants[stranger] = 0
+    state.last_heartbeats[stranger] = datetime.now(timezone.utc)
     state.complete, state.deadline = True, None
     for rank, node in enumerate(sorted(state.participants)):
         state.participants[node] = rank
-    written = backend.set_state(_encode_state(state), token)
+
+
+def _check_written(written: tuple[Any, ...] | None) -> None:
+    """``set_state``'s answer says that the test's write was applied."""
     assert written is not None
     assert written[2], "the state changed under the test's write"
+
+
+def _complete_with_a_stranger_raw(handler: DynamicRendezvousHandler) -> None:
+    """Add :data:`STRANGER` and complete the round with the backend's bare compare-and-
+    swap: a state write without a progress summary."""
+    backend = backend_of(handler)
+    state, token = _state(handler)
+    _complete_with(state, STRANGER)
+    _check_written(backend.set_state(_encode_state(state), token))
 
 
 def _complete_with_a_stranger_torch(handler: DynamicRendezvousHandler) -> None:
@@ -150,7 +102,7 @@ def _complete_with_a_stranger_torch(handler: DynamicRendezvousHandler) -> None:
         EtcdRendezvousBackend as TorchBackend,
     )
 
-    host, port = _backend(handler).connection.endpoints[0].rsplit("//", 1)[-1].split(":")
+    host, port = backend_of(handler).connection.endpoints[0].rsplit("//", 1)[-1].split(":")
     torch_backend = TorchBackend(
         etcd.Client(host, int(port)), handler.get_run_id(), "/torch/elastic/rendezvous"
     )
@@ -158,14 +110,8 @@ def _complete_with_a_stranger_torch(handler: DynamicRendezvousHandler) -> None:
     assert result is not None
     state = pickle.loads(result[0])
     stranger = torch_dynamic._NodeDesc(STRANGER.addr, STRANGER.pid, STRANGER.local_id)
-    state.participants[stranger] = 0
-    state.last_heartbeats[stranger] = datetime.now(timezone.utc)
-    state.complete, state.deadline = True, None
-    for rank, node in enumerate(sorted(state.participants)):
-        state.participants[node] = rank
-    written = torch_backend.set_state(pickle.dumps(state), result[1])
-    assert written is not None
-    assert written[2], "the state changed under the test's write"
+    _complete_with(state, stranger)
+    _check_written(torch_backend.set_state(pickle.dumps(state), result[1]))
 
 
 WRITERS = [
@@ -190,21 +136,21 @@ def test_a_state_written_without_a_summary_is_noticed_and_relayed(
     our waiting nodes read the state after a silence, finish, and one of them writes the
     summary it missed."""
     group = handlers(2, 3, 3)
-    futures = _join(pool, group)
+    futures = join_in(pool, group)
     _participants(group[0], 2)
     writer(group[0])
     infos = [future.result(60) for future in futures]
     assert sorted(info.rank for info in infos) == [0, 1]
     assert {info.world_size for info in infos} == {3}
     _, token = _state(group[0])
-    progress = _parse_progress(_backend(group[0]).connection.get(_progress_key(group[0])).value)
+    progress = _parse_progress(backend_of(group[0]).connection.get(_progress_key(group[0])).value)
     assert progress is not None
     assert progress.token == token
     assert progress.complete
 
 
 def _progress_key(handler: DynamicRendezvousHandler) -> str:
-    return _backend(handler).nodes_layout.progress_key
+    return backend_of(handler).nodes_layout.progress_key
 
 
 @pytest.mark.parametrize("damage", ["garbage", "deleted"])
@@ -215,21 +161,21 @@ def test_a_progress_key_damaged_mid_rendezvous_is_rebuilt(
     deleted); the third joins all the same, and all three complete."""
     group = handlers(3, 3, 3)
     first, last = group[:2], group[2]
-    futures = _join(pool, first)
+    futures = join_in(pool, first)
     _participants(first[0], 2)
-    conn, key = _backend(last).connection, _progress_key(last)
+    conn, key = backend_of(last).connection, _progress_key(last)
     if damage == "garbage":
         conn.set(key, "not a summary {")
     else:
         conn.delete(key)
-    futures += _join(pool, [last])
+    futures += join_in(pool, [last])
     infos = [future.result(60) for future in futures]
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert {info.world_size for info in infos} == {3}
 
 
 def test_a_rendezvous_after_a_thousand_other_writes_makes_few_requests(
-    private_etcd_server: EtcdServer, run_id: str, pool: ThreadPoolExecutor
+    private_etcd_server: EtcdServer, handlers: Handlers, pool: ThreadPoolExecutor
 ) -> None:
     """A re-rendezvous on a busy etcd: by then the progress key is older than the event
     history etcd keeps (1000 events on v2). The node that waits for the other one watches
@@ -237,26 +183,22 @@ def test_a_rendezvous_after_a_thousand_other_writes_makes_few_requests(
     that is gone fails at once, and reading the key and watching from the same old index
     again would loop as fast as etcd answers)."""
     server = private_etcd_server
-    group: list[Any] = [get_rendezvous_handler(_params(server, run_id, 2)) for _ in range(2)]
-    try:
-        assert sorted(f.result(60).rank for f in _join(pool, group)) == [0, 1]
-        conn = _backend(group[0]).connection
-        for i in range(1100):  # other work on the same etcd
-            conn.set(f"/other/work/{i % 40}", str(i))
-        before = read_metrics(server.client_url)
-        first = pool.submit(group[0].next_rendezvous)
-        # The first node waits in the next round for 2 s (its silences included).
-        with pytest.raises(FutureTimeout):  # alone, it waits (3 s, silences included)
-            first.result(3.0)
-        second = pool.submit(group[1].next_rendezvous)
-        assert sorted([first.result(60).rank, second.result(60).rank]) == [0, 1]
-        requests = requests_since(server.client_url, before)
-        # Both nodes' requests, the first's 3 s of waiting included (30 on v2; spinning
-        # on the lost history made 300).
-        assert requests.reads + requests.writes <= 50, requests.describe()
-    finally:
-        for handler in group:
-            handler.close()
+    group = handlers(2, 2, 2, server=server)
+    assert sorted(f.result(60).rank for f in join_in(pool, group)) == [0, 1]
+    conn = backend_of(group[0]).connection
+    for i in range(1100):  # other work on the same etcd
+        conn.set(f"/other/work/{i % 40}", str(i))
+    before = read_metrics(server.client_url)
+    first = pool.submit(group[0].next_rendezvous)
+    # The first node waits in the next round for 2 s (its silences included).
+    with pytest.raises(FutureTimeout):  # alone, it waits (3 s, silences included)
+        first.result(3.0)
+    second = pool.submit(group[1].next_rendezvous)
+    assert sorted([first.result(60).rank, second.result(60).rank]) == [0, 1]
+    requests = requests_since(server.client_url, before)
+    # Both nodes' requests, the first's 3 s of waiting included (30 on v2; spinning
+    # on the lost history made 300).
+    assert requests.reads + requests.writes <= 50, requests.describe()
 
 
 @pytest.mark.parametrize("lie", ["beyond-its-write", "above-the-state"])
@@ -269,9 +211,9 @@ def test_a_summary_that_lies_mid_rendezvous_stops_nobody(
     all three complete: the state, read, is the authority."""
     group = handlers(3, 3, 3)
     first, last = group[:2], group[2]
-    futures = _join(pool, first)
+    futures = join_in(pool, first)
     _participants(first[0], 2)
-    conn, key = _backend(last).connection, _progress_key(last)
+    conn, key = backend_of(last).connection, _progress_key(last)
     conn.set(f"{key}-test-marker", "x")  # an index above the state's
     index = conn.get(f"{key}-test-marker").modified_index
     token = 10**12 if lie == "beyond-its-write" else index
@@ -279,7 +221,7 @@ def test_a_summary_that_lies_mid_rendezvous_stops_nobody(
     fields |= {"decided_upto": 0, "participants": 0, "waiting": 0}
     conn.set(key, json.dumps(fields))
     assert _parse_progress(conn.get(key).value) is not None  # it reads as a summary
-    futures += _join(pool, [last])
+    futures += join_in(pool, [last])
     infos = [future.result(60) for future in futures]
     assert sorted(info.rank for info in infos) == [0, 1, 2]
     assert {info.world_size for info in infos} == {3}
@@ -291,7 +233,7 @@ def test_a_summary_is_written_with_a_ttl_and_never_over_a_newer_one(handlers: Ha
     newer one than the key holds replaces it even so. The key always has the state's
     TTL (a run that ends leaves nothing behind for ever)."""
     (handler,) = handlers(1, 1, 1)
-    backend = _backend(handler)
+    backend = backend_of(handler)
     conn, key = backend.connection, _progress_key(handler)
 
     def summary(token: int) -> Progress:
@@ -300,7 +242,7 @@ def test_a_summary_is_written_with_a_ttl_and_never_over_a_newer_one(handlers: Ha
     first = backend.create_progress(summary(1))
     assert first is not None
     assert backend.create_progress(summary(2)) is None  # exists
-    assert conn.time_to_live(conn.get(key)) is not None
+    assert backend.ttl - 5 <= (conn.time_to_live(conn.get(key)) or 0) <= backend.ttl
     newer = backend.replace_progress(summary(50), first)
     assert newer is not None
     assert backend.write_progress(summary(40), first) is None  # heard before 50
@@ -310,4 +252,4 @@ def test_a_summary_is_written_with_a_ttl_and_never_over_a_newer_one(handlers: Ha
     held = conn.get(key)
     assert _parse_progress(held.value) == summary(60)
     assert held.modified_index == written
-    assert conn.time_to_live(held) is not None
+    assert backend.ttl - 5 <= (conn.time_to_live(held) or 0) <= backend.ttl

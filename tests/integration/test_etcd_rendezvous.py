@@ -44,7 +44,7 @@ from etcd_rendezvous.layout import (
     normalize_key,
 )
 from etcd_rendezvous.registry import get_rendezvous_handler
-from support.rdzv import Worker, expect_joined
+from support.rdzv import Worker, check_shared_store, expect_joined, join_all
 from support.wait import wait_for_state, wait_until
 
 
@@ -77,18 +77,12 @@ def _state_key(run_id: str, prefix: str = "/torchelastic/p2p") -> str:
     return f"{prefix}/run_{run_id}/rdzv/active_version"
 
 
-def _join_all(group: list[Worker]) -> list[dict]:
-    for worker in group:
-        worker.send("join")
-    return [expect_joined(worker.next_event(), worker) for worker in group]
-
-
 # -- multi-process scenarios -------------------------------------------------------------
 
 
 def test_static_four_workers_get_distinct_ranks(etcd_server, run_id, workers, conn):
     group = _spawn(workers, etcd_server, run_id, 4, 4, 4)
-    joined = _join_all(group)
+    joined = join_all(group)
 
     assert sorted(j["rank"] for j in joined) == [0, 1, 2, 3]
     assert {j["world_size"] for j in joined} == {4}
@@ -106,15 +100,7 @@ def test_static_four_workers_get_distinct_ranks(etcd_server, run_id, workers, co
 
 def test_workers_share_the_store(etcd_server, run_id, workers):
     group = _spawn(workers, etcd_server, run_id, 3, 3, 3)
-    joined = _join_all(group)
-    by_rank = {j["rank"]: w for j, w in zip(joined, group)}
-    for rank, worker in by_rank.items():
-        assert worker.request(f"set key{rank} value{rank}")["event"] == "ok"
-    for worker in group:
-        for rank in by_rank:
-            assert worker.request(f"get key{rank}") == {"event": "value", "value": f"value{rank}"}
-    totals = [w.request("add counter 1")["value"] for w in group]
-    assert sorted(totals) == [1, 2, 3]
+    check_shared_store(group, join_all(group))
 
 
 def test_elastic_last_call_admits_a_worker_arriving_after_min(etcd_server, run_id, workers, conn):
@@ -138,7 +124,7 @@ def test_elastic_rendezvous_completes_with_min_workers_after_last_call(
     etcd_server, run_id, workers
 ):
     group = _spawn(workers, etcd_server, run_id, 2, 2, 4, last_call=1)
-    joined = _join_all(group)
+    joined = join_all(group)
     assert sorted(j["rank"] for j in joined) == [0, 1]
     assert {j["world_size"] for j in joined} == {2}
 
@@ -147,7 +133,7 @@ def test_late_worker_is_counted_waiting_and_admitted_on_rerendezvous(
     etcd_server, run_id, workers, conn
 ):
     members = _spawn(workers, etcd_server, run_id, 2, 2, 3, last_call=1)
-    first = _join_all(members)
+    first = join_all(members)
     assert {j["world_size"] for j in first} == {2}
 
     (late,) = _spawn(workers, etcd_server, run_id, 1, 2, 3, last_call=1)
@@ -177,7 +163,7 @@ def test_waiter_whose_final_state_is_deleted_under_it_joins_the_next_version(
     feed last delivered, and never joined again."""
     key = _state_key(run_id)
     members = _spawn(workers, etcd_server, run_id, 2, 2, 2, timeout=20)
-    assert {j["world_size"] for j in _join_all(members)} == {2}
+    assert {j["world_size"] for j in join_all(members)} == {2}
     (late,) = _spawn(workers, etcd_server, run_id, 1, 2, 2, timeout=20)
     late.send("join")
     wait_for_state(conn, key, lambda s: s is not None and s.get("num_workers_waiting") == 1)
@@ -198,7 +184,7 @@ def test_late_workers_are_counted_together_with_a_dead_waiter_after_the_grace(
     arrive), and num_nodes_waiting() is exact."""
     key = _state_key(run_id)
     members = _spawn(workers, etcd_server, run_id, 2, 2, 2)
-    assert {j["world_size"] for j in _join_all(members)} == {2}
+    assert {j["world_size"] for j in join_all(members)} == {2}
     dead = new_waiter_name(0xDEAD)
     conn.set(LegacyLayout("/torchelastic/p2p", run_id).waiter_key("1", dead), None, ttl=60)
     late = _spawn(workers, etcd_server, run_id, 3, 2, 2)
@@ -218,7 +204,7 @@ def test_late_workers_are_counted_together_with_a_dead_waiter_after_the_grace(
 @pytest.mark.slow
 def test_killed_member_is_detected_and_survivors_regroup(etcd_server, run_id, workers, conn):
     group = _spawn(workers, etcd_server, run_id, 3, 2, 3, last_call=1)
-    joined = _join_all(group)
+    joined = join_all(group)
     assert {j["world_size"] for j in joined} == {3}
     victim = next(w for w, j in zip(group, joined) if j["rank"] == 2)
     survivors = [w for w in group if w is not victim]
@@ -226,9 +212,7 @@ def test_killed_member_is_detected_and_survivors_regroup(etcd_server, run_id, wo
     victim.kill()
     # The survivors try again (their agent restarts them); they find the final
     # rendezvous, notice the victim's keep-alive lapse and start a new version.
-    for worker in survivors:
-        worker.send("join")
-    regrouped = [expect_joined(w.next_event(timeout=60), w) for w in survivors]
+    regrouped = join_all(survivors)
 
     assert sorted(j["rank"] for j in regrouped) == [0, 1]
     assert {j["world_size"] for j in regrouped} == {2}
@@ -335,7 +319,7 @@ def test_workers_beyond_max_workers_are_late_and_withdraw_their_key(
 
 def test_closed_rendezvous_rejects_workers(etcd_server, run_id, workers):
     group = _spawn(workers, etcd_server, run_id, 2, 2, 2)
-    _join_all(group)
+    join_all(group)
     assert group[0].request("closed") == {"event": "closed", "value": False}
     assert group[0].request("close") == {"event": "ok"}
     assert group[1].request("closed") == {"event": "closed", "value": True}
@@ -346,7 +330,7 @@ def test_closed_rendezvous_rejects_workers(etcd_server, run_id, workers):
 
 def test_shutdown_closes_and_stops_every_thread(etcd_server, run_id, workers):
     group = _spawn(workers, etcd_server, run_id, 2, 2, 2)
-    _join_all(group)
+    join_all(group)
     event = group[0].request("shutdown")
     assert event == {"event": "shutdown", "result": True, "lease_threads": []}
     assert group[1].request("closed")["value"] is True

@@ -26,7 +26,7 @@ import pytest
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.pytest_plugin import etcd_api_under_test
 from support.cli import run_cli
-from support.rdzv import Worker, expect_joined
+from support.rdzv import Worker, expect_joined, join_all
 from support.wait import wait_until
 
 ETCDCTL_ENV = "ETCDCTL_BINARY_PATH"
@@ -97,9 +97,7 @@ def test_etcdctl_sees_the_documented_keys_and_the_state_status_reports(
     assert re.search(r"etcdctl version: 3\.\d+\.\d+", version), version
     group = _start(etcd_server, run_id, etcd_prefix, 2, 2, 2)
     workers.extend(group)
-    for worker in group:
-        worker.send("join")
-    joined = [expect_joined(worker.next_event(), worker) for worker in group]
+    joined = join_all(group)
     for rank in (0, 1):
         worker = next(w for w, j in zip(group, joined) if j["rank"] == rank)
         assert worker.request(f"set key{rank} value{rank}")["event"] == "ok"
@@ -139,9 +137,7 @@ def test_etcdctl_del_of_a_running_jobs_state_starts_a_new_version(
     the members of the old one see a waiting worker and re-rendezvous into it."""
     group = _start(etcd_server, run_id, etcd_prefix, 2, 2, 3)
     workers.extend(group)
-    for worker in group:
-        worker.send("join")
-    first = [expect_joined(worker.next_event(), worker) for worker in group]
+    first = join_all(group)
     assert {j["version"] for j in first} == {"1"}
     state_key = f"{etcd_prefix}/run_{run_id}/rdzv/active_version"
 

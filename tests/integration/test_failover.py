@@ -19,6 +19,7 @@ import time
 from base64 import b64decode
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
+from functools import partial
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ from etcd_rendezvous.layout import (
     normalize_key,
 )
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.closing import closing_factory
 from support.rdzv import state_key
 from support.wait import wait_for_value, wait_until
 
@@ -106,6 +108,12 @@ class Workers:
         self._threads[worker] = thread
         thread.start()
 
+    def join_all(self) -> list[RendezvousInfo]:
+        """Every worker joins at once; their results in worker order."""
+        for worker in range(len(self.handlers)):
+            self.join(worker)
+        return self.wait()
+
     def wait(self, timeout: float = TIMEOUT + 30) -> list[RendezvousInfo]:
         """Wait for every started worker; return their results in worker order."""
         deadline = time.monotonic() + timeout
@@ -122,16 +130,10 @@ class Workers:
 
 @pytest.fixture
 def workers_factory(etcd_cluster: EtcdCluster) -> Iterator[Callable[..., Workers]]:
-    made: list[Workers] = []
-
-    def make(backend: str, run_id: str, nodes: int) -> Workers:
-        workers = Workers(etcd_cluster, backend, run_id, nodes)
-        made.append(workers)
-        return workers
-
-    yield make
-    for workers in made:
-        workers.close()
+    """``make(backend, run_id, nodes)``: the handlers of one run on ``etcd_cluster``,
+    closed after the test."""
+    with closing_factory(partial(Workers, etcd_cluster), Workers.close) as make:
+        yield make
 
 
 @pytest.fixture
@@ -196,9 +198,7 @@ def test_leader_killed_while_keep_alives_are_due(
     run_id: str,
 ) -> None:
     workers = workers_factory("etcd", run_id, 2)
-    workers.join(0)
-    workers.join(1)
-    workers.wait()
+    workers.join_all()
     layout = LegacyLayout("/torchelastic/p2p", run_id)
     state = json.loads(observer.get(layout.state_key).value or "")
     keys = [normalize_key(k) for k in state["keep_alives"]]
@@ -247,9 +247,7 @@ def test_leader_killed_while_heartbeats_are_due(
     run_id: str,
 ) -> None:
     workers = workers_factory("etcd-v2", run_id, 2)
-    workers.join(0)
-    workers.join(1)
-    workers.wait()
+    workers.join_all()
     key = state_key("etcd-v2", run_id)
     nodes = {h._this_node for h in workers.handlers if isinstance(h, DynamicRendezvousHandler)}
 
@@ -295,9 +293,7 @@ def test_leader_killed_during_store_adds(
 ) -> None:
     nodes, adds = 3, 40
     workers = workers_factory(backend, run_id, nodes)
-    for i in range(nodes):
-        workers.join(i)
-    infos = workers.wait()
+    infos = workers.join_all()
     _assert_one_group(infos, nodes)
     results: dict[int, list[int]] = {i: [] for i in range(nodes)}
     errors: list[BaseException] = []

@@ -17,7 +17,7 @@ import pytest
 
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvous
 from etcd_rendezvous.etcd_server import EtcdServer
-from support.rdzv import Worker, expect_joined
+from support.rdzv import Worker, expect_joined, join_all
 from support.wait import wait_for_state
 
 pytest.importorskip(
@@ -87,9 +87,7 @@ def test_late_torch_worker_makes_our_members_rerendezvous(etcd_server, run_id, w
     members = _spawn(
         workers, ["ours", "torch"], etcd_server, run_id, 2, 3, last_call=LATE_JOINER_LAST_CALL
     )
-    for worker in members:
-        worker.send("join")
-    first = [expect_joined(w.next_event(), w) for w in members]
+    first = join_all(members)
     assert {j["world_size"] for j in first} == {2}
 
     (late,) = _spawn(workers, ["torch"], etcd_server, run_id, 2, 3, last_call=LATE_JOINER_LAST_CALL)
@@ -228,9 +226,7 @@ def _pytorch_wrote_after_members(history: list[dict]) -> bool:
 def test_interleaved_fleet_starting_together(etcd_server, run_id, workers, conn):
     since = _etcd_index(conn)
     group = _spawn(workers, MIXED, etcd_server, run_id, 8, 8)
-    for worker in group:
-        worker.send("join")
-    joined = [expect_joined(w.next_event(), w) for w in group]
+    joined = join_all(group)
 
     _assert_one_rendezvous(joined, 8)
     history = _state_history(conn, f"/torchelastic/p2p/run_{run_id}/rdzv/active_version", since)

@@ -80,7 +80,8 @@ class _Vandal:
 
 
 @pytest.fixture
-def handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[list[EtcdRendezvousHandler]]:
+def legacy_handlers(etcd_server: EtcdServer, run_id: str) -> Iterator[list[EtcdRendezvousHandler]]:
+    """``WORKERS`` legacy handlers of one run, closed after the test."""
     made = [_handler(etcd_server, run_id, WORKERS) for _ in range(WORKERS)]
     yield made
     for handler in made:
@@ -92,14 +93,14 @@ def test_a_garbled_or_deleted_hint_does_not_stop_the_rendezvous(
     etcd_server: EtcdServer,
     run_id: str,
     conn: Transport,
-    handlers: list[EtcdRendezvousHandler],
+    legacy_handlers: list[EtcdRendezvousHandler],
     value: str | None,
 ) -> None:
     """The first worker makes version 1 (and its hint); from then on a vandal garbles or
     deletes the hint all the time; the other workers still join, with distinct ranks."""
     assert Hint.decode(value) is None
     hint_key = LegacyLayout(PREFIX, run_id).progress_key("1")
-    first, *others = handlers
+    first, *others = legacy_handlers
     with ThreadPoolExecutor(WORKERS) as pool:
         started = pool.submit(first.next_rendezvous)
         wait_until(lambda: conn.try_get(hint_key) is not None, what="the hint of version 1")

@@ -5,14 +5,11 @@ on the API under test (the hook itself, without etcd: ``tests/unit/test_metrics.
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from etcd_rendezvous._transport.connect import open_transport
-from etcd_rendezvous.api import RendezvousParameters
-from etcd_rendezvous.dynamic_rendezvous import create_handler
-from etcd_rendezvous.etcd_rendezvous_backend import create_backend
+from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.metrics import (
     Metric,
@@ -21,6 +18,7 @@ from etcd_rendezvous.metrics import (
     remove_metrics_handler,
 )
 from support.faultproxy import FaultProxy
+from support.handlers import join_in
 
 
 def test_the_hook_sees_retries_and_a_failover(
@@ -102,36 +100,19 @@ def test_the_hook_sees_a_lost_answer_resolved(etcd_proxy: FaultProxy, etcd_prefi
     assert collected.counter("transport.outcome_resolved", result="not_applied") == 0
 
 
-def test_rendezvous_metrics_of_a_round(etcd_server: EtcdServer) -> None:
-    run_id = f"metrics-{uuid.uuid4().hex[:8]}"
-    params = RendezvousParameters(
-        backend="etcd-v2",
-        endpoint=etcd_server.get_endpoint(),
-        run_id=run_id,
-        min_nodes=2,
-        max_nodes=2,
-        local_addr="127.0.0.1",
-        join_timeout=60,
-        last_call_timeout=1,
-        torch_store="false",
-    )
-    handlers = []
-    for _ in range(2):
-        backend, store = create_backend(params)
-        handlers.append(create_handler(store, backend, params))
-    with MetricsCollector() as collected, ThreadPoolExecutor(max_workers=2) as pool:
-        infos = list(pool.map(lambda h: h.next_rendezvous(), handlers))
-    try:
-        assert sorted(info.rank for info in infos) == [0, 1]
-        assert collected.counter("rendezvous.rounds", backend="etcd-v2") == 2
-        # Each node saw two nodes admitted (itself and the other), none removed.
-        assert collected.counter("rendezvous.nodes_admitted", backend="etcd-v2") == 4
-        assert collected.counter("rendezvous.nodes_removed", backend="etcd-v2") == 0
-        assert collected.gauge("rendezvous.world_size", backend="etcd-v2") == 2
-        count, _, longest = collected.timings("rendezvous.time_to_form", backend="etcd-v2")
-        assert count == 2
-        assert 0 < longest < 60
-        assert collected.counter("transport.requests") > 0
-    finally:
-        for handler in handlers:
-            handler.shutdown()
+def test_rendezvous_metrics_of_a_round(
+    handlers: Callable[..., list[DynamicRendezvousHandler]], pool: ThreadPoolExecutor
+) -> None:
+    group = handlers(2, 2, 2, last_call_timeout=1)
+    with MetricsCollector() as collected:
+        infos = [future.result(60) for future in join_in(pool, group)]
+    assert sorted(info.rank for info in infos) == [0, 1]
+    assert collected.counter("rendezvous.rounds", backend="etcd-v2") == 2
+    # Each node saw two nodes admitted (itself and the other), none removed.
+    assert collected.counter("rendezvous.nodes_admitted", backend="etcd-v2") == 4
+    assert collected.counter("rendezvous.nodes_removed", backend="etcd-v2") == 0
+    assert collected.gauge("rendezvous.world_size", backend="etcd-v2") == 2
+    count, _, longest = collected.timings("rendezvous.time_to_form", backend="etcd-v2")
+    assert count == 2
+    assert 0 < longest < 60
+    assert collected.counter("transport.requests") > 0

@@ -133,3 +133,23 @@ class Worker:
 def expect_joined(event: dict[str, Any], worker: Worker) -> dict[str, Any]:
     assert event["event"] == "joined", (event, worker.stderr)
     return event
+
+
+def join_all(group: Sequence[Worker]) -> list[dict[str, Any]]:
+    """Every worker of ``group`` joins at once; their ``joined`` events, in group order."""
+    for worker in group:
+        worker.send("join")
+    return [expect_joined(worker.next_event(), worker) for worker in group]
+
+
+def check_shared_store(group: Sequence[Worker], joined: Sequence[dict[str, Any]]) -> None:
+    """Every worker reads what every rank wrote through the rendezvous' store, and their
+    adds to one counter are counted once each."""
+    by_rank = {j["rank"]: w for j, w in zip(joined, group)}
+    for rank, worker in by_rank.items():
+        assert worker.request(f"set key{rank} value{rank}")["event"] == "ok"
+    for worker in group:
+        for rank in by_rank:
+            assert worker.request(f"get key{rank}") == {"event": "value", "value": f"value{rank}"}
+    totals = [w.request("add counter 1")["value"] for w in group]
+    assert sorted(totals) == list(range(1, len(group) + 1))

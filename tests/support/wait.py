@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from etcd_rendezvous._transport.interface import Transport
+from etcd_rendezvous._transport.interface import Node, Transport
 
-__all__ = ["wait_for_state", "wait_for_value", "wait_until"]
+__all__ = ["each_version", "wait_for_state", "wait_for_value", "wait_until"]
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
@@ -53,3 +53,18 @@ def wait_for_state(
         return json.loads(value) if value else None
 
     return decoded(wait_for_value(conn, key, lambda value: predicate(decoded(value)), timeout))
+
+
+def each_version(conn: Transport, key: str, timeout: float = 30.0) -> Iterator[Node]:
+    """Yield ``key``'s node now and after each later write (watching from the index seen
+    + 1, so that no version is skipped), until the caller stops; raise
+    :class:`AssertionError` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    node = conn.get(key)
+    while True:
+        yield node
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"no version of {key} ended the wait in {timeout} s")
+        change = conn.watch(key, node.modified_index + 1, min(remaining, 5.0))
+        node = change if change is not None else conn.get(key)

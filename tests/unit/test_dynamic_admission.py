@@ -424,14 +424,21 @@ def test_a_reaped_key_is_deleted_so_that_no_other_node_admits_its_node() -> None
     assert a.admission(wants_all_but(), "m") == Batch([A, B])
 
 
-def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> None:
-    registry, clock = MemoryRegistry(), Clock()
+def _c_reaped_by_b_but_still_listed() -> tuple[MemoryRegistry, NodeKeys]:
+    """B and C announced; C's key read 0 s left, and B's delete of it did not remove the
+    key listings show (etcd had not deleted it yet, or C renewed it in between)."""
+    registry = MemoryRegistry()
     for node in (B, C):
         registry.announce_node(node, 15)
     registry.lifetimes[C] = 0
     registry.lingering.add(C)
-    b = keys_of(B, registry, clock)
+    b = keys_of(B, registry, Clock())
     assert b.reap(3, [C]) == Gone([C])
+    return registry, b
+
+
+def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> None:
+    registry, b = _c_reaped_by_b_but_still_listed()
     # etcd still lists C's key: the next round's batch must not admit C again.
     assert b.admission(wants_all_but(), "m") == Batch([B])
     # Once etcd deleted it, a key C announces again (a new index) is C's to use.
@@ -445,14 +452,7 @@ def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> 
 
 def test_a_key_taken_for_dead_that_is_renewed_after_all_is_admitted_again() -> None:
     """A v3 lease reading 0 s had under a second left: its node may still renew it."""
-    registry, clock = MemoryRegistry(), Clock()
-    for node in (B, C):
-        registry.announce_node(node, 15)
-    registry.lifetimes[C] = 0
-    # The reaper's delete did not remove the key listings show (renewed in between).
-    registry.lingering.add(C)
-    b = keys_of(B, registry, clock)
-    assert b.reap(3, [C]) == Gone([C])
+    registry, b = _c_reaped_by_b_but_still_listed()
     # Still at 0 s when the next listing probes it: still left out.
     probes = registry.calls["expires_in"]
     assert b.admission(wants_all_but(), "m") == Batch([B])

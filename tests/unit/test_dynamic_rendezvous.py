@@ -1029,17 +1029,15 @@ def make_handler(
 class Joiner:
     """Runs ``handler.next_rendezvous()`` in a thread and keeps the outcome."""
 
-    def __init__(self, handler: DynamicRendezvousHandler, delay: float = 0.0) -> None:
+    def __init__(self, handler: DynamicRendezvousHandler) -> None:
         self.handler = handler
         self.result: RendezvousInfo | None = None
         self.error: BaseException | None = None
         self.finished_at: float | None = None
-        self._delay = delay
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        time.sleep(self._delay)
         try:
             self.result = self.handler.next_rendezvous()
         except BaseException as exc:

@@ -137,29 +137,34 @@ def test_a_create_after_a_lost_answer_is_settled_by_the_write_that_created_the_k
     assert looked_up == asked
 
 
-def test_a_create_whose_history_is_gone_is_refused_as_unknown(
-    conn: Any, monkeypatch: pytest.MonkeyPatch
+def _key_gone(key: str) -> Node:
+    raise KeyNotFoundError(key, 10)
+
+
+#: What the settling of a refused create finds, and what its error then says.
+_UNSETTLED_CREATES = {
+    "history-gone": (
+        {
+            "_lookup_change": _lookup(WatchHistoryLostError("/k", 6), []),
+            "get": lambda _key: _node("later", 8, "get", created=6),
+        },
+        "no longer holds",
+    ),
+    "key-deleted": ({"get": _key_gone}, "deleted"),
+}
+
+
+@pytest.mark.parametrize("found", _UNSETTLED_CREATES)
+def test_a_create_that_cannot_be_settled_is_refused_as_unknown(
+    conn: Any, monkeypatch: pytest.MonkeyPatch, found: str
 ) -> None:
-    lost = WatchHistoryLostError("/k", 6)
-    monkeypatch.setattr(conn, "_lookup_change", _lookup(lost, []))
-    monkeypatch.setattr(conn, "get", lambda _key: _node("later", 8, "get", created=6))
+    patches, because = _UNSETTLED_CREATES[found]
+    for name, replacement in patches.items():
+        monkeypatch.setattr(conn, name, replacement)
     with pytest.raises(KeyExistsError) as excinfo:
         conn._settle("create", "/k", "ours", None, _refused(KeyExistsError("/k", 9)))
     assert excinfo.value.outcome_unknown
-    assert "no longer holds" in excinfo.value.unknown_because
-
-
-def test_a_create_whose_key_is_gone_is_refused_as_unknown(
-    conn: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def gone(key: str) -> Node:
-        raise KeyNotFoundError(key, 10)
-
-    monkeypatch.setattr(conn, "get", gone)
-    with pytest.raises(KeyExistsError) as excinfo:
-        conn._settle("create", "/k", "ours", None, _refused(KeyExistsError("/k", 9)))
-    assert excinfo.value.outcome_unknown
-    assert "deleted" in excinfo.value.unknown_because
+    assert because in excinfo.value.unknown_because
 
 
 def test_the_history_lookup_outlives_an_expired_caller_deadline(

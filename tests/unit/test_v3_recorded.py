@@ -325,10 +325,26 @@ def test_a_compacted_start_revision_returns_none_at_once(replay: Any) -> None:
     assert state.paths().count("/v3/watch") == 1
 
 
-def test_an_expired_token_on_a_watch_is_renewed(replay: Any) -> None:
-    state, endpoint = replay
+def _watch_through_a_refusal(state: Any, endpoint: Any, refusal: Answer) -> None:
+    """User ``u`` watches ``/k`` from revision 8; etcd ends the first watch with
+    ``refusal``: the connection authenticates again and its next watch delivers the
+    change."""
     token = {"header": HEADER, "token": "tok"}
     state.queue("/v3/auth/authenticate", Answer(200, token), Answer(200, token))
+    state.queue("/v3/watch", refusal)
+    state.queue(
+        "/v3/watch",
+        Answer(chunks=[_message({"created": True}), _message(_put_event("v", 8))], hold=True),
+    )
+    with connect(endpoint, username="u", password="p") as conn:
+        node = conn.watch("/k", 8, timeout=5)
+    assert node is not None
+    assert (node.value, node.modified_index) == ("v", 8)
+    assert state.paths().count("/v3/auth/authenticate") == 2
+
+
+def test_an_expired_token_on_a_watch_is_renewed(replay: Any) -> None:
+    state, endpoint = replay
     refused = _message(
         {
             "created": True,
@@ -337,15 +353,7 @@ def test_an_expired_token_on_a_watch_is_renewed(replay: Any) -> None:
             "cancel_reason": "etcdserver: invalid auth token",
         }
     )
-    state.queue("/v3/watch", Answer(chunks=[refused], hold=True))
-    state.queue(
-        "/v3/watch",
-        Answer(chunks=[_message({"created": True}), _message(_put_event("v", 8))], hold=True),
-    )
-    with connect(endpoint, username="u", password="p") as conn:
-        node = conn.watch("/k", 8, timeout=5)
-    assert node is not None
-    assert state.paths().count("/v3/auth/authenticate") == 2
+    _watch_through_a_refusal(state, endpoint, Answer(chunks=[refused], hold=True))
     watches = [headers for path, _, headers in state.requests if path == "/v3/watch"]
     assert all(headers.get("Authorization") == "tok" for headers in watches)
 
@@ -555,17 +563,7 @@ def test_recorded_watch_refused_for_the_token_is_renewed(
     """3.6+ (and 3.4) say why (``user name is empty`` / ``invalid auth token``) with
     ``watch_id: -1``; 3.5.1 says ``permission denied`` for both, without a watch id."""
     state, endpoint = replay
-    token = {"header": HEADER, "token": "tok"}
-    state.queue("/v3/auth/authenticate", Answer(200, token), Answer(200, token))
-    state.queue("/v3/watch", replayed(version, refusal))
-    state.queue(
-        "/v3/watch",
-        Answer(chunks=[_message({"created": True}), _message(_put_event("v", 8))], hold=True),
-    )
-    with connect(endpoint, username="u", password="p") as conn:
-        node = conn.watch("/k", 8, timeout=5)
-    assert node is not None
-    assert state.paths().count("/v3/auth/authenticate") == 2
+    _watch_through_a_refusal(state, endpoint, replayed(version, refusal))
     reason = json.loads(recorded(version, refusal)["stream"][0])["result"]["cancel_reason"]
     expected = {"watch_no_token": "user name is empty", "watch_bad_token": "invalid auth token"}
     assert (expected[refusal] in reason) == (version != "3.5.1")
