@@ -502,23 +502,16 @@ class NodeKeys:
         self, wants: WantsAdmission, mark: object, token: int | None = None
     ) -> Batch | Wait | Refresh:
         """The batch this node must make now, or else how long to wait (at most) for
-        another node to make it.
+        another node to make it; :class:`Refresh` if it must read the state first.
 
         ``wants`` tells whether a batch would do something for a node on the current
-        state (take it out, or admit it); ``mark`` sums up the state's admissions (it
-        changes whenever a node is admitted or leaves): while it changes, the nodes
-        ahead are making progress. ``token`` is the token of the state held.
-
-        With a progress key, a node whose key is younger than the last decided index is
-        a candidate admitter in its turn (:func:`stagger_wait`): it lists the keys only
-        when its turn comes, and admits every listed key, older ones included. Any other
-        node (no progress key, or an older key: a node leaving its round) lists the keys
-        after announcing, waits for its listed predecessors, and admits them itself
-        after a grace period without progress. Only keys that are gone (or expired) are
-        left out; a slow node is admitted by the next one.
+        state (take it out, or admit it); ``mark`` sums up the state's admissions: while
+        it changes, the nodes ahead are making progress. ``token`` is the token of the
+        state held. Only keys that are gone (or expired) are left out of a batch; a slow
+        node is admitted by the next one. See docs/how-it-works.rst, "Our nodes: node keys,
+        batched admission, one heartbeat writer" (candidate admitters, batch exits).
         """
         with self._lock:
-            listing: list[AnnouncedNode] | None = None
             if self._created is None:
                 self._know_progress()
                 self._announce()
@@ -527,16 +520,12 @@ class NodeKeys:
                 return Wait(gathering)  # Let the others of the round ask to leave too.
             now = self._clock()
             created = self._created if self._created is not None else 0
-            if self._attempt is None:
-                if (
-                    self._board is not None
-                    and self._hint_index is not None
-                    and (created > self._decided_upto)
-                ):
-                    self._attempt = _Attempt({}, now, staggered=True)
-                else:
-                    listing = self._list()
-                    self._attempt = self._new_attempt(listing)
+            listing: list[AnnouncedNode] | None = None
+            if self._attempt is None and self._is_candidate(created):
+                self._attempt = _Attempt({}, now, staggered=True)
+            elif self._attempt is None:
+                listing = self._list()
+                self._attempt = self._new_attempt(listing)
             attempt = self._attempt
             if mark != attempt.mark:
                 attempt.mark, attempt.progress_at = mark, now
@@ -552,32 +541,57 @@ class NodeKeys:
                 self._attempt = attempt = self._new_attempt(listing)
                 attempt.mark = mark
             if attempt.staggered:
-                # Progress: a batch decided more keys (not any write: heartbeat folds).
-                idle = now - max(attempt.progress_at, self._decided_at)
-                wait = stagger_wait(created, self._decided_upto, idle, attempt.jitter)
-                if wait > 0:
-                    return Wait(wait)
-                if stale:
-                    return Refresh()
-                listing = self._list()
-            else:
-                blocked = attempt.blocked(wants)
-                if blocked and now - attempt.progress_at >= ADMISSION_GRACE:
-                    listing = self._list()
-                    self._admit_the_slow(attempt, listing, wants, now)
-                    blocked = False
-                if not blocked and listing is None:
-                    listing = self._list()
-                    # An older node that asked to leave since our last listing makes the
-                    # batch (the oldest that asks does, after its own listing).
-                    blocked = attempt.blocked(wants)
-                if blocked or listing is None:
-                    return Wait(max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0))
-            if not self._leading and self._registry.aggregator() is None:
-                # The first admitter aggregates from the start: the heartbeats of the
-                # nodes it admits are folded before any of them is late.
-                self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
+                return self._candidate_turn(attempt, created, wants, now, stale)
+            return self._predecessors_turn(attempt, listing, wants, now)
+
+    def _is_candidate(self, created: int) -> bool:
+        """Whether the node, whose key was created at ``created``, is a candidate
+        admitter (see :func:`stagger_wait`) rather than a node that waits for its listed
+        predecessors: it follows a progress key, and its key was not decided yet."""
+        return (
+            self._board is not None
+            and self._hint_index is not None
+            and created > self._decided_upto
+        )
+
+    def _candidate_turn(
+        self, attempt: _Attempt, created: int, wants: WantsAdmission, now: float, stale: bool
+    ) -> Batch | Wait | Refresh:
+        """A candidate admitter makes the batch of every listed key, older ones included,
+        once its turn came without progress (a batch deciding more keys, not any write:
+        heartbeat folds), on the state the progress key describes."""
+        idle = now - max(attempt.progress_at, self._decided_at)
+        wait = stagger_wait(created, self._decided_upto, idle, attempt.jitter)
+        if wait > 0:
+            return Wait(wait)
+        if stale:
+            return Refresh()
+        return self._batch(attempt, self._list(), wants)
+
+    def _predecessors_turn(
+        self,
+        attempt: _Attempt,
+        listing: list[AnnouncedNode] | None,
+        wants: WantsAdmission,
+        now: float,
+    ) -> Batch | Wait:
+        """A node with a listed attempt makes the batch once its predecessors were
+        admitted, or after :data:`ADMISSION_GRACE` without progress (admitting them too).
+        ``listing`` is the one taken on this look, if any."""
+        waited = now - attempt.progress_at
+        if attempt.blocked(wants):
+            if waited < ADMISSION_GRACE:
+                return Wait(ADMISSION_GRACE - waited)
+            listing = self._list()
+            self._admit_the_slow(attempt, listing, wants, now)
             return self._batch(attempt, listing, wants)
+        if listing is None:
+            listing = self._list()
+            # An older node that asked to leave since our last listing makes the batch
+            # (the oldest that asks does, after its own listing).
+            if attempt.blocked(wants):
+                return Wait(max(ADMISSION_GRACE - waited, 0.0))
+        return self._batch(attempt, listing, wants)
 
     def _list(self) -> list[AnnouncedNode]:
         """List the node keys, and note which nodes asked to leave their round."""
@@ -697,6 +711,10 @@ class NodeKeys:
     def _batch(
         self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission
     ) -> Batch:
+        if not self._leading and self._registry.aggregator() is None:
+            # The first admitter aggregates from the start: the heartbeats of the nodes
+            # it admits are folded before any of them is late.
+            self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
         self._listed = {entry.node for entry in listing}
         # This attempt is over: a later admission (the next round) lists afresh, lest it
         # wait for predecessors of this one that are gone.
