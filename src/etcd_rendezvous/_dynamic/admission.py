@@ -767,28 +767,12 @@ class NodeKeys:
     def _hear(self, progress: Progress | None, version: int | None, index: int = 0) -> bool:
         """Note a summary read or watched: the key's modification index ``version``
         (``None``: unknown) and the etcd index ``index`` of the read (a watched change:
-        its version). Whether it is newer than the last one seen (a change of the state).
-
-        A summary written at ``version`` describes a state written before it, decided
-        with a listing taken before it: one that claims a later token or decided index
-        is a lie (garbage that reads as a summary) and is not heard at all."""
+        its version). Whether it is newer than the last one seen (a change of the state);
+        a summary that cannot be true (see :meth:`_false`) is not heard at all."""
         if version is not None:
             self._hint_version = max(version, self._hint_version)
         self._hint_index = max(index, version or 0, self._hint_index or 0)
-        if progress is None:
-            return False
-        if version is not None and max(progress.token, progress.decided_upto) >= version:
-            if version == self._lie_version:
-                return False
-            self._lie_version = version
-            logger.warning(
-                "The progress key of the node '%s' holds a summary that cannot be true "
-                "(token %d, decided index %d, written at %d); ignoring it.",
-                self._node,
-                progress.token,
-                progress.decided_upto,
-                version,
-            )
+        if progress is None or self._false(progress, version):
             return False
         self._heard_at = self._clock()  # Someone is at work (or checked, see state_read).
         if progress.decided_upto > self._decided_upto:
@@ -798,13 +782,30 @@ class NodeKeys:
         self._hint = progress
         return True
 
+    def _false(self, progress: Progress, version: int | None) -> bool:
+        """Whether ``progress``, written at ``version``, claims a state or a decided
+        index written after it: garbage that reads as a summary (logged once per
+        version)."""
+        if version is None or max(progress.token, progress.decided_upto) < version:
+            return False
+        if version != self._lie_version:
+            self._lie_version = version
+            logger.warning(
+                "The progress key of the node '%s' holds a summary that cannot be true "
+                "(token %d, decided index %d, written at %d); ignoring it.",
+                self._node,
+                progress.token,
+                progress.decided_upto,
+                version,
+            )
+        return True
+
     def await_progress(self, timeout: float, token: int, state: RendezvousState) -> Heard:
         """Wait up to ``timeout`` seconds on the progress key for a change of the state
         that concerns this node (see :func:`concerns`), holding ``state`` read with
         ``token``. Returns :attr:`Heard.KEEP` as soon as a change that does not concern
         it is heard (to look at its turn again), or at the timeout; :attr:`Heard.READ`
-        for a change that does, or after :data:`PROGRESS_SILENCE` without any change
-        heard."""
+        for a change that does, or after a silence (see :data:`PROGRESS_SILENCE`)."""
         board = self._board
         if board is None or self._hint_index is None:
             return Heard.READ
@@ -813,16 +814,7 @@ class NodeKeys:
             now = self._clock()
             silence_at = self._heard_at + self._silence
             if now >= silence_at:
-                # Silence (spread out over the nodes): a look at the key itself first (our
-                # watch may lag behind it), then at the state, which the key may miss.
-                self._heard_at = now
-                self._silence = PROGRESS_SILENCE * (1.0 + random.random())
-                progress, version, index = board.read_progress()
-                if progress is not None and self._hear(progress, version, index):
-                    if concerns(progress, token, state, self._node, self._created, self._min_nodes):
-                        return Heard.READ
-                    return Heard.KEEP
-                return Heard.READ
+                return self._after_silence(board, token, state)
             if now >= deadline:
                 return Heard.KEEP
             changes = board.wait_progress(self._hint_index, min(deadline, silence_at) - now)
@@ -834,46 +826,71 @@ class NodeKeys:
             if any(newer):
                 return Heard.KEEP
 
+    def _after_silence(self, board: ProgressBoard, token: int, state: RendezvousState) -> Heard:
+        """Nothing heard for the silence (spread out over the nodes, drawn afresh here):
+        read the key itself (our watch may lag behind it), then the state unless the key
+        names a change that does not concern us (the key may miss a state write)."""
+        self._heard_at = self._clock()
+        self._silence = PROGRESS_SILENCE * (1.0 + random.random())
+        progress, version, index = board.read_progress()
+        if progress is None or not self._hear(progress, version, index):
+            return Heard.READ
+        if concerns(progress, token, state, self._node, self._created, self._min_nodes):
+            return Heard.READ
+        return Heard.KEEP
+
     def state_read(self, token: int, state: RendezvousState, written: bool) -> None:
         """The node read (``written``: wrote) the state ``state`` with ``token``: after a
         write of ours, summarise it in the progress key; after a read that finds a state
-        the key does not describe (PyTorch's workers wrote it, or one of ours died before
-        its summary), write the summary ourselves (relay). Never lowers the decided
-        index."""
+        the key does not describe, write the summary ourselves (relay: see
+        docs/how-it-works.rst, "The progress key"). Never lowers the decided index."""
         board = self._board
         if board is None or self._hint_index is None:
             return  # We never read the key: we do not know what it says is decided.
         self._heard_at = self._clock()
         deciding, self._deciding = self._deciding, None
         hint = self._hint
-        lie = not written and hint is not None and hint.token > token
-        if lie and hint is not None:
-            # The state is the authority: the summary we heard describes no state that
-            # a read finds. Forget it (a candidate would wait for it for ever), and what
-            # it said was decided beyond the state read; the relay below replaces it.
-            logger.warning(
-                "The node '%s' read the state written at %d, but the progress key "
-                "described one written at %d; ignoring that summary.",
-                self._node,
-                token,
-                hint.token,
-            )
-            self._hint = None
-            self._decided_upto = min(self._decided_upto, token)
-        elif not written and (not self._joining or self._hint is None or token <= self._hint.token):
-            return  # Only a node that follows the key knows what it misses.
-        if written and deciding is not None and deciding > self._decided_upto:
-            self._decided_upto, self._decided_at = deciding, self._clock()
-        progress = Progress.of(token, state, self._decided_upto)
-        index = (
-            board.write_progress(progress, self._hint_version)
-            if written
-            else board.replace_progress(progress, self._hint_version)
+        if written:
+            if deciding is not None and deciding > self._decided_upto:
+                self._decided_upto, self._decided_at = deciding, self._clock()
+            self._summarise(board, token, state, board.write_progress)
+        elif hint is not None and hint.token > token:
+            self._forget_hint(hint, token)
+            self._summarise(board, token, state, board.replace_progress)
+        elif self._joining and hint is not None and token > hint.token:
+            # Only a node that follows the key knows what it misses.
+            self._summarise(board, token, state, board.replace_progress)
+
+    def _forget_hint(self, hint: Progress, token: int) -> None:
+        """The state read with ``token`` is older than ``hint`` describes: the state is
+        the authority, so forget the hint (a candidate would wait for it for ever) and
+        what it said was decided beyond the state read; the relay replaces it."""
+        logger.warning(
+            "The node '%s' read the state written at %d, but the progress key "
+            "described one written at %d; ignoring that summary.",
+            self._node,
+            token,
+            hint.token,
         )
+        self._hint = None
+        self._decided_upto = min(self._decided_upto, token)
+
+    def _summarise(
+        self,
+        board: ProgressBoard,
+        token: int,
+        state: RendezvousState,
+        write: Callable[[Progress, int], int | None],
+    ) -> None:
+        """Write the summary of ``state`` (read with ``token``) by ``write`` (one of
+        ``board``'s, on the key's version last heard); if someone wrote the key since
+        we heard it, leave it: its summary may know more."""
+        progress = Progress.of(token, state, self._decided_upto)
+        index = write(progress, self._hint_version)
         if index is None:
-            return  # Someone wrote the key since we heard it: its summary may know more.
+            return
         self._hint_version = max(index, self._hint_version)
-        self._hint_index = max(index, self._hint_index)
+        self._hint_index = max(index, self._hint_index or 0)
         if self._hint is None or token > self._hint.token:
             self._hint = progress
 
