@@ -1,12 +1,14 @@
 """Batched admission and aggregated heartbeats for the dynamic rendezvous (node keys).
 
 With a backend that implements :class:`NodeRegistry` (this package's ``etcd-v2``
-backend), each node announces itself with a key of its own; the oldest waiting node
-admits every announced node (or takes it out of the round it leaves) in one state
-write; one *aggregator* refreshes the heartbeats of every node with a live key in one
-write; and the first node of the wait list takes out the participants whose keys are
-gone. A constant number of requests per node instead of PyTorch's O(N^2), writing the
-same state.
+backend), each node announces itself with a key of its own; a candidate admitter (the
+node whose key is the oldest not yet decided, or the next one if it is slow) admits
+every announced node (or takes it out of the round it leaves) in one state write, and
+summarises that write in a small progress key (:class:`ProgressBoard`) that the other
+nodes wait on instead of the state; one *aggregator* refreshes the heartbeats of every
+node with a live key in one write; and the first node of the wait list takes out the
+participants whose keys are gone. A constant number of requests per node instead of
+PyTorch's O(N^2), writing the same state.
 
 :class:`NodeKeys` is one node's side of it: its key, its admission attempt, its
 heartbeat ticks and their requests to the registry. What a batch does to the state is
@@ -229,14 +231,10 @@ class Heard(enum.Enum):
 def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0.0) -> float:
     """Seconds until the node whose key was created at ``created`` makes the batch, when
     every key up to ``decided_upto`` was decided and nobody made progress for ``idle``
-    seconds (0: now).
-
-    Every undecided key older than ours took an etcd index between ``decided_upto`` and
-    ``created``, so the distance bounds from above how many nodes are ahead of us: the
-    oldest undecided node fires first, the next one a step later if the oldest is slow
-    (and admits it with everyone else), and a node far behind never lists at all unless
-    nobody made progress for :data:`_STAGGER_CAP` steps (then after a random part of
-    :data:`_TAIL_JITTER` more). Other writes only make the distance longer.
+    seconds (0: now); ``jitter`` in [0, 1) spreads the nodes beyond
+    :data:`_STAGGER_CAP` steps. The distance of the indexes bounds from above how many
+    undecided keys are ahead (see docs/how-it-works.rst, "Our nodes: node keys, batched
+    admission, one heartbeat writer", candidate admitters).
     """
     ahead = max(created - decided_upto - 2, 0)
     steps = ADMIT_GATHER + min(ahead, _STAGGER_CAP) * ADMIT_STAGGER
