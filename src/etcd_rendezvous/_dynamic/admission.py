@@ -353,6 +353,236 @@ class _Attempt:
         return any(wants(node) for node in reversed(self.predecessors))
 
 
+class _ProgressKey:
+    """One node's view of the progress key: the newest summary heard, the decided index
+    it learnt, and the node's own writes of the key (see docs/how-it-works.rst, "Our
+    nodes: node keys, batched admission, one heartbeat writer", the progress key).
+    Without a board (a backend that keeps no progress key) the node never knows it.
+    Every method may raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
+    """
+
+    def __init__(
+        self,
+        board: ProgressBoard | None,
+        node: NodeDesc,
+        min_nodes: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self._board = board
+        self._node = node
+        self._min_nodes = min_nodes
+        self._clock = clock
+        #: The newest summary heard (``None``: none yet, or it was found false).
+        self.hint: Progress | None = None
+        #: Every node key created at or before this etcd index was decided, as far as the
+        #: node heard; and when that last grew (``clock()``).
+        self.decided_upto = 0
+        self.decided_at = -math.inf
+        # The etcd index to watch the key from (``None``: the node never read it); the
+        # key's modification index as last heard (0: none), on which our writes of it
+        # compare-and-swap.
+        self._index: int | None = None
+        self._version = 0
+        self._lie_version = 0  # The version of the last summary found false (logged once).
+        # When the node last heard of a change (from the key or a read of the state), the
+        # silence after which it looks itself, and the index the batch being written
+        # decided up to.
+        self._heard_at = -math.inf
+        self._silence = PROGRESS_SILENCE
+        self._deciding: int | None = None
+
+    @property
+    def known(self) -> bool:
+        """Whether the node read the key: it can follow it, and knows what was decided."""
+        return self._board is not None and self._index is not None
+
+    def newer_than(self, token: int) -> bool:
+        """Whether the summary heard describes a newer state than the one of ``token``."""
+        return self.hint is not None and self.hint.token > token
+
+    def batch_listed(self) -> None:
+        """The node makes a batch from the listing just taken: its write decides the keys
+        up to that listing's index."""
+        if self._board is not None:
+            self._deciding = self._board.listed_at
+
+    def stop_waiting(self) -> None:
+        """Close the watches (see :meth:`ProgressBoard.stop_waiting`)."""
+        if self._board is not None:
+            self._board.stop_waiting()
+
+    def read(self) -> None:
+        """Read the progress key before announcing (creating it if there is none), so that
+        our key is younger than the decided index it holds (see :func:`stagger_wait`).
+        A node that loses the race to create it learns what the winner wrote from its
+        watch, which starts before the winner's write."""
+        board = self._board
+        if board is None:
+            return
+        progress, version, index = board.read_progress()
+        if progress is not None:
+            self._hear(progress, version, index)
+            return
+        first = Progress(0, 0, False, False, index, 0, 0)
+        if version is not None:  # garbage: start afresh
+            written = board.write_progress(first, version)
+            if written is not None:
+                self._hear(first, written)
+                return
+        else:
+            created = board.create_progress(first)
+            if created is not None:
+                self._hear(first, created)
+                return
+        self._index = max(index, self._index or 0)
+
+    def _hear(self, progress: Progress | None, version: int | None, index: int = 0) -> bool:
+        """Note a summary read or watched: the key's modification index ``version``
+        (``None``: unknown) and the etcd index ``index`` of the read (a watched change:
+        its version). Whether it is newer than the last one seen (a change of the state);
+        a summary that cannot be true (see :meth:`_false`) is not heard at all."""
+        if version is not None:
+            self._version = max(version, self._version)
+        self._index = max(index, version or 0, self._index or 0)
+        if progress is None or self._false(progress, version):
+            return False
+        self._heard_at = self._clock()  # Someone is at work (or checked, see state_read).
+        if progress.decided_upto > self.decided_upto:
+            self.decided_upto, self.decided_at = progress.decided_upto, self._clock()
+        if self.hint is not None and progress.token <= self.hint.token:
+            return False
+        self.hint = progress
+        return True
+
+    def _false(self, progress: Progress, version: int | None) -> bool:
+        """Whether ``progress``, written at ``version``, claims a state or a decided
+        index written after it: garbage that reads as a summary (logged once per
+        version)."""
+        if version is None or max(progress.token, progress.decided_upto) < version:
+            return False
+        if version != self._lie_version:
+            self._lie_version = version
+            logger.warning(
+                "The progress key of the node '%s' holds a summary that cannot be true "
+                "(token %d, decided index %d, written at %d); ignoring it.",
+                self._node,
+                progress.token,
+                progress.decided_upto,
+                version,
+            )
+        return True
+
+    def await_change(
+        self, timeout: float, token: int, state: RendezvousState, created: int | None
+    ) -> Heard:
+        """Wait up to ``timeout`` seconds on the progress key for a change of the state
+        that concerns this node (see :func:`concerns`), holding ``state`` read with
+        ``token``. Returns :attr:`Heard.KEEP` as soon as a change that does not concern
+        it is heard (to look at its turn again), or at the timeout; :attr:`Heard.READ`
+        for a change that does, or after a silence (see :data:`PROGRESS_SILENCE`)."""
+        board = self._board
+        if board is None or self._index is None:
+            return Heard.READ
+        deadline = self._clock() + max(timeout, 0.0)
+        while True:
+            now = self._clock()
+            silence_at = self._heard_at + self._silence
+            if now >= silence_at:
+                return self._after_silence(board, token, state, created)
+            if now >= deadline:
+                return Heard.KEEP
+            changes = board.wait_progress(self._index, min(deadline, silence_at) - now)
+            newer = [self._hear(p, version) for p, version in changes]
+            heard = [p for p, _ in changes if p is not None]
+            node, least = self._node, self._min_nodes
+            if any(concerns(p, token, state, node, created, least) for p in heard):
+                return Heard.READ
+            if any(newer):
+                return Heard.KEEP
+
+    def _after_silence(
+        self, board: ProgressBoard, token: int, state: RendezvousState, created: int | None
+    ) -> Heard:
+        """Nothing heard for the silence (spread out over the nodes, drawn afresh here):
+        read the key itself (our watch may lag behind it), then the state unless the key
+        names a change that does not concern us (the key may miss a state write)."""
+        self._heard_at = self._clock()
+        self._silence = PROGRESS_SILENCE * (1.0 + random.random())
+        progress, version, index = board.read_progress()
+        if progress is None or not self._hear(progress, version, index):
+            return Heard.READ
+        if concerns(progress, token, state, self._node, created, self._min_nodes):
+            return Heard.READ
+        return Heard.KEEP
+
+    def state_read(self, token: int, state: RendezvousState, written: bool, joining: bool) -> None:
+        """The node read (``written``: wrote) the state ``state`` with ``token``: after a
+        write of ours, summarise it in the progress key; after a read that finds a state
+        the key does not describe, write the summary ourselves (relay: see
+        docs/how-it-works.rst, "The progress key"). Never lowers the decided index."""
+        board = self._board
+        if board is None or self._index is None:
+            return  # We never read the key: we do not know what it says is decided.
+        self._heard_at = self._clock()
+        deciding, self._deciding = self._deciding, None
+        hint = self.hint
+        if written:
+            if deciding is not None and deciding > self.decided_upto:
+                self.decided_upto, self.decided_at = deciding, self._clock()
+            self._summarise(board, token, state, board.write_progress)
+        elif hint is not None and hint.token > token:
+            self._forget_hint(hint, token)
+            self._summarise(board, token, state, board.replace_progress)
+        elif joining and hint is not None and token > hint.token:
+            # Only a node that follows the key knows what it misses.
+            self._summarise(board, token, state, board.replace_progress)
+
+    def _forget_hint(self, hint: Progress, token: int) -> None:
+        """The state read with ``token`` is older than ``hint`` describes: the state is
+        the authority, so forget the hint (a candidate would wait for it for ever) and
+        what it said was decided beyond the state read; the relay replaces it."""
+        logger.warning(
+            "The node '%s' read the state written at %d, but the progress key "
+            "described one written at %d; ignoring that summary.",
+            self._node,
+            token,
+            hint.token,
+        )
+        self.hint = None
+        self.decided_upto = min(self.decided_upto, token)
+
+    def _summarise(
+        self,
+        board: ProgressBoard,
+        token: int,
+        state: RendezvousState,
+        write: Callable[[Progress, int], int | None],
+    ) -> None:
+        """Write the summary of ``state`` (read with ``token``) by ``write`` (one of
+        ``board``'s, on the key's version last heard); if someone wrote the key since
+        we heard it, leave it: its summary may know more."""
+        progress = Progress.of(token, state, self.decided_upto)
+        index = write(progress, self._version)
+        if index is None:
+            return
+        self._version = max(index, self._version)
+        self._index = max(index, self._index or 0)
+        if self.hint is None or token > self.hint.token:
+            self.hint = progress
+
+    def waiting_hint(self, token: int) -> Progress | None:
+        """The progress key's summary (one small read), if it describes the state held
+        (``token``) or a newer one, else ``None`` (read the state)."""
+        board = self._board
+        if board is None:
+            return None
+        progress, version, index = board.read_progress()
+        if progress is None or progress.token < token:
+            return None
+        self._hear(progress, version, index)
+        return progress
+
+
 class NodeKeys:
     """The node-key protocol of one handler's node.
 
@@ -409,23 +639,8 @@ class NodeKeys:
         self._dead: dict[NodeDesc, int] = {}
         self._reap_round: int | None = None
         self._reap_at = -math.inf
-        # The progress key (see ``await_progress``): the board, if the backend keeps one;
-        # the newest summary seen, the etcd index to watch it from, the highest decided
-        # index seen, when the node last heard of a change (from the key or a read of the
-        # state), and the index the batch being written decided up to.
-        self._board = registry if isinstance(registry, ProgressBoard) else None
-        self._hint: Progress | None = None
-        self._hint_index: int | None = None
-        # The progress key's modification index as last heard (0: none), on which our
-        # writes of it compare-and-swap.
-        self._hint_version = 0
-        self._lie_version = 0  # The version of the last summary found false (logged once).
-        self._decided_upto = 0
-        self._decided_at = -math.inf
-        self._heard_at = -math.inf
-        self._silence = PROGRESS_SILENCE
-        self._deciding: int | None = None
-        self._min_nodes = settings.min_nodes
+        board = registry if isinstance(registry, ProgressBoard) else None
+        self._progress = _ProgressKey(board, node, settings.min_nodes, clock)
 
     @property
     def node(self) -> NodeDesc:
@@ -456,8 +671,7 @@ class NodeKeys:
         with self._lock:
             self._joining = False
             self._attempt = None
-            if self._board is not None:
-                self._board.stop_waiting()
+            self._progress.stop_waiting()
 
     def withdraw(self) -> None:
         """Delete the node's key and release the aggregator lock if the node holds it."""
@@ -511,7 +725,7 @@ class NodeKeys:
         """
         with self._lock:
             if self._created is None:
-                self._know_progress()
+                self._progress.read()
                 self._announce()
             gathering = self._left_at + EXIT_GATHER - self._clock()
             if self._attempt is None and gathering > 0:
@@ -527,8 +741,8 @@ class NodeKeys:
             attempt = self._attempt
             if mark != attempt.mark:
                 attempt.mark, attempt.progress_at = mark, now
-            stale = self._hint is not None and self._hint.token > (token or 0)
-            if attempt.staggered and created <= self._decided_upto:
+            stale = self._progress.newer_than(token or 0)
+            if attempt.staggered and created <= self._progress.decided_upto:
                 if stale:
                     # A batch decided our key: wait for the state that matters to us (the
                     # round complete, the last call) instead of reading it now.
@@ -546,11 +760,7 @@ class NodeKeys:
         """Whether the node, whose key was created at ``created``, is a candidate
         admitter (see :func:`stagger_wait`) rather than a node that waits for its listed
         predecessors: it follows a progress key, and its key was not decided yet."""
-        return (
-            self._board is not None
-            and self._hint_index is not None
-            and created > self._decided_upto
-        )
+        return self._progress.known and created > self._progress.decided_upto
 
     def _candidate_turn(
         self, attempt: _Attempt, created: int, wants: WantsAdmission, now: float, stale: bool
@@ -558,8 +768,9 @@ class NodeKeys:
         """A candidate admitter makes the batch of every listed key, older ones included,
         once its turn came without progress (a batch deciding more keys, not any write:
         heartbeat folds), on the state the progress key describes."""
-        idle = now - max(attempt.progress_at, self._decided_at)
-        wait = stagger_wait(created, self._decided_upto, idle, attempt.jitter)
+        progress = self._progress
+        idle = now - max(attempt.progress_at, progress.decided_at)
+        wait = stagger_wait(created, progress.decided_upto, idle, attempt.jitter)
         if wait > 0:
             return Wait(wait)
         if stale:
@@ -717,8 +928,7 @@ class NodeKeys:
         # This attempt is over: a later admission (the next round) lists afresh, lest it
         # wait for predecessors of this one that are gone.
         self._attempt = None
-        if self._board is not None:
-            self._deciding = self._board.listed_at
+        self._progress.batch_listed()
         batch = [entry.node for entry in listing]
         if self._node not in self._listed and wants(self._node):
             # Our key vanished after we announced it (the refresh will re-create it).
@@ -735,174 +945,19 @@ class NodeKeys:
     @property
     def follows_progress(self) -> bool:
         """Whether the node, joining, waits on the progress key instead of the state."""
-        return self._board is not None and self._joining and self._hint_index is not None
-
-    def _know_progress(self) -> None:
-        """Read the progress key before announcing (creating it if there is none), so that
-        our key is younger than the decided index it holds (see :func:`stagger_wait`).
-        A node that loses the race to create it learns what the winner wrote from its
-        watch, which starts before the winner's write."""
-        board = self._board
-        if board is None:
-            return
-        progress, version, index = board.read_progress()
-        if progress is not None:
-            self._hear(progress, version, index)
-            return
-        first = Progress(0, 0, False, False, index, 0, 0)
-        if version is not None:  # garbage: start afresh
-            written = board.write_progress(first, version)
-            if written is not None:
-                self._hear(first, written)
-                return
-        else:
-            created = board.create_progress(first)
-            if created is not None:
-                self._hear(first, created)
-                return
-        self._hint_index = max(index, self._hint_index or 0)
-
-    def _hear(self, progress: Progress | None, version: int | None, index: int = 0) -> bool:
-        """Note a summary read or watched: the key's modification index ``version``
-        (``None``: unknown) and the etcd index ``index`` of the read (a watched change:
-        its version). Whether it is newer than the last one seen (a change of the state);
-        a summary that cannot be true (see :meth:`_false`) is not heard at all."""
-        if version is not None:
-            self._hint_version = max(version, self._hint_version)
-        self._hint_index = max(index, version or 0, self._hint_index or 0)
-        if progress is None or self._false(progress, version):
-            return False
-        self._heard_at = self._clock()  # Someone is at work (or checked, see state_read).
-        if progress.decided_upto > self._decided_upto:
-            self._decided_upto, self._decided_at = progress.decided_upto, self._clock()
-        if self._hint is not None and progress.token <= self._hint.token:
-            return False
-        self._hint = progress
-        return True
-
-    def _false(self, progress: Progress, version: int | None) -> bool:
-        """Whether ``progress``, written at ``version``, claims a state or a decided
-        index written after it: garbage that reads as a summary (logged once per
-        version)."""
-        if version is None or max(progress.token, progress.decided_upto) < version:
-            return False
-        if version != self._lie_version:
-            self._lie_version = version
-            logger.warning(
-                "The progress key of the node '%s' holds a summary that cannot be true "
-                "(token %d, decided index %d, written at %d); ignoring it.",
-                self._node,
-                progress.token,
-                progress.decided_upto,
-                version,
-            )
-        return True
+        return self._joining and self._progress.known
 
     def await_progress(self, timeout: float, token: int, state: RendezvousState) -> Heard:
-        """Wait up to ``timeout`` seconds on the progress key for a change of the state
-        that concerns this node (see :func:`concerns`), holding ``state`` read with
-        ``token``. Returns :attr:`Heard.KEEP` as soon as a change that does not concern
-        it is heard (to look at its turn again), or at the timeout; :attr:`Heard.READ`
-        for a change that does, or after a silence (see :data:`PROGRESS_SILENCE`)."""
-        board = self._board
-        if board is None or self._hint_index is None:
-            return Heard.READ
-        deadline = self._clock() + max(timeout, 0.0)
-        while True:
-            now = self._clock()
-            silence_at = self._heard_at + self._silence
-            if now >= silence_at:
-                return self._after_silence(board, token, state)
-            if now >= deadline:
-                return Heard.KEEP
-            changes = board.wait_progress(self._hint_index, min(deadline, silence_at) - now)
-            newer = [self._hear(p, version) for p, version in changes]
-            heard = [p for p, _ in changes if p is not None]
-            node, created, least = self._node, self._created, self._min_nodes
-            if any(concerns(p, token, state, node, created, least) for p in heard):
-                return Heard.READ
-            if any(newer):
-                return Heard.KEEP
-
-    def _after_silence(self, board: ProgressBoard, token: int, state: RendezvousState) -> Heard:
-        """Nothing heard for the silence (spread out over the nodes, drawn afresh here):
-        read the key itself (our watch may lag behind it), then the state unless the key
-        names a change that does not concern us (the key may miss a state write)."""
-        self._heard_at = self._clock()
-        self._silence = PROGRESS_SILENCE * (1.0 + random.random())
-        progress, version, index = board.read_progress()
-        if progress is None or not self._hear(progress, version, index):
-            return Heard.READ
-        if concerns(progress, token, state, self._node, self._created, self._min_nodes):
-            return Heard.READ
-        return Heard.KEEP
+        """See :meth:`_ProgressKey.await_change` (for this node's key)."""
+        return self._progress.await_change(timeout, token, state, self._created)
 
     def state_read(self, token: int, state: RendezvousState, written: bool) -> None:
-        """The node read (``written``: wrote) the state ``state`` with ``token``: after a
-        write of ours, summarise it in the progress key; after a read that finds a state
-        the key does not describe, write the summary ourselves (relay: see
-        docs/how-it-works.rst, "The progress key"). Never lowers the decided index."""
-        board = self._board
-        if board is None or self._hint_index is None:
-            return  # We never read the key: we do not know what it says is decided.
-        self._heard_at = self._clock()
-        deciding, self._deciding = self._deciding, None
-        hint = self._hint
-        if written:
-            if deciding is not None and deciding > self._decided_upto:
-                self._decided_upto, self._decided_at = deciding, self._clock()
-            self._summarise(board, token, state, board.write_progress)
-        elif hint is not None and hint.token > token:
-            self._forget_hint(hint, token)
-            self._summarise(board, token, state, board.replace_progress)
-        elif self._joining and hint is not None and token > hint.token:
-            # Only a node that follows the key knows what it misses.
-            self._summarise(board, token, state, board.replace_progress)
-
-    def _forget_hint(self, hint: Progress, token: int) -> None:
-        """The state read with ``token`` is older than ``hint`` describes: the state is
-        the authority, so forget the hint (a candidate would wait for it for ever) and
-        what it said was decided beyond the state read; the relay replaces it."""
-        logger.warning(
-            "The node '%s' read the state written at %d, but the progress key "
-            "described one written at %d; ignoring that summary.",
-            self._node,
-            token,
-            hint.token,
-        )
-        self._hint = None
-        self._decided_upto = min(self._decided_upto, token)
-
-    def _summarise(
-        self,
-        board: ProgressBoard,
-        token: int,
-        state: RendezvousState,
-        write: Callable[[Progress, int], int | None],
-    ) -> None:
-        """Write the summary of ``state`` (read with ``token``) by ``write`` (one of
-        ``board``'s, on the key's version last heard); if someone wrote the key since
-        we heard it, leave it: its summary may know more."""
-        progress = Progress.of(token, state, self._decided_upto)
-        index = write(progress, self._hint_version)
-        if index is None:
-            return
-        self._hint_version = max(index, self._hint_version)
-        self._hint_index = max(index, self._hint_index or 0)
-        if self._hint is None or token > self._hint.token:
-            self._hint = progress
+        """See :meth:`_ProgressKey.state_read` (a relay only while joining)."""
+        self._progress.state_read(token, state, written, self._joining)
 
     def waiting_hint(self, token: int) -> Progress | None:
-        """The progress key's summary (one small read), if it describes the state held
-        (``token``) or a newer one, else ``None`` (read the state)."""
-        board = self._board
-        if board is None:
-            return None
-        progress, version, index = board.read_progress()
-        if progress is None or progress.token < token:
-            return None
-        self._hear(progress, version, index)
-        return progress
+        """See :meth:`_ProgressKey.waiting_hint`."""
+        return self._progress.waiting_hint(token)
 
     # -- heartbeats -------------------------------------------------------------------
 
