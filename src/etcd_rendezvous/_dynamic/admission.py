@@ -353,6 +353,7 @@ class _Attempt:
         return any(wants(node) for node in reversed(self.predecessors))
 
 
+@dataclass(eq=False)
 class _ProgressKey:
     """One node's view of the progress key: the newest summary heard, the decided index
     it learnt, and the node's own writes of the key (see docs/how-it-works.rst, "Our
@@ -361,40 +362,33 @@ class _ProgressKey:
     Every method may raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
     """
 
-    def __init__(
-        self,
-        board: ProgressBoard | None,
-        node: NodeDesc,
-        min_nodes: int,
-        clock: Callable[[], float],
-    ) -> None:
-        self._board = board
-        self._node = node
-        self._min_nodes = min_nodes
-        self._clock = clock
-        #: The newest summary heard (``None``: none yet, or it was found false).
-        self.hint: Progress | None = None
-        #: Every node key created at or before this etcd index was decided, as far as the
-        #: node heard; and when that last grew (``clock()``).
-        self.decided_upto = 0
-        self.decided_at = -math.inf
-        # The etcd index to watch the key from (``None``: the node never read it); the
-        # key's modification index as last heard (0: none), on which our writes of it
-        # compare-and-swap.
-        self._index: int | None = None
-        self._version = 0
-        self._lie_version = 0  # The version of the last summary found false (logged once).
-        # When the node last heard of a change (from the key or a read of the state), the
-        # silence after which it looks itself, and the index the batch being written
-        # decided up to.
-        self._heard_at = -math.inf
-        self._silence = PROGRESS_SILENCE
-        self._deciding: int | None = None
+    board: ProgressBoard | None
+    node: NodeDesc
+    min_nodes: int
+    clock: Callable[[], float]
+    #: The newest summary heard (``None``: none yet, or it was found false).
+    hint: Progress | None = field(default=None, init=False)
+    #: Every node key created at or before this etcd index was decided, as far as the
+    #: node heard; and when that last grew (``clock()``).
+    decided_upto: int = field(default=0, init=False)
+    decided_at: float = field(default=-math.inf, init=False)
+    # The etcd index to watch the key from (``None``: the node never read it); the key's
+    # modification index as last heard (0: none), on which our writes of it
+    # compare-and-swap; the version of the last summary found false (logged once).
+    _index: int | None = field(default=None, init=False)
+    _version: int = field(default=0, init=False)
+    _lie_version: int = field(default=0, init=False)
+    # When the node last heard of a change (from the key or a read of the state), the
+    # silence after which it looks itself, and the index the batch being written
+    # decided up to.
+    _heard_at: float = field(default=-math.inf, init=False)
+    _silence: float = field(default=PROGRESS_SILENCE, init=False)
+    _deciding: int | None = field(default=None, init=False)
 
     @property
     def known(self) -> bool:
         """Whether the node read the key: it can follow it, and knows what was decided."""
-        return self._board is not None and self._index is not None
+        return self.board is not None and self._index is not None
 
     def newer_than(self, token: int) -> bool:
         """Whether the summary heard describes a newer state than the one of ``token``."""
@@ -403,20 +397,20 @@ class _ProgressKey:
     def batch_listed(self) -> None:
         """The node makes a batch from the listing just taken: its write decides the keys
         up to that listing's index."""
-        if self._board is not None:
-            self._deciding = self._board.listed_at
+        if self.board is not None:
+            self._deciding = self.board.listed_at
 
     def stop_waiting(self) -> None:
         """Close the watches (see :meth:`ProgressBoard.stop_waiting`)."""
-        if self._board is not None:
-            self._board.stop_waiting()
+        if self.board is not None:
+            self.board.stop_waiting()
 
     def read(self) -> None:
         """Read the progress key before announcing (creating it if there is none), so that
         our key is younger than the decided index it holds (see :func:`stagger_wait`).
         A node that loses the race to create it learns what the winner wrote from its
         watch, which starts before the winner's write."""
-        board = self._board
+        board = self.board
         if board is None:
             return
         progress, version, index = board.read_progress()
@@ -446,9 +440,9 @@ class _ProgressKey:
         self._index = max(index, version or 0, self._index or 0)
         if progress is None or self._false(progress, version):
             return False
-        self._heard_at = self._clock()  # Someone is at work (or checked, see state_read).
+        self._heard_at = self.clock()  # Someone is at work (or checked, see state_read).
         if progress.decided_upto > self.decided_upto:
-            self.decided_upto, self.decided_at = progress.decided_upto, self._clock()
+            self.decided_upto, self.decided_at = progress.decided_upto, self.clock()
         if self.hint is not None and progress.token <= self.hint.token:
             return False
         self.hint = progress
@@ -465,7 +459,7 @@ class _ProgressKey:
             logger.warning(
                 "The progress key of the node '%s' holds a summary that cannot be true "
                 "(token %d, decided index %d, written at %d); ignoring it.",
-                self._node,
+                self.node,
                 progress.token,
                 progress.decided_upto,
                 version,
@@ -480,12 +474,12 @@ class _ProgressKey:
         ``token``. Returns :attr:`Heard.KEEP` as soon as a change that does not concern
         it is heard (to look at its turn again), or at the timeout; :attr:`Heard.READ`
         for a change that does, or after a silence (see :data:`PROGRESS_SILENCE`)."""
-        board = self._board
+        board = self.board
         if board is None or self._index is None:
             return Heard.READ
-        deadline = self._clock() + max(timeout, 0.0)
+        deadline = self.clock() + max(timeout, 0.0)
         while True:
-            now = self._clock()
+            now = self.clock()
             silence_at = self._heard_at + self._silence
             if now >= silence_at:
                 return self._after_silence(board, token, state, created)
@@ -494,7 +488,7 @@ class _ProgressKey:
             changes = board.wait_progress(self._index, min(deadline, silence_at) - now)
             newer = [self._hear(p, version) for p, version in changes]
             heard = [p for p, _ in changes if p is not None]
-            node, least = self._node, self._min_nodes
+            node, least = self.node, self.min_nodes
             if any(concerns(p, token, state, node, created, least) for p in heard):
                 return Heard.READ
             if any(newer):
@@ -506,12 +500,12 @@ class _ProgressKey:
         """Nothing heard for the silence (spread out over the nodes, drawn afresh here):
         read the key itself (our watch may lag behind it), then the state unless the key
         names a change that does not concern us (the key may miss a state write)."""
-        self._heard_at = self._clock()
+        self._heard_at = self.clock()
         self._silence = PROGRESS_SILENCE * (1.0 + random.random())
         progress, version, index = board.read_progress()
         if progress is None or not self._hear(progress, version, index):
             return Heard.READ
-        if concerns(progress, token, state, self._node, created, self._min_nodes):
+        if concerns(progress, token, state, self.node, created, self.min_nodes):
             return Heard.READ
         return Heard.KEEP
 
@@ -520,15 +514,15 @@ class _ProgressKey:
         write of ours, summarise it in the progress key; after a read that finds a state
         the key does not describe, write the summary ourselves (relay: see
         docs/how-it-works.rst, "The progress key"). Never lowers the decided index."""
-        board = self._board
+        board = self.board
         if board is None or self._index is None:
             return  # We never read the key: we do not know what it says is decided.
-        self._heard_at = self._clock()
+        self._heard_at = self.clock()
         deciding, self._deciding = self._deciding, None
         hint = self.hint
         if written:
             if deciding is not None and deciding > self.decided_upto:
-                self.decided_upto, self.decided_at = deciding, self._clock()
+                self.decided_upto, self.decided_at = deciding, self.clock()
             self._summarise(board, token, state, board.write_progress)
         elif hint is not None and hint.token > token:
             self._forget_hint(hint, token)
@@ -544,7 +538,7 @@ class _ProgressKey:
         logger.warning(
             "The node '%s' read the state written at %d, but the progress key "
             "described one written at %d; ignoring that summary.",
-            self._node,
+            self.node,
             token,
             hint.token,
         )
@@ -573,7 +567,7 @@ class _ProgressKey:
     def waiting_hint(self, token: int) -> Progress | None:
         """The progress key's summary (one small read), if it describes the state held
         (``token``) or a newer one, else ``None`` (read the state)."""
-        board = self._board
+        board = self.board
         if board is None:
             return None
         progress, version, index = board.read_progress()
