@@ -32,7 +32,7 @@ Two protocols:
     Followers watch a small hint key written with every state write and read the state a
     constant number of times (at the start, and when the hint says final). Only the few
     oldest undecided nodes act, the p-th after ``gather + p * stagger`` seconds without
-    progress (:class:`Rules`, per backend, as the backends have them): it reads the
+    progress (:class:`Rules`, per backend): it reads the
     state, lists (v3: only the keys created after the last decided one), admits every listed
     undecided key (a slow older one included) and writes the hint. One node relays
     (watches the state for writes not described by the hint).
@@ -67,7 +67,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from etcd_rendezvous._dynamic.admission import PROGRESS_SILENCE
 from etcd_rendezvous._dynamic.state import NodeDesc, RendezvousState, _encode_state
+from etcd_rendezvous._legacy import admission as legacy_admission
+from etcd_rendezvous._legacy import feed as legacy_feed
 from etcd_rendezvous._legacy.admission import Announced, plan_admission
 from etcd_rendezvous.etcd_rendezvous_backend import _node_value
 from etcd_rendezvous.layout import (
@@ -118,22 +121,23 @@ class Rules:
     silence_max: float
 
 
-#: ``etcd`` (``_legacy/admission.py``: ``ADMIT_GATHER``, ``ADMIT_STAGGER``,
-#: ``ADMIT_CANDIDATES``; ``_legacy/feed.py``: ``SILENCE``, ``SILENCE_MAX``): a decided
-#: worker reads the state once ``min_workers`` joined, here at the final write.
+#: ``etcd``: the legacy backend's own constants; a decided worker reads the state once
+#: ``min_workers`` joined, here at the final write.
 LEGACY_RULES = Rules(
-    candidates=8,
-    gather=0.02,
-    stagger=0.05,
+    candidates=legacy_admission.ADMIT_CANDIDATES,
+    gather=legacy_admission.ADMIT_GATHER,
+    stagger=legacy_admission.ADMIT_STAGGER,
     reads_when_decided=0,
     reads_when_final=1,
     reads_hint=False,
-    silence=2.0,
+    silence=legacy_feed.SILENCE,
     silence_backoff=2.0,
-    silence_max=8.0,
+    silence_max=legacy_feed.SILENCE_MAX,
 )
-#: ``etcd-v2`` (``_dynamic/admission.py``: ``ADMIT_STAGGER``, ``_STAGGER_CAP``,
-#: ``PROGRESS_SILENCE``): a decided node reads the state once the round completes.
+#: ``etcd-v2``: 8 candidates (``_dynamic/admission.py``'s ``_STAGGER_CAP``) and its
+#: ``PROGRESS_SILENCE``, without its random part; the gather and stagger are the model's
+#: own, shorter than the backend's ``ADMIT_GATHER`` and ``ADMIT_STAGGER``. A decided node
+#: reads the state once the round completes.
 DYNAMIC_RULES = Rules(
     candidates=8,
     gather=0.0,
@@ -141,9 +145,9 @@ DYNAMIC_RULES = Rules(
     reads_when_decided=0,
     reads_when_final=1,
     reads_hint=True,
-    silence=2.0,
+    silence=PROGRESS_SILENCE,
     silence_backoff=1.0,
-    silence_max=2.0,
+    silence_max=PROGRESS_SILENCE,
 )
 #: How many nodes watch the full state all along (the relay for writes of PyTorch's
 #: workers, which write no hint).
@@ -1279,8 +1283,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the simulations the command line asks for; print them (and write JSON)."""
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[256, 512, 1024, 4096, 10000])
     parser.add_argument(
@@ -1321,7 +1325,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--client-overhead", type=float, default=0.0007, help="CPU seconds per message"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the simulations the command line asks for; print them (and write JSON)."""
+    args = _parser().parse_args(argv)
     if args.gather is not None:
         global LEGACY_RULES, DYNAMIC_RULES  # noqa: PLW0603 (a command-line override)
         LEGACY_RULES = dataclasses.replace(LEGACY_RULES, gather=args.gather)
@@ -1329,18 +1338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     started = time.process_time()
     for nodes in args.nodes:
-        window = args.window if args.window is not None else args.window_per_node * nodes
-        settings = Settings(
-            window,
-            args.rtt,
-            args.server_rate,
-            args.slow,
-            args.slow_delay,
-            args.seed,
-            args.client_cpus,
-            args.client_rate,
-            args.client_overhead,
-        )
+        settings = _settings(args, nodes)
         for backend in args.backends:
             for api in args.apis:
                 for protocol in args.protocol:
@@ -1349,50 +1347,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(_table(rows))
     compared = [] if args.no_check else check(args.check, args)
     if compared:
-        print(f"\n'now' in the benchmark's conditions vs measured ({args.check.name}):")
-        for entry in compared:
-            print(
-                f"  {entry['backend']:8} {entry['api']} N={entry['nodes']:<5} kB in/node: sim "
-                f"{entry['sim_kb']:7.1f} measured {entry['measured_kb']:7.1f} "
-                f"ratio {entry['ratio']:.2f}; requests/node {entry['sim_requests']} vs "
-                f"{entry['measured_requests']}; s {entry['sim_seconds']} vs "
-                f"{entry['measured_seconds']}; W {entry['sim_state_writes']}"
-            )
-            print(f"      sim {entry['sim_kb_by_op']}\n      bench {entry['measured_kb_by_op']}")
+        _print_compared(compared, args.check.name)
     limit_rows = [] if args.no_limits else limits()
     if limit_rows:
-        print(f"\nWhere the final state reaches --max-request-bytes ({MAX_REQUEST_BYTES} B):")
-        for entry in limit_rows:
-            print(
-                f"  {entry['backend']:8} {entry['names']:5} names, {entry['heartbeats']:8} "
-                f"heartbeats: {entry['bytes_per_node']} B/node, "
-                f"{entry['state_at_10000'] / 1e6:.2f} MB at 10,000, limit at N = "
-                f"{entry['nodes_at_limit']}"
-            )
+        _print_limits(limit_rows)
     print(f"\n({time.process_time() - started:.1f} CPU s)", file=sys.stderr)
     if args.json:
-        document = {
-            "model": {
-                "window_per_node": args.window_per_node,
-                "window": args.window,
-                "rtt": args.rtt,
-                "server_rate": args.server_rate,
-                "slow": args.slow,
-                "slow_delay": args.slow_delay,
-                "seed": args.seed,
-                "rules": {
-                    "etcd": dataclasses.asdict(LEGACY_RULES),
-                    "etcd-v2": dataclasses.asdict(DYNAMIC_RULES),
-                },
-                "max_request_bytes": MAX_REQUEST_BYTES,
-            },
-            "rows": rows,
-            "compared": compared,
-            "limits": limit_rows,
-        }
+        document = {"model": _model(args), "rows": rows, "compared": compared, "limits": limit_rows}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=1) + "\n")
     return 0
+
+
+def _settings(args: argparse.Namespace, nodes: int) -> Settings:
+    """The model's settings for ``nodes`` nodes, from the command line."""
+    window = args.window if args.window is not None else args.window_per_node * nodes
+    return Settings(
+        window,
+        args.rtt,
+        args.server_rate,
+        args.slow,
+        args.slow_delay,
+        args.seed,
+        args.client_cpus,
+        args.client_rate,
+        args.client_overhead,
+    )
+
+
+def _print_compared(compared: list[dict[str, Any]], measured: str) -> None:
+    """Print the ``now`` rows in the benchmark's conditions against the ``measured`` ones."""
+    print(f"\n'now' in the benchmark's conditions vs measured ({measured}):")
+    for entry in compared:
+        print(
+            f"  {entry['backend']:8} {entry['api']} N={entry['nodes']:<5} kB in/node: sim "
+            f"{entry['sim_kb']:7.1f} measured {entry['measured_kb']:7.1f} "
+            f"ratio {entry['ratio']:.2f}; requests/node {entry['sim_requests']} vs "
+            f"{entry['measured_requests']}; s {entry['sim_seconds']} vs "
+            f"{entry['measured_seconds']}; W {entry['sim_state_writes']}"
+        )
+        print(f"      sim {entry['sim_kb_by_op']}\n      bench {entry['measured_kb_by_op']}")
+
+
+def _print_limits(limit_rows: list[dict[str, Any]]) -> None:
+    """Print where the final state reaches etcd's request size limit."""
+    print(f"\nWhere the final state reaches --max-request-bytes ({MAX_REQUEST_BYTES} B):")
+    for entry in limit_rows:
+        print(
+            f"  {entry['backend']:8} {entry['names']:5} names, {entry['heartbeats']:8} "
+            f"heartbeats: {entry['bytes_per_node']} B/node, "
+            f"{entry['state_at_10000'] / 1e6:.2f} MB at 10,000, limit at N = "
+            f"{entry['nodes_at_limit']}"
+        )
+
+
+def _model(args: argparse.Namespace) -> dict[str, Any]:
+    """The model's parameters, for the JSON document."""
+    return {
+        "window_per_node": args.window_per_node,
+        "window": args.window,
+        "rtt": args.rtt,
+        "server_rate": args.server_rate,
+        "slow": args.slow,
+        "slow_delay": args.slow_delay,
+        "seed": args.seed,
+        "rules": {
+            "etcd": dataclasses.asdict(LEGACY_RULES),
+            "etcd-v2": dataclasses.asdict(DYNAMIC_RULES),
+        },
+        "max_request_bytes": MAX_REQUEST_BYTES,
+    }
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """Batched admission and aggregated heartbeats for the dynamic rendezvous (node keys).
 
 With a backend that implements :class:`NodeRegistry` (this package's ``etcd-v2``
-backend), each node announces itself with a key of its own; the oldest waiting node
-admits every announced node (or takes it out of the round it leaves) in one state
-write; one *aggregator* refreshes the heartbeats of every node with a live key in one
-write; and the first node of the wait list takes out the participants whose keys are
-gone. A constant number of requests per node instead of PyTorch's O(N^2), writing the
-same state.
+backend), each node announces itself with a key of its own; a candidate admitter (the
+node whose key is the oldest not yet decided, or the next one if it is slow) admits
+every announced node (or takes it out of the round it leaves) in one state write, and
+summarises that write in a small progress key (:class:`ProgressBoard`) that the other
+nodes wait on instead of the state; one *aggregator* refreshes the heartbeats of every
+node with a live key in one write; and the first node of the wait list takes out the
+participants whose keys are gone. A constant number of requests per node instead of
+PyTorch's O(N^2), writing the same state.
 
 :class:`NodeKeys` is one node's side of it: its key, its admission attempt, its
 heartbeat ticks and their requests to the registry. What a batch does to the state is
@@ -229,14 +231,10 @@ class Heard(enum.Enum):
 def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0.0) -> float:
     """Seconds until the node whose key was created at ``created`` makes the batch, when
     every key up to ``decided_upto`` was decided and nobody made progress for ``idle``
-    seconds (0: now).
-
-    Every undecided key older than ours took an etcd index between ``decided_upto`` and
-    ``created``, so the distance bounds from above how many nodes are ahead of us: the
-    oldest undecided node fires first, the next one a step later if the oldest is slow
-    (and admits it with everyone else), and a node far behind never lists at all unless
-    nobody made progress for :data:`_STAGGER_CAP` steps (then after a random part of
-    :data:`_TAIL_JITTER` more). Other writes only make the distance longer.
+    seconds (0: now); ``jitter`` in [0, 1) spreads the nodes beyond
+    :data:`_STAGGER_CAP` steps. The distance of the indexes bounds from above how many
+    undecided keys are ahead (see docs/how-it-works.rst, "Our nodes: node keys, batched
+    admission, one heartbeat writer", candidate admitters).
     """
     ahead = max(created - decided_upto - 2, 0)
     steps = ADMIT_GATHER + min(ahead, _STAGGER_CAP) * ADMIT_STAGGER
@@ -355,6 +353,230 @@ class _Attempt:
         return any(wants(node) for node in reversed(self.predecessors))
 
 
+@dataclass(eq=False)
+class _ProgressKey:
+    """One node's view of the progress key: the newest summary heard, the decided index
+    it learnt, and the node's own writes of the key (see docs/how-it-works.rst, "Our
+    nodes: node keys, batched admission, one heartbeat writer", the progress key).
+    Without a board (a backend that keeps no progress key) the node never knows it.
+    Every method may raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
+    """
+
+    board: ProgressBoard | None
+    node: NodeDesc
+    min_nodes: int
+    clock: Callable[[], float]
+    #: The newest summary heard (``None``: none yet, or it was found false).
+    hint: Progress | None = field(default=None, init=False)
+    #: Every node key created at or before this etcd index was decided, as far as the
+    #: node heard; and when that last grew (``clock()``).
+    decided_upto: int = field(default=0, init=False)
+    decided_at: float = field(default=-math.inf, init=False)
+    # The etcd index to watch the key from (``None``: the node never read it); the key's
+    # modification index as last heard (0: none), on which our writes of it
+    # compare-and-swap; the version of the last summary found false (logged once).
+    _index: int | None = field(default=None, init=False)
+    _version: int = field(default=0, init=False)
+    _lie_version: int = field(default=0, init=False)
+    # When the node last heard of a change (from the key or a read of the state), the
+    # silence after which it looks itself, and the index the batch being written
+    # decided up to.
+    _heard_at: float = field(default=-math.inf, init=False)
+    _silence: float = field(default=PROGRESS_SILENCE, init=False)
+    _deciding: int | None = field(default=None, init=False)
+
+    @property
+    def known(self) -> bool:
+        """Whether the node read the key: it can follow it, and knows what was decided."""
+        return self.board is not None and self._index is not None
+
+    def newer_than(self, token: int) -> bool:
+        """Whether the summary heard describes a newer state than the one of ``token``."""
+        return self.hint is not None and self.hint.token > token
+
+    def batch_listed(self) -> None:
+        """The node makes a batch from the listing just taken: its write decides the keys
+        up to that listing's index."""
+        if self.board is not None:
+            self._deciding = self.board.listed_at
+
+    def stop_waiting(self) -> None:
+        """Close the watches (see :meth:`ProgressBoard.stop_waiting`)."""
+        if self.board is not None:
+            self.board.stop_waiting()
+
+    def read(self) -> None:
+        """Read the progress key before announcing (creating it if there is none), so that
+        our key is younger than the decided index it holds (see :func:`stagger_wait`).
+        A node that loses the race to create it learns what the winner wrote from its
+        watch, which starts before the winner's write."""
+        board = self.board
+        if board is None:
+            return
+        progress, version, index = board.read_progress()
+        if progress is not None:
+            self._hear(progress, version, index)
+            return
+        first = Progress(0, 0, False, False, index, 0, 0)
+        if version is not None:  # garbage: start afresh
+            written = board.write_progress(first, version)
+            if written is not None:
+                self._hear(first, written)
+                return
+        else:
+            created = board.create_progress(first)
+            if created is not None:
+                self._hear(first, created)
+                return
+        self._index = max(index, self._index or 0)
+
+    def _hear(self, progress: Progress | None, version: int | None, index: int = 0) -> bool:
+        """Note a summary read or watched: the key's modification index ``version``
+        (``None``: unknown) and the etcd index ``index`` of the read (a watched change:
+        its version). Whether it is newer than the last one seen (a change of the state);
+        a summary that cannot be true (see :meth:`_false`) is not heard at all."""
+        if version is not None:
+            self._version = max(version, self._version)
+        self._index = max(index, version or 0, self._index or 0)
+        if progress is None or self._false(progress, version):
+            return False
+        self._heard_at = self.clock()  # Someone is at work (or checked, see state_read).
+        if progress.decided_upto > self.decided_upto:
+            self.decided_upto, self.decided_at = progress.decided_upto, self.clock()
+        if self.hint is not None and progress.token <= self.hint.token:
+            return False
+        self.hint = progress
+        return True
+
+    def _false(self, progress: Progress, version: int | None) -> bool:
+        """Whether ``progress``, written at ``version``, claims a state or a decided
+        index written after it: garbage that reads as a summary (logged once per
+        version)."""
+        if version is None or max(progress.token, progress.decided_upto) < version:
+            return False
+        if version != self._lie_version:
+            self._lie_version = version
+            logger.warning(
+                "The progress key of the node '%s' holds a summary that cannot be true "
+                "(token %d, decided index %d, written at %d); ignoring it.",
+                self.node,
+                progress.token,
+                progress.decided_upto,
+                version,
+            )
+        return True
+
+    def await_change(
+        self, timeout: float, token: int, state: RendezvousState, created: int | None
+    ) -> Heard:
+        """Wait up to ``timeout`` seconds on the progress key for a change of the state
+        that concerns this node (see :func:`concerns`), holding ``state`` read with
+        ``token``. Returns :attr:`Heard.KEEP` as soon as a change that does not concern
+        it is heard (to look at its turn again), or at the timeout; :attr:`Heard.READ`
+        for a change that does, or after a silence (see :data:`PROGRESS_SILENCE`)."""
+        board = self.board
+        if board is None or self._index is None:
+            return Heard.READ
+        deadline = self.clock() + max(timeout, 0.0)
+        while True:
+            now = self.clock()
+            silence_at = self._heard_at + self._silence
+            if now >= silence_at:
+                return self._after_silence(board, token, state, created)
+            if now >= deadline:
+                return Heard.KEEP
+            changes = board.wait_progress(self._index, min(deadline, silence_at) - now)
+            newer = [self._hear(p, version) for p, version in changes]
+            heard = [p for p, _ in changes if p is not None]
+            node, least = self.node, self.min_nodes
+            if any(concerns(p, token, state, node, created, least) for p in heard):
+                return Heard.READ
+            if any(newer):
+                return Heard.KEEP
+
+    def _after_silence(
+        self, board: ProgressBoard, token: int, state: RendezvousState, created: int | None
+    ) -> Heard:
+        """Nothing heard for the silence (spread out over the nodes, drawn afresh here):
+        read the key itself (our watch may lag behind it), then the state unless the key
+        names a change that does not concern us (the key may miss a state write)."""
+        self._heard_at = self.clock()
+        self._silence = PROGRESS_SILENCE * (1.0 + random.random())
+        progress, version, index = board.read_progress()
+        if progress is None or not self._hear(progress, version, index):
+            return Heard.READ
+        if concerns(progress, token, state, self.node, created, self.min_nodes):
+            return Heard.READ
+        return Heard.KEEP
+
+    def state_read(self, token: int, state: RendezvousState, written: bool, joining: bool) -> None:
+        """The node read (``written``: wrote) the state ``state`` with ``token``: after a
+        write of ours, summarise it in the progress key; after a read that finds a state
+        the key does not describe, write the summary ourselves (relay: see
+        docs/how-it-works.rst, "The progress key"). Never lowers the decided index."""
+        board = self.board
+        if board is None or self._index is None:
+            return  # We never read the key: we do not know what it says is decided.
+        self._heard_at = self.clock()
+        deciding, self._deciding = self._deciding, None
+        hint = self.hint
+        if written:
+            if deciding is not None and deciding > self.decided_upto:
+                self.decided_upto, self.decided_at = deciding, self.clock()
+            self._summarise(board, token, state, board.write_progress)
+        elif hint is not None and hint.token > token:
+            self._forget_hint(hint, token)
+            self._summarise(board, token, state, board.replace_progress)
+        elif joining and hint is not None and token > hint.token:
+            # Only a node that follows the key knows what it misses.
+            self._summarise(board, token, state, board.replace_progress)
+
+    def _forget_hint(self, hint: Progress, token: int) -> None:
+        """The state read with ``token`` is older than ``hint`` describes: the state is
+        the authority, so forget the hint (a candidate would wait for it for ever) and
+        what it said was decided beyond the state read; the relay replaces it."""
+        logger.warning(
+            "The node '%s' read the state written at %d, but the progress key "
+            "described one written at %d; ignoring that summary.",
+            self.node,
+            token,
+            hint.token,
+        )
+        self.hint = None
+        self.decided_upto = min(self.decided_upto, token)
+
+    def _summarise(
+        self,
+        board: ProgressBoard,
+        token: int,
+        state: RendezvousState,
+        write: Callable[[Progress, int], int | None],
+    ) -> None:
+        """Write the summary of ``state`` (read with ``token``) by ``write`` (one of
+        ``board``'s, on the key's version last heard); if someone wrote the key since
+        we heard it, leave it: its summary may know more."""
+        progress = Progress.of(token, state, self.decided_upto)
+        index = write(progress, self._version)
+        if index is None:
+            return
+        self._version = max(index, self._version)
+        self._index = max(index, self._index or 0)
+        if self.hint is None or token > self.hint.token:
+            self.hint = progress
+
+    def waiting_hint(self, token: int) -> Progress | None:
+        """The progress key's summary (one small read), if it describes the state held
+        (``token``) or a newer one, else ``None`` (read the state)."""
+        board = self.board
+        if board is None:
+            return None
+        progress, version, index = board.read_progress()
+        if progress is None or progress.token < token:
+            return None
+        self._hear(progress, version, index)
+        return progress
+
+
 class NodeKeys:
     """The node-key protocol of one handler's node.
 
@@ -411,23 +633,8 @@ class NodeKeys:
         self._dead: dict[NodeDesc, int] = {}
         self._reap_round: int | None = None
         self._reap_at = -math.inf
-        # The progress key (see ``await_progress``): the board, if the backend keeps one;
-        # the newest summary seen, the etcd index to watch it from, the highest decided
-        # index seen, when the node last heard of a change (from the key or a read of the
-        # state), and the index the batch being written decided up to.
-        self._board = registry if isinstance(registry, ProgressBoard) else None
-        self._hint: Progress | None = None
-        self._hint_index: int | None = None
-        # The progress key's modification index as last heard (0: none), on which our
-        # writes of it compare-and-swap.
-        self._hint_version = 0
-        self._lie_version = 0  # The version of the last summary found false (logged once).
-        self._decided_upto = 0
-        self._decided_at = -math.inf
-        self._heard_at = -math.inf
-        self._silence = PROGRESS_SILENCE
-        self._deciding: int | None = None
-        self._min_nodes = settings.min_nodes
+        board = registry if isinstance(registry, ProgressBoard) else None
+        self._progress = _ProgressKey(board, node, settings.min_nodes, clock)
 
     @property
     def node(self) -> NodeDesc:
@@ -458,8 +665,7 @@ class NodeKeys:
         with self._lock:
             self._joining = False
             self._attempt = None
-            if self._board is not None:
-                self._board.stop_waiting()
+            self._progress.stop_waiting()
 
     def withdraw(self) -> None:
         """Delete the node's key and release the aggregator lock if the node holds it."""
@@ -502,46 +708,35 @@ class NodeKeys:
         self, wants: WantsAdmission, mark: object, token: int | None = None
     ) -> Batch | Wait | Refresh:
         """The batch this node must make now, or else how long to wait (at most) for
-        another node to make it.
+        another node to make it; :class:`Refresh` if it must read the state first.
 
         ``wants`` tells whether a batch would do something for a node on the current
-        state (take it out, or admit it); ``mark`` sums up the state's admissions (it
-        changes whenever a node is admitted or leaves): while it changes, the nodes
-        ahead are making progress. ``token`` is the token of the state held.
-
-        With a progress key, a node whose key is younger than the last decided index is
-        a candidate admitter in its turn (:func:`stagger_wait`): it lists the keys only
-        when its turn comes, and admits every listed key, older ones included. Any other
-        node (no progress key, or an older key: a node leaving its round) lists the keys
-        after announcing, waits for its listed predecessors, and admits them itself
-        after a grace period without progress. Only keys that are gone (or expired) are
-        left out; a slow node is admitted by the next one.
+        state (take it out, or admit it); ``mark`` sums up the state's admissions: while
+        it changes, the nodes ahead are making progress. ``token`` is the token of the
+        state held. Only keys that are gone (or expired) are left out of a batch; a slow
+        node is admitted by the next one. See docs/how-it-works.rst, "Our nodes: node keys,
+        batched admission, one heartbeat writer" (candidate admitters, batch exits).
         """
         with self._lock:
-            listing: list[AnnouncedNode] | None = None
             if self._created is None:
-                self._know_progress()
+                self._progress.read()
                 self._announce()
             gathering = self._left_at + EXIT_GATHER - self._clock()
             if self._attempt is None and gathering > 0:
                 return Wait(gathering)  # Let the others of the round ask to leave too.
             now = self._clock()
             created = self._created if self._created is not None else 0
-            if self._attempt is None:
-                if (
-                    self._board is not None
-                    and self._hint_index is not None
-                    and (created > self._decided_upto)
-                ):
-                    self._attempt = _Attempt({}, now, staggered=True)
-                else:
-                    listing = self._list()
-                    self._attempt = self._new_attempt(listing)
+            listing: list[AnnouncedNode] | None = None
+            if self._attempt is None and self._is_candidate(created):
+                self._attempt = _Attempt({}, now, staggered=True)
+            elif self._attempt is None:
+                listing = self._list()
+                self._attempt = self._new_attempt(listing)
             attempt = self._attempt
             if mark != attempt.mark:
                 attempt.mark, attempt.progress_at = mark, now
-            stale = self._hint is not None and self._hint.token > (token or 0)
-            if attempt.staggered and created <= self._decided_upto:
+            stale = self._progress.newer_than(token or 0)
+            if attempt.staggered and created <= self._progress.decided_upto:
                 if stale:
                     # A batch decided our key: wait for the state that matters to us (the
                     # round complete, the last call) instead of reading it now.
@@ -552,32 +747,54 @@ class NodeKeys:
                 self._attempt = attempt = self._new_attempt(listing)
                 attempt.mark = mark
             if attempt.staggered:
-                # Progress: a batch decided more keys (not any write: heartbeat folds).
-                idle = now - max(attempt.progress_at, self._decided_at)
-                wait = stagger_wait(created, self._decided_upto, idle, attempt.jitter)
-                if wait > 0:
-                    return Wait(wait)
-                if stale:
-                    return Refresh()
-                listing = self._list()
-            else:
-                blocked = attempt.blocked(wants)
-                if blocked and now - attempt.progress_at >= ADMISSION_GRACE:
-                    listing = self._list()
-                    self._admit_the_slow(attempt, listing, wants, now)
-                    blocked = False
-                if not blocked and listing is None:
-                    listing = self._list()
-                    # An older node that asked to leave since our last listing makes the
-                    # batch (the oldest that asks does, after its own listing).
-                    blocked = attempt.blocked(wants)
-                if blocked or listing is None:
-                    return Wait(max(ADMISSION_GRACE - (now - attempt.progress_at), 0.0))
-            if not self._leading and self._registry.aggregator() is None:
-                # The first admitter aggregates from the start: the heartbeats of the
-                # nodes it admits are folded before any of them is late.
-                self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
+                return self._candidate_turn(attempt, created, wants, now, stale)
+            return self._predecessors_turn(attempt, listing, wants, now)
+
+    def _is_candidate(self, created: int) -> bool:
+        """Whether the node, whose key was created at ``created``, is a candidate
+        admitter (see :func:`stagger_wait`) rather than a node that waits for its listed
+        predecessors: it follows a progress key, and its key was not decided yet."""
+        return self._progress.known and created > self._progress.decided_upto
+
+    def _candidate_turn(
+        self, attempt: _Attempt, created: int, wants: WantsAdmission, now: float, stale: bool
+    ) -> Batch | Wait | Refresh:
+        """A candidate admitter makes the batch of every listed key, older ones included,
+        once its turn came without progress (a batch deciding more keys, not any write:
+        heartbeat folds), on the state the progress key describes."""
+        progress = self._progress
+        idle = now - max(attempt.progress_at, progress.decided_at)
+        wait = stagger_wait(created, progress.decided_upto, idle, attempt.jitter)
+        if wait > 0:
+            return Wait(wait)
+        if stale:
+            return Refresh()
+        return self._batch(attempt, self._list(), wants)
+
+    def _predecessors_turn(
+        self,
+        attempt: _Attempt,
+        listing: list[AnnouncedNode] | None,
+        wants: WantsAdmission,
+        now: float,
+    ) -> Batch | Wait:
+        """A node with a listed attempt makes the batch once its predecessors were
+        admitted, or after :data:`ADMISSION_GRACE` without progress (admitting them too).
+        ``listing`` is the one taken on this look, if any."""
+        waited = now - attempt.progress_at
+        if attempt.blocked(wants):
+            if waited < ADMISSION_GRACE:
+                return Wait(ADMISSION_GRACE - waited)
+            listing = self._list()
+            self._admit_the_slow(attempt, listing, wants, now)
             return self._batch(attempt, listing, wants)
+        if listing is None:
+            listing = self._list()
+            # An older node that asked to leave since our last listing makes the batch
+            # (the oldest that asks does, after its own listing).
+            if attempt.blocked(wants):
+                return Wait(max(ADMISSION_GRACE - waited, 0.0))
+        return self._batch(attempt, listing, wants)
 
     def _list(self) -> list[AnnouncedNode]:
         """List the node keys, and note which nodes asked to leave their round."""
@@ -697,12 +914,15 @@ class NodeKeys:
     def _batch(
         self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission
     ) -> Batch:
+        if not self._leading and self._registry.aggregator() is None:
+            # The first admitter aggregates from the start: the heartbeats of the nodes
+            # it admits are folded before any of them is late.
+            self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
         self._listed = {entry.node for entry in listing}
         # This attempt is over: a later admission (the next round) lists afresh, lest it
         # wait for predecessors of this one that are gone.
         self._attempt = None
-        if self._board is not None:
-            self._deciding = self._board.listed_at
+        self._progress.batch_listed()
         batch = [entry.node for entry in listing]
         if self._node not in self._listed and wants(self._node):
             # Our key vanished after we announced it (the refresh will re-create it).
@@ -719,157 +939,19 @@ class NodeKeys:
     @property
     def follows_progress(self) -> bool:
         """Whether the node, joining, waits on the progress key instead of the state."""
-        return self._board is not None and self._joining and self._hint_index is not None
-
-    def _know_progress(self) -> None:
-        """Read the progress key before announcing (creating it if there is none), so that
-        our key is younger than the decided index it holds (see :func:`stagger_wait`).
-        A node that loses the race to create it learns what the winner wrote from its
-        watch, which starts before the winner's write."""
-        board = self._board
-        if board is None:
-            return
-        progress, version, index = board.read_progress()
-        if progress is not None:
-            self._hear(progress, version, index)
-            return
-        first = Progress(0, 0, False, False, index, 0, 0)
-        if version is not None:  # garbage: start afresh
-            written = board.write_progress(first, version)
-            if written is not None:
-                self._hear(first, written)
-                return
-        else:
-            created = board.create_progress(first)
-            if created is not None:
-                self._hear(first, created)
-                return
-        self._hint_index = max(index, self._hint_index or 0)
-
-    def _hear(self, progress: Progress | None, version: int | None, index: int = 0) -> bool:
-        """Note a summary read or watched: the key's modification index ``version``
-        (``None``: unknown) and the etcd index ``index`` of the read (a watched change:
-        its version). Whether it is newer than the last one seen (a change of the state).
-
-        A summary written at ``version`` describes a state written before it, decided
-        with a listing taken before it: one that claims a later token or decided index
-        is a lie (garbage that reads as a summary) and is not heard at all."""
-        if version is not None:
-            self._hint_version = max(version, self._hint_version)
-        self._hint_index = max(index, version or 0, self._hint_index or 0)
-        if progress is None:
-            return False
-        if version is not None and max(progress.token, progress.decided_upto) >= version:
-            if version == self._lie_version:
-                return False
-            self._lie_version = version
-            logger.warning(
-                "The progress key of the node '%s' holds a summary that cannot be true "
-                "(token %d, decided index %d, written at %d); ignoring it.",
-                self._node,
-                progress.token,
-                progress.decided_upto,
-                version,
-            )
-            return False
-        self._heard_at = self._clock()  # Someone is at work (or checked, see state_read).
-        if progress.decided_upto > self._decided_upto:
-            self._decided_upto, self._decided_at = progress.decided_upto, self._clock()
-        if self._hint is not None and progress.token <= self._hint.token:
-            return False
-        self._hint = progress
-        return True
+        return self._joining and self._progress.known
 
     def await_progress(self, timeout: float, token: int, state: RendezvousState) -> Heard:
-        """Wait up to ``timeout`` seconds on the progress key for a change of the state
-        that concerns this node (see :func:`concerns`), holding ``state`` read with
-        ``token``. Returns :attr:`Heard.KEEP` as soon as a change that does not concern
-        it is heard (to look at its turn again), or at the timeout; :attr:`Heard.READ`
-        for a change that does, or after :data:`PROGRESS_SILENCE` without any change
-        heard."""
-        board = self._board
-        if board is None or self._hint_index is None:
-            return Heard.READ
-        deadline = self._clock() + max(timeout, 0.0)
-        while True:
-            now = self._clock()
-            silence_at = self._heard_at + self._silence
-            if now >= silence_at:
-                # Silence (spread out over the nodes): a look at the key itself first (our
-                # watch may lag behind it), then at the state, which the key may miss.
-                self._heard_at = now
-                self._silence = PROGRESS_SILENCE * (1.0 + random.random())
-                progress, version, index = board.read_progress()
-                if progress is not None and self._hear(progress, version, index):
-                    if concerns(progress, token, state, self._node, self._created, self._min_nodes):
-                        return Heard.READ
-                    return Heard.KEEP
-                return Heard.READ
-            if now >= deadline:
-                return Heard.KEEP
-            changes = board.wait_progress(self._hint_index, min(deadline, silence_at) - now)
-            newer = [self._hear(p, version) for p, version in changes]
-            heard = [p for p, _ in changes if p is not None]
-            node, created, least = self._node, self._created, self._min_nodes
-            if any(concerns(p, token, state, node, created, least) for p in heard):
-                return Heard.READ
-            if any(newer):
-                return Heard.KEEP
+        """See :meth:`_ProgressKey.await_change` (for this node's key)."""
+        return self._progress.await_change(timeout, token, state, self._created)
 
     def state_read(self, token: int, state: RendezvousState, written: bool) -> None:
-        """The node read (``written``: wrote) the state ``state`` with ``token``: after a
-        write of ours, summarise it in the progress key; after a read that finds a state
-        the key does not describe (PyTorch's workers wrote it, or one of ours died before
-        its summary), write the summary ourselves (relay). Never lowers the decided
-        index."""
-        board = self._board
-        if board is None or self._hint_index is None:
-            return  # We never read the key: we do not know what it says is decided.
-        self._heard_at = self._clock()
-        deciding, self._deciding = self._deciding, None
-        hint = self._hint
-        lie = not written and hint is not None and hint.token > token
-        if lie and hint is not None:
-            # The state is the authority: the summary we heard describes no state that
-            # a read finds. Forget it (a candidate would wait for it for ever), and what
-            # it said was decided beyond the state read; the relay below replaces it.
-            logger.warning(
-                "The node '%s' read the state written at %d, but the progress key "
-                "described one written at %d; ignoring that summary.",
-                self._node,
-                token,
-                hint.token,
-            )
-            self._hint = None
-            self._decided_upto = min(self._decided_upto, token)
-        elif not written and (not self._joining or self._hint is None or token <= self._hint.token):
-            return  # Only a node that follows the key knows what it misses.
-        if written and deciding is not None and deciding > self._decided_upto:
-            self._decided_upto, self._decided_at = deciding, self._clock()
-        progress = Progress.of(token, state, self._decided_upto)
-        index = (
-            board.write_progress(progress, self._hint_version)
-            if written
-            else board.replace_progress(progress, self._hint_version)
-        )
-        if index is None:
-            return  # Someone wrote the key since we heard it: its summary may know more.
-        self._hint_version = max(index, self._hint_version)
-        self._hint_index = max(index, self._hint_index)
-        if self._hint is None or token > self._hint.token:
-            self._hint = progress
+        """See :meth:`_ProgressKey.state_read` (a relay only while joining)."""
+        self._progress.state_read(token, state, written, self._joining)
 
     def waiting_hint(self, token: int) -> Progress | None:
-        """The progress key's summary (one small read), if it describes the state held
-        (``token``) or a newer one, else ``None`` (read the state)."""
-        board = self._board
-        if board is None:
-            return None
-        progress, version, index = board.read_progress()
-        if progress is None or progress.token < token:
-            return None
-        self._hear(progress, version, index)
-        return progress
+        """See :meth:`_ProgressKey.waiting_hint`."""
+        return self._progress.waiting_hint(token)
 
     # -- heartbeats -------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 from .._transport.retry import CONTENTION, Deadline, Retry
 from ..api import RendezvousClosedError, RendezvousTimeoutError
 from ..events import NodeState
-from .admission import Heard, NodeKeys, Refresh, Wait
+from .admission import Batch, Heard, NodeKeys, Refresh, Wait
 from .backend import _POLL_INTERVAL
 from .holder import _remove_participant_epilogue, _RendezvousStateHolder
 from .ops import (
@@ -130,8 +130,6 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._awaiting_exit: int | None = None
         # The nodes whose heartbeats the aggregator is writing into the state.
         self._fold: set[_NodeDesc] | None = None
-        # Whether the next wait is to read the state instead (see ``_admit``).
-        self._refresh = False
         self._events = event_source(EXECUTOR_EVENTS, settings.run_id)
 
     def _record(self, method: str, message: str, node_state: NodeState = NodeState.RUNNING) -> None:
@@ -183,9 +181,12 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
                 self._state_holder.mark_dirty()
                 continue
             if action in _ADMISSIONS or self._exits_in_batch(action):
-                wait = self._admit(action, deadline)
-                if wait is not None:
-                    self._wait(deadline, at_most=wait)
+                outcome = self._admit(action, deadline)
+                if isinstance(outcome, Refresh):
+                    self._state_holder.invalidate()  # Read the state the batch needs.
+                    continue
+                if isinstance(outcome, Wait):
+                    self._wait(deadline, at_most=outcome.seconds)
                     continue
             else:
                 if action == _Action.REMOVE_FROM_REDUNDANCY_LIST and update_deadline:
@@ -264,10 +265,6 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             timeout = min(timeout, at_most + _WAKE_UP_MARGIN)
         holder, keys = self._state_holder, self._keys
         token = holder.token
-        if self._refresh:
-            self._refresh = False
-            holder.invalidate()
-            return
         with holder.bounded_by(self._step_deadline(deadline)):
             if keys is not None and keys.follows_progress:
                 # Wait on the small progress key; read the state only if it says so.
@@ -317,12 +314,12 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             and self._keys.leaving(node) == state.round
         )
 
-    def _admit(self, action: _Action, deadline: float) -> float | None:
+    def _admit(self, action: _Action, deadline: float) -> Wait | Refresh | None:
         """Take the admission ``action`` the join decision chose for this node, or leave
         the complete round: by itself (PyTorch's protocol), or with node keys in a
-        batch of every announced node, if it is the oldest waiting. Returns ``None`` if
-        it changed the state, or else the longest to wait for another node to make the
-        batch before looking again (see :meth:`NodeKeys.admission`)."""
+        batch of every announced node. Returns ``None`` if it changed the state, else
+        how long to wait for another node to make the batch, or :class:`Refresh` to read
+        the state first (see :meth:`NodeKeys.admission`)."""
         keys = self._keys
         if keys is None:
             self._admit_node(self._node, action)
@@ -344,33 +341,31 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
                 (*mark, len(state.redundancy_list)),
                 token if isinstance(token, int) else None,
             )
-        if isinstance(outcome, Refresh):
-            # Our state is older than the one the batch must be made on: read it first.
-            self._refresh = True
-            self._awaiting_admission = True
-            return 0.0
-        if isinstance(outcome, Wait):
-            self._awaiting_admission = True
-            if action == _Action.REMOVE_FROM_PARTICIPANTS:
-                self._awaiting_exit = state.round
-            return outcome.seconds
-        # This node makes the batch: it records what it does to itself as it does it.
-        self._awaiting_admission, self._awaiting_exit = False, None
-        # Those leaving first: the last one out ends the round, and the join decisions
-        # then admit everyone to the next one's participants.
-        for node in [node for node in outcome.nodes if self._leaves(node)]:
+        if isinstance(outcome, Batch):
+            self._awaiting_admission, self._awaiting_exit = False, None
+            self._make_batch(outcome, keys.listed())
+            return None
+        self._awaiting_admission = True
+        if isinstance(outcome, Wait) and action == _Action.REMOVE_FROM_PARTICIPANTS:
+            self._awaiting_exit = state.round
+        return outcome
+
+    def _make_batch(self, batch: Batch, listed: set[_NodeDesc]) -> None:
+        """This node makes ``batch`` in its state (to be written): the nodes leaving
+        first (the last one out ends the round, and the join decisions then admit
+        everyone to the next one's participants), then each node's join decision on the
+        state as that left it; the heartbeats of the ``listed`` nodes (their keys were
+        alive) are refreshed as the aggregator does, so a round completes with fresh
+        heartbeats."""
+        for node in [node for node in batch.nodes if self._leaves(node)]:
             self._remove_from_participants(node)
-        for node in outcome.nodes:
-            # The join decision for each node, on the state as the batch left it.
+        for node in batch.nodes:
             admission = _admission_action(self._state, node, self._settings)
             if admission is not None:
                 self._admit_node(node, admission)
-        # The same write refreshes the heartbeats of the nodes whose keys were listed
-        # (alive), as the aggregator does: a round completes with fresh heartbeats.
         now, heartbeats = _now(), self._state.last_heartbeats
-        for node in keys.listed() & heartbeats.keys():
+        for node in listed & heartbeats.keys():
             heartbeats[node] = now
-        return None
 
     def _reap(self, deadline: float) -> float | None:
         """With node keys, while this node is the first of the wait list of a complete

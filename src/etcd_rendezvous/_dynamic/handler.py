@@ -207,8 +207,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._node_keys = node_keys
         # When num_nodes_waiting() last read the whole state.
         self._waiting_read_at = -math.inf
-        # When the progress key was last read for it, and what it said.
-        self._waiting_hint: tuple[float, int | None] = (-math.inf, None)
+        # When the progress key was last read for it, and whether it said none waits.
+        self._waiting_hint: tuple[float, bool] = (-math.inf, False)
         self._op_executor = _DistributedRendezvousOpExecutor(
             self._this_node, self._state_holder, self._settings, node_keys
         )
@@ -339,6 +339,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
         election until then. Only a node on the redundancy list waits on past it.
         """
         deadline = self._get_deadline(self._settings.timeout.join)
+        self._begin_attempt(deadline)
+        started = time.monotonic()
+        self._join(deadline)
+        self._start_heartbeats()
+
+        rank, world_size = self._get_world()
+        self._record_round_metrics(time.monotonic() - started, world_size)
+        store = self._get_store()
+        # Rank 0 publishes its address in the store just after completing the round, so
+        # the exchange gets a moment even if the round completed right at the deadline.
+        exchange = Deadline(max(deadline - time.monotonic(), _EXCHANGE_GRACE))
+        with self._state_holder.bounded_by(exchange):
+            return self._bootstrap(rank, world_size, store)
+
+    def _begin_attempt(self, deadline: float) -> None:
+        """Report the attempt, stop the heartbeats and take the handler's lock (all by
+        ``deadline``); without node keys, spread the first attempts as PyTorch does."""
         msg = (
             f"The node '{self._this_node}' attempts to join the next round of the rendezvous "
             f"'{self._settings.run_id}'."
@@ -354,13 +371,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # PyTorch delays its first attempt by a random 0-0.3 s, to spread the nodes'
         # compare-and-swaps of the state. A node that announces itself with a node key
         # writes no state to join, so it does not wait.
-        keys = self._node_keys
-        if keys is None and self._state_holder.state.round == 0:
+        if self._node_keys is None and self._state_holder.state.round == 0:
             _delay(seconds=(0, 0.3))
 
-        exit_op = _RendezvousExitOp()
-        join_op = _RendezvousJoinOp()
-
+    def _join(self, deadline: float) -> None:
+        """Run the exit and join operations until the node is in a complete round. On a
+        failure other than etcd out of reach, withdraw the node's key (if it has one),
+        lest a batch admit it after all."""
+        keys = self._node_keys
         if keys is not None:
             keys.begin_join()
             holder = self._state_holder
@@ -375,31 +393,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
             run_id=self._settings.run_id,
             log=logger,
         )
-        started = time.monotonic()
         try:
             with progress:
-                self._op_executor.run(exit_op, deadline)
-                self._op_executor.run(join_op, deadline, self._get_deadline)
+                self._op_executor.run(_RendezvousExitOp(), deadline)
+                self._op_executor.run(_RendezvousJoinOp(), deadline, self._get_deadline)
         except RendezvousConnectionError:
             raise  # etcd is out of reach: the key expires on its own.
         except BaseException:
-            # Stop announcing the node, lest a batch admit it after all.
             self._withdraw(Deadline(_WITHDRAW_TIMEOUT))
             raise
         finally:
             if keys is not None:
                 keys.end_join()
-
-        self._start_heartbeats()
-
-        rank, world_size = self._get_world()
-        self._record_round_metrics(time.monotonic() - started, world_size)
-        store = self._get_store()
-        # Rank 0 publishes its address in the store just after completing the round, so
-        # the exchange gets a moment even if the round completed right at the deadline.
-        exchange = Deadline(max(deadline - time.monotonic(), _EXCHANGE_GRACE))
-        with self._state_holder.bounded_by(exchange):
-            return self._bootstrap(rank, world_size, store)
 
     def _record_round_metrics(self, seconds: float, world_size: int) -> None:
         """The ``rendezvous.*`` metrics of a round this node completed (see
@@ -502,26 +507,34 @@ class DynamicRendezvousHandler(RendezvousHandler):
     @_records_failure
     def num_nodes_waiting(self) -> int:
         """See base class. Ends within ``join_timeout`` (plus about a second)."""
-        keys, now = self._node_keys, time.monotonic()
-        holder = self._state_holder
-        cached = isinstance(holder, _BackendRendezvousStateHolder) and holder.cached
-        if keys is not None and not cached and now - self._waiting_read_at < _WAITING_RECHECK:
-            at, waiting = self._waiting_hint
-            if now - at >= _WAITING_POLL:  # Polls come often (torchrun: 10 a second).
-                deadline = self._get_deadline(self._settings.timeout.join)
-                bound = self._state_holder.bounded_by(Deadline.at(deadline))
-                with self._locked(deadline, "read the progress of"), bound:
-                    token = holder.token
-                    progress = keys.waiting_hint(token if isinstance(token, int) else 0)
-                waiting = None if progress is None else progress.waiting
-                self._waiting_hint = (now, waiting)
-                if progress is not None and progress.token == token:
-                    holder.keep()  # The state held is still the latest: no need to read it.
-            if waiting == 0:
-                return 0  # The progress key says so: no need to read the whole state.
+        if self._progress_says_none_waiting():
+            return 0  # No need to read the whole state.
         with self._synced(self._settings.timeout.join, "read the state of") as state:
             self._waiting_read_at = time.monotonic()
             return len(state.wait_list)
+
+    def _progress_says_none_waiting(self) -> bool:
+        """Whether the progress key says that no node waits, trusted for
+        ``_WAITING_RECHECK`` s after a read of the whole state and read every
+        ``_WAITING_POLL`` s at most (polls come often: torchrun, 10 a second)."""
+        keys, now = self._node_keys, time.monotonic()
+        holder = self._state_holder
+        cached = isinstance(holder, _BackendRendezvousStateHolder) and holder.cached
+        if keys is None or cached or now - self._waiting_read_at >= _WAITING_RECHECK:
+            return False
+        at, none_waiting = self._waiting_hint
+        if now - at < _WAITING_POLL:
+            return none_waiting
+        deadline = self._get_deadline(self._settings.timeout.join)
+        bound = holder.bounded_by(Deadline.at(deadline))
+        with self._locked(deadline, "read the progress of"), bound:
+            token = holder.token
+            progress = keys.waiting_hint(token if isinstance(token, int) else 0)
+        if progress is not None and progress.token == token:
+            holder.keep()  # The state held is still the latest: no need to read it.
+        none_waiting = progress is not None and progress.waiting == 0
+        self._waiting_hint = (now, none_waiting)
+        return none_waiting
 
     @contextlib.contextmanager
     def _synced(self, timeout: timedelta, what: str) -> Iterator[_RendezvousState]:

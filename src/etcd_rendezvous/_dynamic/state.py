@@ -15,14 +15,16 @@ import os
 import pickle
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 from ..api import RendezvousStateError
 
 __all__ = ["NodeDesc", "RendezvousState", "decode_state"]
+
+_V = TypeVar("_V")
 
 
 # -- the shared state -----------------------------------------------------------------------
@@ -320,26 +322,32 @@ def _validated_state(obj: object) -> _RendezvousState:
     deadline = fields["deadline"]
     state.deadline = None if deadline is None else _check_time(deadline, "'deadline'")
 
-    participants = fields["participants"]
-    if type(participants) is not dict:
-        raise RendezvousStateError(f"'participants' must be a dict, not {_describe(participants)}")
-    state.participants = {
-        nodes.node(node, "'participants'"): _check_int(rank, "a rank in 'participants'")
-        for node, rank in participants.items()
-    }
+    state.participants = _node_map(fields, "participants", nodes, _check_int, "a rank")
     for name in ("wait_list", "redundancy_list"):
         members = fields[name]
         if type(members) is not set:
             raise RendezvousStateError(f"'{name}' must be a set, not {_describe(members)}")
         setattr(state, name, {nodes.node(node, f"'{name}'") for node in members})
-    heartbeats = fields["last_heartbeats"]
-    if type(heartbeats) is not dict:
-        raise RendezvousStateError(f"'last_heartbeats' must be a dict, not {_describe(heartbeats)}")
-    state.last_heartbeats = {
-        nodes.node(node, "'last_heartbeats'"): _check_time(at, "a time in 'last_heartbeats'")
-        for node, at in heartbeats.items()
-    }
+    state.last_heartbeats = _node_map(fields, "last_heartbeats", nodes, _check_time, "a time")
     return state
+
+
+def _node_map(
+    fields: dict[str, Any],
+    name: str,
+    nodes: _NodeInterner,
+    check: Callable[[object, str], _V],
+    what: str,
+) -> dict[_NodeDesc, _V]:
+    """The field ``name``, a dict of nodes to values that ``check`` accepts (each ``what``
+    in it), rebuilt; or raise :class:`RendezvousStateError`."""
+    mapping = fields[name]
+    if type(mapping) is not dict:
+        raise RendezvousStateError(f"'{name}' must be a dict, not {_describe(mapping)}")
+    return {
+        nodes.node(node, f"'{name}'"): check(value, f"{what} in '{name}'")
+        for node, value in mapping.items()
+    }
 
 
 def _preview(data: bytes) -> str:

@@ -124,10 +124,9 @@ def grace(waited_for: int) -> float:
 def admit_delay(behind: int, name: str) -> float:
     """Seconds of quiet after which the worker whose member key ``name`` was created
     ``behind`` index steps after the last decided key makes the admission batch (see
-    :data:`ADMIT_STAGGER`). The index steps count every write to etcd, so they bound
-    the number of undecided keys ahead from above: the oldest undecided key has the
-    shortest delay. Past :data:`ADMIT_CANDIDATES` steps, a spread drawn from the name
-    (random hex digits) keeps the workers far behind from all firing at once."""
+    :data:`ADMIT_STAGGER`); past :data:`ADMIT_CANDIDATES` steps, a part of
+    :data:`ADMIT_TAIL` drawn from the name's hex digits. See docs/how-it-works.rst,
+    "Joining in a few requests"."""
     steps = max(1, behind)
     if steps < ADMIT_CANDIDATES:
         return ADMIT_GATHER + ADMIT_STAGGER * (steps - 1)
@@ -332,13 +331,11 @@ AdmissionStep: TypeAlias = Admitted | Leave | Read | Admit | Wait
 ConfirmationStep: TypeAlias = Complete | Leave | Read | Confirm | Wait
 
 
-def _concerns(news: Hint, version: str, status: str | None, me: Announced | None) -> bool:
+def _concerns(news: Hint, version: str, status: str | None) -> bool:
     """Whether the state ``news`` describes is worth reading for a worker that saw
-    ``version`` in ``status``: it left that status or version, or (for ``me``, a worker
-    not yet admitted) it decided our key."""
-    if news.version != version or news.status != status or status == "frozen":
-        return True
-    return me is not None and news.decided_upto >= me.created_index
+    ``version`` in ``status``: it left that status or version (or the version is frozen,
+    where every confirmation counts)."""
+    return news.version != version or news.status != status or status == "frozen"
 
 
 def admission_step(
@@ -358,12 +355,9 @@ def admission_step(
     index up to which member keys are known to be decided (0: unknown), the seconds
     nothing changed, the indexes of writes known not to be member keys (the state's,
     the hint's), which do not count in our distance, and the seconds left of the
-    silence after which to read the state anyway.
-
-    The hint only decides whether to read the state: admission is what the state says.
-    A worker the hint says was decided reads the state once the version is final or
-    frozen, or once ``min_workers`` joined (it may be the last-call worker): one read
-    then gives its rank and, often, the world."""
+    silence after which to read the state anyway. The hint only tells when to read the
+    state; admission is what the state says (see docs/how-it-works.rst, "Joining in a
+    few requests", the progress key)."""
     state = observed.state
     status = observed.status_in(version)
     if state is None or status not in ("joinable", "frozen", "final"):
@@ -373,7 +367,7 @@ def admission_step(
         return Admitted(members[me.name])
     if status != "joinable":
         return Leave(f"version {version} became {status} without us: late")
-    if news is not None and _concerns(news, version, status, None):
+    if news is not None and _concerns(news, version, status):
         return Read()
     if news is not None and news.decided_upto >= me.created_index:
         if news.count >= min_workers or unheard <= 0:
@@ -407,7 +401,7 @@ def confirmation_step(
         return Leave("Rendezvous state transition no longer possible.")
     if status == "final":
         return Complete(len(state["participants"]))
-    if (news is not None and _concerns(news, version, status, None)) or unheard <= 0:
+    if (news is not None and _concerns(news, version, status)) or unheard <= 0:
         return Read()
     if status == "joinable":
         return Wait(unheard)
@@ -523,23 +517,7 @@ class BatchJoin:
         since = time.monotonic()
         while True:
             observed = self._feed.current()
-            me = self._require_member(version).entry
-            news = self._feed.news
-            decided = self._decided_upto()
-            writes = (observed.index, self._feed.hint_written_at)
-            quiet = self._quiet(since)
-            unheard = self._feed.silence - self._feed.silent_for
-            match admission_step(
-                observed,
-                news,
-                decided,
-                version,
-                me,
-                quiet,
-                writes,
-                min_workers=self._min,
-                unheard=unheard,
-            ):
+            match self._admission_step(version, observed, since):
                 case Admitted(rank):
                     return rank
                 case Leave(reason):
@@ -551,6 +529,21 @@ class BatchJoin:
                     self._batch(version, observed)
                 case Wait(timeout):
                     self._wait(timeout)
+
+    def _admission_step(self, version: str, observed: Observed, since: float) -> AdmissionStep:
+        """:func:`admission_step` on what the feed knows now (waiting since ``since``)."""
+        feed = self._feed
+        return admission_step(
+            observed,
+            feed.news,
+            self._decided_upto(),
+            version,
+            self._require_member(version).entry,
+            self._quiet(since),
+            (observed.index, feed.hint_written_at),
+            min_workers=self._min,
+            unheard=feed.silence - feed.silent_for,
+        )
 
     def confirm(self, version: str, rank: int) -> int:
         """Wait until ``version`` is final, confirming our members if it was frozen
@@ -578,21 +571,28 @@ class BatchJoin:
                 case Read():
                     self._read(version)
                 case Confirm(without_lower):
-                    observed = self._read(version, relay=False)
-                    if observed.status_in(version) != "frozen" or observed.state is None:
-                        continue
-                    listed_at, entries = self._list(version)
-                    write = plan_confirmation(
-                        observed.state,
-                        entries,
-                        min_workers=self._min,
-                        skip_below_rank=rank if without_lower else None,
-                    )
-                    if write is None:
-                        raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
-                    self._swap(version, observed, write, listed_at)
+                    self._confirm(version, me, rank if without_lower else None)
                 case Wait(timeout):
                     self._wait(timeout)
+
+    def _confirm(self, version: str, me: Announced, skip_below_rank: int | None) -> None:
+        """Our turn to confirm the members of the frozen ``version`` (see
+        :func:`plan_confirmation`), on the state read now (unless it is no longer
+        frozen: decide again).
+
+        Raises:
+            RestartAttempt: our member key ``me`` is gone.
+        """
+        observed = self._read(version, relay=False)
+        if observed.status_in(version) != "frozen" or observed.state is None:
+            return
+        listed_at, entries = self._list(version)
+        write = plan_confirmation(
+            observed.state, entries, min_workers=self._min, skip_below_rank=skip_below_rank
+        )
+        if write is None:
+            raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
+        self._swap(version, observed, write, listed_at)
 
     def freeze(self, version: str) -> bool:
         """Freeze the joinable ``version`` at the end of the last call, our live members

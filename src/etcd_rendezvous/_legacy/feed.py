@@ -207,16 +207,7 @@ class StateFeed:
                 event = stream.next(deadline.remaining())
                 if event is None:
                     return False
-                if self._hint_key is not None:  # small: each may tell something
-                    news = self._apply(event)
-                    while (more := stream.next(0.0)) is not None:
-                        news = self._apply(more) or news
-                    if news:
-                        return True
-                    continue
-                while (more := stream.next(0.0)) is not None:
-                    event = more
-                if self._apply(event):
+                if self._take_burst(stream, event):
                     return True
         except WatchHistoryLostError:
             logger.info("etcd no longer holds the changes of %s; reading it again", self._key)
@@ -228,6 +219,20 @@ class StateFeed:
         except BaseException:
             self.close()
             raise
+
+    def _take_burst(self, stream: WatchStream, first: Node) -> bool:
+        """Take in ``first`` and every change the stream already delivered after it: each
+        hint (small, and each may tell something), or only the newest state of a burst;
+        whether any of it was news."""
+        if self._hint_key is not None:
+            news = self._apply(first)
+            while (more := stream.next(0.0)) is not None:
+                news = self._apply(more) or news
+            return news
+        newest = first
+        while (more := stream.next(0.0)) is not None:
+            newest = more
+        return self._apply(newest)
 
     def invalidate(self) -> None:
         """Forget what was seen: the next :meth:`current` reads the state again."""

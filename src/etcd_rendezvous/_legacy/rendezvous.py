@@ -832,12 +832,10 @@ class EtcdRendezvous:
     def num_workers_waiting(self) -> int:
         """``num_workers_waiting`` of the current state if it is final, else 0.
 
-        The first call reads the state and leaves a watch stream on it open; later calls
-        take in what the stream delivered (the newest state only), so that an agent
-        polling this every moment costs etcd nothing while the state does not change,
-        and one read of the state per change. :meth:`rendezvous_barrier` closes the
-        stream (the states its admissions write are no news to the agent); the first
-        call after it reads the state again.
+        Reads the state on the first call and leaves a watch stream on it open, so that
+        later calls cost no request while the state does not change;
+        :meth:`rendezvous_barrier` closes the stream (see docs/how-it-works.rst, "Waiting
+        in a few requests").
 
         Raises:
             RendezvousStateError: the state is corrupt.
