@@ -67,7 +67,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
-from etcd_rendezvous._dynamic.admission import PROGRESS_SILENCE
+from etcd_rendezvous._dynamic.progress import PROGRESS_SILENCE
 from etcd_rendezvous._dynamic.state import NodeDesc, RendezvousState, _encode_state
 from etcd_rendezvous._legacy import admission as legacy_admission
 from etcd_rendezvous._legacy import feed as legacy_feed

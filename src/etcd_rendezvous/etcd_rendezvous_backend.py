@@ -20,8 +20,9 @@ import threading
 from base64 import b64decode, b64encode
 from typing import Any
 
-from ._dynamic.admission import AnnouncedNode, Progress
+from ._dynamic.admission import AnnouncedNode
 from ._dynamic.backend import RendezvousBackend, Token
+from ._dynamic.progress import Progress
 from ._dynamic.state import NodeDesc
 from ._transport.interface import (
     ADVANCE_TRIES,
@@ -407,7 +408,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         if lock is not None and _parse_node(lock) == node:
             self._conn.compare_and_delete(self._nodes.aggregator_key, lock)
 
-    # -- the progress key (see etcd_rendezvous._dynamic.admission.ProgressBoard) ---------
+    # -- the progress key (see etcd_rendezvous._dynamic.progress.ProgressBoard) ----------
 
     @property
     def listed_at(self) -> int:

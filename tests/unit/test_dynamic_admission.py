@@ -15,18 +15,15 @@ from etcd_rendezvous._dynamic.admission import (
     ADMIT_GATHER,
     ADMIT_STAGGER,
     EXIT_GATHER,
-    PROGRESS_SILENCE,
     AnnouncedNode,
     Batch,
     Gone,
-    Heard,
     NodeKeys,
-    Progress,
     Refresh,
     Wait,
-    concerns,
     stagger_wait,
 )
+from etcd_rendezvous._dynamic.progress import PROGRESS_SILENCE, Heard, Progress, concerns
 from etcd_rendezvous.dynamic_rendezvous import (
     NodeDesc,
     RendezvousSettings,

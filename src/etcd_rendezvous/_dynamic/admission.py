@@ -4,10 +4,11 @@ With a backend that implements :class:`NodeRegistry` (this package's ``etcd-v2``
 backend), each node announces itself with a key of its own; a candidate admitter (the
 node whose key is the oldest not yet decided, or the next one if it is slow) admits
 every announced node (or takes it out of the round it leaves) in one state write, and
-summarises that write in a small progress key (:class:`ProgressBoard`) that the other
-nodes wait on instead of the state; one *aggregator* refreshes the heartbeats of every
-node with a live key in one write; and the first node of the wait list takes out the
-participants whose keys are gone. A constant number of requests per node instead of
+summarises that write in the progress key (:mod:`etcd_rendezvous._dynamic.progress`),
+which the other nodes wait on instead of the state; one *aggregator* refreshes the
+heartbeats of every node with a live key in one write; and the first node of the wait
+list takes out the participants whose keys are gone. A constant number of requests per
+node instead of
 PyTorch's O(N^2), writing the same state.
 
 :class:`NodeKeys` is one node's side of it: its key, its admission attempt, its
@@ -20,7 +21,6 @@ writer".
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import random
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
+from .progress import PROGRESS_SILENCE, Heard, Progress, ProgressBoard, ProgressKey
 from .settings import RendezvousSettings
 from .state import NodeDesc, RendezvousState
 
@@ -39,18 +40,13 @@ __all__ = [
     "ADMIT_GATHER",
     "ADMIT_STAGGER",
     "EXIT_GATHER",
-    "PROGRESS_SILENCE",
     "AnnouncedNode",
     "Batch",
     "Gone",
-    "Heard",
     "NodeKeys",
     "NodeRegistry",
-    "Progress",
-    "ProgressBoard",
     "Refresh",
     "Wait",
-    "concerns",
     "stagger_wait",
 ]
 
@@ -73,12 +69,6 @@ ADMIT_GATHER = 0.1
 #: of :data:`_TAIL_JITTER`: it makes a batch only if nobody did for that long.
 _STAGGER_CAP = 8
 _TAIL_JITTER = 2.0
-
-#: Seconds a node that follows the progress key waits without hearing of a change (on
-#: the progress key, or in a read of the state) before it reads the key, then the state,
-#: anyway: a state written by PyTorch's workers, or by a node that died before its
-#: summary. After the first silence, each node draws its next between this and twice it.
-PROGRESS_SILENCE = 2.0
 
 
 #: Seconds a node that asked to leave its round waits before it lists the keys: the
@@ -148,86 +138,6 @@ class Refresh:
     one the progress key describes: read the state first, then ask again."""
 
 
-@dataclass(frozen=True)
-class Progress:
-    """What the progress key says: a summary of one state write (a hint; the state is
-    the authority). See "The progress key" in docs/how-it-works.rst."""
-
-    #: The token (etcd index) of the state write it describes (0: none yet).
-    token: int
-    round: int
-    complete: bool
-    closed: bool
-    #: Every node key created at or before this etcd index was decided by a batch.
-    decided_upto: int
-    #: How many participants, and how many nodes on the wait list.
-    participants: int
-    waiting: int
-
-    @classmethod
-    def of(cls, token: int, state: RendezvousState, decided_upto: int) -> Progress:
-        """The summary of ``state``, written with ``token``."""
-        return cls(
-            token,
-            state.round,
-            state.complete,
-            state.closed,
-            decided_upto,
-            len(state.participants),
-            len(state.wait_list),
-        )
-
-
-@runtime_checkable
-class ProgressBoard(Protocol):
-    """The progress key, for a backend that keeps one (this package's ``etcd-v2``).
-
-    Every method may raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
-    """
-
-    def read_progress(self) -> tuple[Progress | None, int | None, int]:
-        """The progress key's summary (``None`` if absent or not a summary), its
-        modification index (``None`` if absent), and the etcd index of the read, from
-        which to wait for its next change."""
-
-    def create_progress(self, progress: Progress) -> int | None:
-        """Create the progress key with ``progress`` (with the state's TTL); the write's
-        modification index, or ``None`` if the key exists."""
-
-    def write_progress(self, progress: Progress, index: int) -> int | None:
-        """Write ``progress`` into the progress key unless it holds a summary of a newer
-        state (compare-and-swap on its modification index ``index``, ``0`` if absent,
-        read again after a lost race); the write's modification index, or ``None`` if
-        the key holds a summary at least as new."""
-
-    def replace_progress(self, progress: Progress, index: int) -> int | None:
-        """Write ``progress`` only if the key was not written since its modification
-        index ``index`` (create it if it is gone); the write's modification index, or
-        ``None`` if it did not write."""
-
-    def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
-        """The changes of the progress key after the etcd index ``after``, waiting up to
-        ``timeout`` seconds for the first: each summary (``None``: deleted, or not a
-        summary) with its modification index. Empty if none came."""
-
-    def stop_waiting(self) -> None:
-        """Close the watches of the state and of the progress key (reopened on demand)."""
-
-    @property
-    def listed_at(self) -> int:
-        """The etcd index at which the last :meth:`NodeRegistry.list_nodes` was served."""
-
-
-class Heard(enum.Enum):
-    """What a follower's wait on the progress key ended with."""
-
-    READ = "read"
-    """The progress key names a change that concerns the node (or it was silent too
-    long): read the state."""
-    KEEP = "keep"
-    """Nothing that concerns the node: the state it holds stands."""
-
-
 def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0.0) -> float:
     """Seconds until the node whose key was created at ``created`` makes the batch, when
     every key up to ``decided_upto`` was decided and nobody made progress for ``idle``
@@ -241,35 +151,6 @@ def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0
     if ahead >= _STAGGER_CAP:
         steps += jitter * _TAIL_JITTER
     return max(steps - idle, 0.0)
-
-
-def concerns(
-    progress: Progress,
-    token: int,
-    state: RendezvousState,
-    node: NodeDesc,
-    created: int | None,
-    min_nodes: int,
-) -> bool:
-    """Whether a follower holding ``state`` (read with ``token``) must read the state that
-    ``progress`` describes: the round ended, completed or closed, its own key (created at
-    ``created``) was decided, or the participants reached ``min_nodes`` (the last call
-    started). Never trusted over the state: it only tells when to read it."""
-    if progress.token <= token:
-        return False
-    if (progress.round, progress.complete, progress.closed) != (
-        state.round,
-        state.complete,
-        state.closed,
-    ):
-        return True
-    if len(state.participants) < min_nodes <= progress.participants:
-        return True
-    # A node whose key was decided learns how once the round completes (or the last
-    # call starts); before that, only a node left waiting in a complete round reads it.
-    admitted = node in state.participants or node in state.wait_list
-    decided = created is not None and progress.decided_upto >= created
-    return not admitted and decided and state.complete
 
 
 @runtime_checkable
@@ -353,230 +234,6 @@ class _Attempt:
         return any(wants(node) for node in reversed(self.predecessors))
 
 
-@dataclass(eq=False)
-class _ProgressKey:
-    """One node's view of the progress key: the newest summary heard, the decided index
-    it learnt, and the node's own writes of the key (see docs/how-it-works.rst, "Our
-    nodes: node keys, batched admission, one heartbeat writer", the progress key).
-    Without a board (a backend that keeps no progress key) the node never knows it.
-    Every method may raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
-    """
-
-    board: ProgressBoard | None
-    node: NodeDesc
-    min_nodes: int
-    clock: Callable[[], float]
-    #: The newest summary heard (``None``: none yet, or it was found false).
-    hint: Progress | None = field(default=None, init=False)
-    #: Every node key created at or before this etcd index was decided, as far as the
-    #: node heard; and when that last grew (``clock()``).
-    decided_upto: int = field(default=0, init=False)
-    decided_at: float = field(default=-math.inf, init=False)
-    # The etcd index to watch the key from (``None``: the node never read it); the key's
-    # modification index as last heard (0: none), on which our writes of it
-    # compare-and-swap; the version of the last summary found false (logged once).
-    _index: int | None = field(default=None, init=False)
-    _version: int = field(default=0, init=False)
-    _lie_version: int = field(default=0, init=False)
-    # When the node last heard of a change (from the key or a read of the state), the
-    # silence after which it looks itself, and the index the batch being written
-    # decided up to.
-    _heard_at: float = field(default=-math.inf, init=False)
-    _silence: float = field(default=PROGRESS_SILENCE, init=False)
-    _deciding: int | None = field(default=None, init=False)
-
-    @property
-    def known(self) -> bool:
-        """Whether the node read the key: it can follow it, and knows what was decided."""
-        return self.board is not None and self._index is not None
-
-    def newer_than(self, token: int) -> bool:
-        """Whether the summary heard describes a newer state than the one of ``token``."""
-        return self.hint is not None and self.hint.token > token
-
-    def batch_listed(self) -> None:
-        """The node makes a batch from the listing just taken: its write decides the keys
-        up to that listing's index."""
-        if self.board is not None:
-            self._deciding = self.board.listed_at
-
-    def stop_waiting(self) -> None:
-        """Close the watches (see :meth:`ProgressBoard.stop_waiting`)."""
-        if self.board is not None:
-            self.board.stop_waiting()
-
-    def read(self) -> None:
-        """Read the progress key before announcing (creating it if there is none), so that
-        our key is younger than the decided index it holds (see :func:`stagger_wait`).
-        A node that loses the race to create it learns what the winner wrote from its
-        watch, which starts before the winner's write."""
-        board = self.board
-        if board is None:
-            return
-        progress, version, index = board.read_progress()
-        if progress is not None:
-            self._hear(progress, version, index)
-            return
-        first = Progress(0, 0, False, False, index, 0, 0)
-        if version is not None:  # garbage: start afresh
-            written = board.write_progress(first, version)
-            if written is not None:
-                self._hear(first, written)
-                return
-        else:
-            created = board.create_progress(first)
-            if created is not None:
-                self._hear(first, created)
-                return
-        self._index = max(index, self._index or 0)
-
-    def _hear(self, progress: Progress | None, version: int | None, index: int = 0) -> bool:
-        """Note a summary read or watched: the key's modification index ``version``
-        (``None``: unknown) and the etcd index ``index`` of the read (a watched change:
-        its version). Whether it is newer than the last one seen (a change of the state);
-        a summary that cannot be true (see :meth:`_false`) is not heard at all."""
-        if version is not None:
-            self._version = max(version, self._version)
-        self._index = max(index, version or 0, self._index or 0)
-        if progress is None or self._false(progress, version):
-            return False
-        self._heard_at = self.clock()  # Someone is at work (or checked, see state_read).
-        if progress.decided_upto > self.decided_upto:
-            self.decided_upto, self.decided_at = progress.decided_upto, self.clock()
-        if self.hint is not None and progress.token <= self.hint.token:
-            return False
-        self.hint = progress
-        return True
-
-    def _false(self, progress: Progress, version: int | None) -> bool:
-        """Whether ``progress``, written at ``version``, claims a state or a decided
-        index written after it: garbage that reads as a summary (logged once per
-        version)."""
-        if version is None or max(progress.token, progress.decided_upto) < version:
-            return False
-        if version != self._lie_version:
-            self._lie_version = version
-            logger.warning(
-                "The progress key of the node '%s' holds a summary that cannot be true "
-                "(token %d, decided index %d, written at %d); ignoring it.",
-                self.node,
-                progress.token,
-                progress.decided_upto,
-                version,
-            )
-        return True
-
-    def await_change(
-        self, timeout: float, token: int, state: RendezvousState, created: int | None
-    ) -> Heard:
-        """Wait up to ``timeout`` seconds on the progress key for a change of the state
-        that concerns this node (see :func:`concerns`), holding ``state`` read with
-        ``token``. Returns :attr:`Heard.KEEP` as soon as a change that does not concern
-        it is heard (to look at its turn again), or at the timeout; :attr:`Heard.READ`
-        for a change that does, or after a silence (see :data:`PROGRESS_SILENCE`)."""
-        board = self.board
-        if board is None or self._index is None:
-            return Heard.READ
-        deadline = self.clock() + max(timeout, 0.0)
-        while True:
-            now = self.clock()
-            silence_at = self._heard_at + self._silence
-            if now >= silence_at:
-                return self._after_silence(board, token, state, created)
-            if now >= deadline:
-                return Heard.KEEP
-            changes = board.wait_progress(self._index, min(deadline, silence_at) - now)
-            newer = [self._hear(p, version) for p, version in changes]
-            heard = [p for p, _ in changes if p is not None]
-            node, least = self.node, self.min_nodes
-            if any(concerns(p, token, state, node, created, least) for p in heard):
-                return Heard.READ
-            if any(newer):
-                return Heard.KEEP
-
-    def _after_silence(
-        self, board: ProgressBoard, token: int, state: RendezvousState, created: int | None
-    ) -> Heard:
-        """Nothing heard for the silence (spread out over the nodes, drawn afresh here):
-        read the key itself (our watch may lag behind it), then the state unless the key
-        names a change that does not concern us (the key may miss a state write)."""
-        self._heard_at = self.clock()
-        self._silence = PROGRESS_SILENCE * (1.0 + random.random())
-        progress, version, index = board.read_progress()
-        if progress is None or not self._hear(progress, version, index):
-            return Heard.READ
-        if concerns(progress, token, state, self.node, created, self.min_nodes):
-            return Heard.READ
-        return Heard.KEEP
-
-    def state_read(self, token: int, state: RendezvousState, written: bool, joining: bool) -> None:
-        """The node read (``written``: wrote) the state ``state`` with ``token``: after a
-        write of ours, summarise it in the progress key; after a read that finds a state
-        the key does not describe, write the summary ourselves (relay: see
-        docs/how-it-works.rst, "The progress key"). Never lowers the decided index."""
-        board = self.board
-        if board is None or self._index is None:
-            return  # We never read the key: we do not know what it says is decided.
-        self._heard_at = self.clock()
-        deciding, self._deciding = self._deciding, None
-        hint = self.hint
-        if written:
-            if deciding is not None and deciding > self.decided_upto:
-                self.decided_upto, self.decided_at = deciding, self.clock()
-            self._summarise(board, token, state, board.write_progress)
-        elif hint is not None and hint.token > token:
-            self._forget_hint(hint, token)
-            self._summarise(board, token, state, board.replace_progress)
-        elif joining and hint is not None and token > hint.token:
-            # Only a node that follows the key knows what it misses.
-            self._summarise(board, token, state, board.replace_progress)
-
-    def _forget_hint(self, hint: Progress, token: int) -> None:
-        """The state read with ``token`` is older than ``hint`` describes: the state is
-        the authority, so forget the hint (a candidate would wait for it for ever) and
-        what it said was decided beyond the state read; the relay replaces it."""
-        logger.warning(
-            "The node '%s' read the state written at %d, but the progress key "
-            "described one written at %d; ignoring that summary.",
-            self.node,
-            token,
-            hint.token,
-        )
-        self.hint = None
-        self.decided_upto = min(self.decided_upto, token)
-
-    def _summarise(
-        self,
-        board: ProgressBoard,
-        token: int,
-        state: RendezvousState,
-        write: Callable[[Progress, int], int | None],
-    ) -> None:
-        """Write the summary of ``state`` (read with ``token``) by ``write`` (one of
-        ``board``'s, on the key's version last heard); if someone wrote the key since
-        we heard it, leave it: its summary may know more."""
-        progress = Progress.of(token, state, self.decided_upto)
-        index = write(progress, self._version)
-        if index is None:
-            return
-        self._version = max(index, self._version)
-        self._index = max(index, self._index or 0)
-        if self.hint is None or token > self.hint.token:
-            self.hint = progress
-
-    def waiting_hint(self, token: int) -> Progress | None:
-        """The progress key's summary (one small read), if it describes the state held
-        (``token``) or a newer one, else ``None`` (read the state)."""
-        board = self.board
-        if board is None:
-            return None
-        progress, version, index = board.read_progress()
-        if progress is None or progress.token < token:
-            return None
-        self._hear(progress, version, index)
-        return progress
-
-
 class NodeKeys:
     """The node-key protocol of one handler's node.
 
@@ -634,7 +291,7 @@ class NodeKeys:
         self._reap_round: int | None = None
         self._reap_at = -math.inf
         board = registry if isinstance(registry, ProgressBoard) else None
-        self._progress = _ProgressKey(board, node, settings.min_nodes, clock)
+        self._progress = ProgressKey(board, node, settings.min_nodes, clock)
 
     @property
     def node(self) -> NodeDesc:
@@ -942,15 +599,15 @@ class NodeKeys:
         return self._joining and self._progress.known
 
     def await_progress(self, timeout: float, token: int, state: RendezvousState) -> Heard:
-        """See :meth:`_ProgressKey.await_change` (for this node's key)."""
+        """See :meth:`.ProgressKey.await_change` (for this node's key)."""
         return self._progress.await_change(timeout, token, state, self._created)
 
     def state_read(self, token: int, state: RendezvousState, written: bool) -> None:
-        """See :meth:`_ProgressKey.state_read` (a relay only while joining)."""
+        """See :meth:`.ProgressKey.state_read` (a relay only while joining)."""
         self._progress.state_read(token, state, written, self._joining)
 
     def waiting_hint(self, token: int) -> Progress | None:
-        """See :meth:`_ProgressKey.waiting_hint`."""
+        """See :meth:`.ProgressKey.waiting_hint`."""
         return self._progress.waiting_hint(token)
 
     # -- heartbeats -------------------------------------------------------------------

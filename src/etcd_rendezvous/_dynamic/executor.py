@@ -22,7 +22,7 @@ from datetime import timedelta
 from .._transport.retry import CONTENTION, Deadline, Retry
 from ..api import RendezvousClosedError, RendezvousTimeoutError
 from ..events import NodeState
-from .admission import Batch, Heard, NodeKeys, Refresh, Wait
+from .admission import Batch, NodeKeys, Refresh, Wait
 from .backend import _POLL_INTERVAL
 from .holder import _remove_participant_epilogue, _RendezvousStateHolder
 from .ops import (
@@ -36,6 +36,7 @@ from .ops import (
     _RendezvousKeepAliveOp,
     _StateHandler,
 )
+from .progress import Heard
 from .settings import (
     EXECUTOR_EVENTS,
     LOGGER_NAME,
