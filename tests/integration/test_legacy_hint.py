@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from etcd_rendezvous._legacy.admission import BatchJoin
 from etcd_rendezvous._legacy.feed import StateFeed
+from etcd_rendezvous._legacy.join import BatchJoin
 from etcd_rendezvous._legacy.state import Hint, parse_state
 from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous.api import RendezvousParameters

@@ -41,8 +41,9 @@ from ..etcd_store import EtcdStore
 from ..events import EventSource, NodeState, _records_failure
 from ..layout import LegacyLayout, new_waiter_name
 from ..metrics import MetricKind, record_metric, timed
-from .admission import BatchJoin, RestartAttempt, create_spread
+from .admission import create_spread
 from .feed import StateFeed
+from .join import BatchJoin, RestartAttempt
 from .lease_keeper import LeaseKeeper, stop_keepers
 from .state import (
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
