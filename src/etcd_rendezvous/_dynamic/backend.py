@@ -3,7 +3,7 @@
 Re-exported by :mod:`etcd_rendezvous.dynamic_rendezvous` (users import
 :class:`RendezvousBackend` and :data:`Token` from there).
 Also holds the poll that stands in for a watch when a backend cannot watch
-(:data:`_POLL_INTERVAL`, :func:`_delay`).
+(:data:`POLL_INTERVAL`, :func:`delay`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from .._transport.retry import Deadline
 
-__all__ = ["_POLL_INTERVAL", "RendezvousBackend", "Token", "_delay"]
+__all__ = ["POLL_INTERVAL", "RendezvousBackend", "Token", "delay"]
 
 #: An opaque fencing token used by the rendezvous backend (documented as
 #: :data:`etcd_rendezvous.dynamic_rendezvous.Token`).
@@ -24,10 +24,10 @@ Token = Any
 
 #: Longest a node waits for a state change before reading the state anyway, in seconds,
 #: when the backend cannot watch (PyTorch's fixed poll interval).
-_POLL_INTERVAL = 1.0
+POLL_INTERVAL = 1.0
 
 
-def _delay(seconds: float | tuple[float, float]) -> None:
+def delay(seconds: float | tuple[float, float]) -> None:
     """Suspend the current thread for ``seconds``, or a random time in a ``(low, high)`` range.
 
     Delays under 10 ms are skipped, as in PyTorch.
@@ -127,7 +127,7 @@ class RendezvousBackend(ABC):
         Raises:
             RendezvousConnectionError: The connection to the backend has failed.
         """
-        _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
+        delay(min(max(timeout, 0.0), POLL_INTERVAL))
         return None
 
     @property

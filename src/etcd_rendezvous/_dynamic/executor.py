@@ -23,7 +23,7 @@ from .._transport.retry import CONTENTION, Deadline, Retry
 from ..api import RendezvousClosedError, RendezvousTimeoutError
 from ..events import NodeState
 from .admission import Batch, NodeKeys, Refresh, Wait
-from .backend import _POLL_INTERVAL
+from .backend import POLL_INTERVAL
 from .holder import _remove_participant_epilogue, _RendezvousStateHolder
 from .ops import (
     _ADMISSIONS,
@@ -522,7 +522,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         tick = None if self._keys is None else self._keys.seconds_to_tick()
         if tick is not None:
             waits.append(tick)
-        return min((wait for wait in waits if wait > 0), default=_POLL_INTERVAL) + _WAKE_UP_MARGIN
+        return min((wait for wait in waits if wait > 0), default=POLL_INTERVAL) + _WAKE_UP_MARGIN
 
     # -- the actions --------------------------------------------------------------------
 

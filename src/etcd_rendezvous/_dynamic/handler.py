@@ -36,7 +36,7 @@ from ..events import NodeState, _records_failure
 from ..layout import dynamic_store_prefix
 from ..metrics import MetricKind, record_metric
 from .admission import NodeKeys, NodeRegistry
-from .backend import RendezvousBackend, _delay
+from .backend import RendezvousBackend, delay
 from .executor import _DistributedRendezvousOpExecutor, _RendezvousOpExecutor
 from .holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
 from .ops import (
@@ -372,7 +372,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # compare-and-swaps of the state. A node that announces itself with a node key
         # writes no state to join, so it does not wait.
         if self._node_keys is None and self._state_holder.state.round == 0:
-            _delay(seconds=(0, 0.3))
+            delay(seconds=(0, 0.3))
 
     def _join(self, deadline: float) -> None:
         """Run the exit and join operations until the node is in a complete round. On a

@@ -14,7 +14,7 @@ import time
 from abc import ABC, abstractmethod
 
 from .._transport.retry import Deadline
-from .backend import _POLL_INTERVAL, RendezvousBackend, Token, _delay
+from .backend import POLL_INTERVAL, RendezvousBackend, Token, delay
 from .settings import LOGGER_NAME, STATE_HOLDER_EVENTS, RendezvousSettings, _now, event_source
 from .state import _encode_state, _NodeDesc, _RendezvousState, decode_state
 
@@ -71,7 +71,7 @@ class _RendezvousStateHolder(ABC):
         The next :meth:`sync` then returns the newest state. The default sleeps
         ``min(timeout, 1 s)``, PyTorch's poll interval.
         """
-        _delay(min(max(timeout, 0.0), _POLL_INTERVAL))
+        delay(min(max(timeout, 0.0), POLL_INTERVAL))
 
     def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
         """A block in which :meth:`sync` and :meth:`wait_for_change` end by ``deadline``
