@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from etcd_rendezvous import _progress
+from etcd_rendezvous import _progress_log
 from etcd_rendezvous.api import RendezvousHandler, RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import create_handler
 from etcd_rendezvous.etcd_rendezvous import create_rdzv_handler
@@ -59,7 +59,7 @@ def test_a_waiting_rendezvous_logs_its_progress(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_progress, "PROGRESS_INTERVAL_BOUNDS", (0.3, 0.3))
+    monkeypatch.setattr(_progress_log, "PROGRESS_INTERVAL_BOUNDS", (0.3, 0.3))
     caplog.set_level(logging.INFO, logger="etcd_rendezvous")
     run_id = f"progress-{uuid.uuid4().hex[:8]}"
     line = re.compile(_LINES[backend].format(run=re.escape(run_id)))

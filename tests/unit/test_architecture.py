@@ -58,7 +58,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundation",
         (
             "etcd_rendezvous._torch_errors",
-            "etcd_rendezvous._progress",
+            "etcd_rendezvous._progress_log",
             "etcd_rendezvous.events",
             "etcd_rendezvous.layout",
             "etcd_rendezvous.metrics",

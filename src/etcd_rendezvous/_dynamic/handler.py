@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-from .._progress import ProgressLog, progress_interval, seconds_left
+from .._progress_log import ProgressLog, progress_interval, seconds_left
 from .._torch_store import adapt_store, torch_available, torch_store_wanted
 from .._transport.retry import Deadline
 from ..api import (
@@ -421,7 +421,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _describe_progress(self, deadline: float) -> str | None:
         """The progress line of a waiting :meth:`next_rendezvous`, from the state last
-        read (see :mod:`etcd_rendezvous._progress`)."""
+        read (see :mod:`etcd_rendezvous._progress_log`)."""
         state = self._state_holder.state
         settings = self._settings
         head = f"Rendezvous '{settings.run_id}' round {state.round}"

@@ -20,7 +20,7 @@ import time
 import weakref
 from typing import Any
 
-from .._progress import ProgressLog, progress_interval, seconds_left
+from .._progress_log import ProgressLog, progress_interval, seconds_left
 from .._transport.interface import (
     WRITE_ACTIONS,
     CompareFailedError,
@@ -412,7 +412,7 @@ class EtcdRendezvous:
 
     def _describe_progress(self) -> str | None:
         """The progress line of a waiting :meth:`rendezvous_barrier`, from the state last
-        read (see :mod:`etcd_rendezvous._progress`)."""
+        read (see :mod:`etcd_rendezvous._progress_log`)."""
         state = self._feed.last_state
         left = seconds_left(self._rendezvous_deadline.remaining())
         head = f"Rendezvous of run '{self._run_id}'"

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from .._progress import PROGRESS_THREAD_PREFIX
+from .._progress_log import PROGRESS_THREAD_PREFIX
 from ..api import (
     RendezvousError,
     RendezvousHandler,
