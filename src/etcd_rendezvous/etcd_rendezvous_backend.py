@@ -23,6 +23,7 @@ from typing import Any
 from ._dynamic.admission import AnnouncedNode, Progress
 from ._dynamic.backend import RendezvousBackend, Token
 from ._dynamic.state import NodeDesc
+from ._transport.connect import as_transport
 from ._transport.interface import (
     DELETE_ACTIONS,
     CompareFailedError,
@@ -35,7 +36,6 @@ from ._transport.interface import (
 )
 from ._transport.options import create_etcd_connection, seconds
 from ._transport.retry import REWATCH, Deadline
-from ._transport.v2 import EtcdConnection
 from .api import RendezvousParameters, RendezvousStateError
 from .etcd_store import EtcdStore
 from .layout import (
@@ -98,7 +98,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         *,
         owns_connection: bool = False,
     ) -> None:
-        self._conn = EtcdConnection.from_client(client, param="client")
+        self._conn = as_transport(client, param="client")
         self._owns_conn = owns_connection or self._conn is not client
         self._close_lock = threading.Lock()
         self._closed = False

@@ -206,18 +206,16 @@ class EtcdConnection(Transport):
         return client
 
     @classmethod
-    def from_client(cls, client: Any, *, param: str = "etcd_client") -> Transport:
-        """Build a hardened connection with the same endpoints and credentials as ``client``.
-
-        ``client`` is a python-etcd ``etcd.Client`` (not modified) or a
-        :class:`~etcd_rendezvous._transport.interface.Transport` (returned as it is).
+    def from_client(cls, client: Any, *, param: str = "etcd_client") -> EtcdConnection:
+        """Build a hardened connection with the same endpoints and credentials as
+        ``client``, a python-etcd ``etcd.Client`` (not modified). Callers outside the
+        transport use :func:`~etcd_rendezvous._transport.connect.as_transport`.
 
         Raises:
-            TypeError: ``client`` is neither; the message names ``param``, the caller's
-                name for it.
+            TypeError: ``client`` is not an ``etcd.Client``; the message names
+                ``param``, the caller's name for it.
+            ValueError: an endpoint of ``client`` cannot be parsed.
         """
-        if isinstance(client, Transport):
-            return client
         if not isinstance(client, etcd.Client):
             raise TypeError(
                 f"{param}: expected an etcd.Client or an etcd-rendezvous connection, got "
