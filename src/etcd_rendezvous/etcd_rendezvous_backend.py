@@ -224,9 +224,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         value = b64encode(state).decode()
         try:
             if index:
-                node = self._conn.compare_and_swap(
-                    self._key, value, _prev(self._key, index), ttl=self._ttl
-                )
+                node = self._conn.compare_and_swap(self._key, value, index, ttl=self._ttl)
             else:
                 node = self._conn.create(self._key, value, ttl=self._ttl)
         except (CompareFailedError, KeyExistsError, KeyNotFoundError):
@@ -458,7 +456,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         node: Node | None = None
         if index > 0:
             try:
-                node = self._conn.compare_and_swap(key, value, _prev(key, index), ttl=self._ttl)
+                node = self._conn.compare_and_swap(key, value, index, ttl=self._ttl)
             except CompareFailedError:
                 return None
             except KeyNotFoundError:
@@ -666,24 +664,6 @@ def _parse_node(key: Node) -> NodeDesc | None:
     if type(addr) is not str or type(pid) is not int or type(local_id) is not int:
         return None
     return NodeDesc(addr, pid, local_id)
-
-
-def _prev(key: str, index: int) -> Node:
-    """A stand-in for the node read at ``index``: compare-and-swap on the index alone.
-
-    PyTorch's backend compares on ``prevIndex`` only; the index identifies the value.
-    """
-    return Node(
-        key=key,
-        value="",
-        modified_index=index,
-        created_index=0,
-        etcd_index=index,
-        ttl=None,
-        is_dir=False,
-        children=(),
-        action="get",
-    )
 
 
 def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend, EtcdStore]:

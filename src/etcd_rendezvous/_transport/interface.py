@@ -764,12 +764,17 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
-    def compare_and_swap(self, key: str, value: str, prev: Node, *, ttl: int | None = None) -> Node:
+    def compare_and_swap(
+        self, key: str, value: str, prev: Node | int, *, ttl: int | None = None
+    ) -> Node:
         """Replace ``prev`` (as read) with ``value``, only if ``key`` is still ``prev``.
 
-        Compares the modification index (and, on v2, the value too, as PyTorch's
-        workers do). A swap whose answer was lost is recognised as applied if the first
-        change after ``prev`` carries ``value`` (as for :meth:`create`).
+        ``prev`` is the node as read: the modification index is compared (and, on v2,
+        the value too, as PyTorch's workers do). Or it is a modification index alone
+        (``int``): only the index is compared, as PyTorch's ``etcd-v2`` backend does
+        (v2's ``prevIndex``), and the written node's ``created_index`` is 0 on v3,
+        which does not answer it. A swap whose answer was lost is recognised as applied
+        if the first change after ``prev`` carries ``value`` (as for :meth:`create`).
 
         Raises:
             CompareFailedError: the key changed since ``prev`` was read; with

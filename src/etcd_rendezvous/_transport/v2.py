@@ -533,19 +533,26 @@ class EtcdConnection(Transport):
         )
         return self._settle("create", key, value, None, done)
 
-    def compare_and_swap(self, key: str, value: str, prev: Node, *, ttl: int | None = None) -> Node:
+    def compare_and_swap(
+        self, key: str, value: str, prev: Node | int, *, ttl: int | None = None
+    ) -> Node:
         """Replace ``prev`` with ``value`` if ``key`` still holds ``prev.value`` at
         ``prev.modified_index`` (PyTorch's workers compare the value alone; the index
-        also rules out a key that went through other values and came back). See
+        also rules out a key that went through other values and came back), or, for
+        an index ``prev``, if ``key`` is still at that index (``prevIndex`` alone). See
         :meth:`Transport.compare_and_swap
         <etcd_rendezvous._transport.interface.Transport.compare_and_swap>`."""
-        if prev.value is None:
-            raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
-        conditions = _prev_conditions(prev)
+        if isinstance(prev, int):
+            conditions: dict[str, Any] = {"prevIndex": prev}
+            since = prev
+        else:
+            if prev.value is None:
+                raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
+            conditions, since = _prev_conditions(prev), prev.modified_index
         done = self._v2(
             "compare-and-swap", key, lambda c: _node(c.write(key, value, ttl=ttl, **conditions))
         )
-        return self._settle("compare-and-swap", key, value, prev.modified_index, done)
+        return self._settle("compare-and-swap", key, value, since, done)
 
     def compare_and_delete(self, key: str, prev: Node) -> bool:
         """Delete ``key`` only if its modification index is still ``prev``'s. Returns

@@ -578,26 +578,32 @@ class EtcdV3Connection(Transport):
 
         return self._settle("create", key, value, None, self._leased("create", key, ttl, send))
 
-    def compare_and_swap(self, key: str, value: str, prev: Node, *, ttl: int | None = None) -> Node:
+    def compare_and_swap(
+        self, key: str, value: str, prev: Node | int, *, ttl: int | None = None
+    ) -> Node:
         """Replace ``prev`` with ``value`` if ``key``'s ``mod_revision`` is still ``prev``'s
-        (see :meth:`Transport.compare_and_swap
-        <etcd_rendezvous._transport.interface.Transport.compare_and_swap>`)."""
-        if prev.value is None:
+        (or is ``prev``, an index); see :meth:`Transport.compare_and_swap
+        <etcd_rendezvous._transport.interface.Transport.compare_and_swap>`."""
+        if isinstance(prev, int):
+            since, created = prev, 0  # the gateway's txn answer does not tell it
+        elif prev.value is None:
             raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
+        else:
+            since, created = prev.modified_index, prev.created_index
 
         def send(lease: int, idx: int, cap: float | None) -> Node:
             put: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(value)}
             if lease:
                 put["lease"] = str(lease)
-            body = wire.guarded_txn(key, prev.modified_index, {"request_put": put})
+            body = wire.guarded_txn(key, since, {"request_put": put})
             data = self._attempt(idx, "/v3/kv/txn", body, f"compare-and-swap {key!r}", cap)
             revision = wire.revision(data)
             if not data.get("succeeded"):
                 raise wire.compare_failure(key, data, revision)
-            return wire.written(key, value, revision, prev.created_index, "compareAndSwap", lease)
+            return wire.written(key, value, revision, created, "compareAndSwap", lease)
 
         done = self._leased("compare-and-swap", key, ttl, send)
-        return self._settle("compare-and-swap", key, value, prev.modified_index, done)
+        return self._settle("compare-and-swap", key, value, since, done)
 
     def compare_and_delete(self, key: str, prev: Node) -> bool:
         """Delete ``key`` if its ``mod_revision`` is still ``prev``'s. Returns whether it
