@@ -164,7 +164,7 @@ class EtcdV3Connection(Connection):
             try:
                 return self._endpoints.operate(what, key, functools.partial(send, lease))
             except LeaseGoneError:
-                # A fresh _operate drops after_unknown: harmless, as an earlier copy's
+                # A fresh operate() drops after_unknown: harmless, as an earlier copy's
                 # key went with the gone lease.
                 self._forget_lease(lease)
                 if not replacements_left:
