@@ -35,7 +35,8 @@ class _UnsentError(Exception):
 
 
 class Outcome(enum.Enum):
-    """What became of one request."""
+    """What became of one request (its value is the ``outcome`` label of the
+    ``transport.retries`` metric)."""
 
     #: etcd answered and did it.
     APPLIED = "applied"

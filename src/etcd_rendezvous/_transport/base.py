@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from ..api import RendezvousConnectionError
 from ..metrics import record_metric
 from .attempt import Attempt, Outcome
-from .endpoints import Endpoints
+from .endpoints import Access, Endpoints, Timeouts
 from .interface import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_READ_TIMEOUT,
@@ -74,22 +74,10 @@ class Connection(Transport):
             raise ValueError(f"request_timeout: must be positive, got {request_timeout!r}.")
         if silence_timeout <= 0:
             raise ValueError(f"silence_timeout: must be positive, got {silence_timeout!r}.")
-        self._protocol = protocol
-        self._cert = cert
-        self._key = key
-        self._cacert = cacert
-        self._username = username
-        self._password = password
-        self._endpoints = Endpoints(
-            endpoints,
-            protocol=protocol,
-            api=self.api,
-            read_timeout=read_timeout,
-            connect_timeout=connect_timeout,
-            request_timeout=request_timeout,
-            silence_timeout=silence_timeout,
-            sleep=sleep,
-        )
+        #: What the implementation's clients need to reach the endpoints.
+        self._access = Access(protocol, cert, key, cacert, username, password)
+        timeouts = Timeouts(read_timeout, connect_timeout, request_timeout, silence_timeout)
+        self._endpoints = Endpoints(endpoints, protocol, self.api, timeouts, sleep)
         self._last_index = 0
 
     # -- properties and lifetime --------------------------------------------------
@@ -103,28 +91,30 @@ class Connection(Transport):
     def read_timeout(self) -> float:
         """The retry budget of an operation outside :meth:`bounded_by`, and the longest
         any request may wait for an answer."""
-        return self._endpoints.read_timeout
+        return self._endpoints.timeouts.read
 
     @property
     def request_timeout(self) -> float:
         """Seconds one request waits for an answer before the next endpoint is tried
         (never more than :attr:`read_timeout`)."""
-        return self._endpoints.request_timeout
+        return self._endpoints.timeouts.request
 
     @property
     def silence_timeout(self) -> float:
         """Seconds a wait may hear nothing from its member before it is re-armed on the
         next endpoint (never more than :attr:`read_timeout`)."""
-        return self._endpoints.silence_timeout
+        return self._endpoints.timeouts.silence
 
     @property
     def connect_timeout(self) -> float:
-        """Timeout for connecting to one endpoint, in seconds."""
-        return self._endpoints.connect_timeout
+        """Timeout for connecting to one endpoint, in seconds (never more than the
+        request's own timeout)."""
+        return self._endpoints.timeouts.connect
 
     @property
     def last_index(self) -> int:
-        """The highest store index (revision) seen so far on this connection."""
+        """The highest store index (revision) seen so far on this connection, in an
+        answer or a change it noted."""
         return self._last_index
 
     @property
@@ -178,9 +168,12 @@ class Connection(Transport):
 
     @abc.abstractmethod
     def _wait_for_change(
-        self, key: str, index: int, timeout: float, *, recursive: bool
+        self, key: str, index: int, wait: float | Deadline, *, recursive: bool
     ) -> Node | None:
-        """:meth:`watch`, except that lost history raises :class:`WatchHistoryLostError`."""
+        """:meth:`watch` for ``wait`` seconds, except that lost history raises
+        :class:`WatchHistoryLostError`; or until ``wait``, a deadline of its own, which
+        the thread's :meth:`bounded_by` deadline does not cap (see :meth:`_lookup_change`).
+        """
 
     def first_change_after(self, key: str, index: int) -> Node | None:
         """The first recorded change of ``key`` after ``index``; ``None`` if etcd no
@@ -203,15 +196,14 @@ class Connection(Transport):
         the fate of a write that the failover loop sent after the deadline.
         """
         deadline = self._lookup_deadline()
-        with self._endpoints.replaced_by(deadline):
-            return self._wait_for_change(key, index + 1, deadline.remaining(), recursive=False)
+        return self._wait_for_change(key, index + 1, deadline, recursive=False)
 
     def _lookup_deadline(self) -> Deadline:
         """The deadline of a look into a key's history: ``request_timeout`` (within the
         thread's :meth:`bounded_by` deadline), and never less than
         :meth:`Endpoints.last_chance
         <etcd_rendezvous._transport.endpoints.Endpoints.last_chance>`."""
-        within = self.bound(Deadline(self._endpoints.request_timeout)).remaining()
+        within = self.bound(Deadline(self._endpoints.timeouts.request)).remaining()
         return Deadline(max(within, self._endpoints.last_chance()))
 
     # -- what a write answers ---------------------------------------------------------

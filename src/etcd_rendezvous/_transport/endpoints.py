@@ -15,16 +15,17 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from ..api import RendezvousConnectionError
 from ..metrics import MetricKind, record_metric
 from .attempt import Attempt, Outcome, try_once
 from .interface import TransportClosedError, WatchStream
-from .metering import op_name, sending
+from .metering import op_name
 from .retry import CONNECTION, Deadline
 
-__all__ = ["Endpoints", "format_host"]
+__all__ = ["Access", "Endpoints", "Timeouts", "format_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,36 @@ def format_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+@dataclass(frozen=True)
+class Access:
+    """How a connection reaches its endpoints and who it is there: the ``protocol``,
+    TLS files and etcd user of :class:`~etcd_rendezvous._transport.interface.Transport`."""
+
+    protocol: str
+    cert: str | None = None
+    key: str | None = None
+    cacert: str | None = None
+    username: str | None = None
+    password: str | None = None
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """A connection's timeouts in seconds (see
+    :class:`~etcd_rendezvous._transport.interface.Transport`): ``read`` (an operation's
+    budget), ``connect`` (one connection), ``request`` (one answer) and ``silence`` (a
+    wait hearing nothing)."""
+
+    read: float
+    connect: float
+    request: float
+    silence: float
+
+
 class Endpoints:
     """The endpoints of a connection (``(host, port)`` pairs over ``protocol``), tried in
-    order and round-robin on failure, and the connection's timeouts (see
-    :class:`~etcd_rendezvous._transport.interface.Transport`).
+    order and round-robin on failure, and the connection's :class:`Timeouts` (``request``
+    and ``silence`` no longer than ``read``).
 
     It also keeps the watch streams of the connection (:meth:`adopt`): moving on to
     another endpoint wakes them, and closing ends them.
@@ -48,21 +75,20 @@ class Endpoints:
     def __init__(
         self,
         endpoints: Sequence[tuple[str, int]],
-        *,
         protocol: str,
         api: str,
-        read_timeout: float,
-        connect_timeout: float,
-        request_timeout: float,
-        silence_timeout: float,
+        timeouts: Timeouts,
         sleep: Callable[[float], None],
     ) -> None:
         self._urls = [f"{protocol}://{format_host(h)}:{p}" for h, p in endpoints]
         self._api = api
-        self._read_timeout = float(read_timeout)
-        self._connect_timeout = float(connect_timeout)
-        self._request_timeout = min(float(request_timeout), self._read_timeout)
-        self._silence_timeout = min(float(silence_timeout), self._read_timeout)
+        read = float(timeouts.read)
+        self._timeouts = Timeouts(
+            read,
+            float(timeouts.connect),
+            min(float(timeouts.request), read),
+            min(float(timeouts.silence), read),
+        )
         self._sleep = sleep
         self._lock = threading.Lock()
         self._current = 0
@@ -89,27 +115,9 @@ class Endpoints:
         return self._api
 
     @property
-    def read_timeout(self) -> float:
-        """See :attr:`Transport.read_timeout
-        <etcd_rendezvous._transport.interface.Transport.read_timeout>`."""
-        return self._read_timeout
-
-    @property
-    def connect_timeout(self) -> float:
-        """Seconds to wait for a TCP/TLS connection to one endpoint."""
-        return self._connect_timeout
-
-    @property
-    def request_timeout(self) -> float:
-        """See :attr:`Transport.request_timeout
-        <etcd_rendezvous._transport.interface.Transport.request_timeout>`."""
-        return self._request_timeout
-
-    @property
-    def silence_timeout(self) -> float:
-        """See :attr:`Transport.silence_timeout
-        <etcd_rendezvous._transport.interface.Transport.silence_timeout>`."""
-        return self._silence_timeout
+    def timeouts(self) -> Timeouts:
+        """The connection's timeouts."""
+        return self._timeouts
 
     def sleep(self, seconds: float) -> None:
         """Pause ``seconds`` as the connection was told to (a test may replace it)."""
@@ -152,17 +160,6 @@ class Endpoints:
         finally:
             self._scope.deadline = outer
 
-    @contextlib.contextmanager
-    def replaced_by(self, deadline: Deadline) -> Iterator[None]:
-        """Bound what this thread starts inside the block by ``deadline`` alone, even past
-        its :meth:`bounded_by` deadline."""
-        outer: Deadline | None = getattr(self._scope, "deadline", None)
-        self._scope.deadline = deadline
-        try:
-            yield
-        finally:
-            self._scope.deadline = outer
-
     def bound(self, deadline: Deadline) -> Deadline:
         """See :meth:`Transport.bound
         <etcd_rendezvous._transport.interface.Transport.bound>`."""
@@ -175,7 +172,7 @@ class Endpoints:
         if budget is not None:
             return self.bound(budget)
         scope: Deadline | None = getattr(self._scope, "deadline", None)
-        return scope if scope is not None else Deadline(self._read_timeout)
+        return scope if scope is not None else Deadline(self._timeouts.read)
 
     def watch_budget(self, deadline: Deadline) -> Deadline:
         """How long a watch ending at ``deadline`` retries connection failures: until
@@ -183,7 +180,7 @@ class Endpoints:
         ``read_timeout`` at most, so that a watcher learns that etcd is gone."""
         if getattr(self._scope, "deadline", None) is not None:
             return deadline
-        return deadline.earliest(self._read_timeout)
+        return deadline.earliest(self._timeouts.read)
 
     def last_chance(self) -> float:
         """Seconds one attempt may wait for an answer once the deadline is (nearly) past.
@@ -194,7 +191,7 @@ class Endpoints:
         caller's deadline by more than a second or so.
         """
         share = max(0.25, 1.0 / (len(self._urls) + 1))
-        return min(share, self._request_timeout)
+        return min(share, self._timeouts.request)
 
     # -- which endpoint ---------------------------------------------------------------
 
@@ -255,6 +252,7 @@ class Endpoints:
         budget: Deadline | None = None,
         cap_requests: bool = True,
         pause_first: bool = False,
+        within_scope: bool = True,
     ) -> Attempt[_T]:
         """Send one request after another, failing over, until etcd answers it or the
         operation's deadline passes; return the last :class:`Attempt` (applied or refused).
@@ -267,14 +265,17 @@ class Endpoints:
         most :meth:`last_chance` seconds once the deadline is near: a hung endpoint
         cannot hide a healthy one, and a write whose answer was lost is sent once more
         so that its fate can be found out. ``pause_first``: back off before the first
-        attempt (a watch reopened after its answer broke).
+        attempt (a watch reopened after its answer broke). ``within_scope=False``: the
+        operation's ``budget`` alone bounds it, even past the thread's
+        :meth:`bounded_by` deadline (a look into a key's history, to find out the fate
+        of a write sent after that deadline).
         """
         if self._closed:
             raise TransportClosedError(
                 f"Could not {what} {key!r}: the etcd connection to "
                 f"{', '.join(self._urls)} is closed."
             )
-        deadline = self.budget(budget)
+        deadline = budget if budget is not None and not within_scope else self.budget(budget)
         retry = dataclasses.replace(CONNECTION, sleep=self._sleep).start(deadline)
         if pause_first:
             retry.pause()
@@ -285,11 +286,10 @@ class Endpoints:
         started = time.monotonic()
         while True:
             endpoint = self.pick()
-            cap = min(self._request_timeout, max(deadline.remaining(), floor))
+            cap = min(self._timeouts.request, max(deadline.remaining(), floor))
             record_metric("transport.requests", **labels)
             try:
-                with sending(labels):
-                    attempt = try_once(send, endpoint, cap if cap_requests else None)
+                attempt = try_once(send, endpoint, cap if cap_requests else None)
             except BaseException:  # a permanent failure
                 _record_duration(labels, started)
                 raise

@@ -3,13 +3,9 @@ the byte counters ``transport.bytes_sent`` / ``transport.bytes_received``."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
-
 from ..metrics import record_metric
 
-__all__ = ["count_bytes", "op_name", "sending"]
+__all__ = ["count_bytes", "op_name"]
 
 #: The ``op`` label of an operation's metrics, by the verb its messages use.
 _OPS = {
@@ -22,32 +18,15 @@ _OPS = {
 }
 
 
-#: The metric labels (``op``, ``api``) of the operation the current thread is sending:
-#: set by :func:`sending` around each attempt, read by :func:`count_bytes`.
-_sending = threading.local()
-
-
-@contextlib.contextmanager
-def sending(labels: dict[str, str]) -> Iterator[None]:
-    """Count the bytes this thread sends inside the block under ``labels``."""
-    outer, _sending.labels = getattr(_sending, "labels", None), labels
-    try:
-        yield
-    finally:
-        _sending.labels = outer
-
-
-def count_bytes(api: str, sent: int, received: int, op: str | None = None) -> None:
+def count_bytes(sent: int, received: int, *, api: str, op: str) -> None:
     """Count the HTTP body bytes of one request (``sent``) and of its answer
     (``received``) as the metrics ``transport.bytes_sent`` and
-    ``transport.bytes_received``, labelled with the ``op`` and ``api`` of the operation
-    this thread is sending (``op``, when given, wins; ``other`` outside any)."""
-    labels: dict[str, str] = dict(getattr(_sending, "labels", None) or {"api": api})
-    labels["op"] = op or labels.get("op", "other")
+    ``transport.bytes_received``, labelled with the ``op`` (see :func:`op_name`) and
+    ``api`` of the operation that sent it."""
     if sent:
-        record_metric("transport.bytes_sent", sent, **labels)
+        record_metric("transport.bytes_sent", sent, op=op, api=api)
     if received:
-        record_metric("transport.bytes_received", received, **labels)
+        record_metric("transport.bytes_received", received, op=op, api=api)
 
 
 def op_name(what: str) -> str:

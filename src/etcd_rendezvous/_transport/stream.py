@@ -147,7 +147,9 @@ class StreamingWatch(WatchStream):
                 deadline (``read_timeout``, or the thread's ``bounded_by`` deadline).
         """
         try:
-            self._reopen(None, self._endpoints.budget(), give_up_at_deadline=False)
+            self._reopen(
+                None, self._endpoints.budget(), give_up_at_deadline=False, within_scope=True
+            )
         except WatchHistoryLostError:
             pass
         except BaseException:
@@ -165,7 +167,15 @@ class StreamingWatch(WatchStream):
         change received. A frozen member cannot be told from an idle one, and any
         member serves a watch as well as another.
         """
-        deadline = self._endpoints.budget(Deadline(timeout))
+        return self._next(self._endpoints.budget(Deadline(timeout)), within_scope=True)
+
+    def next_until(self, deadline: Deadline) -> Node | None:
+        """The next change, or ``None`` at ``deadline``, which the thread's
+        :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by` deadline does
+        not cap (a look into a key's history, after that deadline)."""
+        return self._next(deadline, within_scope=False)
+
+    def _next(self, deadline: Deadline, *, within_scope: bool) -> Node | None:
         while True:
             silent: _Feed | None = None
             with self._cond:
@@ -190,7 +200,11 @@ class StreamingWatch(WatchStream):
                     silent, feed = feed, None
             if silent is not None:
                 self._abandon(silent)
-            if deadline.expired() or not self._reopen(feed, deadline, give_up_at_deadline=True):
+            if deadline.expired():
+                return None
+            if not self._reopen(
+                feed, deadline, give_up_at_deadline=True, within_scope=within_scope
+            ):
                 return None
 
     def wake(self) -> None:
@@ -219,7 +233,7 @@ class StreamingWatch(WatchStream):
         endpoints = self._endpoints
         if endpoints.pick() != feed.endpoint:
             return 0.0  # a request to that member failed: the connection moved on
-        return endpoints.silence_timeout - endpoints.silent_for(feed.endpoint)
+        return endpoints.timeouts.silence - endpoints.silent_for(feed.endpoint)
 
     def _abandon(self, feed: _Feed) -> None:
         """Stop ``feed``, whose member went silent (or was left), to re-arm the stream
@@ -230,11 +244,20 @@ class StreamingWatch(WatchStream):
         logger.debug("Watch of %s re-armed from index %d", self._key, self._resume)
         feed.stop()
 
-    def _reopen(self, feed: _Feed | None, deadline: Deadline, *, give_up_at_deadline: bool) -> bool:
+    def _reopen(
+        self,
+        feed: _Feed | None,
+        deadline: Deadline,
+        *,
+        give_up_at_deadline: bool,
+        within_scope: bool,
+    ) -> bool:
         """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
-        ``None``), retrying within ``deadline``. Returns whether it did: with
-        ``give_up_at_deadline``, ``False`` when etcd was unreachable until the deadline
-        (else that raises :class:`RendezvousConnectionError`)."""
+        ``None``), retrying within ``deadline`` (and, ``within_scope``, as a watch does
+        inside the thread's deadline: see :meth:`Endpoints.watch_budget
+        <etcd_rendezvous._transport.endpoints.Endpoints.watch_budget>`). Returns whether
+        it did: with ``give_up_at_deadline``, ``False`` when etcd was unreachable until
+        the deadline (else that raises :class:`RendezvousConnectionError`)."""
         failed = feed is not None and self._retire(feed, deadline)
         if feed is not None:
             record_metric("transport.watch_restarts", api=self._endpoints.api)
@@ -244,9 +267,10 @@ class StreamingWatch(WatchStream):
                 "watch",
                 self._key,
                 lambda endpoint, _cap: self._open(endpoint, deadline),
-                budget=endpoints.watch_budget(deadline),
+                budget=endpoints.watch_budget(deadline) if within_scope else deadline,
                 cap_requests=False,
                 pause_first=failed,
+                within_scope=within_scope,
             ).unwrap()
         except WatchHistoryLostError as exc:
             with self._cond:
@@ -295,7 +319,7 @@ class StreamingWatch(WatchStream):
         thread.start()
         # A live member confirms a new watch at once: one that does not within
         # request_timeout is left for the next endpoint.
-        confirm = deadline.earliest(self._endpoints.request_timeout)
+        confirm = deadline.earliest(self._endpoints.timeouts.request)
         with self._cond:
             while not (feed.ready or feed.ended or confirm.expired()):
                 self._cond.wait(confirm.remaining())
@@ -307,7 +331,7 @@ class StreamingWatch(WatchStream):
             feed.stop()
             raise _AmbiguousError(
                 f"{self._endpoints.url(endpoint)}: the watch of {self._key!r} was "
-                f"not confirmed within {self._endpoints.request_timeout:g} s"
+                f"not confirmed within {self._endpoints.timeouts.request:g} s"
             )
         if refused is not None:
             # Refused when it was created (an expired token, say): the caller
@@ -354,7 +378,7 @@ class StreamingWatch(WatchStream):
         with self._cond:
             if feed is not self._feed or self._closed:
                 return
-        self._open(self._endpoints.pick(), Deadline(self._endpoints.read_timeout))
+        self._open(self._endpoints.pick(), Deadline(self._endpoints.timeouts.read))
 
     def _end(self, feed: _Feed, failure: BaseException | None) -> None:
         with self._cond:
@@ -439,7 +463,7 @@ def iter_objects(chunks: Iterable[bytes], api: str) -> Iterator[dict[str, Any]]:
     buffer = ""
     pending = b""
     for chunk in chunks:
-        count_bytes(api, 0, len(chunk), op="watch")
+        count_bytes(0, len(chunk), api=api, op="watch")
         pending += chunk
         try:
             buffer += pending.decode("utf-8")

@@ -95,16 +95,7 @@ class EtcdConnection(Connection):
 
     def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
         super().__init__(endpoints, **options)
-        self._session = V2Session(
-            endpoints,
-            self._endpoints,
-            protocol=self._protocol,
-            cert=self._cert,
-            key=self._key,
-            cacert=self._cacert,
-            username=self._username,
-            password=self._password,
-        )
+        self._session = V2Session(endpoints, self._endpoints, self._access)
         self._version: str | None = None
 
     # -- construction ---------------------------------------------------------------
@@ -159,6 +150,7 @@ class EtcdConnection(Connection):
         *,
         budget: Deadline | None = None,
         cap_requests: bool = True,
+        within_scope: bool = True,
     ) -> Attempt[_T]:
         """Run ``call(client)`` on one endpoint after another until etcd answers it (see
         :meth:`~etcd_rendezvous._transport.endpoints.Endpoints.operate`)."""
@@ -168,6 +160,7 @@ class EtcdConnection(Connection):
             lambda idx, cap: self._session.once(idx, what, key, call, cap),
             budget=budget,
             cap_requests=cap_requests,
+            within_scope=within_scope,
         )
 
     # -- reads ------------------------------------------------------------------------
@@ -194,11 +187,13 @@ class EtcdConnection(Connection):
         )
 
     def _wait_for_change(
-        self, key: str, index: int, timeout: float, *, recursive: bool
+        self, key: str, index: int, wait: float | Deadline, *, recursive: bool
     ) -> Node | None:
         """Wait for the first change of ``key`` at or after etcd ``index``.
 
-        Returns the change, or ``None`` when ``timeout`` passed. Connection failures
+        Returns the change, or ``None`` when ``wait`` passed: ``wait`` seconds (within
+        the thread's deadline), or a deadline of its own (which the thread's does not
+        cap). Connection failures
         are retried until the watch's own deadline; if etcd stays unreachable for
         longer than the read timeout (outside a ``bounded_by`` block),
         :class:`RendezvousConnectionError` is raised.
@@ -212,13 +207,15 @@ class EtcdConnection(Connection):
             WatchHistoryLostError: etcd answered "event index cleared" (401).
         """
         endpoints = self._endpoints
-        deadline = endpoints.budget(Deadline(timeout))
+        own = isinstance(wait, Deadline)
+        deadline = wait if isinstance(wait, Deadline) else endpoints.budget(Deadline(wait))
         while not deadline.expired():
             idx = endpoints.pick()
             remaining = deadline.remaining()
-            poll = min(remaining, endpoints.silence_timeout)
+            poll = min(remaining, endpoints.timeouts.silence)
+            budget = deadline if own else endpoints.watch_budget(deadline)
             try:
-                return self._poll(key, index, poll, recursive, endpoints.watch_budget(deadline))
+                return self._poll(key, index, poll, recursive, budget, not own)
             except etcd.EtcdWatchTimedOut:
                 if poll >= remaining:
                     return None  # that poll was the whole wait
@@ -226,15 +223,22 @@ class EtcdConnection(Connection):
                 if deadline.expired():
                     return None
                 raise
-            if endpoints.silent_for(idx) >= endpoints.silence_timeout:
+            if endpoints.silent_for(idx) >= endpoints.timeouts.silence:
                 endpoints.leave_silent(idx, f"watching {key!r}")
         return None
 
     def _poll(
-        self, key: str, index: int, seconds: float, recursive: bool, budget: Deadline
+        self,
+        key: str,
+        index: int,
+        seconds: float,
+        recursive: bool,
+        budget: Deadline,
+        within_scope: bool,
     ) -> Node | None:
         """One long poll of at most ``seconds`` (connection failures retried within
-        ``budget``); raises ``etcd.EtcdWatchTimedOut`` if nothing changed."""
+        ``budget``, capped by the thread's deadline if ``within_scope``); raises
+        ``etcd.EtcdWatchTimedOut`` if nothing changed."""
 
         def call(client: Any) -> Node:
             # python-etcd treats a timeout of 0 as "wait forever".
@@ -244,7 +248,9 @@ class EtcdConnection(Connection):
             return _node(result)
 
         try:
-            watched = self._v2("watch", key, call, budget=budget, cap_requests=False)
+            watched = self._v2(
+                "watch", key, call, budget=budget, cap_requests=False, within_scope=within_scope
+            )
             return self._note_index(watched.unwrap())
         except etcd.EtcdEventIndexCleared as exc:
             raise WatchHistoryLostError(key, index, str(exc)) from None

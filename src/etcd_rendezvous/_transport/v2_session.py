@@ -17,7 +17,7 @@ from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnection
 
 from ..api import RendezvousConnectionError, RendezvousStateError
 from .attempt import ELECTION_MARKERS, _AmbiguousError, _UnsentError, transient_answer
-from .endpoints import Endpoints
+from .endpoints import Access, Endpoints
 from .interface import (
     CompareFailedError,
     KeyExistsError,
@@ -25,7 +25,7 @@ from .interface import (
     OperationRefusedError,
     _ConditionError,
 )
-from .metering import count_bytes
+from .metering import count_bytes, op_name
 
 __all__ = ["V2Session"]
 
@@ -47,6 +47,9 @@ class _NoRetryPoolManager(urllib3.PoolManager):
         self._connect_timeout = connect_timeout
         #: Per-thread upper bound for the read timeout of the next requests (seconds).
         self.read_cap = threading.local()
+        #: Per-thread ``op`` label (:func:`~etcd_rendezvous._transport.metering.op_name`)
+        #: of the bytes of the next requests.
+        self.op = threading.local()
 
     def urlopen(  # type: ignore[override]
         self, method: str, url: str, redirect: bool = True, **kw: Any
@@ -63,17 +66,18 @@ class _NoRetryPoolManager(urllib3.PoolManager):
                 else min(self._connect_timeout, float(timeout))
             )
             kw["timeout"] = urllib3.Timeout(connect=connect, read=timeout)
+        op: str = getattr(self.op, "value", None) or "other"
         response = super().urlopen(method, url, redirect=redirect, **kw)
         body = kw.get("body")
         sent = len(body) if isinstance(body, (bytes, str)) else 0
         if "stream=true" in url.partition("?")[2].split("&"):
             # A streaming watch's answer is read, and counted, as a stream (stream.py).
-            count_bytes("v2", sent, 0)
+            count_bytes(sent, 0, api="v2", op=op)
         else:
             # python-etcd asks for the body unread (to check the headers first), then
             # reads it whole at once: reading it here fails the same way, and it stays
             # cached for python-etcd.
-            count_bytes("v2", sent, len(response.data or b""))
+            count_bytes(sent, len(response.data or b""), api="v2", op=op)
         return response
 
 
@@ -113,46 +117,32 @@ _READS = frozenset({"read", "list", "watch", "query the version of"})
 
 
 class V2Session:
-    """The python-etcd clients of a v2 connection (one per endpoint of ``endpoints``,
-    with the connection's options), and one request at a time through them."""
+    """The python-etcd clients of a v2 connection (one per ``(host, port)`` of
+    ``addresses``, the connection's ``endpoints``, with its ``access``), and one request
+    at a time through them."""
 
-    def __init__(
-        self,
-        addresses: Sequence[Endpoint],
-        endpoints: Endpoints,
-        *,
-        protocol: str,
-        cert: str | None,
-        key: str | None,
-        cacert: str | None,
-        username: str | None,
-        password: str | None,
-    ) -> None:
+    def __init__(self, addresses: Sequence[Endpoint], endpoints: Endpoints, access: Access) -> None:
         self._endpoints = endpoints
-        self._protocol = protocol
-        self._cert = cert
-        self._key = key
-        self._cacert = cacert
-        self._username = username
-        self._password = password
+        self._access = access
         self._clients = [self._make_client(host, port) for host, port in addresses]
 
     def _make_client(self, host: str, port: int) -> Any:
-        cert: _Cert = (self._cert, self._key) if self._cert and self._key else self._cert
+        access = self._access
+        cert: _Cert = (access.cert, access.key) if access.cert and access.key else access.cert
         client = etcd.Client(
             host=host,
             port=port,
-            protocol=self._protocol,
+            protocol=access.protocol,
             cert=cert,
-            ca_cert=self._cacert,
-            username=self._username,
-            password=self._password,
-            read_timeout=self._endpoints.read_timeout,
+            ca_cert=access.cacert,
+            username=access.username,
+            password=access.password,
+            read_timeout=self._endpoints.timeouts.read,
             allow_reconnect=False,
         )
         pool_kw = dict(client.http.connection_pool_kw)
         client.http.clear()
-        client.http = _NoRetryPoolManager(self._endpoints.connect_timeout, num_pools=10, **pool_kw)
+        client.http = _NoRetryPoolManager(self._endpoints.timeouts.connect, num_pools=10, **pool_kw)
         return client
 
     def release(self) -> None:
@@ -171,6 +161,7 @@ class V2Session:
         """
         client = self._clients[idx]
         client.http.read_cap.value = cap
+        client.http.op.value = op_name(what)
         try:
             result = call(client)
         except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
@@ -189,6 +180,7 @@ class V2Session:
             raise _AmbiguousError(f"{self._endpoints.url(idx)}: {exc}") from None
         finally:
             client.http.read_cap.value = None
+            client.http.op.value = None
         self._endpoints.heard_from(idx)
         return result
 

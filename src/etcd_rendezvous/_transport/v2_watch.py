@@ -53,8 +53,8 @@ class V2WatchStream(StreamingWatch):
             fields["recursive"] = "true"
         # A live member starts its answer at once; then the reader waits for as long
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
-        wait = min(endpoints.request_timeout, max(deadline.remaining(), endpoints.last_chance()))
-        timeout = urllib3.Timeout(connect=min(endpoints.connect_timeout, wait), read=wait)
+        wait = min(endpoints.timeouts.request, max(deadline.remaining(), endpoints.last_chance()))
+        timeout = urllib3.Timeout(connect=min(endpoints.timeouts.connect, wait), read=wait)
 
         def call(client: Any) -> Any:
             url = f"{client.base_uri}{client.key_endpoint}{quote(key)}"

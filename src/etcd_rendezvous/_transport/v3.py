@@ -30,6 +30,7 @@ from .interface import (
     OperationRefusedError,
     WatchStream,
 )
+from .metering import op_name
 from .retry import Deadline
 from .v3_session import LeaseGoneError, V3Session
 from .v3_watch import V3WatchStream
@@ -68,15 +69,7 @@ class EtcdV3Connection(Connection):
 
     def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
         super().__init__(endpoints, **options)
-        self._session = V3Session(
-            self._endpoints,
-            protocol=self._protocol,
-            cert=self._cert,
-            key=self._key,
-            cacert=self._cacert,
-            username=self._username,
-            password=self._password,
-        )
+        self._session = V3Session(self._endpoints, self._access)
         self._version: str | None = None
         # The leases of directories made with a TTL (directory -> lease), and the shared
         # clean-up leases (ttl -> (lease, monotonic time of the grant)).
@@ -90,12 +83,18 @@ class EtcdV3Connection(Connection):
     # -- one request ------------------------------------------------------------------
 
     def _attempt(
-        self, idx: int, path: str, body: dict[str, Any] | None, where: str, cap: float | None
+        self,
+        idx: int,
+        path: str,
+        body: dict[str, Any] | None,
+        what: str,
+        key: str,
+        cap: float | None,
     ) -> dict[str, Any]:
-        """One request to endpoint ``idx`` (see :meth:`V3Session.attempt
-        <etcd_rendezvous._transport.v3_session.V3Session.attempt>`), noting the revision
-        it answers at."""
-        data = self._session.attempt(idx, path, body, where, cap)
+        """One request to endpoint ``idx`` to ``what`` ``key`` (see
+        :meth:`V3Session.attempt <etcd_rendezvous._transport.v3_session.V3Session.attempt>`),
+        noting the revision it answers at."""
+        data = self._session.attempt(idx, path, body, f"{what} {key!r}", cap, op_name(what))
         self._note_revision(wire.revision(data))
         return data
 
@@ -109,9 +108,11 @@ class EtcdV3Connection(Connection):
         budget: Deadline | None = None,
     ) -> dict[str, Any]:
         """One operation: the request, sent until etcd answers it within the deadline."""
-        where = f"{what} {key!r}"
         done = self._endpoints.operate(
-            what, key, lambda idx, cap: self._attempt(idx, path, body, where, cap), budget=budget
+            what,
+            key,
+            lambda idx, cap: self._attempt(idx, path, body, what, key, cap),
+            budget=budget,
         )
         return done.unwrap()
 
@@ -161,23 +162,24 @@ class EtcdV3Connection(Connection):
         that vanished meanwhile is replaced (twice at most)."""
         lease = known or self._lease_for(key, ttl)
         for replacements_left in (2, 1, 0) if known else (1, 0):
-            try:
-                return self._endpoints.operate(what, key, functools.partial(send, lease))
-            except LeaseGoneError:
-                # A fresh operate() drops after_unknown: harmless, as an earlier copy's
-                # key went with the gone lease.
-                self._forget_lease(lease)
-                if not replacements_left:
-                    raise OperationRefusedError(
-                        f"Could not {what} {key!r}: its lease {lease} vanished twice in a row."
-                    ) from None
-                if not ttl and lease != known:
-                    logger.warning(
-                        "The lease of the directory above %s is gone (its TTL lapsed or it "
-                        "was deleted); writing the key without it",
-                        key,
-                    )
-                lease = self._lease_for(key, ttl)
+            done = self._endpoints.operate(what, key, functools.partial(send, lease))
+            if not isinstance(done.refusal, LeaseGoneError):
+                return done
+            # Refused for a gone lease: sent again with another. The next operate()
+            # starts without after_unknown: harmless, as an earlier copy's key went with
+            # the gone lease.
+            self._forget_lease(lease)
+            if not replacements_left:
+                raise OperationRefusedError(
+                    f"Could not {what} {key!r}: its lease {lease} vanished twice in a row."
+                )
+            if not ttl and lease != known:
+                logger.warning(
+                    "The lease of the directory above %s is gone (its TTL lapsed or it "
+                    "was deleted); writing the key without it",
+                    key,
+                )
+            lease = self._lease_for(key, ttl)
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- reads ------------------------------------------------------------------------
@@ -247,12 +249,14 @@ class EtcdV3Connection(Connection):
         return ttl if ttl >= 0 else None
 
     def _wait_for_change(
-        self, key: str, index: int, timeout: float, *, recursive: bool
+        self, key: str, index: int, wait: float | Deadline, *, recursive: bool
     ) -> Node | None:
         """Wait for the first change of ``key`` (or below it) at or after revision ``index``:
         a watch stream, closed after its first change.
 
-        Returns the change, or ``None`` when ``timeout`` passed.
+        Returns the change, or ``None`` when ``wait`` passed: ``wait`` seconds (within
+        the thread's deadline), or a deadline of its own (which the thread's does not
+        cap).
 
         Raises:
             WatchHistoryLostError: the revision was compacted.
@@ -260,7 +264,7 @@ class EtcdV3Connection(Connection):
         stream = V3WatchStream(self._session, self._endpoints, key, index, recursive)
         self._adopt(stream)
         with stream:
-            node = stream.next(timeout)
+            node = stream.next_until(wait) if isinstance(wait, Deadline) else stream.next(wait)
         return None if node is None else self._note_index(node)
 
     def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
@@ -287,7 +291,7 @@ class EtcdV3Connection(Connection):
             body: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(text)}
             if lease:
                 body["lease"] = str(lease)
-            data = self._attempt(idx, "/v3/kv/put", body, f"write {key!r}", cap)
+            data = self._attempt(idx, "/v3/kv/put", body, "write", key, cap)
             revision = wire.revision(data)
             return wire.written(key, text, revision, revision, "set", lease)
 
@@ -304,7 +308,7 @@ class EtcdV3Connection(Connection):
 
         def send(lease: int, idx: int, cap: float | None) -> Node:
             body = wire.update_txn(key, value, lease)
-            data = self._attempt(idx, "/v3/kv/txn", body, f"update {key!r}", cap)
+            data = self._attempt(idx, "/v3/kv/txn", body, "update", key, cap)
             revision = wire.revision(data)
             if not data.get("succeeded"):
                 raise KeyNotFoundError(key, revision)
@@ -375,7 +379,7 @@ class EtcdV3Connection(Connection):
 
         def send(lease: int, idx: int, cap: float | None) -> Node:
             body = wire.create_txn(key, "", lease)
-            data = self._attempt(idx, "/v3/kv/txn", body, f"create the directory {key!r}", cap)
+            data = self._attempt(idx, "/v3/kv/txn", body, "create the directory", key, cap)
             revision = wire.revision(data)
             if data.get("succeeded"):
                 return wire.written(key, "", revision, revision, "create", lease)
@@ -395,7 +399,7 @@ class EtcdV3Connection(Connection):
 
         def send(lease: int, idx: int, cap: float | None) -> Node:
             body = wire.create_txn(key, value, lease)
-            data = self._attempt(idx, "/v3/kv/txn", body, f"create {key!r}", cap)
+            data = self._attempt(idx, "/v3/kv/txn", body, "create", key, cap)
             revision = wire.revision(data)
             if not data.get("succeeded"):
                 raise KeyExistsError(key, revision)
@@ -421,7 +425,7 @@ class EtcdV3Connection(Connection):
             if lease:
                 put["lease"] = str(lease)
             body = wire.guarded_txn(key, since, {"request_put": put})
-            data = self._attempt(idx, "/v3/kv/txn", body, f"compare-and-swap {key!r}", cap)
+            data = self._attempt(idx, "/v3/kv/txn", body, "compare-and-swap", key, cap)
             revision = wire.revision(data)
             if not data.get("succeeded"):
                 raise wire.compare_failure(key, data, revision)
@@ -436,11 +440,10 @@ class EtcdV3Connection(Connection):
         ``prev`` was a deletion (v3 cannot tell whose)."""
         delete = {"request_delete_range": {"key": wire.b64(key)}}
         body = wire.guarded_txn(key, prev.modified_index, delete)
-        where = f"compare-and-delete {key!r}"
         done = self._endpoints.operate(
             "compare-and-delete",
             key,
-            lambda idx, cap: self._attempt(idx, "/v3/kv/txn", body, where, cap),
+            lambda idx, cap: self._attempt(idx, "/v3/kv/txn", body, "compare-and-delete", key, cap),
         )
         if done.unwrap().get("succeeded"):
             return True
@@ -488,17 +491,19 @@ class EtcdV3Connection(Connection):
         version = endpoints.operate(
             "query the version of",
             "/version",
-            lambda idx, cap: self._session.request(idx, "/version", None, cap, "query the version"),
+            lambda idx, cap: self._session.request(
+                idx, "/version", None, cap, "query the version", "version"
+            ),
             budget=budget,
         ).unwrap()
         self._version = str(version.get("etcdserver", ""))
         idx = endpoints.pick()
-        read = min(endpoints.request_timeout, max(budget.remaining(), endpoints.last_chance()))
+        read = min(endpoints.timeouts.request, max(budget.remaining(), endpoints.last_chance()))
         try:
             response = self._session.pool.request(
                 "GET",
                 endpoints.url(idx) + "/v2/keys/",
-                timeout=urllib3.Timeout(connect=min(endpoints.connect_timeout, read), read=read),
+                timeout=urllib3.Timeout(connect=min(endpoints.timeouts.connect, read), read=read),
                 retries=False,
             )
         except (HTTPError, OSError) as exc:

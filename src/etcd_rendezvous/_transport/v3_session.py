@@ -23,8 +23,8 @@ from urllib3.exceptions import (
 from ..api import RendezvousConnectionError
 from . import v3_wire as wire
 from .attempt import _AmbiguousError, _UnsentError, transient_answer
-from .endpoints import Endpoints
-from .interface import OperationRefusedError
+from .endpoints import Access, Endpoints
+from .interface import OperationRefusedError, _ConditionError
 from .metering import count_bytes
 
 __all__ = ["LeaseGoneError", "V3Session"]
@@ -45,35 +45,31 @@ _PERMISSIONS = {
 }
 
 
-class LeaseGoneError(Exception):
-    """The lease named in a write does not exist any more."""
+class LeaseGoneError(_ConditionError):
+    """A refusal: the lease named in a write does not exist any more (the write was not
+    applied). Its ``key`` is what the request was for ("write '/k'"); the message is
+    etcd's answer, ``"<endpoint>: <error>"``."""
+
+    def __init__(self, key: str, detail: str) -> None:
+        super().__init__(key, None)
+        self.args = (detail,)
 
 
 class V3Session:
-    """The urllib3 pool of a v3 connection to ``endpoints`` (the connection's; with its
-    TLS options), its auth token for ``username``, and one request at a time."""
+    """The urllib3 pool of a v3 connection to ``endpoints`` (the connection's, reached
+    with its ``access``), its auth token, and one request at a time."""
 
-    def __init__(
-        self,
-        endpoints: Endpoints,
-        *,
-        protocol: str,
-        cert: str | None,
-        key: str | None,
-        cacert: str | None,
-        username: str | None,
-        password: str | None,
-    ) -> None:
+    def __init__(self, endpoints: Endpoints, access: Access) -> None:
         self._endpoints = endpoints
         pool_kw: dict[str, Any] = {"retries": False, "maxsize": 8}
-        if protocol == "https":
-            pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=cacert)
-            if cert:
-                pool_kw.update(cert_file=cert, key_file=key)
+        if access.protocol == "https":
+            pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=access.cacert)
+            if access.cert:
+                pool_kw.update(cert_file=access.cert, key_file=access.key)
         #: The connections to every endpoint (discovery reads ``/v2/keys/`` with it too).
         self.pool = urllib3.PoolManager(num_pools=max(4, len(endpoints.urls)), **pool_kw)
-        self._username = username
-        self._password = password
+        self._username = access.username
+        self._password = access.password
         self._token: str | None = None
         self._auth_lock = threading.Lock()
 
@@ -93,27 +89,35 @@ class V3Session:
             headers["Authorization"] = token
         return headers
 
-    def ensure_token(self, idx: int, renew: bool) -> None:
+    def ensure_token(self, idx: int, renew: bool, op: str) -> None:
         """Authenticate on endpoint ``idx`` if a user is configured and there is no token
-        yet (or ``renew``)."""
+        yet (or ``renew``), for an operation whose metrics are labelled ``op``."""
         if self._username is None:
             return
         with self._auth_lock:
             if renew or self._token is None:
-                self._authenticate(idx, None)
+                self._authenticate(idx, None, op)
 
     # -- one request ------------------------------------------------------------------
 
     def request(
-        self, idx: int, path: str, body: dict[str, Any] | None, cap: float | None, where: str
+        self,
+        idx: int,
+        path: str,
+        body: dict[str, Any] | None,
+        cap: float | None,
+        where: str,
+        op: str,
     ) -> dict[str, Any]:
         """POST ``body`` (GET without one) to ``path`` on endpoint ``idx``; classify failures.
 
-        ``where`` says what the request was for, for error messages ("read '/k'").
+        ``where`` says what the request was for, for error messages ("read '/k'"), and
+        ``op`` labels its bytes in the metrics
+        (:func:`~etcd_rendezvous._transport.metering.op_name`).
         """
         endpoint = self._endpoints.url(idx)
-        read = self._endpoints.request_timeout if cap is None else cap
-        timeout = urllib3.Timeout(connect=min(self._endpoints.connect_timeout, read), read=read)
+        read = self._endpoints.timeouts.request if cap is None else cap
+        timeout = urllib3.Timeout(connect=min(self._endpoints.timeouts.connect, read), read=read)
         headers = self.headers()
         if path == _AUTHENTICATE:
             # etcd 3.4 refuses to authenticate a request that carries an expired token.
@@ -131,7 +135,7 @@ class V3Session:
         except BaseException as exc:
             raise self.transport_failure(idx, exc, where) from None
         self._endpoints.heard_from(idx)
-        count_bytes(self._endpoints.api, len(payload or b""), len(response.data or b""))
+        count_bytes(len(payload or b""), len(response.data or b""), api=self._endpoints.api, op=op)
         if response.status == 200:
             try:
                 data = json.loads(response.data)
@@ -173,7 +177,7 @@ class V3Session:
             # An election or overload: the next member may already serve us.
             return transient_answer(endpoint, str(error))
         if error.lease_not_found:
-            return LeaseGoneError(f"{endpoint}: {error}")
+            return LeaseGoneError(where, f"{endpoint}: {error}")
         if error.http_status == 404 and not error.lease_not_found:
             # A path the gateway does not serve: "404 page not found" as text (etcd
             # 3.4/3.5, or any etcd without the gateway), {"code": 5, "message": "Not
@@ -205,12 +209,12 @@ class V3Session:
             f"{permission} <key> (add --prefix for every key below a prefix)."
         )
 
-    def _authenticate(self, idx: int, cap: float | None) -> None:
+    def _authenticate(self, idx: int, cap: float | None, op: str) -> None:
         """Get a fresh auth token from endpoint ``idx``."""
         body = {"name": self._username, "password": self._password}
         where = f"authenticate as {self._username!r}"
         try:
-            data = self.request(idx, _AUTHENTICATE, body, cap, where)
+            data = self.request(idx, _AUTHENTICATE, body, cap, where, op)
         except OperationRefusedError as exc:
             if "not enabled" in str(exc):
                 logger.info("etcd auth is not enabled; sending requests without a token")
@@ -228,14 +232,21 @@ class V3Session:
         self._token = token
 
     def attempt(
-        self, idx: int, path: str, body: dict[str, Any] | None, where: str, cap: float | None
+        self,
+        idx: int,
+        path: str,
+        body: dict[str, Any] | None,
+        where: str,
+        cap: float | None,
+        op: str,
     ) -> dict[str, Any]:
-        """One request to endpoint ``idx``, authenticating first where needed; a request
-        refused for an expired token is sent once more with a fresh one."""
+        """One request to endpoint ``idx`` (see :meth:`request`), authenticating first
+        where needed; a request refused for an expired token is sent once more with a
+        fresh one."""
         for renewal in (False, True):
-            self.ensure_token(idx, renewal)
+            self.ensure_token(idx, renewal, op)
             try:
-                data = self.request(idx, path, body, cap, where)
+                data = self.request(idx, path, body, cap, where, op)
             except wire.ReauthError:
                 if renewal:
                     raise RendezvousConnectionError(

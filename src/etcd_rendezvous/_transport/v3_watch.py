@@ -56,7 +56,7 @@ class V3WatchStream(StreamingWatch):
         sent once more with a fresh one."""
         session = self._session
         for renewal in (False, True):
-            session.ensure_token(endpoint, renewal)
+            session.ensure_token(endpoint, renewal, "watch")
             try:
                 super()._open(endpoint, deadline)
                 return
@@ -77,16 +77,16 @@ class V3WatchStream(StreamingWatch):
             request["range_end"] = wire.prefix_end(self._key)
         # A live member starts its answer at once; then the reader waits for as long
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
-        wait = min(endpoints.request_timeout, max(deadline.remaining(), endpoints.last_chance()))
+        wait = min(endpoints.timeouts.request, max(deadline.remaining(), endpoints.last_chance()))
         body = json.dumps({"create_request": request}).encode()
-        count_bytes(endpoints.api, len(body), 0, op="watch")
+        count_bytes(len(body), 0, api=endpoints.api, op="watch")
         try:
             response = session.pool.urlopen(
                 "POST",
                 endpoints.url(endpoint) + "/v3/watch",
                 body=body,
                 headers=session.headers(),
-                timeout=urllib3.Timeout(connect=min(endpoints.connect_timeout, wait), read=wait),
+                timeout=urllib3.Timeout(connect=min(endpoints.timeouts.connect, wait), read=wait),
                 retries=False,
                 preload_content=False,
             )
