@@ -20,9 +20,9 @@ import pytest
 from etcd_rendezvous._dynamic.periodic import _PeriodicTimer
 from etcd_rendezvous._transport import v3_wire as wire
 from etcd_rendezvous._transport.attempt import (
+    AmbiguousError,
     Outcome,
-    _AmbiguousError,
-    _UnsentError,
+    UnsentError,
     transient_answer,
     try_once,
 )
@@ -51,7 +51,7 @@ from etcd_rendezvous.etcd_store import EtcdStore, _tagged
     ],
 )
 def test_refusals_before_the_proposal_are_unsent(answer: str) -> None:
-    assert isinstance(transient_answer("http://e:1", answer), _UnsentError)
+    assert isinstance(transient_answer("http://e:1", answer), UnsentError)
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_refusals_before_the_proposal_are_unsent(answer: str) -> None:
 )
 def test_answers_after_the_proposal_have_an_unknown_outcome(answer: str) -> None:
     error = transient_answer("http://e:1", answer)
-    assert isinstance(error, _AmbiguousError)
+    assert isinstance(error, AmbiguousError)
     assert "http://e:1" in str(error)
 
 
@@ -142,7 +142,7 @@ def test_attempts_past_the_deadline_share_about_a_second(endpoints: int, share: 
     def send(endpoint: int, cap: float | None) -> None:
         tried.append(endpoint)
         caps.append(cap)
-        raise _AmbiguousError("lost")
+        raise AmbiguousError("lost")
 
     with conn, pytest.raises(RendezvousConnectionError), conn.bounded_by(Deadline(0)):
         conn._endpoints.operate("write", "/k", send)
@@ -166,8 +166,8 @@ def _raising(error: BaseException) -> Any:
     [
         (CompareFailedError("/k", 7), Outcome.REFUSED),
         (KeyExistsError("/k", 7), Outcome.REFUSED),
-        (_UnsentError("http://e:1: refused"), Outcome.UNSENT),
-        (_AmbiguousError("http://e:1: reset"), Outcome.UNKNOWN),
+        (UnsentError("http://e:1: refused"), Outcome.UNSENT),
+        (AmbiguousError("http://e:1: reset"), Outcome.UNKNOWN),
     ],
 )
 def test_one_request_becomes_one_outcome(error: Exception, outcome: Outcome) -> None:
@@ -192,7 +192,7 @@ def test_a_refusal_after_a_lost_answer_is_marked_and_the_loop_fails_over() -> No
         [("127.0.0.1", 9), ("127.0.0.1", 10)], read_timeout=60, sleep=lambda _: None
     )
     tried: list[int] = []
-    answers: list[BaseException] = [_AmbiguousError("lost"), CompareFailedError("/k", 8)]
+    answers: list[BaseException] = [AmbiguousError("lost"), CompareFailedError("/k", 8)]
 
     def send(endpoint: int, _cap: float | None) -> None:
         tried.append(endpoint)

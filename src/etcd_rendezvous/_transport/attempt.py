@@ -11,12 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from .interface import _ConditionError
+from .interface import ConditionError
 
 __all__ = [
     "ELECTION_MARKERS",
+    "AmbiguousError",
     "Attempt",
     "Outcome",
+    "UnsentError",
     "transient_answer",
     "try_once",
 ]
@@ -24,12 +26,12 @@ __all__ = [
 _T = TypeVar("_T")
 
 
-class _AmbiguousError(Exception):
+class AmbiguousError(Exception):
     """Raised by one request: it was sent but its outcome is unknown (lost answer,
     election timeout). :func:`try_once` makes it an :attr:`Outcome.UNKNOWN` attempt."""
 
 
-class _UnsentError(Exception):
+class UnsentError(Exception):
     """Raised by one request: it never reached the server (or was refused before being
     processed). :func:`try_once` makes it an :attr:`Outcome.UNSENT` attempt."""
 
@@ -56,7 +58,7 @@ class Attempt(Generic[_T]):
 
     outcome: Outcome
     result: _T | None = None
-    refusal: _ConditionError | None = None
+    refusal: ConditionError | None = None
     failure: str = ""
     #: Set by the retry loop on its final attempt: an earlier copy's answer was lost.
     after_unknown: bool = False
@@ -67,7 +69,7 @@ class Attempt(Generic[_T]):
             return self.result  # type: ignore[return-value]
         raise self.unwrap_refusal()
 
-    def unwrap_refusal(self) -> _ConditionError:
+    def unwrap_refusal(self) -> ConditionError:
         """The refusal of a refused attempt."""
         if self.refusal is None:
             raise RuntimeError(f"an attempt with outcome {self.outcome.value} has no refusal")
@@ -79,17 +81,17 @@ def try_once(
 ) -> Attempt[_T]:
     """Run ``send(endpoint, cap)`` (one request) and return its :class:`Attempt`.
 
-    ``send`` raises a condition error for a refusal, :class:`_UnsentError` or
-    :class:`_AmbiguousError` for failures worth retrying, and a library error for
+    ``send`` raises a condition error for a refusal, :class:`UnsentError` or
+    :class:`AmbiguousError` for failures worth retrying, and a library error for
     permanent failures (which propagate).
     """
     try:
         return Attempt(Outcome.APPLIED, result=send(endpoint, cap))
-    except _ConditionError as exc:
+    except ConditionError as exc:
         return Attempt(Outcome.REFUSED, refusal=exc)
-    except _UnsentError as exc:
+    except UnsentError as exc:
         return Attempt(Outcome.UNSENT, failure=str(exc))
-    except _AmbiguousError as exc:
+    except AmbiguousError as exc:
         return Attempt(Outcome.UNKNOWN, failure=str(exc))
 
 
@@ -118,10 +120,10 @@ def transient_answer(endpoint: str, text: str) -> Exception:
     """The retry loop's error for a transient error answer ``text`` of ``endpoint``.
 
     A refusal before the proposal (no leader, proposal dropped) is an
-    :class:`_UnsentError`, sent again anywhere; anything else ("request timed out",
-    "leader changed") an :class:`_AmbiguousError`: the write may still be applied, and
+    :class:`UnsentError`, sent again anywhere; anything else ("request timed out",
+    "leader changed") an :class:`AmbiguousError`: the write may still be applied, and
     a conditional write is resolved from the key's history.
     """
     if any(marker in text.lower() for marker in _REJECTED_MARKERS):
-        return _UnsentError(f"{endpoint}: {text}")
-    return _AmbiguousError(f"{endpoint}: {text}")
+        return UnsentError(f"{endpoint}: {text}")
+    return AmbiguousError(f"{endpoint}: {text}")

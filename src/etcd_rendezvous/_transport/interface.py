@@ -26,6 +26,7 @@ __all__ = [
     "DELETE_ACTIONS",
     "WRITE_ACTIONS",
     "CompareFailedError",
+    "ConditionError",
     "ConnectionOptions",
     "KeyExistsError",
     "KeyNotFoundError",
@@ -57,7 +58,7 @@ WRITE_ACTIONS = frozenset({"set", "create", "update", "compareAndSwap"})
 DELETE_ACTIONS = frozenset({"delete", "expire", "compareAndDelete"})
 
 
-class _ConditionError(Exception):
+class ConditionError(Exception):
     """A request was refused because of the state of a key (not a failure)."""
 
     def __init__(self, key: str, etcd_index: int | None) -> None:
@@ -75,15 +76,15 @@ class _ConditionError(Exception):
         self.unknown_because = ""
 
 
-class KeyNotFoundError(_ConditionError):
+class KeyNotFoundError(ConditionError):
     """The key does not exist."""
 
 
-class KeyExistsError(_ConditionError):
+class KeyExistsError(ConditionError):
     """A create found the key already there."""
 
 
-class CompareFailedError(_ConditionError):
+class CompareFailedError(ConditionError):
     """A compare-and-swap or compare-and-delete found a different value or index."""
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..api import RendezvousConnectionError, RendezvousError
 from ..metrics import record_metric
-from .attempt import _AmbiguousError
+from .attempt import AmbiguousError
 from .endpoints import Endpoints
 from .interface import Node, WatchHistoryLostError, WatchStream
 from .metering import count_bytes
@@ -122,9 +122,9 @@ class StreamingWatch(WatchStream):
 
         Returns the answer (urllib3 response, status 200, body not
         read) and the parser of its body, run by the reader thread. Sending raises the
-        transport's classified errors (:class:`_UnsentError`, :class:`_AmbiguousError`,
+        transport's classified errors (:class:`UnsentError`, :class:`AmbiguousError`,
         a library error, or :class:`WatchHistoryLostError`); so does the parser for what
-        etcd says in the answer. The parser raises :class:`_AmbiguousError` when the
+        etcd says in the answer. The parser raises :class:`AmbiguousError` when the
         answer breaks, and returns when etcd ended it normally (then it is reopened at
         once if it brought a change). After a failure the stream moves on to the next
         endpoint; the parser does not.
@@ -329,7 +329,7 @@ class StreamingWatch(WatchStream):
                 self._feed = None
         if unconfirmed:
             feed.stop()
-            raise _AmbiguousError(
+            raise AmbiguousError(
                 f"{self._endpoints.url(endpoint)}: the watch of {self._key!r} was "
                 f"not confirmed within {self._endpoints.timeouts.request:g} s"
             )

@@ -16,14 +16,14 @@ import urllib3
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
 
 from ..api import RendezvousConnectionError, RendezvousStateError
-from .attempt import ELECTION_MARKERS, _AmbiguousError, _UnsentError, transient_answer
+from .attempt import ELECTION_MARKERS, AmbiguousError, UnsentError, transient_answer
 from .endpoints import Access, Endpoints
 from .interface import (
     CompareFailedError,
+    ConditionError,
     KeyExistsError,
     KeyNotFoundError,
     OperationRefusedError,
-    _ConditionError,
 )
 from .metering import count_bytes, op_name
 
@@ -155,8 +155,8 @@ class V2Session:
     ) -> _T:
         """Send one request to endpoint ``idx`` and classify any failure.
 
-        Returns the result, or raises: a condition error, :class:`_UnsentError` (safe to
-        send again anywhere), :class:`_AmbiguousError` (may have been applied), or a
+        Returns the result, or raises: a condition error, :class:`UnsentError` (safe to
+        send again anywhere), :class:`AmbiguousError` (may have been applied), or a
         library error for permanent failures.
         """
         client = self._clients[idx]
@@ -177,7 +177,7 @@ class V2Session:
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             # python-etcd wraps most of these; anything that slips through is a
             # transport failure of unknown outcome.
-            raise _AmbiguousError(f"{self._endpoints.url(idx)}: {exc}") from None
+            raise AmbiguousError(f"{self._endpoints.url(idx)}: {exc}") from None
         finally:
             client.http.read_cap.value = None
             client.http.op.value = None
@@ -197,7 +197,7 @@ class V2Session:
                 f"{key!r}: {cause}. Check protocol, cacert, cert and key."
             )
         message = f"{endpoint}: {cause}"
-        return _UnsentError(message) if _was_not_sent(cause) else _AmbiguousError(message)
+        return UnsentError(message) if _was_not_sent(cause) else AmbiguousError(message)
 
     def _server_failure(self, idx: int, what: str, key: str, exc: etcd.EtcdException) -> Exception:
         """The error for an error answer of etcd other than a refusal on the key: an
@@ -248,14 +248,14 @@ class V2Session:
 
 
 #: python-etcd's refusals on a key's state, as the interface's condition errors.
-_REFUSALS: tuple[tuple[type[etcd.EtcdException], type[_ConditionError]], ...] = (
+_REFUSALS: tuple[tuple[type[etcd.EtcdException], type[ConditionError]], ...] = (
     (etcd.EtcdKeyNotFound, KeyNotFoundError),
     (etcd.EtcdAlreadyExist, KeyExistsError),
     (etcd.EtcdCompareFailed, CompareFailedError),
 )
 
 
-def _refusal(key: str, exc: etcd.EtcdException) -> _ConditionError | None:
+def _refusal(key: str, exc: etcd.EtcdException) -> ConditionError | None:
     """The condition error for ``exc`` if it is a refusal on ``key``'s state."""
     for refused, error in _REFUSALS:
         if isinstance(exc, refused):

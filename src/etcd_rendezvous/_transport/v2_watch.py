@@ -18,7 +18,7 @@ import etcd
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from .attempt import _AmbiguousError
+from .attempt import AmbiguousError
 from .endpoints import Endpoints
 from .interface import KeyNotFoundError, Node, WatchHistoryLostError
 from .retry import Deadline
@@ -83,7 +83,7 @@ class V2WatchStream(StreamingWatch):
         except KeyNotFoundError:
             # Some etcd versions refuse to watch below a missing directory: nothing
             # changed yet; try again (after a pause) until the caller's deadline.
-            raise _AmbiguousError(f"watch {key!r}: its parent directory is missing") from None
+            raise AmbiguousError(f"watch {key!r}: its parent directory is missing") from None
         hold_socket_open(response)
         # Where etcd registered the watch (or, from an index in its history, the index
         # that the one change it answers with is at or below).
@@ -104,7 +104,7 @@ def _messages(endpoint: str, response: Any, etcd_index: int) -> Messages:
             if node.modified_index <= etcd_index:
                 return
     except (HTTPError, OSError, ValueError, TypeError) as exc:
-        raise _AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
+        raise AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
 
 
 def _event_node(message: dict[str, Any], etcd_index: int) -> Node:

@@ -22,9 +22,9 @@ from urllib3.exceptions import (
 
 from ..api import RendezvousConnectionError
 from . import v3_wire as wire
-from .attempt import _AmbiguousError, _UnsentError, transient_answer
+from .attempt import AmbiguousError, UnsentError, transient_answer
 from .endpoints import Access, Endpoints
-from .interface import OperationRefusedError, _ConditionError
+from .interface import ConditionError, OperationRefusedError
 from .metering import count_bytes
 
 __all__ = ["LeaseGoneError", "V3Session"]
@@ -45,7 +45,7 @@ _PERMISSIONS = {
 }
 
 
-class LeaseGoneError(_ConditionError):
+class LeaseGoneError(ConditionError):
     """A refusal: the lease named in a write does not exist any more (the write was not
     applied). Its ``key`` is what the request was for ("write '/k'"); the message is
     etcd's answer, ``"<endpoint>: <error>"``."""
@@ -163,8 +163,8 @@ class V3Session:
                 f"{exc}. Check protocol, cacert, cert and key."
             )
         if isinstance(exc, (NewConnectionError, ConnectTimeoutError, ConnectionRefusedError)):
-            return _UnsentError(f"{endpoint}: {exc}")
-        return _AmbiguousError(f"{endpoint}: {exc}")
+            return UnsentError(f"{endpoint}: {exc}")
+        return AmbiguousError(f"{endpoint}: {exc}")
 
     def server_failure(
         self, idx: int, path: str, error: wire.GrpcError, where: str

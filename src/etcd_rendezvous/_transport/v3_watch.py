@@ -16,7 +16,7 @@ from urllib3.exceptions import HTTPError
 
 from ..api import RendezvousConnectionError
 from . import v3_wire as wire
-from .attempt import _AmbiguousError
+from .attempt import AmbiguousError
 from .endpoints import Endpoints
 from .interface import Node, WatchHistoryLostError
 from .metering import count_bytes
@@ -118,8 +118,8 @@ def _messages(
         for message in iter_objects(response.stream(64 * 1024), "v3"):
             yield _handle(session, endpoint, idx, message, key, recursive, start)
     except (HTTPError, OSError, ValueError, TypeError) as exc:
-        raise _AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
-    raise _AmbiguousError(f"{endpoint}: the watch stream ended")
+        raise AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
+    raise AmbiguousError(f"{endpoint}: the watch stream ended")
 
 
 def _handle(
@@ -142,7 +142,7 @@ def _handle(
             raise failure
         # The gateway ends a stream whose gRPC call ended ("context canceled" when its
         # connection is reset, say) with an error: reopen it.
-        raise _AmbiguousError(f"{endpoint}: watch stream ended: {error}")
+        raise AmbiguousError(f"{endpoint}: watch stream ended: {error}")
     result = message.get("result")
     if not isinstance(result, dict):
         return Changes([])
@@ -163,7 +163,7 @@ def _handle(
                 f"etcd endpoint {endpoint} refused to {where}: {reason}. Check "
                 "username, password and the user's roles."
             )
-        raise _AmbiguousError(f"{endpoint}: watch canceled: {reason}")
+        raise AmbiguousError(f"{endpoint}: watch canceled: {reason}")
     header = result.get("header")
     revision = int(header.get("revision", 0)) if isinstance(header, dict) else 0
     if result.get("created"):
