@@ -377,7 +377,7 @@ def test_every_send_of_a_cas_is_one_our_code_decided(
     close_client: bool,
     api: str,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._transport.interface")
+    caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._transport.endpoints")
     conn = connect(etcd_proxy.endpoint, read_timeout=0.5)
     prev = conn.set(key, "v0")
     etcd_proxy.clear_stats()
@@ -391,7 +391,7 @@ def test_every_send_of_a_cas_is_one_our_code_decided(
     retries = sum(
         r.getMessage().endswith("; retrying")
         for r in caplog.records
-        if r.name == "etcd_rendezvous._transport.interface"
+        if r.name == "etcd_rendezvous._transport.endpoints"
     )
     assert writes(etcd_proxy, api) == 1 + retries
     if close_client:
