@@ -24,6 +24,7 @@ from ._dynamic.admission import AnnouncedNode
 from ._dynamic.backend import RendezvousBackend, Token
 from ._dynamic.progress import Progress
 from ._dynamic.state import NodeDesc
+from ._transport.connect import as_transport
 from ._transport.interface import (
     ADVANCE_TRIES,
     DELETE_ACTIONS,
@@ -37,7 +38,6 @@ from ._transport.interface import (
 )
 from ._transport.options import create_etcd_connection, seconds
 from ._transport.retry import REWATCH, Deadline
-from ._transport.v2 import EtcdConnection
 from .api import RendezvousParameters, RendezvousStateError
 from .etcd_store import EtcdStore
 from .layout import (
@@ -100,7 +100,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         *,
         owns_connection: bool = False,
     ) -> None:
-        self._conn = EtcdConnection.from_client(client, param="client")
+        self._conn = as_transport(client, param="client")
         self._owns_conn = owns_connection or self._conn is not client
         self._close_lock = threading.Lock()
         self._closed = False
@@ -227,9 +227,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         try:
             # PyTorch's pickle has no room for a tag; equal bytes are an equal state.
             if index:
-                node = self._conn.compare_and_swap(
-                    self._key, value, Node.stand_in(self._key, index), ttl=self._ttl
-                )
+                node = self._conn.compare_and_swap(self._key, value, index, ttl=self._ttl)
             else:
                 node = self._conn.create(self._key, value, ttl=self._ttl)
         except (CompareFailedError, KeyExistsError, KeyNotFoundError):

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ._transport.connect import as_transport
 from ._transport.interface import (
     CompareFailedError,
     KeyExistsError,
@@ -37,7 +38,6 @@ from ._transport.interface import (
     Transport,
 )
 from ._transport.retry import CONTENTION, REWATCH, Deadline, Retry
-from ._transport.v2 import EtcdConnection
 from .api import RendezvousConnectionError, RendezvousStateError
 from .layout import normalize_key, store_value_key
 
@@ -135,7 +135,7 @@ class EtcdStore:
         #: The client given to the constructor (an ``etcd.Client`` or an
         #: :class:`~etcd_rendezvous._transport.v2.EtcdConnection`).
         self.client = etcd_client
-        self._conn = EtcdConnection.from_client(etcd_client, param="etcd_client")
+        self._conn = as_transport(etcd_client, param="etcd_client")
         self._owns_conn = owns_connection or self._conn is not etcd_client
         self._close_lock = threading.Lock()
         self._closed = False

@@ -176,6 +176,15 @@ def test_proxy_drop_responses_holds_the_client(etcd_proxy: FaultProxy) -> None:
 # -- 1. an ambiguous conditional write is recognised as ours ------------------------------
 
 
+def test_cas_on_an_index_compares_the_index_alone(direct: Transport, key: str) -> None:
+    prev = direct.set(key, "v0")
+    node = direct.compare_and_swap(key, "v1", prev.modified_index)
+    assert (node.value, direct.get(key).value) == ("v1", "v1")
+    with pytest.raises(CompareFailedError):
+        direct.compare_and_swap(key, "v2", prev.modified_index)  # the key moved on
+    assert direct.get(key).value == "v1"
+
+
 def test_cas_whose_response_was_lost_is_recognised_as_ours(
     etcd_proxy: FaultProxy, connect: Connect, key: str, api: str
 ) -> None:
@@ -369,7 +378,7 @@ def test_every_send_of_a_cas_is_one_our_code_decided(
     close_client: bool,
     api: str,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._transport.interface")
+    caplog.set_level(logging.DEBUG, logger="etcd_rendezvous._transport.endpoints")
     conn = connect(etcd_proxy.endpoint, read_timeout=0.5)
     prev = conn.set(key, "v0")
     etcd_proxy.clear_stats()
@@ -383,7 +392,7 @@ def test_every_send_of_a_cas_is_one_our_code_decided(
     retries = sum(
         r.getMessage().endswith("; retrying")
         for r in caplog.records
-        if r.name == "etcd_rendezvous._transport.interface"
+        if r.name == "etcd_rendezvous._transport.endpoints"
     )
     assert writes(etcd_proxy, api) == 1 + retries
     if close_client:

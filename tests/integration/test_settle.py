@@ -1,18 +1,13 @@
 """A conditional write whose answer was lost, settled on a real server after the
 caller's deadline passed: the transport sends copies past the deadline so that the
-write's fate can be found out, and then looks it up (``Transport._settle``)."""
+write's fate can be found out, and then looks it up (``Connection._settle``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from etcd_rendezvous._transport.interface import (
-    Attempt,
-    CompareFailedError,
-    KeyExistsError,
-    Node,
-    Outcome,
-)
+from etcd_rendezvous._transport.attempt import Attempt, Outcome
+from etcd_rendezvous._transport.interface import CompareFailedError, KeyExistsError, Node
 from etcd_rendezvous._transport.retry import Deadline
 from support.transports import Connect
 

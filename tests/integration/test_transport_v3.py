@@ -282,7 +282,7 @@ def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> 
     thread = threading.Thread(target=wait)
     thread.start()
     wait_until(
-        lambda: any(stream._feed is not None for stream in list(v3._watch_streams)),
+        lambda: any(stream._feed is not None for stream in list(v3._endpoints._streams)),
         5,
         "the watch stream to open",
     )
@@ -331,15 +331,15 @@ def test_an_expired_token_is_renewed_without_the_caller_noticing(
 ) -> None:
     conn = connect(endpoint_of(auth_server), username="root", password="secret")
     first = conn.set("/k", "1")
-    token = conn._token
+    token = conn._session._token
     # The server's token TTL is 1 s. Nothing shows that the token expired without using
     # it, and any request with it renews its TTL: the wait itself is what is tested.
     time.sleep(2.5)
     watch = conn.watch("/k", first.modified_index, timeout=5)
     assert watch is not None
     assert conn.compare_and_swap("/k", "2", conn.get("/k")).value == "2"
-    assert conn._token is not None
-    assert conn._token != token
+    assert conn._session._token is not None
+    assert conn._session._token != token
 
 
 def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
@@ -353,7 +353,7 @@ def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
     change = stream.next(5)
     assert change is not None
     assert change.value == "1"
-    token = conn._token
+    token = conn._session._token
     # The stream breaks; meanwhile etcd drops root's tokens (a password change does).
     proxy.refuse()
     root = gateway(auth_server, "/v3/auth/authenticate", {"name": "root", "password": "secret"})
@@ -364,7 +364,7 @@ def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
     change = stream.next(10)
     assert change is not None
     assert change.value == "2"
-    assert conn._token not in (None, token)
+    assert conn._session._token not in (None, token)
     stream.close()
 
 

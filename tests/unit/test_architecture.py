@@ -77,6 +77,9 @@ RESTRICTED: dict[str, frozenset[str]] = {
             "etcd_rendezvous.pytest_plugin",
         }
     ),
+    # The two implementations: everyone else gets a transport from _transport.connect.
+    "etcd_rendezvous._transport.v2": frozenset({"etcd_rendezvous._transport"}),
+    "etcd_rendezvous._transport.v3": frozenset({"etcd_rendezvous._transport"}),
 }
 
 #: Subpackages of one layer that never import each other (two backends).

@@ -19,19 +19,21 @@ import pytest
 
 from etcd_rendezvous._dynamic.periodic import _PeriodicTimer
 from etcd_rendezvous._transport import v3_wire as wire
+from etcd_rendezvous._transport.attempt import (
+    AmbiguousError,
+    Outcome,
+    UnsentError,
+    transient_answer,
+    try_once,
+)
 from etcd_rendezvous._transport.interface import (
     CompareFailedError,
     KeyExistsError,
     Node,
-    Outcome,
     WatchStream,
-    _AmbiguousError,
-    _UnsentError,
-    transient_answer,
-    try_once,
 )
 from etcd_rendezvous._transport.retry import Deadline
-from etcd_rendezvous._transport.v2 import _is_transient_server_error
+from etcd_rendezvous._transport.v2_session import _is_transient_server_error
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_store import EtcdStore, _tagged
@@ -49,7 +51,7 @@ from etcd_rendezvous.etcd_store import EtcdStore, _tagged
     ],
 )
 def test_refusals_before_the_proposal_are_unsent(answer: str) -> None:
-    assert isinstance(transient_answer("http://e:1", answer), _UnsentError)
+    assert isinstance(transient_answer("http://e:1", answer), UnsentError)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +65,7 @@ def test_refusals_before_the_proposal_are_unsent(answer: str) -> None:
 )
 def test_answers_after_the_proposal_have_an_unknown_outcome(answer: str) -> None:
     error = transient_answer("http://e:1", answer)
-    assert isinstance(error, _AmbiguousError)
+    assert isinstance(error, AmbiguousError)
     assert "http://e:1" in str(error)
 
 
@@ -109,20 +111,20 @@ def conn() -> Iterator[Any]:
 
 
 def test_an_operation_retries_until_the_callers_deadline_not_read_timeout(conn: Any) -> None:
-    assert 59 < conn._budget().remaining() <= 60
+    assert 59 < conn._endpoints.budget().remaining() <= 60
     with conn.bounded_by(Deadline(300)):
-        assert 299 < conn._budget().remaining() <= 300
-        assert conn._budget(Deadline(2)).remaining() <= 2  # its own, shorter budget
+        assert 299 < conn._endpoints.budget().remaining() <= 300
+        assert conn._endpoints.budget(Deadline(2)).remaining() <= 2  # its own, shorter budget
         with conn.bounded_by(Deadline(5)):  # nested blocks: the earliest wins
-            assert conn._budget().remaining() <= 5
+            assert conn._endpoints.budget().remaining() <= 5
         assert conn.bound(Deadline(1000)).remaining() <= 300
-    assert 59 < conn._budget().remaining() <= 60
+    assert 59 < conn._endpoints.budget().remaining() <= 60
 
 
 def test_bounded_by_is_per_thread(conn: Any) -> None:
     seen: list[float] = []
     with conn.bounded_by(Deadline(1)):
-        thread = threading.Thread(target=lambda: seen.append(conn._budget().remaining()))
+        thread = threading.Thread(target=lambda: seen.append(conn._endpoints.budget().remaining()))
         thread.start()
         thread.join()
     assert seen[0] > 59
@@ -140,10 +142,10 @@ def test_attempts_past_the_deadline_share_about_a_second(endpoints: int, share: 
     def send(endpoint: int, cap: float | None) -> None:
         tried.append(endpoint)
         caps.append(cap)
-        raise _AmbiguousError("lost")
+        raise AmbiguousError("lost")
 
     with conn, pytest.raises(RendezvousConnectionError), conn.bounded_by(Deadline(0)):
-        conn._operate("write", "/k", send)
+        conn._endpoints.operate("write", "/k", send)
     # One attempt per endpoint and one more, each waiting at most its share.
     assert caps == [pytest.approx(share)] * (endpoints + 1)
     assert tried == [i % endpoints for i in range(endpoints + 1)]  # failing over in order
@@ -164,8 +166,8 @@ def _raising(error: BaseException) -> Any:
     [
         (CompareFailedError("/k", 7), Outcome.REFUSED),
         (KeyExistsError("/k", 7), Outcome.REFUSED),
-        (_UnsentError("http://e:1: refused"), Outcome.UNSENT),
-        (_AmbiguousError("http://e:1: reset"), Outcome.UNKNOWN),
+        (UnsentError("http://e:1: refused"), Outcome.UNSENT),
+        (AmbiguousError("http://e:1: reset"), Outcome.UNKNOWN),
     ],
 )
 def test_one_request_becomes_one_outcome(error: Exception, outcome: Outcome) -> None:
@@ -190,14 +192,14 @@ def test_a_refusal_after_a_lost_answer_is_marked_and_the_loop_fails_over() -> No
         [("127.0.0.1", 9), ("127.0.0.1", 10)], read_timeout=60, sleep=lambda _: None
     )
     tried: list[int] = []
-    answers: list[BaseException] = [_AmbiguousError("lost"), CompareFailedError("/k", 8)]
+    answers: list[BaseException] = [AmbiguousError("lost"), CompareFailedError("/k", 8)]
 
     def send(endpoint: int, _cap: float | None) -> None:
         tried.append(endpoint)
         raise answers.pop(0)
 
     with conn:
-        done = conn._operate("compare-and-swap", "/k", send)
+        done = conn._endpoints.operate("compare-and-swap", "/k", send)
     assert (done.outcome, done.after_unknown, tried) == (Outcome.REFUSED, True, [0, 1])
 
 
@@ -236,7 +238,7 @@ class _Listener(WatchStream):
     def next(self, timeout: float) -> Node | None:
         return None
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         self.woken += 1
 
 
@@ -247,10 +249,10 @@ def test_moving_to_the_next_endpoint_wakes_the_watch_streams() -> None:
     stream = _Listener("/k", 1, False)
     with conn:
         conn._adopt(stream)
-        conn._rotate(1)  # not the current endpoint: nothing moves, no one is woken
+        conn._endpoints.rotate(1)  # not the current endpoint: nothing moves, no one is woken
         assert stream.woken == 0
-        conn._rotate(0)
-        assert (conn._pick(), stream.woken) == (1, 1)
+        conn._endpoints.rotate(0)
+        assert (conn._endpoints.pick(), stream.woken) == (1, 1)
 
 
 # -- store write tags --------------------------------------------------------------------

@@ -109,7 +109,7 @@ def test_v3_requests_count_the_bytes_of_the_body_sent_and_the_answer_by_op() -> 
     answer = _recorded_body("range_prefix")
     pool = _FakePool(answer)
     conn = EtcdV3Connection([("127.0.0.1", 1)], read_timeout=2.0)
-    conn._pool = pool  # type: ignore[assignment]
+    conn._session.pool = pool  # type: ignore[assignment]
     with conn, MetricsCollector() as collected:
         conn.list_dir("/empty")
         conn.get("/k")

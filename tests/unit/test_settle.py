@@ -1,4 +1,4 @@
-"""How a conditional write whose answer was lost is settled (``Transport._settle``),
+"""How a conditional write whose answer was lost is settled (``Connection._settle``),
 without a server: the history lookup is replaced. The same, on real servers and past
 the caller's deadline, is in ``tests/integration/test_settle.py``."""
 
@@ -9,13 +9,12 @@ from typing import Any
 
 import pytest
 
+from etcd_rendezvous._transport.attempt import Attempt, Outcome
 from etcd_rendezvous._transport.interface import (
-    Attempt,
     CompareFailedError,
     KeyExistsError,
     KeyNotFoundError,
     Node,
-    Outcome,
     WatchHistoryLostError,
 )
 from etcd_rendezvous._transport.retry import Deadline
@@ -170,20 +169,19 @@ def test_a_create_that_cannot_be_settled_is_refused_as_unknown(
 def test_the_history_lookup_outlives_an_expired_caller_deadline(
     conn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[tuple[float, float]] = []
+    seen: list[float] = []
 
-    def wait_for_change(_key: str, index: int, timeout: float, *, recursive: bool) -> None:
-        # What the watch gets: its own timeout, and the thread's scope while it runs.
-        seen.append((timeout, conn._budget().remaining()))
+    def wait_for_change(_key: str, index: int, wait: Deadline, *, recursive: bool) -> None:
+        # What the watch gets: a deadline of its own, which the thread's scope does not
+        # cap.
+        seen.append(wait.remaining())
 
     monkeypatch.setattr(conn, "_wait_for_change", wait_for_change)
     with conn.bounded_by(Deadline(0.0)):
         assert conn._lookup_change("/k", 5) is None
-        assert conn._budget().expired()  # the caller's scope is back
-    ((timeout, scope),) = seen
-    assert timeout >= conn._last_chance() * 0.9
-    assert scope >= conn._last_chance() * 0.9
+        assert conn._endpoints.budget().expired()  # the caller's scope is unchanged
+    assert seen[0] >= conn._endpoints.last_chance() * 0.9
     # With time left, a lookup waits request_timeout at most.
     seen.clear()
     conn._lookup_change("/k", 5)
-    assert conn._last_chance() * 0.9 <= seen[0][0] <= conn.request_timeout
+    assert conn._endpoints.last_chance() * 0.9 <= seen[0] <= conn.request_timeout

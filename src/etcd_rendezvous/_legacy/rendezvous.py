@@ -21,6 +21,7 @@ import weakref
 from typing import Any
 
 from .._progress_log import ProgressLog, progress_interval, seconds_left
+from .._transport.connect import as_transport
 from .._transport.interface import (
     WRITE_ACTIONS,
     CompareFailedError,
@@ -30,7 +31,6 @@ from .._transport.interface import (
     Transport,
 )
 from .._transport.retry import CONNECTION, CONTENTION, Deadline, Retry
-from .._transport.v2 import EtcdConnection
 from ..api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -161,7 +161,7 @@ class EtcdRendezvous:
         owns_connection: bool = False,
     ) -> None:
         self.client = client
-        self._conn = EtcdConnection.from_client(client, param="client")
+        self._conn = as_transport(client, param="client")
         self._owns_conn = owns_connection or self._conn is not client
         self._close_lock = threading.Lock()
         self._closed = False

@@ -25,7 +25,7 @@ from .v3 import EtcdV3Connection
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # Python 3.10 has no typing.Unpack
 
-__all__ = ["ETCD_APIS", "check_etcd_api", "open_transport"]
+__all__ = ["ETCD_APIS", "as_transport", "check_etcd_api", "open_transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,23 @@ def check_etcd_api(value: Any, option: str = "etcd_api") -> str:
     if text not in ETCD_APIS:
         raise ValueError(f"{option}: must be one of auto, v2, v3; got {value!r}.")
     return text
+
+
+def as_transport(client: Any, *, param: str = "client") -> Transport:
+    """``client`` as a transport: a :class:`~etcd_rendezvous._transport.interface.Transport`
+    as it is, a python-etcd ``etcd.Client`` as a hardened v2 connection with the same
+    endpoints and credentials (:meth:`EtcdConnection.from_client
+    <etcd_rendezvous._transport.v2.EtcdConnection.from_client>`; ``client`` is not
+    modified, and the caller owns the new connection).
+
+    Raises:
+        TypeError: ``client`` is neither; the message names ``param``, the caller's
+            name for it.
+        ValueError: an endpoint of ``client`` cannot be parsed.
+    """
+    if isinstance(client, Transport):
+        return client
+    return EtcdConnection.from_client(client, param=param)
 
 
 def open_transport(

@@ -24,14 +24,10 @@ from typing import Any
 
 from ..api import RendezvousConnectionError, RendezvousError
 from ..metrics import record_metric
-from .interface import (
-    Node,
-    Transport,
-    WatchHistoryLostError,
-    WatchStream,
-    _AmbiguousError,
-    count_bytes,
-)
+from .attempt import AmbiguousError
+from .endpoints import Endpoints
+from .interface import Node, WatchHistoryLostError, WatchStream
+from .metering import count_bytes
 from .retry import REWATCH, Deadline
 
 __all__ = [
@@ -102,9 +98,10 @@ class StreamingWatch(WatchStream):
     #: :meth:`_open` waits for the parser to yield :class:`Registered` (v3's ``created``).
     confirmed_by_status = True
 
-    def __init__(self, transport: Transport, key: str, start_index: int, recursive: bool) -> None:
+    def __init__(self, endpoints: Endpoints, key: str, start_index: int, recursive: bool) -> None:
         super().__init__(key, start_index, recursive)
-        self._transport = transport
+        #: The connection's endpoints, which the stream follows and opens answers on.
+        self._endpoints = endpoints
         self._cond = threading.Condition()
         self._events: deque[Node] = deque()
         #: The index to send the next watch request from: after the last change received.
@@ -125,9 +122,9 @@ class StreamingWatch(WatchStream):
 
         Returns the answer (urllib3 response, status 200, body not
         read) and the parser of its body, run by the reader thread. Sending raises the
-        transport's classified errors (:class:`_UnsentError`, :class:`_AmbiguousError`,
+        transport's classified errors (:class:`UnsentError`, :class:`AmbiguousError`,
         a library error, or :class:`WatchHistoryLostError`); so does the parser for what
-        etcd says in the answer. The parser raises :class:`_AmbiguousError` when the
+        etcd says in the answer. The parser raises :class:`AmbiguousError` when the
         answer breaks, and returns when etcd ended it normally (then it is reopened at
         once if it brought a change). After a failure the stream moves on to the next
         endpoint; the parser does not.
@@ -150,7 +147,9 @@ class StreamingWatch(WatchStream):
                 deadline (``read_timeout``, or the thread's ``bounded_by`` deadline).
         """
         try:
-            self._reopen(None, self._transport._budget(), give_up_at_deadline=False)
+            self._reopen(
+                None, self._endpoints.budget(), give_up_at_deadline=False, within_scope=True
+            )
         except WatchHistoryLostError:
             pass
         except BaseException:
@@ -168,11 +167,19 @@ class StreamingWatch(WatchStream):
         change received. A frozen member cannot be told from an idle one, and any
         member serves a watch as well as another.
         """
-        deadline = self._transport._budget(Deadline(timeout))
+        return self._next(self._endpoints.budget(Deadline(timeout)), within_scope=True)
+
+    def next_until(self, deadline: Deadline) -> Node | None:
+        """The next change, or ``None`` at ``deadline``, which the thread's
+        :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by` deadline does
+        not cap (a look into a key's history, after that deadline)."""
+        return self._next(deadline, within_scope=False)
+
+    def _next(self, deadline: Deadline, *, within_scope: bool) -> Node | None:
         while True:
             silent: _Feed | None = None
             with self._cond:
-                self._check_open(self._transport)
+                self._check_open(self._endpoints.closed)
                 if self._events:
                     if len(self._events) >= _MAX_BUFFERED:
                         self._cond.notify_all()
@@ -186,17 +193,21 @@ class StreamingWatch(WatchStream):
                     patience = self._patience(feed)
                     if patience > 0:
                         # Woken early by a change, or when the connection leaves the
-                        # member (:meth:`_wake`).
+                        # member (:meth:`wake`).
                         self._cond.wait(min(deadline.remaining(), patience))
                         continue
                     self._feed = None  # re-armed below
                     silent, feed = feed, None
             if silent is not None:
                 self._abandon(silent)
-            if deadline.expired() or not self._reopen(feed, deadline, give_up_at_deadline=True):
+            if deadline.expired():
+                return None
+            if not self._reopen(
+                feed, deadline, give_up_at_deadline=True, within_scope=within_scope
+            ):
                 return None
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """The transport moved on to another endpoint: a waiting :meth:`next` looks again
         at whether its member was left."""
         with self._cond:
@@ -219,37 +230,47 @@ class StreamingWatch(WatchStream):
 
     def _patience(self, feed: _Feed) -> float:
         """Seconds a wait may still listen to ``feed`` before re-arming (0: now)."""
-        transport = self._transport
-        if transport._pick() != feed.endpoint:
+        endpoints = self._endpoints
+        if endpoints.pick() != feed.endpoint:
             return 0.0  # a request to that member failed: the connection moved on
-        return transport.silence_timeout - transport._silent_for(feed.endpoint)
+        return endpoints.timeouts.silence - endpoints.silent_for(feed.endpoint)
 
     def _abandon(self, feed: _Feed) -> None:
         """Stop ``feed``, whose member went silent (or was left), to re-arm the stream
         on the next endpoint."""
-        transport = self._transport
-        if transport._pick() == feed.endpoint:
-            transport._leave_silent(feed.endpoint, f"watching {self._key!r}")
+        endpoints = self._endpoints
+        if endpoints.pick() == feed.endpoint:
+            endpoints.leave_silent(feed.endpoint, f"watching {self._key!r}")
         logger.debug("Watch of %s re-armed from index %d", self._key, self._resume)
         feed.stop()
 
-    def _reopen(self, feed: _Feed | None, deadline: Deadline, *, give_up_at_deadline: bool) -> bool:
+    def _reopen(
+        self,
+        feed: _Feed | None,
+        deadline: Deadline,
+        *,
+        give_up_at_deadline: bool,
+        within_scope: bool,
+    ) -> bool:
         """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
-        ``None``), retrying within ``deadline``. Returns whether it did: with
-        ``give_up_at_deadline``, ``False`` when etcd was unreachable until the deadline
-        (else that raises :class:`RendezvousConnectionError`)."""
+        ``None``), retrying within ``deadline`` (and, ``within_scope``, as a watch does
+        inside the thread's deadline: see :meth:`Endpoints.watch_budget
+        <etcd_rendezvous._transport.endpoints.Endpoints.watch_budget>`). Returns whether
+        it did: with ``give_up_at_deadline``, ``False`` when etcd was unreachable until
+        the deadline (else that raises :class:`RendezvousConnectionError`)."""
         failed = feed is not None and self._retire(feed, deadline)
         if feed is not None:
-            record_metric("transport.watch_restarts", api=self._transport.api)
-        transport = self._transport
+            record_metric("transport.watch_restarts", api=self._endpoints.api)
+        endpoints = self._endpoints
         try:
-            transport._operate(
+            endpoints.operate(
                 "watch",
                 self._key,
                 lambda endpoint, _cap: self._open(endpoint, deadline),
-                budget=transport._watch_budget(deadline),
+                budget=endpoints.watch_budget(deadline) if within_scope else deadline,
                 cap_requests=False,
                 pause_first=failed,
+                within_scope=within_scope,
             ).unwrap()
         except WatchHistoryLostError as exc:
             with self._cond:
@@ -270,11 +291,11 @@ class StreamingWatch(WatchStream):
         self._barren = 0 if feed.changes else self._barren + 1
         if self._barren > 1:
             # Answers that keep ending without a change: back off further.
-            self._transport._sleep(min(REWATCH.delay(self._barren), max(deadline.remaining(), 0)))
+            self._endpoints.sleep(min(REWATCH.delay(self._barren), max(deadline.remaining(), 0)))
         if feed.failure is None and feed.changes:
             return False
         # The member may be gone: try the next one.
-        self._transport._rotate(feed.endpoint)
+        self._endpoints.rotate(feed.endpoint)
         return True
 
     def _open(self, endpoint: int, deadline: Deadline) -> None:
@@ -286,7 +307,7 @@ class StreamingWatch(WatchStream):
             if self._closed:
                 feed.stop()
                 response.close()
-                self._check_open(self._transport)
+                self._check_open(self._endpoints.closed)
             self._feed = feed
             self._feeds.add(feed)
         thread = threading.Thread(
@@ -298,7 +319,7 @@ class StreamingWatch(WatchStream):
         thread.start()
         # A live member confirms a new watch at once: one that does not within
         # request_timeout is left for the next endpoint.
-        confirm = deadline.earliest(self._transport.request_timeout)
+        confirm = deadline.earliest(self._endpoints.timeouts.request)
         with self._cond:
             while not (feed.ready or feed.ended or confirm.expired()):
                 self._cond.wait(confirm.remaining())
@@ -308,9 +329,9 @@ class StreamingWatch(WatchStream):
                 self._feed = None
         if unconfirmed:
             feed.stop()
-            raise _AmbiguousError(
-                f"{self._transport.endpoints[endpoint]}: the watch of {self._key!r} was "
-                f"not confirmed within {self._transport.request_timeout:g} s"
+            raise AmbiguousError(
+                f"{self._endpoints.url(endpoint)}: the watch of {self._key!r} was "
+                f"not confirmed within {self._endpoints.timeouts.request:g} s"
             )
         if refused is not None:
             # Refused when it was created (an expired token, say): the caller
@@ -321,7 +342,7 @@ class StreamingWatch(WatchStream):
 
     def _take(self, feed: _Feed, message: Changes | Registered) -> bool:
         """Buffer what the reader parsed. Returns whether to keep reading."""
-        self._transport._heard_from(feed.endpoint)
+        self._endpoints.heard_from(feed.endpoint)
         with self._cond:
             if feed is not self._feed or self._closed:
                 return False
@@ -357,7 +378,7 @@ class StreamingWatch(WatchStream):
         with self._cond:
             if feed is not self._feed or self._closed:
                 return
-        self._open(self._transport._pick(), Deadline(self._transport.read_timeout))
+        self._open(self._endpoints.pick(), Deadline(self._endpoints.timeouts.read))
 
     def _end(self, feed: _Feed, failure: BaseException | None) -> None:
         with self._cond:
@@ -442,7 +463,7 @@ def iter_objects(chunks: Iterable[bytes], api: str) -> Iterator[dict[str, Any]]:
     buffer = ""
     pending = b""
     for chunk in chunks:
-        count_bytes(api, 0, len(chunk), op="watch")
+        count_bytes(0, len(chunk), api=api, op="watch")
         pending += chunk
         try:
             buffer += pending.decode("utf-8")

@@ -1,47 +1,37 @@
 """The v2 transport: etcd's v2 API through python-etcd.
 
-:class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.interface.Transport`:
-one python-etcd client per endpoint, a pool manager that never re-sends a request and
-bounds connection set-up, and the classification of python-etcd's and urllib3's
-failures (which never leave this module). See docs/etcd-v3.rst, section "Inside the
-transport".
+:class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.interface.Transport`
+over a :class:`~etcd_rendezvous._transport.v2_session.V2Session` (one python-etcd client
+per endpoint, and the classification of their failures), which its watch streams share.
+See docs/etcd-v3.rst, section "Inside the transport".
 """
 
 from __future__ import annotations
 
 import logging
-import ssl
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import etcd
 import urllib3
-from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
 
-from ..api import RendezvousConnectionError, RendezvousStateError
+from ..api import RendezvousConnectionError
+from .attempt import Attempt, Outcome
+from .base import Connection
 from .interface import (
     DEFAULT_READ_TIMEOUT,
-    ELECTION_MARKERS,
-    Attempt,
     CompareFailedError,
     ConnectionOptions,
     KeyExistsError,
     KeyNotFoundError,
     Node,
     OperationRefusedError,
-    Outcome,
-    Transport,
     WatchHistoryLostError,
     WatchStream,
-    _AmbiguousError,
-    _ConditionError,
-    _UnsentError,
-    count_bytes,
-    transient_answer,
 )
 from .retry import Deadline
+from .v2_session import V2Session
 from .v2_watch import V2WatchStream
 
 if TYPE_CHECKING:
@@ -92,87 +82,10 @@ def _node_from_dict(raw: dict[str, Any], etcd_index: int) -> Node:
     )
 
 
-class _NoRetryPoolManager(urllib3.PoolManager):
-    """A pool manager that never re-sends a request and bounds connection set-up.
-
-    python-etcd passes one number as the request timeout; we split it into a connect
-    timeout (bounded by ``connect_timeout``) and the read timeout it asked for.
-    """
-
-    def __init__(self, connect_timeout: float, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._connect_timeout = connect_timeout
-        #: Per-thread upper bound for the read timeout of the next requests (seconds).
-        self.read_cap = threading.local()
-
-    def urlopen(  # type: ignore[override]
-        self, method: str, url: str, redirect: bool = True, **kw: Any
-    ) -> Any:
-        kw["retries"] = urllib3.Retry(total=False)
-        timeout = kw.get("timeout")
-        cap: float | None = getattr(self.read_cap, "value", None)
-        if cap is not None and isinstance(timeout, (int, float)):
-            timeout = min(float(timeout), cap)
-        if timeout is None or isinstance(timeout, (int, float)):
-            connect = (
-                self._connect_timeout
-                if timeout is None
-                else min(self._connect_timeout, float(timeout))
-            )
-            kw["timeout"] = urllib3.Timeout(connect=connect, read=timeout)
-        response = super().urlopen(method, url, redirect=redirect, **kw)
-        body = kw.get("body")
-        sent = len(body) if isinstance(body, (bytes, str)) else 0
-        if "stream=true" in url.partition("?")[2].split("&"):
-            # A streaming watch's answer is read, and counted, as a stream (stream.py).
-            count_bytes("v2", sent, 0)
-        else:
-            # python-etcd asks for the body unread (to check the headers first), then
-            # reads it whole at once: reading it here fails the same way, and it stays
-            # cached for python-etcd.
-            count_bytes("v2", sent, len(response.data or b""))
-        return response
-
-
-def _transport_cause(exc: BaseException) -> BaseException:
-    cause: BaseException = getattr(exc, "cause", None) or exc.__cause__ or exc
-    if isinstance(cause, MaxRetryError) and cause.reason is not None:
-        return cause.reason
-    return cause
-
-
-def _was_not_sent(cause: BaseException) -> bool:
-    """Whether a transport failure happened before the request reached the server."""
-    return isinstance(cause, (NewConnectionError, ConnectTimeoutError, ConnectionRefusedError))
-
-
-def _is_transient_server_error(exc: etcd.EtcdException) -> bool:
-    """Server-side failures worth retrying: leader election, raft request timeouts."""
-    if isinstance(exc, (etcd.EtcdLeaderElectionInProgress, etcd.EtcdWatcherCleared)):
-        return True
-    if type(exc) is not etcd.EtcdException:
-        return False
-    payload = exc.payload if isinstance(exc.payload, dict) else {}
-    # errorCode 300 ("Raft Internal Error") is a permanent refusal such as updating a
-    # directory's TTL on etcd 3.5 ("Not a file") -- or a proposal that timed out during
-    # a leader election, whose outcome is unknown. Plain 5xx answers without a code
-    # are "etcdserver: request timed out" and friends, also seen during elections.
-    if payload.get("errorCode") == 300:
-        cause = f"{payload.get('cause', '')} {payload.get('message', '')} {exc}".lower()
-        return any(marker in cause for marker in ELECTION_MARKERS)
-    status = payload.get("status")
-    return isinstance(status, int) and status >= 500
-
-
-#: What the requests that only read are for (``what`` of :meth:`EtcdConnection._once`):
-#: a refusal of one of them is for want of read permission, of any other, write.
-_READS = frozenset({"read", "list", "watch", "query the version of"})
-
 Endpoint = tuple[str, int]
-_Cert = str | tuple[str, str] | None
 
 
-class EtcdConnection(Transport):
+class EtcdConnection(Connection):
     """A connection to an etcd cluster over the v2 API, on one or more endpoints: one
     python-etcd client per endpoint. The options are
     :class:`~etcd_rendezvous._transport.interface.Transport`'s.
@@ -182,42 +95,22 @@ class EtcdConnection(Transport):
 
     def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
         super().__init__(endpoints, **options)
-        self._clients = [self._make_client(host, port) for host, port in endpoints]
+        self._session = V2Session(endpoints, self._endpoints, self._access)
         self._version: str | None = None
 
     # -- construction ---------------------------------------------------------------
 
-    def _make_client(self, host: str, port: int) -> Any:
-        cert: _Cert = (self._cert, self._key) if self._cert and self._key else self._cert
-        client = etcd.Client(
-            host=host,
-            port=port,
-            protocol=self._protocol,
-            cert=cert,
-            ca_cert=self._cacert,
-            username=self._username,
-            password=self._password,
-            read_timeout=self._read_timeout,
-            allow_reconnect=False,
-        )
-        pool_kw = dict(client.http.connection_pool_kw)
-        client.http.clear()
-        client.http = _NoRetryPoolManager(self._connect_timeout, num_pools=10, **pool_kw)
-        return client
-
     @classmethod
-    def from_client(cls, client: Any, *, param: str = "etcd_client") -> Transport:
-        """Build a hardened connection with the same endpoints and credentials as ``client``.
-
-        ``client`` is a python-etcd ``etcd.Client`` (not modified) or a
-        :class:`~etcd_rendezvous._transport.interface.Transport` (returned as it is).
+    def from_client(cls, client: Any, *, param: str = "etcd_client") -> EtcdConnection:
+        """Build a hardened connection with the same endpoints and credentials as
+        ``client``, a python-etcd ``etcd.Client`` (not modified). Callers outside the
+        transport use :func:`~etcd_rendezvous._transport.connect.as_transport`.
 
         Raises:
-            TypeError: ``client`` is neither; the message names ``param``, the caller's
-                name for it.
+            TypeError: ``client`` is not an ``etcd.Client``; the message names
+                ``param``, the caller's name for it.
+            ValueError: an endpoint of ``client`` cannot be parsed.
         """
-        if isinstance(client, Transport):
-            return client
         if not isinstance(client, etcd.Client):
             raise TypeError(
                 f"{param}: expected an etcd.Client or an etcd-rendezvous connection, got "
@@ -245,8 +138,7 @@ class EtcdConnection(Transport):
         )
 
     def _release(self) -> None:
-        for client in self._clients:
-            client.http.clear()
+        self._session.release()
 
     # -- the request loop -----------------------------------------------------------
 
@@ -258,109 +150,17 @@ class EtcdConnection(Transport):
         *,
         budget: Deadline | None = None,
         cap_requests: bool = True,
+        within_scope: bool = True,
     ) -> Attempt[_T]:
         """Run ``call(client)`` on one endpoint after another until etcd answers it (see
-        :meth:`~etcd_rendezvous._transport.interface.Transport._operate`)."""
-        return self._operate(
+        :meth:`~etcd_rendezvous._transport.endpoints.Endpoints.operate`)."""
+        return self._endpoints.operate(
             what,
             key,
-            lambda idx, cap: self._once(idx, what, key, call, cap),
+            lambda idx, cap: self._session.once(idx, what, key, call, cap),
             budget=budget,
             cap_requests=cap_requests,
-        )
-
-    def _once(
-        self, idx: int, what: str, key: str, call: Callable[[Any], _T], cap: float | None
-    ) -> _T:
-        """Send one request to endpoint ``idx`` and classify any failure.
-
-        Returns the result, or raises: a condition error, :class:`_UnsentError` (safe to
-        send again anywhere), :class:`_AmbiguousError` (may have been applied), or a
-        library error for permanent failures.
-        """
-        client = self._clients[idx]
-        client.http.read_cap.value = cap
-        try:
-            result = call(client)
-        except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
-            raise  # the watch's own answers: v2_watch reads them
-        except etcd.EtcdConnectionFailed as exc:
-            raise self._connection_failure(idx, what, key, exc) from None
-        except etcd.EtcdException as exc:
-            refusal = _refusal(key, exc)
-            if refusal is not None:
-                self._heard_from(idx)
-                raise refusal from None
-            raise self._server_failure(idx, what, key, exc) from None
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            # python-etcd wraps most of these; anything that slips through is a
-            # transport failure of unknown outcome.
-            raise _AmbiguousError(f"{self._endpoints[idx]}: {exc}") from None
-        finally:
-            client.http.read_cap.value = None
-        self._heard_from(idx)
-        return result
-
-    def _connection_failure(
-        self, idx: int, what: str, key: str, exc: etcd.EtcdConnectionFailed
-    ) -> Exception:
-        """The error for a request that failed on the connection: TLS is permanent; the
-        rest is retried, as unsent if it never reached the server."""
-        endpoint = self._endpoints[idx]
-        cause = _transport_cause(exc)
-        if isinstance(cause, (SSLError, ssl.SSLError)):
-            return RendezvousConnectionError(
-                f"TLS connection to etcd endpoint {endpoint} failed while trying to {what} "
-                f"{key!r}: {cause}. Check protocol, cacert, cert and key."
-            )
-        message = f"{endpoint}: {cause}"
-        return _UnsentError(message) if _was_not_sent(cause) else _AmbiguousError(message)
-
-    def _server_failure(self, idx: int, what: str, key: str, exc: etcd.EtcdException) -> Exception:
-        """The error for an error answer of etcd other than a refusal on the key: an
-        election is retried; anything else is permanent, and the message says what to
-        check."""
-        endpoint = self._endpoints[idx]
-        if isinstance(exc, etcd.EtcdInsufficientPermissions):
-            return self._permission_failure(idx, what, key, exc)
-        if isinstance(exc, etcd.EtcdClusterIdChanged):
-            return RendezvousConnectionError(
-                f"etcd endpoint {endpoint} belongs to another cluster than before: {exc}"
-            )
-        if isinstance(exc, (etcd.EtcdNotFile, etcd.EtcdNotDir)):
-            return RendezvousStateError(
-                f"etcd refused to {what} {key!r}: {exc}. Another program may have written "
-                "a key where a directory belongs (or the reverse)."
-            )
-        if _is_transient_server_error(exc):
-            # An election: the next member may already have a leader.
-            return transient_answer(endpoint, str(exc))
-        if "404 page not found" in str(exc):
-            return RendezvousConnectionError(
-                f"etcd endpoint {endpoint} does not serve the v2 API (it answered 404 "
-                f"when asked to {what} {key!r}). Start etcd with --enable-v2, or use "
-                "etcd_api=v3 (or auto)."
-            )
-        return OperationRefusedError(f"etcd endpoint {endpoint} failed to {what} {key!r}: {exc}")
-
-    def _permission_failure(
-        self, idx: int, what: str, key: str, exc: etcd.EtcdInsufficientPermissions
-    ) -> RendezvousConnectionError:
-        """The error for a refusal by etcd's v2 auth, naming the permission missing."""
-        endpoint = self._endpoints[idx]
-        username = self._clients[idx].username
-        if username is None:
-            return RendezvousConnectionError(
-                f"etcd endpoint {endpoint} refused to {what} {key!r}: {exc}. "
-                "Check username and password."
-            )
-        permission = "read" if what in _READS else "write"
-        return RendezvousConnectionError(
-            f"etcd endpoint {endpoint} refused to {what} {key!r}: user "
-            f"{username!r} has no {permission} permission on it ({exc}), "
-            "or a wrong password. Grant it to one of the user's roles (etcd's v2 "
-            f"auth: a {permission} pattern of the role's kv permissions; '<key>*' for "
-            "every key below a prefix)."
+            within_scope=within_scope,
         )
 
     # -- reads ------------------------------------------------------------------------
@@ -387,11 +187,13 @@ class EtcdConnection(Transport):
         )
 
     def _wait_for_change(
-        self, key: str, index: int, timeout: float, *, recursive: bool
+        self, key: str, index: int, wait: float | Deadline, *, recursive: bool
     ) -> Node | None:
         """Wait for the first change of ``key`` at or after etcd ``index``.
 
-        Returns the change, or ``None`` when ``timeout`` passed. Connection failures
+        Returns the change, or ``None`` when ``wait`` passed: ``wait`` seconds (within
+        the thread's deadline), or a deadline of its own (which the thread's does not
+        cap). Connection failures
         are retried until the watch's own deadline; if etcd stays unreachable for
         longer than the read timeout (outside a ``bounded_by`` block),
         :class:`RendezvousConnectionError` is raised.
@@ -404,13 +206,16 @@ class EtcdConnection(Transport):
         Raises:
             WatchHistoryLostError: etcd answered "event index cleared" (401).
         """
-        deadline = self._budget(Deadline(timeout))
+        endpoints = self._endpoints
+        own = isinstance(wait, Deadline)
+        deadline = wait if isinstance(wait, Deadline) else endpoints.budget(Deadline(wait))
         while not deadline.expired():
-            idx = self._pick()
+            idx = endpoints.pick()
             remaining = deadline.remaining()
-            poll = min(remaining, self._silence_timeout)
+            poll = min(remaining, endpoints.timeouts.silence)
+            budget = deadline if own else endpoints.watch_budget(deadline)
             try:
-                return self._poll(key, index, poll, recursive, self._watch_budget(deadline))
+                return self._poll(key, index, poll, recursive, budget, not own)
             except etcd.EtcdWatchTimedOut:
                 if poll >= remaining:
                     return None  # that poll was the whole wait
@@ -418,15 +223,22 @@ class EtcdConnection(Transport):
                 if deadline.expired():
                     return None
                 raise
-            if self._silent_for(idx) >= self._silence_timeout:
-                self._leave_silent(idx, f"watching {key!r}")
+            if endpoints.silent_for(idx) >= endpoints.timeouts.silence:
+                endpoints.leave_silent(idx, f"watching {key!r}")
         return None
 
     def _poll(
-        self, key: str, index: int, seconds: float, recursive: bool, budget: Deadline
+        self,
+        key: str,
+        index: int,
+        seconds: float,
+        recursive: bool,
+        budget: Deadline,
+        within_scope: bool,
     ) -> Node | None:
         """One long poll of at most ``seconds`` (connection failures retried within
-        ``budget``); raises ``etcd.EtcdWatchTimedOut`` if nothing changed."""
+        ``budget``, capped by the thread's deadline if ``within_scope``); raises
+        ``etcd.EtcdWatchTimedOut`` if nothing changed."""
 
         def call(client: Any) -> Node:
             # python-etcd treats a timeout of 0 as "wait forever".
@@ -436,7 +248,9 @@ class EtcdConnection(Transport):
             return _node(result)
 
         try:
-            watched = self._v2("watch", key, call, budget=budget, cap_requests=False)
+            watched = self._v2(
+                "watch", key, call, budget=budget, cap_requests=False, within_scope=within_scope
+            )
             return self._note_index(watched.unwrap())
         except etcd.EtcdEventIndexCleared as exc:
             raise WatchHistoryLostError(key, index, str(exc)) from None
@@ -456,7 +270,7 @@ class EtcdConnection(Transport):
             RendezvousConnectionError: etcd stayed unreachable for the operation's
                 deadline.
         """
-        stream = V2WatchStream(self, self._once, key, start_index, recursive)
+        stream = V2WatchStream(self._session, self._endpoints, key, start_index, recursive)
         self._adopt(stream)
         stream.start()
         return stream
@@ -544,19 +358,26 @@ class EtcdConnection(Transport):
         )
         return self._settle("create", key, value, None, done)
 
-    def compare_and_swap(self, key: str, value: str, prev: Node, *, ttl: int | None = None) -> Node:
+    def compare_and_swap(
+        self, key: str, value: str, prev: Node | int, *, ttl: int | None = None
+    ) -> Node:
         """Replace ``prev`` with ``value`` if ``key`` still holds ``prev.value`` at
         ``prev.modified_index`` (PyTorch's workers compare the value alone; the index
-        also rules out a key that went through other values and came back). See
+        also rules out a key that went through other values and came back), or, for
+        an index ``prev``, if ``key`` is still at that index (``prevIndex`` alone). See
         :meth:`Transport.compare_and_swap
         <etcd_rendezvous._transport.interface.Transport.compare_and_swap>`."""
-        if prev.value is None:
-            raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
-        conditions = _prev_conditions(prev)
+        if isinstance(prev, int):
+            conditions: dict[str, Any] = {"prevIndex": prev}
+            since = prev
+        else:
+            if prev.value is None:
+                raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
+            conditions, since = _prev_conditions(prev), prev.modified_index
         done = self._v2(
             "compare-and-swap", key, lambda c: _node(c.write(key, value, ttl=ttl, **conditions))
         )
-        return self._settle("compare-and-swap", key, value, prev.modified_index, done)
+        return self._settle("compare-and-swap", key, value, since, done)
 
     def compare_and_delete(self, key: str, prev: Node) -> bool:
         """Delete ``key`` only if its modification index is still ``prev``'s. Returns
@@ -605,25 +426,3 @@ def _prev_conditions(prev: Node) -> dict[str, Any]:
         # etcd refuses an empty prevValue; the index alone is the stronger check.
         conditions["prevValue"] = prev.value
     return conditions
-
-
-#: python-etcd's refusals on a key's state, as the interface's condition errors.
-_REFUSALS: tuple[tuple[type[etcd.EtcdException], type[_ConditionError]], ...] = (
-    (etcd.EtcdKeyNotFound, KeyNotFoundError),
-    (etcd.EtcdAlreadyExist, KeyExistsError),
-    (etcd.EtcdCompareFailed, CompareFailedError),
-)
-
-
-def _refusal(key: str, exc: etcd.EtcdException) -> _ConditionError | None:
-    """The condition error for ``exc`` if it is a refusal on ``key``'s state."""
-    for refused, error in _REFUSALS:
-        if isinstance(exc, refused):
-            return error(key, _payload_index(exc))
-    return None
-
-
-def _payload_index(exc: etcd.EtcdException) -> int | None:
-    payload = exc.payload if isinstance(exc.payload, dict) else {}
-    index = payload.get("index")
-    return int(index) if isinstance(index, int) else None

@@ -1,8 +1,9 @@
 """The v2 watch stream: ``GET /v2/keys/<key>?wait=true&stream=true&waitIndex=N``.
 
 python-etcd has no streaming watch, so this speaks the wire with the connection's own
-clients (TLS, basic auth, no silent re-sends); failures are classified as for every v2
-request. etcd answers with ``X-Etcd-Index``, then one JSON object per change. A change
+clients (TLS, basic auth, no silent re-sends), through its
+:class:`~etcd_rendezvous._transport.v2_session.V2Session`: failures are classified as for
+every v2 request. etcd answers with ``X-Etcd-Index``, then one JSON object per change. A change
 found in etcd's history ends the answer (the stream reopens at once); "event index
 cleared" (401) raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError`.
 See docs/etcd-v3.rst, section "Inside the transport".
@@ -10,7 +11,6 @@ See docs/etcd-v3.rst, section "Inside the transport".
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -18,30 +18,33 @@ import etcd
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from .interface import KeyNotFoundError, Node, Transport, WatchHistoryLostError, _AmbiguousError
+from .attempt import AmbiguousError
+from .endpoints import Endpoints
+from .interface import KeyNotFoundError, Node, WatchHistoryLostError
 from .retry import Deadline
 from .stream import Changes, Messages, StreamingWatch, hold_socket_open, iter_objects
+from .v2_session import V2Session
 
-__all__ = ["OneRequest", "V2WatchStream"]
-
-#: How the v2 connection sends one request: ``once(endpoint, what, key, call, cap)`` runs
-#: ``call(client)`` with the python-etcd client of ``endpoint`` and classifies its
-#: failures (:meth:`~etcd_rendezvous._transport.v2.EtcdConnection._once`).
-OneRequest = Callable[[int, str, str, Callable[[Any], Any], "float | None"], Any]
+__all__ = ["V2WatchStream"]
 
 
 class V2WatchStream(StreamingWatch):
-    """The changes of a key (or of a directory) over v2 streaming watches, sent with
-    ``once`` (the connection's one-request function)."""
+    """The changes of a key (or of a directory) over v2 streaming watches, sent through
+    ``session`` (the connection's) to ``endpoints`` (the connection's)."""
 
     def __init__(
-        self, transport: Transport, once: OneRequest, key: str, start_index: int, recursive: bool
+        self,
+        session: V2Session,
+        endpoints: Endpoints,
+        key: str,
+        start_index: int,
+        recursive: bool,
     ) -> None:
-        super().__init__(transport, key, start_index, recursive)
-        self._once = once
+        super().__init__(endpoints, key, start_index, recursive)
+        self._session = session
 
     def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Messages]:
-        transport = self._transport
+        endpoints = self._endpoints
         key = self._key if self._key.startswith("/") else f"/{self._key}"
         fields = {"wait": "true", "stream": "true"}
         if from_index > 0:  # else from now
@@ -50,8 +53,8 @@ class V2WatchStream(StreamingWatch):
             fields["recursive"] = "true"
         # A live member starts its answer at once; then the reader waits for as long
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
-        wait = min(transport.request_timeout, max(deadline.remaining(), transport._last_chance()))
-        timeout = urllib3.Timeout(connect=min(transport.connect_timeout, wait), read=wait)
+        wait = min(endpoints.timeouts.request, max(deadline.remaining(), endpoints.last_chance()))
+        timeout = urllib3.Timeout(connect=min(endpoints.timeouts.connect, wait), read=wait)
 
         def call(client: Any) -> Any:
             url = f"{client.base_uri}{client.key_endpoint}{quote(key)}"
@@ -74,13 +77,13 @@ class V2WatchStream(StreamingWatch):
             return response
 
         try:
-            response = self._once(endpoint, "watch", key, call, None)
+            response = self._session.once(endpoint, "watch", key, call, None)
         except etcd.EtcdEventIndexCleared as exc:
             raise WatchHistoryLostError(self._key, from_index, str(exc)) from None
         except KeyNotFoundError:
             # Some etcd versions refuse to watch below a missing directory: nothing
             # changed yet; try again (after a pause) until the caller's deadline.
-            raise _AmbiguousError(f"watch {key!r}: its parent directory is missing") from None
+            raise AmbiguousError(f"watch {key!r}: its parent directory is missing") from None
         hold_socket_open(response)
         # Where etcd registered the watch (or, from an index in its history, the index
         # that the one change it answers with is at or below).
@@ -88,7 +91,7 @@ class V2WatchStream(StreamingWatch):
         if from_index == 0:
             with self._cond:
                 self._registered_at(index)
-        return response, _messages(transport.endpoints[endpoint], response, index)
+        return response, _messages(endpoints.url(endpoint), response, index)
 
 
 def _messages(endpoint: str, response: Any, etcd_index: int) -> Messages:
@@ -101,7 +104,7 @@ def _messages(endpoint: str, response: Any, etcd_index: int) -> Messages:
             if node.modified_index <= etcd_index:
                 return
     except (HTTPError, OSError, ValueError, TypeError) as exc:
-        raise _AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
+        raise AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
 
 
 def _event_node(message: dict[str, Any], etcd_index: int) -> Node:

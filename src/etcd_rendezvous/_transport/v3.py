@@ -9,40 +9,31 @@ prefixes (with a marker key), watches streaming watches. See docs/etcd-v3.rst, s
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import urllib3
-from urllib3.exceptions import (
-    ConnectTimeoutError,
-    HTTPError,
-    NewConnectionError,
-    SSLError,
-)
+from urllib3.exceptions import HTTPError
 
 from ..api import RendezvousConnectionError
 from . import v3_wire as wire
+from .attempt import Attempt
+from .base import Connection
 from .interface import (
-    Attempt,
     CompareFailedError,
     ConnectionOptions,
     KeyExistsError,
     KeyNotFoundError,
     Node,
     OperationRefusedError,
-    Transport,
     WatchStream,
-    _AmbiguousError,
-    _UnsentError,
-    count_bytes,
-    transient_answer,
 )
+from .metering import op_name
 from .retry import Deadline
+from .v3_session import LeaseGoneError, V3Session
 from .v3_watch import V3WatchStream
 
 if TYPE_CHECKING:
@@ -54,23 +45,10 @@ logger = logging.getLogger(__name__)
 
 Endpoint = tuple[str, int]
 
-_AUTHENTICATE = "/v3/auth/authenticate"
 #: TTLs at least this long only serve to clean up after a job: their leases are shared.
 _SHARED_LEASE_MIN_TTL = 60
 #: A shared lease is reused while at least this fraction of its TTL remains.
 _SHARED_LEASE_FRESHNESS = 0.9
-
-
-#: The permission (as ``etcdctl role grant-permission`` names it) a request of each path
-#: needs on its key; a transaction compares (reads) and writes.
-_PERMISSIONS = {
-    "/v3/kv/range": "read",
-    "/v3/watch": "read",
-    "/v3/kv/put": "write",
-    "/v3/kv/deleterange": "write",
-    "/v3/lease/revoke": "write",
-    "/v3/kv/txn": "readwrite",
-}
 
 
 #: The key :meth:`EtcdV3Connection.check_writable` would write (it never does).
@@ -81,13 +59,10 @@ _PROBE_NAME = "_permission-check"
 _LeasedSend = Callable[[int, int, "float | None"], Node]
 
 
-class _LeaseGoneError(Exception):
-    """The lease named in a write does not exist any more."""
-
-
-class EtcdV3Connection(Transport):
-    """A connection to an etcd cluster over the v3 API's JSON gateway: one urllib3 pool
-    manager for all endpoints. The options are
+class EtcdV3Connection(Connection):
+    """A connection to an etcd cluster over the v3 API's JSON gateway, through a
+    :class:`~etcd_rendezvous._transport.v3_session.V3Session` (one urllib3 pool manager
+    for all endpoints) that its watch streams share. The options are
     :class:`~etcd_rendezvous._transport.interface.Transport`'s.
     """
 
@@ -95,14 +70,7 @@ class EtcdV3Connection(Transport):
 
     def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
         super().__init__(endpoints, **options)
-        pool_kw: dict[str, Any] = {"retries": False, "maxsize": 8}
-        if self._protocol == "https":
-            pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=self._cacert)
-            if self._cert:
-                pool_kw.update(cert_file=self._cert, key_file=self._key)
-        self._pool = urllib3.PoolManager(num_pools=max(4, len(endpoints)), **pool_kw)
-        self._token: str | None = None
-        self._auth_lock = threading.Lock()
+        self._session = V3Session(self._endpoints, self._access)
         self._version: str | None = None
         # The leases of directories made with a TTL (directory -> lease), and the shared
         # clean-up leases (ttl -> (lease, monotonic time of the grant)).
@@ -111,169 +79,25 @@ class EtcdV3Connection(Transport):
         self._lease_lock = threading.Lock()
 
     def _release(self) -> None:
-        self._pool.clear()
-
-    def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
-        token = self._token
-        if token is not None:
-            headers["Authorization"] = token
-        return headers
-
-    def _ensure_token(self, idx: int, renew: bool) -> None:
-        """Authenticate on endpoint ``idx`` if a user is configured and there is no token
-        yet (or ``renew``)."""
-        if self._username is None:
-            return
-        with self._auth_lock:
-            if renew or self._token is None:
-                self._authenticate(idx, None)
+        self._session.release()
 
     # -- one request ------------------------------------------------------------------
 
-    def _request(
-        self, idx: int, path: str, body: dict[str, Any] | None, cap: float | None, where: str
-    ) -> dict[str, Any]:
-        """POST ``body`` (GET without one) to ``path`` on endpoint ``idx``; classify failures.
-
-        ``where`` says what the request was for, for error messages ("read '/k'").
-        """
-        endpoint = self._endpoints[idx]
-        read = self._request_timeout if cap is None else cap
-        timeout = urllib3.Timeout(connect=min(self._connect_timeout, read), read=read)
-        headers = self._headers()
-        if path == _AUTHENTICATE:
-            # etcd 3.4 refuses to authenticate a request that carries an expired token.
-            headers.pop("Authorization", None)
-        payload = None if body is None else json.dumps(body).encode()
-        try:
-            response = self._pool.request(
-                "GET" if body is None else "POST",
-                endpoint + path,
-                body=payload,
-                headers=headers,
-                timeout=timeout,
-                retries=False,
-            )
-        except BaseException as exc:
-            raise self._transport_failure(idx, exc, where) from None
-        self._heard_from(idx)
-        count_bytes(self.api, len(payload or b""), len(response.data or b""))
-        if response.status == 200:
-            try:
-                data = json.loads(response.data)
-            except ValueError:
-                data = None
-            if not isinstance(data, dict):
-                raise RendezvousConnectionError(
-                    f"etcd endpoint {endpoint} answered {path} with something other than a "
-                    f"JSON object ({response.data[:100]!r}); is it an etcd v3 gateway?"
-                )
-            return data
-        raise self._server_failure(
-            idx, path, wire.parse_error(response.status, response.data), where
-        )
-
-    def _transport_failure(self, idx: int, exc: BaseException, where: str) -> BaseException:
-        """The library error for a request that failed on the connection."""
-        endpoint = self._endpoints[idx]
-        if not isinstance(exc, (HTTPError, OSError)):
-            return exc
-        if isinstance(exc, (SSLError, ssl.SSLError)):
-            self._rotate(idx)
-            return RendezvousConnectionError(
-                f"TLS connection to etcd endpoint {endpoint} failed while trying to {where}: "
-                f"{exc}. Check protocol, cacert, cert and key."
-            )
-        if isinstance(exc, (NewConnectionError, ConnectTimeoutError, ConnectionRefusedError)):
-            return _UnsentError(f"{endpoint}: {exc}")
-        return _AmbiguousError(f"{endpoint}: {exc}")
-
-    def _server_failure(
-        self, idx: int, path: str, error: wire.GrpcError, where: str
-    ) -> BaseException:
-        """The library error for an error answer of the gateway."""
-        endpoint = self._endpoints[idx]
-        if error.needs_reauth and self._username is not None:
-            return wire.ReauthError(f"{endpoint}: {error}")
-        if error.transient:
-            # An election or overload: the next member may already serve us.
-            return transient_answer(endpoint, str(error))
-        if error.lease_not_found:
-            return _LeaseGoneError(f"{endpoint}: {error}")
-        if error.http_status == 404 and not error.lease_not_found:
-            # A path the gateway does not serve: "404 page not found" as text (etcd
-            # 3.4/3.5, or any etcd without the gateway), {"code": 5, "message": "Not
-            # Found"} from the gateway of etcd 3.6 and later.
-            return RendezvousConnectionError(
-                f"etcd endpoint {endpoint} does not serve the v3 API's JSON gateway ({path} "
-                f"answered 404) while trying to {where}. etcd 3.4 or later serves it; use "
-                "etcd_api=v2 for older servers."
-            )
-        if error.code == wire.PERMISSION_DENIED and self._username is not None:
-            return self.refusal(idx, where, _PERMISSIONS.get(path, "readwrite"), str(error))
-        if error.code in (wire.PERMISSION_DENIED, wire.UNAUTHENTICATED) or error.needs_reauth:
-            return RendezvousConnectionError(
-                f"etcd endpoint {endpoint} refused to {where}: {error}. Check username, "
-                "password and the user's roles."
-            )
-        return OperationRefusedError(f"etcd endpoint {endpoint} refused to {where}: {error}")
-
-    def refusal(
-        self, idx: int, where: str, permission: str, detail: str
-    ) -> RendezvousConnectionError:
-        """The error for a request to ``where`` ("write '/k'") that endpoint ``idx``
-        refused because the user lacks ``permission`` (``read``, ``write`` or
-        ``readwrite``) on its key."""
-        return RendezvousConnectionError(
-            f"etcd endpoint {self._endpoints[idx]} refused to {where}: user "
-            f"{self._username!r} has no {permission} permission on it ({detail}). "
-            f"Grant it to one of the user's roles: etcdctl role grant-permission <role> "
-            f"{permission} <key> (add --prefix for every key below a prefix)."
-        )
-
-    def _authenticate(self, idx: int, cap: float | None) -> None:
-        """Get a fresh auth token from endpoint ``idx``."""
-        body = {"name": self._username, "password": self._password}
-        where = f"authenticate as {self._username!r}"
-        try:
-            data = self._request(idx, _AUTHENTICATE, body, cap, where)
-        except OperationRefusedError as exc:
-            if "not enabled" in str(exc):
-                logger.info("etcd auth is not enabled; sending requests without a token")
-                self._username = None
-                return
-            raise RendezvousConnectionError(
-                f"etcd endpoint {self._endpoints[idx]} refused to authenticate user "
-                f"{self._username!r}: {str(exc).split(': ', 1)[-1]}. Check username and password."
-            ) from None
-        token = data.get("token")
-        if not isinstance(token, str) or not token:
-            raise RendezvousConnectionError(
-                f"etcd endpoint {self._endpoints[idx]} answered authentication without a token."
-            )
-        self._token = token
-
     def _attempt(
-        self, idx: int, path: str, body: dict[str, Any] | None, where: str, cap: float | None
+        self,
+        idx: int,
+        path: str,
+        body: dict[str, Any] | None,
+        what: str,
+        key: str,
+        cap: float | None,
     ) -> dict[str, Any]:
-        """One request to endpoint ``idx``, authenticating first where needed; a request
-        refused for an expired token is sent once more with a fresh one."""
-        for renewal in (False, True):
-            self._ensure_token(idx, renewal)
-            try:
-                data = self._request(idx, path, body, cap, where)
-            except wire.ReauthError:
-                if renewal:
-                    raise RendezvousConnectionError(
-                        f"etcd endpoint {self._endpoints[idx]} refused the auth token it had "
-                        f"just issued while trying to {where}."
-                    ) from None
-                logger.info("etcd auth token expired; authenticating again")
-            else:
-                self._note_revision(wire.revision(data))
-                return data
-        raise AssertionError("unreachable")  # pragma: no cover
+        """One request to endpoint ``idx`` to ``what`` ``key`` (see
+        :meth:`V3Session.attempt <etcd_rendezvous._transport.v3_session.V3Session.attempt>`),
+        noting the revision it answers at."""
+        data = self._session.attempt(idx, path, body, f"{what} {key!r}", cap, op_name(what))
+        self._note_revision(wire.revision(data))
+        return data
 
     def _call(
         self,
@@ -285,9 +109,11 @@ class EtcdV3Connection(Transport):
         budget: Deadline | None = None,
     ) -> dict[str, Any]:
         """One operation: the request, sent until etcd answers it within the deadline."""
-        where = f"{what} {key!r}"
-        done = self._operate(
-            what, key, lambda idx, cap: self._attempt(idx, path, body, where, cap), budget=budget
+        done = self._endpoints.operate(
+            what,
+            key,
+            lambda idx, cap: self._attempt(idx, path, body, what, key, cap),
+            budget=budget,
         )
         return done.unwrap()
 
@@ -337,23 +163,24 @@ class EtcdV3Connection(Transport):
         that vanished meanwhile is replaced (twice at most)."""
         lease = known or self._lease_for(key, ttl)
         for replacements_left in (2, 1, 0) if known else (1, 0):
-            try:
-                return self._operate(what, key, functools.partial(send, lease))
-            except _LeaseGoneError:
-                # A fresh _operate drops after_unknown: harmless, as an earlier copy's
-                # key went with the gone lease.
-                self._forget_lease(lease)
-                if not replacements_left:
-                    raise OperationRefusedError(
-                        f"Could not {what} {key!r}: its lease {lease} vanished twice in a row."
-                    ) from None
-                if not ttl and lease != known:
-                    logger.warning(
-                        "The lease of the directory above %s is gone (its TTL lapsed or it "
-                        "was deleted); writing the key without it",
-                        key,
-                    )
-                lease = self._lease_for(key, ttl)
+            done = self._endpoints.operate(what, key, functools.partial(send, lease))
+            if not isinstance(done.refusal, LeaseGoneError):
+                return done
+            # Refused for a gone lease: sent again with another. The next operate()
+            # starts without after_unknown: harmless, as an earlier copy's key went with
+            # the gone lease.
+            self._forget_lease(lease)
+            if not replacements_left:
+                raise OperationRefusedError(
+                    f"Could not {what} {key!r}: its lease {lease} vanished twice in a row."
+                )
+            if not ttl and lease != known:
+                logger.warning(
+                    "The lease of the directory above %s is gone (its TTL lapsed or it "
+                    "was deleted); writing the key without it",
+                    key,
+                )
+            lease = self._lease_for(key, ttl)
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- reads ------------------------------------------------------------------------
@@ -423,20 +250,22 @@ class EtcdV3Connection(Transport):
         return ttl if ttl >= 0 else None
 
     def _wait_for_change(
-        self, key: str, index: int, timeout: float, *, recursive: bool
+        self, key: str, index: int, wait: float | Deadline, *, recursive: bool
     ) -> Node | None:
         """Wait for the first change of ``key`` (or below it) at or after revision ``index``:
         a watch stream, closed after its first change.
 
-        Returns the change, or ``None`` when ``timeout`` passed.
+        Returns the change, or ``None`` when ``wait`` passed: ``wait`` seconds (within
+        the thread's deadline), or a deadline of its own (which the thread's does not
+        cap).
 
         Raises:
             WatchHistoryLostError: the revision was compacted.
         """
-        stream = V3WatchStream(self, self, key, index, recursive)
+        stream = V3WatchStream(self._session, self._endpoints, key, index, recursive)
         self._adopt(stream)
         with stream:
-            node = stream.next(timeout)
+            node = stream.next_until(wait) if isinstance(wait, Deadline) else stream.next(wait)
         return None if node is None else self._note_index(node)
 
     def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
@@ -448,7 +277,7 @@ class EtcdV3Connection(Transport):
             RendezvousConnectionError: etcd stayed unreachable for the operation's
                 deadline.
         """
-        stream = V3WatchStream(self, self, key, start_index, recursive)
+        stream = V3WatchStream(self._session, self._endpoints, key, start_index, recursive)
         self._adopt(stream)
         stream.start()
         return stream
@@ -463,7 +292,7 @@ class EtcdV3Connection(Transport):
             body: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(text)}
             if lease:
                 body["lease"] = str(lease)
-            data = self._attempt(idx, "/v3/kv/put", body, f"write {key!r}", cap)
+            data = self._attempt(idx, "/v3/kv/put", body, "write", key, cap)
             revision = wire.revision(data)
             return wire.written(key, text, revision, revision, "set", lease)
 
@@ -480,7 +309,7 @@ class EtcdV3Connection(Transport):
 
         def send(lease: int, idx: int, cap: float | None) -> Node:
             body = wire.update_txn(key, value, lease)
-            data = self._attempt(idx, "/v3/kv/txn", body, f"update {key!r}", cap)
+            data = self._attempt(idx, "/v3/kv/txn", body, "update", key, cap)
             revision = wire.revision(data)
             if not data.get("succeeded"):
                 raise KeyNotFoundError(key, revision)
@@ -506,7 +335,7 @@ class EtcdV3Connection(Transport):
             KeyNotFoundError: the key is gone, or its lease lapsed.
         """
         key = wire.norm(key)
-        budget = Deadline(self._read_timeout if timeout is None else timeout)
+        budget = Deadline(self.read_timeout if timeout is None else timeout)
         if lease:
             with self.bounded_by(budget):
                 data = self._call(
@@ -527,7 +356,7 @@ class EtcdV3Connection(Transport):
         too. A new lease is attached only if the key is still as read. Two requests, as
         :meth:`refresh` without ``lease``."""
         key = wire.norm(key)
-        budget = Deadline(self._read_timeout)
+        budget = Deadline(self.read_timeout)
         with self.bounded_by(budget):
             node = self.get(key)
         if node.value != value:
@@ -580,7 +409,7 @@ class EtcdV3Connection(Transport):
 
         def send(lease: int, idx: int, cap: float | None) -> Node:
             body = wire.create_txn(key, "", lease)
-            data = self._attempt(idx, "/v3/kv/txn", body, f"create the directory {key!r}", cap)
+            data = self._attempt(idx, "/v3/kv/txn", body, "create the directory", key, cap)
             revision = wire.revision(data)
             if data.get("succeeded"):
                 return wire.written(key, "", revision, revision, "create", lease)
@@ -600,7 +429,7 @@ class EtcdV3Connection(Transport):
 
         def send(lease: int, idx: int, cap: float | None) -> Node:
             body = wire.create_txn(key, value, lease)
-            data = self._attempt(idx, "/v3/kv/txn", body, f"create {key!r}", cap)
+            data = self._attempt(idx, "/v3/kv/txn", body, "create", key, cap)
             revision = wire.revision(data)
             if not data.get("succeeded"):
                 raise KeyExistsError(key, revision)
@@ -608,26 +437,32 @@ class EtcdV3Connection(Transport):
 
         return self._settle("create", key, value, None, self._leased("create", key, ttl, send))
 
-    def compare_and_swap(self, key: str, value: str, prev: Node, *, ttl: int | None = None) -> Node:
+    def compare_and_swap(
+        self, key: str, value: str, prev: Node | int, *, ttl: int | None = None
+    ) -> Node:
         """Replace ``prev`` with ``value`` if ``key``'s ``mod_revision`` is still ``prev``'s
-        (see :meth:`Transport.compare_and_swap
-        <etcd_rendezvous._transport.interface.Transport.compare_and_swap>`)."""
-        if prev.value is None:
+        (or is ``prev``, an index); see :meth:`Transport.compare_and_swap
+        <etcd_rendezvous._transport.interface.Transport.compare_and_swap>`."""
+        if isinstance(prev, int):
+            since, created = prev, 0  # the gateway's txn answer does not tell it
+        elif prev.value is None:
             raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
+        else:
+            since, created = prev.modified_index, prev.created_index
 
         def send(lease: int, idx: int, cap: float | None) -> Node:
             put: dict[str, Any] = {"key": wire.b64(key), "value": wire.b64(value)}
             if lease:
                 put["lease"] = str(lease)
-            body = wire.guarded_txn(key, prev.modified_index, {"request_put": put})
-            data = self._attempt(idx, "/v3/kv/txn", body, f"compare-and-swap {key!r}", cap)
+            body = wire.guarded_txn(key, since, {"request_put": put})
+            data = self._attempt(idx, "/v3/kv/txn", body, "compare-and-swap", key, cap)
             revision = wire.revision(data)
             if not data.get("succeeded"):
                 raise wire.compare_failure(key, data, revision)
-            return wire.written(key, value, revision, prev.created_index, "compareAndSwap", lease)
+            return wire.written(key, value, revision, created, "compareAndSwap", lease)
 
         done = self._leased("compare-and-swap", key, ttl, send)
-        return self._settle("compare-and-swap", key, value, prev.modified_index, done)
+        return self._settle("compare-and-swap", key, value, since, done)
 
     def compare_and_delete(self, key: str, prev: Node) -> bool:
         """Delete ``key`` if its ``mod_revision`` is still ``prev``'s. Returns whether it
@@ -635,11 +470,10 @@ class EtcdV3Connection(Transport):
         ``prev`` was a deletion (v3 cannot tell whose)."""
         delete = {"request_delete_range": {"key": wire.b64(key)}}
         body = wire.guarded_txn(key, prev.modified_index, delete)
-        where = f"compare-and-delete {key!r}"
-        done = self._operate(
+        done = self._endpoints.operate(
             "compare-and-delete",
             key,
-            lambda idx, cap: self._attempt(idx, "/v3/kv/txn", body, where, cap),
+            lambda idx, cap: self._attempt(idx, "/v3/kv/txn", body, "compare-and-delete", key, cap),
         )
         if done.unwrap().get("succeeded"):
             return True
@@ -683,25 +517,28 @@ class EtcdV3Connection(Transport):
         Raises:
             RendezvousConnectionError: no endpoint answered before ``budget`` passed.
         """
-        version = self._operate(
+        endpoints = self._endpoints
+        version = endpoints.operate(
             "query the version of",
             "/version",
-            lambda idx, cap: self._request(idx, "/version", None, cap, "query the version"),
+            lambda idx, cap: self._session.request(
+                idx, "/version", None, cap, "query the version", "version"
+            ),
             budget=budget,
         ).unwrap()
         self._version = str(version.get("etcdserver", ""))
-        idx = self._pick()
-        read = min(self._request_timeout, max(budget.remaining(), self._last_chance()))
+        idx = endpoints.pick()
+        read = min(endpoints.timeouts.request, max(budget.remaining(), endpoints.last_chance()))
         try:
-            response = self._pool.request(
+            response = self._session.pool.request(
                 "GET",
-                self._endpoints[idx] + "/v2/keys/",
-                timeout=urllib3.Timeout(connect=min(self._connect_timeout, read), read=read),
+                endpoints.url(idx) + "/v2/keys/",
+                timeout=urllib3.Timeout(connect=min(endpoints.timeouts.connect, read), read=read),
                 retries=False,
             )
         except (HTTPError, OSError) as exc:
             raise RendezvousConnectionError(
-                f"etcd endpoint {self._endpoints[idx]} did not answer GET /v2/keys/: {exc}"
+                f"etcd endpoint {endpoints.url(idx)} did not answer GET /v2/keys/: {exc}"
             ) from None
         # 404 "page not found": no v2 API. 200, or 401 with auth enabled: v2 is served.
         return self._version, response.status != 404

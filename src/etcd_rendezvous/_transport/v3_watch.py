@@ -9,14 +9,17 @@ change. See docs/etcd-v3.rst, section "Inside the transport".
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol
+from typing import Any
 
 import urllib3
 from urllib3.exceptions import HTTPError
 
 from ..api import RendezvousConnectionError
 from . import v3_wire as wire
-from .interface import Node, Transport, WatchHistoryLostError, _AmbiguousError, count_bytes
+from .attempt import AmbiguousError
+from .endpoints import Endpoints
+from .interface import Node, WatchHistoryLostError
+from .metering import count_bytes
 from .retry import Deadline
 from .stream import (
     Changes,
@@ -26,66 +29,46 @@ from .stream import (
     hold_socket_open,
     iter_objects,
 )
+from .v3_session import V3Session
 
-__all__ = ["Gateway", "V3WatchStream"]
-
-
-class Gateway(Protocol):
-    """What a v3 watch needs of its connection (an
-    :class:`~etcd_rendezvous._transport.v3.EtcdV3Connection`) besides the transport
-    interface: its pool, its auth token and its classification of failures."""
-
-    _pool: urllib3.PoolManager
-    _username: str | None
-
-    def _ensure_token(self, idx: int, renew: bool) -> None: ...
-
-    def _headers(self) -> dict[str, str]: ...
-
-    def _transport_failure(self, idx: int, exc: BaseException, where: str) -> BaseException: ...
-
-    def _server_failure(
-        self, idx: int, path: str, error: wire.GrpcError, where: str
-    ) -> BaseException: ...
-
-    def refusal(
-        self, idx: int, where: str, permission: str, detail: str
-    ) -> RendezvousConnectionError: ...
+__all__ = ["V3WatchStream"]
 
 
 class V3WatchStream(StreamingWatch):
-    """The changes of a key (or of a prefix) over v3 watch answers, from a revision on.
-
-    ``transport`` and ``gateway`` are the same connection, seen through the interface
-    and through what only the v3 connection has.
-    """
+    """The changes of a key (or of a prefix) over v3 watch answers, from a revision on,
+    sent through ``session`` (the connection's) to ``endpoints`` (the connection's)."""
 
     confirmed_by_status = False
 
     def __init__(
-        self, transport: Transport, gateway: Gateway, key: str, start_index: int, recursive: bool
+        self,
+        session: V3Session,
+        endpoints: Endpoints,
+        key: str,
+        start_index: int,
+        recursive: bool,
     ) -> None:
-        super().__init__(transport, wire.norm(key), start_index, recursive)
-        self._gateway = gateway
+        super().__init__(endpoints, wire.norm(key), start_index, recursive)
+        self._session = session
 
     def _open(self, endpoint: int, deadline: Deadline) -> None:
         """One attempt, authenticating first; a watch refused for an expired token is
         sent once more with a fresh one."""
-        gateway = self._gateway
+        session = self._session
         for renewal in (False, True):
-            gateway._ensure_token(endpoint, renewal)
+            session.ensure_token(endpoint, renewal, "watch")
             try:
                 super()._open(endpoint, deadline)
                 return
             except wire.ReauthError as exc:
                 if renewal:
                     detail = f"{str(exc).split(': ', 1)[-1]}, with a fresh auth token"
-                    raise gateway.refusal(
+                    raise session.refusal(
                         endpoint, f"watch {self._key!r}", "read", detail
                     ) from None
 
     def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Messages]:
-        transport, gateway = self._transport, self._gateway
+        endpoints, session = self._endpoints, self._session
         where = f"watch {self._key!r}"
         request: dict[str, Any] = {"key": wire.b64(self._key)}
         if from_index > 0:  # else from now: the created message says where that is
@@ -94,47 +77,53 @@ class V3WatchStream(StreamingWatch):
             request["range_end"] = wire.prefix_end(self._key)
         # A live member starts its answer at once; then the reader waits for as long
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
-        wait = min(transport.request_timeout, max(deadline.remaining(), transport._last_chance()))
+        wait = min(endpoints.timeouts.request, max(deadline.remaining(), endpoints.last_chance()))
         body = json.dumps({"create_request": request}).encode()
-        count_bytes(transport.api, len(body), 0, op="watch")
+        count_bytes(len(body), 0, api=endpoints.api, op="watch")
         try:
-            response = gateway._pool.urlopen(
+            response = session.pool.urlopen(
                 "POST",
-                transport.endpoints[endpoint] + "/v3/watch",
+                endpoints.url(endpoint) + "/v3/watch",
                 body=body,
-                headers=gateway._headers(),
-                timeout=urllib3.Timeout(connect=min(transport.connect_timeout, wait), read=wait),
+                headers=session.headers(),
+                timeout=urllib3.Timeout(connect=min(endpoints.timeouts.connect, wait), read=wait),
                 retries=False,
                 preload_content=False,
             )
         except BaseException as exc:
-            raise gateway._transport_failure(endpoint, exc, where) from None
-        transport._heard_from(endpoint)
+            raise session.transport_failure(endpoint, exc, where) from None
+        endpoints.heard_from(endpoint)
         if response.status != 200:
             error = wire.parse_error(response.status, response.read())
             response.close()
-            raise gateway._server_failure(endpoint, "/v3/watch", error, where)
+            raise session.server_failure(endpoint, "/v3/watch", error, where)
         hold_socket_open(response)
-        url = transport.endpoints[endpoint]
+        url = endpoints.url(endpoint)
         return response, _messages(
-            gateway, url, endpoint, response, self._key, self._recursive, from_index
+            session, url, endpoint, response, self._key, self._recursive, from_index
         )
 
 
 def _messages(
-    gateway: Gateway, endpoint: str, idx: int, response: Any, key: str, recursive: bool, start: int
+    session: V3Session,
+    endpoint: str,
+    idx: int,
+    response: Any,
+    key: str,
+    recursive: bool,
+    start: int,
 ) -> Messages:
     """The messages of one watch answer (from ``endpoint``, number ``idx``)."""
     try:
         for message in iter_objects(response.stream(64 * 1024), "v3"):
-            yield _handle(gateway, endpoint, idx, message, key, recursive, start)
+            yield _handle(session, endpoint, idx, message, key, recursive, start)
     except (HTTPError, OSError, ValueError, TypeError) as exc:
-        raise _AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
-    raise _AmbiguousError(f"{endpoint}: the watch stream ended")
+        raise AmbiguousError(f"{endpoint}: watch stream failed: {exc}") from None
+    raise AmbiguousError(f"{endpoint}: the watch stream ended")
 
 
 def _handle(
-    gateway: Gateway,
+    session: V3Session,
     endpoint: str,
     idx: int,
     message: dict[str, Any],
@@ -148,12 +137,12 @@ def _handle(
     where = f"watch {key!r}"
     error = wire.stream_error(message)
     if error is not None:
-        failure = gateway._server_failure(idx, "/v3/watch", error, where)
+        failure = session.server_failure(idx, "/v3/watch", error, where)
         if isinstance(failure, (wire.ReauthError, RendezvousConnectionError)):
             raise failure
         # The gateway ends a stream whose gRPC call ended ("context canceled" when its
         # connection is reset, say) with an error: reopen it.
-        raise _AmbiguousError(f"{endpoint}: watch stream ended: {error}")
+        raise AmbiguousError(f"{endpoint}: watch stream ended: {error}")
     result = message.get("result")
     if not isinstance(result, dict):
         return Changes([])
@@ -165,7 +154,7 @@ def _handle(
         reason = str(result.get("cancel_reason", ""))
         cancel = wire.GrpcError(0, reason or "watch canceled", 200)
         denied = "permission denied" in reason.lower() or str(result.get("watch_id")) == "-1"
-        if gateway._username is not None and (cancel.needs_reauth or denied):
+        if session.username is not None and (cancel.needs_reauth or denied):
             # A watch refused for an expired token says "permission denied": renew the
             # token once; a second refusal is a real one.
             raise wire.ReauthError(f"{endpoint}: {reason}")
@@ -174,7 +163,7 @@ def _handle(
                 f"etcd endpoint {endpoint} refused to {where}: {reason}. Check "
                 "username, password and the user's roles."
             )
-        raise _AmbiguousError(f"{endpoint}: watch canceled: {reason}")
+        raise AmbiguousError(f"{endpoint}: watch canceled: {reason}")
     header = result.get("header")
     revision = int(header.get("revision", 0)) if isinstance(header, dict) else 0
     if result.get("created"):

@@ -1,0 +1,279 @@
+"""What the v2 and v3 transports share: their options and :class:`Endpoints`, their
+lifetime, the thread's deadline, and the settling of a conditional write whose answer
+was lost (from the key's history). See docs/etcd-v3.rst, section "Inside the transport".
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+from ..api import RendezvousConnectionError
+from ..metrics import record_metric
+from .attempt import Attempt, Outcome
+from .endpoints import Access, Endpoints, Timeouts
+from .interface import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_READ_TIMEOUT,
+    DEFAULT_REQUEST_TIMEOUT,
+    DEFAULT_SILENCE_TIMEOUT,
+    KeyNotFoundError,
+    Node,
+    Transport,
+    WatchHistoryLostError,
+    WatchStream,
+)
+from .metering import op_name
+from .retry import Deadline
+
+__all__ = ["Connection"]
+
+logger = logging.getLogger(__name__)
+
+
+class Connection(Transport):
+    """The shared part of a :class:`~etcd_rendezvous._transport.interface.Transport`
+    implementation (whose options it checks and keeps; see there): it owns the
+    :class:`~etcd_rendezvous._transport.endpoints.Endpoints` its requests and watch
+    streams go through. An implementation opens its clients and implements the rest.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[tuple[str, int]],
+        *,
+        protocol: str = "http",
+        cert: str | None = None,
+        key: str | None = None,
+        cacert: str | None = None,
+        username: str | None = None,
+        password: str | None = None,
+        read_timeout: float = DEFAULT_READ_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Check and keep the options; an implementation then opens its clients."""
+        if not endpoints:
+            raise ValueError("endpoints: at least one etcd endpoint is required.")
+        if protocol not in ("http", "https"):
+            raise ValueError(f"protocol: must be 'http' or 'https', got {protocol!r}.")
+        if key is not None and cert is None:
+            raise ValueError("key: a client key needs a client certificate ('cert').")
+        if (username is None) != (password is None):
+            raise ValueError("username/password: give both or neither.")
+        if read_timeout <= 0:
+            raise ValueError(f"read_timeout: must be positive, got {read_timeout!r}.")
+        if connect_timeout <= 0:
+            raise ValueError(f"connect_timeout: must be positive, got {connect_timeout!r}.")
+        if request_timeout <= 0:
+            raise ValueError(f"request_timeout: must be positive, got {request_timeout!r}.")
+        if silence_timeout <= 0:
+            raise ValueError(f"silence_timeout: must be positive, got {silence_timeout!r}.")
+        #: What the implementation's clients need to reach the endpoints.
+        self._access = Access(protocol, cert, key, cacert, username, password)
+        timeouts = Timeouts(read_timeout, connect_timeout, request_timeout, silence_timeout)
+        self._endpoints = Endpoints(endpoints, protocol, self.api, timeouts, sleep)
+        self._last_index = 0
+
+    # -- properties and lifetime --------------------------------------------------
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The endpoint URLs, in configuration order."""
+        return self._endpoints.urls
+
+    @property
+    def read_timeout(self) -> float:
+        """The retry budget of an operation outside :meth:`bounded_by`, and the longest
+        any request may wait for an answer."""
+        return self._endpoints.timeouts.read
+
+    @property
+    def request_timeout(self) -> float:
+        """Seconds one request waits for an answer before the next endpoint is tried
+        (never more than :attr:`read_timeout`)."""
+        return self._endpoints.timeouts.request
+
+    @property
+    def silence_timeout(self) -> float:
+        """Seconds a wait may hear nothing from its member before it is re-armed on the
+        next endpoint (never more than :attr:`read_timeout`)."""
+        return self._endpoints.timeouts.silence
+
+    @property
+    def connect_timeout(self) -> float:
+        """Timeout for connecting to one endpoint, in seconds (never more than the
+        request's own timeout)."""
+        return self._endpoints.timeouts.connect
+
+    @property
+    def last_index(self) -> int:
+        """The highest store index (revision) seen so far on this connection, in an
+        answer or a change it noted."""
+        return self._last_index
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._endpoints.closed
+
+    def close(self) -> None:
+        """Close the watch streams and release pooled connections. Idempotent."""
+        if self._endpoints.closed:
+            return
+        for stream in self._endpoints.close():
+            stream.close()
+        self._release()
+
+    def _adopt(self, stream: WatchStream) -> None:
+        """Have :meth:`close` close ``stream`` (at once if this is closed already)."""
+        if not self._endpoints.adopt(stream):
+            stream.close()
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Release the implementation's network resources (called once)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(endpoints={self._endpoints.urls!r})"
+
+    @contextlib.contextmanager
+    def bounded_by(self, deadline: Deadline) -> Iterator[None]:
+        """Bound every operation this thread starts inside the block by ``deadline``
+        (see :meth:`Transport.bounded_by
+        <etcd_rendezvous._transport.interface.Transport.bounded_by>`)."""
+        with self._endpoints.bounded_by(deadline):
+            yield
+
+    def bound(self, deadline: Deadline) -> Deadline:
+        """``deadline``, or this thread's :meth:`bounded_by` deadline if earlier."""
+        return self._endpoints.bound(deadline)
+
+    # -- waiting ----------------------------------------------------------------------
+
+    def watch(
+        self, key: str, index: int, timeout: float, *, recursive: bool = False
+    ) -> Node | None:
+        """Wait for the first change of ``key`` (or below it) at or after ``index`` (see
+        :meth:`Transport.watch <etcd_rendezvous._transport.interface.Transport.watch>`)."""
+        try:
+            return self._wait_for_change(key, index, timeout, recursive=recursive)
+        except WatchHistoryLostError:
+            return None
+
+    @abc.abstractmethod
+    def _wait_for_change(
+        self, key: str, index: int, wait: float | Deadline, *, recursive: bool
+    ) -> Node | None:
+        """:meth:`watch` for ``wait`` seconds, except that lost history raises
+        :class:`WatchHistoryLostError`; or until ``wait``, a deadline of its own, which
+        the thread's :meth:`bounded_by` deadline does not cap (see :meth:`_lookup_change`).
+        """
+
+    def first_change_after(self, key: str, index: int) -> Node | None:
+        """The first recorded change of ``key`` after ``index``; ``None`` if etcd no
+        longer holds it or did not answer within :meth:`_lookup_deadline`.
+
+        Raises:
+            RendezvousConnectionError: etcd was unreachable.
+        """
+        try:
+            return self._lookup_change(key, index)
+        except WatchHistoryLostError:
+            return None
+
+    def _lookup_change(self, key: str, index: int) -> Node | None:
+        """:meth:`first_change_after`, except that lost history raises
+        :class:`WatchHistoryLostError` and an unreachable etcd
+        :class:`RendezvousConnectionError`.
+
+        Runs after the thread's :meth:`bounded_by` deadline if need be: it finds out
+        the fate of a write that the failover loop sent after the deadline.
+        """
+        deadline = self._lookup_deadline()
+        return self._wait_for_change(key, index + 1, deadline, recursive=False)
+
+    def _lookup_deadline(self) -> Deadline:
+        """The deadline of a look into a key's history: ``request_timeout`` (within the
+        thread's :meth:`bounded_by` deadline), and never less than
+        :meth:`Endpoints.last_chance
+        <etcd_rendezvous._transport.endpoints.Endpoints.last_chance>`."""
+        within = self.bound(Deadline(self._endpoints.timeouts.request)).remaining()
+        return Deadline(max(within, self._endpoints.last_chance()))
+
+    # -- what a write answers ---------------------------------------------------------
+
+    def _note_index(self, node: Node) -> Node:
+        self._last_index = max(self._last_index, node.etcd_index)
+        return node
+
+    def _note_revision(self, revision: int) -> None:
+        self._last_index = max(self._last_index, revision)
+
+    def _settle(
+        self, what: str, key: str, value: str, since: int | None, done: Attempt[Node]
+    ) -> Node:
+        """The result of a conditional write whose last copy etcd answered (``done``).
+
+        If an earlier copy's answer was lost and the last copy was refused, the earlier
+        copy may be the reason: every copy compared against the same state (``since``,
+        the modification index compared against; ``None`` for a create), so the first
+        change after that state is decisive. It is ours if it carries ``value``: callers
+        make each conditional write's value its own (a tag), or write values whose
+        meaning is the same whoever wrote them (see :doc:`how-it-works`). If etcd no
+        longer holds that change, or it could not be read in time (even past the
+        thread's deadline, see :meth:`_lookup_change`), the refusal is raised with
+        ``outcome_unknown`` set and ``unknown_because`` saying which.
+        """
+        if not done.after_unknown:
+            return self._note_index(done.unwrap())
+        op = op_name(what)
+        record_metric("transport.outcome_unknown", op=op)
+        if done.outcome is Outcome.APPLIED:
+            # A copy sent after the lost answer was applied (the lost one was not).
+            record_metric("transport.outcome_resolved", op=op, result="resent")
+            return self._note_index(done.unwrap())
+        refusal = done.unwrap_refusal()
+        try:
+            change = self._change_to_examine(key, since)
+            lost = "its history could not be checked in time (etcd slow or unreachable)"
+        except WatchHistoryLostError:
+            change = None
+            lost = "etcd no longer holds the history that tells whether it was applied"
+        except KeyNotFoundError:
+            change = None
+            lost = "the key was deleted before its history could be checked"
+        except RendezvousConnectionError as exc:
+            change = None
+            lost = f"its history could not be checked ({str(exc).rstrip('.')})"
+        if change is not None and change.value == value and change.action != "expire":
+            logger.info("%s of %s was applied by an earlier attempt", what, key)
+            record_metric("transport.outcome_resolved", op=op, result="applied")
+            return self._note_index(change)
+        record_metric("transport.outcome_resolved", op=op, result="not_applied")
+        if change is None:
+            refusal.outcome_unknown = True
+            refusal.unknown_because = lost
+        raise refusal
+
+    def _change_to_examine(self, key: str, since: int | None) -> Node | None:
+        """The first change after ``since`` (for a create: the one that made the key's
+        current version); ``None`` if etcd did not answer in time.
+
+        Raises:
+            WatchHistoryLostError: etcd no longer holds that change.
+            KeyNotFoundError: a create's key is gone, and with it its creation index.
+            RendezvousConnectionError: etcd was unreachable.
+        """
+        if since is not None:
+            return self._lookup_change(key, since)
+        # A create: look at how the key's current version came to be.
+        current = self.get(key)
+        if current.created_index == current.modified_index:
+            return current  # not changed since it was created
+        return self._lookup_change(key, current.created_index - 1)
