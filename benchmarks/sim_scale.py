@@ -67,12 +67,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from etcd_rendezvous._dynamic.etcd_backend import _node_value
 from etcd_rendezvous._dynamic.progress import PROGRESS_SILENCE
 from etcd_rendezvous._dynamic.state import NodeDesc, RendezvousState, _encode_state
 from etcd_rendezvous._legacy import admission as legacy_admission
 from etcd_rendezvous._legacy import feed as legacy_feed
 from etcd_rendezvous._legacy.admission import Announced, plan_admission
-from etcd_rendezvous.etcd_rendezvous_backend import _node_value
 from etcd_rendezvous.layout import (
     DEFAULT_PREFIX,
     EtcdV2NodesLayout,

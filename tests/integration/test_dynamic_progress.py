@@ -29,7 +29,6 @@ from etcd_rendezvous.dynamic_rendezvous import (
     RendezvousState,
     decode_state,
 )
-from etcd_rendezvous.etcd_rendezvous_backend import _parse_progress
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.etcd_requests import read_metrics, requests_since
 from support.handlers import backend_of, join_in
@@ -143,7 +142,7 @@ def test_a_state_written_without_a_summary_is_noticed_and_relayed(
     assert sorted(info.rank for info in infos) == [0, 1]
     assert {info.world_size for info in infos} == {3}
     _, token = _state(group[0])
-    progress = _parse_progress(backend_of(group[0]).connection.get(_progress_key(group[0])).value)
+    progress = Progress.decode(backend_of(group[0]).connection.get(_progress_key(group[0])).value)
     assert progress is not None
     assert progress.token == token
     assert progress.complete
@@ -220,7 +219,7 @@ def test_a_summary_that_lies_mid_rendezvous_stops_nobody(
     fields = {"token": token, "round": 0, "complete": False, "closed": False}
     fields |= {"decided_upto": 0, "participants": 0, "waiting": 0}
     conn.set(key, json.dumps(fields))
-    assert _parse_progress(conn.get(key).value) is not None  # it reads as a summary
+    assert Progress.decode(conn.get(key).value) is not None  # it reads as a summary
     futures += join_in(pool, [last])
     infos = [future.result(60) for future in futures]
     assert sorted(info.rank for info in infos) == [0, 1, 2]
@@ -246,10 +245,10 @@ def test_a_summary_is_written_with_a_ttl_and_never_over_a_newer_one(handlers: Ha
     newer = backend.replace_progress(summary(50), first)
     assert newer is not None
     assert backend.write_progress(summary(40), first) is None  # heard before 50
-    assert _parse_progress(conn.get(key).value) == summary(50)
+    assert Progress.decode(conn.get(key).value) == summary(50)
     written = backend.write_progress(summary(60), first)
     assert written is not None
     held = conn.get(key)
-    assert _parse_progress(held.value) == summary(60)
+    assert Progress.decode(held.value) == summary(60)
     assert held.modified_index == written
     assert backend.ttl - 5 <= (conn.time_to_live(held) or 0) <= backend.ttl

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+import etcd_rendezvous._dynamic.etcd_backend as v2
 import etcd_rendezvous.etcd_rendezvous as legacy
-import etcd_rendezvous.etcd_rendezvous_backend as v2
 from etcd_rendezvous import torchrun
 from etcd_rendezvous._transport.interface import Transport
 from etcd_rendezvous.api import RendezvousParameters, RendezvousStateError

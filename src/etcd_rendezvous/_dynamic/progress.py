@@ -10,6 +10,7 @@ docs/how-it-works.rst, "The progress key".
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import math
 import random
@@ -29,6 +30,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The fields of the progress key's JSON value, in the order of :class:`Progress`.
+_FIELDS = ("token", "round", "complete", "closed", "decided_upto", "participants", "waiting")
 
 #: Seconds a node that follows the progress key waits without hearing of a change (on
 #: the progress key, or in a read of the state) before it reads the key, then the state,
@@ -65,6 +69,28 @@ class Progress:
             len(state.participants),
             len(state.wait_list),
         )
+
+    def encode(self) -> str:
+        """The progress key's value: the summary as a small JSON object."""
+        return json.dumps({name: getattr(self, name) for name in _FIELDS})
+
+    @classmethod
+    def decode(cls, value: str | None) -> Progress | None:
+        """The summary a progress key's value holds; ``None`` for anything else (a
+        summary that cannot be read is as good as none: the reader falls back on the
+        state)."""
+        try:
+            fields = json.loads(value or "")
+        except ValueError:
+            return None
+        if not isinstance(fields, dict):
+            return None
+        values = [fields.get(name) for name in _FIELDS]
+        flags = (values[2], values[3])
+        counts = values[:2] + values[4:]
+        if any(type(v) is not bool for v in flags) or any(type(v) is not int for v in counts):
+            return None
+        return cls(*values)  # type: ignore[arg-type]
 
 
 @runtime_checkable
