@@ -426,7 +426,7 @@ class NodeKeys:
             return Wait(wait)
         if stale:
             return Refresh()
-        return self._batch(attempt, self._list(), wants)
+        return self._batch(self._list(), wants)
 
     def _predecessors_turn(
         self,
@@ -444,14 +444,14 @@ class NodeKeys:
                 return Wait(ADMISSION_GRACE - waited)
             listing = self._list()
             self._admit_the_slow(attempt, listing, wants, now)
-            return self._batch(attempt, listing, wants)
+            return self._batch(listing, wants)
         if listing is None:
             listing = self._list()
             # An older node that asked to leave since our last listing makes the batch
             # (the oldest that asks does, after its own listing).
             if attempt.blocked(wants):
                 return Wait(max(ADMISSION_GRACE - waited, 0.0))
-        return self._batch(attempt, listing, wants)
+        return self._batch(listing, wants)
 
     def _list(self) -> list[AnnouncedNode]:
         """List the node keys, and note which nodes asked to leave their round."""
@@ -568,9 +568,7 @@ class NodeKeys:
         the batch's write refreshes their heartbeats too (as the aggregator would)."""
         return self._listed
 
-    def _batch(
-        self, attempt: _Attempt, listing: list[AnnouncedNode], wants: WantsAdmission
-    ) -> Batch:
+    def _batch(self, listing: list[AnnouncedNode], wants: WantsAdmission) -> Batch:
         if not self._leading and self._registry.aggregator() is None:
             # The first admitter aggregates from the start: the heartbeats of the nodes
             # it admits are folded before any of them is late.

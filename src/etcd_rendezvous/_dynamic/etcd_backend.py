@@ -368,11 +368,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         listed = self._listed_keys.get(node)
         if listed is None:
             return True
-        try:
-            if self._conn.compare_and_delete(listed.key, listed):
-                self._node_leases.pop(listed.key, None)
-                return True
-        except KeyNotFoundError:
+        if self._conn.compare_and_delete(listed.key, listed):
+            self._node_leases.pop(listed.key, None)
             return True
         return self._conn.try_get(listed.key) is None
 
