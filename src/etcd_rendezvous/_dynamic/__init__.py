@@ -1,1 +1,2 @@
-"""The dynamic rendezvous' internals: state, decisions, executor and admission."""
+"""The dynamic rendezvous' internals and its ``etcd-v2`` backend: handler, state,
+decisions, executor, node keys and the progress key."""
