@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from etcd_rendezvous._dynamic.handler import _WAITING_POLL
 from etcd_rendezvous.api import RendezvousInfo, RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler
@@ -149,12 +150,18 @@ def test_rendezvous_of_64_nodes_costs_at_most_4_writes_and_8_reads_per_node(
 
 #: A re-rendezvous costs more than a first one: the replacement waits (legacy: on the
 #: final version; etcd-v2: on the redundancy list), every member polls
-#: num_nodes_waiting() and then leaves its round, and the next round forms. Measured at
-#: 64 and 256 nodes (benchmarks/bench_scale.py --rerendezvous): legacy about 3 writes
-#: and 12 reads per node; etcd-v2 about 1 write and 8 reads (16 and 23 before its nodes
-#: left a round in batches).
+#: num_nodes_waiting() and then leaves its round, and the next round forms. Legacy
+#: measured 13.8 (v2) and 13.9 (v3) reads per node on an idle machine.
 MAX_RE_WRITES_PER_NODE = 6
 MAX_RE_READS_PER_NODE = 16
+#: etcd-v2 in a re-rendezvous: reads that do not depend on how long it takes, and reads
+#: per second of it. Two polls run on a clock while the round waits for the dead node's
+#: heartbeats to lapse: num_nodes_waiting() reads the progress key at most every
+#: ``_WAITING_POLL`` seconds, and each node looks at the aggregator lock once per
+#: keep-alive interval. On a loaded machine the re-rendezvous takes longer and these
+#: grow with the seconds, never with the number of nodes. Measured on an idle machine:
+#: 12.4 (v2) and 12.9 (v3) reads per node in 7.5 s.
+MAX_RE_READS_FIXED_ETCD_V2 = 7
 #: Seconds between two polls of num_nodes_waiting(), as torchrun's agent does.
 MONITOR_INTERVAL = 0.1
 
@@ -175,6 +182,9 @@ def _agent(handler: Handler) -> RendezvousInfo:
 #: etcd-v2 in a re-rendezvous: the dead node's heartbeats lapse after 3 intervals of 2 s
 #: (as in benchmarks/bench_scale.py), during which the heartbeats are counted.
 _QUICK_HEARTBEATS = {"keep_alive_interval": "2"}
+#: Reads per node per second of an etcd-v2 re-rendezvous (see
+#: :data:`MAX_RE_READS_FIXED_ETCD_V2`).
+_TIMED_READS_PER_SECOND = 1 / _WAITING_POLL + 1 / float(_QUICK_HEARTBEATS["keep_alive_interval"])
 
 
 @pytest.mark.slow
@@ -199,15 +209,21 @@ def test_replacing_a_node_of_64_costs_a_constant_number_of_requests_per_node(
     stays = members[:-1]
 
     before = read_metrics(private_etcd_server.client_url)
+    started = time.monotonic()
     with ThreadPoolExecutor(NODES, thread_name_prefix="node") as pool:
         futures = [pool.submit(_agent, handler) for handler in stays]
         futures.append(pool.submit(newcomer.next_rendezvous))
         infos = [future.result(timeout=RENDEZVOUS_TIMEOUT + 30) for future in futures]
     requests = requests_since(private_etcd_server.client_url, before)
+    seconds = time.monotonic() - started
 
     assert sorted(info.rank for info in infos) == list(range(NODES - 1))
     assert {info.world_size for info in infos} == {NODES - 1}
-    _assert_per_node(requests, MAX_RE_WRITES_PER_NODE, MAX_RE_READS_PER_NODE)
+    if isinstance(newcomer, DynamicRendezvousHandler):
+        max_reads = MAX_RE_READS_FIXED_ETCD_V2 + _TIMED_READS_PER_SECOND * seconds
+    else:
+        max_reads = MAX_RE_READS_PER_NODE
+    _assert_per_node(requests, MAX_RE_WRITES_PER_NODE, round(max_reads, 1))
 
 
 #: Full reads of the state a node may make in a first rendezvous: once when it learns it
