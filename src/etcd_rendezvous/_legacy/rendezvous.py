@@ -744,21 +744,27 @@ class EtcdRendezvous:
         """:meth:`wait_for_rendezvous_to_free`, counting the wait keys when our wait
         key ``waiter`` calls for it."""
 
-        lapsed = await_end_of_final(
+        def lapsed(key: str) -> None:
+            logger.info("Keep-alive key %s is not renewed.", key)
+            logger.info(
+                "Rendezvous version %s is incomplete. Attempting to destroy it.", expected_version
+            )
+            self._record(
+                f"The keep-alive key {key} lapsed: version {expected_version} of the "
+                f"rendezvous of run '{self._run_id}' lost a member and is being destroyed.",
+                method="wait_for_rendezvous_to_free",
+            )
+
+        await_end_of_final(
             self._conn,
             self._layout,
             expected_version,
             parse=parse_state,
+            on_lapse=lapsed,
             deadline=self._rendezvous_deadline,
             timeout_error=lambda: RendezvousTimeoutError(self._timeout_message()),
             waiter=waiter,
         )
-        if lapsed is not None:
-            self._record(
-                f"The keep-alive key {lapsed} lapsed: version {expected_version} of the "
-                f"rendezvous of run '{self._run_id}' lost a member and is being destroyed.",
-                method="wait_for_rendezvous_to_free",
-            )
 
     def handle_join_last_call(self, expected_version: str, deadline: Deadline) -> None:
         """Keep the joinable state alive until ``deadline``, then freeze it, our live

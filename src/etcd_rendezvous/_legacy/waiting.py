@@ -123,20 +123,20 @@ class _Wait:
         layout: LegacyLayout,
         version: str,
         parse: Callable[[Node], dict[str, Any]],
+        on_lapse: Callable[[str], None],
         me: str | None,
     ) -> None:
         self._conn = conn
         self._layout = layout
         self._version = version
         self._parse = parse
+        self._on_lapse = on_lapse
         self._me = me
         self._state_key = normalize_key(layout.state_key)
         self._version_dir = normalize_key(layout.version_dir(version))
         #: Wait keys seen (name -> created index).
         self.waiting: dict[str, int] = {}
         self.final: _FinalVersion | None = None
-        #: The member's keep-alive key whose lapse ended the version (``None``: none).
-        self.lapsed: str | None = None
         #: The index of the state our count lost against: wait for a newer one.
         self._lost_at: int | None = None
         self._started = time.monotonic()
@@ -239,9 +239,7 @@ class _Wait:
         final = self.final
         if final is None:  # pragma: no cover
             return
-        self.lapsed = lapsed
-        logger.info("Keep-alive key %s is not renewed.", lapsed)
-        logger.info("Rendezvous version %s is incomplete. Attempting to destroy it.", self._version)
+        self._on_lapse(lapsed)
         if self._conn.compare_and_delete(final.node.key, final.node):
             logger.info("Destroyed rendezvous version %s successfully.", self._version)
 
@@ -252,22 +250,23 @@ def await_end_of_final(
     version: str,
     *,
     parse: Callable[[Node], dict[str, Any]],
+    on_lapse: Callable[[str], None],
     deadline: Deadline,
     timeout_error: Callable[[], Exception],
     waiter: str | None = None,
-) -> str | None:
+) -> None:
     """Return once the final ``version`` ended (see docs/how-it-works.rst), counting the
     wait keys if ``waiter`` (the name of ours, already written) calls for it.
 
-    When a member's keep-alive key lapsed, the state is deleted if it is still the one
-    that named the key, and that key is returned; ``None`` if the version ended otherwise.
+    When a member's keep-alive key lapsed, ``on_lapse(key)`` is called, then the state is
+    deleted if it is still the one that named the key.
 
     Raises:
         RendezvousStateError: the state is corrupt (``parse`` says so).
         the error of ``timeout_error``: ``deadline`` passed first.
     """
     while True:
-        wait = _Wait(conn, layout, version, parse, waiter)
+        wait = _Wait(conn, layout, version, parse, on_lapse, waiter)
         # The stream first, from now, then the reads: a stream opened from the index of
         # a read would, on v2, cost a request per change made since (many workers are
         # announcing themselves just then). Changes between the two are in both.
@@ -275,11 +274,11 @@ def await_end_of_final(
             with conn.watch_stream(layout.rdzv_dir, 0, recursive=True) as stream:
                 try:
                     if not wait.observe():
-                        return wait.lapsed
+                        return
                 except KeyNotFoundError:
-                    return None  # the state is gone: the version ended
+                    return  # the state is gone: the version ended
                 if wait.follow(stream, deadline):
-                    return wait.lapsed
+                    return
         except WatchHistoryLostError:
             logger.info("etcd no longer holds the changes below %s; reading again", layout.rdzv_dir)
             continue
