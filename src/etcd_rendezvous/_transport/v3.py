@@ -351,10 +351,11 @@ class EtcdV3Connection(Connection):
 
     def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
         """:meth:`refresh` after comparing the value read, as a keep-alive takes no
-        condition: between the read and the keep-alive, the key can change hands only
-        if its lease lapses (or its holder deletes it), and then the keep-alive fails
-        too. A new lease is attached only if the key is still as read. Two requests, as
-        :meth:`refresh` without ``lease``."""
+        condition: between the read and the keep-alive, the key can change hands only if
+        its lease lapses (then the keep-alive fails too) or its holder deletes it (a
+        caller that alone deletes the key, as the aggregator lock's holder does, rules
+        that out). A new lease is attached only if the key is still as read. Two
+        requests, as :meth:`refresh` without ``lease``."""
         key = wire.norm(key)
         budget = Deadline(self.read_timeout)
         with self.bounded_by(budget):
