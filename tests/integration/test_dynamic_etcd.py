@@ -19,7 +19,7 @@ import pytest
 from etcd_rendezvous.api import RendezvousParameters, RendezvousStateError
 from etcd_rendezvous.dynamic_rendezvous import decode_state
 from etcd_rendezvous.etcd_server import EtcdServer
-from support.rdzv import Worker, check_shared_store, expect_joined, join_all
+from support.rdzv import Worker, check_shared_store, expect_joined, join_all, started
 from support.wait import each_version, wait_until
 
 _HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -64,10 +64,7 @@ def _spawn(
         )
         for impl in impls
     ]
-    workers.extend(new)
-    for worker in new:
-        worker.wait_ready()
-    return new
+    return started(workers, new)
 
 
 def _check_group(joined: list[dict], size: int) -> None:

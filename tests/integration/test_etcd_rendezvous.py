@@ -44,7 +44,7 @@ from etcd_rendezvous.layout import (
     normalize_key,
 )
 from etcd_rendezvous.registry import get_rendezvous_handler
-from support.rdzv import Worker, check_shared_store, expect_joined, join_all
+from support.rdzv import Worker, check_shared_store, expect_joined, join_all, started
 from support.wait import wait_for_state, wait_until
 
 
@@ -52,10 +52,7 @@ def _spawn(
     workers: list[Worker], etcd_server: EtcdServer, run_id: str, n: int, lo: int, hi: int, **kw
 ) -> list[Worker]:
     new = [Worker(etcd_server.get_endpoint(), run_id, lo, hi, **kw) for _ in range(n)]
-    workers.extend(new)
-    for worker in new:
-        worker.wait_ready()
-    return new
+    return started(workers, new)
 
 
 def _params(

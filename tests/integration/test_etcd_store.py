@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import threading
 import time
-from base64 import b64encode
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -29,15 +28,11 @@ from etcd_rendezvous.layout import store_value_key
 from support.faultproxy import FaultProxy
 from support.history import forget_history
 from support.threads import InThread
+from support.v3_gateway import b64
 
 SHORT = timedelta(seconds=0.3)
 # Generous: only reached if a test is about to fail.
 LONG = timedelta(seconds=20)
-
-
-def b64(data: str | bytes) -> str:
-    raw = data.encode() if isinstance(data, str) else data
-    return b64encode(raw).decode()
 
 
 class Spy:

@@ -17,7 +17,7 @@ import pytest
 
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvous
 from etcd_rendezvous.etcd_server import EtcdServer
-from support.rdzv import Worker, expect_joined, join_all
+from support.rdzv import Worker, expect_joined, join_all, started
 from support.wait import wait_for_state
 
 pytest.importorskip(
@@ -33,10 +33,7 @@ pytestmark = [
 
 def _spawn(workers: list[Worker], impls: list[str], etcd_server: EtcdServer, *args, **kw):
     new = [Worker(etcd_server.get_endpoint(), *args, impl=impl, **kw) for impl in impls]
-    workers.extend(new)
-    for worker in new:
-        worker.wait_ready()
-    return new
+    return started(workers, new)
 
 
 @pytest.mark.parametrize("first", ["ours", "torch"])

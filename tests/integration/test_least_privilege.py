@@ -48,6 +48,7 @@ from etcd_rendezvous.layout import (
     etcd_v2_state_key,
 )
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.v3_gateway import b64
 from support.wait import wait_until
 
 ROOT_PASSWORD = "root-secret"
@@ -56,10 +57,6 @@ JOB_PASSWORD = "job-secret"
 REFUSAL_BOUND = 1.0
 
 _POOL = urllib3.PoolManager()
-
-
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 def _prefix_end(prefix: str) -> str:
@@ -126,7 +123,7 @@ class V3Admin(Admin):
         name = f"job-{uuid.uuid4().hex[:8]}"
         self.call("/v3/auth/role/add", {"name": name})
         for key, is_prefix in grants:
-            perm: dict[str, Any] = {"permType": permission.upper(), "key": _b64(key)}
+            perm: dict[str, Any] = {"permType": permission.upper(), "key": b64(key)}
             if is_prefix:
                 perm["range_end"] = _prefix_end(key)
             self.call("/v3/auth/role/grant", {"name": name, "perm": perm})
@@ -137,7 +134,7 @@ class V3Admin(Admin):
     def keys_below(self, prefix: str) -> list[str]:
         answer = self.call(
             "/v3/kv/range",
-            {"key": _b64(prefix), "range_end": _prefix_end(prefix), "keys_only": True},
+            {"key": b64(prefix), "range_end": _prefix_end(prefix), "keys_only": True},
         )
         return [base64.b64decode(kv["key"]).decode() for kv in answer.get("kvs", [])]
 

@@ -130,6 +130,15 @@ class Worker:
                 self.kill()
 
 
+def started(workers: list[Worker], new: Sequence[Worker]) -> list[Worker]:
+    """Add ``new`` to ``workers`` (the test's, stopped at teardown) and wait until each
+    is ready; ``new`` as a list."""
+    workers.extend(new)
+    for worker in new:
+        worker.wait_ready()
+    return list(new)
+
+
 def expect_joined(event: dict[str, Any], worker: Worker) -> dict[str, Any]:
     assert event["event"] == "joined", (event, worker.stderr)
     return event

@@ -15,8 +15,9 @@ import urllib3
 _POOL = urllib3.PoolManager(retries=False)
 
 
-def _b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
+def b64(data: str | bytes) -> str:
+    """The base64 of ``data`` (UTF-8 if text), as the v3 gateway carries keys and values."""
+    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
 
 
 def call(url: str, path: str, body: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
@@ -32,13 +33,13 @@ def call(url: str, path: str, body: dict[str, Any], timeout: float = 5.0) -> dic
 
 def put(url: str, key: str, value: str, timeout: float = 5.0) -> None:
     """Write ``key`` = ``value`` through the etcd member at ``url``."""
-    call(url, "/v3/kv/put", {"key": _b64(key), "value": _b64(value)}, timeout)
+    call(url, "/v3/kv/put", {"key": b64(key), "value": b64(value)}, timeout)
 
 
 def get(url: str, key: str, timeout: float = 5.0, serializable: bool = False) -> str | None:
     """Read ``key`` through the member at ``url`` (a linearizable read unless
     ``serializable``); ``None`` if it does not exist."""
-    body: dict[str, Any] = {"key": _b64(key), "serializable": serializable}
+    body: dict[str, Any] = {"key": b64(key), "serializable": serializable}
     kvs = call(url, "/v3/kv/range", body, timeout).get("kvs")
     return base64.b64decode(kvs[0]["value"]).decode() if kvs else None
 

@@ -22,15 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import sim_scale as sim
 
+from support.v3_gateway import b64
+
 EXPIRATION = "2026-11-25T23:35:00.123456789Z"
 
 
 def compact(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 def settings(window: float = 0.0) -> sim.Settings:

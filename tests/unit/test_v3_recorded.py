@@ -32,11 +32,7 @@ from etcd_rendezvous._transport.stream import iter_objects
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous._transport.v3_watch import _event_node
 from etcd_rendezvous.api import RendezvousConnectionError
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
+from support.v3_gateway import b64
 
 HEADER = {"cluster_id": "1", "member_id": "2", "revision": "7", "raft_term": "3"}
 
