@@ -158,8 +158,10 @@ class RendezvousStoreInfo:
             addr = local_addr or socket.getfqdn()
             # When the TCPStore is not shared, fall back to a free port.
             port = server_port or _get_free_port()
-            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr.encode(encoding="UTF-8"))
+            # The port first: a rank that finds the address (read first) finds the port
+            # too, so that it waits for one key, not two.
             store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(port).encode(encoding="UTF-8"))
+            store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, addr.encode(encoding="UTF-8"))
 
         addr = store.get(RendezvousStoreInfo.MASTER_ADDR_KEY).decode(encoding="UTF-8")
         port = int(store.get(RendezvousStoreInfo.MASTER_PORT_KEY).decode(encoding="UTF-8"))
