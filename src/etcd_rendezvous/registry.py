@@ -25,7 +25,8 @@ __all__ = ["get_rendezvous_handler"]
 @torch_errors
 def _create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
     """Create the ``etcd`` backend's handler, importing its module on first use."""
-    # Imported here so that importing the registry does not import python-etcd.
+    # Imported here, as the backend is needed, so that importing the registry does not
+    # import python-etcd. No cycle is dodged: the backend does not import the registry.
     from .etcd_rendezvous import create_rdzv_handler  # noqa: PLC0415
 
     return create_rdzv_handler(params)
@@ -38,7 +39,9 @@ def _create_etcd_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
     The handler owns the backend, and so the connection ``create_backend`` opened: its
     ``close()`` releases them.
     """
-    # Imported here so that importing the registry does not import python-etcd.
+    # Imported here, as the backend is needed: the backend loads python-etcd, and the
+    # dynamic rendezvous (most of the package's import time) comes with it. No cycle is
+    # dodged: neither module imports the registry.
     from .dynamic_rendezvous import create_handler  # noqa: PLC0415
     from .etcd_rendezvous_backend import create_backend  # noqa: PLC0415
 
