@@ -21,6 +21,7 @@ from .._transport.interface import (
     KeyNotFoundError,
     Node,
     Transport,
+    WatchStream,
 )
 from .._transport.options import create_etcd_connection
 from ..api import RendezvousConnectionError, RendezvousParameters
@@ -41,6 +42,7 @@ __all__ = [
     "Node",
     "Transport",
     "UsageError",
+    "WatchStream",
     "add_endpoint_option",
     "add_run_options",
     "confirm",
