@@ -18,7 +18,6 @@ from __future__ import annotations
 from ._torch_errors import torch_errors
 from .api import RendezvousHandler, RendezvousParameters
 from .api import rendezvous_handler_registry as handler_registry
-from .prometheus import serve_metrics_from_environment
 
 __all__ = ["get_rendezvous_handler"]
 
@@ -30,7 +29,6 @@ def _create_etcd_handler(params: RendezvousParameters) -> RendezvousHandler:
     # import python-etcd. No cycle is dodged: the backend does not import the registry.
     from .etcd_rendezvous import create_rdzv_handler  # noqa: PLC0415
 
-    serve_metrics_from_environment()
     return create_rdzv_handler(params)
 
 
@@ -47,7 +45,6 @@ def _create_etcd_v2_handler(params: RendezvousParameters) -> RendezvousHandler:
     from .dynamic_rendezvous import create_handler  # noqa: PLC0415
     from .etcd_rendezvous_backend import create_backend  # noqa: PLC0415
 
-    serve_metrics_from_environment()
     backend, store = create_backend(params)
     return create_handler(store, backend, params, backend_name=params.backend, owns_backend=True)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -38,6 +39,13 @@ def chromium_binary() -> str | None:
     return None
 
 
+def _above_four(fd: int) -> int:
+    """``fd`` moved to a descriptor number above 4."""
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD, 5)
+    os.close(fd)
+    return moved
+
+
 class BrowserError(Exception):
     """The browser answered an error, died, or a condition did not come true."""
 
@@ -49,13 +57,15 @@ class Browser:
         self._profile = tempfile.mkdtemp(prefix="etcd-rendezvous-chromium-")
         to_browser, self._write_fd = os.pipe()
         self._read_fd, from_browser = os.pipe()
+        # Above 4, so that the shell's 3<& and 4>& below cannot overwrite one another.
+        to_browser, from_browser = (_above_four(fd) for fd in (to_browser, from_browser))
         # The protocol's pipe is fds 3 (commands) and 4 (answers) of the browser.
         self._process = subprocess.Popen(
             [
-                "sh",
+                "bash",  # dash takes no fd number above 9 in a redirection
                 "-c",
                 f'exec "$@" 3<&{to_browser} 4>&{from_browser}',
-                "sh",
+                "bash",
                 binary,
                 "--headless",
                 "--no-sandbox",
@@ -71,7 +81,7 @@ class Browser:
             pass_fds=(to_browser, from_browser),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=(Path(self._profile) / "stderr.log").open("wb"),
         )
         os.close(to_browser)
         os.close(from_browser)
@@ -113,7 +123,8 @@ class Browser:
                     return result
             chunk = os.read(self._read_fd, 1 << 20)
             if not chunk:
-                raise BrowserError(f"the browser closed its pipe during {method}")
+                log = (Path(self._profile) / "stderr.log").read_text(errors="replace")
+                raise BrowserError(f"the browser closed its pipe during {method}:\n{log[-3000:]}")
             self._buffer += chunk
 
     def goto(self, url: str) -> None:
@@ -130,8 +141,8 @@ class Browser:
             raise BrowserError(f"{expression}: {answer['exceptionDetails']}")
         return answer["result"].get("value")
 
-    def wait_for(self, expression: str, timeout: float = 30.0) -> Any:
-        """Wait until ``expression`` is truthy in the page; return its value.
+    def wait_for(self, expression: str, timeout: float = 30.0) -> bool:
+        """Wait until ``expression`` is truthy in the page (as JavaScript judges it).
 
         Raises:
             BrowserError: it is not within ``timeout`` seconds (the message shows the
@@ -139,7 +150,7 @@ class Browser:
         """
         deadline = time.monotonic() + timeout
         while True:
-            result = self.value(expression)
+            result = self.value(f"!!({expression})")
             if result:
                 return result
             if time.monotonic() > deadline:

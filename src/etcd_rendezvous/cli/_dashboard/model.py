@@ -179,10 +179,13 @@ def _formed(phase: str, report: dict[str, Any]) -> bool:
 
 
 def _etcd_members(
-    report: dict[str, Any], gone: dict[str, float], now: float
+    report: dict[str, Any], previous: RunRecord | None, now: float
 ) -> tuple[list[Member], dict[str, float]]:
     """The members of an ``etcd`` run: one per rank of its state (named after the member
-    key with that rank, if any), then the member keys not admitted (waiting)."""
+    key with that rank, or the name it had before its key lapsed), then the member keys
+    not admitted (waiting)."""
+    gone = dict(previous.gone) if previous is not None else {}
+    known = {m.rank: m.name for m in previous.members} if previous is not None else {}
     by_rank = {
         entry["rank"]: entry for entry in report.get("members", ()) if entry["rank"] is not None
     }
@@ -191,7 +194,10 @@ def _etcd_members(
     frozen, closed = report.get("status") == "frozen", report.get("status") == "closed"
     for rank in report.get("participants", ()):
         member = by_rank.get(rank)
-        name = f"rank {rank}" if member is None else f"{member['host']} pid {member['pid']}"
+        if member is None:
+            name = known.get(rank, f"rank {rank}")
+        else:
+            name = f"{member['host']} pid {member['pid']}"
         keep_alive = alive.get(rank)
         if keep_alive is None:
             state = "confirming" if frozen else "live"
@@ -260,7 +266,7 @@ def observe(previous: RunRecord | None, read: RunRead, now: float) -> RunRecord:
     beats: Mapping[str, tuple[str, float]] = {}
     keys: frozenset[str] = frozenset()
     if summary.backend == "etcd":
-        members, gone = _etcd_members(read.report, dict(previous.gone) if previous else {}, now)
+        members, gone = _etcd_members(read.report, previous, now)
     else:
         members, beats, gone, keys = _etcd_v2_members(read.report, previous, now)
     timeline = () if previous is None else previous.timeline
