@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from .. import __version__
@@ -50,8 +51,18 @@ def _build_parser() -> argparse.ArgumentParser:
         ("server", server, []),
         ("dashboard", dashboard, [connection]),
     ):
+        epilog = getattr(module, "EPILOG", None)
+        # A command's epilog (what its columns mean) keeps its lines; then its
+        # description is wrapped here.
         command = commands.add_parser(
-            name, parents=parents, help=module.HELP, description=module.DESCRIPTION
+            name,
+            parents=parents,
+            help=module.HELP,
+            description=module.DESCRIPTION if epilog is None else textwrap.fill(module.DESCRIPTION),
+            epilog=epilog,
+            formatter_class=(
+                argparse.HelpFormatter if epilog is None else argparse.RawDescriptionHelpFormatter
+            ),
         )
         module.add_arguments(command)
     return parser

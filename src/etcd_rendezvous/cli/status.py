@@ -29,6 +29,7 @@ from ._common import (
     Node,
     Transport,
     add_run_options,
+    choose_backend,
     etcd_errors,
     non_negative_seconds,
     open_connection,
@@ -94,6 +95,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     conn = open_connection(args)
     shown = 0
     try:
+        with etcd_errors(args.endpoint):
+            choose_backend(args, conn)
         while True:
             with etcd_errors(args.endpoint):
                 report = _report(args, conn)

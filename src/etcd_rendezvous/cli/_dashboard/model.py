@@ -185,7 +185,10 @@ def _etcd_members(
     key with that rank, or the name it had before its key lapsed), then the member keys
     not admitted (waiting)."""
     gone = dict(previous.gone) if previous is not None else {}
-    known = {m.rank: m.name for m in previous.members} if previous is not None else {}
+    same_version = previous is not None and previous.read.report.get("version") == report.get(
+        "version"
+    )
+    known = {m.rank: m.name for m in previous.members} if previous and same_version else {}
     by_rank = {
         entry["rank"]: entry for entry in report.get("members", ()) if entry["rank"] is not None
     }
