@@ -156,11 +156,19 @@ class RunRecord:
         ``etcd-v2``, its heartbeat seen changing; ``etcd``, 0 while its keep-alive key
         exists (etcd deletes it when its TTL passes unrenewed), else since the key went."""
         ages = [
-            now - (member.gone if member.gone is not None else member.seen or now)
+            now - _last_sign(member, now)
             for member in self.members
             if member.state in ("live", "lapsed", "missing", "confirming")
         ]
         return max(ages, default=0.0)
+
+
+def _last_sign(member: Member, now: float) -> float:
+    """When ``member`` last showed life: when its key went, else when its heartbeat was
+    seen changing, else ``now`` (its key exists: etcd vouches for it)."""
+    if member.gone is not None:
+        return member.gone
+    return now if member.seen is None else member.seen
 
 
 def _phase(read: RunRead) -> str:
