@@ -44,6 +44,7 @@ from .api import (
     RendezvousStoreInfo,
 )
 from .layout import DEFAULT_PREFIX
+from .prometheus import serve_metrics_from_environment
 
 __all__ = [
     "EtcdRendezvous",
@@ -279,6 +280,7 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     """
     if isinstance(params, str):
         params = _params_from_url(params)
+    serve_metrics_from_environment()
     timeout = _seconds(params, "timeout", _DEFAULT_TIMEOUT)
     last_call_timeout = _seconds(
         params, "last_call_timeout", _DEFAULT_LAST_CALL_TIMEOUT, allow_zero=True

@@ -184,9 +184,12 @@ class EtcdServer:
             3.6 and later (the release comes from ``etcd --version``). etcd 3.6 and
             later have no v2 API: with them, :meth:`start` refuses ``True``, naming
             the flag.
+        port: the loopback client port to serve on; ``None`` (the default): a free
+            one. A port another process holds is reported by :meth:`start`.
 
     Raises:
         EtcdBinaryNotFoundError: if no etcd binary can be found.
+        ValueError: ``port`` is not a port number.
     """
 
     def __init__(
@@ -202,9 +205,13 @@ class EtcdServer:
         client_cert_file: str | None = None,
         client_key_file: str | None = None,
         enable_v2: bool | None = None,
+        port: int | None = None,
     ) -> None:
         if isinstance(extra_args, str):
             raise TypeError("extra_args must be a sequence of arguments, not a string")
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"port: expected a port number (1-65535), got {port!r}")
+        self._port = port
         self._tls = Tls(
             cert_file=cert_file,
             key_file=key_file,
@@ -504,17 +511,21 @@ class EtcdServer:
     def _launch_on_free_port(
         self, member: Member, deadline: float, attempts: int, stderr: Stderr
     ) -> None:
+        if self._port is not None:
+            attempts = 1  # the caller's port, or nothing
         for attempt in range(1, attempts + 1):
-            member.port = _free_port()
+            member.port = _free_port() if self._port is None else self._port
             # etcd binds its client port before it touches the data dir, so a failed
             # attempt leaves nothing behind to clean up.
             member.launch(attempt, stderr)
             if member.await_ready(deadline):
                 return
         why = (
-            "another process took each port first"
-            if stderr is None
-            else "its stderr was redirected, so the log does not say why"
+            "its stderr was redirected, so the log does not say why"
+            if stderr is not None
+            else f"is port {self._port} in use?"
+            if self._port is not None
+            else "another process took each port first"
         )
         raise EtcdServerError(
             f"etcd exited during start-up in all {attempts} attempts ({why}). "

@@ -339,7 +339,9 @@ def test_close_of_a_run_without_state_creates_a_closed_one(
     etcd_server: EtcdServer, etcd_prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_id = f"preclose-{uuid.uuid4().hex[:8]}"
-    code, out, err = run_main(capsys, "close", *_base(etcd_server, etcd_prefix, run_id, "--create"))
+    code, out, err = run_main(
+        capsys, "close", *_base(etcd_server, etcd_prefix, run_id, "--create", "--backend", "etcd")
+    )
     assert code == 0, err
     assert "created a closed state" in out, out
     code, out, err = run_main(capsys, "status", *_base(etcd_server, etcd_prefix, run_id))

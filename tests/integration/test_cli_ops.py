@@ -441,7 +441,7 @@ def test_connection_from_etcdctl_variables(
     run_id = f"env-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("ETCDCTL_ENDPOINTS", f"http://{etcd_server.get_endpoint()}")
     args = ["--prefix", etcd_prefix, "--run-id", run_id]
-    code, out, err = run_main(capsys, "close", *args, "--create")
+    code, out, err = run_main(capsys, "close", *args, "--create", "--backend", "etcd")
     assert code == 0, err
     code, out, err = run_main(capsys, "list", "--backend", "etcd", "--prefix", etcd_prefix)
     assert code == 0, err

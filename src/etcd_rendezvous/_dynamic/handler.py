@@ -35,6 +35,7 @@ from ..api import (
 from ..events import NodeState, _records_failure
 from ..layout import dynamic_store_prefix
 from ..metrics import MetricKind, record_metric
+from ..prometheus import serve_metrics_from_environment
 from .admission import NodeKeys, NodeRegistry
 from .backend import RendezvousBackend, delay
 from .executor import _DistributedRendezvousOpExecutor, _RendezvousOpExecutor
@@ -786,6 +787,7 @@ def create_handler(
         TypeError: ``keep_alive_interval`` or ``keep_alive_max_attempt`` is ``None``.
     """
     try:
+        serve_metrics_from_environment()
         return _handler_from_params(store, backend, params, backend_name, owns_backend)
     except BaseException as e:
         if isinstance(e, Exception):

@@ -3,8 +3,9 @@
 This module parses the command line and dispatches to one module per command:
 :mod:`~etcd_rendezvous.cli.demo`, :mod:`~etcd_rendezvous.cli.list_runs` (``list``),
 :mod:`~etcd_rendezvous.cli.status`, :mod:`~etcd_rendezvous.cli.close`,
-:mod:`~etcd_rendezvous.cli.delete`, :mod:`~etcd_rendezvous.cli.gc` and
-:mod:`~etcd_rendezvous.cli.server`. The commands that talk to etcd share one parser of
+:mod:`~etcd_rendezvous.cli.delete`, :mod:`~etcd_rendezvous.cli.gc`,
+:mod:`~etcd_rendezvous.cli.server` and :mod:`~etcd_rendezvous.cli.dashboard`. The
+commands that talk to etcd share one parser of
 connection options (filled from the ``ETCDCTL_*`` variables where a flag is absent);
 errors the user can act on are one line on stderr, without a traceback. What each
 command does: :doc:`operations`.
@@ -15,11 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from .. import __version__
 from ..api import RendezvousError
-from . import close, delete, demo, gc, list_runs, server, status
+from . import close, dashboard, delete, demo, gc, list_runs, server, status
 from ._common import EXIT_FAILED, PROG, CliError, UsageError, connection_options
 
 __all__ = ["main"]
@@ -47,9 +49,20 @@ def _build_parser() -> argparse.ArgumentParser:
         ("delete", delete, [connection]),
         ("gc", gc, [connection]),
         ("server", server, []),
+        ("dashboard", dashboard, [connection]),
     ):
+        epilog = getattr(module, "EPILOG", None)
+        # A command's epilog (what its columns mean) keeps its lines; then its
+        # description is wrapped here.
         command = commands.add_parser(
-            name, parents=parents, help=module.HELP, description=module.DESCRIPTION
+            name,
+            parents=parents,
+            help=module.HELP,
+            description=module.DESCRIPTION if epilog is None else textwrap.fill(module.DESCRIPTION),
+            epilog=epilog,
+            formatter_class=(
+                argparse.HelpFormatter if epilog is None else argparse.RawDescriptionHelpFormatter
+            ),
         )
         module.add_arguments(command)
     return parser
@@ -63,6 +76,7 @@ def _run(args: argparse.Namespace) -> int:
         "close": close.run,
         "delete": delete.run,
         "gc": gc.run,
+        "dashboard": dashboard.run,
     }
     if args.command in commands:
         return commands[args.command](args, sys.stdout)

@@ -21,13 +21,14 @@ from .._transport.interface import (
     KeyNotFoundError,
     Node,
     Transport,
+    WatchStream,
 )
 from .._transport.options import create_etcd_connection
 from ..api import RendezvousConnectionError, RendezvousParameters
 from ..dynamic_rendezvous import RendezvousState, decode_state
 from ..etcd_rendezvous_backend import EtcdRendezvousBackend
 from ..etcd_server import BINARY_PATH_ENV, TORCHELASTIC_BINARY_PATH_ENV
-from ..layout import DEFAULT_PREFIX, ETCD_V2_STATE_PREFIX, normalize_key
+from ..layout import DEFAULT_PREFIX, ETCD_V2_STATE_PREFIX, LegacyLayout, normalize_key
 
 __all__ = [
     "BINARY_ENV_VARS",
@@ -41,8 +42,10 @@ __all__ = [
     "Node",
     "Transport",
     "UsageError",
+    "WatchStream",
     "add_endpoint_option",
     "add_run_options",
+    "choose_backend",
     "confirm",
     "connection_options",
     "etcd_errors",
@@ -50,6 +53,7 @@ __all__ = [
     "open_connection",
     "read_dir",
     "resolve_connection",
+    "run_backends",
     "v2_backend",
     "v2_state",
     "with_ttl",
@@ -171,8 +175,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backend",
         choices=("etcd", "etcd-v2"),
-        default="etcd",
-        help="rendezvous backend of the run (default: %(default)s)",
+        help="rendezvous backend of the run (default: the one that holds a run of this "
+        "id; refused if both do)",
     )
 
 
@@ -272,6 +276,55 @@ def v2_backend(
     ``--prefix``."""
     prefix = normalize_key(args.prefix or ETCD_V2_STATE_PREFIX).rstrip("/")
     return EtcdRendezvousBackend(conn, run_id or args.run_id, key_prefix=prefix or None)
+
+
+def run_backends(args: argparse.Namespace, conn: Transport) -> list[str]:
+    """The backends under which etcd holds a key of run ``--run-id`` below ``--prefix``
+    (each backend's default prefix when absent): ``etcd``, its run directory or state;
+    ``etcd-v2``, its state key or a key in its nodes directory."""
+    found = []
+    layout = LegacyLayout(args.prefix or DEFAULT_PREFIX, args.run_id)
+    if conn.try_get(layout.run_dir) is not None or conn.try_get(layout.state_key) is not None:
+        found.append("etcd")
+    backend = v2_backend(args, conn)
+    try:
+        nodes = conn.list_dir(backend.nodes_layout.nodes_dir).children
+    except KeyNotFoundError:
+        nodes = ()
+    if conn.try_get(backend.key) is not None or nodes:
+        found.append("etcd-v2")
+    return found
+
+
+def choose_backend(args: argparse.Namespace, conn: Transport) -> None:
+    """Set ``--backend``, when absent, to the backend that holds the run.
+
+    Raises:
+        CliError: both backends hold a run of this id (which one is meant cannot be
+            told), or neither does; ``UsageError`` for ``close --create`` of a run that
+            does not exist (which backend's keys to create cannot be told).
+    """
+    if args.backend is not None:
+        return
+    found = run_backends(args, conn)
+    if len(found) == 1:
+        args.backend = found[0]
+        return
+    legacy = LegacyLayout(args.prefix or DEFAULT_PREFIX, args.run_id).run_dir
+    v2_key = v2_backend(args, conn).key
+    where = f"the etcd backend's {legacy} and the etcd-v2 backend's key {v2_key}"
+    if found:
+        raise CliError(
+            f"run {args.run_id!r} exists under both backends ({where}): pass --backend etcd "
+            "or --backend etcd-v2"
+        )
+    if getattr(args, "create", False):
+        raise UsageError(
+            f"no run {args.run_id!r} exists: --create needs --backend etcd or --backend etcd-v2"
+        )
+    raise CliError(
+        f"no run {args.run_id!r}: etcd holds neither {where} (check --run-id and --prefix)"
+    )
 
 
 def confirm(question: str, args: argparse.Namespace) -> bool:

@@ -26,6 +26,7 @@ from ._common import (
     KeyNotFoundError,
     Transport,
     add_run_options,
+    choose_backend,
     etcd_errors,
     open_connection,
     v2_backend,
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     conn = open_connection(args)
     try:
         with etcd_errors(args.endpoint):
+            choose_backend(args, conn)
             if args.backend == "etcd-v2":
                 done = _close_etcd_v2(args, conn)
             else:

@@ -21,6 +21,7 @@ from ._common import (
     CliError,
     Transport,
     add_run_options,
+    choose_backend,
     confirm,
     etcd_errors,
     open_connection,
@@ -186,6 +187,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     conn = open_connection(args)
     try:
         with etcd_errors(args.endpoint):
+            choose_backend(args, conn)
             summary = _summary(args, conn)
             if not summary.finished and not args.force:
                 raise CliError(

@@ -16,7 +16,7 @@ from typing import TextIO
 from ._common import UsageError, add_endpoint_option, etcd_errors, open_connection
 from ._runs import RunSummary, find_runs
 
-__all__ = ["DESCRIPTION", "HELP", "add_arguments", "add_selection", "format_idle", "run"]
+__all__ = ["DESCRIPTION", "EPILOG", "HELP", "add_arguments", "add_selection", "format_idle", "run"]
 
 HELP = "list the runs under a prefix"
 DESCRIPTION = (
@@ -25,6 +25,24 @@ DESCRIPTION = (
     "finished. Both backends under their default prefixes unless --backend is given. "
     "Reads only."
 )
+
+#: What each column means, shown by ``list --help``.
+EPILOG = """\
+columns:
+  STATUS   etcd: the state's status (setup, joinable, frozen, final, closed; none: no
+           state); etcd-v2: empty, joining, complete, closed; invalid: a corrupt state
+  WORLD    participants in the state now. An etcd-v2 state keeps only the nodes still
+           in the round: a run whose nodes have left shows fewer than it formed with
+  VERSION  etcd: the version; etcd-v2: the round
+  LIVE     etcd: keep-alive, member and wait keys of live workers (etcd deletes them
+           when their TTL passes); etcd-v2: node keys, or heartbeats younger than 2 min
+           by this machine's clock. Closing a run does not end its workers: they
+           leave as they finish, and their keys lapse
+  IDLE     etcd-v2: since the newest heartbeat, by this machine's clock against the
+           workers' (the etcd backend keeps no time in etcd: -, or ? when none is live)
+  DONE     no worker left in the run (LIVE 0, nobody joining or waiting): only then
+           may delete and gc remove it without --force
+"""
 
 
 def add_selection(parser: argparse.ArgumentParser) -> None:

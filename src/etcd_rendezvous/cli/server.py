@@ -24,9 +24,9 @@ __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 HELP = "run an embedded etcd (or a local cluster) in the foreground"
 DESCRIPTION = (
     "Run a local etcd (loopback only) until Ctrl-C or SIGTERM, and print its "
-    "endpoint. It serves the v3 API only, as etcd 3.6 does, unless --enable-v2 is "
-    "given. --members N runs an N-member cluster. Without --data-dir it runs in a "
-    "temporary directory that is removed when it stops."
+    "endpoint (on a free port unless --port P). It serves the v3 API only, as etcd 3.6 "
+    "does, unless --enable-v2 is given. --members N runs an N-member cluster. Without "
+    "--data-dir it runs in a temporary directory that is removed when it stops."
 )
 
 _SERVER_INSTALL_HINT = (
@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run an N-member cluster on loopback (default: %(default)s)",
     )
     parser.add_argument(
+        "--port",
+        type=int,
+        metavar="P",
+        help="serve clients on 127.0.0.1:P (default: a free port, printed at start); the "
+        "embedded etcd has no TLS nor auth, so it listens on loopback only",
+    )
+    parser.add_argument(
         "--enable-v2",
         action="store_true",
         help="serve etcd's v2 API too (PyTorch's own workers need it)",
@@ -66,10 +73,19 @@ def _make_server(args: argparse.Namespace) -> EtcdServer | EtcdCluster:
         raise UsageError(f"--members must be at least 1, got {args.members}")
     if args.members > 1 and args.data_dir:
         raise UsageError("--data-dir is for a single member; a cluster runs in a temporary dir")
+    if args.port is not None and args.members > 1:
+        raise UsageError("--port is for a single member; a cluster's members take free ports")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise UsageError(f"--port must be a port number (1-65535), got {args.port}")
     try:
         if args.members > 1:
             return EtcdCluster(args.members, etcd_binary=args.binary, enable_v2=args.enable_v2)
-        return EtcdServer(data_dir=args.data_dir, etcd_binary=args.binary, enable_v2=args.enable_v2)
+        return EtcdServer(
+            data_dir=args.data_dir,
+            etcd_binary=args.binary,
+            enable_v2=args.enable_v2,
+            port=args.port,
+        )
     except EtcdBinaryNotFoundError as exc:
         explicit = args.binary or any(os.environ.get(name) for name in BINARY_ENV_VARS)
         raise CliError(str(exc) if explicit else _SERVER_INSTALL_HINT) from None

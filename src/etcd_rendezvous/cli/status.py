@@ -22,12 +22,14 @@ from typing import Any, TextIO
 from ..api import RendezvousStateError
 from ..dynamic_rendezvous import NodeDesc, RendezvousState
 from ..etcd_rendezvous import member_ranks, parse_state
+from ..etcd_rendezvous_backend import EtcdRendezvousBackend
 from ..layout import DEFAULT_PREFIX, LegacyLayout, keep_alive_rank, member_name, normalize_key
 from ._common import (
     CliError,
     Node,
     Transport,
     add_run_options,
+    choose_backend,
     etcd_errors,
     non_negative_seconds,
     open_connection,
@@ -44,7 +46,7 @@ from ._runs import (
     read_etcd_run,
 )
 
-__all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "describe_etcd_run", "etcd_v2_report", "run"]
 
 HELP = "show the rendezvous state of a run"
 DESCRIPTION = (
@@ -93,6 +95,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     conn = open_connection(args)
     shown = 0
     try:
+        with etcd_errors(args.endpoint):
+            choose_backend(args, conn)
         while True:
             with etcd_errors(args.endpoint):
                 report = _report(args, conn)
@@ -143,7 +147,7 @@ def _wait_for_change(args: argparse.Namespace, conn: Transport, report: dict[str
 # -- the etcd backend ----------------------------------------------------------------------
 
 
-def _describe_etcd_run(run: EtcdRun) -> dict[str, Any]:
+def describe_etcd_run(run: EtcdRun) -> dict[str, Any]:
     """The ``status`` report of an ``etcd`` run, as a JSON-serialisable dict.
 
     Raises:
@@ -233,7 +237,7 @@ def _member_host(value: str | None) -> dict[str, Any]:
 
 
 def _format_etcd_status(report: dict[str, Any], *, verbose: bool) -> list[str]:
-    """The text form of :func:`_describe_etcd_run`'s report."""
+    """The text form of :func:`describe_etcd_run`'s report."""
     lines = [
         f"run:              {report['run_id']} (backend etcd, prefix {report['prefix']}, "
         f"API {report['api']})"
@@ -303,7 +307,7 @@ def _format_etcd_status(report: dict[str, Any], *, verbose: bool) -> list[str]:
 
 def _status_etcd(args: argparse.Namespace, conn: Transport) -> dict[str, Any]:
     prefix = args.prefix or DEFAULT_PREFIX
-    report = _describe_etcd_run(read_etcd_run(conn, prefix, args.run_id))
+    report = describe_etcd_run(read_etcd_run(conn, prefix, args.run_id))
     report["api"] = conn.api
     return report
 
@@ -366,18 +370,30 @@ def _describe_v2_state(
 
 def _status_etcd_v2(args: argparse.Namespace, conn: Transport) -> dict[str, Any]:
     backend = v2_backend(args, conn)
-    node = with_ttl(conn, conn.try_get(backend.key))
-    if node is None:
+    report = etcd_v2_report(conn, backend, datetime.now(timezone.utc))
+    if report is None:
         raise CliError(
             f"no run {args.run_id!r} with --backend etcd-v2: etcd key {backend.key} does not "
             "exist (check --run-id, --prefix and --backend)"
         )
+    return report
+
+
+def etcd_v2_report(
+    conn: Transport, backend: EtcdRendezvousBackend, now: datetime
+) -> dict[str, Any] | None:
+    """The ``status`` report of the ``etcd-v2`` run of ``backend``, as a
+    JSON-serialisable dict (``valid`` false for a state that does not decode); ``None``
+    if its state key does not exist."""
+    node = with_ttl(conn, conn.try_get(backend.key))
+    if node is None:
+        return None
     try:
         state = v2_state(backend)
     except RendezvousStateError as exc:
         return {
             "backend": "etcd-v2",
-            "run_id": args.run_id,
+            "run_id": backend.nodes_layout.run_id,
             "key": backend.key,
             "key_ttl": node.ttl,
             "valid": False,
@@ -389,8 +405,8 @@ def _status_etcd_v2(args: argparse.Namespace, conn: Transport) -> dict[str, Any]
             "api": conn.api,
         }
     if state is None:  # deleted between the two reads
-        raise CliError(f"no run {args.run_id!r}: etcd key {backend.key} was just deleted")
-    report = _describe_v2_state(args.run_id, backend.key, node, state, datetime.now(timezone.utc))
+        return None
+    report = _describe_v2_state(backend.nodes_layout.run_id, backend.key, node, state, now)
     report["api"] = conn.api
     report["nodes_dir"] = backend.nodes_layout.nodes_dir
     report["node_keys"] = node_keys_report(backend)
