@@ -34,6 +34,7 @@ from support.browser import Browser, chromium_binary
 from support.dashboard import dashboard, png_size
 from support.net import closed_port as free_port
 from support.rdzv import Worker, started
+from support.tools import missing_tool, require_command
 from support.wait import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.dashboard]
@@ -48,7 +49,8 @@ WIDTH, HEIGHT = 1280, 800
 def browser() -> Iterator[Browser]:
     binary = chromium_binary()
     if binary is None:
-        pytest.skip("no Chromium on PATH (apt-get install chromium)")
+        missing_tool("no Chromium on PATH (apt-get install chromium)")
+        return
     with Browser(binary, WIDTH, HEIGHT) as opened:
         yield opened
 
@@ -159,10 +161,7 @@ def test_browser_follows_a_rendezvous_a_dead_worker_and_a_lost_etcd(
 
 
 def _prometheus_binary() -> str:
-    found = shutil.which("prometheus")
-    if found is None:
-        pytest.skip("no prometheus on PATH (apt-get install prometheus)")
-    return found
+    return require_command("prometheus", "apt-get install prometheus")
 
 
 def _get(url: str) -> Any:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import subprocess
 import time
@@ -48,6 +47,7 @@ from etcd_rendezvous.layout import (
     etcd_v2_state_key,
 )
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.tools import tools_required
 from support.v3_gateway import b64
 from support.wait import wait_until
 
@@ -202,7 +202,7 @@ def binary() -> str:
     try:
         return find_etcd_binary()
     except EtcdBinaryNotFoundError as exc:
-        if os.environ.get("ETCD_RENDEZVOUS_REQUIRE_ETCD", "") in ("1", "true", "yes", "on"):
+        if tools_required():
             raise
         pytest.skip(f"no etcd binary: {exc}")
 
