@@ -1,8 +1,9 @@
 """Test tools the suite runs but does not install (Chromium, Prometheus, libfaketime):
 a test that needs a missing one is skipped, except where the run requires every tool.
 
-CI sets ``ETCD_RENDEZVOUS_REQUIRE_ETCD=1``, which makes a missing etcd binary an error; it makes a missing tool an error too, so that
-a CI machine lacking one fails instead of skipping the tests that need it.
+CI sets ``ETCD_RENDEZVOUS_REQUIRE_ETCD=1``, which makes a missing etcd binary an error; it
+makes a missing tool an error too, so that a CI machine lacking one fails instead of
+skipping the tests that need it.
 """
 
 from __future__ import annotations
