@@ -17,6 +17,7 @@ executes one command per stdin line, answering each with one JSON line on stdout
 * ``shutdown`` -> ``{"event": "shutdown", "result", "lease_threads"}`` (``etcd``) or
   ``{"event": "shutdown", "result", "threads"}`` (``etcd-v2``: the names of the threads
   still alive besides the main one)
+* ``clock`` -> ``{"event": "clock", "time": time.time()}`` (the process' wall clock)
 * ``exit`` -> exits 0
 """
 
@@ -198,6 +199,8 @@ def main() -> None:
                         if t.name.startswith("etcd-rendezvous")
                     ]
                     _emit(event="shutdown", result=result, lease_threads=lease_threads)
+            elif cmd == "clock":
+                _emit(event="clock", time=time.time())
             elif cmd == "exit":
                 return
             else:
