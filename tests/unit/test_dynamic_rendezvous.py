@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -1699,3 +1700,53 @@ def test_the_state_holders_clock_is_the_one_every_part_reads() -> None:
     assert written.deadline == clock.at + settings.timeout.last_call
     assert set(seen) == {clock.at}
 
+
+class DroppingStore(DictStore):
+    """A store whose wait for rank 0's address gives up, as :class:`EtcdStore`'s does at
+    its caller's deadline, after another node took rank 0 out of the round meanwhile."""
+
+    def __init__(self, backend: MemoryBackend) -> None:
+        super().__init__()
+        self._backend = backend
+        self._dropped = False
+
+    def get(self, key: str) -> bytes:
+        if not key.endswith("MASTER_ADDR"):
+            return super().get(key)
+        with self._cond:
+            if not self._dropped:
+                state = self._backend.load()
+                rank_0 = min(state.participants, key=state.participants.__getitem__)
+                del state.participants[rank_0]
+                del state.last_heartbeats[rank_0]
+                self._backend.store(state)
+                self._dropped = True
+        raise LookupError(f"Key {key!r} not found in EtcdStore '/store/' within 1.2 s.")
+
+
+def test_a_failed_address_exchange_says_who_left_the_round(
+    handlers: list[DynamicRendezvousHandler],
+) -> None:
+    backend = MemoryBackend()
+    store = DroppingStore(backend)
+    handlers.extend(make_handler(backend, store, 2, 2, join_timeout=30) for _ in range(2))
+    joiners = [Joiner(h) for h in handlers]
+    errors: dict[int, str] = {}
+    for joiner in joiners:
+        with pytest.raises(LookupError) as caught:
+            joiner.join()
+        errors[joiner.handler._this_node == min(h._this_node for h in handlers)] = str(caught.value)
+    common = (
+        r"within 1\.2 s\. The exchange of rank 0's address is bounded by what is left of "
+        r"join_timeout \(30 s\) after the round completed\. "
+    )
+    assert re.search(
+        common + r"This node is no longer a participant of round 0 of the rendezvous 'run' "
+        r"\(its state is at round 0\): it was dropped",
+        errors[True],  # rank 0
+    ), errors
+    assert re.search(
+        common + r"Rank 0 of round 0, the node '127\.0\.0\.1_\d+_\d+', is no longer one of its "
+        r"participants",
+        errors[False],
+    ), errors
