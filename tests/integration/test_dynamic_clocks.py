@@ -2,11 +2,13 @@
 
 Our nodes write and judge the times in the state (heartbeats, the last-call deadline) on
 etcd's clock, so one node whose own clock is off, even the one aggregating everyone's
-heartbeats, drops nobody, and nobody drops it. See docs/how-it-works.rst, "Clocks".
+heartbeats, drops nobody, and nobody drops it. See docs/how-it-works.rst, "The dynamic
+rendezvous", Clocks.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -34,7 +36,11 @@ LIFETIME = INTERVAL * ATTEMPTS
 SKEW = 6
 
 
-def _worker(etcd_server: EtcdServer, run_id: str, lo: int, hi: int, skew: int = 0) -> Worker:
+def _worker(
+    etcd_server: EtcdServer, run_id: str, lo: int, hi: int, skew: int = 0, impl: str = "ours"
+) -> Worker:
+    """A worker of the ``etcd-v2`` backend (``impl``: ours or PyTorch's) whose host clock
+    is ``skew`` seconds off."""
     extra = [
         "--backend=etcd-v2",
         f"--keep-alive-interval={INTERVAL}",
@@ -42,7 +48,14 @@ def _worker(etcd_server: EtcdServer, run_id: str, lo: int, hi: int, skew: int = 
     ]
     env = skewed_clock(skew) if skew else None
     return Worker(
-        etcd_server.get_endpoint(), run_id, lo, hi, last_call=1, extra_args=extra, env=env
+        etcd_server.get_endpoint(),
+        run_id,
+        lo,
+        hi,
+        impl=impl,
+        last_call=1,
+        extra_args=extra,
+        env=env,
     )
 
 
@@ -121,6 +134,11 @@ def test_a_node_whose_clock_is_off_drops_nobody(
     ]
     assert sorted(j["rank"] for j in joined) == [0, 1, 2]
     _assert_participants_stay(conn, run_id, {w.proc.pid for w in group}, 3 * LIFETIME)
+    # The node whose host clock is off said so (logging's last resort: stderr).
+    said = f"The wall clock of this host is {abs(skew)}"
+    assert said in skewed.stderr
+    assert ("behind etcd's" if skew < 0 else "ahead of etcd's") in skewed.stderr
+    assert not any(said in worker.stderr for worker in right)
 
 
 def test_a_full_round_with_a_node_behind_completes_and_its_store_works(
@@ -137,3 +155,25 @@ def test_a_full_round_with_a_node_behind_completes_and_its_store_works(
     ]
     check_shared_store(group, joined)
     _assert_participants_stay(conn, run_id, {w.proc.pid for w in group}, 2 * LIFETIME)
+
+
+@pytest.mark.torch
+@pytest.mark.v2_only(reason="PyTorch's etcd-v2 backend speaks only v2")
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="PyTorch is not installed")
+def test_a_pytorch_node_keeps_our_nodes_when_ours_aggregates_with_a_clock_behind(
+    etcd_server, run_id, workers, conn
+):
+    """PyTorch's node judges heartbeats with its own (right) clock; ours stamp them in
+    etcd's time, so it finds them fresh even when our aggregator's host is 6 s behind."""
+    # A full round of three: PyTorch's node joins at once, ours when a batch admits it.
+    skewed = _worker(etcd_server, run_id, 3, 3, -SKEW)
+    ours = _worker(etcd_server, run_id, 3, 3)
+    torch_node = _worker(etcd_server, run_id, 3, 3, impl="torch")
+    started(workers, [skewed, ours, torch_node])
+    _first_aggregator(conn, run_id, skewed, [ours, torch_node])
+    group = [skewed, ours, torch_node]
+    joined = [worker.next_event() for worker in group]
+    assert [j["event"] for j in joined] == ["joined"] * 3, [
+        (j, w.stderr) for j, w in zip(joined, group)
+    ]
+    _assert_participants_stay(conn, run_id, {w.proc.pid for w in group}, 3 * LIFETIME)

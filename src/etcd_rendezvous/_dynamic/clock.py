@@ -7,7 +7,7 @@ so that our nodes trust no node's clock, theirs included; with any other backend
 the local wall clock (:class:`LocalClock`), as in PyTorch. The state holder owns the one
 clock of a handler (:attr:`~._RendezvousStateHolder.clock`); every part of the handler
 reads the time from it, and tests replace it there. See docs/how-it-works.rst, section
-"Clocks".
+"The dynamic rendezvous", Clocks.
 """
 
 from __future__ import annotations

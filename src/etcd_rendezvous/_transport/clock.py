@@ -4,7 +4,7 @@ header of etcd's answers at no cost in requests.
 The dynamic rendezvous writes and judges the times it keeps in its state (heartbeats,
 the last-call deadline) on this clock, the one that already runs every TTL and lease,
 so that no node trusts another node's clock. See docs/how-it-works.rst, section
-"Clocks".
+"The dynamic rendezvous", Clocks.
 """
 
 from __future__ import annotations
