@@ -25,8 +25,10 @@ __all__ = ["WARN_OFFSET", "Clock", "EtcdClock", "LocalClock", "state_clock"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
-#: Seconds this host's clock may differ from etcd's before :class:`EtcdClock` warns
-#: (the estimate of etcd's clock is good to about half a second).
+#: Seconds this host's clock may differ from etcd's before :class:`EtcdClock` warns: the
+#: estimate of etcd's clock is off by at most half of one second plus a round trip of
+#: at most :data:`~etcd_rendezvous._transport.clock.MAX_ROUND_TRIP`, so a host in step
+#: with etcd never warns.
 WARN_OFFSET = 1.0
 #: Seconds the difference must move by, after a warning, for another one.
 _REWARN_CHANGE = 2.0
