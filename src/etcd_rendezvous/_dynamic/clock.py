@@ -21,7 +21,7 @@ from .._transport.clock import ServerClock
 from .._transport.interface import Transport
 from .settings import LOGGER_NAME, RendezvousSettings
 
-__all__ = ["WARN_OFFSET", "Clock", "EtcdClock", "LocalClock", "state_clock"]
+__all__ = ["LOCAL_CLOCK", "WARN_OFFSET", "Clock", "EtcdClock", "LocalClock", "state_clock"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -47,6 +47,10 @@ class LocalClock:
     def now(self) -> datetime:
         """See :class:`Clock`."""
         return datetime.now(timezone.utc)
+
+
+#: The local wall clock, for whoever has no other.
+LOCAL_CLOCK = LocalClock()
 
 
 class EtcdClock:
@@ -102,4 +106,4 @@ def state_clock(backend: object, settings: RendezvousSettings) -> Clock:
     connection = getattr(backend, "connection", None)
     if isinstance(connection, Transport):
         return EtcdClock(connection.clock, settings)
-    return LocalClock()
+    return LOCAL_CLOCK

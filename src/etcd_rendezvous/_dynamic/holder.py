@@ -15,7 +15,7 @@ from abc import ABC, abstractmethod
 
 from .._transport.retry import Deadline
 from .backend import POLL_INTERVAL, RendezvousBackend, Token, delay
-from .clock import Clock, LocalClock, state_clock
+from .clock import LOCAL_CLOCK, Clock, state_clock
 from .settings import LOGGER_NAME, STATE_HOLDER_EVENTS, RendezvousSettings, event_source
 from .state import _encode_state, _NodeDesc, _RendezvousState, decode_state
 
@@ -26,8 +26,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(LOGGER_NAME)
-
-_LOCAL_CLOCK = LocalClock()
 
 
 def _remove_participant_epilogue(state: _RendezvousState, settings: RendezvousSettings) -> None:
@@ -73,7 +71,7 @@ class _RendezvousStateHolder(ABC):
         """The clock of the times in the state (heartbeats, the last-call deadline),
         which every part of the handler writes and judges them on (the default: the
         local wall clock, as in PyTorch)."""
-        return _LOCAL_CLOCK
+        return LOCAL_CLOCK
 
     def wait_for_change(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for another node to change the state.

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from enum import Enum
 
 from ..api import RendezvousGracefulExitError
+from .clock import LOCAL_CLOCK
 from .settings import LOGGER_NAME, RendezvousSettings
 from .state import _NodeDesc, _RendezvousState
 
@@ -88,7 +89,7 @@ class _RendezvousContext:
         self.state = state
         self.settings = settings
         self.keep_alive_period = keep_alive_period or settings.keep_alive_interval
-        self.now = now or datetime.now(timezone.utc)
+        self.now = now or LOCAL_CLOCK.now()
 
 
 _StateHandler = Callable[[_RendezvousContext, float], _Action]
