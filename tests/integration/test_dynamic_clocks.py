@@ -137,11 +137,11 @@ def test_a_node_whose_clock_is_off_drops_nobody(
     _assert_participants_stay(conn, run_id, {w.proc.pid for w in group}, 3 * LIFETIME)
     # The node whose host clock is off said so (logging's last resort: stderr), with the
     # difference as it knows it: within half a second and a round trip.
-    said = re.search(r"The wall clock of this host is (\d+\.\d) s (\w+)", skewed.stderr)
+    said = re.search(r"The wall clock of this host is (\d+\.\d) s (\w+)", skewed.all_stderr)
     assert said is not None, skewed.stderr
     assert abs(float(said[1]) - abs(skew)) < 1
     assert said[2] == ("behind" if skew < 0 else "ahead")
-    assert not any("The wall clock of this host" in worker.stderr for worker in right)
+    assert not any("The wall clock of this host" in worker.all_stderr for worker in right)
 
 
 def test_a_full_round_with_a_node_behind_completes_and_its_store_works(

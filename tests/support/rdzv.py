@@ -39,7 +39,8 @@ FAKETIME_LIBRARY = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 def skewed_clock(seconds: int) -> dict[str, str]:
     """The environment of a process whose wall clock is ``seconds`` off (behind if
-    negative) under libfaketime; its monotonic clock stays real, so its deadlines do."""
+    negative) under libfaketime; its monotonic clock stays real, so its deadlines do
+    (``rdzv_worker.py`` then sleeps on an event: libfaketime breaks ``time.sleep``)."""
     return {
         "LD_PRELOAD": FAKETIME_LIBRARY,
         "FAKETIME": f"{seconds:+d}s",
@@ -106,7 +107,13 @@ class Worker:
 
     @property
     def stderr(self) -> str:
+        """The last 60 lines the worker wrote to stderr (for failure messages)."""
         return "".join(self._stderr[-60:])
+
+    @property
+    def all_stderr(self) -> str:
+        """Everything the worker wrote to stderr so far."""
+        return "".join(self._stderr)
 
     def send(self, command: str) -> None:
         assert self.proc.stdin is not None

@@ -124,7 +124,24 @@ def _log_to_file() -> None:
     )
 
 
+def _sleep_under_faketime() -> None:
+    """Under libfaketime with its monotonic clock left real (``support.rdzv.skewed_clock``)
+    ``time.sleep`` fails with EINVAL: libfaketime 0.9.10 mishandles the absolute monotonic
+    ``clock_nanosleep`` of Python 3.11. Sleep on an event instead, whose timed wait it
+    leaves alone (with the monotonic clock faked too, timed waits hang instead)."""
+    if "FAKETIME" not in os.environ:
+        return
+
+    def sleep(seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError("sleep length must be non-negative")
+        threading.Event().wait(seconds)
+
+    time.sleep = sleep
+
+
 def main() -> None:
+    _sleep_under_faketime()  # before the library binds time.sleep anywhere
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=("ours", "torch"), default="ours")
     parser.add_argument("--endpoint", required=True)
