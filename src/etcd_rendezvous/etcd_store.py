@@ -60,6 +60,9 @@ _VALUE_ACTIONS = frozenset({"set", "create", "compareAndSwap", "update"})
 _PREVIEW_CHARS = 60
 # How many missing keys a timeout message lists.
 _LISTED_KEYS = 5
+# Seconds short of its timeout a call that gave up may have waited and still be said to
+# have waited the timeout (its last request began before the deadline).
+_WAIT_SLACK = 0.5
 # Write tags (see _tagged): a separator and characters that base64 decoders which skip
 # non-alphabet characters ignore; 8**12 tags make a collision between two concurrent
 # writes of one value practically impossible.
@@ -216,11 +219,12 @@ class EtcdStore:
             RendezvousConnectionError: etcd could not be reached.
         """
         path = self._path(key)
+        started = time.monotonic()
         found, missing = self._await({path: key}, self._timeout)
         if missing:
             raise LookupError(
                 f"Key {key!r} not found in EtcdStore {self.prefix!r} "
-                f"within {self._timeout.total_seconds():g} s."
+                f"{_waited(started, self._timeout)}."
             )
         return self._decode(found[path], key)
 
@@ -285,11 +289,12 @@ class EtcdStore:
             if override_timeout is None
             else _check_timedelta(override_timeout, "override_timeout")
         )
+        started = time.monotonic()
         _, missing = self._await(dict(wanted), timeout)
         if missing:
             raise LookupError(
                 f"Timeout while waiting for keys in EtcdStore {self.prefix!r}: "
-                f"{_list_keys(missing.values())} not set within {timeout.total_seconds():g} s."
+                f"{_list_keys(missing.values())} not set {_waited(started, timeout)}."
             )
 
     def check(self, keys: Sequence[KeyLike]) -> bool:
@@ -359,11 +364,12 @@ class EtcdStore:
                 names them.
         """
         wanted = self._paths(keys)
+        started = time.monotonic()
         found, missing = self._await(dict(wanted), self._timeout)
         if missing:
             raise LookupError(
                 f"Keys {_list_keys(missing.values())} not found in EtcdStore "
-                f"{self.prefix!r} within {self._timeout.total_seconds():g} s."
+                f"{self.prefix!r} {_waited(started, self._timeout)}."
             )
         return [self._decode(found[path], key) for path, key in wanted]
 
@@ -552,13 +558,13 @@ class EtcdStore:
             RendezvousConnectionError: see :meth:`add` (not if ``idempotent``).
             LookupError: the key kept changing under us for longer than :attr:`timeout`.
         """
-        timeout = self._timeout.total_seconds()
-        deadline = self._conn.bound(Deadline(timeout))
+        started = time.monotonic()
+        deadline = self._conn.bound(Deadline(self._timeout.total_seconds()))
         retry = CONTENTION.start(
             deadline,
             lambda: LookupError(
-                f"Could not update key {key!r} in EtcdStore {self.prefix!r} within "
-                f"{timeout:g} s: other writers kept changing it first."
+                f"Could not update key {key!r} in EtcdStore {self.prefix!r} "
+                f"{_waited(started, self._timeout)}: other writers kept changing it first."
             ),
         )
         with self._conn.bounded_by(deadline):
@@ -619,6 +625,22 @@ def _check_known(
             f"to a write and {refusal.unknown_because}; the update may or may not have "
             "been applied."
         )
+
+
+def _waited(started: float, timeout: timedelta) -> str:
+    """How long a call that gave up at its deadline really waited, from ``started``
+    (``time.monotonic()``), for its message: "within 300 s" when that is its
+    ``timeout``; the time it waited, and why, when a caller's deadline (a
+    :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by` block, such as a
+    rendezvous' own) ended it sooner."""
+    waited = time.monotonic() - started
+    limit = timeout.total_seconds()
+    if waited >= limit - _WAIT_SLACK:
+        return f"within {limit:g} s"
+    return (
+        f"within {waited:.1f} s (its caller's deadline, earlier than the store's "
+        f"timeout of {limit:g} s)"
+    )
 
 
 def _check_timedelta(value: object, param: str) -> timedelta:

@@ -9,6 +9,7 @@ connections speak whichever API ``etcd_api=auto`` picks for the session's etcd (
 from __future__ import annotations
 
 import base64
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ import pytest
 
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
+from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError, Store
 from etcd_rendezvous.etcd_server import EtcdServer
@@ -221,6 +223,31 @@ def test_get_recovers_when_etcd_dropped_the_watched_history(
     # One watch, answered "history cleared"; then a second read found the key.
     assert len(watches) == 1
     assert len(spy.named("get")) == 2
+
+
+def test_a_wait_ended_by_its_callers_deadline_says_how_long_it_waited(
+    store: EtcdStore, conn: Transport
+) -> None:
+    """A rendezvous bounds the store's wait for rank 0's address by what is left of its
+    own timeout: the message says the time waited, not the store's timeout."""
+    store.set_timeout(timedelta(seconds=300))
+    with conn.bounded_by(Deadline(0.4)), pytest.raises(LookupError) as caught:
+        store.get("never-set")
+    message = str(caught.value)
+    assert re.search(
+        r"within 0\.[45] s \(its caller's deadline, earlier than the store's "
+        r"timeout of 300 s\)\.$",
+        message,
+    ), message
+    with (
+        conn.bounded_by(Deadline(0.4)),
+        pytest.raises(LookupError, match=r"set within 0\.[45] s \("),
+    ):
+        store.wait(["never-set"])
+    # Its own timeout: said as it was set.
+    store.set_timeout(SHORT)
+    with pytest.raises(LookupError, match=r"'never-set'.* within 0\.3 s\.$"):
+        store.multi_get(["never-set"])
 
 
 def test_get_timeout_names_the_key(

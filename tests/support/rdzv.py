@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from etcd_rendezvous.layout import (
@@ -33,8 +33,24 @@ def state_key(backend: str, run_id: str) -> str:
     raise ValueError(f"backend: expected etcd or etcd-v2, got {backend!r}")
 
 
+#: libfaketime's preload library (Debian's ``libfaketime`` package).
+FAKETIME_LIBRARY = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+def skewed_clock(seconds: int) -> dict[str, str]:
+    """The environment of a process whose wall clock is ``seconds`` off (behind if
+    negative) under libfaketime; its monotonic clock stays real, so its deadlines do
+    (``rdzv_worker.py`` then sleeps on an event: libfaketime breaks ``time.sleep``)."""
+    return {
+        "LD_PRELOAD": FAKETIME_LIBRARY,
+        "FAKETIME": f"{seconds:+d}s",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+
+
 class Worker:
-    """One ``rdzv_worker.py`` process; send commands, wait for JSON events."""
+    """One ``rdzv_worker.py`` process; send commands, wait for JSON events. ``env`` is
+    added to the process' environment (e.g. :func:`skewed_clock`)."""
 
     def __init__(
         self,
@@ -48,6 +64,7 @@ class Worker:
         timeout: int = 60,
         prefix: str = "/torchelastic/p2p",
         extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         cmd = [
             sys.executable,
@@ -62,7 +79,7 @@ class Worker:
             f"--prefix={prefix}",
             *extra_args,
         ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -90,7 +107,13 @@ class Worker:
 
     @property
     def stderr(self) -> str:
+        """The last 60 lines the worker wrote to stderr (for failure messages)."""
         return "".join(self._stderr[-60:])
+
+    @property
+    def all_stderr(self) -> str:
+        """Everything the worker wrote to stderr so far."""
+        return "".join(self._stderr)
 
     def send(self, command: str) -> None:
         assert self.proc.stdin is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -21,10 +22,7 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous import dynamic_rendezvous as dr
-from etcd_rendezvous._dynamic import executor as _dynamic_executor
 from etcd_rendezvous._dynamic import handler as _dynamic_handler
-from etcd_rendezvous._dynamic import holder as _dynamic_holder
-from etcd_rendezvous._dynamic import ops as _dynamic_ops
 from etcd_rendezvous._dynamic import settings as _dynamic_settings
 from etcd_rendezvous._dynamic.admission import NodeKeys
 from etcd_rendezvous._dynamic.executor import _DistributedRendezvousOpExecutor
@@ -69,6 +67,17 @@ ME = _NodeDesc("this_node", 1, 1)
 
 
 # -- fakes ------------------------------------------------------------------------------------
+
+
+class FixedClock:
+    """The clock of the state's times (see :mod:`etcd_rendezvous._dynamic.clock`),
+    standing at ``at`` until a test moves it."""
+
+    def __init__(self, at: datetime = NOW) -> None:
+        self.at = at
+
+    def now(self) -> datetime:
+        return self.at
 
 
 class MemoryBackend(RendezvousBackend):
@@ -204,13 +213,6 @@ def make_settings(
     )
 
 
-@pytest.fixture
-def frozen_now(monkeypatch: pytest.MonkeyPatch) -> datetime:
-    for module in (_dynamic_holder, _dynamic_ops, _dynamic_executor):
-        monkeypatch.setattr(module, "_now", lambda: NOW)
-    return NOW
-
-
 @pytest.fixture(autouse=True)
 def _no_shared_tcp_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """Most handler tests exercise the torch-free bootstrap (no TCPStore server)."""
@@ -297,7 +299,8 @@ def full_state() -> _RendezvousState:
 def make_holder(
     backend: RendezvousBackend, cache_duration: int = 0
 ) -> _BackendRendezvousStateHolder:
-    return _BackendRendezvousStateHolder(backend, make_settings(), cache_duration)
+    """A holder whose clock stands at ``NOW``."""
+    return _BackendRendezvousStateHolder(backend, make_settings(), cache_duration, FixedClock())
 
 
 def test_holder_starts_empty_without_calling_the_backend() -> None:
@@ -307,7 +310,7 @@ def test_holder_starts_empty_without_calling_the_backend() -> None:
     assert backend.calls == {"get": 0, "set": 0, "wait": 0}
 
 
-def test_sync_gets_empty_state_if_backend_has_none(frozen_now: datetime) -> None:
+def test_sync_gets_empty_state_if_backend_has_none() -> None:
     backend = MemoryBackend()
     holder = make_holder(backend)
     assert holder.sync() is None
@@ -315,7 +318,7 @@ def test_sync_gets_empty_state_if_backend_has_none(frozen_now: datetime) -> None
     assert backend.calls["get"] == 1
 
 
-def test_sync_gets_backend_state_if_local_state_is_clean(frozen_now: datetime) -> None:
+def test_sync_gets_backend_state_if_local_state_is_clean() -> None:
     backend = MemoryBackend()
     holder = make_holder(backend)
     expected = full_state()
@@ -327,7 +330,7 @@ def test_sync_gets_backend_state_if_local_state_is_clean(frozen_now: datetime) -
     assert backend.calls == {"get": 3, "set": 0, "wait": 0}
 
 
-def test_sync_gets_backend_state_if_local_state_is_old_and_dirty(frozen_now: datetime) -> None:
+def test_sync_gets_backend_state_if_local_state_is_old_and_dirty() -> None:
     backend = MemoryBackend()
     holder = make_holder(backend)
     expected = full_state()
@@ -340,7 +343,7 @@ def test_sync_gets_backend_state_if_local_state_is_old_and_dirty(frozen_now: dat
     assert backend.calls == {"get": 0, "set": 3, "wait": 0}
 
 
-def test_sync_sets_backend_state_if_local_state_is_new_and_dirty(frozen_now: datetime) -> None:
+def test_sync_sets_backend_state_if_local_state_is_new_and_dirty() -> None:
     backend = MemoryBackend()
     holder = make_holder(backend)
     for attempt in range(1, 4):
@@ -352,7 +355,7 @@ def test_sync_sets_backend_state_if_local_state_is_new_and_dirty(frozen_now: dat
     assert backend.calls == {"get": 0, "set": 3, "wait": 0}
 
 
-def test_sync_serves_the_cache_until_it_expires_or_a_wait_ends(frozen_now: datetime) -> None:
+def test_sync_serves_the_cache_until_it_expires_or_a_wait_ends() -> None:
     backend = MemoryBackend()
     backend.store(full_state())
     holder = make_holder(backend, cache_duration=60)
@@ -365,7 +368,7 @@ def test_sync_serves_the_cache_until_it_expires_or_a_wait_ends(frozen_now: datet
     assert backend.calls["wait"] == 1
 
 
-def test_wait_for_change_returns_when_another_node_writes(frozen_now: datetime) -> None:
+def test_wait_for_change_returns_when_another_node_writes() -> None:
     backend = MemoryBackend()
     holder = make_holder(backend)
     holder.sync()
@@ -377,7 +380,7 @@ def test_wait_for_change_returns_when_another_node_writes(frozen_now: datetime) 
     assert holder.state.round == 999
 
 
-def test_holder_polls_a_backend_without_wait_for_change(frozen_now: datetime) -> None:
+def test_holder_polls_a_backend_without_wait_for_change() -> None:
     class Bare:
         """Duck-typed backend, like one written before the hook existed."""
 
@@ -395,7 +398,7 @@ def test_holder_polls_a_backend_without_wait_for_change(frozen_now: datetime) ->
     assert 0.04 <= time.monotonic() - started < 1
 
 
-def test_sync_removes_nodes_whose_heartbeats_lapsed(frozen_now: datetime) -> None:
+def test_sync_removes_nodes_whose_heartbeats_lapsed() -> None:
     state = full_state()
     expected = full_state()
     dead = [_NodeDesc(f"dead{i}", 1, 1) for i in range(1, 7)]
@@ -412,7 +415,7 @@ def test_sync_removes_nodes_whose_heartbeats_lapsed(frozen_now: datetime) -> Non
     assert vars(holder.state) == vars(expected)
 
 
-def test_sync_moves_to_next_round_if_no_participant_is_left(frozen_now: datetime) -> None:
+def test_sync_moves_to_next_round_if_no_participant_is_left() -> None:
     state = full_state()
     for node in state.last_heartbeats:
         state.last_heartbeats[node] = NOW - timedelta(seconds=100)
@@ -448,16 +451,24 @@ def test_sync_raises_state_error_naming_a_keyless_backend() -> None:
 
 
 class FakeStateHolder(_RendezvousStateHolder):
-    """Records calls; ``sync`` reports the dirty flag like a backend that always accepts."""
+    """Records calls; ``sync`` reports the dirty flag like a backend that always accepts.
+    Its clock stands at ``NOW`` unless given another."""
 
-    def __init__(self, state: _RendezvousState | None = None) -> None:
+    def __init__(
+        self, state: _RendezvousState | None = None, clock: FixedClock | None = None
+    ) -> None:
         self._state = state or _RendezvousState()
         self._dirty: bool | None = None
+        self._clock = clock or FixedClock()
         self.calls: list[Any] = []
 
     @property
     def state(self) -> _RendezvousState:
         return self._state
+
+    @property
+    def clock(self) -> FixedClock:
+        return self._clock
 
     def sync(self) -> bool | None:
         self.calls.append("sync")
@@ -517,7 +528,7 @@ def test_run_passes_context_and_deadline_to_the_operation() -> None:
     assert deadline == 3
 
 
-def test_run_keeps_alive(frozen_now: datetime) -> None:
+def test_run_keeps_alive() -> None:
     state = _RendezvousState()
     holder = run_action(_Action.KEEP_ALIVE, state)
     assert state.last_heartbeats == {ME: NOW}
@@ -525,7 +536,7 @@ def test_run_keeps_alive(frozen_now: datetime) -> None:
 
 
 @pytest.mark.parametrize("was_waiting", [False, True])
-def test_run_adds_to_participants(frozen_now: datetime, was_waiting: bool) -> None:
+def test_run_adds_to_participants(was_waiting: bool) -> None:
     state = _RendezvousState()
     if was_waiting:
         state.wait_list.add(ME)
@@ -537,7 +548,7 @@ def test_run_adds_to_participants(frozen_now: datetime, was_waiting: bool) -> No
 
 
 @pytest.mark.parametrize("count", range(3))
-def test_run_adds_to_participants_and_starts_last_call(frozen_now: datetime, count: int) -> None:
+def test_run_adds_to_participants_and_starts_last_call(count: int) -> None:
     state = _RendezvousState()
     add_participants(state, count)
     run_action(_Action.ADD_TO_PARTICIPANTS, state, make_settings(count + 1, count + 2))
@@ -546,9 +557,7 @@ def test_run_adds_to_participants_and_starts_last_call(frozen_now: datetime, cou
 
 
 @pytest.mark.parametrize("count", range(3))
-def test_run_adds_to_participants_and_completes_at_max_nodes(
-    frozen_now: datetime, count: int
-) -> None:
+def test_run_adds_to_participants_and_completes_at_max_nodes(count: int) -> None:
     state = _RendezvousState()
     add_participants(state, count)
     state.deadline = NOW
@@ -561,7 +570,7 @@ def test_run_adds_to_participants_and_completes_at_max_nodes(
     assert vars(state) == vars(expected)
 
 
-def test_run_adds_to_wait_list(frozen_now: datetime) -> None:
+def test_run_adds_to_wait_list() -> None:
     state = _RendezvousState()
     state.redundancy_list.add(ME)
     run_action(_Action.ADD_TO_WAIT_LIST, state)
@@ -570,7 +579,7 @@ def test_run_adds_to_wait_list(frozen_now: datetime) -> None:
     assert state.last_heartbeats == {ME: NOW}
 
 
-def test_run_adds_to_redundancy_list(frozen_now: datetime) -> None:
+def test_run_adds_to_redundancy_list() -> None:
     state = _RendezvousState()
     run_action(_Action.ADD_TO_REDUNDANCY_LIST, state)
     assert state.redundancy_list == {ME}
@@ -578,9 +587,7 @@ def test_run_adds_to_redundancy_list(frozen_now: datetime) -> None:
 
 
 @pytest.mark.parametrize(("complete", "deadline"), [(False, NOW), (True, None)])
-def test_run_removes_from_participants(
-    frozen_now: datetime, complete: bool, deadline: datetime | None
-) -> None:
+def test_run_removes_from_participants(complete: bool, deadline: datetime | None) -> None:
     state = _RendezvousState()
     add_participants(state, 2)
     state.participants[ME] = 0
@@ -593,7 +600,7 @@ def test_run_removes_from_participants(
     assert vars(state) == vars(expected)
 
 
-def test_run_removes_last_participant_and_moves_to_next_round(frozen_now: datetime) -> None:
+def test_run_removes_last_participant_and_moves_to_next_round() -> None:
     state = _RendezvousState()
     state.participants[ME] = 0
     state.last_heartbeats[ME] = NOW
@@ -604,7 +611,7 @@ def test_run_removes_last_participant_and_moves_to_next_round(frozen_now: dateti
     assert vars(state) == vars(expected)
 
 
-def test_run_removes_from_participants_and_clears_last_call(frozen_now: datetime) -> None:
+def test_run_removes_from_participants_and_clears_last_call() -> None:
     state = _RendezvousState()
     add_participants(state, 2)
     state.participants[ME] = 0
@@ -615,7 +622,7 @@ def test_run_removes_from_participants_and_clears_last_call(frozen_now: datetime
     assert ME not in state.participants
 
 
-def test_run_removes_from_wait_list(frozen_now: datetime) -> None:
+def test_run_removes_from_wait_list() -> None:
     state = _RendezvousState()
     state.wait_list.add(ME)
     state.last_heartbeats[ME] = NOW
@@ -623,7 +630,7 @@ def test_run_removes_from_wait_list(frozen_now: datetime) -> None:
     assert vars(state) == vars(_RendezvousState())
 
 
-def test_run_removes_from_redundancy_list_and_renews_the_deadline(frozen_now: datetime) -> None:
+def test_run_removes_from_redundancy_list_and_renews_the_deadline() -> None:
     state = _RendezvousState()
     state.redundancy_list.add(ME)
     state.last_heartbeats[ME] = NOW
@@ -696,7 +703,7 @@ _PENDING = "of the rendezvous 'dummy_run_id'. Pending sync."
     ],
 )
 def test_run_records_pytorchs_message_of_each_change(
-    frozen_now: datetime, action: _Action, listed: str, message: str
+    action: _Action, listed: str, message: str
 ) -> None:
     state = _RendezvousState()
     state.round = 3
@@ -793,30 +800,30 @@ def wait_time(state: _RendezvousState, deadline_in: float = 100.0, **settings: A
     return executor._time_to_next_event(time.monotonic() + deadline_in)
 
 
-def test_wake_up_at_the_last_call_deadline(frozen_now: datetime) -> None:
+def test_wake_up_at_the_last_call_deadline() -> None:
     state = _RendezvousState()
     state.deadline = NOW + timedelta(seconds=2)
     assert wait_time(state) == pytest.approx(2.01, abs=0.01)
 
 
-def test_wake_up_for_our_own_heartbeat(frozen_now: datetime) -> None:
+def test_wake_up_for_our_own_heartbeat() -> None:
     state = _RendezvousState()
     state.last_heartbeats[ME] = NOW - timedelta(seconds=4)
     assert wait_time(state, interval=timedelta(seconds=5)) == pytest.approx(1.01, abs=0.01)
 
 
-def test_wake_up_when_another_nodes_heartbeat_expires(frozen_now: datetime) -> None:
+def test_wake_up_when_another_nodes_heartbeat_expires() -> None:
     state = _RendezvousState()
     state.last_heartbeats[_NodeDesc("other", 1, 1)] = NOW - timedelta(seconds=13)
     # 3 attempts of 5 s: expires 15 s after its last heartbeat, capped at 5 s.
     assert wait_time(state, interval=timedelta(seconds=5)) == pytest.approx(2.01, abs=0.01)
 
 
-def test_wake_up_at_the_operation_deadline(frozen_now: datetime) -> None:
+def test_wake_up_at_the_operation_deadline() -> None:
     assert wait_time(_RendezvousState(), deadline_in=0.5) == pytest.approx(0.51, abs=0.01)
 
 
-def test_events_in_the_past_do_not_cause_busy_waiting(frozen_now: datetime) -> None:
+def test_events_in_the_past_do_not_cause_busy_waiting() -> None:
     state = _RendezvousState()
     state.deadline = NOW - timedelta(seconds=1)
     state.last_heartbeats[ME] = NOW - timedelta(seconds=60)
@@ -837,7 +844,8 @@ def next_action(
     deadline_in: float = 100.0,
 ) -> _Action:
     settings = make_settings(min_nodes, max_nodes)
-    return op(_RendezvousContext(ME, state, settings), time.monotonic() + deadline_in)
+    ctx = _RendezvousContext(ME, state, settings, now=NOW)
+    return op(ctx, time.monotonic() + deadline_in)
 
 
 def base_state() -> _RendezvousState:
@@ -846,7 +854,7 @@ def base_state() -> _RendezvousState:
     return state
 
 
-def test_exit_op(frozen_now: datetime) -> None:
+def test_exit_op() -> None:
     state = base_state()
     assert next_action(_RendezvousExitOp(), state) == _Action.FINISH
     state.participants[ME] = 1
@@ -854,7 +862,7 @@ def test_exit_op(frozen_now: datetime) -> None:
     assert next_action(_RendezvousExitOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
 
 
-def test_exit_op_is_done_once_the_round_it_leaves_is_over(frozen_now: datetime) -> None:
+def test_exit_op_is_done_once_the_round_it_leaves_is_over() -> None:
     state = base_state()
     state.round, state.complete = 3, True
     state.participants[ME] = 1
@@ -870,13 +878,13 @@ def join(state: _RendezvousState, **kwargs: Any) -> _Action:
     return next_action(_RendezvousJoinOp(), state, **kwargs)
 
 
-def test_join_raises_closed_if_rendezvous_is_closed(frozen_now: datetime) -> None:
+def test_join_raises_closed_if_rendezvous_is_closed() -> None:
     state = base_state()
     state.closed = True
     assert join(state) == _Action.ERROR_CLOSED
 
 
-def test_join_exits_gracefully_if_closed_while_redundant(frozen_now: datetime) -> None:
+def test_join_exits_gracefully_if_closed_while_redundant() -> None:
     state = base_state()
     state.closed = True
     state.redundancy_list.add(ME)
@@ -884,7 +892,7 @@ def test_join_exits_gracefully_if_closed_while_redundant(frozen_now: datetime) -
         join(state)
 
 
-def test_join_finishes_if_complete_and_participant(frozen_now: datetime) -> None:
+def test_join_finishes_if_complete_and_participant() -> None:
     state = base_state()
     state.participants[ME] = 0
     state.complete = True
@@ -898,13 +906,13 @@ def assert_waits(state: _RendezvousState, **kwargs: Any) -> None:
         assert join(state, **kwargs) == expected
 
 
-def test_join_adds_to_redundancy_list_if_complete_and_full(frozen_now: datetime) -> None:
+def test_join_adds_to_redundancy_list_if_complete_and_full() -> None:
     state = base_state()
     state.complete = True
     assert join(state, max_nodes=1) == _Action.ADD_TO_REDUNDANCY_LIST
 
 
-def test_join_waits_while_redundant_and_full_even_past_deadline(frozen_now: datetime) -> None:
+def test_join_waits_while_redundant_and_full_even_past_deadline() -> None:
     state = base_state()
     state.complete = True
     state.redundancy_list.add(ME)
@@ -912,51 +920,51 @@ def test_join_waits_while_redundant_and_full_even_past_deadline(frozen_now: date
     assert_waits(state, max_nodes=1, deadline_in=-100)
 
 
-def test_join_leaves_redundancy_list_once_there_is_room(frozen_now: datetime) -> None:
+def test_join_leaves_redundancy_list_once_there_is_room() -> None:
     state = base_state()
     state.complete = True
     state.redundancy_list.add(ME)
     assert join(state, max_nodes=2) == _Action.REMOVE_FROM_REDUNDANCY_LIST
 
 
-def test_join_waits_for_next_round_if_in_wait_list(frozen_now: datetime) -> None:
+def test_join_waits_for_next_round_if_in_wait_list() -> None:
     state = base_state()
     state.complete = True
     state.wait_list.add(ME)
     assert_waits(state)
 
 
-def test_join_adds_to_wait_list_if_complete_with_room(frozen_now: datetime) -> None:
+def test_join_adds_to_wait_list_if_complete_with_room() -> None:
     state = base_state()
     state.complete = True
     assert join(state) == _Action.ADD_TO_WAIT_LIST
 
 
-def test_join_adds_to_participants_if_not_complete(frozen_now: datetime) -> None:
+def test_join_adds_to_participants_if_not_complete() -> None:
     assert join(base_state()) == _Action.ADD_TO_PARTICIPANTS
 
 
-def test_join_completes_after_last_call(frozen_now: datetime) -> None:
+def test_join_completes_after_last_call() -> None:
     state = base_state()
     state.participants[ME] = 0
     state.deadline = NOW - timedelta(seconds=1)
     assert join(state) == _Action.MARK_RENDEZVOUS_COMPLETE
 
 
-def test_join_waits_during_last_call(frozen_now: datetime) -> None:
+def test_join_waits_during_last_call() -> None:
     state = base_state()
     state.participants[ME] = 0
     state.deadline = NOW + timedelta(seconds=1)
     assert_waits(state)
 
 
-def test_join_waits_for_min_nodes(frozen_now: datetime) -> None:
+def test_join_waits_for_min_nodes() -> None:
     state = base_state()
     state.participants[ME] = 0
     assert_waits(state, min_nodes=3, max_nodes=4)
 
 
-def test_join_rolls_back_after_deadline(frozen_now: datetime) -> None:
+def test_join_rolls_back_after_deadline() -> None:
     state = base_state()
     state.participants[ME] = 0
     assert join(state, deadline_in=-1) == _Action.REMOVE_FROM_PARTICIPANTS
@@ -966,14 +974,14 @@ def test_join_rolls_back_after_deadline(frozen_now: datetime) -> None:
     assert join(state, deadline_in=-1) == _Action.REMOVE_FROM_WAIT_LIST
 
 
-def test_join_times_out_after_rollback_period(frozen_now: datetime) -> None:
+def test_join_times_out_after_rollback_period() -> None:
     state = base_state()
     state.participants[ME] = 0
     assert join(state, deadline_in=-6) == _Action.ERROR_TIMEOUT
     assert join(base_state(), deadline_in=-1) == _Action.ERROR_TIMEOUT
 
 
-def test_close_op(frozen_now: datetime) -> None:
+def test_close_op() -> None:
     state = base_state()
     assert next_action(_RendezvousCloseOp(), state) == _Action.MARK_RENDEZVOUS_CLOSED
     assert next_action(_RendezvousCloseOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
@@ -981,7 +989,7 @@ def test_close_op(frozen_now: datetime) -> None:
     assert next_action(_RendezvousCloseOp(), state) == _Action.FINISH
 
 
-def test_keep_alive_op(frozen_now: datetime) -> None:
+def test_keep_alive_op() -> None:
     state = base_state()
     op = _RendezvousKeepAliveOp()
     assert next_action(op, state) == _Action.FINISH  # No heartbeat of ours yet.
@@ -1582,9 +1590,7 @@ def test_only_a_backend_that_keeps_node_keys_gets_batched_admission() -> None:
     assert keyed._node_keys.announced
 
 
-def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired(
-    frozen_now: datetime,
-) -> None:
+def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired() -> None:
     """With node keys: a complete round that lists a dead participant (its key expired)
     while we wait for the next round loses it in one write by the first waiting node."""
     dead, other = _NodeDesc("dead", 1, 1), _NodeDesc("zzz_waiting", 1, 1)
@@ -1628,7 +1634,7 @@ def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired(
     assert registry.calls["list"] == 2
 
 
-def test_only_the_first_of_the_wait_list_looks_at_the_keys(frozen_now: datetime) -> None:
+def test_only_the_first_of_the_wait_list_looks_at_the_keys() -> None:
     dead, first = _NodeDesc("dead", 1, 1), _NodeDesc("a_first", 1, 1)
     registry = MemoryRegistry()
     state = _RendezvousState()
@@ -1644,3 +1650,103 @@ def test_only_the_first_of_the_wait_list_looks_at_the_keys(frozen_now: datetime)
     executor.run(lambda ctx, dl: next(actions), time.monotonic() + 100)
     assert "list" not in registry.calls
     assert holder.calls[1][0] == "wait"
+
+
+# -- the clock of the state's times -------------------------------------------------------------
+
+
+def test_the_aggregator_never_moves_another_nodes_heartbeat_back() -> None:
+    """The fold sets the heartbeats of the nodes with a live key to the state's time now,
+    but never back: a later one (written by a node whose clock was ahead) stays."""
+    ahead, behind = _NodeDesc("ahead", 1, 1), _NodeDesc("behind", 1, 1)
+    registry, monotonic = MemoryRegistry(), Clock()
+    settings = make_settings(1, 3, interval=timedelta(seconds=5))
+    keys = NodeKeys(registry, ME, settings, monotonic)
+    keys.admission(lambda node: True, "m", None)  # announced; the first admitter aggregates
+    for node in (ahead, behind):
+        registry.announce_node(node, 15)
+    state = _RendezvousState()
+    state.complete = True
+    state.participants = {ahead: 0, behind: 1, ME: 2}
+    later = NOW + timedelta(seconds=20)
+    state.last_heartbeats = {ahead: later, behind: NOW - timedelta(seconds=4), ME: NOW}
+    holder = FakeStateHolder(state)
+    executor = _DistributedRendezvousOpExecutor(ME, holder, settings, keys)
+    monotonic.now += 5  # the next tick is due
+    executor.run(lambda ctx, dl: _Action.FINISH, time.monotonic() + 100)
+    assert holder.calls[:3] == ["sync", "mark", "sync"]  # the fold was written
+    assert holder.state.last_heartbeats == {ahead: later, behind: NOW, ME: NOW}
+
+
+def test_the_state_holders_clock_is_the_one_every_part_reads() -> None:
+    """One clock: the holder's. The heartbeat written, the last-call deadline, the
+    expiry of other nodes' heartbeats and the operations' view of the time all follow it."""
+    clock = FixedClock(NOW + timedelta(hours=1))
+    state = _RendezvousState()
+    state.last_heartbeats[_NodeDesc("stale", 1, 1)] = NOW  # an hour old on this clock
+    backend = MemoryBackend()
+    backend.store(state)
+    settings = make_settings(1, 2)
+    holder = _BackendRendezvousStateHolder(backend, settings, 0, clock)
+    seen: list[datetime] = []
+
+    def op(ctx: _RendezvousContext, deadline: float) -> _Action:
+        seen.append(ctx.now)
+        return _Action.FINISH if ME in ctx.state.participants else _Action.ADD_TO_PARTICIPANTS
+
+    _DistributedRendezvousOpExecutor(ME, holder, settings).run(op, time.monotonic() + 100)
+    written = backend.load()
+    assert written.last_heartbeats == {ME: clock.at}
+    assert written.deadline == clock.at + settings.timeout.last_call
+    assert set(seen) == {clock.at}
+
+
+class DroppingStore(DictStore):
+    """A store whose wait for rank 0's address gives up, as :class:`EtcdStore`'s does at
+    its caller's deadline, after another node took rank 0 out of the round meanwhile."""
+
+    def __init__(self, backend: MemoryBackend) -> None:
+        super().__init__()
+        self._backend = backend
+        self._dropped = False
+
+    def get(self, key: str) -> bytes:
+        if not key.endswith("MASTER_ADDR"):
+            return super().get(key)
+        with self._cond:
+            if not self._dropped:
+                state = self._backend.load()
+                rank_0 = min(state.participants, key=state.participants.__getitem__)
+                del state.participants[rank_0]
+                del state.last_heartbeats[rank_0]
+                self._backend.store(state)
+                self._dropped = True
+        raise LookupError(f"Key {key!r} not found in EtcdStore '/store/' within 1.2 s.")
+
+
+def test_a_failed_address_exchange_says_who_left_the_round(
+    handlers: list[DynamicRendezvousHandler],
+) -> None:
+    backend = MemoryBackend()
+    store = DroppingStore(backend)
+    handlers.extend(make_handler(backend, store, 2, 2, join_timeout=30) for _ in range(2))
+    joiners = [Joiner(h) for h in handlers]
+    errors: dict[int, str] = {}
+    for joiner in joiners:
+        with pytest.raises(LookupError) as caught:
+            joiner.join()
+        errors[joiner.handler._this_node == min(h._this_node for h in handlers)] = str(caught.value)
+    common = (
+        r"within 1\.2 s\. The exchange of rank 0's address is bounded by what is left of "
+        r"join_timeout \(30 s\) after the round completed\. "
+    )
+    assert re.search(
+        common + r"This node is no longer a participant of round 0 of the rendezvous 'run' "
+        r"\(its state is at round 0\): it was dropped",
+        errors[True],  # rank 0
+    ), errors
+    assert re.search(
+        common + r"Rank 0 of round 0, the node '127\.0\.0\.1_\d+_\d+', is no longer one of its "
+        r"participants",
+        errors[False],
+    ), errors

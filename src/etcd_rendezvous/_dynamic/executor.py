@@ -17,7 +17,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from .._transport.retry import CONTENTION, Deadline, Retry
 from ..api import RendezvousClosedError, RendezvousTimeoutError
@@ -41,7 +41,6 @@ from .settings import (
     EXECUTOR_EVENTS,
     LOGGER_NAME,
     RendezvousSettings,
-    _now,
     event_source,
     record_node_event,
 )
@@ -137,6 +136,11 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         """Record an event of ``method`` for this node."""
         record_node_event(self._events, method, message, node_state, self._node)
 
+    def _now(self) -> datetime:
+        """The time on the clock of the state's times (see
+        :mod:`etcd_rendezvous._dynamic.clock`): etcd's, over this package's connection."""
+        return self._state_holder.clock.now()
+
     def run(
         self,
         state_handler: _StateHandler,
@@ -156,7 +160,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
                 continue
 
             ctx = _RendezvousContext(
-                self._node, self._state, self._settings, self._keep_alive_period()
+                self._node, self._state, self._settings, self._keep_alive_period(), self._now()
             )
             # Determine the next action to take based on the current state.
             action = state_handler(ctx, deadline)
@@ -364,9 +368,10 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             admission = _admission_action(self._state, node, self._settings)
             if admission is not None:
                 self._admit_node(node, admission)
-        now, heartbeats = _now(), self._state.last_heartbeats
+        now, heartbeats = self._now(), self._state.last_heartbeats
         for node in listed & heartbeats.keys():
-            heartbeats[node] = now
+            # Never back: a heartbeat moved back could make the node look dead.
+            heartbeats[node] = max(heartbeats[node], now)
 
     def _reap(self, deadline: float) -> float | None:
         """With node keys, while this node is the first of the wait list of a complete
@@ -457,7 +462,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         if keys is None or not keys.tick_due():
             return False
         with self._state_holder.bounded_by(self._step_deadline(deadline)):
-            alive = keys.tick(self._state, _now())
+            alive = keys.tick(self._state, self._now())
         if not alive:
             return False
         self._fold = alive
@@ -471,11 +476,11 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         if alive is None or synced is not _Synced.LOST_RACE:
             self._fold = None
             return False
-        now = _now()
+        now = self._now()
         heartbeats = self._state.last_heartbeats
         for node in alive:
             if node in heartbeats:
-                heartbeats[node] = now
+                heartbeats[node] = max(heartbeats[node], now)  # never back (see _make_batch)
         logger.debug(
             "The node '%s' refreshed the heartbeats of %d node(s) with a live key in the "
             "rendezvous '%s'. Pending sync.",
@@ -510,7 +515,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         """
         state = self._state
         settings = self._settings
-        now = _now()
+        now = self._now()
         waits = [settings.keep_alive_interval.total_seconds(), deadline - time.monotonic()]
         if state.deadline is not None:
             waits.append((state.deadline - now).total_seconds())
@@ -551,7 +556,10 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             f"rendezvous '{self._settings.run_id}'. Pending sync."
         )
         self._tell("_keep_alive", node, msg)
-        self._state.last_heartbeats[node] = _now()
+        now, heartbeats = self._now(), self._state.last_heartbeats
+        # Another node's heartbeat (a batch admits it) never moves back: whoever wrote it
+        # last may have had a later clock, and moving it back could drop the node.
+        heartbeats[node] = now if node == self._node else max(heartbeats.get(node, now), now)
 
     def _add_to_participants(self, node: _NodeDesc) -> None:
         change = f"added {self._whom(node)} to the participants"
@@ -565,7 +573,7 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         self._keep_alive(node)
 
         if len(state.participants) == self._settings.min_nodes:
-            state.deadline = _now() + self._settings.timeout.last_call
+            state.deadline = self._now() + self._settings.timeout.last_call
 
         if len(state.participants) == self._settings.max_nodes:
             self._mark_rendezvous_complete()

@@ -348,11 +348,54 @@ class DynamicRendezvousHandler(RendezvousHandler):
         rank, world_size = self._get_world()
         self._record_round_metrics(time.monotonic() - started, world_size)
         store = self._get_store()
+        joined = self._state_holder.state
+        round_ = joined.round
+        rank_0 = min(joined.participants, key=joined.participants.__getitem__)
         # Rank 0 publishes its address in the store just after completing the round, so
         # the exchange gets a moment even if the round completed right at the deadline.
         exchange = Deadline(max(deadline - time.monotonic(), _EXCHANGE_GRACE))
-        with self._state_holder.bounded_by(exchange):
-            return self._bootstrap(rank, world_size, store)
+        try:
+            with self._state_holder.bounded_by(exchange):
+                return self._bootstrap(rank, world_size, store)
+        except LookupError as exc:  # the store's timeout: rank 0 never published
+            self._explain_exchange_failure(exc, round_, rank_0)
+            raise
+
+    def _explain_exchange_failure(self, exc: LookupError, round_: int, rank_0: _NodeDesc) -> None:
+        """Complete the message of ``exc``, the store's timeout in the exchange of rank
+        0's address after round ``round_`` completed, with the bound of that wait and,
+        from the state as it is now, why rank 0's address never came, if it tells: this
+        node or rank 0 (``rank_0``) is no longer a participant of the round."""
+        if len(exc.args) != 1 or not isinstance(exc.args[0], str):
+            return
+        run_id, join = self._settings.run_id, self._settings.timeout.join.total_seconds()
+        notes = [
+            f"The exchange of rank 0's address is bounded by what is left of join_timeout "
+            f"({join:g} s) after the round completed."
+        ]
+        holder = self._state_holder
+        deadline = self._get_deadline(timedelta(seconds=_WITHDRAW_TIMEOUT))
+        try:
+            with self._locked(deadline, "read the state of"):
+                with holder.bounded_by(Deadline.at(deadline)):
+                    holder.invalidate()  # the state now, not the one held
+                    holder.sync()
+                now_round, participants = holder.state.round, set(holder.state.participants)
+        except RendezvousError:  # nothing more is known
+            now_round, participants = round_, {self._this_node, rank_0}
+        if now_round != round_ or self._this_node not in participants:
+            notes.append(
+                f"This node is no longer a participant of round {round_} of the rendezvous "
+                f"'{run_id}' (its state is at round {now_round}): it was dropped from the "
+                "round (its heartbeat lapsed), or the round ended, while it waited."
+            )
+        elif rank_0 not in participants:
+            notes.append(
+                f"Rank 0 of round {round_}, the node '{rank_0}', is no longer one of its "
+                "participants: it was dropped (its heartbeat lapsed), or left, before it "
+                "published its address."
+            )
+        exc.args = (" ".join([exc.args[0], *notes]),)
 
     def _begin_attempt(self, deadline: float) -> None:
         """Report the attempt, stop the heartbeats and take the handler's lock (all by

@@ -15,7 +15,8 @@ from abc import ABC, abstractmethod
 
 from .._transport.retry import Deadline
 from .backend import POLL_INTERVAL, RendezvousBackend, Token, delay
-from .settings import LOGGER_NAME, STATE_HOLDER_EVENTS, RendezvousSettings, _now, event_source
+from .clock import LOCAL_CLOCK, Clock, state_clock
+from .settings import LOGGER_NAME, STATE_HOLDER_EVENTS, RendezvousSettings, event_source
 from .state import _encode_state, _NodeDesc, _RendezvousState, decode_state
 
 __all__ = [
@@ -65,6 +66,13 @@ class _RendezvousStateHolder(ABC):
     def mark_dirty(self) -> None:
         """Mark the local state as dirty."""
 
+    @property
+    def clock(self) -> Clock:
+        """The clock of the times in the state (heartbeats, the last-call deadline),
+        which every part of the handler writes and judges them on (the default: the
+        local wall clock, as in PyTorch)."""
+        return LOCAL_CLOCK
+
     def wait_for_change(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for another node to change the state.
 
@@ -103,6 +111,9 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         settings: The rendezvous settings.
         cache_duration: The amount of time, in seconds, to cache the last rendezvous
             state before requesting it from the backend again.
+        clock: The clock of the times in the state; by default etcd's if the backend
+            talks to etcd through this package's connection, else the local wall clock
+            (see :func:`~etcd_rendezvous._dynamic.clock.state_clock`).
     """
 
     _backend: RendezvousBackend
@@ -119,10 +130,12 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         backend: RendezvousBackend,
         settings: RendezvousSettings,
         cache_duration: int = 1,
+        clock: Clock | None = None,
     ) -> None:
         self._backend = backend
         self._state = _RendezvousState()
         self._settings = settings
+        self._clock = clock or state_clock(backend, settings)
         self._cache_duration = cache_duration
         self._token = None
         self._dirty = False
@@ -135,6 +148,11 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
     def state(self) -> _RendezvousState:
         """See base class."""
         return self._state
+
+    @property
+    def clock(self) -> Clock:
+        """See base class."""
+        return self._clock
 
     @property
     def token(self) -> Token:
@@ -265,7 +283,7 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
     def _sanitize(self) -> None:
         """Remove the nodes whose heartbeats lapsed (locally; written with the next change)."""
         state = self._state
-        expire_time = _now() - (
+        expire_time = self._clock.now() - (
             self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
         )
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from enum import Enum
 
 from ..api import RendezvousGracefulExitError
-from .settings import LOGGER_NAME, RendezvousSettings, _now
+from .clock import LOCAL_CLOCK
+from .settings import LOGGER_NAME, RendezvousSettings
 from .state import _NodeDesc, _RendezvousState
 
 __all__ = [
@@ -65,12 +66,16 @@ class _RendezvousContext:
         keep_alive_period: How old the node's heartbeat may get before the node
             refreshes it itself: ``keep_alive_interval``, as in PyTorch, unless another
             node refreshes it (see :mod:`etcd_rendezvous._dynamic.admission`).
+        now: The time on the clock of the state's times (see
+            :mod:`etcd_rendezvous._dynamic.clock`) when the context was made; the local
+            wall clock's if not given.
     """
 
     node: _NodeDesc
     state: _RendezvousState
     settings: RendezvousSettings
     keep_alive_period: timedelta
+    now: datetime
 
     def __init__(
         self,
@@ -78,11 +83,13 @@ class _RendezvousContext:
         state: _RendezvousState,
         settings: RendezvousSettings,
         keep_alive_period: timedelta | None = None,
+        now: datetime | None = None,
     ) -> None:
         self.node = node
         self.state = state
         self.settings = settings
         self.keep_alive_period = keep_alive_period or settings.keep_alive_interval
+        self.now = now or LOCAL_CLOCK.now()
 
 
 _StateHandler = Callable[[_RendezvousContext, float], _Action]
@@ -95,7 +102,7 @@ def _should_keep_alive(ctx: _RendezvousContext) -> bool:
     except KeyError:
         return False
 
-    return last_heartbeat <= _now() - ctx.keep_alive_period
+    return last_heartbeat <= ctx.now - ctx.keep_alive_period
 
 
 #: The actions that add a node to the state (which a batch admission takes for others).
@@ -236,7 +243,7 @@ class _RendezvousJoinOp:
             ctx.settings.min_nodes <= len(state.participants) <= ctx.settings.max_nodes
             and state.deadline is not None
         ):
-            if state.deadline < _now():
+            if state.deadline < ctx.now:
                 logger.debug(
                     "The node '%s' marking the rendezvous complete, quorum established "
                     "within deadline",

@@ -2,14 +2,15 @@
 
 Re-exported by :mod:`etcd_rendezvous.dynamic_rendezvous` (users import
 :class:`RendezvousTimeout` and :class:`RendezvousSettings` from there). The parts of the
-handler read the time from one clock (:func:`_now`), and log and name their events as
-that public module, as PyTorch's do (:data:`LOGGER_NAME`, :func:`event_source`).
+handler log and name their events as that public module, as PyTorch's do
+(:data:`LOGGER_NAME`, :func:`event_source`); they read the time from one clock, the
+state holder's (:mod:`etcd_rendezvous._dynamic.clock`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import ClassVar
 
 from ..events import EventSource, NodeState
@@ -22,7 +23,6 @@ __all__ = [
     "STATE_HOLDER_EVENTS",
     "RendezvousSettings",
     "RendezvousTimeout",
-    "_now",
     "event_source",
     "record_node_event",
 ]
@@ -68,11 +68,6 @@ def record_node_event(
         pid=node.pid,
         local_id=node.local_id,
     )
-
-
-def _now() -> datetime:
-    """Return the current UTC time (aware), the clock of deadlines and heartbeats."""
-    return datetime.now(timezone.utc)
 
 
 class RendezvousTimeout:

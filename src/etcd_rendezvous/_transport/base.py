@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from ..api import RendezvousConnectionError
 from ..metrics import record_metric
 from .attempt import Attempt, Outcome
+from .clock import ServerClock
 from .endpoints import Access, Endpoints, Timeouts
 from .interface import (
     DEFAULT_CONNECT_TIMEOUT,
@@ -78,6 +79,7 @@ class Connection(Transport):
         self._access = Access(protocol, cert, key, cacert, username, password)
         timeouts = Timeouts(read_timeout, connect_timeout, request_timeout, silence_timeout)
         self._endpoints = Endpoints(endpoints, protocol, self.api, timeouts, sleep)
+        self._clock = ServerClock()
         self._last_index = 0
 
     # -- properties and lifetime --------------------------------------------------
@@ -116,6 +118,11 @@ class Connection(Transport):
         """The highest store index (revision) seen so far on this connection, in an
         answer or a change it noted."""
         return self._last_index
+
+    @property
+    def clock(self) -> ServerClock:
+        """See base class."""
+        return self._clock
 
     @property
     def closed(self) -> bool:

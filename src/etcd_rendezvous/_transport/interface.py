@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import TypedDict, TypeVar
 
 from ..api import RendezvousError
+from .clock import ServerClock
 from .retry import Deadline
 
 __all__ = [
@@ -331,6 +332,12 @@ class Transport(_Closing):
     @abc.abstractmethod
     def last_index(self) -> int:
         """The highest store index (revision) seen so far on this connection."""
+
+    @property
+    @abc.abstractmethod
+    def clock(self) -> ServerClock:
+        """etcd's clock, as the ``Date`` headers of this connection's answers tell it
+        (the local wall clock before the first answer)."""
 
     @property
     @abc.abstractmethod

@@ -95,7 +95,7 @@ class EtcdConnection(Connection):
 
     def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
         super().__init__(endpoints, **options)
-        self._session = V2Session(endpoints, self._endpoints, self._access)
+        self._session = V2Session(endpoints, self._endpoints, self._access, self._clock)
         self._version: str | None = None
 
     # -- construction ---------------------------------------------------------------

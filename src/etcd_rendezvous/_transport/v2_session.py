@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnection
 
 from ..api import RendezvousConnectionError, RendezvousStateError
 from .attempt import ELECTION_MARKERS, AmbiguousError, UnsentError, transient_answer
+from .clock import ServerClock
 from .endpoints import Access, Endpoints
 from .interface import (
     CompareFailedError,
@@ -39,12 +41,14 @@ class _NoRetryPoolManager(urllib3.PoolManager):
     """A pool manager that never re-sends a request and bounds connection set-up.
 
     python-etcd passes one number as the request timeout; we split it into a connect
-    timeout (bounded by ``connect_timeout``) and the read timeout it asked for.
+    timeout (bounded by ``connect_timeout``) and the read timeout it asked for. Every
+    answer's ``Date`` dates etcd's ``clock``.
     """
 
-    def __init__(self, connect_timeout: float, **kwargs: Any) -> None:
+    def __init__(self, connect_timeout: float, clock: ServerClock, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._connect_timeout = connect_timeout
+        self._clock = clock
         #: Per-thread upper bound for the read timeout of the next requests (seconds).
         self.read_cap = threading.local()
         #: Per-thread ``op`` label (:func:`~etcd_rendezvous._transport.metering.op_name`)
@@ -67,17 +71,19 @@ class _NoRetryPoolManager(urllib3.PoolManager):
             )
             kw["timeout"] = urllib3.Timeout(connect=connect, read=timeout)
         op: str = getattr(self.op, "value", None) or "other"
+        sent = time.monotonic()
         response = super().urlopen(method, url, redirect=redirect, **kw)
+        self._clock.sample(response.headers.get("Date"), sent, time.monotonic())
         body = kw.get("body")
-        sent = len(body) if isinstance(body, (bytes, str)) else 0
+        size = len(body) if isinstance(body, (bytes, str)) else 0
         if "stream=true" in url.partition("?")[2].split("&"):
             # A streaming watch's answer is read, and counted, as a stream (stream.py).
-            count_bytes(sent, 0, api="v2", op=op)
+            count_bytes(size, 0, api="v2", op=op)
         else:
             # python-etcd asks for the body unread (to check the headers first), then
             # reads it whole at once: reading it here fails the same way, and it stays
             # cached for python-etcd.
-            count_bytes(sent, len(response.data or b""), api="v2", op=op)
+            count_bytes(size, len(response.data or b""), api="v2", op=op)
         return response
 
 
@@ -119,11 +125,19 @@ _READS = frozenset({"read", "list", "watch", "query the version of"})
 class V2Session:
     """The python-etcd clients of a v2 connection (one per ``(host, port)`` of
     ``addresses``, the connection's ``endpoints``, with its ``access``), and one request
-    at a time through them."""
+    at a time through them; the ``Date`` of every answer dates the connection's
+    ``clock``."""
 
-    def __init__(self, addresses: Sequence[Endpoint], endpoints: Endpoints, access: Access) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[Endpoint],
+        endpoints: Endpoints,
+        access: Access,
+        clock: ServerClock,
+    ) -> None:
         self._endpoints = endpoints
         self._access = access
+        self._clock = clock
         self._clients = [self._make_client(host, port) for host, port in addresses]
 
     def _make_client(self, host: str, port: int) -> Any:
@@ -142,7 +156,9 @@ class V2Session:
         )
         pool_kw = dict(client.http.connection_pool_kw)
         client.http.clear()
-        client.http = _NoRetryPoolManager(self._endpoints.timeouts.connect, num_pools=10, **pool_kw)
+        client.http = _NoRetryPoolManager(
+            self._endpoints.timeouts.connect, self._clock, num_pools=10, **pool_kw
+        )
         return client
 
     def release(self) -> None:

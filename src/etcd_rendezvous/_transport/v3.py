@@ -70,7 +70,7 @@ class EtcdV3Connection(Connection):
 
     def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
         super().__init__(endpoints, **options)
-        self._session = V3Session(self._endpoints, self._access)
+        self._session = V3Session(self._endpoints, self._access, self._clock)
         self._version: str | None = None
         # The leases of directories made with a TTL (directory -> lease), and the shared
         # clean-up leases (ttl -> (lease, monotonic time of the grant)).

@@ -10,6 +10,7 @@ import json
 import logging
 import ssl
 import threading
+import time
 from typing import Any
 
 import urllib3
@@ -23,6 +24,7 @@ from urllib3.exceptions import (
 from ..api import RendezvousConnectionError
 from . import v3_wire as wire
 from .attempt import AmbiguousError, UnsentError, transient_answer
+from .clock import ServerClock
 from .endpoints import Access, Endpoints
 from .interface import ConditionError, OperationRefusedError
 from .metering import count_bytes
@@ -57,10 +59,12 @@ class LeaseGoneError(ConditionError):
 
 class V3Session:
     """The urllib3 pool of a v3 connection to ``endpoints`` (the connection's, reached
-    with its ``access``), its auth token, and one request at a time."""
+    with its ``access``), its auth token, and one request at a time; the ``Date`` of
+    every answer dates the connection's ``clock``."""
 
-    def __init__(self, endpoints: Endpoints, access: Access) -> None:
+    def __init__(self, endpoints: Endpoints, access: Access, clock: ServerClock) -> None:
         self._endpoints = endpoints
+        self._clock = clock
         pool_kw: dict[str, Any] = {"retries": False, "maxsize": 8}
         if access.protocol == "https":
             pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=access.cacert)
@@ -123,6 +127,7 @@ class V3Session:
             # etcd 3.4 refuses to authenticate a request that carries an expired token.
             headers.pop("Authorization", None)
         payload = None if body is None else json.dumps(body).encode()
+        sent = time.monotonic()
         try:
             response = self.pool.request(
                 "GET" if body is None else "POST",
@@ -134,6 +139,7 @@ class V3Session:
             )
         except BaseException as exc:
             raise self.transport_failure(idx, exc, where) from None
+        self._clock.sample(response.headers.get("Date"), sent, time.monotonic())
         self._endpoints.heard_from(idx)
         count_bytes(len(payload or b""), len(response.data or b""), api=self._endpoints.api, op=op)
         if response.status == 200:

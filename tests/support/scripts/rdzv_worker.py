@@ -17,6 +17,7 @@ executes one command per stdin line, answering each with one JSON line on stdout
 * ``shutdown`` -> ``{"event": "shutdown", "result", "lease_threads"}`` (``etcd``) or
   ``{"event": "shutdown", "result", "threads"}`` (``etcd-v2``: the names of the threads
   still alive besides the main one)
+* ``clock`` -> ``{"event": "clock", "time": time.time()}`` (the process' wall clock)
 * ``exit`` -> exits 0
 """
 
@@ -123,7 +124,24 @@ def _log_to_file() -> None:
     )
 
 
+def _sleep_under_faketime() -> None:
+    """Under libfaketime with its monotonic clock left real (``support.rdzv.skewed_clock``)
+    ``time.sleep`` fails with EINVAL: libfaketime 0.9.10 mishandles the absolute monotonic
+    ``clock_nanosleep`` of Python 3.11. Sleep on an event instead, whose timed wait it
+    leaves alone (with the monotonic clock faked too, timed waits hang instead)."""
+    if "FAKETIME" not in os.environ:
+        return
+
+    def sleep(seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError("sleep length must be non-negative")
+        threading.Event().wait(seconds)
+
+    time.sleep = sleep
+
+
 def main() -> None:
+    _sleep_under_faketime()  # before the library binds time.sleep anywhere
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=("ours", "torch"), default="ours")
     parser.add_argument("--endpoint", required=True)
@@ -198,6 +216,8 @@ def main() -> None:
                         if t.name.startswith("etcd-rendezvous")
                     ]
                     _emit(event="shutdown", result=result, lease_threads=lease_threads)
+            elif cmd == "clock":
+                _emit(event="clock", time=time.time())
             elif cmd == "exit":
                 return
             else:
