@@ -99,7 +99,7 @@ class _FakePool:
 
     def request(self, method: str, url: str, body: bytes | None = None, **kw: Any) -> Any:
         self.sent.append(body or b"")
-        return SimpleNamespace(status=200, data=self.answer)
+        return SimpleNamespace(status=200, data=self.answer, headers={})
 
     def clear(self) -> None:
         pass
