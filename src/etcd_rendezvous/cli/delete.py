@@ -94,10 +94,8 @@ def _refusal(summary: RunSummary, args: argparse.Namespace) -> str | None:
             f"{what}: {summary.status}, but {verdict.reason}: its workers may still be "
             "leaving; delete it once they are gone, or pass --force"
         )
-    if verdict.quiet:
-        why = verdict.reason  # (it says the run is not closed)
-    else:
-        why = f"not closed ({summary.status}), {verdict.reason}"
+    # A quiet run's reason says it is not closed; a live one's names its live keys.
+    why = verdict.reason if verdict.quiet else f"not closed ({summary.status}), {verdict.reason}"
     command = f"etcd-rendezvous close --run-id {summary.run_id}"
     if summary.backend != "etcd":
         command += f" --backend {summary.backend}"
