@@ -248,3 +248,36 @@ def test_a_job_taking_the_run_id_during_the_deletion_keeps_its_keys(
     assert "took the run id" in skipped["reason"], skipped
     for new_key in new_keys:
         assert conn.try_get(new_key) is not None, new_key
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_a_deletion_whose_answer_is_lost_deletes_the_run(
+    etcd_server: EtcdServer,
+    conn: Transport,
+    run_id: str,
+    backend: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The compare-and-delete of the state is applied but reported refused (its answer
+    lost, and etcd's history too old to tell): the state is gone, nobody took the run id,
+    so the rest of the run goes as well."""
+    select = ["--endpoint", etcd_server.get_endpoint(), "--backend", backend]
+    code, _, err = run_main(capsys, "close", *select, "--run-id", run_id, "--create")
+    assert code == 0, err
+    judged = read_run(conn, backend, None, run_id)
+    assert judged is not None
+    compare_and_delete = conn.compare_and_delete
+
+    def answer_lost(key: str, prev: Node) -> bool:
+        compare_and_delete(key, prev)
+        return False
+
+    monkeypatch.setattr(conn, "compare_and_delete", answer_lost)
+    options = argparse.Namespace(dry_run=False, yes=True, json=True, prefix=None)
+    out = io.StringIO()
+    assert delete_runs(options, conn, [judged], out) == 0
+    report = json.loads(out.getvalue())
+    assert report["skipped"] == [], report
+    assert report["deleted"] == [key for key, _ in judged.keys], report
+    assert read_run(conn, backend, None, run_id) is None

@@ -141,7 +141,10 @@ def _delete_run(
     the keys deleted, and why the rest was kept (``None``: it was not)."""
     deleted: list[str] = []
     if now.state is not None:
-        if not conn.compare_and_delete(now.state_key, now.state):
+        refused = not conn.compare_and_delete(now.state_key, now.state)
+        # Refused, and yet gone: our delete whose answer was lost (and whose history
+        # etcd no longer holds), or another operator's. The look below decides.
+        if refused and conn.try_get(now.state_key) is not None:
             return deleted, "its state changed while it was being deleted"
         if (now.state_key, False) in judged.keys:
             deleted.append(now.state_key)
