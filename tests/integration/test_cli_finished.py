@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous._transport.interface import Node, Transport
-from etcd_rendezvous.cli._runs import read_run
+from etcd_rendezvous.cli._runs import RunSummary, read_run
 from etcd_rendezvous.cli.delete import delete_runs
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.layout import (
@@ -204,6 +204,32 @@ def test_a_closed_quiet_run_is_deleted(
         assert conn.try_get(f"{ETCD_V2_STATE_PREFIX}/{run_id}") is None
 
 
+def _closed_in_advance(
+    capsys: pytest.CaptureFixture[str],
+    server: EtcdServer,
+    conn: Transport,
+    backend: str,
+    run_id: str,
+) -> RunSummary:
+    """A run closed before it started (``close --create``), as ``delete`` judges it."""
+    select = ["--endpoint", server.get_endpoint(), "--backend", backend]
+    code, _, err = run_main(capsys, "close", *select, "--run-id", run_id, "--create")
+    assert code == 0, err
+    judged = read_run(conn, backend, None, run_id)
+    assert judged is not None
+    assert judged.finished
+    return judged
+
+
+def _deleted(conn: Transport, judged: RunSummary) -> dict[str, Any]:
+    """What ``delete --yes --json`` reports for ``judged`` (confirmed at once)."""
+    options = argparse.Namespace(dry_run=False, yes=True, json=True, prefix=None)
+    out = io.StringIO()
+    assert delete_runs(options, conn, [judged], out) == 0
+    report: dict[str, Any] = json.loads(out.getvalue())
+    return report
+
+
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_a_job_taking_the_run_id_during_the_deletion_keeps_its_keys(
     etcd_server: EtcdServer,
@@ -217,12 +243,7 @@ def test_a_job_taking_the_run_id_during_the_deletion_keeps_its_keys(
     state that kept new workers out, a job starts under it (a state and a worker's key).
     The look for worker keys right before the rest is deleted finds them, and leaves
     them."""
-    select = ["--endpoint", etcd_server.get_endpoint(), "--backend", backend]
-    code, _, err = run_main(capsys, "close", *select, "--run-id", run_id, "--create")
-    assert code == 0, err
-    judged = read_run(conn, backend, None, run_id)
-    assert judged is not None
-    assert judged.finished
+    judged = _closed_in_advance(capsys, etcd_server, conn, backend, run_id)
     layout = LegacyLayout(DEFAULT_PREFIX, run_id)
     new_keys = (
         [layout.state_key, layout.member_key("2", "node_" + "0" * 16)]
@@ -239,10 +260,7 @@ def test_a_job_taking_the_run_id_during_the_deletion_keeps_its_keys(
         return deleted
 
     monkeypatch.setattr(conn, "compare_and_delete", then_a_job_starts)
-    options = argparse.Namespace(dry_run=False, yes=True, json=True, prefix=None)
-    out = io.StringIO()
-    assert delete_runs(options, conn, [judged], out) == 0
-    report = json.loads(out.getvalue())
+    report = _deleted(conn, judged)
     assert report["deleted"] == [judged.state_key], report
     (skipped,) = report["skipped"]
     assert "took the run id" in skipped["reason"], skipped
@@ -262,11 +280,7 @@ def test_a_deletion_whose_answer_is_lost_deletes_the_run(
     """The compare-and-delete of the state is applied but reported refused (its answer
     lost, and etcd's history too old to tell): the state is gone, nobody took the run id,
     so the rest of the run goes as well."""
-    select = ["--endpoint", etcd_server.get_endpoint(), "--backend", backend]
-    code, _, err = run_main(capsys, "close", *select, "--run-id", run_id, "--create")
-    assert code == 0, err
-    judged = read_run(conn, backend, None, run_id)
-    assert judged is not None
+    judged = _closed_in_advance(capsys, etcd_server, conn, backend, run_id)
     compare_and_delete = conn.compare_and_delete
 
     def answer_lost(key: str, prev: Node) -> bool:
@@ -274,10 +288,7 @@ def test_a_deletion_whose_answer_is_lost_deletes_the_run(
         return False
 
     monkeypatch.setattr(conn, "compare_and_delete", answer_lost)
-    options = argparse.Namespace(dry_run=False, yes=True, json=True, prefix=None)
-    out = io.StringIO()
-    assert delete_runs(options, conn, [judged], out) == 0
-    report = json.loads(out.getvalue())
+    report = _deleted(conn, judged)
     assert report["skipped"] == [], report
     assert report["deleted"] == [key for key, _ in judged.keys], report
     assert read_run(conn, backend, None, run_id) is None
