@@ -11,7 +11,7 @@ from etcd_rendezvous.cli._common import UsageError
 from etcd_rendezvous.cli._dashboard.follow import Snapshot, Source
 from etcd_rendezvous.cli._dashboard.model import RunRead, RunRecord, observe
 from etcd_rendezvous.cli._dashboard.views import gauges, run_view
-from etcd_rendezvous.cli._runs import RunSummary
+from etcd_rendezvous.cli._runs import RunSummary, Verdict
 from etcd_rendezvous.cli.dashboard import parse_listen
 
 
@@ -29,6 +29,9 @@ def _v2(status: str, round_: int, participants: list[str], **extra: Any) -> RunR
         "last_heartbeats": {name: {"time": t, "age": 0.0} for name, t in beats.items()},
         "node_keys": [{"node": n} for n in extra.pop("keys", participants)],
     }
+    lifetime = extra.pop("lifetime", 60.0)
+    if lifetime is not None:
+        report["heartbeat_lifetime"] = {"seconds": lifetime, "source": "published by its nodes"}
     summary = RunSummary(
         "etcd-v2",
         "job",
@@ -37,8 +40,7 @@ def _v2(status: str, round_: int, participants: list[str], **extra: Any) -> RunR
         len(participants),
         str(round_),
         0,
-        None,
-        False,
+        Verdict(over=status == "closed", quiet=False, reason="a node key", idle_seconds=0.0),
         prefix="/torch/elastic/rendezvous",
     )
     return RunRead(summary, report)
@@ -56,7 +58,8 @@ def _legacy(status: str, version: str, ranks: list[int], live: list[int]) -> Run
         ],
         "num_workers_waiting": 0,
     }
-    summary = RunSummary("etcd", "job", "v2", status, len(ranks), version, len(live), None, False)
+    verdict = Verdict(over=status == "closed", quiet=not live, reason="", idle_seconds=None)
+    summary = RunSummary("etcd", "job", "v2", status, len(ranks), version, len(live), verdict)
     return RunRead(summary, report)
 
 
@@ -103,10 +106,28 @@ def test_heartbeats_are_aged_by_when_the_dashboard_saw_them_change() -> None:
     seen = {m.name: m.seen for m in later.members}
     assert seen == {"a": 50.0, "b": 0.0}
     assert later.oldest_sign_of_life(55.0) == 55.0
-    # b's heartbeat unchanged for more than 60 s: missing.
+    # b's heartbeat unchanged for more than the run's lifetime (60 s here): missing.
     silent = observe(later, _v2("complete", 1, ["a", "b"], beats=beats), now=61.0)
     assert _states(silent) == {"a": "live", "b": "missing"}
     assert silent.missing == 1
+
+
+@pytest.mark.parametrize(
+    ("lifetime", "silent_for", "state"),
+    [
+        (20.0, 19.0, "live"),
+        (20.0, 21.0, "missing"),
+        (150.0, 140.0, "live"),  # a long keep-alive interval: not missing between beats
+        (None, 14.0, "live"),  # nothing published: PyTorch's default lifetime, 15 s
+        (None, 16.0, "missing"),
+    ],
+)
+def test_a_heartbeat_is_missing_after_the_lifetime_the_run_is_judged_by(
+    lifetime: float | None, silent_for: float, state: str
+) -> None:
+    start = observe(None, _v2("complete", 1, ["a"], lifetime=lifetime), now=0.0)
+    later = observe(start, _v2("complete", 1, ["a"], lifetime=lifetime), now=silent_for)
+    assert _states(later) == {"a": state}
 
 
 def test_a_node_key_that_goes_away_marks_its_node_missing_and_left_once_closed() -> None:

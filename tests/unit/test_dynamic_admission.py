@@ -3,6 +3,7 @@ in-memory registry and a fake clock."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -668,6 +669,39 @@ def test_a_state_the_key_does_not_describe_is_relayed_and_ours_summarised() -> N
     keys.state_read(30, state, written=False)  # not following the key: no relay
     assert registry.written[-1].token == 25
     assert registry.calls["stop_waiting"] == 1
+
+
+def test_each_summary_publishes_the_writers_heartbeat_lifetime() -> None:
+    """The operator commands judge a run by how long its nodes may stay silent: every
+    summary a node writes says it (``keep_alive_interval`` x ``keep_alive_max_attempt``).
+    Readers of an older version ignore the field; a summary of an older writer, without
+    it, reads as the same summary, with no lifetime."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = keys_of(A, registry, clock, interval=7, attempts=4)
+    keys.begin_join()
+    keys.admission(wants_all_but(), "m", token=0)
+    state = RendezvousState()
+    state.participants[A] = 0
+    keys.state_read(20, state, written=True)
+    written = registry.written[-1]
+    assert written.lifetime == 28
+    value = json.loads(written.encode())
+    assert value["lifetime"] == 28
+    assert Progress.decode(written.encode()) == written
+    decoded = Progress.decode(written.encode())
+    assert decoded is not None
+    assert decoded.lifetime == 28
+    del value["lifetime"]
+    older = Progress.decode(json.dumps(value))
+    assert older == written
+    assert older is not None
+    assert older.lifetime == 0
+    for garbage in ("7", -1, True, 2.5):
+        garbled = Progress.decode(json.dumps({**value, "lifetime": garbage}))
+        assert garbled == written  # the summary stands; its lifetime is not said
+        assert garbled is not None
+        assert garbled.lifetime == 0
 
 
 def test_a_summary_beyond_its_own_write_is_never_heard() -> None:

@@ -558,14 +558,27 @@ def test_silence_doubles_after_reads_that_find_nothing_and_resets_on_news() -> N
     feed, conn = _following(joinable(1))
     assert SILENCE <= feed.silence <= 1.25 * SILENCE
     feed.refresh()
+    assert 2 * SILENCE <= feed.silence <= 1.25 * min(2 * SILENCE, SILENCE_MAX)
     feed.refresh()
-    assert 4 * SILENCE <= feed.silence <= 1.25 * min(4 * SILENCE, SILENCE_MAX)
+    assert min(4 * SILENCE, SILENCE_MAX) <= feed.silence <= 1.25 * min(4 * SILENCE, SILENCE_MAX)
     for _ in range(5):
         feed.refresh()
     assert SILENCE_MAX <= feed.silence <= 1.25 * SILENCE_MAX
     conn.node = Node(LAYOUT.state_key, json.dumps(joinable(2)), 20, 1, 20, None, False, (), "get")
     feed.refresh()
     assert SILENCE <= feed.silence <= 1.25 * SILENCE
+
+
+def test_a_frozen_state_is_read_within_half_its_ttl_however_long_the_quiet() -> None:
+    """A state frozen by PyTorch's worker (no hint) lapses CONST_ETCD_FROZEN_TTL after its
+    last write unless our members confirm. However long the state stayed quiet before
+    (the silence backs off), the next read comes within half that TTL, jitter included,
+    leaving the other half for the read, the hint and the confirming write."""
+    feed, _ = _following(joinable(1))
+    for _ in range(20):
+        feed.refresh()  # nothing new, again and again
+    longest = max(feed.silence for _ in range(2000))
+    assert longest <= CONST_ETCD_FROZEN_TTL / 2
 
 
 def test_a_hint_round_trips_and_rejects_what_is_not_one() -> None:

@@ -291,7 +291,7 @@ class NodeKeys:
         self._reap_round: int | None = None
         self._reap_at = -math.inf
         board = registry if isinstance(registry, ProgressBoard) else None
-        self._progress = ProgressKey(board, node, settings.min_nodes, clock)
+        self._progress = ProgressKey(board, node, settings.min_nodes, clock, self._ttl)
 
     @property
     def node(self) -> NodeDesc:

@@ -9,6 +9,7 @@ docs/how-it-works.rst, "The progress key".
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 #: The fields of the progress key's JSON value, in the order of :class:`Progress`.
 _FIELDS = ("token", "round", "complete", "closed", "decided_upto", "participants", "waiting")
+#: The field of the writer's heartbeat lifetime, which older writers leave out (and older
+#: readers ignore): the operator commands' measure of how long a node may stay silent.
+_LIFETIME = "lifetime"
 
 #: Seconds a node that follows the progress key waits without hearing of a change (on
 #: the progress key, or in a read of the state) before it reads the key, then the state,
@@ -56,10 +60,19 @@ class Progress:
     #: How many participants, and how many nodes on the wait list.
     participants: int
     waiting: int
+    #: The writer's heartbeat lifetime (``keep_alive_interval`` times ``keep_alive_max_attempt``,
+    #: in whole seconds; 0: not said, by an older writer): how long its nodes may stay
+    #: silent before they count as dead, which ``etcd-rendezvous`` reads to tell a run
+    #: whose nodes are gone. It says nothing of the state: summaries are compared
+    #: without it.
+    lifetime: int = field(default=0, compare=False)
 
     @classmethod
-    def of(cls, token: int, state: RendezvousState, decided_upto: int) -> Progress:
-        """The summary of ``state``, written with ``token``."""
+    def of(
+        cls, token: int, state: RendezvousState, decided_upto: int, lifetime: int = 0
+    ) -> Progress:
+        """The summary of ``state``, written with ``token`` by a node whose heartbeat
+        lifetime is ``lifetime`` seconds."""
         return cls(
             token,
             state.round,
@@ -68,17 +81,22 @@ class Progress:
             decided_upto,
             len(state.participants),
             len(state.wait_list),
+            lifetime,
         )
 
     def encode(self) -> str:
         """The progress key's value: the summary as a small JSON object."""
-        return json.dumps({name: getattr(self, name) for name in _FIELDS})
+        fields: dict[str, object] = {name: getattr(self, name) for name in _FIELDS}
+        if self.lifetime:
+            fields[_LIFETIME] = self.lifetime
+        return json.dumps(fields)
 
     @classmethod
     def decode(cls, value: str | None) -> Progress | None:
         """The summary a progress key's value holds; ``None`` for anything else (a
         summary that cannot be read is as good as none: the reader falls back on the
-        state)."""
+        state). A lifetime that is missing (an older writer) or not a positive whole
+        number reads as 0."""
         try:
             fields = json.loads(value or "")
         except ValueError:
@@ -90,7 +108,11 @@ class Progress:
         counts = values[:2] + values[4:]
         if any(type(v) is not bool for v in flags) or any(type(v) is not int for v in counts):
             return None
-        return cls(*values)  # type: ignore[arg-type]
+        summary = cls(*values)  # type: ignore[arg-type]
+        lifetime = fields.get(_LIFETIME)
+        if type(lifetime) is not int or lifetime <= 0:
+            return summary
+        return dataclasses.replace(summary, lifetime=lifetime)
 
 
 @runtime_checkable
@@ -185,6 +207,9 @@ class ProgressKey:
     node: NodeDesc
     min_nodes: int
     clock: Callable[[], float]
+    #: The node's heartbeat lifetime in whole seconds, published with every summary it
+    #: writes (see :attr:`Progress.lifetime`).
+    lifetime: int = 0
     #: The newest summary heard (``None``: none yet, or it was found false).
     hint: Progress | None = field(default=None, init=False)
     #: Every node key created at or before this etcd index was decided, as far as the
@@ -237,7 +262,7 @@ class ProgressKey:
         if progress is not None:
             self._hear(progress, version, index)
             return
-        first = Progress(0, 0, False, False, index, 0, 0)
+        first = Progress(0, 0, False, False, index, 0, 0, self.lifetime)
         if version is not None:  # garbage: start afresh
             written = board.write_progress(first, version)
             if written is not None:
@@ -375,7 +400,7 @@ class ProgressKey:
         """Write the summary of ``state`` (read with ``token``) by ``write`` (one of
         ``board``'s, on the key's version last heard); if someone wrote the key since
         we heard it, leave it: its summary may know more."""
-        progress = Progress.of(token, state, self.decided_upto)
+        progress = Progress.of(token, state, self.decided_upto, self.lifetime)
         index = write(progress, self._version)
         if index is None:
             return

@@ -27,7 +27,7 @@ from .._transport.interface import (
     WatchStream,
 )
 from .._transport.retry import Deadline
-from .state import LOGGER_NAME, Hint, status_in
+from .state import CONST_ETCD_FROZEN_TTL, LOGGER_NAME, Hint, status_in
 
 __all__ = ["SILENCE", "SILENCE_MAX", "Observed", "StateFeed"]
 
@@ -38,7 +38,15 @@ logger = logging.getLogger(LOGGER_NAME)
 #: between its state write and its hint. Each read that finds nothing new doubles it,
 #: up to :data:`SILENCE_MAX`; one that finds news resets it.
 SILENCE = 2.0
-SILENCE_MAX = 8.0
+#: Each silence is drawn up to this fraction longer, so that many workers do not read
+#: the state at once.
+_JITTER = 0.25
+#: The longest silence, its jitter included, is half the TTL of a frozen state: a state
+#: PyTorch's worker froze lapses that long after its last write unless our members are
+#: confirmed, and they learn of the freeze only by reading the state (PyTorch's workers
+#: write no hint). The other half is left for that read, the hint that tells the others,
+#: and the confirming write.
+SILENCE_MAX = CONST_ETCD_FROZEN_TTL / 2 / (1 + _JITTER)
 
 
 @dataclass(frozen=True)
@@ -129,7 +137,7 @@ class StateFeed:
         """Seconds of :attr:`silent_for` after which to read the state anyway (see
         :data:`SILENCE`), with a jitter of up to a quarter, so that many workers do not
         read it at once."""
-        return self._silence * (1.0 + 0.25 * secrets.randbelow(1 << 10) / (1 << 10))
+        return self._silence * (1.0 + _JITTER * secrets.randbelow(1 << 10) / (1 << 10))
 
     def current(self) -> Observed:
         """The latest state known: read from etcd on first use and after an error, else

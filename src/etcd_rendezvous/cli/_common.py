@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import dataclasses
 import getpass
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -44,6 +45,7 @@ __all__ = [
     "UsageError",
     "WatchStream",
     "add_endpoint_option",
+    "add_lifetime_option",
     "add_run_options",
     "choose_backend",
     "confirm",
@@ -51,6 +53,7 @@ __all__ = [
     "etcd_errors",
     "non_negative_seconds",
     "open_connection",
+    "positive_seconds",
     "read_dir",
     "resolve_connection",
     "run_backends",
@@ -82,6 +85,14 @@ def non_negative_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """The argparse type of a lifetime option: a finite number of seconds, more than 0."""
+    value = non_negative_seconds(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number more than 0, got {text}")
     return value
 
 
@@ -177,6 +188,19 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
         choices=("etcd", "etcd-v2"),
         help="rendezvous backend of the run (default: the one that holds a run of this "
         "id; refused if both do)",
+    )
+
+
+def add_lifetime_option(parser: argparse.ArgumentParser) -> None:
+    """``--heartbeat-lifetime`` of the commands that judge whether a run is finished."""
+    parser.add_argument(
+        "--heartbeat-lifetime",
+        type=positive_seconds,
+        metavar="S",
+        help="etcd-v2: how long the run's nodes may stay silent before they count as dead "
+        "(keep_alive_interval x keep_alive_max_attempt), for PyTorch's nodes configured "
+        "otherwise than its defaults (15 s); never shorter than what the run's nodes of "
+        "this package publish",
     )
 
 

@@ -1,5 +1,5 @@
 """The runs under a prefix, read without changing anything: what ``list``, ``status``,
-``delete`` and ``gc`` know about a run.
+``delete`` and ``gc`` know about a run, and whether it is finished.
 
 A run of the ``etcd`` backend is the directory ``<prefix>/run_<run_id>``
 (:class:`~etcd_rendezvous.layout.LegacyLayout`); a run of ``etcd-v2`` is its state key
@@ -7,14 +7,29 @@ A run of the ``etcd`` backend is the directory ``<prefix>/run_<run_id>``
 (:class:`~etcd_rendezvous.layout.EtcdV2NodesLayout`) and its rounds' keys in the shared
 store (:func:`~etcd_rendezvous.layout.dynamic_store_prefix`).
 
-A run is *finished* when no worker is left in it, whatever its status
-(:func:`run_finished`): no key of a live worker (keep-alive, member, wait or node key),
-nobody joining (a state with a TTL, which workers write while they join; for ``etcd``,
-``num_workers_waiting`` of a final state, as PyTorch's waiting workers write no key)
-and, for ``etcd-v2``, no recent heartbeat (:func:`heartbeat_is_live`). A closed run is
-not finished while its workers still run: the first worker to finish closes it while
-the others may still be in their exit barrier, using the run's keys. Only a finished run
-may be deleted without ``--force``.
+A run is *finished* (:class:`Verdict`) on two facts etcd shows, never on the absence of
+evidence alone (etcd cannot show every live worker: PyTorch's legacy workers below
+``min_workers`` write no key, and a re-rendezvous has no state for a while):
+
+* it is **over**: its state is closed, by a worker's ``shutdown()``/``set_closed()`` or by
+  ``etcd-rendezvous close``; an ``etcd-v2`` run also when its state key is gone (its
+  nodes write it, with a two-hour TTL, at least every two keep-alive intervals);
+* it is **quiet**, by etcd's clock and keys with lifetimes only: no ``rank_*``,
+  ``node_*`` or ``wait_*`` key in any ``rdzv/v_*`` directory and no joining state with a
+  TTL (``etcd``); no node key and, over etcd's v2 API (where PyTorch's nodes, which keep
+  no key, may be), a state last written at least one heartbeat lifetime ago
+  (:func:`heartbeat_lifetime`).
+
+Invariants (docs/assumptions.rst, "What operators may delete, and when"):
+
+* No command deletes, without ``--force``, a run with a live worker or a waiting node,
+  whatever the interleaving: a re-rendezvous gap, PyTorch's workers below
+  ``min_workers``, a worker in its exit barrier, a worker frozen for less than its
+  keys' lifetime, a run id reused meanwhile, a lost answer to a delete. ``delete`` and
+  ``gc`` judge the run again after the confirmation, compare-and-delete the state they
+  judged, and look for worker keys once more before the rest goes.
+* Nothing is deleted because of bad input: an unknown run, a state that does not decode,
+  an option etcd cannot honour is refused, with the culprit named.
 """
 
 from __future__ import annotations
@@ -24,7 +39,6 @@ import dataclasses
 import json
 from base64 import b64decode
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Any
 
 from ..api import RendezvousStateError
@@ -47,33 +61,155 @@ from ..layout import (
 from ._common import KeyNotFoundError, Node, Transport, read_dir, with_ttl
 
 __all__ = [
-    "CLOCK_SKEW_MARGIN_SECONDS",
-    "HEARTBEAT_LIVE_SECONDS",
+    "PYTORCH_HEARTBEAT_LIFETIME",
     "EtcdRun",
+    "HeartbeatLifetime",
     "RunSummary",
+    "Verdict",
+    "etcd_v2_status",
     "etcd_v2_store_keys",
     "find_runs",
-    "heartbeat_is_live",
+    "heartbeat_lifetime",
     "is_worker_key",
+    "judge_etcd",
+    "judge_etcd_v2",
     "list_etcd_runs",
     "list_etcd_v2_run_ids",
     "node_keys_report",
     "owns_store_keys",
     "read_etcd_run",
     "read_run",
-    "run_finished",
+    "state_write_age",
     "summarize_etcd",
     "summarize_etcd_v2",
 ]
 
-#: A heartbeat of an ``etcd-v2`` node younger than this says the run is alive
-#: (PyTorch's default keep-alive is every 5 s, 3 attempts).
-HEARTBEAT_LIVE_SECONDS = 60.0
-#: Heartbeat times are the workers' clocks, compared with the operator's: a heartbeat
-#: counts as recent for this much longer, so that an operator's clock running ahead
-#: of the workers' by less than this does not make a live run look finished.
-CLOCK_SKEW_MARGIN_SECONDS = 60.0
+#: The heartbeat lifetime of PyTorch's dynamic rendezvous with its defaults
+#: (``keep_alive_interval`` 5 s times ``keep_alive_max_attempt`` 3): what a run whose nodes
+#: publish none is judged by, unless the operator says otherwise.
+PYTORCH_HEARTBEAT_LIFETIME = 15.0
 _RUN_DIR_PREFIX = "run_"
+_VERSION_DIR_PREFIX = "v_"
+
+
+@dataclass(frozen=True)
+class HeartbeatLifetime:
+    """How long the nodes of an ``etcd-v2`` run may stay silent before they count as
+    dead, and where that figure comes from."""
+
+    seconds: float
+    #: ``published by its nodes``, ``--heartbeat-lifetime`` or ``PyTorch's default``.
+    source: str
+
+
+def heartbeat_lifetime(published: float | None, stated: float | None) -> HeartbeatLifetime:
+    """The heartbeat lifetime to judge a run by: the longest of what our nodes published
+    (in the progress key) and what the operator stated (``--heartbeat-lifetime``, for
+    PyTorch's nodes configured otherwise); PyTorch's default if neither is known."""
+    known = [
+        HeartbeatLifetime(float(seconds), source)
+        for seconds, source in (
+            (published, "published by its nodes"),
+            (stated, "--heartbeat-lifetime"),
+        )
+        if seconds
+    ]
+    if not known:
+        return HeartbeatLifetime(PYTORCH_HEARTBEAT_LIFETIME, "PyTorch's default")
+    return max(known, key=lambda lifetime: lifetime.seconds)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a run is finished, and what etcd showed to say so."""
+
+    #: Closed (or, for ``etcd-v2``, its state key gone): the job is over.
+    over: bool
+    #: No key with a lifetime shows a worker, and (``etcd-v2`` over v2) the state was
+    #: written a heartbeat lifetime ago or more.
+    quiet: bool
+    #: What made the run live or not, for the operator (one short clause).
+    reason: str
+    #: Seconds the run has been idle by etcd's clock, at least (0: a key shows a live
+    #: worker); ``None`` where etcd keeps no time of it.
+    idle_seconds: float | None
+
+    @property
+    def finished(self) -> bool:
+        """Over and quiet: the run may be deleted without ``--force``."""
+        return self.over and self.quiet
+
+
+def judge_etcd(*, status: str, worker_keys: int, joining: bool) -> Verdict:
+    """The verdict on an ``etcd`` run whose state has ``status`` (``none``: no state,
+    ``invalid``: one that does not decode), with ``worker_keys`` keys of workers in its
+    version directories, ``joining`` if its state has a TTL of its own and is not final
+    (workers write it so while they join)."""
+    over = status == "closed"
+    if worker_keys:
+        return Verdict(over, False, f"{worker_keys} worker key(s)", 0.0)
+    if joining:
+        return Verdict(over, False, f"a {status} state with a TTL (a worker is joining)", 0.0)
+    if over:
+        return Verdict(True, True, "closed, no worker key", None)
+    if status == "none":
+        return Verdict(False, True, "not closed (no state: between two versions?)", None)
+    return Verdict(False, True, f"not closed ({status})", None)
+
+
+def state_write_age(api: str, ttl: int | None, granted: int) -> float | None:
+    """Seconds since an ``etcd-v2`` state key was written, by etcd's clock: every node
+    writes it with a TTL of ``granted`` (PyTorch's two hours), which etcd's v2 API
+    reports counting down (in whole seconds, rounded up: the age is never
+    overestimated). ``None`` where etcd cannot tell: over the v3 API (this package's
+    writes share a lease among keys written within minutes of each other, so the
+    lease's age is not the key's), a key without a TTL, or one with a longer TTL."""
+    if api != "v2" or ttl is None or ttl > granted:
+        return None
+    return float(granted - ttl)
+
+
+def judge_etcd_v2(
+    *,
+    status: str,
+    node_keys: int,
+    api: str,
+    state_ttl: int | None,
+    granted_ttl: int,
+    lifetime: HeartbeatLifetime,
+) -> Verdict:
+    """The verdict on an ``etcd-v2`` run whose state has ``status`` (``none``: no state
+    key; ``invalid``: a value that does not decode), with ``node_keys`` node keys, over
+    etcd's ``api``, its state key having ``state_ttl`` seconds left of ``granted_ttl``
+    (see :func:`state_write_age`), judged by ``lifetime``."""
+    over = status in ("none", "closed")
+    if node_keys:
+        return Verdict(over, False, f"{node_keys} node key(s)", 0.0)
+    if status == "none":
+        return Verdict(True, True, "no state (it lapsed, or was never written), no node key", None)
+    if status == "invalid":
+        return Verdict(False, False, "its state does not decode", None)
+    age = state_write_age(api, state_ttl, granted_ttl)
+    if age is not None:
+        quiet = age >= lifetime.seconds
+        compared = "at least" if quiet else "less than"
+        clause = (
+            f"state written {age:g} s ago, {compared} the heartbeat lifetime "
+            f"({lifetime.seconds:g} s, {lifetime.source})"
+        )
+    elif api != "v2":
+        quiet, clause = True, "no node key (over etcd's v3 API every node keeps one)"
+    elif state_ttl is None:
+        quiet, clause = True, "no node key, no TTL on the state (no node wrote it since)"
+    else:
+        quiet = False
+        clause = f"a state of unknown age (its TTL, {state_ttl} s, is above {granted_ttl} s)"
+    if not over:
+        return Verdict(False, quiet, f"not closed ({status})", age)
+    return Verdict(True, quiet, f"closed, {clause}" if quiet else clause, age)
+
+
+# -- the summary of a run --------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -86,9 +222,21 @@ class EtcdRun:
     run_dir: Node | None
     state: Node | None
     version_counter: Node | None
-    #: ``rdzv/v_<version>`` of the version the state names: its ``rank_<r>``,
-    #: ``node_<hex>`` and ``wait_<hex>`` children are the keys of live workers.
+    #: ``rdzv/v_<version>`` of the version the state names, its children with their TTLs.
     version_dir: Node | None
+    #: Every ``rdzv/v_*`` directory, with its children: their ``rank_<r>``,
+    #: ``node_<hex>`` and ``wait_<hex>`` keys are the keys of live workers.
+    version_dirs: tuple[Node, ...] = ()
+
+    @property
+    def worker_keys(self) -> int:
+        """The keys of live workers, in every version directory."""
+        return sum(
+            1
+            for directory in self.version_dirs
+            for child in directory.children
+            if is_worker_key(child.key)
+        )
 
 
 @dataclass
@@ -107,13 +255,12 @@ class RunSummary:
     world_size: int
     #: The version (``etcd``) or round (``etcd-v2``).
     version: str | None
-    #: Keys of live workers (``etcd``) or nodes with a recent heartbeat or a node key
+    #: Keys of live workers: keep-alive, member and wait keys (``etcd``) or node keys
     #: (``etcd-v2``).
     live: int
-    #: Seconds since the newest sign of life etcd holds a time for (``etcd-v2``
-    #: heartbeats); ``None`` where etcd keeps no time (the ``etcd`` backend).
-    idle_seconds: float | None
-    finished: bool
+    verdict: Verdict
+    #: The lifetime the run was judged by (``etcd-v2``; ``None`` for ``etcd``).
+    lifetime: HeartbeatLifetime | None = None
     #: What :func:`delete` removes: (key, recursive) pairs.
     keys: list[tuple[str, bool]] = field(default_factory=list)
     #: The prefix the run was found under (``etcd``: of its run directory; ``etcd-v2``:
@@ -125,9 +272,19 @@ class RunSummary:
     state: Node | None = field(default=None, repr=False)
 
     @property
+    def finished(self) -> bool:
+        """Whether the run is over and quiet (see :class:`Verdict`)."""
+        return self.verdict.finished
+
+    @property
+    def idle_seconds(self) -> float | None:
+        """Seconds idle by etcd's clock, at least (see :attr:`Verdict.idle_seconds`)."""
+        return self.verdict.idle_seconds
+
+    @property
     def never_started(self) -> bool:
         """Whether the run was closed before any worker took part in it (as ``close
-        --create`` leaves it): closed, no participant, no heartbeat, no version."""
+        --create`` leaves it): closed, no participant, no time, no version."""
         return (
             self.status == "closed"
             and self.world_size == 0
@@ -137,6 +294,7 @@ class RunSummary:
 
     def as_dict(self) -> dict[str, Any]:
         """The summary as a dict for ``--json`` (keys as a list of key names)."""
+        lifetime = self.lifetime
         return {
             "backend": self.backend,
             "run_id": self.run_id,
@@ -147,24 +305,12 @@ class RunSummary:
             "live": self.live,
             "idle_seconds": None if self.idle_seconds is None else round(self.idle_seconds, 1),
             "finished": self.finished,
+            "closed": self.verdict.over,
+            "quiet": self.verdict.quiet,
+            "reason": self.verdict.reason,
+            "heartbeat_lifetime": None if lifetime is None else dataclasses.asdict(lifetime),
             "keys": [key for key, _ in self.keys],
         }
-
-
-def heartbeat_is_live(age_seconds: float) -> bool:
-    """Whether a heartbeat ``age_seconds`` old (by the operator's clock) says its node is
-    alive: younger than :data:`HEARTBEAT_LIVE_SECONDS` plus
-    :data:`CLOCK_SKEW_MARGIN_SECONDS` (a negative age, from a clock behind the workers',
-    is recent)."""
-    return age_seconds < HEARTBEAT_LIVE_SECONDS + CLOCK_SKEW_MARGIN_SECONDS
-
-
-def run_finished(*, live: int, joining: bool, waiting: int = 0) -> bool:
-    """Whether a run is finished: no live worker key or recent heartbeat (``live``),
-    nobody joining, and no worker waiting (``waiting``: ``num_workers_waiting`` of an
-    ``etcd`` final state). The status does not count: a closed run may still have
-    workers in their exit barrier."""
-    return live == 0 and not joining and waiting == 0
 
 
 # -- the etcd backend ------------------------------------------------------------------
@@ -182,6 +328,23 @@ def _named_version(state: Node | None) -> str | None:
     if isinstance(version, str) and version and "/" not in version:
         return version
     return None
+
+
+def _version_dirs(conn: Transport, layout: LegacyLayout) -> tuple[Node, ...]:
+    """Every ``rdzv/v_*`` directory of the run, each listed one level deep (a version's
+    store ``kv`` is one child; its keys are not read one by one)."""
+    names = [
+        child.key
+        for child in _children(conn, layout.rdzv_dir)
+        if child.is_dir and _last_segment(child).startswith(_VERSION_DIR_PREFIX)
+    ]
+    listed = []
+    for key in names:
+        try:
+            listed.append(conn.list_dir(key))
+        except KeyNotFoundError:
+            continue  # deleted since (with its keys)
+    return tuple(listed)
 
 
 def read_etcd_run(conn: Transport, prefix: str, run_id: str) -> EtcdRun:
@@ -207,6 +370,7 @@ def read_etcd_run(conn: Transport, prefix: str, run_id: str) -> EtcdRun:
         state=state,
         version_counter=conn.try_get(layout.counter_key),
         version_dir=None if version is None else read_dir(conn, layout.version_dir(version)),
+        version_dirs=_version_dirs(conn, layout),
     )
 
 
@@ -222,11 +386,7 @@ def is_worker_key(key: str) -> bool:
 
 def list_etcd_runs(conn: Transport, prefix: str) -> list[str]:
     """The run ids of the ``etcd`` backend under ``prefix`` (``run_<id>`` directories)."""
-    try:
-        listing = conn.list_dir(normalize_key(prefix))
-    except KeyNotFoundError:
-        return []
-    names = (child.key.rstrip("/").rsplit("/", 1)[-1] for child in listing.children)
+    names = (_last_segment(child) for child in _children(conn, prefix))
     return sorted(
         name[len(_RUN_DIR_PREFIX) :]
         for name in names
@@ -237,9 +397,7 @@ def list_etcd_runs(conn: Transport, prefix: str) -> list[str]:
 def summarize_etcd(run: EtcdRun, api: str) -> RunSummary:
     """The :class:`RunSummary` of an ``etcd`` run."""
     layout = LegacyLayout(run.prefix, run.run_id)
-    children = () if run.version_dir is None else run.version_dir.children
-    live = sum(1 for child in children if is_worker_key(child.key))
-    status, version, world, waiting = "none", None, 0, 0
+    status, version, world = "none", None, 0
     if run.state is not None:
         try:
             state = parse_state(run.state)
@@ -249,11 +407,9 @@ def summarize_etcd(run: EtcdRun, api: str) -> RunSummary:
             status = state["status"]
             version = state.get("version")
             world = len(state.get("participants", []))
-            if status == "final":
-                waiting = int(state.get("num_workers_waiting", 0))
     # Workers write a joining state (setup, joinable, frozen) with a TTL: it is theirs.
     joining = run.state is not None and run.state.ttl is not None and status != "final"
-    finished = run_finished(live=live, joining=joining, waiting=waiting)
+    verdict = judge_etcd(status=status, worker_keys=run.worker_keys, joining=joining)
     return RunSummary(
         backend="etcd",
         run_id=run.run_id,
@@ -261,9 +417,8 @@ def summarize_etcd(run: EtcdRun, api: str) -> RunSummary:
         status=status,
         world_size=world,
         version=version,
-        live=live,
-        idle_seconds=None,
-        finished=finished,
+        live=run.worker_keys,
+        verdict=verdict,
         keys=[(layout.run_dir, True)] if run.run_dir is not None else [(layout.state_key, False)],
         prefix=run.prefix,
         state_key=layout.state_key,
@@ -333,13 +488,15 @@ def summarize_etcd_v2(
     backend: EtcdRendezvousBackend,
     conn: Transport,
     api: str,
-    now: datetime | None = None,
+    stated_lifetime: float | None = None,
 ) -> RunSummary:
     """The :class:`RunSummary` of an ``etcd-v2`` run (store keys not included: see
-    :func:`etcd_v2_store_keys`)."""
-    now = now or datetime.now(timezone.utc)
+    :func:`etcd_v2_store_keys`), judged by the heartbeat lifetime its nodes published,
+    or ``stated_lifetime`` if longer (see :func:`heartbeat_lifetime`)."""
     nodes_dir = backend.nodes_layout.nodes_dir
-    node_keys = [n for n in backend.list_nodes() if n.leaving is None]
+    # Every node key is a live node's, one leaving its round included.
+    node_keys = len(backend.list_nodes())
+    published, _, _ = backend.read_progress()
     state: RendezvousState | None
     current: tuple[bytes, object] | None = None
     try:
@@ -347,24 +504,29 @@ def summarize_etcd_v2(
         state = (
             None if current is None else decode_state(current[0], f"etcd-v2 key {backend.key!r}")
         )
-        status = "empty" if state is None else _v2_status(state)
+        status = "none" if state is None else etcd_v2_status(state)
     except RendezvousStateError:
         state, status = None, "invalid"
     # The state node ``delete`` compare-and-deletes: the one judged here (by its index).
+    # Its TTL (v2) is that of this read, which is never older than the one judged.
     state_node = conn.try_get(backend.key)
     if state_node is not None and current is not None:
         state_node = dataclasses.replace(state_node, modified_index=int(str(current[1])))
-    elif state is None and status != "invalid":
+    elif status == "none":
         state_node = None  # a state written since it was read: not judged, not deleted
-    idle: float | None = None
-    recent = 0
-    if state is not None and state.last_heartbeats:
-        ages = [(now - beat).total_seconds() for beat in state.last_heartbeats.values()]
-        idle = max(0.0, min(ages))
-        recent = sum(1 for age in ages if heartbeat_is_live(age))
-    live = max(len(node_keys), recent)
+    lifetime = heartbeat_lifetime(
+        None if published is None else published.lifetime, stated_lifetime
+    )
+    verdict = judge_etcd_v2(
+        status=status,
+        node_keys=node_keys,
+        api=api,
+        state_ttl=None if state_node is None else state_node.ttl,
+        granted_ttl=backend.ttl,
+        lifetime=lifetime,
+    )
     keys = [(backend.key, False)]
-    if _exists_below(conn, nodes_dir):  # node keys, the aggregator lock
+    if _exists_below(conn, nodes_dir):  # node keys, the aggregator lock, the progress key
         keys.append((nodes_dir, True))
     return RunSummary(
         backend="etcd-v2",
@@ -373,10 +535,9 @@ def summarize_etcd_v2(
         status=status,
         world_size=0 if state is None else len(state.participants),
         version=None if state is None else str(state.round),
-        live=live,
-        idle_seconds=idle,
-        # Joining nodes write heartbeats (and node keys): they count in ``live``.
-        finished=run_finished(live=live, joining=False),
+        live=node_keys,
+        verdict=verdict,
+        lifetime=lifetime,
         keys=keys,
         prefix=backend.key.rpartition("/")[0] or "/",
         state_key=backend.key,
@@ -392,7 +553,9 @@ def _exists_below(conn: Transport, directory: str) -> bool:
         return False
 
 
-def _v2_status(state: RendezvousState) -> str:
+def etcd_v2_status(state: RendezvousState) -> str:
+    """The status of an ``etcd-v2`` state: ``closed``, ``complete``, ``joining`` (some
+    participants) or ``empty``."""
     if state.closed:
         return "closed"
     if state.complete:
@@ -426,23 +589,34 @@ def owns_store_keys(prefix: str | None) -> bool:
 
 
 def _etcd_v2_run(
-    conn: Transport, prefix: str | None, run_id: str, store_keys: dict[str, list[str]]
+    conn: Transport,
+    prefix: str | None,
+    run_id: str,
+    store_keys: dict[str, list[str]],
+    stated_lifetime: float | None,
 ) -> RunSummary:
     state_prefix = _v2_state_prefix(prefix)
     backend = EtcdRendezvousBackend(conn, run_id, key_prefix=state_prefix or None)
-    summary = summarize_etcd_v2(run_id, backend, conn, conn.api)
+    summary = summarize_etcd_v2(run_id, backend, conn, conn.api, stated_lifetime)
     summary.keys.extend((key, False) for key in store_keys.get(run_id, ()))
     return summary
 
 
 def read_run(
-    conn: Transport, backend: str, prefix: str | None, run_id: str, *, store_keys: bool = True
+    conn: Transport,
+    backend: str,
+    prefix: str | None,
+    run_id: str,
+    *,
+    store_keys: bool = True,
+    stated_lifetime: float | None = None,
 ) -> RunSummary | None:
     """The :class:`RunSummary` of one run of ``backend`` under ``prefix`` (the
     backend's default when ``None``), with its store keys where :func:`owns_store_keys`
     allows (and ``store_keys``: they take a read of the whole store); ``None`` if etcd
     has no key of it (no run directory nor state; for ``etcd-v2``, no state key nor any
-    key in its nodes directory: node keys, the aggregator lock, the progress key)."""
+    key in its nodes directory: node keys, the aggregator lock, the progress key).
+    ``stated_lifetime``: the operator's ``--heartbeat-lifetime``."""
     if backend == "etcd-v2":
         state_prefix = _v2_state_prefix(prefix)
         probe = EtcdRendezvousBackend(conn, run_id, key_prefix=state_prefix or None)
@@ -451,14 +625,19 @@ def read_run(
         ):
             return None
         found = etcd_v2_store_keys(conn) if store_keys and owns_store_keys(prefix) else {}
-        return _etcd_v2_run(conn, prefix, run_id, found)
+        return _etcd_v2_run(conn, prefix, run_id, found, stated_lifetime)
     etcd_run = read_etcd_run(conn, prefix or DEFAULT_PREFIX, run_id)
     if etcd_run.run_dir is None and etcd_run.state is None:
         return None
     return summarize_etcd(etcd_run, conn.api)
 
 
-def find_runs(conn: Transport, backends: list[str], prefix: str | None) -> list[RunSummary]:
+def find_runs(
+    conn: Transport,
+    backends: list[str],
+    prefix: str | None,
+    stated_lifetime: float | None = None,
+) -> list[RunSummary]:
     """The runs of ``backends`` (``etcd``, ``etcd-v2``) under ``prefix`` (each backend's
     default prefix when ``None``), sorted by backend and run id; ``etcd-v2`` runs with
     their store keys where :func:`owns_store_keys` allows."""
@@ -470,5 +649,5 @@ def find_runs(conn: Transport, backends: list[str], prefix: str | None) -> list[
     if "etcd-v2" in backends:
         store_keys = etcd_v2_store_keys(conn) if owns_store_keys(prefix) else {}
         for run_id in list_etcd_v2_run_ids(conn, _v2_state_prefix(prefix) or "/"):
-            summaries.append(_etcd_v2_run(conn, prefix, run_id, store_keys))
+            summaries.append(_etcd_v2_run(conn, prefix, run_id, store_keys, stated_lifetime))
     return summaries

@@ -3,11 +3,13 @@
 For the ``etcd`` backend, the run directory ``<prefix>/run_<run_id>`` and all below it;
 for ``etcd-v2``, the state key, the node keys' directory and the run's keys in the
 shared store (under the default prefix only: the store is shared by all prefixes). A
-run that is not finished (see :mod:`etcd_rendezvous.cli._runs`) is
-refused unless ``--force``; ``--dry-run`` lists the keys and deletes nothing; otherwise
-the command asks before deleting (``--yes`` does not ask), then reads the run again
-and keeps it if it is no longer finished or its state changed (a job reusing the run id
-meanwhile), deleting the state key first by a compare-and-delete.
+run that is not finished (closed and quiet, see :mod:`etcd_rendezvous.cli._runs`) is
+refused unless ``--force``, with what to do instead; ``--dry-run`` lists the keys and
+deletes nothing; otherwise the command asks before deleting (``--yes`` does not ask),
+then reads the run again and keeps it if it is no longer finished or its state changed
+(a job reusing the run id meanwhile). It deletes the state key first, by a
+compare-and-delete on the state judged, then looks for worker keys and a new state
+once more, and only then deletes the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..layout import DEFAULT_PREFIX
 from ._common import (
     CliError,
     Transport,
+    add_lifetime_option,
     add_run_options,
     choose_backend,
     confirm,
@@ -33,11 +36,11 @@ __all__ = ["DESCRIPTION", "HELP", "add_arguments", "add_deletion_options", "dele
 
 HELP = "delete a finished run's keys"
 DESCRIPTION = (
-    "Delete the keys of a finished run (no worker left in it, closed or not): the run "
+    "Delete the keys of a finished run (closed, and no worker left in it): the run "
     "directory for the etcd backend; the state key, node keys and (under the default "
     "prefix only) store keys for etcd-v2. Asks first unless --yes; --dry-run only lists "
-    "the keys. A live run is refused unless --force. After the confirmation the run is "
-    "read again and kept if it changed."
+    "the keys. A run that is not closed, or whose workers may still be in it, is refused "
+    "unless --force. After the confirmation the run is read again and kept if it changed."
 )
 
 
@@ -53,14 +56,19 @@ def add_deletion_options(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``delete`` (the connection options come from a parent)."""
     add_run_options(parser)
+    add_lifetime_option(parser)
     add_deletion_options(parser)
     parser.add_argument(
-        "--force", action="store_true", help="delete the run even if workers are still in it"
+        "--force",
+        action="store_true",
+        help="delete the run even if it is not closed, or workers may still be in it",
     )
 
 
 def _summary(args: argparse.Namespace, conn: Transport) -> RunSummary:
-    summary = read_run(conn, args.backend, args.prefix, args.run_id)
+    summary = read_run(
+        conn, args.backend, args.prefix, args.run_id, stated_lifetime=args.heartbeat_lifetime
+    )
     if summary is not None:
         return summary
     if args.backend == "etcd-v2":
@@ -72,6 +80,31 @@ def _summary(args: argparse.Namespace, conn: Transport) -> RunSummary:
     raise CliError(
         f"no run {args.run_id!r} under prefix {args.prefix or DEFAULT_PREFIX!r}: its run "
         "directory does not exist (check --run-id, --prefix and --backend)"
+    )
+
+
+def _refusal(summary: RunSummary, args: argparse.Namespace) -> str | None:
+    """Why ``delete`` without ``--force`` refuses the run (``None``: it is finished),
+    and what the operator may do instead."""
+    verdict = summary.verdict
+    if verdict.finished:
+        return None
+    what = f"run {summary.run_id!r} is not finished"
+    if verdict.over:
+        return (
+            f"{what}: {summary.status}, but {verdict.reason}: its workers may still be "
+            "leaving; delete it once they are gone, or pass --force"
+        )
+    # A quiet run's reason says it is not closed; a live one's names its live keys.
+    why = verdict.reason if verdict.quiet else f"not closed ({summary.status}), {verdict.reason}"
+    command = f"etcd-rendezvous close --run-id {summary.run_id}"
+    if summary.backend != "etcd":
+        command += f" --backend {summary.backend}"
+    if args.prefix is not None:
+        command += f" --prefix {args.prefix}"
+    return (
+        f"{what}: {why}. Close it first with `{command}` (and the connection options), "
+        "which ends it for any worker still in it, then delete it; or pass --force"
     )
 
 
@@ -88,26 +121,54 @@ def _changed_since(judged: RunSummary, now: RunSummary | None, force: bool) -> s
     if force:
         return None
     if not now.finished:
-        return f"it is no longer finished ({now.status}, {now.live} live)"
+        return f"it is no longer finished ({now.status}: {now.verdict.reason})"
     if _index(now) != _index(judged):
         return "its state changed since it was read"
     return None
 
 
-def _delete_run(conn: Transport, judged: RunSummary, now: RunSummary) -> list[str] | None:
+def _delete_run(
+    conn: Transport,
+    judged: RunSummary,
+    now: RunSummary,
+    *,
+    force: bool,
+    stated_lifetime: float | None,
+) -> tuple[list[str], str | None]:
     """Delete the keys of ``judged`` (those the user was shown): the state first, only
-    if it is still the one read ``now`` (a compare-and-delete), then the rest. ``None``
-    if the state had changed."""
-    deleted = []
+    if it is still the one read ``now`` (a compare-and-delete: a state written since is
+    kept); then, unless ``force``, only if the run holds no new state and no worker key
+    (a job that took the run id the moment its closed state went), the rest. Returns
+    the keys deleted, and why the rest was kept (``None``: it was not)."""
+    deleted: list[str] = []
     if now.state is not None:
-        if not conn.compare_and_delete(now.state_key, now.state):
-            return None
+        refused = not conn.compare_and_delete(now.state_key, now.state)
+        # Refused, and yet gone: our delete whose answer was lost (and whose history
+        # etcd no longer holds), or another operator's. The look below decides.
+        if refused and conn.try_get(now.state_key) is not None:
+            return deleted, "its state changed while it was being deleted"
         if (now.state_key, False) in judged.keys:
             deleted.append(now.state_key)
+    if not force:
+        after = read_run(
+            conn,
+            now.backend,
+            now.prefix,
+            now.run_id,
+            store_keys=False,
+            stated_lifetime=stated_lifetime,
+        )
+        if after is not None and (after.state is not None or after.live):
+            if now.state is not None and now.state_key not in deleted:
+                deleted.append(now.state_key)  # (judged as part of the run directory)
+            return deleted, (
+                f"a job took the run id while it was being deleted ({after.status}, "
+                f"{after.live} live key(s)): its keys were left"
+            )
     for key, recursive in judged.keys:
         if key != now.state_key and conn.delete(key, recursive=recursive):
             deleted.append(key)
-    return deleted
+    return deleted, None
 
 
 def delete_runs(
@@ -117,13 +178,16 @@ def delete_runs(
     out: TextIO,
     *,
     force: bool = False,
+    stated_lifetime: float | None = None,
 ) -> int:
     """Delete the keys of ``runs`` after the confirmation ``args`` asks for (none with
     ``--dry-run``); report what was (or would be) deleted; return the exit status.
 
-    After the confirmation each run is read again and kept (and reported as skipped)
-    if it is no longer finished or its state changed since it was judged (unless
-    ``force``); its state key is then deleted only if it is still the one read last.
+    After the confirmation each run is read again (judged by ``stated_lifetime``, the
+    operator's ``--heartbeat-lifetime``) and kept (and reported as skipped) if it is no
+    longer finished or its state changed since it was judged (unless ``force``); its
+    state key is then deleted only if it is still the one read last, and the rest only
+    if no state nor worker key appeared since (unless ``force``).
     """
     keys = [key for summary in runs for key, _ in summary.keys]
     report: dict[str, Any] = {
@@ -159,16 +223,23 @@ def delete_runs(
     deleted: list[str] = []
     deleted_runs = 0
     for judged in runs:
-        now = read_run(conn, judged.backend, judged.prefix, judged.run_id, store_keys=False)
+        now = read_run(
+            conn,
+            judged.backend,
+            judged.prefix,
+            judged.run_id,
+            store_keys=False,
+            stated_lifetime=stated_lifetime,
+        )
         why = _changed_since(judged, now, force)
-        done = None if why is not None or now is None else _delete_run(conn, judged, now)
-        if done is None:
-            why = why or "its state changed while it was being deleted"
+        if why is None and now is not None:
+            done, why = _delete_run(conn, judged, now, force=force, stated_lifetime=stated_lifetime)
+            deleted.extend(done)
+        if why is not None:
             report["skipped"].append({"run_id": judged.run_id, "reason": why})
             if not args.json:
                 print(f"skipped {judged.backend} run {judged.run_id!r}: {why}", file=out)
             continue
-        deleted.extend(done)
         deleted_runs += 1
     report["deleted"] = deleted
     if args.json:
@@ -189,11 +260,16 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         with etcd_errors(args.endpoint):
             choose_backend(args, conn)
             summary = _summary(args, conn)
-            if not summary.finished and not args.force:
-                raise CliError(
-                    f"run {args.run_id!r} is not finished ({summary.status}, {summary.live} "
-                    "live worker key(s)): close it first, or pass --force"
-                )
-            return delete_runs(args, conn, [summary], out, force=args.force)
+            refusal = None if args.force else _refusal(summary, args)
+            if refusal is not None:
+                raise CliError(refusal)
+            return delete_runs(
+                args,
+                conn,
+                [summary],
+                out,
+                force=args.force,
+                stated_lifetime=args.heartbeat_lifetime,
+            )
     finally:
         conn.close()

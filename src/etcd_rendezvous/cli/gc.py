@@ -1,13 +1,15 @@
 """``etcd-rendezvous gc``: delete the finished runs nobody has touched for a while.
 
-A run is collected when it is finished (see :mod:`etcd_rendezvous.cli._runs`) and idle
-for at least ``--older-than``: for ``etcd-v2``, since its newest heartbeat. The ``etcd``
-backend keeps no time in etcd, so its finished runs (and ``etcd-v2`` runs without any
-heartbeat) have no age: they are collected only with ``--undated``. As ``delete``, it
-asks first unless ``--yes``, and ``--dry-run`` deletes nothing; each run is read again
-after the confirmation and kept if it changed. A run closed before it ever started (as
-``close --create`` leaves it) is kept unless ``--force``: it is there to stop workers
-that come later.
+A run is collected when it is finished (closed and quiet, see
+:mod:`etcd_rendezvous.cli._runs`) and idle for at least ``--older-than`` by etcd's
+clock: for ``etcd-v2`` over etcd's v2 API, since its state key was last written (its
+TTL tells). Where etcd keeps no time of a run (the ``etcd`` backend; ``etcd-v2`` over
+the v3 API, or without a state key) the run has no age: it is collected only with
+``--undated``. A run that was never closed is never collected: close it first (``close``
+ends it for any worker still in it). As ``delete``, it asks first unless ``--yes``, and
+``--dry-run`` deletes nothing; each run is read again after the confirmation and kept
+if it changed. A run closed before it ever started (as ``close --create`` leaves it) is
+kept unless ``--force``: it is there to stop workers that come later.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ __all__ = ["DESCRIPTION", "HELP", "add_arguments", "duration", "run"]
 
 HELP = "delete the finished runs idle for longer than a given time"
 DESCRIPTION = (
-    "Delete the finished runs (no worker left in them) idle for at least "
-    "--older-than (etcd-v2: since the newest heartbeat). Runs without a time in etcd "
-    "(the etcd backend) only with --undated; runs closed before they started (close "
-    "--create) only with --force. Asks first unless --yes; --dry-run only lists."
+    "Delete the finished runs (closed, and no worker left in them) idle for at least "
+    "--older-than by etcd's clock (etcd-v2 over etcd's v2 API: since its state was "
+    "written). Runs etcd keeps no time of (the etcd backend, etcd-v2 over v3) only with "
+    "--undated; runs closed before they started (close --create) only with --force; runs "
+    "never closed, never. Asks first unless --yes; --dry-run only lists."
 )
 
 _DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*([smhd]?)")
@@ -54,12 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=duration,
         required=True,
         metavar="DURATION",
-        help="idle time after which a finished run is deleted (90, 30m, 12h, 7d)",
+        help="idle time, by etcd's clock, after which a finished run is deleted (90, 30m, 12h, 7d)",
     )
     parser.add_argument(
         "--undated",
         action="store_true",
-        help="also delete finished runs whose idle time etcd cannot tell (etcd backend)",
+        help="also delete finished runs whose idle time etcd cannot tell (the etcd "
+        "backend; etcd-v2 over etcd's v3 API)",
     )
     parser.add_argument(
         "--force",
@@ -87,6 +91,6 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     conn = open_connection(args)
     try:
         with etcd_errors(args.endpoint):
-            return delete_runs(args, conn, runs, out)
+            return delete_runs(args, conn, runs, out, stated_lifetime=args.heartbeat_lifetime)
     finally:
         conn.close()

@@ -2,9 +2,9 @@
 anything.
 
 For each run: its backend, the etcd API spoken, its status, the size of its world, its
-version (``etcd``) or round (``etcd-v2``), how many workers are live, how long since the
-last heartbeat (``etcd-v2``; the ``etcd`` backend keeps no time in etcd) and whether it
-is finished (see :mod:`etcd_rendezvous.cli._runs`).
+version (``etcd``) or round (``etcd-v2``), how many keys of live workers it has, how
+long it has been idle by etcd's clock (where etcd keeps a time of it), whether it is
+finished, and why (see :mod:`etcd_rendezvous.cli._runs`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,13 @@ import argparse
 import json
 from typing import TextIO
 
-from ._common import UsageError, add_endpoint_option, etcd_errors, open_connection
+from ._common import (
+    UsageError,
+    add_endpoint_option,
+    add_lifetime_option,
+    etcd_errors,
+    open_connection,
+)
 from ._runs import RunSummary, find_runs
 
 __all__ = ["DESCRIPTION", "EPILOG", "HELP", "add_arguments", "add_selection", "format_idle", "run"]
@@ -21,9 +27,9 @@ __all__ = ["DESCRIPTION", "EPILOG", "HELP", "add_arguments", "add_selection", "f
 HELP = "list the runs under a prefix"
 DESCRIPTION = (
     "List the rendezvous runs etcd holds: backend, API, status, world size, "
-    "version (round for etcd-v2), live workers, idle time and whether the run is "
-    "finished. Both backends under their default prefixes unless --backend is given. "
-    "Reads only."
+    "version (round for etcd-v2), keys of live workers, idle time by etcd's clock, "
+    "whether the run is finished (closed, and no worker left) and why. Both backends "
+    "under their default prefixes unless --backend is given. Reads only."
 )
 
 #: What each column means, shown by ``list --help``.
@@ -34,25 +40,29 @@ columns:
   WORLD    participants in the state now. An etcd-v2 state keeps only the nodes still
            in the round: a run whose nodes have left shows fewer than it formed with
   VERSION  etcd: the version; etcd-v2: the round
-  LIVE     etcd: keep-alive, member and wait keys of live workers (etcd deletes them
-           when their TTL passes); etcd-v2: node keys, or heartbeats younger than 2 min
-           by this machine's clock. Closing a run does not end its workers: they
-           leave as they finish, and their keys lapse
-  IDLE     etcd-v2: since the newest heartbeat, by this machine's clock against the
-           workers' (the etcd backend keeps no time in etcd: -, or ? when none is live)
-  DONE     no worker left in the run (LIVE 0, nobody joining or waiting): only then
-           may delete and gc remove it without --force
+  LIVE     etcd: keep-alive, member and wait keys of live workers in any version
+           directory (etcd deletes them when their TTL passes); etcd-v2: node keys.
+           Closing a run does not end its workers: they leave as they finish, and
+           their keys lapse
+  IDLE     how long the run has been idle by etcd's clock, at least (0s while a key
+           shows a live worker; etcd-v2 over the v2 API: the age of its state; -:
+           etcd keeps no time of the run, as for the etcd backend)
+  DONE     the run is finished: closed, and no worker left in it by etcd's keys and
+           clock; only then may delete and gc remove it without --force
+  WHY      what made DONE what it is (not closed, a live key, a recent state write...)
 """
 
 
 def add_selection(parser: argparse.ArgumentParser) -> None:
-    """``--endpoint`` and ``--backend`` (both backends by default) of ``list`` and ``gc``."""
+    """``--endpoint``, ``--backend`` (both backends by default) and
+    ``--heartbeat-lifetime`` of ``list`` and ``gc``."""
     add_endpoint_option(parser)
     parser.add_argument(
         "--backend",
         choices=("etcd", "etcd-v2"),
         help="only the runs of this backend (needed with --prefix; default: both)",
     )
+    add_lifetime_option(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,16 +79,17 @@ def select_runs(args: argparse.Namespace) -> list[RunSummary]:
     conn = open_connection(args)
     try:
         with etcd_errors(args.endpoint):
-            return find_runs(conn, backends, args.prefix)
+            return find_runs(conn, backends, args.prefix, args.heartbeat_lifetime)
     finally:
         conn.close()
 
 
 def format_idle(summary: RunSummary) -> str:
-    """The idle column: seconds since the last heartbeat, ``live`` or ``?``."""
+    """The idle column: how long the run has been idle by etcd's clock (at least), or
+    ``-`` where etcd keeps no time of it."""
     if summary.idle_seconds is not None:
         return _duration(summary.idle_seconds)
-    return "?" if summary.live == 0 else "-"
+    return "-"
 
 
 def _duration(seconds: float) -> str:
@@ -97,7 +108,18 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if not summaries:
         print("no runs", file=out)
         return 0
-    header = ("BACKEND", "RUN ID", "API", "STATUS", "WORLD", "VERSION", "LIVE", "IDLE", "DONE")
+    header = (
+        "BACKEND",
+        "RUN ID",
+        "API",
+        "STATUS",
+        "WORLD",
+        "VERSION",
+        "LIVE",
+        "IDLE",
+        "DONE",
+        "WHY",
+    )
     rows = [header] + [
         (
             s.backend,
@@ -109,6 +131,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             str(s.live),
             format_idle(s),
             "yes" if s.finished else "no",
+            s.verdict.reason,
         )
         for s in summaries
     ]

@@ -5,10 +5,12 @@ who is missing. For the ``etcd`` backend: the status (setup/joinable/frozen/fina
 closed), version, participants, the keep-alives that lapsed (rank and key), the member
 keys our workers announced and how many were admitted, workers waiting, the version
 counter and the run directory's TTL. For ``etcd-v2``: the round, participants, wait and
-redundancy lists, how fresh the heartbeats are and our nodes' node keys (and those
-marked as leaving). ``-v`` lists every member, ``--watch`` shows the run again at each
-change (at least every ``--interval`` seconds), ``--json`` prints one JSON object (one
-per refresh with ``--watch``).
+redundancy lists, the heartbeats (and who lags behind the newest by more than the
+heartbeat lifetime) and our nodes' node keys (and those marked as leaving). Both say
+whether the run is finished and why (see :mod:`etcd_rendezvous.cli._runs`). ``-v`` lists
+every member, ``--watch`` shows the run again at each change (at least every
+``--interval`` seconds), ``--json`` prints one JSON object (one per refresh with
+``--watch``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import Any, TextIO
 
 from ..api import RendezvousStateError
@@ -28,6 +30,7 @@ from ._common import (
     CliError,
     Node,
     Transport,
+    add_lifetime_option,
     add_run_options,
     choose_backend,
     etcd_errors,
@@ -38,12 +41,13 @@ from ._common import (
     with_ttl,
 )
 from ._runs import (
-    CLOCK_SKEW_MARGIN_SECONDS,
-    HEARTBEAT_LIVE_SECONDS,
     EtcdRun,
-    heartbeat_is_live,
+    RunSummary,
+    etcd_v2_status,
     node_keys_report,
     read_etcd_run,
+    read_run,
+    summarize_etcd,
 )
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "describe_etcd_run", "etcd_v2_report", "run"]
@@ -54,14 +58,16 @@ DESCRIPTION = (
     "(setup/joinable/frozen/final/closed), version, participants, the keep-alives that "
     "lapsed, the member keys announced and admitted, workers waiting, the version counter "
     "and the run dir's TTL; for etcd-v2 its round, participants, wait and redundancy "
-    "lists, stale heartbeats and node keys. -v lists every member; --watch follows the "
-    "run live. Reads only. Exits 1 if the run is unknown or its state is corrupt."
+    "lists, heartbeats and node keys; for both, whether the run is finished and why. -v "
+    "lists every member; --watch follows the run live. Reads only. Exits 1 if the run is "
+    "unknown or its state is corrupt."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``status`` (the connection options come from a parent)."""
     add_run_options(parser)
+    add_lifetime_option(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="list every member, not only the missing"
@@ -297,6 +303,8 @@ def _format_etcd_status(report: dict[str, Any], *, verbose: bool) -> list[str]:
         lines.append(f"run dir TTL:      {ttl} s ({report['run_dir']})")
     else:
         lines.append(f"run dir TTL:      none: delete {report['run_dir']} once the job is over")
+    if report["valid"]:
+        lines.extend(_format_verdict(report))
     if lapsed and status == "final":
         lines.append(
             f"note: a member's keep-alive lapsed; the next worker to arrive discards version "
@@ -307,9 +315,27 @@ def _format_etcd_status(report: dict[str, Any], *, verbose: bool) -> list[str]:
 
 def _status_etcd(args: argparse.Namespace, conn: Transport) -> dict[str, Any]:
     prefix = args.prefix or DEFAULT_PREFIX
-    report = describe_etcd_run(read_etcd_run(conn, prefix, args.run_id))
+    run = read_etcd_run(conn, prefix, args.run_id)
+    report = describe_etcd_run(run)
     report["api"] = conn.api
+    report.update(_verdict(summarize_etcd(run, conn.api)))
     return report
+
+
+def _verdict(summary: RunSummary) -> dict[str, Any]:
+    """The report's fields of whether the run is finished (as ``list --json`` has them)."""
+    fields = summary.as_dict()
+    names = ("finished", "quiet", "reason", "idle_seconds", "heartbeat_lifetime", "live")
+    return {name: fields[name] for name in names}
+
+
+def _format_verdict(report: dict[str, Any]) -> list[str]:
+    """The text lines of :func:`_verdict`'s fields."""
+    idle = report["idle_seconds"]
+    lines = [f"finished:         {'yes' if report['finished'] else 'no'} ({report['reason']})"]
+    if idle is not None and not report["live"]:
+        lines.append(f"idle:             {idle:g} s at least, by etcd's clock")
+    return lines
 
 
 # -- the etcd-v2 backend ----------------------------------------------------------------------
@@ -320,26 +346,26 @@ def _node_name(node: NodeDesc) -> str:
 
 
 def _describe_v2_state(
-    run_id: str, key: str, node: Node | None, state: RendezvousState, now: datetime
+    run_id: str,
+    key: str,
+    node: Node | None,
+    state: RendezvousState,
+    now: datetime,
+    lifetime: float,
 ) -> dict[str, Any]:
-    """The ``status`` report of an ``etcd-v2`` run, as a JSON-serialisable dict."""
-    if state.closed:
-        status = "closed"
-    elif state.complete:
-        status = "complete"
-    elif state.participants:
-        status = "joining"
-    else:
-        status = "empty"
+    """The ``status`` report of an ``etcd-v2`` run, as a JSON-serialisable dict (the
+    heartbeats' ages by this machine's clock, ``now``; who is missing by the nodes'
+    clocks alone, against ``lifetime``)."""
     participants = sorted(state.participants.items(), key=lambda item: item[1])
     heartbeats = sorted(state.last_heartbeats.items(), key=lambda item: item[1], reverse=True)
+    newest = heartbeats[0][1] if heartbeats else None
     return {
         "backend": "etcd-v2",
         "run_id": run_id,
         "key": key,
         "key_ttl": None if node is None else node.ttl,
         "valid": True,
-        "status": status,
+        "status": etcd_v2_status(state),
         "version": state.round,
         "round": state.round,
         "complete": state.complete,
@@ -358,19 +384,30 @@ def _describe_v2_state(
             }
             for n, beat in heartbeats
         },
-        # Participants without a recent heartbeat (heartbeat_is_live), or without any.
+        # Participants without a heartbeat, or one more than the heartbeat lifetime
+        # behind the newest: as a node writing the state judges them (the nodes' clocks
+        # against each other, never against this machine's).
         "missing": sorted(
             _node_name(n)
             for n, _ in participants
-            if n not in state.last_heartbeats
-            or not heartbeat_is_live((now - state.last_heartbeats[n]).total_seconds())
+            if newest is None
+            or n not in state.last_heartbeats
+            or (newest - state.last_heartbeats[n]).total_seconds() > lifetime
         ),
     }
 
 
 def _status_etcd_v2(args: argparse.Namespace, conn: Transport) -> dict[str, Any]:
     backend = v2_backend(args, conn)
-    report = etcd_v2_report(conn, backend, datetime.now(timezone.utc))
+    summary = read_run(
+        conn,
+        "etcd-v2",
+        args.prefix,
+        args.run_id,
+        store_keys=False,
+        stated_lifetime=args.heartbeat_lifetime,
+    )
+    report = None if summary is None else etcd_v2_report(conn, backend, summary)
     if report is None:
         raise CliError(
             f"no run {args.run_id!r} with --backend etcd-v2: etcd key {backend.key} does not "
@@ -380,11 +417,12 @@ def _status_etcd_v2(args: argparse.Namespace, conn: Transport) -> dict[str, Any]
 
 
 def etcd_v2_report(
-    conn: Transport, backend: EtcdRendezvousBackend, now: datetime
+    conn: Transport, backend: EtcdRendezvousBackend, summary: RunSummary
 ) -> dict[str, Any] | None:
-    """The ``status`` report of the ``etcd-v2`` run of ``backend``, as a
-    JSON-serialisable dict (``valid`` false for a state that does not decode); ``None``
-    if its state key does not exist."""
+    """The ``status`` report of the ``etcd-v2`` run of ``backend``, whose
+    :class:`RunSummary` is ``summary`` (:func:`read_run`), as a JSON-serialisable dict
+    (``valid`` false for a state that does not decode); ``None`` if its state key does
+    not exist. Heartbeat ages are by etcd's clock."""
     node = with_ttl(conn, conn.try_get(backend.key))
     if node is None:
         return None
@@ -406,7 +444,12 @@ def etcd_v2_report(
         }
     if state is None:  # deleted between the two reads
         return None
-    report = _describe_v2_state(backend.nodes_layout.run_id, backend.key, node, state, now)
+    if summary.lifetime is None:  # deleted since the summary was read
+        return None
+    report = _describe_v2_state(
+        summary.run_id, backend.key, node, state, conn.clock.now(), summary.lifetime.seconds
+    )
+    report.update(_verdict(summary))
     report["api"] = conn.api
     report["nodes_dir"] = backend.nodes_layout.nodes_dir
     report["node_keys"] = node_keys_report(backend)
@@ -448,10 +491,11 @@ def _format_etcd_v2_status(report: dict[str, Any], *, verbose: bool) -> list[str
     else:
         lines.append("heartbeats:       none")
     missing = report["missing"]
+    lifetime = report["heartbeat_lifetime"]
     if missing:
         lines.append(
-            f"missing:          {len(missing)} participant(s) without a heartbeat for "
-            f"{HEARTBEAT_LIVE_SECONDS + CLOCK_SKEW_MARGIN_SECONDS:g} s"
+            f"missing:          {len(missing)} participant(s) whose heartbeat is more than "
+            f"{lifetime['seconds']:g} s behind the newest"
         )
         lines.extend(f"  {name}" for name in missing)
     if verbose:
@@ -470,4 +514,8 @@ def _format_etcd_v2_status(report: dict[str, Any], *, verbose: bool) -> list[str
         lines.append(f"  {entry['node']}{mark}")
     ttl = report["key_ttl"]
     lines.append(f"key TTL:          {'none' if ttl is None else f'{ttl} s'}")
+    lines.append(
+        f"lifetime:         {lifetime['seconds']:g} s (heartbeat lifetime, {lifetime['source']})"
+    )
+    lines.extend(_format_verdict(report))
     return lines

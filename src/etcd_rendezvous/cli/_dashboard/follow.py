@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 from ...api import RendezvousError
 from ...etcd_rendezvous_backend import EtcdRendezvousBackend
@@ -109,7 +108,7 @@ class Source:
         if summary is None:
             return None
         backend = EtcdRendezvousBackend(conn, run_id, key_prefix=self._state_prefix)
-        v2_report = etcd_v2_report(conn, backend, datetime.now(timezone.utc))
+        v2_report = etcd_v2_report(conn, backend, summary)
         # No state (node keys left): an empty report.
         return RunRead(summary, v2_report or {"backend": "etcd-v2", "run_id": run_id})
 

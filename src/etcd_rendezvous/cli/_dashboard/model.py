@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._runs import HEARTBEAT_LIVE_SECONDS, RunSummary
+from .._runs import PYTORCH_HEARTBEAT_LIFETIME, RunSummary
 
 __all__ = [
     "FORMED",
@@ -65,9 +65,9 @@ class Member:
     rank: int | None
     #: ``live``, ``lapsed`` (``etcd``: its keep-alive key is gone), ``left`` (the same
     #: in a closed run, whose members leave as they finish), ``missing``
-    #: (``etcd-v2``: its node key went away, or no heartbeat change seen for
-    #: :data:`HEARTBEAT_LIVE_SECONDS`), ``waiting`` (announced or on the wait list, not in
-    #: the round), ``redundant`` (``etcd-v2``'s redundancy list) or ``confirming``
+    #: (``etcd-v2``: its node key went away, or no heartbeat change seen for the run's
+    #: heartbeat lifetime, as ``status`` judges it), ``waiting`` (announced or on the
+    #: wait list, not in the round), ``redundant`` (``etcd-v2``'s redundancy list) or ``confirming``
     #: (``etcd``: a frozen round, before the keep-alives are written).
     state: str
     #: Seconds left of its key's TTL at the last read, where etcd reports it.
@@ -231,6 +231,9 @@ def _etcd_v2_members(
     """The members of an ``etcd-v2`` run: participants by rank, then the wait and
     redundancy lists; with when each heartbeat was seen changing and each node key
     seen going. Also the nodes that have a node key now."""
+    # The run's heartbeat lifetime (what its nodes publish, else PyTorch's default).
+    judged_by = report.get("heartbeat_lifetime") or {}
+    lifetime = float(judged_by.get("seconds") or PYTORCH_HEARTBEAT_LIFETIME)
     old_beats = previous.beats if previous is not None else {}
     old_gone = previous.gone if previous is not None else {}
     old_keys = previous.keys if previous is not None else frozenset()
@@ -250,7 +253,7 @@ def _etcd_v2_members(
         # Our nodes keep a node key while they run (PyTorch's keep none): a key seen
         # going away is a node gone; so is a heartbeat not seen changing for long.
         key_went = name not in keys and (name in old_keys or name in old_gone)
-        silent = seen is not None and now - seen > HEARTBEAT_LIVE_SECONDS
+        silent = seen is not None and now - seen > lifetime
         state = role
         if role == "live" and (key_went or silent):
             # A closed run's nodes leave as they finish.
