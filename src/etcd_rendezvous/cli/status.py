@@ -345,6 +345,14 @@ def _node_name(node: NodeDesc) -> str:
     return f"{node.addr}_{node.pid}_{node.local_id}"
 
 
+def _age(now: datetime, beat: datetime) -> float:
+    """Seconds since ``beat`` by etcd's clock as ``now`` estimates it (to within a
+    second): a heartbeat less than a second ahead of ``now`` is ``0``; one further
+    ahead was written by a clock that is (a PyTorch node's host), and shows negative."""
+    age = round((now - beat).total_seconds(), 1)
+    return 0.0 if -1.0 < age < 0.0 else age
+
+
 def _describe_v2_state(
     run_id: str,
     key: str,
@@ -380,7 +388,7 @@ def _describe_v2_state(
         "last_heartbeats": {
             _node_name(n): {
                 "time": beat.isoformat(),
-                "age": round((now - beat).total_seconds(), 1),
+                "age": _age(now, beat),
             }
             for n, beat in heartbeats
         },
