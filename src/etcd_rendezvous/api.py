@@ -30,6 +30,7 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousStoreInfo",
     "RendezvousTimeoutError",
+    "RequestTooLargeError",
     "Store",
     "rendezvous_handler_registry",
 ]
@@ -87,6 +88,30 @@ class RendezvousGracefulExitError(RendezvousError):
 
     Exception is a mechanism to exit the stack, however does not mean a failure.
     """
+
+
+class RequestTooLargeError(RendezvousError):
+    """Raised when etcd refused a write as larger than it accepts: a rendezvous state (or
+    a store value) that outgrew etcd's ``--max-request-bytes``.
+
+    Not one of PyTorch's classes. A configuration error, never retried: the message
+    names the key, the size of the request, etcd's answer, the endpoint and the flag
+    that raises the limit. Every node waiting for the refused write raises it too (see
+    the documentation's "etcd's limits"). Where PyTorch's rendezvous is loaded it is
+    also PyTorch's ``RendezvousError``, which ends torch's agent.
+
+    Args:
+        message: what was refused, and what to do.
+        key: the etcd key written.
+        size: the bytes of the request (keys and values) as etcd counts them, roughly.
+    """
+
+    def __init__(self, message: str, *, key: str = "", size: int = 0) -> None:
+        super().__init__(message)
+        #: The etcd key written.
+        self.key = key
+        #: The bytes of the request (keys and values), as etcd counts them, roughly.
+        self.size = size
 
 
 def _get_free_port() -> int:

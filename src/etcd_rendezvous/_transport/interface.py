@@ -431,6 +431,16 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
+    def check_size(self, prefix: str, size: int) -> None:
+        """Ask etcd whether it accepts a write of about ``size`` bytes below ``prefix``
+        (a value of that many bytes, in a conditional write that cannot apply): nothing
+        is written either way.
+
+        Raises:
+            RequestTooLargeError: etcd refused it for its size.
+        """
+
+    @abc.abstractmethod
     def first_change_after(self, key: str, index: int) -> Node | None:
         """The first recorded change of ``key`` after ``index``; ``None`` if etcd no
         longer holds it or did not answer within ``request_timeout`` (at least a
