@@ -24,6 +24,7 @@ from etcd_rendezvous._dynamic.admission import (
     stagger_wait,
 )
 from etcd_rendezvous._dynamic.progress import PROGRESS_SILENCE, Heard, Progress, concerns
+from etcd_rendezvous.api import RequestTooLargeError
 from etcd_rendezvous.dynamic_rendezvous import (
     NodeDesc,
     RendezvousSettings,
@@ -481,6 +482,8 @@ class BoardRegistry(MemoryRegistry):
         self.changes: list[tuple[Progress | None, int]] = []
         self.written: list[Progress] = []
         self.listed_at = 0
+        #: etcd's request limit, in bytes (``None``: none).
+        self.limit: int | None = None
 
     def list_nodes(self) -> list[AnnouncedNode]:
         self.listed_at = self.index
@@ -498,7 +501,7 @@ class BoardRegistry(MemoryRegistry):
     def write_progress(self, progress: Progress, index: int) -> int | None:
         self._count("write_progress")
         held = self.progress if self.exists and index != self.progress_index else None
-        if held is not None and held.token >= progress.token:
+        if held is not None and held.newness >= progress.newness:
             return None  # a summary at least as new: kept
         return self._put(progress)
 
@@ -523,6 +526,12 @@ class BoardRegistry(MemoryRegistry):
 
     def stop_waiting(self) -> None:
         self._count("stop_waiting")
+
+    def check_size(self, size: int) -> None:
+        """etcd accepts ``size`` bytes unless ``limit`` (bytes) is below it."""
+        self._count("check_size")
+        if self.limit is not None and size > self.limit:
+            raise RequestTooLargeError(f"{size} bytes: too large", key="/state", size=size)
 
     def publish(self, progress: Progress) -> None:
         """Another node wrote ``progress``: the key holds it and watches deliver it
