@@ -103,15 +103,33 @@ class RequestTooLargeError(RendezvousError):
     Args:
         message: what was refused, and what to do.
         key: the etcd key written.
-        size: the bytes of the request (keys and values) as etcd counts them, roughly.
+        size: the bytes of the request as etcd counts them, roughly (v3: its keys and
+            values; v2: its form).
+        endpoint: the etcd endpoint that refused it.
+        answer: etcd's answer.
+        api: the etcd API of the request (``v2`` or ``v3``).
     """
 
-    def __init__(self, message: str, *, key: str = "", size: int = 0) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str = "",
+        size: int = 0,
+        endpoint: str = "",
+        answer: str = "",
+        api: str = "",
+    ) -> None:
         super().__init__(message)
         #: The etcd key written.
         self.key = key
-        #: The bytes of the request (keys and values), as etcd counts them, roughly.
+        #: The bytes of the request, as etcd counts them, roughly.
         self.size = size
+        #: The etcd endpoint that refused it, and its answer.
+        self.endpoint = endpoint
+        self.answer = answer
+        #: The etcd API of the request (``v2`` or ``v3``).
+        self.api = api
 
 
 def _get_free_port() -> int:

@@ -601,9 +601,11 @@ class NodeKeys:
         """See :meth:`.ProgressKey.await_change` (for this node's key)."""
         return self._progress.await_change(timeout, token, state, self._created)
 
-    def refused(self, error: RequestTooLargeError, token: int, count: int) -> None:
+    def refused(
+        self, error: RequestTooLargeError, token: int, count: int, completing: bool
+    ) -> None:
         """See :meth:`.ProgressKey.refused`."""
-        self._progress.refused(error, token, count)
+        self._progress.refused(error, token, count, completing)
 
     def state_read(self, token: int, state: RendezvousState, written: bool) -> None:
         """See :meth:`.ProgressKey.state_read` (a relay only while joining)."""

@@ -232,9 +232,11 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
             except RequestTooLargeError as exc:
                 # etcd refused our state write for its size: tell the nodes it would
                 # have admitted (they follow the progress key), then give up ourselves.
-                token, count = holder.token, len(holder.state.participants)
+                token, refused = holder.token, holder.state  # (the state refused)
                 if self._keys is not None:
-                    self._keys.refused(exc, token if isinstance(token, int) else 0, count)
+                    held = token if isinstance(token, int) else 0
+                    count = len(refused.participants)
+                    self._keys.refused(exc, held, count, refused.complete)
                 raise
             keys, token = self._keys, holder.token
             fetched = holder.fetches != fetches

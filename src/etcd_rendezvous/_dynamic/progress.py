@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from .._transport.limits import Refusal
+from .._transport.limits import Refusal, Verdict
 from ..api import RendezvousError, RequestTooLargeError
 from .state import NodeDesc, RendezvousState
 
@@ -54,7 +54,6 @@ __all__ = [
     "Progress",
     "ProgressBoard",
     "ProgressKey",
-    "Verdict",
     "concerns",
     "refusal_verdict",
 ]
@@ -221,17 +220,6 @@ def concerns(
     admitted = node in state.participants or node in state.wait_list
     decided = created is not None and progress.decided_upto >= created
     return not admitted and decided and state.complete
-
-
-class Verdict(enum.Enum):
-    """What a node waiting to join does about a report of a refused write."""
-
-    IGNORE = "ignore"
-    """It does not concern the node (or is stale)."""
-    FAIL = "fail"
-    """The node raises the reported error."""
-    VERIFY = "verify"
-    """It would fail the node, which arrived after it: check etcd's limit first."""
 
 
 def refusal_verdict(
@@ -472,11 +460,14 @@ class ProgressKey:
                 return
         raise report.refused.error(f"The node '{self.node}'")
 
-    def refused(self, error: RequestTooLargeError, token: int, count: int) -> None:
+    def refused(
+        self, error: RequestTooLargeError, token: int, count: int, completing: bool
+    ) -> None:
         """etcd refused our write of the state, made on the state of ``token``, for its
-        size (it would have had ``count`` participants): if it was a batch, report it in
-        the key (with the summary of the state it would have replaced). A failure to
-        write the report is only logged (the others then meet the limit themselves)."""
+        size (it would have had ``count`` participants, and ``completing``: completed
+        the round): if it was a batch, report it in the key (with the summary of the
+        state it would have replaced). A failure to write the report is only logged
+        (the others then meet the limit themselves)."""
         board, deciding, self._deciding = self.board, self._deciding, None
         if board is None or self._index is None or deciding is None:
             return
@@ -490,7 +481,7 @@ class ProgressKey:
                 self.node,
             )
             return
-        report = Refusal.of(error, deciding, count, f"the node '{self.node}'")
+        report = Refusal.of(error, deciding, count, completing, f"the node '{self.node}'")
         try:
             board.write_progress(dataclasses.replace(held, refused=report), self._version)
         except RendezvousError as exc:

@@ -86,6 +86,26 @@ class StateFeed:
         self._seen_at = 0
         self._heard_at = time.monotonic()
         self._silence = SILENCE
+        # The newest report of a refused write on the hint key followed, and the store
+        # index of the hint key's write that brought it.
+        self._report: tuple[Hint, int] | None = None
+
+    @property
+    def report(self) -> tuple[Hint, int] | None:
+        """The newest hint reporting a refused write heard on the hint key followed (or
+        found in a listing: :meth:`note_report`), with the store index of the hint key's
+        write that brought it; ``None``: none."""
+        return self._report
+
+    def note_report(self, hint: Hint, written_at: int) -> None:
+        """Take in ``hint``, a report of a refused write written at ``written_at`` (in the
+        hint key followed), unless a newer one is known."""
+        if self._report is None or written_at > self._report[1]:
+            self._report = (hint, written_at)
+
+    def drop_report(self) -> None:
+        """Forget the report heard (it was found stale)."""
+        self._report = None
 
     @property
     def last_state(self) -> dict[str, Any] | None:
@@ -173,6 +193,7 @@ class StateFeed:
         self._close_stream()
         if self._hint_key != hint_key:
             self._hint, self._hint_at = None, 0
+            self._report = None
         self._hint_key = hint_key
         self._open_hints()
 
@@ -245,6 +266,7 @@ class StateFeed:
         self._latest = None
         self._hint_key = None
         self._hint, self._hint_at = None, 0
+        self._report = None
         self._silence = SILENCE
 
     def _close_stream(self) -> None:
@@ -313,11 +335,10 @@ class StateFeed:
         if hint is None:
             logger.debug("Ignoring the unreadable hint in %s: %r", node.key, node.value)
             return False
+        if hint.refused is not None:
+            self.note_report(hint, node.modified_index)
         known = self._hint
-        if known is not None and (hint.index, hint.decided_upto) <= (
-            known.index,
-            known.decided_upto,
-        ):
+        if known is not None and hint.newness <= known.newness:
             return False  # (the same state, described again by a worker that knew more: kept)
         self._hint, self._hint_at = hint, node.modified_index
         self._heard_at = time.monotonic()

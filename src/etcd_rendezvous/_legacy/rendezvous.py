@@ -42,7 +42,7 @@ from ..events import EventSource, NodeState, _records_failure
 from ..layout import LegacyLayout, new_waiter_name
 from ..metrics import MetricKind, record_metric, timed
 from .admission import create_spread
-from .feed import StateFeed
+from .feed import SILENCE, StateFeed
 from .join import BatchJoin, RestartAttempt
 from .lease_keeper import LeaseKeeper, stop_keepers
 from .state import (
@@ -778,6 +778,7 @@ class EtcdRendezvous:
         """
         half_ttl = CONST_ETCD_JOINABLE_EPHEMERAL_TTL / 2
         refreshed_at = float("-inf")
+        looked_at = time.monotonic()
         while True:
             observed = self._feed.current()
             status = observed.status_in(expected_version)
@@ -796,7 +797,14 @@ class EtcdRendezvous:
                 refreshed_at = time.monotonic()
                 self._refresh_state_ttl(observed.node)
                 continue
-            self._feed.wait(min(half_ttl - age, deadline.remaining() + 0.01))
+            # We follow the state, not the hints: we read the hint every SILENCE, lest a
+            # report of a write etcd refused for its size pass us by.
+            looked = time.monotonic() - looked_at
+            if looked >= SILENCE:
+                looked_at = time.monotonic()
+                self._join.check_reports(expected_version)
+                continue
+            self._feed.wait(min(half_ttl - age, deadline.remaining() + 0.01, SILENCE - looked))
             self._check_deadline()
 
     def _refresh_state_ttl(self, active_version: Node) -> None:

@@ -20,6 +20,8 @@ Reads and watch events are not limited this way (the gateway takes answers of up
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,8 @@ __all__ = [
     "RECOMMENDED_MAX_REQUEST_BYTES",
     "V2_FORM_LIMIT",
     "Refusal",
+    "Verdict",
+    "advice",
     "refused_for_size",
     "v2_too_large",
     "v3_too_large",
@@ -53,8 +57,8 @@ _GRPC_SIZES = re.compile(r"larger than max \((\d+) vs\. (\d+)\)")
 _V2_INVALID_FORM = 210
 _V2_MARKER = "too large"
 
-#: How much of a refusal's detail a node passes on (the message of the error).
-_DETAIL_CHARS = 1500
+#: How much of etcd's answer (and of each text) a report passes on.
+_ANSWER_CHARS = 300
 
 
 def v3_too_large(message: str) -> bool:
@@ -77,69 +81,92 @@ def refused_for_size(
     """The error for endpoint ``endpoint``'s refusal, ``answer``, of a request to
     ``where`` (``"compare-and-swap '/k'"``) on ``key`` over the ``api`` (``v2``, ``v3``),
     of ``size`` bytes (v3: its keys and values; v2: its form as sent)."""
-    head = f"etcd endpoint {endpoint} refused to {where}"
+    what = "of form, the value percent-encoded" if api == "v2" else "of keys and values"
+    message = (
+        f"etcd endpoint {endpoint} refused to {where}: the request ({size} bytes {what}) "
+        f"is larger than etcd accepts ({answer}). {advice(api, answer)}"
+    )
+    return RequestTooLargeError(
+        message, key=key, size=size, endpoint=endpoint, answer=answer, api=api
+    )
+
+
+def advice(api: str, answer: str) -> str:
+    """What to do about a refusal, ``answer``, of a request too large over ``api``: the
+    limit (the member's own, when the answer gives it) and the flag that raises it."""
     if api == "v2":
-        message = (
-            f"{head}: the request ({size} bytes of form, the value percent-encoded) is "
-            f"larger than etcd's v2 API accepts ({answer}). A v2 write holds at most "
-            f"{V2_FORM_LIMIT} bytes (10 MiB) of form, and no flag raises that: "
-            "--max-request-bytes applies to the v3 API only. Use the v3 API (etcd_api=v3, "
-            "etcd 3.4 or later) with a large enough --max-request-bytes, or fewer nodes."
+        return (
+            f"A v2 write holds at most {V2_FORM_LIMIT} bytes (10 MiB) of form, and no flag "
+            "raises that: --max-request-bytes applies to the v3 API only. Use the v3 API "
+            "(etcd_api=v3, etcd 3.4 or later) with a large enough --max-request-bytes, or "
+            "fewer nodes."
         )
-        return RequestTooLargeError(message, key=key, size=size)
     sizes = _GRPC_SIZES.search(answer)
     if sizes is not None and int(sizes.group(2)) > _GRPC_OVERHEAD:
         limit = f"this member's is {int(sizes.group(2)) - _GRPC_OVERHEAD} bytes"
     else:
         limit = f"the default is {DEFAULT_MAX_REQUEST_BYTES} bytes, 1.5 MiB"
-    message = (
-        f"{head}: the request (about {size} bytes of keys and values) is larger than etcd "
-        f"accepts ({answer}). etcd takes requests of up to --max-request-bytes ({limit}): "
-        "start every member with a larger --max-request-bytes (etcd warns above "
-        f"{RECOMMENDED_MAX_REQUEST_BYTES}, 10 MiB), or use fewer nodes. A rendezvous "
-        'state grows with the number of nodes: see "etcd\'s limits" in the documentation.'
+    return (
+        f"etcd takes requests of up to --max-request-bytes ({limit}): start every member "
+        f"with a larger --max-request-bytes (etcd warns above {RECOMMENDED_MAX_REQUEST_BYTES}, "
+        "10 MiB), or use fewer nodes. A rendezvous state grows with its nodes: see "
+        '"etcd\'s limits" in the documentation.'
     )
-    return RequestTooLargeError(message, key=key, size=size)
+
+
+class Verdict(enum.Enum):
+    """What a node waiting in a rendezvous does about a :class:`Refusal` reported to it."""
+
+    IGNORE = "ignore"
+    """It does not concern the node, or is stale."""
+    FAIL = "fail"
+    """The node raises the reported error."""
+    VERIFY = "verify"
+    """It would fail the node, which arrived after it was written (perhaps after etcd's
+    limit was raised): ask etcd first (:meth:`Transport.check_size
+    <etcd_rendezvous._transport.interface.Transport.check_size>`)."""
 
 
 @dataclass(frozen=True)
 class Refusal:
     """A write of the rendezvous state that etcd refused for its size, as the node that
-    made it reports it to the nodes that waited for it (in the progress key, next to
-    the summary of the state that write would have replaced).
+    made it reports it to the nodes that wait for it (in the progress key, next to the
+    summary of the state that write would have replaced): a few hundred bytes.
 
     A report, not the authority: which nodes act on it, and how, the backends' progress
-    keys say (``_dynamic/progress.py``, ``_legacy/state.py``).
+    keys say (``_dynamic/progress.py``, ``_legacy/admission.py``).
     """
 
     #: Every node (member) key created at or before this etcd index was in the write.
     upto: int
     #: How many participants the write would have had.
     count: int
-    #: Who made the write (a node, or a member key's name).
+    #: Whether the write would have completed the round (fixed its participants).
+    completing: bool
+    #: Who made the write (a node, or a worker's member key).
     by: str
-    #: The state key, and the request's size as the error says.
+    #: The error's :class:`~etcd_rendezvous.api.RequestTooLargeError` fields.
     key: str
     size: int
-    #: The message of the writer's :class:`~etcd_rendezvous.api.RequestTooLargeError`.
-    detail: str
+    endpoint: str
+    answer: str
+    api: str
 
     @classmethod
-    def of(cls, error: RequestTooLargeError, upto: int, count: int, by: str) -> Refusal:
+    def of(
+        cls, error: RequestTooLargeError, upto: int, count: int, completing: bool, by: str
+    ) -> Refusal:
         """The report of ``error``, the refusal of a write deciding the keys up to ``upto``
-        into a state of ``count`` participants, made by ``by``."""
-        return cls(upto, count, by, error.key, error.size, str(error)[:_DETAIL_CHARS])
+        into a state of ``count`` participants (``completing`` the round, or not), made
+        by ``by``."""
+        answer = error.answer[:_ANSWER_CHARS]
+        return cls(
+            upto, count, completing, by, error.key, error.size, error.endpoint, answer, error.api
+        )
 
     def encode(self) -> dict[str, Any]:
         """The report as a JSON object (a field of the progress key's value)."""
-        return {
-            "upto": self.upto,
-            "count": self.count,
-            "by": self.by,
-            "key": self.key,
-            "size": self.size,
-            "detail": self.detail,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def decode(cls, fields: Any) -> Refusal | None:
@@ -147,21 +174,31 @@ class Refusal:
         if not isinstance(fields, dict):
             return None
         upto, count, size = (_positive(fields.get(name)) for name in ("upto", "count", "size"))
-        by, key, detail = (fields.get(name) for name in ("by", "key", "detail"))
-        if upto is None or count is None or size is None:
+        completing = fields.get("completing")
+        texts = [fields.get(name) for name in ("by", "key", "endpoint", "answer", "api")]
+        if upto is None or count is None or size is None or type(completing) is not bool:
             return None
-        if not isinstance(by, str) or not isinstance(key, str) or not isinstance(detail, str):
+        if not all(isinstance(text, str) for text in texts):
             return None
-        return cls(upto, count, by, key, size, detail[:_DETAIL_CHARS])
+        by, key, endpoint, answer, api = (str(text)[:_ANSWER_CHARS] for text in texts)
+        return cls(upto, count, completing, by, key, size, endpoint, answer, api)
 
     def error(self, whom: str) -> RequestTooLargeError:
-        """The error of ``whom`` (``"The node 'x'"``), a node that waited for the write."""
+        """The error of ``whom`` (``"The node 'x'"``), which waited for the refused write."""
         message = (
-            f"{whom} gives up: the write of the rendezvous state it waited for "
-            f"({self.size} bytes, made by {self.by}) was refused by etcd as too large. "
-            f"{self.detail}"
+            f"{whom} gives up: etcd endpoint {self.endpoint} refused the write of the "
+            f"rendezvous state it waited for ({self.size} bytes to {self.key!r}, made by "
+            f"{self.by}) as larger than etcd accepts ({self.answer}). "
+            f"{advice(self.api, self.answer)}"
         )
-        return RequestTooLargeError(message, key=self.key, size=self.size)
+        return RequestTooLargeError(
+            message,
+            key=self.key,
+            size=self.size,
+            endpoint=self.endpoint,
+            answer=self.answer,
+            api=self.api,
+        )
 
 
 def _positive(value: Any) -> int | None:
