@@ -287,10 +287,12 @@ class ProgressKey:
     _silence: float = field(default=PROGRESS_SILENCE, init=False)
     _deciding: int | None = field(default=None, init=False)
     # The summary of the state the node last read or wrote (what a report of a refused
-    # write made on it says besides), and the newest report of a refused write heard,
-    # with the key's modification index that brought it.
+    # write made on it says besides); the newest report of a refused write heard, with
+    # the key's modification index that brought it (``None``: none, or it was dropped),
+    # and the newest such index (a report is taken in once).
     _held: Progress | None = field(default=None, init=False)
     _report: tuple[Progress, int] | None = field(default=None, init=False)
+    _report_at: int = field(default=0, init=False)
 
     @property
     def known(self) -> bool:
@@ -349,10 +351,8 @@ class ProgressKey:
         if progress is None or self._false(progress, version):
             return False
         self._heard_at = self.clock()  # Someone is at work (or checked, see state_read).
-        report = self._report
-        newer = version is not None and (report is None or version > report[1])
-        if progress.refused is not None and version is not None and newer:
-            self._report = (progress, version)
+        if progress.refused is not None and version is not None and version > self._report_at:
+            self._report, self._report_at = (progress, version), version
         if progress.decided_upto > self.decided_upto:
             self.decided_upto, self.decided_at = progress.decided_upto, self.clock()
         if self.hint is not None and progress.token <= self.hint.token:
@@ -449,6 +449,7 @@ class ProgressKey:
                 written = board.replace_progress(report, written_at)
                 if written is not None:
                     self._report = (report, written)
+                    self._report_at = max(self._report_at, written)
             else:
                 logger.info(
                     "etcd now accepts a write as large as the one the progress key of "

@@ -87,8 +87,10 @@ class StateFeed:
         self._heard_at = time.monotonic()
         self._silence = SILENCE
         # The newest report of a refused write on the hint key followed, and the store
-        # index of the hint key's write that brought it.
+        # index of the hint key's write that brought it (``None``: none, or dropped); the
+        # newest such index (a report is taken in once).
         self._report: tuple[Hint, int] | None = None
+        self._report_at = 0
 
     @property
     def report(self) -> tuple[Hint, int] | None:
@@ -100,11 +102,11 @@ class StateFeed:
     def note_report(self, hint: Hint, written_at: int) -> None:
         """Take in ``hint``, a report of a refused write written at ``written_at`` (in the
         hint key followed), unless a newer one is known."""
-        if self._report is None or written_at > self._report[1]:
-            self._report = (hint, written_at)
+        if written_at > self._report_at:
+            self._report, self._report_at = (hint, written_at), written_at
 
     def drop_report(self) -> None:
-        """Forget the report heard (it was found stale)."""
+        """Forget the report heard (it was found stale): it is not taken in again."""
         self._report = None
 
     @property
@@ -193,7 +195,7 @@ class StateFeed:
         self._close_stream()
         if self._hint_key != hint_key:
             self._hint, self._hint_at = None, 0
-            self._report = None
+            self._report, self._report_at = None, 0
         self._hint_key = hint_key
         self._open_hints()
 
@@ -266,7 +268,7 @@ class StateFeed:
         self._latest = None
         self._hint_key = None
         self._hint, self._hint_at = None, 0
-        self._report = None
+        self._report, self._report_at = None, 0
         self._silence = SILENCE
 
     def _close_stream(self) -> None:
