@@ -600,11 +600,15 @@ def test_recorded_refusals_of_a_request_too_large_are_sent_once_and_name_the_fla
     state, endpoint = replay
     path = answer["path"]
     state.queue(path, replayed(version, name), replayed(version, name))
-    with connect(endpoint) as conn, pytest.raises(RequestTooLargeError) as info:
+
+    def write(conn: EtcdV3Connection) -> None:
         if path == "/v3/kv/txn":
             conn.compare_and_swap("/big", "x" * 5000, 3)
         else:
             conn.set("/big", "x" * 5000)
+
+    with connect(endpoint) as conn, pytest.raises(RequestTooLargeError) as info:
+        write(conn)
     assert state.paths().count(path) == 1
     error, message = info.value, str(info.value)
     assert (error.key, error.api) == ("/big", "v3")
