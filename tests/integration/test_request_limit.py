@@ -28,6 +28,7 @@ from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import (
+    RendezvousClosedError,
     RendezvousHandler,
     RendezvousParameters,
     RequestTooLargeError,
@@ -85,11 +86,17 @@ def _params(backend: str, server: EtcdServer, run_id: str, index: int) -> Rendez
 
 
 def _rendezvous(
-    backend: str, server: EtcdServer, run_id: str, monkeypatch: pytest.MonkeyPatch
+    backend: str,
+    server: EtcdServer,
+    run_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+    shut_down: list[bool] | None = None,
 ) -> list[tuple[BaseException | None, float]]:
     """NODES handlers join together; each one's error (``None``: it joined) and when it
     came (``time.monotonic()``). Every handler is closed afterwards (not shut down: the
-    rendezvous is not closed for the others)."""
+    rendezvous is not closed for the others), unless ``shut_down`` is given: then each
+    is shut down once all are done (as torch's agent does when it fails), and what its
+    ``shutdown()`` returned is appended to it."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     handlers = [get_rendezvous_handler(_params(backend, server, run_id, i)) for i in range(NODES)]
 
@@ -103,7 +110,10 @@ def _rendezvous(
     try:
         with ThreadPoolExecutor(NODES, thread_name_prefix="node") as pool:
             futures = [pool.submit(join, handler) for handler in handlers]
-            return [future.result(timeout=TIMEOUT + 30) for future in futures]
+            results = [future.result(timeout=TIMEOUT + 30) for future in futures]
+        if shut_down is not None:
+            shut_down.extend(handler.shutdown() for handler in handlers)
+        return results
     finally:
         for handler in handlers:
             handler.close()  # type: ignore[attr-defined]
@@ -128,6 +138,23 @@ def test_every_node_raises_the_refusal_within_seconds_of_the_first(
     """The node whose state write etcd refused raises; every other node of the round,
     waiting for that write, raises the same error within BOUND, not at its timeout."""
     _assert_all_refused(_rendezvous(backend, small_etcd, run_id, monkeypatch))
+
+
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+def test_the_nodes_close_the_run_after_the_refusal(
+    backend: str, small_etcd: EtcdServer, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's agent shuts the rendezvous down when it fails: that closes the run, though
+    the node's own changes were refused (they are not sent again)."""
+    shut_down: list[bool] = []
+    _assert_all_refused(_rendezvous(backend, small_etcd, run_id, monkeypatch, shut_down))
+    assert shut_down == [True] * NODES
+    late = get_rendezvous_handler(_params(backend, small_etcd, run_id, NODES))
+    try:
+        with pytest.raises(RendezvousClosedError):
+            late.next_rendezvous()
+    finally:
+        late.close()  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow
