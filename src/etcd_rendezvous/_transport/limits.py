@@ -14,8 +14,8 @@ What etcd answers (3.4, 3.5, 3.6 and 3.7 alike), none of it applied:
   percent-encoded) is over 10 MiB, the most Go's HTTP server parses, is refused with
   errorCode 210, "Invalid POST form", cause "http: POST too large"; no flag raises it.
 
-Reads and watch events are not limited this way (the gateway takes answers of up to
-2 GiB). See the documentation, "etcd's limits".
+Reads and watch events are not limited this way (a read of a 4.5 MB value and a listing
+of 11 MB are answered in full). See the documentation, "etcd's limits".
 """
 
 from __future__ import annotations
