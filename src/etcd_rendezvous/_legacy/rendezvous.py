@@ -374,6 +374,9 @@ class EtcdRendezvous:
                 (the message gives the last etcd error, if etcd was the cause).
             RendezvousClosedError: the rendezvous is or was closed while waiting.
             RendezvousStateError: the state in etcd is corrupt.
+            RequestTooLargeError: etcd refused a write of the state as larger than its
+                ``--max-request-bytes``: ours, or one we waited for (see
+                the documentation, "etcd's limits").
             RendezvousError: other non-retryable errors.
         """
         self._rendezvous_deadline = Deadline(self._timeout)
@@ -775,6 +778,8 @@ class EtcdRendezvous:
 
         Raises:
             EtcdRendezvousRetryableFailure: the state changed in any other way.
+            RequestTooLargeError: a write of the version was refused for its size (ours,
+                or one reported in the version's hint key, read every ``SILENCE``).
         """
         half_ttl = CONST_ETCD_JOINABLE_EPHEMERAL_TTL / 2
         refreshed_at = float("-inf")

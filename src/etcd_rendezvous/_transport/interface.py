@@ -264,6 +264,8 @@ class ConnectionOptions(TypedDict, total=False):
 class Transport(_Closing):
     """A connection to an etcd cluster over one or more endpoints.
 
+    A write etcd refuses as larger than it accepts raises
+    :class:`~etcd_rendezvous.api.RequestTooLargeError` at once (it is never sent again).
     Every operation retries failures that are worth retrying (unreachable endpoint,
     leader election, a lost answer) on the same or the next endpoint until its deadline:
     the innermost :meth:`bounded_by` deadline of the calling thread, or else
