@@ -16,9 +16,11 @@ of this process) that the state outgrows it.
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,13 @@ from etcd_rendezvous.api import (
     RendezvousParameters,
     RequestTooLargeError,
 )
+from etcd_rendezvous.dynamic_rendezvous import decode_state
 from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.layout import ETCD_V2_STATE_PREFIX, etcd_v2_state_key
 from etcd_rendezvous.metrics import MetricsCollector
 from etcd_rendezvous.registry import get_rendezvous_handler
 from support.net import endpoint_of
+from support.wait import wait_until
 
 #: The small server's ``--max-request-bytes``.
 LIMIT = 4096
@@ -74,14 +79,21 @@ def small_etcd(etcd_server: EtcdServer) -> Iterator[EtcdServer]:
         server.stop()
 
 
-def _params(backend: str, server: EtcdServer, run_id: str, index: int) -> RendezvousParameters:
-    options: dict[str, Any] = {"etcd_api": "v3"}
+def _params(
+    backend: str,
+    server: EtcdServer,
+    run_id: str,
+    index: int,
+    nodes: int = NODES,
+    **more: Any,
+) -> RendezvousParameters:
+    options: dict[str, Any] = {"etcd_api": "v3", **more}
     if backend == "etcd":
         options.update(timeout=TIMEOUT, last_call_timeout=1)
     else:
         options.update(join_timeout=TIMEOUT, last_call_timeout=1, torch_store="false")
     return RendezvousParameters(
-        backend, server.get_endpoint(), run_id, NODES, NODES, local_addr=_host(index), **options
+        backend, server.get_endpoint(), run_id, nodes, nodes, local_addr=_host(index), **options
     )
 
 
@@ -91,25 +103,21 @@ def _rendezvous(
     run_id: str,
     monkeypatch: pytest.MonkeyPatch,
     shut_down: list[bool] | None = None,
+    **options: Any,
 ) -> list[tuple[BaseException | None, float]]:
     """NODES handlers join together; each one's error (``None``: it joined) and when it
     came (``time.monotonic()``). Every handler is closed afterwards (not shut down: the
     rendezvous is not closed for the others), unless ``shut_down`` is given: then each
     is shut down once all are done (as torch's agent does when it fails), and what its
-    ``shutdown()`` returned is appended to it."""
+    ``shutdown()`` returned is appended to it. ``options``: more handler options."""
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    handlers = [get_rendezvous_handler(_params(backend, server, run_id, i)) for i in range(NODES)]
-
-    def join(handler: RendezvousHandler) -> tuple[BaseException | None, float]:
-        try:
-            handler.next_rendezvous()
-        except Exception as exc:
-            return exc, time.monotonic()
-        return None, time.monotonic()
+    handlers = [
+        get_rendezvous_handler(_params(backend, server, run_id, i, **options)) for i in range(NODES)
+    ]
 
     try:
         with ThreadPoolExecutor(NODES, thread_name_prefix="node") as pool:
-            futures = [pool.submit(join, handler) for handler in handlers]
+            futures = [pool.submit(_join, handler) for handler in handlers]
             results = [future.result(timeout=TIMEOUT + 30) for future in futures]
         if shut_down is not None:
             shut_down.extend(handler.shutdown() for handler in handlers)
@@ -117,6 +125,15 @@ def _rendezvous(
     finally:
         for handler in handlers:
             handler.close()  # type: ignore[attr-defined]
+
+
+def _join(handler: RendezvousHandler) -> tuple[BaseException | None, float]:
+    """``handler.next_rendezvous()``: its error (``None``: it joined), and when."""
+    try:
+        handler.next_rendezvous()
+    except Exception as exc:
+        return exc, time.monotonic()
+    return None, time.monotonic()
 
 
 def _assert_all_refused(results: list[tuple[BaseException | None, float]]) -> None:
@@ -140,6 +157,29 @@ def test_every_node_raises_the_refusal_within_seconds_of_the_first(
     _assert_all_refused(_rendezvous(backend, small_etcd, run_id, monkeypatch))
 
 
+def test_workers_waiting_on_a_complete_version_raise_the_refusal_of_their_count(
+    small_etcd: EtcdServer, run_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``etcd``: a complete version whose state nearly fills the limit, and workers that
+    arrive late: the count of their wait keys in the state is refused for its size, and
+    every waiting worker raises it (they wait for the version to end, which their count
+    would have told its members), not at its timeout."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    members, late = 30, 20  # a final state of 30 fits in LIMIT; 20 more names do not
+    made = [
+        get_rendezvous_handler(_params("etcd", small_etcd, run_id, i, members))
+        for i in range(members + late)
+    ]
+    try:
+        with ThreadPoolExecutor(members + late, thread_name_prefix="node") as pool:
+            first = list(pool.map(_join, made[:members]))
+            assert [error for error, _ in first] == [None] * members
+            _assert_all_refused(list(pool.map(_join, made[members:])))
+    finally:
+        for handler in made:
+            handler.close()  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_the_nodes_close_the_run_after_the_refusal(
     backend: str, small_etcd: EtcdServer, run_id: str, monkeypatch: pytest.MonkeyPatch
@@ -157,6 +197,24 @@ def test_the_nodes_close_the_run_after_the_refusal(
         late.close()  # type: ignore[attr-defined]
 
 
+#: etcd-v2 heartbeats that lapse soon (3 s): the nodes of the failed attempt, in the
+#: state, are dropped before the next one (as PyTorch drops a dead node).
+QUICK_HEARTBEATS = {"keep_alive_interval": 1, "keep_alive_max_attempt": 3}
+
+
+def _lapsed(server: EtcdServer, run_id: str) -> bool:
+    """Whether every heartbeat in the run's etcd-v2 state is older than QUICK_HEARTBEATS
+    allow (or there is no state)."""
+    with _connect("v3", server) as conn:
+        node = conn.try_get(etcd_v2_state_key(run_id, ETCD_V2_STATE_PREFIX))
+    if node is None or node.value is None:
+        return True
+    state = decode_state(base64.b64decode(node.value), "the test")
+    lifetime = QUICK_HEARTBEATS["keep_alive_interval"] * QUICK_HEARTBEATS["keep_alive_max_attempt"]
+    oldest_alive = datetime.now(timezone.utc) - timedelta(seconds=lifetime)
+    return all(beat < oldest_alive for beat in state.last_heartbeats.values())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
 def test_a_run_rendezvouses_once_the_limit_is_raised(
@@ -167,8 +225,10 @@ def test_a_run_rendezvouses_once_the_limit_is_raised(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The operator's fix: the same run, after etcd was restarted with a larger limit
-    (same data), rendezvouses. The report the failed round left in the progress key
-    predates the new nodes' keys: they check etcd's limit before believing it."""
+    (same data), rendezvouses. The report the failed attempt left in the progress key
+    predates the new nodes' keys: they check etcd's limit before believing it. (The
+    failed attempt's nodes are dropped first: the ``etcd`` backend's version lapses,
+    ``etcd-v2``'s heartbeats do.)"""
     data = str(tmp_path / "etcd")
     small = EtcdServer(
         data,
@@ -176,11 +236,13 @@ def test_a_run_rendezvouses_once_the_limit_is_raised(
         enable_v2=etcd_server.enable_v2,
         extra_args=["--max-request-bytes", str(LIMIT)],
     )
+    options = QUICK_HEARTBEATS if backend == "etcd-v2" else {}
     with small:
-        _assert_all_refused(_rendezvous(backend, small, run_id, monkeypatch))
+        _assert_all_refused(_rendezvous(backend, small, run_id, monkeypatch, **options))
     raised = EtcdServer(data, etcd_binary=etcd_server.binary, enable_v2=etcd_server.enable_v2)
     with raised:
-        results = _rendezvous(backend, raised, run_id, monkeypatch)
+        wait_until(lambda: _lapsed(raised, run_id), what="the failed nodes' heartbeats lapse")
+        results = _rendezvous(backend, raised, run_id, monkeypatch, **options)
     assert [error for error, _ in results] == [None] * NODES
 
 

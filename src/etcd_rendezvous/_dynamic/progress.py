@@ -112,10 +112,10 @@ class Progress:
         return json.dumps(fields)
 
     @property
-    def newness(self) -> tuple[int, bool]:
+    def newness(self) -> tuple[int, int]:
         """What orders two summaries: the token, then a report of a refused write on that
-        state (which comes after its summary)."""
-        return self.token, self.refused is not None
+        state (which comes after its summary; of two, the one with the later listing)."""
+        return self.token, -1 if self.refused is None else self.refused.upto
 
     @classmethod
     def decode(cls, value: str | None) -> Progress | None:

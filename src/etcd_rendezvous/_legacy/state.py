@@ -185,10 +185,12 @@ class Hint:
     refused: Refusal | None = None
 
     @property
-    def newness(self) -> tuple[int, bool, int]:
+    def newness(self) -> tuple[int, int, int]:
         """What orders two hints: the state's index, then a report of a refused write on
-        that state (which comes after its hints), then the decided index."""
-        return self.index, self.refused is not None, self.decided_upto
+        that state (which comes after its hints; of two, the one with the later
+        listing), then the decided index."""
+        reported = -1 if self.refused is None else self.refused.upto
+        return self.index, reported, self.decided_upto
 
     def encode(self) -> str:
         """The key's value (JSON, a few dozen bytes; a report adds a few hundred)."""
