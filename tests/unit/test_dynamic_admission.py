@@ -903,6 +903,8 @@ def test_a_refused_batch_is_reported_with_the_summary_of_the_state_it_replaced()
         9000,
     )
     assert Progress.decode(written.encode()) == written
+    # A second refusal on the same state, from a later listing, is reported too.
+    assert Progress.of(7, held, 0).newness < written.newness < report(7, 10**6).newness
 
 
 @pytest.mark.parametrize(

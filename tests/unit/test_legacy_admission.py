@@ -725,6 +725,8 @@ def test_a_report_reads_back_as_written_and_comes_after_its_state_s_hint() -> No
     assert Hint.decode(marked.encode()) == marked
     plain = hint(60, 100)
     assert plain.newness < marked.newness < hint(61, 0).newness
+    # A second refusal on the same state, from a later listing, is reported too.
+    assert marked.newness < report(60, upto=120).newness
     error = marked.refused.error("The worker with member key k") if marked.refused else None
     assert isinstance(error, RequestTooLargeError)
     assert "--max-request-bytes" in str(error)
