@@ -29,6 +29,7 @@ from .api import (
     RendezvousStateError,
     RendezvousStoreInfo,
     RendezvousTimeoutError,
+    RequestTooLargeError,
     rendezvous_handler_registry,
 )
 from .registry import get_rendezvous_handler
@@ -53,6 +54,7 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousStoreInfo",
     "RendezvousTimeoutError",
+    "RequestTooLargeError",
     "__version__",
     "get_rendezvous_handler",
     "rendezvous_handler_registry",

@@ -30,6 +30,7 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousStoreInfo",
     "RendezvousTimeoutError",
+    "RequestTooLargeError",
     "Store",
     "rendezvous_handler_registry",
 ]
@@ -87,6 +88,48 @@ class RendezvousGracefulExitError(RendezvousError):
 
     Exception is a mechanism to exit the stack, however does not mean a failure.
     """
+
+
+class RequestTooLargeError(RendezvousError):
+    """Raised when etcd refused a write as larger than it accepts: a rendezvous state (or
+    a store value) that outgrew etcd's ``--max-request-bytes``.
+
+    Not one of PyTorch's classes. A configuration error, never retried: the message
+    names the key, the size of the request, etcd's answer, the endpoint and the flag
+    that raises the limit. Every node waiting for the refused write raises it too (see
+    the documentation's "etcd's limits"). Where PyTorch's rendezvous is loaded it is
+    also PyTorch's ``RendezvousError``, which ends torch's agent.
+
+    Args:
+        message: what was refused, and what to do.
+        key: the etcd key written.
+        size: the bytes of the request as etcd counts them, roughly (v3: its keys and
+            values; v2: its form).
+        endpoint: the etcd endpoint that refused it.
+        answer: etcd's answer.
+        api: the etcd API of the request (``v2`` or ``v3``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: str = "",
+        size: int = 0,
+        endpoint: str = "",
+        answer: str = "",
+        api: str = "",
+    ) -> None:
+        super().__init__(message)
+        #: The etcd key written.
+        self.key = key
+        #: The bytes of the request, as etcd counts them, roughly.
+        self.size = size
+        #: The etcd endpoint that refused it, and its answer.
+        self.endpoint = endpoint
+        self.answer = answer
+        #: The etcd API of the request (``v2`` or ``v3``).
+        self.api = api
 
 
 def _get_free_port() -> int:

@@ -33,8 +33,9 @@ class Recorder:
         self.port = server.get_port()
         self.answers: list[dict] = []
 
-    def call(self, name, path, body, headers=None, method="POST"):
-        """One request to the gateway; its JSON answer (or text) is kept and returned."""
+    def call(self, name, path, body, headers=None, method="POST", keep_request=True):
+        """One request to the gateway; its JSON answer (or text) is kept and returned
+        (with the request, unless not to ``keep_request``: a large one is described)."""
         r = self.pool.request(
             method,
             self.base + path,
@@ -47,8 +48,9 @@ class Recorder:
             decoded = json.loads(r.data)
         except ValueError:
             decoded = r.data.decode(errors="replace")
+        request = body if keep_request else f"<{len(json.dumps(body))} bytes of JSON>"
         self.answers.append(
-            {"name": name, "path": path, "request": body, "status": r.status, "body": decoded}
+            {"name": name, "path": path, "request": request, "status": r.status, "body": decoded}
         )
         return decoded
 
@@ -110,6 +112,29 @@ def _txn(key, target, field, value):
         "success": [{"request_put": {"key": b64(key), "value": b64("x")}}],
         "failure": [{"request_range": {"key": b64(key)}}],
     }
+
+
+#: The ``--max-request-bytes`` of the server that records the refusals of requests too
+#: large (:func:`record_limits`).
+LIMIT = 4096
+
+
+def record_limits(binary):
+    """The answers of a server started with ``--max-request-bytes`` :data:`LIMIT` to
+    requests over it: a put, a compare-and-swap (as the v3 transport sends it), and a put
+    over gRPC's own limit (the limit plus 512 KiB)."""
+    args = ["--max-request-bytes", str(LIMIT)]
+    with EtcdServer(etcd_binary=binary, enable_v2=False, extra_args=args) as srv:
+        rec = Recorder(srv)
+        big = "x" * (LIMIT + 100)
+        put = {"key": b64("/big"), "value": b64(big)}
+        rec.call("put_too_large", "/v3/kv/put", put, keep_request=False)
+        cas = _txn("/big", "MOD", "mod_revision", "3")
+        cas["success"][0]["request_put"]["value"] = b64(big)
+        rec.call("txn_too_large", "/v3/kv/txn", cas, keep_request=False)
+        huge = {"key": b64("/big"), "value": b64("x" * (LIMIT + 512 * 1024 + 100))}
+        rec.call("put_over_grpc_limit", "/v3/kv/put", huge, keep_request=False)
+    return rec.answers
 
 
 def main() -> None:
@@ -258,8 +283,9 @@ def main() -> None:
             headers={"Authorization": "bogus"},
         )
         rec.call("version_auth", "/version", None, method="GET")
+    answers = rec.answers + record_limits(binary)
     with open(dest, "w") as fh:
-        json.dump({"etcd": srv.version, "answers": rec.answers}, fh, indent=1)
+        json.dump({"etcd": srv.version, "answers": answers}, fh, indent=1)
         fh.write("\n")
     print(dest, len(rec.answers))
 

@@ -3,8 +3,10 @@ in-memory registry and a fake clock."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import datetime, timedelta, timezone
+from typing import Any
 
 import pytest
 
@@ -24,7 +26,15 @@ from etcd_rendezvous._dynamic.admission import (
     Wait,
     stagger_wait,
 )
-from etcd_rendezvous._dynamic.progress import PROGRESS_SILENCE, Heard, Progress, concerns
+from etcd_rendezvous._dynamic.progress import (
+    PROGRESS_SILENCE,
+    Heard,
+    Progress,
+    concerns,
+    refusal_verdict,
+)
+from etcd_rendezvous._transport.limits import Refusal, Verdict
+from etcd_rendezvous.api import RequestTooLargeError
 from etcd_rendezvous.dynamic_rendezvous import (
     NodeDesc,
     RendezvousSettings,
@@ -482,6 +492,8 @@ class BoardRegistry(MemoryRegistry):
         self.changes: list[tuple[Progress | None, int]] = []
         self.written: list[Progress] = []
         self.listed_at = 0
+        #: etcd's request limit, in bytes (``None``: none).
+        self.limit: int | None = None
 
     def list_nodes(self) -> list[AnnouncedNode]:
         self.listed_at = self.index
@@ -499,7 +511,7 @@ class BoardRegistry(MemoryRegistry):
     def write_progress(self, progress: Progress, index: int) -> int | None:
         self._count("write_progress")
         held = self.progress if self.exists and index != self.progress_index else None
-        if held is not None and held.token >= progress.token:
+        if held is not None and held.newness >= progress.newness:
             return None  # a summary at least as new: kept
         return self._put(progress)
 
@@ -524,6 +536,12 @@ class BoardRegistry(MemoryRegistry):
 
     def stop_waiting(self) -> None:
         self._count("stop_waiting")
+
+    def check_size(self, size: int) -> None:
+        """etcd accepts ``size`` bytes unless ``limit`` (bytes) is below it."""
+        self._count("check_size")
+        if self.limit is not None and size > self.limit:
+            raise RequestTooLargeError(f"{size} bytes: too large", key="/state", size=size)
 
     def publish(self, progress: Progress) -> None:
         """Another node wrote ``progress``: the key holds it and watches deliver it
@@ -747,3 +765,198 @@ def test_a_summary_of_a_state_no_read_finds_is_dropped_after_a_read() -> None:
     # The read replaced the lie with a summary of the state it found.
     assert registry.progress is not None
     assert registry.progress.token == 3
+
+
+# -- reports of a batch refused for its size -------------------------------------------------
+
+
+def report(
+    token: int,
+    upto: int,
+    *,
+    count: int = 4,
+    round_: int = 0,
+    complete: bool = False,
+    decided: int = 0,
+) -> Progress:
+    """The summary of the state of ``token`` reporting that etcd refused a batch on it of
+    ``count`` participants, made from a listing at ``upto``."""
+    answer = "etcdserver: request is too large (gRPC code 3, HTTP 400)"
+    refusal = Refusal(
+        upto, count, False, "the node 'maker'", "/state", 5000, "http://e", answer, "v3"
+    )
+    return Progress(token, round_, complete, False, decided, 2, 0, refused=refusal)
+
+
+def joining_round(node: NodeDesc, registry: BoardRegistry, clock: Clock) -> NodeKeys:
+    """``node`` joining a round of at least 4 nodes (at most 8)."""
+    at_least_4 = RendezvousSettings("run", 4, 8, RendezvousTimeout(), timedelta(seconds=5), 3)
+    keys = NodeKeys(registry, node, at_least_4, clock)
+    keys.begin_join()
+    return keys
+
+
+def round_state(round_: int = 0, complete: bool = False, *admitted: NodeDesc) -> RendezvousState:
+    state = RendezvousState()
+    state.round, state.complete = round_, complete
+    state.participants.update(dict.fromkeys(admitted, 0))
+    return state
+
+
+@pytest.mark.parametrize(
+    ("the_report", "token", "state", "created", "expected"),
+    [
+        pytest.param(report(5, 30), 5, round_state(), 20, Verdict.FAIL, id="cannot-complete"),
+        pytest.param(report(5, 30), 0, round_state(), 20, Verdict.FAIL, id="fresh-node"),
+        pytest.param(report(5, 30), 5, round_state(), 45, Verdict.VERIFY, id="late-checks-etcd"),
+        pytest.param(
+            report(5, 30, count=5), 5, round_state(), 20, Verdict.FAIL, id="in-the-refused-batch"
+        ),
+        pytest.param(
+            report(5, 30, count=5, decided=25),
+            5,
+            round_state(),
+            20,
+            Verdict.IGNORE,
+            id="decided-and-the-round-can-complete",
+        ),
+        pytest.param(
+            report(5, 10, count=5), 5, round_state(), 20, Verdict.IGNORE, id="not-in-the-batch"
+        ),
+        pytest.param(
+            report(5, 30), 9, round_state(1), 20, Verdict.IGNORE, id="a-later-round-ignores-it"
+        ),
+        pytest.param(
+            report(5, 30), 9, round_state(0, True), 20, Verdict.IGNORE, id="the-round-completed"
+        ),
+        pytest.param(
+            report(5, 30),
+            9,
+            round_state(),
+            20,
+            Verdict.FAIL,
+            id="a-heartbeat-since-changes-nothing",
+        ),
+        pytest.param(
+            report(5, 30, count=5),
+            9,
+            round_state(0, False, A),
+            20,
+            Verdict.IGNORE,
+            id="admitted-since-by-a-smaller-batch",
+        ),
+        pytest.param(
+            report(5, 30, complete=True, count=9),
+            5,
+            round_state(0, True),
+            20,
+            Verdict.FAIL,
+            id="a-wait-list-addition-refused",
+        ),
+        pytest.param(report(5, 30), 5, round_state(), None, Verdict.IGNORE, id="not-announced"),
+        pytest.param(
+            Progress(5, 0, False, False, 0, 2, 0), 5, round_state(), 20, Verdict.IGNORE, id="plain"
+        ),
+    ],
+)
+def test_refusal_verdict(
+    the_report: Progress,
+    token: int,
+    state: RendezvousState,
+    created: int | None,
+    expected: Verdict,
+) -> None:
+    """What node A, joining a round of at least 4 with its key created at ``created`` and
+    holding ``state`` (read with ``token``), does about a report written at index 40 of a
+    refused batch listed up to ``upto``, of 4 participants (the round cannot complete)
+    unless said (5: a round of 4 might)."""
+    assert refusal_verdict(the_report, 40, token, state, A, created, 4) is expected
+
+
+def test_a_waiting_node_raises_a_report_that_concerns_it() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining_round(A, registry, clock)
+    assert isinstance(keys.admission(wants_all_but(), "m", token=0), Wait)
+    registry.publish(report(0, registry.index))
+    with pytest.raises(RequestTooLargeError, match="--max-request-bytes") as info:
+        keys.await_progress(1.0, 0, RendezvousState())
+    assert "request is too large" in str(info.value)
+    assert "the node 'maker'" in str(info.value)
+    assert registry.calls.get("check_size", 0) == 0  # it was there: no need to ask etcd
+
+
+def test_a_node_that_arrives_after_a_report_asks_etcd_then_writes_it_again() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    registry.index = 30
+    registry.publish(report(0, 30))
+    registry.limit = 4096  # under the refused size: etcd still refuses it
+    keys = joining_round(B, registry, clock)
+    assert isinstance(keys.admission(wants_all_but(), "m", token=0), Wait)
+    with pytest.raises(RequestTooLargeError):
+        keys.await_progress(1.0, 0, RendezvousState())
+    assert registry.calls["check_size"] == 1
+    assert registry.progress == report(0, 30)
+    assert registry.progress_index > registry.keys[B]  # for those who came with B
+
+
+def test_a_report_etcd_no_longer_confirms_is_dropped() -> None:
+    """etcd's limit was raised since (and the run started again): the report left in the
+    key fails nobody, and is replaced by the summary alone."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    registry.index = 30
+    registry.publish(report(0, 30))
+    keys = joining_round(B, registry, clock)
+    assert isinstance(keys.admission(wants_all_but(), "m", token=0), Wait)
+    keys.await_progress(1.0, 0, RendezvousState())
+    keys.await_progress(1.0, 0, RendezvousState())
+    assert registry.calls["check_size"] == 1
+    assert registry.progress == dataclasses.replace(report(0, 30), refused=None)
+
+
+def test_a_refused_batch_is_reported_with_the_summary_of_the_state_it_replaced() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining_round(A, registry, clock)
+    keys.admission(wants_all_but(), "m", token=0)
+    held = round_state(0, False, C)
+    keys.state_read(7, held, written=False)
+    clock.now += 2 * ADMIT_GATHER
+    assert keys.admission(wants_all_but(), "m", token=7) == Batch([A])
+    refused = RequestTooLargeError("refused", key="/state", size=9000, endpoint="e", api="v3")
+    keys.refused(refused, 7, 5, False)
+    written = registry.written[-1]
+    assert dataclasses.replace(written, refused=None) == Progress.of(7, held, 0)
+    assert written.refused is not None
+    assert (written.refused.upto, written.refused.count, written.refused.size) == (
+        registry.listed_at,
+        5,
+        9000,
+    )
+    assert Progress.decode(written.encode()) == written
+    # A second refusal on the same state, from a later listing, is reported too.
+    assert Progress.of(7, held, 0).newness < written.newness < report(7, 10**6).newness
+
+
+@pytest.mark.parametrize(
+    "garbage", ["x", {"upto": 0}, {"upto": 3, "count": 1, "completing": 1, "size": 1}, []]
+)
+def test_a_garbled_report_leaves_the_summary_without_one(garbage: Any) -> None:
+    plain = Progress(5, 0, False, False, 3, 2, 0)
+    value = json.loads(plain.encode())
+    value["refused"] = garbage
+    assert Progress.decode(json.dumps(value)) == plain
+
+
+def test_a_report_claiming_a_listing_after_its_own_write_is_never_heard() -> None:
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining_round(A, registry, clock)
+    keys.admission(wants_all_but(), "m", token=0)
+    registry.index += 1
+    lie = report(0, 10**12)
+    registry.progress, registry.progress_index = lie, registry.index
+    registry.changes.append((lie, registry.index))
+    assert keys.await_progress(1.0, 0, RendezvousState()) is Heard.KEEP

@@ -33,6 +33,7 @@ from etcd_rendezvous._legacy.admission import (
     plan_admission,
     plan_confirmation,
     plan_freeze,
+    refusal_verdict,
 )
 from etcd_rendezvous._legacy.feed import SILENCE, SILENCE_MAX, Observed, StateFeed
 from etcd_rendezvous._legacy.state import (
@@ -43,7 +44,8 @@ from etcd_rendezvous._legacy.state import (
     describe,
 )
 from etcd_rendezvous._transport.interface import Node
-from etcd_rendezvous.api import RendezvousStateError
+from etcd_rendezvous._transport.limits import Refusal, Verdict
+from etcd_rendezvous.api import RendezvousStateError, RequestTooLargeError
 from etcd_rendezvous.layout import LegacyLayout, new_member_name
 
 LAYOUT = LegacyLayout("/p", "r")
@@ -598,3 +600,147 @@ def test_a_decided_worker_reads_when_it_may_be_the_last_call_worker_or_after_a_s
     assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=2) == Read()
     assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=3, unheard=1.5) == Wait(1.5)
     assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=3, unheard=0.0) == Read()
+
+
+# -- reports of a write refused for its size --------------------------------------------------
+
+
+def report(
+    index: int,
+    *,
+    status: str = "joinable",
+    decided: int = 100,
+    upto: int = 103,
+    count: int = 4,
+    completing: bool = False,
+    version: str = "1",
+) -> Hint:
+    """A hint of the state of ``index`` reporting that etcd refused a write on it of
+    ``count`` participants, made from a listing at ``upto``."""
+    refusal = Refusal(
+        upto, count, completing, "the worker with member key x", "/state", 5000, "e", "a", "v3"
+    )
+    return Hint(index, status, version, decided, 2, 0, refused=refusal)
+
+
+#: The report was written at index 110: A (101), B (102), C (103) announced before it,
+#: D (140) after.
+_WRITTEN = 110
+_D_LATE = entry(4, created=140)
+
+
+@pytest.mark.parametrize(
+    ("the_report", "state", "me", "min_workers", "expected"),
+    [
+        pytest.param(
+            report(50), joinable(2, {A.name: 0}), B, 4, Verdict.FAIL, id="cannot-complete"
+        ),
+        pytest.param(
+            report(50), joinable(2, {A.name: 0}), A, 4, Verdict.FAIL, id="admitted-cannot-complete"
+        ),
+        pytest.param(
+            report(50), joinable(2, {A.name: 0}), _D_LATE, 4, Verdict.VERIFY, id="late-checks-etcd"
+        ),
+        pytest.param(
+            report(50), joinable(2, {A.name: 0}), C, 3, Verdict.FAIL, id="in-the-refused-write"
+        ),
+        pytest.param(
+            report(50, decided=101),
+            joinable(2, {A.name: 0}),
+            A,
+            3,
+            Verdict.IGNORE,
+            id="decided-and-the-version-can-complete",
+        ),
+        pytest.param(
+            report(50, upto=102),
+            joinable(2, {A.name: 0}),
+            C,
+            3,
+            Verdict.IGNORE,
+            id="not-in-the-refused-write-and-the-version-can-complete",
+        ),
+        pytest.param(
+            report(50, completing=True),
+            joinable(2, {A.name: 0}),
+            A,
+            1,
+            Verdict.FAIL,
+            id="a-refused-freeze-ends-the-version",
+        ),
+        pytest.param(
+            report(50, version="2"), joinable(2), B, 4, Verdict.IGNORE, id="another-version"
+        ),
+        pytest.param(
+            report(40),
+            frozen([], {A.name: 0, B.name: 1}, 2),
+            B,
+            4,
+            Verdict.IGNORE,
+            id="the-version-moved-on-since",
+        ),
+        pytest.param(
+            report(40),
+            joinable(3, {A.name: 0, B.name: 1, C.name: 2}),
+            C,
+            3,
+            Verdict.IGNORE,
+            id="admitted-since-by-a-smaller-write",
+        ),
+        pytest.param(
+            report(40),
+            joinable(3, {A.name: 0}),
+            B,
+            4,
+            Verdict.FAIL,
+            id="an-older-report-of-the-same-version-that-cannot-complete",
+        ),
+        pytest.param(
+            Hint(50, "joinable", "1", 100, 2, 0), joinable(2), A, 4, Verdict.IGNORE, id="no-report"
+        ),
+    ],
+)
+def test_refusal_verdict(
+    the_report: Hint,
+    state: dict[str, Any],
+    me: Announced,
+    min_workers: int,
+    expected: Verdict,
+) -> None:
+    """What a worker of version 1 holding ``state`` (index 50) does about a report of a
+    refused write (of 4 participants, listed up to C's key) written at index 110."""
+    verdict = refusal_verdict(
+        the_report, _WRITTEN, observed(state, 50), "1", me, min_workers=min_workers
+    )
+    assert verdict is expected
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        "not json",
+        {"upto": -1},
+        {"upto": 5, "count": 2, "completing": "yes", "by": "", "key": "", "size": 1},
+        {"upto": True, "count": 2, "completing": False, "by": "", "key": "", "size": 1},
+        [1, 2],
+    ],
+)
+def test_a_garbled_report_leaves_the_hint_without_one(garbage: Any) -> None:
+    plain = hint(60, 101)
+    value = json.loads(plain.encode())
+    value["refused"] = garbage
+    assert Hint.decode(json.dumps(value)) == plain
+    assert Refusal.decode(garbage) is None
+
+
+def test_a_report_reads_back_as_written_and_comes_after_its_state_s_hint() -> None:
+    marked = report(60)
+    assert Hint.decode(marked.encode()) == marked
+    plain = hint(60, 100)
+    assert plain.newness < marked.newness < hint(61, 0).newness
+    # A second refusal on the same state, from a later listing, is reported too.
+    assert marked.newness < report(60, upto=120).newness
+    error = marked.refused.error("The worker with member key k") if marked.refused else None
+    assert isinstance(error, RequestTooLargeError)
+    assert "--max-request-bytes" in str(error)
+    assert (error.key, error.size, error.api) == ("/state", 5000, "v3")

@@ -19,7 +19,7 @@ from etcd_rendezvous._transport.interface import (
 )
 from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
-from etcd_rendezvous.api import RendezvousConnectionError
+from etcd_rendezvous.api import RendezvousConnectionError, RequestTooLargeError
 
 
 @pytest.fixture
@@ -79,6 +79,27 @@ def test_a_swap_after_a_lost_answer_is_settled_by_the_first_change_after_prev(
     assert excinfo.value.outcome_unknown is bool(unknown_because)
     assert unknown_because is not None
     assert unknown_because in excinfo.value.unknown_because
+
+
+@pytest.mark.parametrize("first_change", [_node("ours", 6), _node("theirs", 6), None])
+def test_a_swap_refused_for_its_size_after_a_lost_answer_is_settled_too(
+    conn: Any, monkeypatch: pytest.MonkeyPatch, first_change: Node | None
+) -> None:
+    """A member with a larger --max-request-bytes (during a rolling change of the flag)
+    may have applied the copy whose answer was lost before another refused the next one
+    for its size: the key's history tells; if it cannot, the refusal stands."""
+    asked: list[int] = []
+    monkeypatch.setattr(conn, "_lookup_change", _lookup(first_change, asked))
+    too_large = RequestTooLargeError("too large: --max-request-bytes", key="/k", size=9000)
+    if first_change is not None and first_change.value == "ours":
+        assert (
+            conn._settle("compare-and-swap", "/k", "ours", 5, _refused(too_large)) == first_change
+        )
+        return
+    with pytest.raises(RequestTooLargeError) as excinfo:
+        conn._settle("compare-and-swap", "/k", "ours", 5, _refused(too_large))
+    assert excinfo.value is too_large
+    assert asked == [5]
 
 
 def test_a_copy_applied_after_a_lost_answer_is_the_result_without_a_lookup(

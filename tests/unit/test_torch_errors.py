@@ -93,6 +93,31 @@ def test_our_subclasses_map_to_their_nearest_base_torch_has(
     assert type(error).__name__ == "LeaseLost"
 
 
+def test_a_request_too_large_is_torch_s_plain_rendezvous_error(
+    torch_api: types.ModuleType,
+) -> None:
+    """A state over etcd's limit is a configuration error: torch's base class, which ends
+    the agent, never its graceful exit (a success) nor a timeout or closed rendezvous;
+    it pickles with what it names."""
+    error = api.RequestTooLargeError(
+        "too large: --max-request-bytes", key="/k", size=9000, endpoint="e", answer="a", api="v3"
+    )
+    assert as_torch_error(error) is error
+    assert isinstance(error, torch_api.RendezvousError)
+    assert not any(isinstance(error, getattr(torch_api, n)) for n in NAMES[1:])
+    copy = pickle.loads(pickle.dumps(error))
+    assert isinstance(copy, torch_api.RendezvousError)
+    assert isinstance(copy, api.RequestTooLargeError)
+    assert (copy.key, copy.size, copy.endpoint, copy.answer, copy.api) == (
+        "/k",
+        9000,
+        "e",
+        "a",
+        "v3",
+    )
+    assert str(copy) == "too large: --max-request-bytes"
+
+
 def test_other_errors_and_torch_s_own_pass_unchanged(torch_api: types.ModuleType) -> None:
     value_error = ValueError("join_timeout: not a number")
     assert type(as_torch_error(value_error)) is ValueError

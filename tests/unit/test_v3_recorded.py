@@ -31,7 +31,7 @@ from etcd_rendezvous._transport.interface import (
 from etcd_rendezvous._transport.stream import iter_objects
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous._transport.v3_watch import _event_node
-from etcd_rendezvous.api import RendezvousConnectionError
+from etcd_rendezvous.api import RendezvousConnectionError, RequestTooLargeError
 from support.v3_gateway import b64
 
 HEADER = {"cluster_id": "1", "member_id": "2", "revision": "7", "raft_term": "3"}
@@ -580,6 +580,44 @@ def test_recorded_watch_permission_denied_is_a_clear_error(version: str, replay:
         pytest.raises(RendezvousConnectionError, match="permission denied"),
     ):
         conn.watch("/other", 8, timeout=5)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(
+    ("name", "code", "status"),
+    [("put_too_large", 3, 400), ("txn_too_large", 3, 400), ("put_over_grpc_limit", 8, 429)],
+)
+def test_recorded_refusals_of_a_request_too_large_are_sent_once_and_name_the_flag(
+    version: str, name: str, code: int, status: int, replay: Any
+) -> None:
+    """etcd started with ``--max-request-bytes 4096``: over it, "request is too large"
+    (gRPC 3); over gRPC's own limit (4096 + 512 KiB), "received message larger than max"
+    (gRPC 8, RESOURCE_EXHAUSTED: no overload). Neither is sent again; the error names the
+    key, the endpoint, etcd's answer and the flag (the member's value, when the answer
+    gives it)."""
+    answer = recorded(version, name)
+    assert (answer["status"], answer["body"]["code"]) == (status, code)
+    state, endpoint = replay
+    path = answer["path"]
+    state.queue(path, replayed(version, name), replayed(version, name))
+
+    def write(conn: EtcdV3Connection) -> None:
+        if path == "/v3/kv/txn":
+            conn.compare_and_swap("/big", "x" * 5000, 3)
+        else:
+            conn.set("/big", "x" * 5000)
+
+    with connect(endpoint) as conn, pytest.raises(RequestTooLargeError) as info:
+        write(conn)
+    assert state.paths().count(path) == 1
+    error, message = info.value, str(info.value)
+    assert (error.key, error.api) == ("/big", "v3")
+    assert error.size >= 5000
+    assert answer["body"]["message"] in message
+    assert f"{endpoint[0]}:{endpoint[1]}" in message
+    assert "'/big'" in message
+    assert "--max-request-bytes" in message
+    assert ("this member's is 4096 bytes" in message) == (code == 8)
 
 
 #: etcd's names for ``Compare.CompareTarget`` and ``Compare.CompareResult`` (rpc.proto).

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
+from ..api import RequestTooLargeError
 from .progress import PROGRESS_SILENCE, Heard, Progress, ProgressBoard, ProgressKey
 from .settings import RendezvousSettings
 from .state import NodeDesc, RendezvousState
@@ -599,6 +600,12 @@ class NodeKeys:
     def await_progress(self, timeout: float, token: int, state: RendezvousState) -> Heard:
         """See :meth:`.ProgressKey.await_change` (for this node's key)."""
         return self._progress.await_change(timeout, token, state, self._created)
+
+    def refused(
+        self, error: RequestTooLargeError, token: int, count: int, completing: bool
+    ) -> None:
+        """See :meth:`.ProgressKey.refused`."""
+        self._progress.refused(error, token, count, completing)
 
     def state_read(self, token: int, state: RendezvousState, written: bool) -> None:
         """See :meth:`.ProgressKey.state_read` (a relay only while joining)."""

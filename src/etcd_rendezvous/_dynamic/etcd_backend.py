@@ -485,6 +485,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 raise
             return changes
 
+    def check_size(self, size: int) -> None:
+        """Ask etcd whether it accepts a write of ``size`` bytes below the run's nodes
+        directory (nothing is written; see :meth:`Transport.check_size
+        <etcd_rendezvous._transport.interface.Transport.check_size>`).
+
+        Raises:
+            RequestTooLargeError: etcd refused it for its size.
+        """
+        self._conn.check_size(self._nodes.nodes_dir, size)
+
     def stop_waiting(self) -> None:
         """Close the watches of the state and of the progress key (reopened on demand)."""
         with self._watch_lock:
@@ -602,9 +612,10 @@ def _leaving(value: str | None) -> int | None:
 
 
 def _holds_summary_since(held: Node, progress: Progress) -> bool:
-    """Whether the progress key ``held`` holds a summary at least as new as ``progress``."""
+    """Whether the progress key ``held`` holds a summary at least as new as ``progress``
+    (a report of a refused write on a state comes after that state's summary)."""
     summary = Progress.decode(held.value)
-    return summary is not None and summary.token >= progress.token
+    return summary is not None and summary.newness >= progress.newness
 
 
 def _parse_node(key: Node) -> NodeDesc | None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from .._transport.retry import CONTENTION, Deadline, Retry
-from ..api import RendezvousClosedError, RendezvousTimeoutError
+from ..api import RendezvousClosedError, RendezvousTimeoutError, RequestTooLargeError
 from ..events import NodeState
 from .admission import Batch, NodeKeys, Refresh, Wait
 from .backend import POLL_INTERVAL
@@ -231,7 +231,17 @@ class _DistributedRendezvousOpExecutor(_RendezvousOpExecutor):
         holder = self._state_holder
         fetches = holder.fetches
         with holder.bounded_by(self._step_deadline(deadline)):
-            synced = _Synced(holder.sync())
+            try:
+                synced = _Synced(holder.sync())
+            except RequestTooLargeError as exc:
+                # etcd refused our state write for its size: tell the nodes it would
+                # have admitted (they follow the progress key), then give up ourselves.
+                token, refused = holder.token, holder.state  # (the state refused)
+                if self._keys is not None:
+                    held = token if isinstance(token, int) else 0
+                    count = len(refused.participants)
+                    self._keys.refused(exc, held, count, refused.complete)
+                raise
             keys, token = self._keys, holder.token
             fetched = holder.fetches != fetches
             if (

@@ -338,6 +338,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend does: every backend call runs under the join deadline (see
         :meth:`RendezvousBackend.bounded_by`), retrying failures such as an etcd
         election until then. Only a node on the redundancy list waits on past it.
+
+        A state write that etcd refuses as larger than its ``--max-request-bytes``
+        raises :class:`~etcd_rendezvous.api.RequestTooLargeError`, in every node that
+        waited for it too, within seconds (see the documentation, "etcd's limits").
         """
         deadline = self._get_deadline(self._settings.timeout.join)
         self._begin_attempt(deadline)

@@ -14,6 +14,7 @@ import time
 from abc import ABC, abstractmethod
 
 from .._transport.retry import Deadline
+from ..api import RequestTooLargeError
 from .backend import POLL_INTERVAL, RendezvousBackend, Token, delay
 from .clock import LOCAL_CLOCK, Clock, state_clock
 from .settings import LOGGER_NAME, STATE_HOLDER_EVENTS, RendezvousSettings, event_source
@@ -196,7 +197,14 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         if self._dirty:
             has_set = False
             state_bits = _encode_state(self._state)
-            set_response = self._backend.set_state(state_bits, self._token)
+            try:
+                set_response = self._backend.set_state(state_bits, self._token)
+            except RequestTooLargeError:
+                # etcd refused our changes for their size: drop them, lest the next sync
+                # (a close, say) send them again; it reads the state instead.
+                self._dirty = False
+                self._last_sync_time = -1
+                raise
             if set_response is not None:
                 state_bits, token, has_set = set_response
         else:

@@ -5,6 +5,31 @@ lets the nodes that wait for their admission follow the summary instead of the s
 and read the state only when the summary says something concerns them, or after a
 silence. The summary is a hint: the state stays the authority. See
 docs/how-it-works.rst, "The progress key".
+
+A batch whose state write etcd refused for its size (a
+:class:`~etcd_rendezvous.api.RequestTooLargeError`) is reported in the key by its maker:
+the summary of the state the write would have replaced, with a
+:class:`~etcd_rendezvous._transport.limits.Refusal` (the index of the listing the batch
+came from, the participants it would have had, etcd's answer). The nodes waiting to join
+raise the same error as soon as a report concerns them (:func:`refusal_verdict`), instead
+of waiting for their timeout. A report concerns a node of the round it is about when:
+
+* the round cannot complete: it is incomplete and needs at least ``min_nodes``
+  participants, no fewer than the refused write had (each node adds to the state); or
+* the node's key was in the refused batch (created at or before its listing) and no
+  batch decided it since: every later batch lists it again, as large.
+
+A report about another round (one that completed, or a later one) is stale and ignored,
+and one written before the node's key was created (it arrived later, maybe after etcd's
+limit was raised) is verified first: a write of the same size that cannot apply
+(:meth:`ProgressBoard.check_size`). If etcd refuses that too, the node raises and writes
+the report again, so that the nodes that arrived with it need not check; if not, it
+replaces the report with the summary alone. A report that cannot be read, or claims an
+index written after the report itself, is ignored like a garbled summary; a well-formed
+one is taken at its word by the nodes that were there (whoever may write the key may as
+well close the rendezvous).
+
+PyTorch's workers never read the key, so no report reaches them.
 """
 
 from __future__ import annotations
@@ -19,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from .._transport.limits import Refusal, Verdict
+from ..api import RendezvousError, RequestTooLargeError
 from .state import NodeDesc, RendezvousState
 
 __all__ = [
@@ -28,6 +55,7 @@ __all__ = [
     "ProgressBoard",
     "ProgressKey",
     "concerns",
+    "refusal_verdict",
 ]
 
 logger = logging.getLogger(__name__)
@@ -37,6 +65,8 @@ _FIELDS = ("token", "round", "complete", "closed", "decided_upto", "participants
 #: The field of the writer's heartbeat lifetime, which older writers leave out (and older
 #: readers ignore): the operator commands' measure of how long a node may stay silent.
 _LIFETIME = "lifetime"
+#: The field of a report of a refused write (see :class:`Progress`).
+_REFUSED = "refused"
 
 #: Seconds a node that follows the progress key waits without hearing of a change (on
 #: the progress key, or in a read of the state) before it reads the key, then the state,
@@ -66,6 +96,9 @@ class Progress:
     #: whose nodes are gone. It says nothing of the state: summaries are compared
     #: without it.
     lifetime: int = field(default=0, compare=False)
+    #: A batch's write that etcd refused for its size, made on the state of ``token``
+    #: (``None``: none; see the module's docs).
+    refused: Refusal | None = None
 
     @classmethod
     def of(
@@ -89,14 +122,22 @@ class Progress:
         fields: dict[str, object] = {name: getattr(self, name) for name in _FIELDS}
         if self.lifetime:
             fields[_LIFETIME] = self.lifetime
+        if self.refused is not None:
+            fields[_REFUSED] = self.refused.encode()
         return json.dumps(fields)
+
+    @property
+    def newness(self) -> tuple[int, int]:
+        """What orders two summaries: the token, then a report of a refused write on that
+        state (which comes after its summary; of two, the one with the later listing)."""
+        return self.token, -1 if self.refused is None else self.refused.upto
 
     @classmethod
     def decode(cls, value: str | None) -> Progress | None:
         """The summary a progress key's value holds; ``None`` for anything else (a
         summary that cannot be read is as good as none: the reader falls back on the
         state). A lifetime that is missing (an older writer) or not a positive whole
-        number reads as 0."""
+        number reads as 0; a report of a refused write that cannot be read is left out."""
         try:
             fields = json.loads(value or "")
         except ValueError:
@@ -108,11 +149,12 @@ class Progress:
         counts = values[:2] + values[4:]
         if any(type(v) is not bool for v in flags) or any(type(v) is not int for v in counts):
             return None
-        summary = cls(*values)  # type: ignore[arg-type]
+        progress = cls(*values)  # type: ignore[arg-type]
         lifetime = fields.get(_LIFETIME)
-        if type(lifetime) is not int or lifetime <= 0:
-            return summary
-        return dataclasses.replace(summary, lifetime=lifetime)
+        if type(lifetime) is int and lifetime > 0:
+            progress = dataclasses.replace(progress, lifetime=lifetime)
+        refused = Refusal.decode(fields.get(_REFUSED))
+        return progress if refused is None else dataclasses.replace(progress, refused=refused)
 
 
 @runtime_checkable
@@ -149,6 +191,11 @@ class ProgressBoard(Protocol):
 
     def stop_waiting(self) -> None:
         """Close the watches of the state and of the progress key (reopened on demand)."""
+
+    def check_size(self, size: int) -> None:
+        """Ask etcd whether it accepts a write of ``size`` bytes among the run's keys
+        (nothing is written); raise its
+        :class:`~etcd_rendezvous.api.RequestTooLargeError` if not."""
 
     @property
     def listed_at(self) -> int:
@@ -194,6 +241,39 @@ def concerns(
     return not admitted and decided and state.complete
 
 
+def refusal_verdict(
+    report: Progress,
+    written_at: int,
+    token: int,
+    state: RendezvousState,
+    node: NodeDesc,
+    created: int | None,
+    min_nodes: int,
+) -> Verdict:
+    """What ``node``, waiting to join with its key created at ``created`` and holding
+    ``state`` (read with ``token``), does about ``report``, a report of a refused write
+    written at ``written_at`` (see the module's docs). The report's own summary stands
+    for a state the node has not read yet."""
+    refusal = report.refused
+    if refusal is None or created is None:
+        return Verdict.IGNORE
+    if report.token >= token:
+        decided = created <= report.decided_upto
+    elif (report.round, report.complete, report.closed) != (
+        state.round,
+        state.complete,
+        state.closed,
+    ):
+        return Verdict.IGNORE  # the round moved on since
+    else:
+        decided = node in state.participants or node in state.wait_list
+        decided = decided or node in state.redundancy_list
+    stuck = not (report.complete or report.closed) and min_nodes >= refusal.count
+    if not stuck and (decided or created > refusal.upto):
+        return Verdict.IGNORE
+    return Verdict.FAIL if created < written_at else Verdict.VERIFY
+
+
 @dataclass(eq=False)
 class ProgressKey:
     """One node's view of the progress key: the newest summary heard, the decided index
@@ -228,6 +308,13 @@ class ProgressKey:
     _heard_at: float = field(default=-math.inf, init=False)
     _silence: float = field(default=PROGRESS_SILENCE, init=False)
     _deciding: int | None = field(default=None, init=False)
+    # The summary of the state the node last read or wrote (what a report of a refused
+    # write made on it says besides); the newest report of a refused write heard, with
+    # the key's modification index that brought it (``None``: none, or it was dropped),
+    # and the newest such index (a report is taken in once).
+    _held: Progress | None = field(default=None, init=False)
+    _report: tuple[Progress, int] | None = field(default=None, init=False)
+    _report_at: int = field(default=0, init=False)
 
     @property
     def known(self) -> bool:
@@ -286,6 +373,8 @@ class ProgressKey:
         if progress is None or self._false(progress, version):
             return False
         self._heard_at = self.clock()  # Someone is at work (or checked, see state_read).
+        if progress.refused is not None and version is not None and version > self._report_at:
+            self._report, self._report_at = (progress, version), version
         if progress.decided_upto > self.decided_upto:
             self.decided_upto, self.decided_at = progress.decided_upto, self.clock()
         if self.hint is not None and progress.token <= self.hint.token:
@@ -297,7 +386,8 @@ class ProgressKey:
         """Whether ``progress``, written at ``version``, claims a state or a decided
         index written after it: garbage that reads as a summary (logged once per
         version)."""
-        if version is None or max(progress.token, progress.decided_upto) < version:
+        upto = 0 if progress.refused is None else progress.refused.upto
+        if version is None or max(progress.token, progress.decided_upto, upto) < version:
             return False
         if version != self._lie_version:
             self._lie_version = version
@@ -322,6 +412,7 @@ class ProgressKey:
         board = self.board
         if board is None or self._index is None:
             return Heard.READ
+        self._act_on_report(board, token, state, created)
         deadline = self.clock() + max(timeout, 0.0)
         while True:
             now = self.clock()
@@ -332,6 +423,7 @@ class ProgressKey:
                 return Heard.KEEP
             changes = board.wait_progress(self._index, min(deadline, silence_at) - now)
             newer = [self._hear(p, version) for p, version in changes]
+            self._act_on_report(board, token, state, created)
             heard = [p for p, _ in changes if p is not None]
             node, least = self.node, self.min_nodes
             if any(concerns(p, token, state, node, created, least) for p in heard):
@@ -348,17 +440,82 @@ class ProgressKey:
         self._heard_at = self.clock()
         self._silence = PROGRESS_SILENCE * (1.0 + random.random())
         progress, version, index = board.read_progress()
-        if progress is None or not self._hear(progress, version, index):
+        heard = progress is not None and self._hear(progress, version, index)
+        self._act_on_report(board, token, state, created)
+        if progress is None or not heard:
             return Heard.READ
         if concerns(progress, token, state, self.node, created, self.min_nodes):
             return Heard.READ
         return Heard.KEEP
+
+    def _act_on_report(
+        self, board: ProgressBoard, token: int, state: RendezvousState, created: int | None
+    ) -> None:
+        """Raise the :class:`~etcd_rendezvous.api.RequestTooLargeError` of the newest
+        report of a refused write heard, if it concerns the node (see
+        :func:`refusal_verdict`; ``token``, ``state``, ``created`` as there), checking
+        etcd's limit first if the report is older than the node's key."""
+        if self._report is None:
+            return
+        report, written_at = self._report
+        verdict = refusal_verdict(
+            report, written_at, token, state, self.node, created, self.min_nodes
+        )
+        if verdict is Verdict.IGNORE or report.refused is None:
+            return
+        if verdict is Verdict.VERIFY:
+            try:
+                board.check_size(report.refused.size)
+            except RequestTooLargeError:
+                # Confirmed: written again, for the nodes that arrived with us.
+                written = board.replace_progress(report, written_at)
+                if written is not None:
+                    self._report = (report, written)
+                    self._report_at = max(self._report_at, written)
+            else:
+                logger.info(
+                    "etcd now accepts a write as large as the one the progress key of "
+                    "the node '%s' reports refused; dropping that report.",
+                    self.node,
+                )
+                self._report = None
+                board.replace_progress(dataclasses.replace(report, refused=None), written_at)
+                return
+        raise report.refused.error(f"The node '{self.node}'")
+
+    def refused(
+        self, error: RequestTooLargeError, token: int, count: int, completing: bool
+    ) -> None:
+        """etcd refused our write of the state, made on the state of ``token``, for its
+        size (it would have had ``count`` participants, and ``completing``: completed
+        the round): if it was a batch, report it in the key (with the summary of the
+        state it would have replaced). A failure to write the report is only logged
+        (the others then meet the limit themselves)."""
+        board, deciding, self._deciding = self.board, self._deciding, None
+        if board is None or self._index is None or deciding is None:
+            return
+        held = next(
+            (p for p in (self._held, self.hint) if p is not None and p.token == token), None
+        )
+        if held is None:
+            logger.info(
+                "The node '%s' does not know the summary of the state its refused write "
+                "would have replaced; not reporting the refusal.",
+                self.node,
+            )
+            return
+        report = Refusal.of(error, deciding, count, completing, f"the node '{self.node}'")
+        try:
+            board.write_progress(dataclasses.replace(held, refused=report), self._version)
+        except RendezvousError as exc:
+            logger.info("The node '%s' could not report the refusal: %s", self.node, exc)
 
     def state_read(self, token: int, state: RendezvousState, written: bool, joining: bool) -> None:
         """The node read (``written``: wrote) the state ``state`` with ``token``: after a
         write of ours, summarise it in the progress key; after a read that finds a state
         the key does not describe, write the summary ourselves (relay: see
         docs/how-it-works.rst, "The progress key"). Never lowers the decided index."""
+        self._held = Progress.of(token, state, self.decided_upto)
         board = self.board
         if board is None or self._index is None:
             return  # We never read the key: we do not know what it says is decided.

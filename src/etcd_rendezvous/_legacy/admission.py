@@ -24,6 +24,7 @@ from typing import Any, TypeAlias
 from .._transport.interface import (
     Node,
 )
+from .._transport.limits import Verdict
 from ..api import RendezvousStateError
 from ..layout import member_name, normalize_key
 from .feed import Observed
@@ -61,6 +62,7 @@ __all__ = [
     "plan_admission",
     "plan_confirmation",
     "plan_freeze",
+    "refusal_verdict",
 ]
 
 
@@ -398,3 +400,42 @@ def confirmation_step(
     if position and patience > 0:
         return Wait(min(patience, unheard))
     return Confirm(without_lower=position > 0)
+
+
+def refusal_verdict(
+    report: Hint,
+    written_at: int,
+    observed: Observed,
+    version: str,
+    me: Announced,
+    *,
+    min_workers: int,
+) -> Verdict:
+    """What our worker that announced ``me`` in ``version`` does about ``report``, a hint
+    reporting a write of the state that etcd refused for its size, written in the hint
+    key at ``written_at``, given the state it last saw.
+
+    The report concerns the workers of its version when the version cannot complete: the
+    refused write would have frozen it (its participants are then fixed: every later
+    try is as large), or it is joinable and needs at least ``min_workers`` participants,
+    no fewer than the refused write had; and the workers whose member keys were in the
+    refused write (created at or before its listing) and are still undecided. A report
+    about a state older than the one seen, which has moved on to another status since,
+    is stale. A worker that announced itself after the report was written checks
+    etcd's limit first (:attr:`Verdict.VERIFY`). The report's own hint stands for a state
+    the worker has not read yet.
+    """
+    refusal = report.refused
+    if refusal is None or report.version != version:
+        return Verdict.IGNORE
+    if report.index >= observed.index:
+        decided = me.created_index <= report.decided_upto
+    elif observed.status_in(version) != report.status:
+        return Verdict.IGNORE  # the version moved on since
+    else:
+        decided = me.name in members_of(observed.state or {})
+    joinable = report.status == "joinable"
+    stuck = refusal.completing or (joinable and min_workers >= refusal.count)
+    if not stuck and (decided or me.created_index > refusal.upto):
+        return Verdict.IGNORE
+    return Verdict.FAIL if me.created_index < written_at else Verdict.VERIFY

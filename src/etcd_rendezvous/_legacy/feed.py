@@ -94,6 +94,28 @@ class StateFeed:
         self._seen_at = 0
         self._heard_at = time.monotonic()
         self._silence = SILENCE
+        # The newest report of a refused write on the hint key followed, and the store
+        # index of the hint key's write that brought it (``None``: none, or dropped); the
+        # newest such index (a report is taken in once).
+        self._report: tuple[Hint, int] | None = None
+        self._report_at = 0
+
+    @property
+    def report(self) -> tuple[Hint, int] | None:
+        """The newest hint reporting a refused write heard on the hint key followed (or
+        found in a listing: :meth:`note_report`), with the store index of the hint key's
+        write that brought it; ``None``: none."""
+        return self._report
+
+    def note_report(self, hint: Hint, written_at: int) -> None:
+        """Take in ``hint``, a report of a refused write written at ``written_at`` (in the
+        hint key followed), unless a newer one is known."""
+        if written_at > self._report_at:
+            self._report, self._report_at = (hint, written_at), written_at
+
+    def drop_report(self) -> None:
+        """Forget the report heard (it was found stale): it is not taken in again."""
+        self._report = None
 
     @property
     def last_state(self) -> dict[str, Any] | None:
@@ -181,6 +203,7 @@ class StateFeed:
         self._close_stream()
         if self._hint_key != hint_key:
             self._hint, self._hint_at = None, 0
+            self._report, self._report_at = None, 0
         self._hint_key = hint_key
         self._open_hints()
 
@@ -253,6 +276,7 @@ class StateFeed:
         self._latest = None
         self._hint_key = None
         self._hint, self._hint_at = None, 0
+        self._report, self._report_at = None, 0
         self._silence = SILENCE
 
     def _close_stream(self) -> None:
@@ -321,11 +345,10 @@ class StateFeed:
         if hint is None:
             logger.debug("Ignoring the unreadable hint in %s: %r", node.key, node.value)
             return False
+        if hint.refused is not None:
+            self.note_report(hint, node.modified_index)
         known = self._hint
-        if known is not None and (hint.index, hint.decided_upto) <= (
-            known.index,
-            known.decided_upto,
-        ):
+        if known is not None and hint.newness <= known.newness:
             return False  # (the same state, described again by a worker that knew more: kept)
         self._hint, self._hint_at = hint, node.modified_index
         self._heard_at = time.monotonic()

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .._transport.interface import CompareFailedError, KeyNotFoundError, Node, Transport
+from .._transport.limits import Refusal, Verdict
 from .._transport.retry import Deadline
-from ..api import RendezvousError, RendezvousStateError
+from ..api import RendezvousError, RendezvousStateError, RequestTooLargeError
 from ..layout import LegacyLayout, new_member_name, normalize_key
 from .admission import (
     ADMIT_GATHER,
@@ -42,9 +43,17 @@ from .admission import (
     plan_admission,
     plan_confirmation,
     plan_freeze,
+    refusal_verdict,
 )
 from .feed import Observed, StateFeed
-from .state import CONST_WORKER_KEEPALIVE_TTL, LOGGER_NAME, Hint, describe, members_of
+from .state import (
+    CONST_WORKER_KEEPALIVE_TTL,
+    LOGGER_NAME,
+    Hint,
+    describe,
+    members_of,
+    supersedes,
+)
 
 __all__ = ["BatchJoin", "KeepAlive", "RestartAttempt"]
 
@@ -147,6 +156,7 @@ class BatchJoin:
         self._announce(version)
         since = time.monotonic()
         while True:
+            self.act_on_report(version)
             observed = self._feed.current()
             match self._admission_step(version, observed, since):
                 case Admitted(rank):
@@ -188,6 +198,7 @@ class BatchJoin:
         self._feed.follow_hints(self._layout.progress_key(version))
         since = time.monotonic()
         while True:
+            self.act_on_report(version)
             observed = self._feed.current()
             feed = self._feed
             unheard = feed.silence - feed.silent_for
@@ -240,6 +251,64 @@ class BatchJoin:
         (one we made outside the batches: the opening state, a TTL refresh)."""
         self._hint(version, describe(state, node.modified_index, self._decided_upto()))
 
+    def act_on_report(self, version: str) -> None:
+        """Raise the :class:`~etcd_rendezvous.api.RequestTooLargeError` of the newest
+        report of a refused write in ``version``'s hint key that the feed brought, if it
+        concerns us (see :func:`refusal_verdict`); a report older than our member key is
+        checked first against etcd's limit: confirmed, it is written again (for the
+        workers that came with us); if etcd accepts the size now, it is dropped."""
+        found = self._feed.report
+        if found is None or self._member is None or self._member.version != version:
+            return
+        report, written_at = found
+        me = self._member.entry
+        observed = self._feed.current()
+        verdict = refusal_verdict(report, written_at, observed, version, me, min_workers=self._min)
+        if verdict is Verdict.IGNORE or report.refused is None:
+            return
+        key = self._layout.progress_key(version)
+        if verdict is Verdict.VERIFY:
+            try:
+                self._conn.check_size(self._layout.version_dir(version), report.refused.size)
+            except RequestTooLargeError:
+                self._rewrite_report(key, report, written_at, report)
+            else:
+                logger.info("etcd now accepts the write reported refused in %s; dropping it", key)
+                self._feed.drop_report()
+                self._rewrite_report(
+                    key, report, written_at, dataclasses.replace(report, refused=None)
+                )
+                return
+        raise report.refused.error(f"The worker with member key {me.key}")
+
+    def _rewrite_report(self, key: str, report: Hint, written_at: int, hint: Hint) -> None:
+        """Write ``hint`` in place of ``report`` (written at ``written_at`` in ``key``), unless
+        the key changed since (a failure is only logged)."""
+        try:
+            self._conn.advance(
+                key, hint.encode(), holds_newer=lambda stored: stored.modified_index != written_at
+            )
+        except RendezvousError as exc:
+            logger.info("Could not rewrite the report in %s: %s", key, exc)
+
+    def check_reports(self, version: str) -> None:
+        """Read ``version``'s hint key and act on a report of a refused write it holds
+        (see :meth:`act_on_report`): for a worker that follows the state itself (the
+        last-call worker)."""
+        try:
+            node = self._conn.try_get(self._layout.progress_key(version))
+        except RendezvousError as exc:
+            logger.info("Could not read the hint of version %s: %s", version, exc)
+            return
+        self._note_report(node)
+        self.act_on_report(version)
+
+    def _note_report(self, node: Node | None) -> None:
+        """Take in the hint key ``node`` (read, or listed) if it reports a refused write."""
+        hint = None if node is None else Hint.decode(node.value)
+        if node is not None and hint is not None and hint.refused is not None:
+            self._feed.note_report(hint, node.modified_index)
+
     def discard(self) -> None:
         """Stop keeping our member key alive and delete it (a failure is only logged).
 
@@ -285,6 +354,10 @@ class BatchJoin:
         """The member keys of ``version`` and the store index at which they were listed
         (every key created at or before it is among them)."""
         listing = self._conn.list_dir(self._layout.version_dir(version))
+        progress_key = normalize_key(self._layout.progress_key(version))
+        hint = next((c for c in listing.children if normalize_key(c.key) == progress_key), None)
+        self._note_report(hint)
+        self.act_on_report(version)
         entries = announced(listing)
         member = self._require_member(version)
         listed = [e for e in entries if e.name == member.entry.name]
@@ -350,10 +423,32 @@ class BatchJoin:
             logger.debug("Rendezvous state CAS unsuccessful; deciding again")
             self._wait(ADMIT_GATHER)
             return False
+        except RequestTooLargeError as exc:
+            self._report(version, observed, write, listed_at, exc)
+            raise
         self._decided = max(self._decided, listed_at)
         self._feed.note(node)
         self._hint(version, describe(write.state, node.modified_index, self._decided))
         return True
+
+    def _report(
+        self,
+        version: str,
+        observed: Observed,
+        write: Write,
+        listed_at: int,
+        error: RequestTooLargeError,
+    ) -> None:
+        """etcd refused ``write`` (made from a listing at ``listed_at``, in place of
+        ``observed``) for its size: report it in the hint key, for the workers that wait
+        for it (see :func:`refusal_verdict`)."""
+        state = write.state
+        me = self._require_member(version).entry
+        completing = state["status"] in ("frozen", "final")
+        by = f"the worker with member key {me.key}"
+        refusal = Refusal.of(error, listed_at, len(state["participants"]), completing, by)
+        described = describe(observed.state or {}, observed.index, self._decided_upto())
+        self._hint(version, dataclasses.replace(described, refused=refusal))
 
     def _hint(self, version: str, hint: Hint) -> None:
         """Write ``hint`` in ``version``'s ``progress`` key, unless it holds a hint of a
@@ -365,17 +460,9 @@ class BatchJoin:
         goes back to an older state. A stored hint of an index etcd has not reached yet
         is a lie, and is replaced."""
 
-        def holds_newer(stored: Node) -> bool:
-            known = Hint.decode(stored.value)
-            return (
-                known is not None
-                and (known.index, known.decided_upto) >= (hint.index, hint.decided_upto)
-                and known.index <= stored.etcd_index
-            )
-
         key = self._layout.progress_key(version)
         try:
-            self._conn.advance(key, hint.encode(), holds_newer=holds_newer)
+            self._conn.advance(key, hint.encode(), holds_newer=lambda node: supersedes(node, hint))
         except RendezvousError as exc:
             logger.info("Could not write the progress hint of version %s: %s", version, exc)
 

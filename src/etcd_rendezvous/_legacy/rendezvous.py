@@ -42,7 +42,7 @@ from ..events import EventSource, NodeState, _records_failure
 from ..layout import LegacyLayout, new_waiter_name
 from ..metrics import MetricKind, record_metric, timed
 from .admission import create_spread
-from .feed import StateFeed
+from .feed import SILENCE, StateFeed
 from .join import BatchJoin, RestartAttempt
 from .lease_keeper import LeaseKeeper, stop_keepers
 from .state import (
@@ -374,6 +374,9 @@ class EtcdRendezvous:
                 (the message gives the last etcd error, if etcd was the cause).
             RendezvousClosedError: the rendezvous is or was closed while waiting.
             RendezvousStateError: the state in etcd is corrupt.
+            RequestTooLargeError: etcd refused a write of the state as larger than its
+                ``--max-request-bytes``: ours, or one we waited for (see
+                the documentation, "etcd's limits").
             RendezvousError: other non-retryable errors.
         """
         self._rendezvous_deadline = Deadline(self._timeout)
@@ -775,9 +778,12 @@ class EtcdRendezvous:
 
         Raises:
             EtcdRendezvousRetryableFailure: the state changed in any other way.
+            RequestTooLargeError: a write of the version was refused for its size (ours,
+                or one reported in the version's hint key, read every ``SILENCE``).
         """
         half_ttl = CONST_ETCD_JOINABLE_EPHEMERAL_TTL / 2
         refreshed_at = float("-inf")
+        looked_at = time.monotonic()
         while True:
             observed = self._feed.current()
             status = observed.status_in(expected_version)
@@ -796,7 +802,14 @@ class EtcdRendezvous:
                 refreshed_at = time.monotonic()
                 self._refresh_state_ttl(observed.node)
                 continue
-            self._feed.wait(min(half_ttl - age, deadline.remaining() + 0.01))
+            # We follow the state, not the hints: we read the hint every SILENCE, lest a
+            # report of a write etcd refused for its size pass us by.
+            looked = time.monotonic() - looked_at
+            if looked >= SILENCE:
+                looked_at = time.monotonic()
+                self._join.check_reports(expected_version)
+                continue
+            self._feed.wait(min(half_ttl - age, deadline.remaining() + 0.01, SILENCE - looked))
             self._check_deadline()
 
     def _refresh_state_ttl(self, active_version: Node) -> None:

@@ -9,11 +9,13 @@ corrupt key is reported, naming it, instead of derailing the state machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
 
 from .._transport.interface import Node
+from .._transport.limits import Refusal
 from ..api import RendezvousStateError
 
 __all__ = [
@@ -31,6 +33,7 @@ __all__ = [
     "parse_state",
     "preview",
     "status_in",
+    "supersedes",
     "waiters_of",
 ]
 
@@ -53,6 +56,8 @@ MEMBERS = "members"
 WAITING = "waiting"
 
 _STATUSES = frozenset({"setup", "joinable", "frozen", "final", "closed"})
+#: The hint's field reporting a refused write (see :class:`Hint`).
+_REFUSED = "refused"
 
 
 def preview(value: str | None, limit: int = 200) -> str:
@@ -175,24 +180,37 @@ class Hint:
     #: The state's participants and ``num_workers_waiting``.
     count: int
     waiting: int
+    #: A write of ours that etcd refused for its size, made on the state of ``index``
+    #: (``None``: none; see :func:`~etcd_rendezvous._legacy.admission.refusal_verdict`).
+    refused: Refusal | None = None
+
+    @property
+    def newness(self) -> tuple[int, int, int]:
+        """What orders two hints: the state's index, then a report of a refused write on
+        that state (which comes after its hints; of two, the one with the later
+        listing), then the decided index."""
+        reported = -1 if self.refused is None else self.refused.upto
+        return self.index, reported, self.decided_upto
 
     def encode(self) -> str:
-        """The key's value (JSON, a few dozen bytes)."""
-        return json.dumps(
-            {
-                "index": self.index,
-                "status": self.status,
-                "version": self.version,
-                "decided_upto": self.decided_upto,
-                "count": self.count,
-                "waiting": self.waiting,
-            }
-        )
+        """The key's value (JSON, a few dozen bytes; a report adds a few hundred)."""
+        fields: dict[str, Any] = {
+            "index": self.index,
+            "status": self.status,
+            "version": self.version,
+            "decided_upto": self.decided_upto,
+            "count": self.count,
+            "waiting": self.waiting,
+        }
+        if self.refused is not None:
+            fields[_REFUSED] = self.refused.encode()
+        return json.dumps(fields)
 
     @classmethod
     def decode(cls, value: str | None) -> Hint | None:
         """The hint in ``value``; ``None`` if it is not one (garbage is ignored: the
-        workers then read the state, which is the authority)."""
+        workers then read the state, which is the authority). A report of a refused write
+        that cannot be read is left out."""
         try:
             data = json.loads(value or "")
             hint = cls(
@@ -210,7 +228,15 @@ class Hint:
             return None
         if hint.version is not None and type(hint.version) is not str:
             return None
-        return hint
+        refused = Refusal.decode(data.get(_REFUSED))
+        return hint if refused is None else dataclasses.replace(hint, refused=refused)
+
+
+def supersedes(stored: Node, hint: Hint) -> bool:
+    """Whether the hint key ``stored`` holds a hint at least as new as ``hint`` (a stored
+    hint of an index etcd has not reached yet is a lie: never)."""
+    known = Hint.decode(stored.value)
+    return known is not None and known.newness >= hint.newness and known.index <= stored.etcd_index
 
 
 def describe(state: dict[str, Any], index: int, decided_upto: int) -> Hint:

@@ -14,6 +14,7 @@ and the wait keys seen; :func:`await_end_of_final` carries them out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import secrets
@@ -31,10 +32,12 @@ from .._transport.interface import (
     WatchHistoryLostError,
     WatchStream,
 )
+from .._transport.limits import Refusal
 from .._transport.retry import Deadline
+from ..api import RendezvousError, RequestTooLargeError
 from ..layout import LegacyLayout, normalize_key, waiter_name
 from .admission import grace
-from .state import LOGGER_NAME, WAITING, status_in, waiters_of
+from .state import LOGGER_NAME, WAITING, Hint, describe, status_in, supersedes, waiters_of
 
 __all__ = [
     "GATHER",
@@ -134,6 +137,7 @@ class _Wait:
         self._me = me
         self._state_key = normalize_key(layout.state_key)
         self._version_dir = normalize_key(layout.version_dir(version))
+        self._hint_key = normalize_key(layout.progress_key(version))
         #: Wait keys seen (name -> created index).
         self.waiting: dict[str, int] = {}
         self.final: _FinalVersion | None = None
@@ -203,6 +207,8 @@ class _Wait:
         if key in final.keep_alives and event.action in DELETE_ACTIONS:
             self._end(key)
             return True
+        if key == self._hint_key and event.action in WRITE_ACTIONS:
+            self._act_on_report(Hint.decode(event.value), final)
         if event.action in WRITE_ACTIONS and key.rsplit("/", 1)[0] == self._version_dir:
             self._note_waiter(event)
         return False
@@ -227,12 +233,50 @@ class _Wait:
             logger.debug("Counting the waiting workers lost a race; deciding again")
             self._lost_at = final.node.modified_index
             return
+        except RequestTooLargeError as exc:
+            self._report(final, exc)
+            raise
         logger.info(
             "Counted %d waiting worker(s) in version %s",
             len(counting[WAITING]) - len(waiters_of(final.state)),
             self._version,
         )
         self.final = _FinalVersion(node, counting, self._version)
+
+    def _report(self, final: _FinalVersion, error: RequestTooLargeError) -> None:
+        """etcd refused our count of the wait keys for its size: report it in the
+        version's hint key, for the waiting workers whose wait keys it counted (they
+        raise the error too, see :meth:`_act_on_report`). A failure is only logged."""
+        counted = waiters_of(final.state)
+        upto = max((i for name, i in self.waiting.items() if name not in counted), default=0)
+        if not upto:
+            return
+        count = len(final.state.get("participants", ()))
+        by = f"the worker with wait key {self._me}"
+        refusal = Refusal.of(error, upto, count, False, by)
+        hint = describe(final.state, final.node.modified_index, 0)
+        report = dataclasses.replace(hint, refused=refusal)
+        try:
+            self._conn.advance(
+                self._layout.progress_key(self._version),
+                report.encode(),
+                holds_newer=lambda node: supersedes(node, report),
+            )
+        except RendezvousError as exc:
+            logger.info("Could not report the refused count of version %s: %s", self._version, exc)
+
+    def _act_on_report(self, report: Hint | None, final: _FinalVersion) -> None:
+        """Raise the error of ``report``, a hint of our version (``None``: none), if it
+        reports a count refused for its size that had our wait key, still uncounted in
+        the ``final`` state we hold: every count of it is at least as large."""
+        if report is None or report.refused is None or self._me is None:
+            return
+        created = self.waiting.get(self._me)
+        if created is None or created > report.refused.upto:
+            return
+        if self._me in waiters_of(final.state):
+            return
+        raise report.refused.error(f"The worker with wait key {self._me}")
 
     def _end(self, lapsed: str) -> None:
         """A member's keep-alive key ``lapsed``: delete the state if it did not change."""

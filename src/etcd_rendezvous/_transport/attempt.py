@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from ..api import RequestTooLargeError
 from .interface import ConditionError
 
 __all__ = [
@@ -42,7 +43,8 @@ class Outcome(enum.Enum):
 
     #: etcd answered and did it.
     APPLIED = "applied"
-    #: etcd answered that a condition on the key failed (not a failure of the transport).
+    #: etcd answered that a condition on the key failed, or that the request is larger than
+    #: it accepts (not a failure of the transport, and not sent again).
     REFUSED = "refused"
     #: It never reached a member, or a member refused it before proposing it: not
     #: applied, and safe to send again anywhere.
@@ -58,7 +60,7 @@ class Attempt(Generic[_T]):
 
     outcome: Outcome
     result: _T | None = None
-    refusal: ConditionError | None = None
+    refusal: ConditionError | RequestTooLargeError | None = None
     failure: str = ""
     #: Set by the retry loop on its final attempt: an earlier copy's answer was lost.
     after_unknown: bool = False
@@ -69,7 +71,7 @@ class Attempt(Generic[_T]):
             return self.result  # type: ignore[return-value]
         raise self.unwrap_refusal()
 
-    def unwrap_refusal(self) -> ConditionError:
+    def unwrap_refusal(self) -> ConditionError | RequestTooLargeError:
         """The refusal of a refused attempt."""
         if self.refusal is None:
             raise RuntimeError(f"an attempt with outcome {self.outcome.value} has no refusal")
@@ -81,13 +83,14 @@ def try_once(
 ) -> Attempt[_T]:
     """Run ``send(endpoint, cap)`` (one request) and return its :class:`Attempt`.
 
-    ``send`` raises a condition error for a refusal, :class:`UnsentError` or
-    :class:`AmbiguousError` for failures worth retrying, and a library error for
+    ``send`` raises a condition error or a
+    :class:`~etcd_rendezvous.api.RequestTooLargeError` for a refusal, :class:`UnsentError`
+    or :class:`AmbiguousError` for failures worth retrying, and a library error for
     permanent failures (which propagate).
     """
     try:
         return Attempt(Outcome.APPLIED, result=send(endpoint, cap))
-    except ConditionError as exc:
+    except (ConditionError, RequestTooLargeError) as exc:
         return Attempt(Outcome.REFUSED, refusal=exc)
     except UnsentError as exc:
         return Attempt(Outcome.UNSENT, failure=str(exc))

@@ -21,6 +21,7 @@ from .interface import (
     DEFAULT_READ_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT,
     DEFAULT_SILENCE_TIMEOUT,
+    ConditionError,
     KeyNotFoundError,
     Node,
     Transport,
@@ -236,6 +237,11 @@ class Connection(Transport):
         longer holds that change, or it could not be read in time (even past the
         thread's deadline, see :meth:`_lookup_change`), the refusal is raised with
         ``outcome_unknown`` set and ``unknown_because`` saying which.
+
+        A refusal for the request's size (a
+        :class:`~etcd_rendezvous.api.RequestTooLargeError`) is settled the same way: a
+        member whose ``--max-request-bytes`` is larger (during a rolling change of the
+        flag) may have applied the lost copy.
         """
         if not done.after_unknown:
             return self._note_index(done.unwrap())
@@ -263,7 +269,7 @@ class Connection(Transport):
             record_metric("transport.outcome_resolved", op=op, result="applied")
             return self._note_index(change)
         record_metric("transport.outcome_resolved", op=op, result="not_applied")
-        if change is None:
+        if change is None and isinstance(refusal, ConditionError):
             refusal.outcome_unknown = True
             refusal.unknown_because = lost
         raise refusal

@@ -265,6 +265,8 @@ class ConnectionOptions(TypedDict, total=False):
 class Transport(_Closing):
     """A connection to an etcd cluster over one or more endpoints.
 
+    A write etcd refuses as larger than it accepts raises
+    :class:`~etcd_rendezvous.api.RequestTooLargeError` at once (it is never sent again).
     Every operation retries failures that are worth retrying (unreachable endpoint,
     leader election, a lost answer) on the same or the next endpoint until its deadline:
     the innermost :meth:`bounded_by` deadline of the calling thread, or else
@@ -435,6 +437,16 @@ class Transport(_Closing):
         Raises:
             RendezvousConnectionError: etcd refused it; the message names ``prefix``,
                 the user and the permission missing.
+        """
+
+    @abc.abstractmethod
+    def check_size(self, prefix: str, size: int) -> None:
+        """Ask etcd whether it accepts a write of about ``size`` bytes below ``prefix``
+        (a value of that many bytes, in a conditional write that cannot apply): nothing
+        is written either way.
+
+        Raises:
+            RequestTooLargeError: etcd refused it for its size.
         """
 
     @abc.abstractmethod

@@ -15,6 +15,7 @@ _OPS = {
     "read the lease of": "lease_read",
     "query the version of": "version",
     "query the status of": "status",
+    "check the size limit below": "size_check",
 }
 
 

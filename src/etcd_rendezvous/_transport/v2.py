@@ -407,6 +407,20 @@ class EtcdConnection(Connection):
         except (KeyNotFoundError, CompareFailedError):
             return
 
+    def check_size(self, prefix: str, size: int) -> None:
+        """A compare-and-swap of ``size`` bytes on a key below ``prefix`` that no one
+        writes, from an index it cannot have: etcd parses the form (and refuses one too
+        large) first."""
+        probe = f"{prefix.rstrip('/')}/_size-check-{uuid.uuid4().hex}"
+        try:
+            self._v2(
+                "check the size limit below",
+                prefix,
+                lambda c: c.write(probe, "x" * max(size, 0), prevIndex=1),
+            ).unwrap()
+        except (KeyNotFoundError, CompareFailedError):
+            return
+
     def delete(self, key: str, *, recursive: bool = False) -> bool:
         """Delete ``key`` (a directory with ``recursive``). Returns whether it existed."""
         try:

@@ -17,6 +17,7 @@ import urllib3
 from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
 
 from ..api import RendezvousConnectionError, RendezvousStateError
+from . import limits
 from .attempt import ELECTION_MARKERS, AmbiguousError, UnsentError, transient_answer
 from .clock import ServerClock
 from .endpoints import Access, Endpoints
@@ -54,6 +55,8 @@ class _NoRetryPoolManager(urllib3.PoolManager):
         #: Per-thread ``op`` label (:func:`~etcd_rendezvous._transport.metering.op_name`)
         #: of the bytes of the next requests.
         self.op = threading.local()
+        #: Per-thread bytes of the body of the last request sent.
+        self.sent = threading.local()
 
     def urlopen(  # type: ignore[override]
         self, method: str, url: str, redirect: bool = True, **kw: Any
@@ -71,11 +74,12 @@ class _NoRetryPoolManager(urllib3.PoolManager):
             )
             kw["timeout"] = urllib3.Timeout(connect=connect, read=timeout)
         op: str = getattr(self.op, "value", None) or "other"
+        body = kw.get("body")
+        size = len(body) if isinstance(body, (bytes, str)) else 0
+        self.sent.value = size
         sent = time.monotonic()
         response = super().urlopen(method, url, redirect=redirect, **kw)
         self._clock.sample(response.headers.get("Date"), sent, time.monotonic())
-        body = kw.get("body")
-        size = len(body) if isinstance(body, (bytes, str)) else 0
         if "stream=true" in url.partition("?")[2].split("&"):
             # A streaming watch's answer is read, and counted, as a stream (stream.py).
             count_bytes(size, 0, api="v2", op=op)
@@ -178,6 +182,7 @@ class V2Session:
         client = self._clients[idx]
         client.http.read_cap.value = cap
         client.http.op.value = op_name(what)
+        client.http.sent.value = 0
         try:
             result = call(client)
         except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
@@ -217,9 +222,14 @@ class V2Session:
 
     def _server_failure(self, idx: int, what: str, key: str, exc: etcd.EtcdException) -> Exception:
         """The error for an error answer of etcd other than a refusal on the key: an
-        election is retried; anything else is permanent, and the message says what to
-        check."""
+        election is retried; anything else is permanent (a request too large for etcd
+        included), and the message says what to check."""
         endpoint = self._endpoints.url(idx)
+        if limits.v2_too_large(exc.payload):
+            # A refusal, never sent again.
+            sent = int(getattr(self._clients[idx].http.sent, "value", 0) or 0)
+            where = f"{what} {key!r}"
+            return limits.refused_for_size("v2", endpoint, where, key, sent, str(exc))
         if isinstance(exc, etcd.EtcdInsufficientPermissions):
             return self._permission_failure(idx, what, key, exc)
         if isinstance(exc, etcd.EtcdClusterIdChanged):

@@ -51,7 +51,8 @@ _SHARED_LEASE_MIN_TTL = 60
 _SHARED_LEASE_FRESHNESS = 0.9
 
 
-#: The key :meth:`EtcdV3Connection.check_writable` would write (it never does).
+#: The key :meth:`EtcdV3Connection.check_writable` and :meth:`~EtcdV3Connection.check_size`
+#: would write (they never do).
 _PROBE_NAME = "_permission-check"
 
 
@@ -505,10 +506,20 @@ class EtcdV3Connection(Connection):
         """A transaction whose put below ``prefix`` cannot apply (its key's version is
         compared with "less than 0"): etcd checks the permissions of every operation
         of a transaction, applied or not."""
+        self._never_applied("write below", prefix, "")
+
+    def check_size(self, prefix: str, size: int) -> None:
+        """A transaction whose put of ``size`` bytes below ``prefix`` cannot apply (as
+        :meth:`check_writable`'s): etcd refuses a request too large before looking at it."""
+        self._never_applied("check the size limit below", prefix, "x" * max(size, 0))
+
+    def _never_applied(self, what: str, prefix: str, value: str) -> None:
+        """A transaction putting ``value`` below ``prefix`` whose condition never holds
+        (the probe key's version compared with "less than 0")."""
         probe = f"{prefix.rstrip('/')}/{_PROBE_NAME}"
         never = {"key": wire.b64(probe), "target": "VERSION", "result": "LESS", "version": "0"}
-        put = {"request_put": {"key": wire.b64(probe), "value": ""}}
-        self._call("write below", prefix, "/v3/kv/txn", {"compare": [never], "success": [put]})
+        put = {"request_put": {"key": wire.b64(probe), "value": wire.b64(value)}}
+        self._call(what, prefix, "/v3/kv/txn", {"compare": [never], "success": [put]})
 
     # -- discovery --------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from urllib3.exceptions import (
 )
 
 from ..api import RendezvousConnectionError
+from . import limits
 from . import v3_wire as wire
 from .attempt import AmbiguousError, UnsentError, transient_answer
 from .clock import ServerClock
@@ -154,7 +155,7 @@ class V3Session:
                 )
             return data
         raise self.server_failure(
-            idx, path, wire.parse_error(response.status, response.data), where
+            idx, path, wire.parse_error(response.status, response.data), where, body
         )
 
     def transport_failure(self, idx: int, exc: BaseException, where: str) -> BaseException:
@@ -173,10 +174,20 @@ class V3Session:
         return AmbiguousError(f"{endpoint}: {exc}")
 
     def server_failure(
-        self, idx: int, path: str, error: wire.GrpcError, where: str
+        self,
+        idx: int,
+        path: str,
+        error: wire.GrpcError,
+        where: str,
+        body: dict[str, Any] | None = None,
     ) -> BaseException:
-        """The library error for an error answer of the gateway."""
+        """The library error for an error answer of the gateway to the request ``body``."""
         endpoint = self._endpoints.url(idx)
+        if limits.v3_too_large(error.message):
+            # Before the transient answers: gRPC's own limit answers RESOURCE_EXHAUSTED,
+            # which is no overload. A refusal, never sent again.
+            key, size = wire.request_size(body)
+            return limits.refused_for_size("v3", endpoint, where, key, size, str(error))
         if error.needs_reauth and self._username is not None:
             return wire.ReauthError(f"{endpoint}: {error}")
         if error.transient:

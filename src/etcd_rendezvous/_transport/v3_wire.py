@@ -38,6 +38,7 @@ __all__ = [
     "norm",
     "parse_error",
     "prefix_end",
+    "request_size",
     "revision",
     "unb64",
     "written",
@@ -220,6 +221,32 @@ def guarded_txn(key: str, mod_revision: int, op: dict[str, Any]) -> dict[str, An
         "success": [op],
         "failure": [{"request_range": {"key": b64(key)}}],
     }
+
+
+#: The fields of a request that carry keys and values (base64), which etcd's request
+#: limit counts.
+_BYTES_FIELDS = frozenset({"key", "value", "range_end"})
+
+
+def request_size(body: Any) -> tuple[str, int]:
+    """The key a request body is about (its first ``key``) and the bytes of the keys and
+    values it carries, decoded: about what etcd counts against ``--max-request-bytes``
+    (its own encoding adds some 50 bytes)."""
+    key, size = "", 0
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(reversed(item))
+        elif isinstance(item, dict):
+            for name, value in item.items():
+                if name in _BYTES_FIELDS and isinstance(value, str):
+                    size += len(value) * 3 // 4 - value.count("=", -2)
+                    if name == "key" and not key:
+                        key = unb64(value)
+                else:
+                    stack.append(value)
+    return key, size
 
 
 def compare_failure(key: str, data: dict[str, Any], revision: int) -> Exception:
