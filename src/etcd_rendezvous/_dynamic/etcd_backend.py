@@ -38,6 +38,7 @@ from ..layout import (
     etcd_v2_state_key,
     parse_node_key_name,
 )
+from ..metrics import record_metric
 from .admission import AnnouncedNode
 from .backend import RendezvousBackend, Token
 from .progress import Progress
@@ -191,6 +192,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             RendezvousConnectionError: etcd could not be reached.
             RendezvousStateError: the key does not hold base64 (or is a directory).
         """
+        record_metric("rendezvous.state_reads", backend="etcd-v2")
         try:
             node = self._conn.get(self._key)
         except KeyNotFoundError as exc:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from ..metrics import record_metric
 from .state import NodeDesc, RendezvousState
 
 __all__ = [
@@ -320,6 +321,7 @@ class ProgressKey:
         """Nothing heard for the silence (spread out over the nodes, drawn afresh here):
         read the key itself (our watch may lag behind it), then the state unless the key
         names a change that does not concern us (the key may miss a state write)."""
+        record_metric("rendezvous.silence_reads", backend="etcd-v2")
         self._heard_at = self.clock()
         self._silence = PROGRESS_SILENCE * (1.0 + random.random())
         progress, version, index = board.read_progress()

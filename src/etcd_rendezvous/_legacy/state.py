@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .._transport.interface import Node
+from .._transport.interface import Node, Transport
 from ..api import RendezvousStateError
+from ..metrics import record_metric
 
 __all__ = [
     "CONST_ETCD_FROZEN_TTL",
@@ -30,6 +31,7 @@ __all__ = [
     "members_of",
     "parse_state",
     "preview",
+    "read_state",
     "status_in",
     "waiters_of",
 ]
@@ -96,6 +98,16 @@ def _state_problem(state: Any) -> str | None:
     return None
 
 
+def read_state(conn: Transport, key: str) -> Node:
+    """Read the state key ``key`` (one request, counted as ``rendezvous.state_reads``).
+
+    Raises:
+        KeyNotFoundError: there is no state (``etcd_index`` tells when).
+    """
+    record_metric("rendezvous.state_reads", backend="etcd")
+    return conn.get(key)
+
+
 def parse_state(node: Node) -> dict[str, Any]:
     """Decode and validate the rendezvous state stored in ``node``.
 
@@ -115,6 +127,7 @@ def parse_state(node: Node) -> dict[str, Any]:
     Raises:
         RendezvousStateError: the value is not a valid state. The key is not modified.
     """
+    record_metric("rendezvous.state_decodes", backend="etcd")
     try:
         state = json.loads(node.value) if node.value is not None else None
     except ValueError as exc:

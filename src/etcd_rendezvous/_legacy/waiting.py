@@ -34,7 +34,7 @@ from .._transport.interface import (
 from .._transport.retry import Deadline
 from ..layout import LegacyLayout, normalize_key, waiter_name
 from .admission import grace
-from .state import LOGGER_NAME, WAITING, status_in, waiters_of
+from .state import LOGGER_NAME, WAITING, read_state, status_in, waiters_of
 
 __all__ = [
     "GATHER",
@@ -148,7 +148,7 @@ class _Wait:
         Raises:
             KeyNotFoundError: there is no state.
         """
-        node = self._conn.get(self._layout.state_key)
+        node = read_state(self._conn, self._layout.state_key)
         final = _FinalVersion(node, self._parse(node), self._version)
         if not final.ongoing:
             return False

@@ -294,6 +294,8 @@ class Endpoints:
                 _record_duration(labels, started)
                 raise
             if attempt.outcome in (Outcome.APPLIED, Outcome.REFUSED):
+                if attempt.outcome is Outcome.REFUSED:
+                    record_metric("transport.refusals", **labels)
                 _record_duration(labels, started)
                 return dataclasses.replace(attempt, after_unknown=unknown)
             # Unsent or unknown: the next endpoint may serve us (an election, a member
