@@ -12,6 +12,9 @@ Usage::
 Each also takes ``--json FILE``: the rows as JSON, which ``benchmarks/plot_scale.py``
 draws (``docs/scale.rst`` shows the results and their plots).
 
+``BENCH_PYSPY_DIR=<dir>`` samples the first process of each row with ``py-spy`` (``pip
+install py-spy``) from the start signal until its nodes are done, every thread, into
+``<dir>/<pid>.txt`` (collapsed stacks, for ``flamegraph.pl`` or a ``sort | uniq``).
 ``BENCH_LOG_DIR=<dir>`` logs each node process to ``<dir>/<pid>.log`` (INFO;
 ``BENCH_LOG_DEBUG=1`` adds the library's DEBUG messages, which slow a row down).
 
@@ -68,6 +71,7 @@ client's CPU is the bottleneck and more ``--procs`` help.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -75,7 +79,9 @@ import multiprocessing
 import os
 import queue
 import random
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -83,7 +89,7 @@ import traceback
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
@@ -349,9 +355,14 @@ def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any
             handlers.extend(make(plan.run_id) for _ in range(plan.count + plan.leaves))
             # The replacement, if any, is the last handler; it joins in the second round.
             calls = [_bind(_join, handler) for handler in handlers[: plan.count]]
-        joined = _run_nodes(
-            calls, lambda: out.put(("ready", index, None)), start, plan.timeout, start=plan.start
-        )
+        with _sampled(index == 0):
+            joined = _run_nodes(
+                calls,
+                lambda: out.put(("ready", index, None)),
+                start,
+                plan.timeout,
+                start=plan.start,
+            )
         out.put(("joined", index, joined))
         if plan.mode == RERENDEZVOUS:
             again = _second_round(
@@ -366,6 +377,27 @@ def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any
         for handler in handlers:
             release(handler, plan.variant.impl)
         out.put(("done", index, deaths.seen))
+
+
+@contextlib.contextmanager
+def _sampled(wanted: bool) -> Iterator[None]:
+    """Sample this process with ``py-spy`` while in the block, if ``wanted`` and
+    ``BENCH_PYSPY_DIR`` is set (see the module's documentation)."""
+    folder = os.environ.get("BENCH_PYSPY_DIR")
+    if not wanted or not folder:
+        yield
+        return
+    output = os.path.join(folder, f"{os.getpid()}.txt")
+    command = ["py-spy", "record", "--pid", str(os.getpid()), "--rate", "200"]
+    spy = subprocess.Popen([*command, "--format", "raw", "--output", output, "--nonblocking"])
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
+        try:
+            spy.wait(30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
 
 
 def _bind(call: Callable[[Any], NodeResult], handler: Any) -> Callable[[], NodeResult]:
