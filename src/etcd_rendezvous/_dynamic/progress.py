@@ -234,6 +234,9 @@ class ProgressKey:
         board = self.board
         if board is None:
             return
+        # The silence counts from now: the node starts listening (a node that loses the
+        # race to create the key has heard nothing yet, and has nothing to look for).
+        self._heard_at = self.clock()
         progress, version, index = board.read_progress()
         if progress is not None:
             self._hear(progress, version, index)
