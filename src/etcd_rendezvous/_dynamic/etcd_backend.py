@@ -604,9 +604,14 @@ def _leaving(value: str | None) -> int | None:
 
 
 def _holds_summary_since(held: Node, progress: Progress) -> bool:
-    """Whether the progress key ``held`` holds a summary at least as new as ``progress``."""
+    """Whether the progress key ``held`` holds a summary at least as new as ``progress``:
+    of a newer state, or of the same state with a decided index at least as high (a
+    relay of a batch's state, written before the batch's own summary, knows less)."""
     summary = Progress.decode(held.value)
-    return summary is not None and summary.token >= progress.token
+    return summary is not None and (summary.token, summary.decided_upto) >= (
+        progress.token,
+        progress.decided_upto,
+    )
 
 
 def _parse_node(key: Node) -> NodeDesc | None:

@@ -257,18 +257,21 @@ class ProgressKey:
     def _hear(self, progress: Progress | None, version: int | None, index: int = 0) -> bool:
         """Note a summary read or watched: the key's modification index ``version``
         (``None``: unknown) and the etcd index ``index`` of the read (a watched change:
-        its version). Whether it is newer than the last one seen (a change of the state);
-        a summary that cannot be true (see :meth:`_false`) is not heard at all."""
+        its version). Whether it tells something new: a newer state than the last one
+        seen, or more keys decided (a batch's summary after a relay of its state, which
+        moves the candidates' turns); a summary that cannot be true (see :meth:`_false`)
+        is not heard at all."""
         if version is not None:
             self._version = max(version, self._version)
         self._index = max(index, version or 0, self._index or 0)
         if progress is None or self._false(progress, version):
             return False
         self._heard_at = self.clock()  # Someone is at work (or checked, see state_read).
-        if progress.decided_upto > self.decided_upto:
+        decided = progress.decided_upto > self.decided_upto
+        if decided:
             self.decided_upto, self.decided_at = progress.decided_upto, self.clock()
         if self.hint is not None and progress.token <= self.hint.token:
-            return False
+            return decided
         self.hint = progress
         return True
 
