@@ -9,6 +9,7 @@ connections speak whichever API ``etcd_api=auto`` picks for the session's etcd (
 from __future__ import annotations
 
 import base64
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ import pytest
 
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
+from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError, Store
 from etcd_rendezvous.etcd_server import EtcdServer
@@ -396,6 +398,23 @@ def test_wait_for_many_keys_set_later(
     watches = spy.named("watch")
     assert all(kwargs.get("recursive") for _, kwargs in watches[:-1])
     assert len(watches) <= len(keys)
+
+
+def test_a_wait_cut_short_by_the_callers_deadline_says_how_long_it_waited(
+    store: EtcdStore, conn: Transport
+) -> None:
+    """A rendezvous bounds the store's reads by its own deadline: a wait that gives up
+    then says the time it really waited, not the store's timeout."""
+    wait = SHORT.total_seconds()
+    with conn.bounded_by(Deadline(wait)), pytest.raises(LookupError) as info:
+        store.get("never-set")
+    waited = re.search(r"within (\d+\.\d) s \(the caller's deadline", str(info.value))
+    assert waited is not None, str(info.value)
+    assert wait - 0.1 <= float(waited[1]) < wait + 2.0
+    assert f"the store's timeout of {LONG.total_seconds():g} s" in str(info.value)
+    with conn.bounded_by(Deadline(wait)), pytest.raises(LookupError) as info:
+        store.wait(["never-set"])
+    assert "(the caller's deadline, before the store's timeout" in str(info.value)
 
 
 def test_wait_timeout_names_missing_keys(store: EtcdStore) -> None:
