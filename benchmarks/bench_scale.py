@@ -198,6 +198,8 @@ class NodeResult:
     #: When a poll saw a node waiting (re-rendezvous).
     detected: float = 0.0
     error: str = ""
+    #: When ``next_rendezvous()`` was called (0: never; the handler's creation failed).
+    called: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,13 @@ def _counters(collected: MetricsCollector) -> dict[str, float]:
 
 
 def _join(handler: Any) -> NodeResult:
-    info = handler.next_rendezvous()
-    return NodeResult(info.rank, info.world_size, time.monotonic())
+    called = time.monotonic()
+    try:
+        info = handler.next_rendezvous()
+    except Exception as exc:  # the parent reports it
+        error = f"{type(exc).__name__}: {exc}"
+        return NodeResult(error=error, finished=time.monotonic(), called=called)
+    return NodeResult(info.rank, info.world_size, time.monotonic(), called=called)
 
 
 def _add_jitter(seconds: float) -> None:
@@ -504,6 +511,10 @@ class Outcome:
     counters: dict[str, float] = dataclasses.field(default_factory=dict)
     #: The most CPU seconds per node of any process (its CPU over its nodes).
     busiest_per_node: float = 0.0
+    #: The longest ``next_rendezvous()`` call, and the latest a node called it (seconds
+    #: from the start signal: with the plain harness, its handler's creation).
+    longest_call: float = 0.0
+    last_called: float = 0.0
     problem: str = ""
 
 
@@ -574,6 +585,7 @@ def _counted(phase: Phase, delta: dict[str, float], **fields: Any) -> Outcome:
         received_by_op=phase.received_by_op,
         counters=phase.counters,
         busiest_per_node=max(phase.cpu_per_node, default=0.0),
+        longest_call=max((r.finished - r.called for r in phase.results if r.called), default=0.0),
         **fields,
     )
 
@@ -600,7 +612,8 @@ def _measure(
             # The counts of a row that failed tell why: kept, with the problem.
             delta = changes(before, read_metrics(url))
             seconds = max(r.finished for r in first.results) - started
-            outcome = _counted(first, delta, seconds=seconds)
+            called = max((r.called for r in first.results), default=started)
+            outcome = _counted(first, delta, seconds=seconds, last_called=called - started)
             try:
                 _check(first.results, nodes, timeout, started)
             except RowError as exc:
@@ -796,6 +809,8 @@ def record(plan: Plan, procs: int, outcome: Outcome) -> dict[str, Any]:
     entry.update(
         counters={title: round(v / plan.nodes, 3) for title, v in outcome.counters.items()},
         busiest_cpu_ms_per_node=round(outcome.busiest_per_node * 1000, 2),
+        longest_call_s=round(outcome.longest_call, 3),
+        last_called_s=round(outcome.last_called, 3),
         seconds=round(outcome.seconds, 3),
         writes=round(requests.writes * scale, 2),
         reads=round(requests.reads * scale, 2),
@@ -827,7 +842,8 @@ def per_node_counts(nodes: int, outcome: Outcome) -> str:
     counted = ", ".join(f"{title} {value / nodes:.2f}" for title, value in outcome.counters.items())
     return (
         f"    per node: {counted}; CPU ms per node in the busiest process: "
-        f"{outcome.busiest_per_node * 1000:.1f}"
+        f"{outcome.busiest_per_node * 1000:.1f}; longest next_rendezvous(): "
+        f"{outcome.longest_call:.1f} s, the last called at {outcome.last_called:.1f} s"
     )
 
 
