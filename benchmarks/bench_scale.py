@@ -530,7 +530,7 @@ def _check(results: list[NodeResult], nodes: int, timeout: float, started: float
         for error in errors:
             kind = error.split(":", 1)[0]
             kinds[kind] = kinds.get(kind, 0) + 1
-        failed = max((r.finished - started for r in results if r.error), default=0.0)
+        failed = max((r.finished - started for r in results if r.error and r.finished), default=0)
         why = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
         seen = f"{len(ranked)} of {nodes} ranked{last}; failed: {why} (by {failed:.1f} s)"
         if any("Timeout" in error for error in errors):
