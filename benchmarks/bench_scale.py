@@ -180,6 +180,8 @@ class Plan:
     #: Seconds of random delay (0 to this) before each etcd request (see
     #: :func:`_add_jitter`).
     jitter: float = 0.0
+    #: The nice value the process adds to its own (``--nice``).
+    nice: int = 0
     #: :data:`PREPARED`: the handlers' parameters the benchmark chooses; :data:`PLAIN`:
     #: only what a user must give (see ``handler_factory``), and no
     #: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``.
@@ -349,6 +351,8 @@ def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any
     deaths = ThreadDeaths()
     threading.excepthook = deaths
     _add_jitter(plan.jitter)
+    if plan.nice:
+        os.nice(plan.nice)
     if plan.harness == PLAIN:
         os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     make = handler_factory(
@@ -966,6 +970,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--jitter", type=float, default=0.0, help="random delay of 0 to this (s) per request"
     )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run the node processes this much nicer than etcd (as if etcd had its own "
+        "host: many node processes on a small machine otherwise starve it)",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="measure each row this many times")
     parser.add_argument(
         "--endpoint", help="an etcd already running (HOST:PORT) instead of one started here"
@@ -1036,7 +1047,10 @@ def main() -> None:
             f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}; measuring: {mode}"
             + (f", {args.heartbeat_seconds:g} s window" if mode == HEARTBEATS else "")
             + f"; harness {args.harness} (handlers made {args.create}, threads {args.start}, "
-            f"{args.start_method}" + (f", jitter {args.jitter:g} s" if args.jitter else "") + ")"
+            f"{args.start_method}"
+            + (f", jitter {args.jitter:g} s" if args.jitter else "")
+            + (f", nice {args.nice}" if args.nice else "")
+            + ")"
         )
         print(header(mode), flush=True)
         for nodes in counts:
@@ -1061,6 +1075,7 @@ def main() -> None:
                         start=args.start,
                         jitter=args.jitter,
                         harness=args.harness,
+                        nice=args.nice,
                     )
                     load = os.getloadavg()[0]
                     outcome = run_row(
@@ -1081,6 +1096,7 @@ def main() -> None:
                 "start": args.start,
                 "start_method": args.start_method,
                 "jitter": args.jitter,
+                "nice": args.nice,
                 "rows": records,
             }
             args.json.write_text(json.dumps(document, indent=1) + "\n")
