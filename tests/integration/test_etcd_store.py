@@ -35,6 +35,8 @@ from support.v3_gateway import b64
 SHORT = timedelta(seconds=0.3)
 # Generous: only reached if a test is about to fail.
 LONG = timedelta(seconds=20)
+#: Readers of one key in the many-readers test, each with a connection of its own.
+READERS = 64
 
 
 class Spy:
@@ -190,6 +192,32 @@ def test_get_blocks_until_another_thread_sets(
     assert args[0] == path
     assert not kwargs.get("recursive")
     assert [args[0] for args, _ in spy.named("get")] == [path]
+
+
+def test_a_key_set_once_is_seen_by_every_waiting_reader(
+    own_store: StoreFactory, etcd_prefix: str
+) -> None:
+    """As after a rendezvous: many ranks, each with a connection of its own, wait for
+    the master address, which rank 0 writes once, while the ranks are still arriving
+    (some read it missing and watch, some read it written). Every one of them gets it."""
+    readers = [own_store(etcd_prefix) for _ in range(READERS)]
+    writer = own_store(etcd_prefix)
+    start = threading.Barrier(READERS + 1)
+
+    def read(store: EtcdStore, delay: float) -> bytes:
+        start.wait()
+        time.sleep(delay)
+        return store.get("MASTER_ADDR")
+
+    # The readers arrive over 0.4 s; the key is written 0.2 s in.
+    delays = [0.4 * i / READERS for i in range(READERS)]
+    with ThreadPoolExecutor(READERS) as pool:
+        futures = [pool.submit(read, store, delay) for store, delay in zip(readers, delays)]
+        start.wait()
+        time.sleep(0.2)
+        writer.set("MASTER_ADDR", "10.0.0.1")
+        values = [future.result(LONG.total_seconds()) for future in futures]
+    assert values == [b"10.0.0.1"] * READERS
 
 
 def test_get_waits_for_key_whose_encoding_ends_in_slash(
