@@ -147,6 +147,11 @@ COUNTERS = {
 _SETUP_TIMEOUT = 300.0
 #: Seconds a row's processes get past the nodes' own timeout before they are killed.
 _MARGIN = 15.0
+#: Seconds past the nodes' own timeout (from the start signal) that a process waits for
+#: its nodes before it reports the ones not done: a call that overruns its deadline by
+#: less is measured (``longest next_rendezvous()``), one that overruns it by more is
+#: reported as not done.
+_OVERRUN = 10.0
 
 
 # -- in each process of a row -------------------------------------------------------------
@@ -291,9 +296,11 @@ def _run_nodes(
     ready, the parent sets ``go``; then ``on_go()`` and every call runs. With ``start``
     :data:`GATED` the threads are started before ``ready()`` and released together;
     with :data:`AT_SIGNAL` they are started one after the other once ``go`` is set. A
-    call not done within ``timeout`` s (from the signal) says so in its result."""
+    call not done within ``timeout`` s plus :data:`_OVERRUN` (from the signal) says so in
+    its result."""
     released = threading.Event()
-    results = [NodeResult(error=f"TimeoutError: not done within {timeout} s")] * len(calls)
+    late = f"TimeoutError: not done within {timeout + _OVERRUN:g} s of the start"
+    results = [NodeResult(error=late)] * len(calls)
 
     def node(i: int, call: Callable[[], NodeResult]) -> None:
         released.wait()
@@ -314,7 +321,7 @@ def _run_nodes(
         raise RuntimeError("the parent gave no start signal")
     with MetricsCollector() as collected:
         cpu = time.process_time()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout + _OVERRUN
         on_go()
         released.set()
         if start != GATED:
@@ -611,7 +618,7 @@ def _measure(
     start.set()
     # Outside the first-rendezvous table, say which round a problem was in.
     try:
-        first = _gathered(inbox, "joined", started + timeout + _MARGIN, timeout)
+        first = _gathered(inbox, "joined", started + timeout + _OVERRUN + _MARGIN, timeout)
         if plan.mode == FIRST:
             # The counts of a row that failed tell why: kept, with the problem.
             delta = changes(before, read_metrics(url))
@@ -640,7 +647,7 @@ def _measure(
         )
     second.set()
     try:
-        again = _gathered(inbox, "rejoined", started + timeout + _MARGIN, timeout)
+        again = _gathered(inbox, "rejoined", started + timeout + _OVERRUN + _MARGIN, timeout)
         delta = changes(before, read_metrics(url))
         _check(again.results, nodes, timeout, started)
     except RowError as exc:
