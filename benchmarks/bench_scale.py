@@ -13,8 +13,9 @@ Each also takes ``--json FILE``: the rows as JSON, which ``benchmarks/plot_scale
 draws (``docs/scale.rst`` shows the results and their plots).
 
 ``BENCH_PYSPY_DIR=<dir>`` samples the first process of each row with ``py-spy`` (``pip
-install py-spy``) from the start signal until its nodes are done, every thread, into
-``<dir>/<pid>.txt`` (collapsed stacks, for ``flamegraph.pl`` or a ``sort | uniq``).
+install py-spy``) from the start signal until its nodes are done: the thread holding the
+GIL, that is where the process's CPU goes, into ``<dir>/<pid>.txt`` (collapsed stacks,
+for ``flamegraph.pl`` or a ``sort | uniq``).
 ``BENCH_LOG_DIR=<dir>`` logs each node process to ``<dir>/<pid>.log`` (INFO;
 ``BENCH_LOG_DEBUG=1`` adds the library's DEBUG messages, which slow a row down).
 
@@ -406,7 +407,7 @@ def _sampled(wanted: bool) -> Iterator[None]:
         yield
         return
     output = os.path.join(folder, f"{os.getpid()}.txt")
-    command = ["py-spy", "record", "--pid", str(os.getpid()), "--rate", "200"]
+    command = ["py-spy", "record", "--pid", str(os.getpid()), "--rate", "500", "--gil"]
     spy = subprocess.Popen([*command, "--format", "raw", "--output", output, "--nonblocking"])
     try:
         yield
