@@ -31,6 +31,7 @@ from etcd_rendezvous.registry import get_rendezvous_handler
 __all__ = [
     "APIS",
     "BACKENDS",
+    "C10D",
     "IMPLS",
     "ThreadDeaths",
     "Variant",
@@ -46,6 +47,9 @@ __all__ = [
 BACKENDS = ("etcd", "etcd-v2")
 APIS = ("v2", "v3")
 IMPLS = ("ours", "torch")
+#: PyTorch's own ``c10d`` backend (a TCPStore hosted by the first node that binds the
+#: endpoint's port), the alternative to etcd: a row of its own, without an etcd API.
+C10D = "c10d"
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,13 @@ class Variant:
 def variants(
     backends: Sequence[str], apis: Sequence[str], impls: Sequence[str]
 ) -> Iterator[Variant]:
-    """The rows to measure: ours on every API, PyTorch's on v2 only."""
+    """The rows to measure: ours on every API, PyTorch's on v2 only; PyTorch's ``c10d``
+    (:data:`C10D`, no etcd API: ``-``) once, if asked for with PyTorch's rows."""
     for backend in backends:
+        if backend == C10D:
+            if "torch" in impls:
+                yield Variant(C10D, "-", "torch")
+            continue
         for api in apis:
             for impl in impls:
                 if impl == "ours" or api == "v2":
@@ -82,24 +91,46 @@ def torch_available() -> bool:
 
 
 def handler_factory(
-    variant: Variant, endpoint: str, nodes: int, options: Mapping[str, str]
+    variant: Variant,
+    endpoint: str,
+    nodes: int,
+    options: Mapping[str, str],
+    *,
+    plain: bool = False,
 ) -> Callable[[str], Any]:
     """A function making one node's handler of ``variant`` for a run id, with
     ``min_nodes = max_nodes = nodes`` and the backend ``options`` (strings, as
-    torchrun passes them)."""
+    torchrun passes them).
+
+    Unless ``plain``, our handlers also get what the benchmarks choose: ``local_addr``
+    127.0.0.1 (rank 0 publishes it without resolving its host name), the ``etcd_api``
+    of the variant (no probe of the server) and ``torch_store=false`` (PyTorch is not
+    imported). ``plain``: only the parameters a user must give, as a launcher would.
+    """
     common: dict[str, Any] = {
         "backend": variant.backend,
         "endpoint": endpoint,
         "min_nodes": nodes,
         "max_nodes": nodes,
-        "local_addr": "127.0.0.1",
+        **({} if plain else {"local_addr": "127.0.0.1"}),
         **options,
     }
     if variant.impl == "ours":
+        chosen = {} if plain else {"etcd_api": variant.api, "torch_store": "false"}
         return lambda run_id: get_rendezvous_handler(
-            RendezvousParameters(run_id=run_id, **common, etcd_api=variant.api, torch_store="false")
+            RendezvousParameters(run_id=run_id, **common, **chosen)
         )
     torch_api = _torch_module("api")
+    if variant.backend == C10D:
+        c10d = _torch_module("c10d_rendezvous_backend")
+        dynamic_module = _torch_module("dynamic_rendezvous")
+
+        def create_c10d(run_id: str) -> Any:
+            params = torch_api.RendezvousParameters(run_id=run_id, **common)
+            backend, store = c10d.create_backend(params)
+            return dynamic_module.create_handler(store, backend, params)
+
+        return create_c10d
     if variant.backend == "etcd":
         legacy = _torch_module("etcd_rendezvous")
         # It logs every step of every node to stderr at INFO, on a handler of its own.

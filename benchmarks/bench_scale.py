@@ -12,6 +12,10 @@ Usage::
 Each also takes ``--json FILE``: the rows as JSON, which ``benchmarks/plot_scale.py``
 draws (``docs/scale.rst`` shows the results and their plots).
 
+``BENCH_PYSPY_DIR=<dir>`` samples the first process of each row with ``py-spy`` (``pip
+install py-spy``) from the start signal until its nodes are done: the thread holding the
+GIL, that is where the process's CPU goes, into ``<dir>/<pid>.txt`` (collapsed stacks,
+for ``flamegraph.pl`` or a ``sort | uniq``).
 ``BENCH_LOG_DIR=<dir>`` logs each node process to ``<dir>/<pid>.log`` (INFO;
 ``BENCH_LOG_DEBUG=1`` adds the library's DEBUG messages, which slow a row down).
 
@@ -68,29 +72,37 @@ client's CPU is the bottleneck and more ``--procs`` help.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import multiprocessing
 import os
 import queue
+import random
+import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
+import urllib.error
+import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _bench_common import (
     APIS,
     BACKENDS,
+    C10D,
     IMPLS,
     ThreadDeaths,
     Variant,
@@ -100,6 +112,7 @@ from _bench_common import (
     variants,
 )
 
+from etcd_rendezvous._transport import endpoints  # (the jitter's seam: _add_jitter)
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.metrics import MetricsCollector
 from support.etcd_requests import (
@@ -113,11 +126,33 @@ from support.etcd_requests import (
 )
 
 FIRST, RERENDEZVOUS, HEARTBEATS = "first", "rerendezvous", "heartbeats"
+#: The harnesses (``--harness``): the benchmark's own choices, or a user's launcher's.
+PREPARED, PLAIN = "prepared", "plain"
+#: Where handlers are made (``--create``), how node threads begin (``--start``).
+BEFORE, IN_NODE = "before", "in-node"
+GATED, AT_SIGNAL = "gated", "at-signal"
+
+#: The library's counters shown per node (``--counts``): the column title of each.
+COUNTERS = {
+    "lost CAS": ("transport.refusals", {"op": "compare_and_swap"}),
+    "lost create": ("transport.refusals", {"op": "create"}),
+    "state reads": ("rendezvous.state_reads", {}),
+    "decodes": ("rendezvous.state_decodes", {}),
+    "events": ("transport.watch_events", {}),
+    "silence": ("rendezvous.silence_reads", {}),
+    "retries": ("transport.retries", {}),
+    "requests": ("transport.requests", {}),
+}
 
 #: Seconds the processes of a row may take to start and create their handlers.
 _SETUP_TIMEOUT = 300.0
 #: Seconds a row's processes get past the nodes' own timeout before they are killed.
 _MARGIN = 15.0
+#: Seconds past the nodes' own timeout (from the start signal) that a process waits for
+#: its nodes before it reports the ones not done: a call that overruns its deadline by
+#: less is measured (``longest next_rendezvous()``), one that overruns it by more is
+#: reported as not done.
+_OVERRUN = 10.0
 
 
 # -- in each process of a row -------------------------------------------------------------
@@ -140,6 +175,23 @@ class Plan:
     leaves: bool
     monitor_interval: float
     timeout: float
+    #: Where the handlers are made: before the start signal (:data:`BEFORE`), or by
+    #: each node's thread after it (:data:`IN_NODE`), as a launcher that makes the
+    #: handler when its job starts.
+    create: str = "before"
+    #: How the node threads begin: all started before the signal and released together
+    #: (:data:`GATED`), or started one after the other once the signal came
+    #: (:data:`AT_SIGNAL`).
+    start: str = "gated"
+    #: Seconds of random delay (0 to this) before each etcd request (see
+    #: :func:`_add_jitter`).
+    jitter: float = 0.0
+    #: The nice value the process adds to its own (``--nice``).
+    nice: int = 0
+    #: :data:`PREPARED`: the handlers' parameters the benchmark chooses; :data:`PLAIN`:
+    #: only what a user must give (see ``handler_factory``), and no
+    #: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``.
+    harness: str = PREPARED
 
 
 @dataclass(frozen=True)
@@ -154,6 +206,8 @@ class NodeResult:
     #: When a poll saw a node waiting (re-rendezvous).
     detected: float = 0.0
     error: str = ""
+    #: When ``next_rendezvous()`` was called (0: never; the handler's creation failed).
+    called: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -169,6 +223,10 @@ class Phase:
     received_by_op: dict[str, float] = dataclasses.field(default_factory=dict)
     #: The CPU seconds of every process of the row, summed (in the parent's sum).
     cpu_total: float = 0.0
+    #: The library's counters of :data:`COUNTERS`, by column title (summed).
+    counters: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: The CPU seconds of each node's process, divided by its nodes (one per process).
+    cpu_per_node: list[float] = dataclasses.field(default_factory=list)
 
 
 def _received_by_op(collected: MetricsCollector) -> dict[str, float]:
@@ -181,9 +239,34 @@ def _received_by_op(collected: MetricsCollector) -> dict[str, float]:
     return by_op
 
 
+def _counters(collected: MetricsCollector) -> dict[str, float]:
+    """The counters of :data:`COUNTERS` that ``collected`` added up."""
+    return {title: collected.counter(name, **labels) for title, (name, labels) in COUNTERS.items()}
+
+
 def _join(handler: Any) -> NodeResult:
-    info = handler.next_rendezvous()
-    return NodeResult(info.rank, info.world_size, time.monotonic())
+    called = time.monotonic()
+    try:
+        info = handler.next_rendezvous()
+    except Exception as exc:  # the parent reports it
+        error = f"{type(exc).__name__}: {exc}"
+        return NodeResult(error=error, finished=time.monotonic(), called=called)
+    return NodeResult(info.rank, info.world_size, time.monotonic(), called=called)
+
+
+def _add_jitter(seconds: float) -> None:
+    """Delay every etcd request of this process by a random 0 to ``seconds`` s, as a
+    network of uneven latency would: the benchmark wraps the transport's one function
+    that sends one request (``try_once``, which the failover loop calls)."""
+    if seconds <= 0:
+        return
+    send_once = endpoints.try_once
+
+    def jittered(send: Any, endpoint: int, cap: float | None) -> Any:
+        time.sleep(random.uniform(0.0, seconds))
+        return send_once(send, endpoint, cap)
+
+    endpoints.try_once = jittered  # type: ignore[assignment]
 
 
 def _agent(handler: Any, interval: float, timeout: float) -> NodeResult:
@@ -208,34 +291,43 @@ def _run_nodes(
     go: Event,
     timeout: float,
     on_go: Callable[[], None] = lambda: None,
+    start: str = GATED,
 ) -> Phase:
-    """Each call in a thread of its own: once the threads are started, ``ready()`` tells
-    the parent, which sets ``go``; then ``on_go()`` and every call runs. A call not done
-    within ``timeout`` s says so in its result."""
+    """Each call in a thread of its own: ``ready()`` tells the parent that the process is
+    ready, the parent sets ``go``; then ``on_go()`` and every call runs. With ``start``
+    :data:`GATED` the threads are started before ``ready()`` and released together;
+    with :data:`AT_SIGNAL` they are started one after the other once ``go`` is set. A
+    call not done within ``timeout`` s plus :data:`_OVERRUN` (from the signal) says so in
+    its result."""
     released = threading.Event()
-    results = [NodeResult(error=f"TimeoutError: not done within {timeout} s")] * len(calls)
+    late = f"TimeoutError: not done within {timeout + _OVERRUN:g} s of the start"
+    results = [NodeResult(error=late)] * len(calls)
 
     def node(i: int, call: Callable[[], NodeResult]) -> None:
         released.wait()
         try:
             results[i] = call()
         except Exception as exc:  # the parent reports it
-            results[i] = NodeResult(error=f"{type(exc).__name__}: {exc}")
+            results[i] = NodeResult(error=f"{type(exc).__name__}: {exc}", finished=time.monotonic())
 
     threads = [
         threading.Thread(target=node, args=(i, call), name=f"node-{i}", daemon=True)
         for i, call in enumerate(calls)
     ]
-    for thread in threads:
-        thread.start()
+    if start == GATED:
+        for thread in threads:
+            thread.start()
     ready()
     if not go.wait(_SETUP_TIMEOUT + timeout):
         raise RuntimeError("the parent gave no start signal")
     with MetricsCollector() as collected:
         cpu = time.process_time()
+        deadline = time.monotonic() + timeout + _OVERRUN
         on_go()
         released.set()
-        deadline = time.monotonic() + timeout
+        if start != GATED:
+            for thread in threads:
+                thread.start()
         for thread in threads:
             thread.join(max(deadline - time.monotonic(), 0.0))
         cpu = time.process_time() - cpu
@@ -246,6 +338,8 @@ def _run_nodes(
         sent=collected.counter("transport.bytes_sent"),
         received_by_op=_received_by_op(collected),
         cpu_total=cpu,
+        counters=_counters(collected),
+        cpu_per_node=[cpu / max(len(calls), 1)],
     )
 
 
@@ -264,13 +358,30 @@ def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any
             logging.getLogger("etcd_rendezvous").setLevel(logging.DEBUG)
     deaths = ThreadDeaths()
     threading.excepthook = deaths
-    make = handler_factory(plan.variant, plan.endpoint, plan.nodes, plan.options)
+    _add_jitter(plan.jitter)
+    if plan.nice:
+        os.nice(plan.nice)
+    if plan.harness == PLAIN:
+        os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+    make = handler_factory(
+        plan.variant, plan.endpoint, plan.nodes, plan.options, plain=plan.harness == PLAIN
+    )
     handlers: list[Any] = []
     try:
-        handlers.extend(make(plan.run_id) for _ in range(plan.count + plan.leaves))
-        # The replacement, if any, is the last handler; it joins in the second round.
-        calls = [_bind(_join, handler) for handler in handlers[: plan.count]]
-        joined = _run_nodes(calls, lambda: out.put(("ready", index, None)), start, plan.timeout)
+        if plan.create == IN_NODE:
+            calls = [lambda: _join(_made(handlers, make(plan.run_id))) for _ in range(plan.count)]
+        else:
+            handlers.extend(make(plan.run_id) for _ in range(plan.count + plan.leaves))
+            # The replacement, if any, is the last handler; it joins in the second round.
+            calls = [_bind(_join, handler) for handler in handlers[: plan.count]]
+        with _sampled(index == 0):
+            joined = _run_nodes(
+                calls,
+                lambda: out.put(("ready", index, None)),
+                start,
+                plan.timeout,
+                start=plan.start,
+            )
         out.put(("joined", index, joined))
         if plan.mode == RERENDEZVOUS:
             again = _second_round(
@@ -287,8 +398,36 @@ def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any
         out.put(("done", index, deaths.seen))
 
 
+@contextlib.contextmanager
+def _sampled(wanted: bool) -> Iterator[None]:
+    """Sample this process with ``py-spy`` while in the block, if ``wanted`` and
+    ``BENCH_PYSPY_DIR`` is set (see the module's documentation)."""
+    folder = os.environ.get("BENCH_PYSPY_DIR")
+    if not wanted or not folder:
+        yield
+        return
+    output = os.path.join(folder, f"{os.getpid()}.txt")
+    command = ["py-spy", "record", "--pid", str(os.getpid()), "--rate", "500", "--gil"]
+    spy = subprocess.Popen([*command, "--format", "raw", "--output", output, "--nonblocking"])
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output when interrupted
+        try:
+            spy.wait(30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+
+
 def _bind(call: Callable[[Any], NodeResult], handler: Any) -> Callable[[], NodeResult]:
     return lambda: call(handler)
+
+
+def _made(handlers: list[Any], handler: Any) -> Any:
+    """``handler``, kept in ``handlers`` to be released at the end (``list.append`` is
+    atomic)."""
+    handlers.append(handler)
+    return handler
 
 
 def _second_round(
@@ -308,6 +447,15 @@ def _second_round(
 
 
 # -- in the parent ------------------------------------------------------------------------
+
+
+class Server(Protocol):
+    """The etcd a row runs against: one the benchmark started, or :class:`External`."""
+
+    @property
+    def client_url(self) -> str: ...
+
+    def get_endpoint(self) -> str: ...
 
 
 class RowError(Exception):
@@ -371,18 +519,35 @@ class Outcome:
     server: Bytes | None = None
     #: CPU seconds etcd's process used in the measured phase.
     server_cpu: float = 0.0
+    #: The library's counters of :data:`COUNTERS`, summed over the nodes.
+    counters: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: The most CPU seconds per node of any process (its CPU over its nodes).
+    busiest_per_node: float = 0.0
+    #: The longest ``next_rendezvous()`` call, and the latest a node called it (seconds
+    #: from the start signal: with the plain harness, its handler's creation).
+    longest_call: float = 0.0
+    last_called: float = 0.0
     problem: str = ""
 
 
-def _check(results: list[NodeResult], nodes: int, timeout: float) -> None:
+def _check(results: list[NodeResult], nodes: int, timeout: float, started: float) -> None:
     """Raise :class:`RowError` unless every node got a rank in 0 .. N-1, once, in a
-    world of N (a node that timed out makes it ``timeout``)."""
+    world of N (a node that timed out makes it ``timeout``). The message says how many
+    nodes got a rank and when the last did, and how many failed of each error."""
     errors = [r.error for r in results if r.error]
     if errors:
+        ranked = [r.finished - started for r in results if not r.error]
+        last = f", the last at {max(ranked):.1f} s" if ranked else ""
+        kinds: dict[str, int] = {}
+        for error in errors:
+            kind = error.split(":", 1)[0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+        failed = max((r.finished - started for r in results if r.error and r.finished), default=0)
+        why = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+        seen = f"{len(ranked)} of {nodes} ranked{last}; failed: {why} (by {failed:.1f} s)"
         if any("Timeout" in error for error in errors):
-            gave_up = f"{len(errors)} of {nodes} node(s) gave up after {timeout:g} s"
-            raise RowError(f"timeout ({gave_up})")
-        raise RowError(f"{len(errors)} node(s) failed; the first: {errors[0]}")
+            raise RowError(f"timeout ({seen}); the first: {errors[0][:300]}")
+        raise RowError(f"{len(errors)} node(s) failed ({seen}); the first: {errors[0][:300]}")
     ranks = sorted(r.rank for r in results)
     if ranks != list(range(nodes)):
         raise RowError(f"the ranks are not 0 .. {nodes - 1}: {ranks}")
@@ -402,6 +567,10 @@ def _gathered(inbox: _Inbox, kind: str, deadline: float, timeout: float) -> Phas
     for phase in phases:
         for op, value in phase.received_by_op.items():
             by_op[op] = by_op.get(op, 0.0) + value
+    counters: dict[str, float] = {}
+    for phase in phases:
+        for title, value in phase.counters.items():
+            counters[title] = counters.get(title, 0.0) + value
     return Phase(
         results,
         max(phase.cpu for phase in phases),
@@ -409,6 +578,8 @@ def _gathered(inbox: _Inbox, kind: str, deadline: float, timeout: float) -> Phas
         sent=sum(phase.sent for phase in phases),
         received_by_op=dict(sorted(by_op.items(), key=lambda item: -item[1])),
         cpu_total=sum(phase.cpu for phase in phases),
+        counters=counters,
+        cpu_per_node=[cpu for phase in phases for cpu in phase.cpu_per_node],
     )
 
 
@@ -424,12 +595,15 @@ def _counted(phase: Phase, delta: dict[str, float], **fields: Any) -> Outcome:
         client_received=phase.received,
         client_sent=phase.sent,
         received_by_op=phase.received_by_op,
+        counters=phase.counters,
+        busiest_per_node=max(phase.cpu_per_node, default=0.0),
+        longest_call=max((r.finished - r.called for r in phase.results if r.called), default=0.0),
         **fields,
     )
 
 
 def _measure(
-    server: EtcdServer,
+    server: Server,
     plan: Plan,
     inbox: _Inbox,
     signals: tuple[Event, Event, Event],
@@ -445,14 +619,21 @@ def _measure(
     start.set()
     # Outside the first-rendezvous table, say which round a problem was in.
     try:
-        first = _gathered(inbox, "joined", started + timeout + _MARGIN, timeout)
-        _check(first.results, nodes, timeout)
+        first = _gathered(inbox, "joined", started + timeout + _OVERRUN + _MARGIN, timeout)
+        if plan.mode == FIRST:
+            # The counts of a row that failed tell why: kept, with the problem.
+            delta = changes(before, read_metrics(url))
+            seconds = max(r.finished for r in first.results) - started
+            called = max((r.called for r in first.results), default=started)
+            outcome = _counted(first, delta, seconds=seconds, last_called=called - started)
+            try:
+                _check(first.results, nodes, timeout, started)
+            except RowError as exc:
+                outcome.problem = str(exc)
+            return outcome
+        _check(first.results, nodes, timeout, started)
     except RowError as exc:
         raise RowError(exc if plan.mode == FIRST else f"first round: {exc}") from None
-    if plan.mode == FIRST:
-        delta = changes(before, read_metrics(url))
-        seconds = max(r.finished for r in first.results) - started
-        return _counted(first, delta, seconds=seconds)
     if plan.mode == RERENDEZVOUS and inbox.gather("ready again", _deadline(_SETUP_TIMEOUT)) is None:
         raise RowError("the nodes were not ready for the second round")
     before = read_metrics(url)
@@ -467,9 +648,9 @@ def _measure(
         )
     second.set()
     try:
-        again = _gathered(inbox, "rejoined", started + timeout + _MARGIN, timeout)
+        again = _gathered(inbox, "rejoined", started + timeout + _OVERRUN + _MARGIN, timeout)
         delta = changes(before, read_metrics(url))
-        _check(again.results, nodes, timeout)
+        _check(again.results, nodes, timeout, started)
     except RowError as exc:
         raise RowError(f"second round: {exc}") from None
     return _counted(
@@ -491,11 +672,17 @@ def _split(nodes: int, procs: int) -> list[int]:
 
 
 def run_row(
-    plan: Plan, procs: int, server: EtcdServer, heartbeat_seconds: float, deaths: ThreadDeaths
+    plan: Plan,
+    procs: int,
+    server: Server,
+    heartbeat_seconds: float,
+    deaths: ThreadDeaths,
+    start_method: str = "spawn",
 ) -> Outcome:
-    """Measure one row in ``procs`` fresh processes, which are gone on return; the
-    background threads that died in them are added to ``deaths``."""
-    context = multiprocessing.get_context("spawn")
+    """Measure one row in ``procs`` fresh processes (started by ``start_method``), which
+    are gone on return; the background threads that died in them are added to
+    ``deaths``."""
+    context = multiprocessing.get_context(start_method)
     signals = (context.Event(), context.Event(), context.Event())
     reports = context.Queue()
     counts = _split(plan.nodes, procs)
@@ -582,13 +769,13 @@ _HEADERS = {
 
 def header(mode: str) -> str:
     """The column titles of ``mode``'s table."""
-    return f"{'backend':<8} {'API':<3} {'impl':<5} {'N':>3} {'P':>2} {_HEADERS[mode]}"
+    return f"{'backend':<8} {'API':<3} {'impl':<5} {'N':>5} {'P':>3} {_HEADERS[mode]}"
 
 
 def row(plan: Plan, procs: int, outcome: Outcome) -> str:
     """One line of the table (requests of no known class appended)."""
     variant = plan.variant
-    start = f"{variant.backend:<8} {variant.api:<3} {variant.impl:<5} {plan.nodes:>3} {procs:>2}"
+    start = f"{variant.backend:<8} {variant.api:<3} {variant.impl:<5} {plan.nodes:>5} {procs:>3}"
     requests = outcome.requests
     if outcome.problem or requests is None:
         return f"{start} {outcome.problem}"
@@ -626,10 +813,16 @@ def record(plan: Plan, procs: int, outcome: Outcome) -> dict[str, Any]:
         "procs": procs,
     }
     requests = outcome.requests
-    if outcome.problem or requests is None:
-        return {**entry, "problem": outcome.problem}
+    if outcome.problem:
+        entry["problem"] = outcome.problem
+    if requests is None:
+        return entry
     scale = (60 / outcome.window if plan.mode == HEARTBEATS else 1) / plan.nodes
     entry.update(
+        counters={title: round(v / plan.nodes, 3) for title, v in outcome.counters.items()},
+        busiest_cpu_ms_per_node=round(outcome.busiest_per_node * 1000, 2),
+        longest_call_s=round(outcome.longest_call, 3),
+        last_called_s=round(outcome.last_called, 3),
         seconds=round(outcome.seconds, 3),
         writes=round(requests.writes * scale, 2),
         reads=round(requests.reads * scale, 2),
@@ -653,6 +846,17 @@ def record(plan: Plan, procs: int, outcome: Outcome) -> dict[str, Any]:
             etcd_cpu_s=round(outcome.server_cpu, 3),
         )
     return entry
+
+
+def per_node_counts(nodes: int, outcome: Outcome) -> str:
+    """The library's counters of :data:`COUNTERS` per node, and the busiest process's
+    CPU milliseconds per node."""
+    counted = ", ".join(f"{title} {value / nodes:.2f}" for title, value in outcome.counters.items())
+    return (
+        f"    per node: {counted}; CPU ms per node in the busiest process: "
+        f"{outcome.busiest_per_node * 1000:.1f}; longest next_rendezvous(): "
+        f"{outcome.longest_call:.1f} s, the last called at {outcome.last_called:.1f} s"
+    )
 
 
 def breakdown(mode: str, nodes: int, outcome: Outcome) -> str:
@@ -682,12 +886,55 @@ def default_procs(nodes: int) -> int:
 
 
 def options(backend: str, mode: str, args: argparse.Namespace) -> dict[str, str]:
-    """The backend options of every variant of ``backend`` (strings, as torchrun's)."""
+    """The backend options of every variant of ``backend`` (strings, as torchrun's). The
+    plain harness keeps the dynamic backends' default ``keep_alive_interval``."""
     timeout = f"{args.timeout:g}"
     if backend == "etcd":
         return {"timeout": timeout, "last_call_timeout": "1"}
+    chosen = {"join_timeout": timeout, "last_call_timeout": "1"}
+    if args.harness == PLAIN or backend == C10D:
+        return chosen
     interval = "30" if mode == FIRST else f"{args.keep_alive_interval:g}"
-    return {"join_timeout": timeout, "last_call_timeout": "1", "keep_alive_interval": interval}
+    return {**chosen, "keep_alive_interval": interval}
+
+
+@dataclass(frozen=True)
+class External:
+    """An etcd the benchmark did not start (``--endpoint``), as the rows use a server."""
+
+    endpoint: str
+
+    def get_endpoint(self) -> str:
+        return self.endpoint
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    @property
+    def version(self) -> str:
+        with urllib.request.urlopen(f"{self.client_url}/version", timeout=5) as answer:
+            return str(json.load(answer).get("etcdserver", "?"))
+
+    def __enter__(self) -> External:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _serves_v2(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v2/keys/", timeout=5):
+            return True
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def parse_args() -> argparse.Namespace:
@@ -696,10 +943,52 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 64, 256])
     parser.add_argument("--procs", type=int, help="processes per row (default: 1 up to 64 nodes)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per rendezvous")
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--backends", nargs="+", choices=(*BACKENDS, C10D), default=list(BACKENDS))
     parser.add_argument("--apis", nargs="+", choices=APIS, default=list(APIS))
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
     parser.add_argument("--breakdown", action="store_true", help="requests by method too")
+    parser.add_argument(
+        "--counts",
+        action="store_true",
+        help="the library's counters per node: lost CAS, state reads and decodes, watch "
+        "events, silence reads, retries",
+    )
+    parser.add_argument(
+        "--per-proc",
+        type=int,
+        metavar="K",
+        help="K nodes per process (as many processes as it takes; instead of --procs)",
+    )
+    parser.add_argument(
+        "--harness",
+        choices=(PREPARED, PLAIN),
+        default=PREPARED,
+        help="prepared: the benchmark's handler parameters, handlers made before the "
+        "start, threads gated; plain: a user's parameters, each node making its handler "
+        "after the start, threads started at the signal",
+    )
+    parser.add_argument("--create", choices=(BEFORE, IN_NODE), help="where handlers are made")
+    parser.add_argument("--start", choices=(GATED, AT_SIGNAL), help="how node threads begin")
+    parser.add_argument(
+        "--start-method",
+        choices=("spawn", "fork", "forkserver"),
+        default="spawn",
+        help="how the node processes are started",
+    )
+    parser.add_argument(
+        "--jitter", type=float, default=0.0, help="random delay of 0 to this (s) per request"
+    )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="run the node processes this much nicer than etcd (as if etcd had its own "
+        "host: many node processes on a small machine otherwise starve it)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="measure each row this many times")
+    parser.add_argument(
+        "--endpoint", help="an etcd already running (HOST:PORT) instead of one started here"
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--rerendezvous", action="store_true", help="measure a re-rendezvous")
     mode.add_argument("--heartbeats", action="store_true", help="measure etcd-v2 heartbeats")
@@ -721,7 +1010,22 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--nodes must be at least {least}, --heartbeat-nodes and --procs 1")
     if min(args.timeout, args.keep_alive_interval, args.heartbeat_seconds) <= 0:
         parser.error("--timeout, --keep-alive-interval and --heartbeat-seconds must be > 0")
+    if (args.per_proc or 1) < 1 or args.repeat < 1 or args.jitter < 0:
+        parser.error("--per-proc and --repeat must be at least 1, --jitter not negative")
+    plain = args.harness == PLAIN
+    args.create = args.create or (IN_NODE if plain else BEFORE)
+    args.start = args.start or (AT_SIGNAL if plain else GATED)
+    if (args.rerendezvous or args.heartbeats) and args.create == IN_NODE:
+        parser.error("--rerendezvous and --heartbeats need the handlers made before (--create)")
     return args
+
+
+def _procs(nodes: int, args: argparse.Namespace) -> int:
+    """The processes of a row of ``nodes`` nodes (``--per-proc``, ``--procs``, or the
+    default)."""
+    if args.per_proc:
+        return -(-nodes // args.per_proc)
+    return min(args.procs or default_procs(nodes), nodes)
 
 
 def main() -> None:
@@ -737,35 +1041,72 @@ def main() -> None:
     counts = [args.heartbeat_nodes] if mode == HEARTBEATS else args.nodes
     backends = ["etcd-v2"] if mode == HEARTBEATS else args.backends
     records: list[dict[str, Any]] = []
-    with EtcdServer(enable_v2=True) as server:
+    target = External(args.endpoint) if args.endpoint else EtcdServer(enable_v2=None)
+    with target as server:
+        apis = list(args.apis)
+        if "v2" in apis and not _serves_v2(server.client_url):
+            print(f"note: etcd {server.version} does not serve the v2 API; v2 rows skipped")
+            apis.remove("v2")
+        if args.harness == PLAIN:
+            # A plain handler speaks the API its etcd_api=auto picks: v2 where served.
+            apis = ["v2"] if "v2" in apis else ["v3"]
         print(
-            f"etcd {server.version} at {server.get_endpoint()} serving the v2 and v3 APIs; "
-            f"{os.cpu_count()} CPUs; measuring: {mode}"
+            f"etcd {server.version} at {server.get_endpoint()} ({', '.join(apis)}); "
+            f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.2f}; measuring: {mode}"
             + (f", {args.heartbeat_seconds:g} s window" if mode == HEARTBEATS else "")
+            + f"; harness {args.harness} (handlers made {args.create}, threads {args.start}, "
+            f"{args.start_method}"
+            + (f", jitter {args.jitter:g} s" if args.jitter else "")
+            + (f", nice {args.nice}" if args.nice else "")
+            + ")"
         )
         print(header(mode), flush=True)
         for nodes in counts:
-            procs = min(args.procs or default_procs(nodes), nodes)
-            for variant in variants(backends, args.apis, impls):
-                plan = Plan(
-                    variant,
-                    server.get_endpoint(),
-                    f"scale-{uuid.uuid4().hex[:8]}",
-                    nodes,
-                    nodes,
-                    mode,
-                    options(variant.backend, mode, args),
-                    leaves=mode == RERENDEZVOUS,
-                    monitor_interval=args.monitor_interval,
-                    timeout=args.timeout,
-                )
-                outcome = run_row(plan, procs, server, args.heartbeat_seconds, deaths)
-                print(row(plan, procs, outcome), flush=True)
-                records.append(record(plan, procs, outcome))
-                if args.breakdown and outcome.requests is not None:
-                    print(breakdown(mode, nodes, outcome), flush=True)
+            procs = _procs(nodes, args)
+            for variant in variants(backends, apis, impls):
+                endpoint = server.get_endpoint()
+                for _ in range(args.repeat):
+                    if variant.backend == C10D:  # a fresh TCPStore port per row
+                        endpoint = f"127.0.0.1:{_free_port()}"
+                    plan = Plan(
+                        variant,
+                        endpoint,
+                        f"scale-{uuid.uuid4().hex[:8]}",
+                        nodes,
+                        nodes,
+                        mode,
+                        options(variant.backend, mode, args),
+                        leaves=mode == RERENDEZVOUS,
+                        monitor_interval=args.monitor_interval,
+                        timeout=args.timeout,
+                        create=args.create,
+                        start=args.start,
+                        jitter=args.jitter,
+                        harness=args.harness,
+                        nice=args.nice,
+                    )
+                    load = os.getloadavg()[0]
+                    outcome = run_row(
+                        plan, procs, server, args.heartbeat_seconds, deaths, args.start_method
+                    )
+                    print(row(plan, procs, outcome), flush=True)
+                    records.append({**record(plan, procs, outcome), "load": round(load, 2)})
+                    if args.breakdown and outcome.requests is not None:
+                        print(breakdown(mode, nodes, outcome), flush=True)
+                    if args.counts and outcome.counters:
+                        print(per_node_counts(nodes, outcome), flush=True)
         if args.json is not None:
-            document = {"etcd": server.version, "cpus": os.cpu_count(), "rows": records}
+            document = {
+                "etcd": server.version,
+                "cpus": os.cpu_count(),
+                "harness": args.harness,
+                "create": args.create,
+                "start": args.start,
+                "start_method": args.start_method,
+                "jitter": args.jitter,
+                "nice": args.nice,
+                "rows": records,
+            }
             args.json.write_text(json.dumps(document, indent=1) + "\n")
     deaths.report()
 

@@ -22,7 +22,13 @@ from typing import Any
 
 from .api import RendezvousParameters, Store
 
-__all__ = ["TORCH_STORE_OPTION", "adapt_store", "torch_available", "torch_store_wanted"]
+__all__ = [
+    "TORCH_STORE_OPTION",
+    "adapt_store",
+    "load_torch_store",
+    "torch_available",
+    "torch_store_wanted",
+]
 
 #: The rendezvous option that chooses between the plain and the torch-compatible store.
 TORCH_STORE_OPTION = "torch_store"
@@ -61,6 +67,15 @@ def torch_store_wanted(params: RendezvousParameters) -> bool:
             "(use auto or false, or install torch)."
         )
     return wanted
+
+
+def load_torch_store(wanted: bool) -> None:
+    """Import PyTorch now if ``wanted``: a handler that will hand out a torch store does
+    so when it is created, not in ``next_rendezvous()``, where an import (seconds of
+    CPU, far more in a process whose threads compete for it) could not honour the
+    rendezvous deadline."""
+    if wanted:
+        importlib.import_module("etcd_rendezvous.torch_store")
 
 
 def adapt_store(store: Store, wanted: bool) -> Store:

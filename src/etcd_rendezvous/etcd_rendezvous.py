@@ -32,7 +32,7 @@ from ._legacy.state import (
     parse_state,
 )
 from ._torch_errors import torch_errors
-from ._torch_store import adapt_store, torch_available, torch_store_wanted
+from ._torch_store import adapt_store, load_torch_store, torch_available, torch_store_wanted
 from ._transport.interface import KeyNotFoundError
 from ._transport.options import create_etcd_connection as _create_etcd_connection
 from ._transport.options import seconds as _seconds
@@ -108,6 +108,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._local_addr = local_addr
         self._backend_name = backend_name
         self._torch_store = torch_available() if torch_store is None else torch_store
+        load_torch_store(self._torch_store)
 
     def __enter__(self) -> EtcdRendezvousHandler:
         return self

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import binascii
 import contextlib
+import dataclasses
 import logging
 import operator
 import random
@@ -219,14 +220,12 @@ class EtcdStore:
             RendezvousConnectionError: etcd could not be reached.
         """
         path = self._path(key)
-        started = time.monotonic()
-        found, missing = self._await({path: key}, self._timeout)
-        if missing:
+        awaited = self._await({path: key}, self._timeout)
+        if awaited.missing:
             raise LookupError(
-                f"Key {key!r} not found in EtcdStore {self.prefix!r} "
-                f"{_waited(started, self._timeout)}."
+                f"Key {key!r} not found in EtcdStore {self.prefix!r} {awaited.waited()}."
             )
-        return self._decode(found[path], key)
+        return self._decode(awaited.found[path], key)
 
     def add(self, key: KeyLike, num: int) -> int:
         """Atomically add ``num`` to the counter under ``key`` and return the new value.
@@ -289,12 +288,11 @@ class EtcdStore:
             if override_timeout is None
             else _check_timedelta(override_timeout, "override_timeout")
         )
-        started = time.monotonic()
-        _, missing = self._await(dict(wanted), timeout)
-        if missing:
+        awaited = self._await(dict(wanted), timeout)
+        if awaited.missing:
             raise LookupError(
                 f"Timeout while waiting for keys in EtcdStore {self.prefix!r}: "
-                f"{_list_keys(missing.values())} not set {_waited(started, timeout)}."
+                f"{_list_keys(awaited.missing.values())} not set {awaited.waited()}."
             )
 
     def check(self, keys: Sequence[KeyLike]) -> bool:
@@ -364,14 +362,13 @@ class EtcdStore:
                 names them.
         """
         wanted = self._paths(keys)
-        started = time.monotonic()
-        found, missing = self._await(dict(wanted), self._timeout)
-        if missing:
+        awaited = self._await(dict(wanted), self._timeout)
+        if awaited.missing:
             raise LookupError(
-                f"Keys {_list_keys(missing.values())} not found in EtcdStore "
-                f"{self.prefix!r} {_waited(started, self._timeout)}."
+                f"Keys {_list_keys(awaited.missing.values())} not found in EtcdStore "
+                f"{self.prefix!r} {awaited.waited()}."
             )
-        return [self._decode(found[path], key) for path, key in wanted]
+        return [self._decode(awaited.found[path], key) for path, key in wanted]
 
     def multi_set(self, keys: Sequence[KeyLike], values: Sequence[KeyLike]) -> None:
         """Write ``values[i]`` under ``keys[i]`` for every ``i``.
@@ -467,18 +464,20 @@ class EtcdStore:
                 "The key was left untouched."
             ) from None
 
-    def _await(
-        self, wanted: dict[str, KeyLike], timeout: timedelta
-    ) -> tuple[dict[str, Node], dict[str, KeyLike]]:
+    def _await(self, wanted: dict[str, KeyLike], timeout: timedelta) -> _Awaited:
         """Wait until every etcd key in ``wanted`` holds a value, or the timeout passes.
 
-        Returns the nodes found and the keys still missing (empty unless timed out).
-        Every request runs under the same deadline, which a caller's
-        :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by` block may shorten.
+        Returns the nodes found, the keys still missing (empty unless timed out) and how
+        long the wait lasted. Every request runs under the same deadline, which a
+        caller's :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by` block
+        may shorten.
         """
-        deadline = self._conn.bound(Deadline(timeout.total_seconds()))
+        started = time.monotonic()
+        own = Deadline(timeout.total_seconds())
+        deadline = self._conn.bound(own)
         with self._conn.bounded_by(deadline):
-            return self._await_until(wanted, deadline)
+            found, missing = self._await_until(wanted, deadline)
+        return _Awaited(found, missing, time.monotonic() - started, timeout, deadline is not own)
 
     def _await_until(
         self, wanted: dict[str, KeyLike], deadline: Deadline
@@ -613,6 +612,23 @@ class EtcdStore:
                 return bytes(new)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Awaited:
+    """What a wait for keys found: the nodes found, the keys still missing, the seconds
+    it lasted, the store's timeout and whether the caller's deadline came first."""
+
+    found: dict[str, Node]
+    missing: dict[str, KeyLike]
+    seconds: float
+    timeout: timedelta
+    cut_short: bool
+
+    def waited(self) -> str:
+        """How long the wait lasted, as a timeout message says it (see
+        :func:`_how_long`)."""
+        return _how_long(self.seconds, self.timeout, cut_short=self.cut_short)
+
+
 def _check_known(
     refusal: CompareFailedError | KeyExistsError | KeyNotFoundError, key: KeyLike
 ) -> None:
@@ -629,16 +645,20 @@ def _check_known(
 
 def _waited(started: float, timeout: timedelta) -> str:
     """How long a call that gave up at its deadline really waited, from ``started``
-    (``time.monotonic()``), for its message: "within 300 s" when that is its
-    ``timeout``; the time it waited, and why, when a caller's deadline (a
-    :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by` block, such as a
-    rendezvous' own) ended it sooner."""
-    waited = time.monotonic() - started
+    (``time.monotonic()``), for its message (see :func:`_how_long`)."""
+    seconds = time.monotonic() - started
+    return _how_long(seconds, timeout, cut_short=seconds < timeout.total_seconds() - _WAIT_SLACK)
+
+
+def _how_long(seconds: float, timeout: timedelta, *, cut_short: bool) -> str:
+    """The time a call waited, as its timeout message says it: "within 300 s" when that
+    is the store's ``timeout``; the ``seconds`` it really waited, and why, when a
+    caller's deadline (a rendezvous' own, for instance) ended it sooner (``cut_short``)."""
     limit = timeout.total_seconds()
-    if waited >= limit - _WAIT_SLACK:
+    if not cut_short:
         return f"within {limit:g} s"
     return (
-        f"within {waited:.1f} s (its caller's deadline, earlier than the store's "
+        f"within {seconds:.1f} s (its caller's deadline, earlier than the store's "
         f"timeout of {limit:g} s)"
     )
 

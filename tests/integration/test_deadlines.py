@@ -10,8 +10,11 @@ documented bound), measured here with :data:`SLACK` more for slow machines.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -218,3 +221,39 @@ def test_store_calls_after_losing_etcd(lost_etcd: LostEtcd) -> None:
         for name, call in calls.items():
             error, elapsed = _timed(call)
             _assert_bounded(f"store.{name} (etcd {lost_etcd.fault})", error, elapsed)
+
+
+_IMPORTS_AT_CREATION = """
+import sys
+from etcd_rendezvous.api import RendezvousParameters
+from etcd_rendezvous.registry import get_rendezvous_handler
+
+params = RendezvousParameters(
+    backend=sys.argv[1], endpoint=sys.argv[2], run_id=sys.argv[3], min_nodes=1,
+    max_nodes=1, local_addr="127.0.0.1", torch_store="true",
+)
+handler = get_rendezvous_handler(params)
+created = "torch" in sys.modules
+handler.next_rendezvous()
+print(created, flush=True)
+handler.close()
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_handler_handing_out_a_torch_store_imports_pytorch_when_created(
+    backend: str, etcd_server: EtcdServer, run_id: str
+) -> None:
+    """Importing PyTorch takes seconds of CPU, and tens of seconds in a process whose
+    threads all compete for it: never inside ``next_rendezvous()``, whose deadline an
+    import cannot honour, but when the handler is created."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_AT_CREATION, backend, etcd_server.get_endpoint(), run_id],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"], done.stderr[-2000:]

@@ -254,3 +254,28 @@ def test_a_summary_is_written_with_a_ttl_and_never_over_a_newer_one(handlers: Ha
     assert Progress.decode(held.value) == summary(60)
     assert held.modified_index == written
     assert backend.ttl - 5 <= (conn.time_to_live(held) or 0) <= backend.ttl
+
+
+def test_a_batch_summary_replaces_a_relay_of_the_same_state_that_knew_less(
+    handlers: Handlers,
+) -> None:
+    """A node that read a batch's state before its writer summarised it relays the
+    summary with the decided index it knew, an older one: the writer's summary, with
+    the index its batch decided up to, must replace it. Otherwise the nodes waiting for
+    their turn never learn that the batch decided their predecessors: they all wait out
+    the longest stagger, and every admitted node reads the state on a silence."""
+    (handler,) = handlers(1, 1, 1)
+    backend = backend_of(handler)
+    conn, key = backend.connection, _progress_key(handler)
+
+    def summary(decided_upto: int) -> Progress:
+        return Progress(70, 0, False, False, decided_upto, 1, 0)
+
+    first = backend.create_progress(Progress(60, 0, False, False, 3, 1, 0))
+    assert first is not None
+    relayed = backend.replace_progress(summary(3), first)  # a relay of state 70
+    assert relayed is not None
+    assert backend.write_progress(summary(69), first) is not None  # its writer's
+    assert Progress.decode(conn.get(key).value) == summary(69)
+    assert backend.write_progress(summary(3), relayed) is None  # never back again
+    assert Progress.decode(conn.get(key).value) == summary(69)

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from etcd_rendezvous._legacy.admission import ADMISSION_GRACE
+from etcd_rendezvous._legacy.lease_keeper import LeaseKeeper
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import KeyNotFoundError
 from etcd_rendezvous._transport.v2 import EtcdConnection
@@ -43,6 +44,7 @@ from etcd_rendezvous.layout import (
     new_waiter_name,
     normalize_key,
 )
+from etcd_rendezvous.metrics import MetricsCollector
 from etcd_rendezvous.registry import get_rendezvous_handler
 from support.rdzv import Worker, check_shared_store, expect_joined, join_all, started
 from support.wait import wait_for_state, wait_until
@@ -531,6 +533,37 @@ def test_keepalive_survives_a_frozen_etcd(run_id, private_etcd_server):
                 lambda: (check.time_to_live(check.get(rank_key)) or 0) >= 9,
                 what="a refreshed TTL",
             )
+
+
+@pytest.mark.slow
+def test_a_keepalive_refresh_that_etcd_answers_late_is_sent_once(private_etcd_server, run_id):
+    """An etcd slowed down by thousands of clients answers a refresh late, but before
+    the key lapses: the keeper waits for that answer instead of giving up and sending
+    the refresh again (which etcd executes too), and sees it succeed."""
+    server = private_etcd_server
+    key = f"/keepalive-{run_id}/node"
+    with open_transport(
+        [(server.get_host(), server.get_port())], read_timeout=20, request_timeout=5
+    ) as conn:
+        conn.set(key, "alive", ttl=10)
+        written = time.monotonic()
+        keeper = LeaseKeeper(conn, key, 10)  # refreshes at 5 s
+        try:
+            with MetricsCollector() as collected:
+                time.sleep(max(0.0, written + 4.0 - time.monotonic()))
+                server.suspend()  # from 4 s to 8 s: the refresh at 5 s waits 3 s
+                try:
+                    time.sleep(max(0.0, written + 8.0 - time.monotonic()))
+                finally:
+                    server.resume()
+                wait_until(lambda: (conn.time_to_live(conn.get(key)) or 0) >= 8, what="refresh")
+        finally:
+            keeper.stop()
+    # Nothing sent twice (on v3 the refresh reads the key's lease first: that read waits).
+    retries = collected.counter("transport.retries")
+    assert retries == 0, f"{retries:g} requests sent again"
+    assert collected.counter("transport.requests", op="refresh") == 1
+    assert keeper.alive is False
 
 
 def test_run_directory_ttl_matches_what_etcd_can_refresh(etcd_server, run_id, conn):

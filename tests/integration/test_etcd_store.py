@@ -35,6 +35,8 @@ from support.v3_gateway import b64
 SHORT = timedelta(seconds=0.3)
 # Generous: only reached if a test is about to fail.
 LONG = timedelta(seconds=20)
+#: Readers of one key in the many-readers test, each with a connection of its own.
+READERS = 64
 
 
 class Spy:
@@ -190,6 +192,32 @@ def test_get_blocks_until_another_thread_sets(
     assert args[0] == path
     assert not kwargs.get("recursive")
     assert [args[0] for args, _ in spy.named("get")] == [path]
+
+
+def test_a_key_set_once_is_seen_by_every_waiting_reader(
+    own_store: StoreFactory, etcd_prefix: str
+) -> None:
+    """As after a rendezvous: many ranks, each with a connection of its own, wait for
+    the master address, which rank 0 writes once, while the ranks are still arriving
+    (some read it missing and watch, some read it written). Every one of them gets it."""
+    readers = [own_store(etcd_prefix) for _ in range(READERS)]
+    writer = own_store(etcd_prefix)
+    start = threading.Barrier(READERS + 1)
+
+    def read(store: EtcdStore, delay: float) -> bytes:
+        start.wait()
+        time.sleep(delay)
+        return store.get("MASTER_ADDR")
+
+    # The readers arrive over 0.4 s; the key is written 0.2 s in.
+    delays = [0.4 * i / READERS for i in range(READERS)]
+    with ThreadPoolExecutor(READERS) as pool:
+        futures = [pool.submit(read, store, delay) for store, delay in zip(readers, delays)]
+        start.wait()
+        time.sleep(0.2)
+        writer.set("MASTER_ADDR", "10.0.0.1")
+        values = [future.result(LONG.total_seconds()) for future in futures]
+    assert values == [b"10.0.0.1"] * READERS
 
 
 def test_get_waits_for_key_whose_encoding_ends_in_slash(
@@ -423,6 +451,23 @@ def test_wait_for_many_keys_set_later(
     watches = spy.named("watch")
     assert all(kwargs.get("recursive") for _, kwargs in watches[:-1])
     assert len(watches) <= len(keys)
+
+
+def test_a_wait_cut_short_by_the_callers_deadline_says_how_long_it_waited(
+    store: EtcdStore, conn: Transport
+) -> None:
+    """A rendezvous bounds the store's reads by its own deadline: a wait that gives up
+    then says the time it really waited, not the store's timeout."""
+    wait = SHORT.total_seconds()
+    with conn.bounded_by(Deadline(wait)), pytest.raises(LookupError) as info:
+        store.get("never-set")
+    waited = re.search(r"within (\d+\.\d) s \(the caller's deadline", str(info.value))
+    assert waited is not None, str(info.value)
+    assert wait - 0.1 <= float(waited[1]) < wait + 2.0
+    assert f"the store's timeout of {LONG.total_seconds():g} s" in str(info.value)
+    with conn.bounded_by(Deadline(wait)), pytest.raises(LookupError) as info:
+        store.wait(["never-set"])
+    assert "(the caller's deadline, before the store's timeout" in str(info.value)
 
 
 def test_wait_timeout_names_missing_keys(store: EtcdStore) -> None:

@@ -8,7 +8,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import CompareFailedError
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.metrics import (
@@ -19,6 +22,7 @@ from etcd_rendezvous.metrics import (
 )
 from support.faultproxy import FaultProxy
 from support.handlers import join_in
+from support.transports import Connect
 
 
 def test_the_hook_sees_retries_and_a_failover(
@@ -112,7 +116,29 @@ def test_rendezvous_metrics_of_a_round(
     assert collected.counter("rendezvous.nodes_admitted", backend="etcd-v2") == 4
     assert collected.counter("rendezvous.nodes_removed", backend="etcd-v2") == 0
     assert collected.gauge("rendezvous.world_size", backend="etcd-v2") == 2
+    assert collected.counter("rendezvous.state_reads", backend="etcd-v2") >= 1
+    assert collected.counter("rendezvous.state_decodes", backend="etcd-v2") >= 1
     count, _, longest = collected.timings("rendezvous.time_to_form", backend="etcd-v2")
     assert count == 2
     assert 0 < longest < 60
     assert collected.counter("transport.requests") > 0
+
+
+def test_a_lost_compare_and_swap_and_a_watched_change_are_counted(
+    connect: Connect, etcd_prefix: str
+) -> None:
+    conn = connect()
+    key = f"{etcd_prefix}/counted"
+    first = conn.set(key, "1")
+    stream = conn.watch_stream(key, 0)
+    try:
+        with MetricsCollector() as collected:
+            conn.compare_and_swap(key, "2", first)
+            with pytest.raises(CompareFailedError):
+                conn.compare_and_swap(key, "3", first)  # lost: the key changed
+            assert stream.next(10) is not None
+    finally:
+        stream.close()
+    assert collected.counter("transport.refusals", op="compare_and_swap", api=conn.api) == 1
+    assert collected.counter("transport.refusals") == 1
+    assert collected.counter("transport.watch_events", api=conn.api) == 1

@@ -309,3 +309,17 @@ def test_rendezvous_of_64_nodes_lists_the_member_keys_from_few_nodes(
         f"method, per node: {requests.describe(NODES)}"
     )
     assert listings <= MAX_LISTINGS_PER_NODE, counted
+
+
+@pytest.mark.parametrize("handlers", ["etcd", "etcd-v2"], indirect=True)
+def test_rendezvous_of_64_nodes_makes_no_read_on_a_silence(handlers: list[Handler]) -> None:
+    """Without faults and without PyTorch's workers, every state write of a rendezvous
+    is described in the progress key by its writer: no node waits out a silence and
+    reads the state because it heard nothing (``rendezvous.silence_reads``)."""
+    with MetricsCollector() as collected:
+        infos = _rendezvous_together(handlers)
+
+    assert sorted(info.rank for info in infos) == list(range(NODES))
+    silences = collected.counter("rendezvous.silence_reads")
+    reads = collected.counter("rendezvous.state_reads") / NODES
+    assert silences == 0, f"{silences:g} silence reads; {reads:.2f} state reads per node"

@@ -18,6 +18,7 @@ import pytest
 
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
+from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.metrics import MetricsCollector
 from support.faultproxy import FaultProxy
@@ -124,3 +125,24 @@ def test_an_idle_wait_on_a_live_endpoint_returns_nothing_at_its_timeout(
     said_nothing = [r for r in caplog.records if "said nothing for" in r.getMessage()]
     assert said_nothing
     assert all(r.levelno == logging.DEBUG for r in said_nothing)
+
+
+def test_a_lone_slow_endpoint_is_asked_again_with_more_patience(
+    proxy: FaultProxy, etcd_prefix: str
+) -> None:
+    """The only endpoint answers nothing (an etcd overloaded by thousands of clients
+    looks the same): each further attempt waits twice as long as the last, instead of
+    sending a copy of the request every ``request_timeout``, which the member would
+    have to work through as well."""
+    deadline = 7 * REQUEST_TIMEOUT  # attempts of 0.5, 1 and 2 s, with pauses between
+    with open_transport(
+        [proxy.endpoint], read_timeout=deadline, request_timeout=REQUEST_TIMEOUT
+    ) as lone:
+        proxy.drop_responses()
+        started = time.monotonic()
+        with MetricsCollector() as collected, pytest.raises(RendezvousConnectionError):
+            lone.get(f"{etcd_prefix}/k")
+        took = time.monotonic() - started
+    attempts = collected.counter("transport.requests", op="read")
+    assert attempts == 3, f"{attempts:g} attempts in {took:.1f} s"
+    assert took < deadline + BOUND

@@ -595,6 +595,27 @@ def test_a_node_far_behind_never_lists_while_batches_are_made() -> None:
     del keys
 
 
+def test_a_summary_of_the_same_state_deciding_more_keys_moves_a_candidate_up() -> None:
+    """A relay of a batch's state may reach the progress key before the batch's own
+    summary, with the decided index the relay knew; the batch's summary of the same state
+    then decides more keys. A candidate waiting far behind hears that at once (without
+    waiting out its stagger), and takes its turn as the first key after the index."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    registry.publish(summary(5, 1))
+    keys = joining(A, registry, clock)
+    registry.index += 40  # forty nodes announce before A, after the decided index
+    far = waits(keys.admission(wants_all_but(), "m", token=5))
+    assert far >= ADMIT_GATHER + _STAGGER_CAP * ADMIT_STAGGER
+    registry.publish(summary(50, 1))  # a relay of the batch's state
+    assert keys.await_progress(far, 5, RendezvousState()) is Heard.KEEP
+    registry.publish(summary(50, 46))  # the batch's own: its listing decided A's elders
+    heard_at = clock.now
+    assert keys.await_progress(far, 5, RendezvousState()) is Heard.KEEP
+    assert clock.now == heard_at  # at once, not at the end of the stagger
+    assert waits(keys.admission(wants_all_but(), "m", token=5)) == pytest.approx(ADMIT_GATHER)
+
+
 def test_a_slow_head_is_admitted_by_its_successor() -> None:
     clock = Clock()
     registry = BoardRegistry(clock)

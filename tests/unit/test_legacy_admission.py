@@ -366,7 +366,9 @@ _LONG = 100.0
         pytest.param(
             _CONFIRMED, hint(60, 200, "frozen"), A, 0.0, _LONG, Read(), id="frozen-any-news"
         ),
-        pytest.param(joinable(3, _MEMBERS), None, A, 0.0, 0.0, Read(), id="silence-reads"),
+        pytest.param(
+            joinable(3, _MEMBERS), None, A, 0.0, 0.0, Read(silence=True), id="silence-reads"
+        ),
         pytest.param(None, None, A, 0.0, _LONG, Leave(_GONE), id="no-state"),
         pytest.param(_CONFIRMED, None, D, 0.0, _LONG, Leave(_GONE), id="not-a-member"),
     ],
@@ -599,7 +601,9 @@ def test_a_decided_worker_reads_when_it_may_be_the_last_call_worker_or_after_a_s
     now = observed(joinable(), 50)
     assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=2) == Read()
     assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=3, unheard=1.5) == Wait(1.5)
-    assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=3, unheard=0.0) == Read()
+    assert admission_step(now, decided, 0, "1", C, 0.0, min_workers=3, unheard=0.0) == Read(
+        silence=True
+    )
 
 
 # -- reports of a write refused for its size --------------------------------------------------

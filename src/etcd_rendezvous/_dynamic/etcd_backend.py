@@ -38,6 +38,7 @@ from ..layout import (
     etcd_v2_state_key,
     parse_node_key_name,
 )
+from ..metrics import record_metric
 from .admission import AnnouncedNode
 from .backend import RendezvousBackend, Token
 from .progress import Progress
@@ -191,6 +192,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             RendezvousConnectionError: etcd could not be reached.
             RendezvousStateError: the key does not hold base64 (or is a directory).
         """
+        record_metric("rendezvous.state_reads", backend="etcd-v2")
         try:
             node = self._conn.get(self._key)
         except KeyNotFoundError as exc:
@@ -613,7 +615,7 @@ def _leaving(value: str | None) -> int | None:
 
 def _holds_summary_since(held: Node, progress: Progress) -> bool:
     """Whether the progress key ``held`` holds a summary at least as new as ``progress``
-    (a report of a refused write on a state comes after that state's summary)."""
+    (see :attr:`Progress.newness`)."""
     summary = Progress.decode(held.value)
     return summary is not None and summary.newness >= progress.newness
 

@@ -46,6 +46,7 @@ from typing import Protocol, runtime_checkable
 
 from .._transport.limits import Refusal, Verdict
 from ..api import RendezvousError, RequestTooLargeError
+from ..metrics import record_metric
 from .state import NodeDesc, RendezvousState
 
 __all__ = [
@@ -127,10 +128,12 @@ class Progress:
         return json.dumps(fields)
 
     @property
-    def newness(self) -> tuple[int, int]:
-        """What orders two summaries: the token, then a report of a refused write on that
-        state (which comes after its summary; of two, the one with the later listing)."""
-        return self.token, -1 if self.refused is None else self.refused.upto
+    def newness(self) -> tuple[int, int, int]:
+        """What orders two summaries: the token; then, of the same state, the decided
+        index (a relay of a batch's state, written before the batch's own summary, knows
+        less); then a report of a refused write on that state (which comes after its
+        summary; of two, the one with the later listing)."""
+        return self.token, self.decided_upto, -1 if self.refused is None else self.refused.upto
 
     @classmethod
     def decode(cls, value: str | None) -> Progress | None:
@@ -345,6 +348,9 @@ class ProgressKey:
         board = self.board
         if board is None:
             return
+        # The silence counts from now: the node starts listening (a node that loses the
+        # race to create the key has heard nothing yet, and has nothing to look for).
+        self._heard_at = self.clock()
         progress, version, index = board.read_progress()
         if progress is not None:
             self._hear(progress, version, index)
@@ -365,8 +371,10 @@ class ProgressKey:
     def _hear(self, progress: Progress | None, version: int | None, index: int = 0) -> bool:
         """Note a summary read or watched: the key's modification index ``version``
         (``None``: unknown) and the etcd index ``index`` of the read (a watched change:
-        its version). Whether it is newer than the last one seen (a change of the state);
-        a summary that cannot be true (see :meth:`_false`) is not heard at all."""
+        its version). Whether it tells something new: a newer state than the last one
+        seen, or more keys decided (a batch's summary after a relay of its state, which
+        moves the candidates' turns); a summary that cannot be true (see :meth:`_false`)
+        is not heard at all."""
         if version is not None:
             self._version = max(version, self._version)
         self._index = max(index, version or 0, self._index or 0)
@@ -375,10 +383,11 @@ class ProgressKey:
         self._heard_at = self.clock()  # Someone is at work (or checked, see state_read).
         if progress.refused is not None and version is not None and version > self._report_at:
             self._report, self._report_at = (progress, version), version
-        if progress.decided_upto > self.decided_upto:
+        decided = progress.decided_upto > self.decided_upto
+        if decided:
             self.decided_upto, self.decided_at = progress.decided_upto, self.clock()
         if self.hint is not None and progress.token <= self.hint.token:
-            return False
+            return decided
         self.hint = progress
         return True
 
@@ -437,6 +446,7 @@ class ProgressKey:
         """Nothing heard for the silence (spread out over the nodes, drawn afresh here):
         read the key itself (our watch may lag behind it), then the state unless the key
         names a change that does not concern us (the key may miss a state write)."""
+        record_metric("rendezvous.silence_reads", backend="etcd-v2")
         self._heard_at = self.clock()
         self._silence = PROGRESS_SILENCE * (1.0 + random.random())
         progress, version, index = board.read_progress()

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from ..api import RendezvousStateError
+from ..metrics import record_metric
 
 __all__ = ["NodeDesc", "RendezvousState", "decode_state"]
 
@@ -375,6 +376,7 @@ def decode_state(data: bytes, source: str) -> RendezvousState:
         decoded = _DECODED.get(data)
     if decoded is not None:
         return _copy_state(decoded)
+    record_metric("rendezvous.state_decodes", backend="etcd-v2")
     try:
         obj = _StateUnpickler(io.BytesIO(data)).load()
         decoded = _validated_state(obj)

@@ -280,8 +280,10 @@ class Leave:
 
 @dataclass(frozen=True)
 class Read:
-    """Read the state: a hint says it changed in a way that concerns us, or we heard
-    nothing for a while."""
+    """Read the state: a hint says it changed in a way that concerns us, or (``silence``)
+    we heard nothing that called for it for a while."""
+
+    silence: bool = False
 
 
 @dataclass(frozen=True)
@@ -351,8 +353,10 @@ def admission_step(
     if news is not None and _concerns(news, version, status):
         return Read()
     if news is not None and news.decided_upto >= me.created_index:
-        if news.count >= min_workers or unheard <= 0:
+        if news.count >= min_workers:
             return Read()
+        if unheard <= 0:
+            return Read(silence=True)
         return Wait(unheard)  # admitted, as far as the hint says: nothing to do yet
     base = decided_upto or observed.index
     between = {w for w in other_writes if base < w < me.created_index}
@@ -382,8 +386,10 @@ def confirmation_step(
         return Leave("Rendezvous state transition no longer possible.")
     if status == "final":
         return Complete(len(state["participants"]))
-    if (news is not None and _concerns(news, version, status)) or unheard <= 0:
+    if news is not None and _concerns(news, version, status):
         return Read()
+    if unheard <= 0:
+        return Read(silence=True)
     if status == "joinable":
         return Wait(unheard)
     confirmed = {normalize_key(key) for key in state["keep_alives"]}

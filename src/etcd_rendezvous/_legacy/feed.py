@@ -27,7 +27,7 @@ from .._transport.interface import (
     WatchStream,
 )
 from .._transport.retry import Deadline
-from .state import CONST_ETCD_FROZEN_TTL, LOGGER_NAME, Hint, status_in
+from .state import CONST_ETCD_FROZEN_TTL, LOGGER_NAME, Hint, read_state, status_in
 
 __all__ = ["SILENCE", "SILENCE_MAX", "Observed", "StateFeed"]
 
@@ -301,7 +301,7 @@ class StateFeed:
     def _read(self) -> Observed:
         started = time.monotonic()
         try:
-            node = self._conn.get(self._key)
+            node = read_state(self._conn, self._key)
         except KeyNotFoundError as exc:
             at = exc.etcd_index or self._conn.last_index
             observed = Observed(None, None, at)

@@ -25,6 +25,7 @@ from .._transport.limits import Refusal, Verdict
 from .._transport.retry import Deadline
 from ..api import RendezvousError, RendezvousStateError, RequestTooLargeError
 from ..layout import LegacyLayout, new_member_name, normalize_key
+from ..metrics import record_metric
 from .admission import (
     ADMIT_GATHER,
     AdmissionStep,
@@ -164,8 +165,8 @@ class BatchJoin:
                 case Leave(reason):
                     self.discard()
                     raise RestartAttempt(reason)
-                case Read():
-                    self._read(version)
+                case Read(silence):
+                    self._read(version, silence=silence)
                 case Admit():
                     self._batch(version, observed)
                 case Wait(timeout):
@@ -210,8 +211,8 @@ class BatchJoin:
                     return world_size
                 case Leave(reason):
                     raise RestartAttempt(f"{reason} Must re-enter.")
-                case Read():
-                    self._read(version)
+                case Read(silence):
+                    self._read(version, silence=silence)
                 case Confirm(without_lower):
                     self._confirm(version, me, rank if without_lower else None)
                 case Wait(timeout):
@@ -375,11 +376,15 @@ class BatchJoin:
         hint = self._feed.hint
         return max(self._decided, hint.decided_upto if hint is not None else 0)
 
-    def _read(self, version: str, *, relay: bool = True) -> Observed:
+    def _read(self, version: str, *, relay: bool = True, silence: bool = False) -> Observed:
         """Read the state; if it is newer than the hint says (a write by PyTorch's
         workers, or by one of ours that died before its hint), pass the word on, unless
         not to ``relay`` (a candidate's read, which may come between a write and its
-        hint: the others hear of the write from its writer, or read after a silence)."""
+        hint: the others hear of the write from its writer, or read after a silence).
+        ``silence``: no hint called for the read (counted as
+        ``rendezvous.silence_reads``)."""
+        if silence:
+            record_metric("rendezvous.silence_reads", backend="etcd")
         observed = self._feed.refresh()
         hint = self._feed.hint
         if (

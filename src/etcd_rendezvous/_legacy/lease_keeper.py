@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from .._transport.interface import (
     KeyNotFoundError,
@@ -25,17 +26,26 @@ __all__ = ["LeaseKeeper", "stop_keepers"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
+#: Seconds before the key would lapse at which a refresh gives up (and the next starts).
+_LAPSE_MARGIN = 0.5
+#: Seconds a refresh gets at least, even with the key's time up as far as we know: it
+#: may still live (etcd counts TTLs in whole seconds), and if not, etcd says so.
+_LEAST_ATTEMPT = 1.0
+
 
 class LeaseKeeper:
     """Keeps an etcd key alive by refreshing its TTL every ``ttl / 2`` seconds.
 
     The thread rides out etcd outages and leader elections: a refresh that fails is
-    logged and tried again a second later, for as long as the key lives. Each attempt
-    gets at most a fifth of the TTL (and ``read_timeout``), so that a request stuck on a
-    member whose leader just died cannot use up the time the key has left; the next
-    attempt goes to the next endpoint. The thread stops when ``stop_event`` is set,
-    when the key is gone (it expired: the worker is then dropped, as it should be after
-    losing etcd for a whole TTL), or when etcd refuses to refresh it.
+    logged and tried again a second later, for as long as the key lives. A refresh may
+    take until the key would lapse (as far as the keeper knows: ``ttl`` after the last
+    refresh it saw succeed): an etcd slowed down by thousands of clients answers it in
+    time, where a shorter attempt would give up and send it again (etcd executes both).
+    Each request of it still waits ``request_timeout`` at first, so that one stuck on a
+    member whose leader just died goes to the next endpoint. The thread stops when
+    ``stop_event`` is set, when the key is gone (it expired: the worker is then dropped,
+    as it should be after losing etcd for a whole TTL), or when etcd refuses to refresh
+    it.
     """
 
     def __init__(self, conn: Transport, key: str, ttl: int, *, lease: int = 0) -> None:
@@ -46,7 +56,8 @@ class LeaseKeeper:
         #: On v3, the lease of our own write of the key, if the key is ours alone: it is
         #: kept alive without reading the key first (see Transport.refresh).
         self._lease = lease
-        self._attempt = max(1.0, min(ttl / 5, conn.read_timeout))
+        #: When the key lapses unless refreshed, as far as we know (it was just written).
+        self._alive_until = time.monotonic() + ttl
         self._thread = threading.Thread(
             target=self._run, name=f"etcd-rendezvous-lease:{key}", daemon=True
         )
@@ -72,8 +83,11 @@ class LeaseKeeper:
         """Refresh the TTL once; return the seconds until the next refresh (``None``:
         stop)."""
         interval = self.ttl / 2
+        sent = time.monotonic()
+        budget = max(self._alive_until - sent - _LAPSE_MARGIN, _LEAST_ATTEMPT)
         try:
-            node = self._conn.refresh(self.key, self.ttl, timeout=self._attempt, lease=self._lease)
+            node = self._conn.refresh(self.key, self.ttl, timeout=budget, lease=self._lease)
+            self._alive_until = sent + self.ttl
             if self._lease:
                 self._lease = node.lease or self._lease
         except KeyNotFoundError:

@@ -52,6 +52,7 @@ from .state import (
     LOGGER_NAME,
     parse_state,
     preview,
+    read_state,
 )
 from .waiting import WAITER_TTL, await_end_of_final
 
@@ -838,7 +839,7 @@ class EtcdRendezvous:
             KeyNotFoundError: there is no rendezvous state.
             RendezvousStateError: the state is corrupt.
         """
-        active_version = self._conn.get(self._layout.state_key)
+        active_version = read_state(self._conn, self._layout.state_key)
         state = parse_state(active_version)
         self._last_state = state
         return active_version, state

@@ -14,9 +14,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .._transport.interface import Node
+from .._transport.interface import Node, Transport
 from .._transport.limits import Refusal
 from ..api import RendezvousStateError
+from ..metrics import record_metric
 
 __all__ = [
     "CONST_ETCD_FROZEN_TTL",
@@ -32,6 +33,7 @@ __all__ = [
     "members_of",
     "parse_state",
     "preview",
+    "read_state",
     "status_in",
     "supersedes",
     "waiters_of",
@@ -101,6 +103,16 @@ def _state_problem(state: Any) -> str | None:
     return None
 
 
+def read_state(conn: Transport, key: str) -> Node:
+    """Read the state key ``key`` (one request, counted as ``rendezvous.state_reads``).
+
+    Raises:
+        KeyNotFoundError: there is no state (``etcd_index`` tells when).
+    """
+    record_metric("rendezvous.state_reads", backend="etcd")
+    return conn.get(key)
+
+
 def parse_state(node: Node) -> dict[str, Any]:
     """Decode and validate the rendezvous state stored in ``node``.
 
@@ -120,6 +132,7 @@ def parse_state(node: Node) -> dict[str, Any]:
     Raises:
         RendezvousStateError: the value is not a valid state. The key is not modified.
     """
+    record_metric("rendezvous.state_decodes", backend="etcd")
     try:
         state = json.loads(node.value) if node.value is not None else None
     except ValueError as exc:

@@ -37,7 +37,16 @@ from .._transport.retry import Deadline
 from ..api import RendezvousError, RequestTooLargeError
 from ..layout import LegacyLayout, normalize_key, waiter_name
 from .admission import grace
-from .state import LOGGER_NAME, WAITING, Hint, describe, status_in, supersedes, waiters_of
+from .state import (
+    LOGGER_NAME,
+    WAITING,
+    Hint,
+    describe,
+    read_state,
+    status_in,
+    supersedes,
+    waiters_of,
+)
 
 __all__ = [
     "GATHER",
@@ -152,7 +161,7 @@ class _Wait:
         Raises:
             KeyNotFoundError: there is no state.
         """
-        node = self._conn.get(self._layout.state_key)
+        node = read_state(self._conn, self._layout.state_key)
         final = _FinalVersion(node, self._parse(node), self._version)
         if not final.ongoing:
             return False

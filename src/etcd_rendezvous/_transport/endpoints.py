@@ -31,6 +31,10 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
+#: How many times an operation doubles ``request_timeout`` for its later attempts (see
+#: :meth:`Endpoints.operate`): 3 s becomes at most 48 s, within the operation's deadline.
+_MAX_DOUBLINGS = 4
+
 
 def format_host(host: str) -> str:
     """``host`` as it goes into a URL (IPv6 addresses in brackets)."""
@@ -264,7 +268,11 @@ class Endpoints:
         endpoint gets one attempt and one more follows the last failure, each waiting at
         most :meth:`last_chance` seconds once the deadline is near: a hung endpoint
         cannot hide a healthy one, and a write whose answer was lost is sent once more
-        so that its fate can be found out. ``pause_first``: back off before the first
+        so that its fate can be found out. An attempt waits ``request_timeout`` for its
+        answer, twice that once every endpoint failed the operation, four times after a
+        second round, and so on: etcd members that answer slowly, all of them, get more
+        patience rather than copies of requests they still work on (which a member
+        executes all the same). ``pause_first``: back off before the first
         attempt (a watch reopened after its answer broke). ``within_scope=False``: the
         operation's ``budget`` alone bounds it, even past the thread's
         :meth:`bounded_by` deadline (a look into a key's history, to find out the fate
@@ -286,7 +294,12 @@ class Endpoints:
         started = time.monotonic()
         while True:
             endpoint = self.pick()
-            cap = min(self._timeouts.request, max(deadline.remaining(), floor))
+            # Each round of attempts that failed on every endpoint doubles the wait for
+            # an answer: members that are all slow (overloaded) are asked again with
+            # more patience, not sent copies of requests they are still working on.
+            rounds = min(len(failures) // len(self._urls), _MAX_DOUBLINGS)
+            patience = self._timeouts.request * 2**rounds
+            cap = min(patience, max(deadline.remaining(), floor))
             record_metric("transport.requests", **labels)
             try:
                 attempt = try_once(send, endpoint, cap if cap_requests else None)
@@ -294,6 +307,8 @@ class Endpoints:
                 _record_duration(labels, started)
                 raise
             if attempt.outcome in (Outcome.APPLIED, Outcome.REFUSED):
+                if attempt.outcome is Outcome.REFUSED:
+                    record_metric("transport.refusals", **labels)
                 _record_duration(labels, started)
                 return dataclasses.replace(attempt, after_unknown=unknown)
             # Unsent or unknown: the next endpoint may serve us (an election, a member

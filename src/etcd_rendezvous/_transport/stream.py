@@ -343,6 +343,8 @@ class StreamingWatch(WatchStream):
     def _take(self, feed: _Feed, message: Changes | Registered) -> bool:
         """Buffer what the reader parsed. Returns whether to keep reading."""
         self._endpoints.heard_from(feed.endpoint)
+        if isinstance(message, Changes) and message.nodes:
+            record_metric("transport.watch_events", len(message.nodes), api=self._endpoints.api)
         with self._cond:
             if feed is not self._feed or self._closed:
                 return False
