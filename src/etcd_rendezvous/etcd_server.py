@@ -15,6 +15,7 @@ up by :func:`find_etcd_binary`.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import shutil
@@ -139,6 +140,19 @@ def _is_executable_file(path: str) -> bool:
     return os.path.isfile(path) and os.access(path, os.X_OK)
 
 
+def _ip_address(text: str) -> str:
+    """``text`` as an IPv4 address (the ``listen`` argument), or a ``ValueError`` naming it."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        raise ValueError(
+            f"listen: expected an IPv4 address such as 0.0.0.0, got {text!r}"
+        ) from None
+    if address.version != 4:
+        raise ValueError(f"listen: expected an IPv4 address such as 0.0.0.0, got {text!r}")
+    return str(address)
+
+
 def _free_port() -> int:
     """Return a loopback TCP port that was free a moment ago.
 
@@ -184,12 +198,16 @@ class EtcdServer:
             3.6 and later (the release comes from ``etcd --version``). etcd 3.6 and
             later have no v2 API: with them, :meth:`start` refuses ``True``, naming
             the flag.
-        port: the loopback client port to serve on; ``None`` (the default): a free
-            one. A port another process holds is reported by :meth:`start`.
+        port: the client port to serve on; ``None`` (the default): a free one. A port
+            another process holds is reported by :meth:`start`.
+        listen: an address of this machine to serve clients on besides loopback
+            (``"0.0.0.0"``: every address); ``None`` (the default): loopback only. The
+            server has no authentication, and TLS only with ``cert_file``: anyone who
+            reaches the address can read and write every key.
 
     Raises:
         EtcdBinaryNotFoundError: if no etcd binary can be found.
-        ValueError: ``port`` is not a port number.
+        ValueError: ``port`` is not a port number, or ``listen`` not an IP address.
     """
 
     def __init__(
@@ -206,12 +224,14 @@ class EtcdServer:
         client_key_file: str | None = None,
         enable_v2: bool | None = None,
         port: int | None = None,
+        listen: str | None = None,
     ) -> None:
         if isinstance(extra_args, str):
             raise TypeError("extra_args must be a sequence of arguments, not a string")
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"port: expected a port number (1-65535), got {port!r}")
         self._port = port
+        self._listen = HOST if listen is None else _ip_address(listen)
         self._tls = Tls(
             cert_file=cert_file,
             key_file=key_file,
@@ -506,6 +526,7 @@ class EtcdServer:
             ],
             leftovers=self._leftovers,
             tls=self._tls,
+            listen=self._listen,
         )
 
     def _launch_on_free_port(

@@ -1,21 +1,24 @@
 """The operator commands' rough edges: ``status``, ``close`` and ``delete`` find a run
 under either backend when ``--backend`` is absent (and refuse to guess when both hold
-one), ``server --port``, and ``list --help`` saying what its columns mean."""
+one), ``server --port`` and ``--listen``, and ``list --help`` saying what its columns mean."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
+from etcd_rendezvous.api import RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.cli import run_cli, run_main
 from support.net import closed_port
@@ -89,12 +92,12 @@ def test_an_unknown_run_names_both_backends_keys(
     assert conn.try_get(f"{etcd_prefix}/{run_id}") is None
 
 
-@pytest.mark.slow
-def test_server_serves_on_the_port_asked_for(etcd_server: EtcdServer, tmp_path: Path) -> None:
-    port = closed_port()
-    env = dict(os.environ, ETCD_BINARY_PATH=etcd_server.binary, TMPDIR=str(tmp_path))
+@contextlib.contextmanager
+def _server(env: dict[str, str], *args: str) -> Iterator[list[str]]:
+    """``etcd-rendezvous server ARGS`` running; yields the lines it printed up to its
+    'Press Ctrl-C' line; stopped with SIGTERM after."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "etcd_rendezvous", "server", "--port", str(port)],
+        [sys.executable, "-m", "etcd_rendezvous", "server", *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -103,16 +106,12 @@ def test_server_serves_on_the_port_asked_for(etcd_server: EtcdServer, tmp_path: 
     )
     try:
         assert proc.stdout is not None
-        first = proc.stdout.readline()
-        assert f"serving 127.0.0.1:{port} " in first, first
-        with open_transport([("127.0.0.1", port)], etcd_api="auto") as served:
-            served.set("/port-test/key", "here")
-            assert served.get("/port-test/key").value == "here"
-        # The port is taken now: a second server says so, naming it.
-        taken = run_cli("server", "--port", str(port), env=env, timeout=120)
-        assert taken.returncode == 1, taken
-        assert f"port {port}" in taken.stderr, taken.stderr
-        assert "Traceback" not in taken.stderr, taken.stderr
+        lines = []
+        while not lines or not lines[-1].startswith("Press Ctrl-C"):
+            line = proc.stdout.readline()
+            assert line, (lines, proc.stderr.read() if proc.stderr else "")
+            lines.append(line)
+        yield lines
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -120,6 +119,46 @@ def test_server_serves_on_the_port_asked_for(etcd_server: EtcdServer, tmp_path: 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
+
+
+def _serves(host: str, port: int) -> bool:
+    with open_transport([(host, port)], etcd_api="auto") as served:
+        served.set(f"/port-test/{host}", "here")
+        return served.get(f"/port-test/{host}").value == "here"
+
+
+@pytest.mark.slow
+def test_server_serves_on_the_port_asked_for(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    port = closed_port()
+    env = dict(os.environ, ETCD_BINARY_PATH=etcd_server.binary, TMPDIR=str(tmp_path))
+    with _server(env, "--port", str(port)) as printed:
+        assert f"serving 127.0.0.1:{port} " in printed[0], printed
+        assert _serves("127.0.0.1", port)
+        # The port is taken now: a second server says so, naming it.
+        taken = run_cli("server", "--port", str(port), env=env, timeout=120)
+        assert taken.returncode == 1, taken
+        assert f"port {port}" in taken.stderr, taken.stderr
+        assert "Traceback" not in taken.stderr, taken.stderr
+
+
+@pytest.mark.slow
+def test_server_listens_on_the_address_asked_for_too(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    # 127.0.0.2 is another address of this machine (all of 127/8 is loopback), on which
+    # a server of loopback only is not reachable.
+    port = closed_port()
+    env = dict(os.environ, ETCD_BINARY_PATH=etcd_server.binary, TMPDIR=str(tmp_path))
+    with _server(env, "--port", str(port)), pytest.raises(RendezvousConnectionError):
+        _serves("127.0.0.2", port)
+    port = closed_port()
+    with _server(env, "--port", str(port), "--listen", "127.0.0.2") as printed:
+        assert any(
+            line.startswith("also listening on 127.0.0.2") and "no TLS nor auth" in line
+            for line in printed
+        ), printed
+        assert _serves("127.0.0.2", port)
+        assert _serves("127.0.0.1", port)
 
 
 def test_server_port_is_checked_before_etcd_starts() -> None:
@@ -130,6 +169,12 @@ def test_server_port_is_checked_before_etcd_starts() -> None:
     result = run_cli("server", "--port", "2379", "--members", "3")
     assert result.returncode == 2, result
     assert "--port is for a single member" in result.stderr, result.stderr
+    for bad in ("localhost", "::1", "300.1.1.1"):
+        result = run_cli("server", "--listen", bad)
+        assert result.returncode == 2, result
+        assert f"--listen: expected an IPv4 address such as 0.0.0.0, got {bad!r}" in (
+            result.stderr
+        ), result.stderr
 
 
 def test_list_help_says_what_its_columns_mean() -> None:

@@ -199,6 +199,7 @@ class Member:
         flags: Sequence[str],
         leftovers: Leftovers,
         tls: Tls | None = None,
+        listen: str = HOST,
     ) -> None:
         self.program = program
         self.name = name
@@ -209,6 +210,8 @@ class Member:
         self._flags = list(flags)
         self._leftovers = leftovers
         self._tls = tls or Tls()
+        #: The address clients may reach it on besides loopback (``HOST``: loopback only).
+        self._listen = listen
         self._lock = threading.RLock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._command: list[str] = []
@@ -263,13 +266,19 @@ class Member:
     def command(self) -> list[str]:
         """etcd's command line for the current port."""
         url = self.client_url
+        listen, advertise = url, url
+        if self._listen != HOST:
+            # Loopback too (this object probes it there), and every address for 0.0.0.0.
+            other = f"{self._tls.protocol}://{self._listen}:{self.port}"
+            listen = other if self._listen == "0.0.0.0" else f"{url},{other}"
+            advertise = url if self._listen == "0.0.0.0" else f"{url},{other}"
         return [
             self.program.binary,
             *v2_flags(self.program.enable_v2),
             f"--name={self.name}",
             f"--data-dir={self.data_dir}",
-            f"--listen-client-urls={url}",
-            f"--advertise-client-urls={url}",
+            f"--listen-client-urls={listen}",
+            f"--advertise-client-urls={advertise}",
             *self._tls.server_flags(),
             *self._flags,
             *self.program.extra_args,

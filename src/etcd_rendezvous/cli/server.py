@@ -1,6 +1,7 @@
 """``etcd-rendezvous server``: run an embedded etcd in the foreground.
 
-A local etcd (loopback only) runs until Ctrl-C or SIGTERM, and its endpoint is printed.
+A local etcd (on loopback, and on ``--listen ADDR`` too if given) runs until Ctrl-C or
+SIGTERM, and its endpoint is printed.
 Like a current etcd (3.6), it serves only the v3 API unless ``--enable-v2`` asks for
 the v2 API too (for fleets with PyTorch's own workers). ``--members 3`` runs a
 3-member cluster instead, for trying failover. Without ``--data-dir`` it runs in a
@@ -23,9 +24,9 @@ __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
 
 HELP = "run an embedded etcd (or a local cluster) in the foreground"
 DESCRIPTION = (
-    "Run a local etcd (loopback only) until Ctrl-C or SIGTERM, and print its "
-    "endpoint (on a free port unless --port P). It serves the v3 API only, as etcd 3.6 "
-    "does, unless --enable-v2 is given. --members N runs an N-member cluster. Without "
+    "Run a local etcd (on loopback, and on --listen ADDR too) until Ctrl-C or SIGTERM, "
+    "and print its endpoint (on a free port unless --port P). It serves the v3 API only, "
+    "as etcd 3.6 does, unless --enable-v2 is given. --members N runs an N-member cluster. Without "
     "--data-dir it runs in a temporary directory that is removed when it stops."
 )
 
@@ -58,8 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--port",
         type=int,
         metavar="P",
-        help="serve clients on 127.0.0.1:P (default: a free port, printed at start); the "
-        "embedded etcd has no TLS nor auth, so it listens on loopback only",
+        help="serve clients on port P (default: a free port, printed at start)",
+    )
+    parser.add_argument(
+        "--listen",
+        metavar="ADDR",
+        help="also serve clients on ADDR, an IPv4 address of this machine (0.0.0.0: every "
+        "address); default: loopback only. The embedded etcd has no TLS nor auth: anyone "
+        "who reaches ADDR can read and write every key",
     )
     parser.add_argument(
         "--enable-v2",
@@ -75,6 +82,8 @@ def _make_server(args: argparse.Namespace) -> EtcdServer | EtcdCluster:
         raise UsageError("--data-dir is for a single member; a cluster runs in a temporary dir")
     if args.port is not None and args.members > 1:
         raise UsageError("--port is for a single member; a cluster's members take free ports")
+    if args.listen is not None and args.members > 1:
+        raise UsageError("--listen is for a single member; a cluster serves loopback only")
     if args.port is not None and not 0 < args.port < 65536:
         raise UsageError(f"--port must be a port number (1-65535), got {args.port}")
     try:
@@ -85,7 +94,10 @@ def _make_server(args: argparse.Namespace) -> EtcdServer | EtcdCluster:
             etcd_binary=args.binary,
             enable_v2=args.enable_v2,
             port=args.port,
+            listen=args.listen,
         )
+    except ValueError as exc:
+        raise UsageError(f"--{exc}") from None
     except EtcdBinaryNotFoundError as exc:
         explicit = args.binary or any(os.environ.get(name) for name in BINARY_ENV_VARS)
         raise CliError(str(exc) if explicit else _SERVER_INSTALL_HINT) from None
@@ -106,6 +118,13 @@ def _announce(server: EtcdServer | EtcdCluster, args: argparse.Namespace, out: T
         kept = "kept on exit" if args.data_dir else "removed on exit"
         print(f"etcd {server.version} is serving {endpoint} ({server.client_url}, {api})", file=out)
         print(f"data dir: {server.data_dir} ({kept}); log: {server.log_path}", file=out)
+        if args.listen is not None:
+            where = "every address" if args.listen == "0.0.0.0" else args.listen
+            print(
+                f"also listening on {where}, port {server.get_port()}: no TLS nor auth, "
+                "anyone who reaches it can read and write every key",
+                file=out,
+            )
     print(f"try:      {PROG} demo --endpoint {endpoint}", file=out)
     print("Press Ctrl-C to stop.", file=out, flush=True)
 
