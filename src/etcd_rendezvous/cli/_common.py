@@ -385,11 +385,15 @@ def with_ttl(conn: Transport, node: Node | None) -> Node | None:
     return dataclasses.replace(node, ttl=conn.time_to_live(node))
 
 
-def read_dir(conn: Transport, key: str) -> Node | None:
-    """Directory ``key`` with its children's TTLs, or ``None`` if nothing is there."""
+def read_dir(conn: Transport, key: str, *, ttls: bool = True) -> Node | None:
+    """Directory ``key``, or ``None`` if nothing is there; with its children's TTLs if
+    ``ttls`` (free on v2, where a listing has them; on v3 one request per child's lease,
+    which a command reading thousands of keys only to count them leaves out)."""
     try:
         directory = conn.list_dir(key)
     except KeyNotFoundError:
         return None
+    if not ttls:
+        return directory
     children = tuple(with_ttl(conn, child) or child for child in directory.children)
     return dataclasses.replace(directory, children=children)

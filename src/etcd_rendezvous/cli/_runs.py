@@ -347,8 +347,12 @@ def _version_dirs(conn: Transport, layout: LegacyLayout) -> tuple[Node, ...]:
     return tuple(listed)
 
 
-def read_etcd_run(conn: Transport, prefix: str, run_id: str) -> EtcdRun:
-    """Read, without changing anything, what describes the run in etcd."""
+def read_etcd_run(
+    conn: Transport, prefix: str, run_id: str, *, member_ttls: bool = False
+) -> EtcdRun:
+    """Read, without changing anything, what describes the run in etcd; with the TTL of
+    every key of the version directory if ``member_ttls`` (see
+    :func:`~etcd_rendezvous.cli._common.read_dir`: on v3 a request per key)."""
     layout = LegacyLayout(prefix, run_id)
     run_dir = with_ttl(conn, conn.try_get(layout.run_dir))
     state = conn.try_get(layout.state_key)
@@ -369,7 +373,11 @@ def read_etcd_run(conn: Transport, prefix: str, run_id: str) -> EtcdRun:
         run_dir=run_dir,
         state=state,
         version_counter=conn.try_get(layout.counter_key),
-        version_dir=None if version is None else read_dir(conn, layout.version_dir(version)),
+        version_dir=(
+            None
+            if version is None
+            else read_dir(conn, layout.version_dir(version), ttls=member_ttls)
+        ),
         version_dirs=_version_dirs(conn, layout),
     )
 

@@ -315,7 +315,8 @@ def _format_etcd_status(report: dict[str, Any], *, verbose: bool) -> list[str]:
 
 def _status_etcd(args: argparse.Namespace, conn: Transport) -> dict[str, Any]:
     prefix = args.prefix or DEFAULT_PREFIX
-    run = read_etcd_run(conn, prefix, args.run_id)
+    # Each member's TTL is shown with -v and in --json only (on v3 a request per member).
+    run = read_etcd_run(conn, prefix, args.run_id, member_ttls=args.verbose or args.json)
     report = describe_etcd_run(run)
     report["api"] = conn.api
     report.update(_verdict(summarize_etcd(run, conn.api)))
