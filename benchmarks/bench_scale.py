@@ -10,7 +10,15 @@ Usage::
         [--keep-alive-interval 2] [--heartbeat-seconds 30]
 
 Each also takes ``--json FILE``: the rows as JSON, which ``benchmarks/plot_scale.py``
-draws (``docs/scale.rst`` shows the results and their plots).
+draws (``docs/scale.rst`` shows the results and their plots). Many processes of few
+nodes, and handlers made as a launcher makes them::
+
+    python benchmarks/bench_scale.py --nodes 256 512 1024 --per-proc 16 --nice 15 --counts
+    python benchmarks/bench_scale.py --nodes 1024 --procs 4 --harness plain --counts
+        [--create before|in-node] [--start gated|at-signal] [--start-method spawn|fork]
+        [--jitter S] [--backends etcd etcd-v2 c10d --impls ours torch]
+
+(``docs/scale.rst``, "Many processes, plain handlers", says what each changes.)
 
 ``BENCH_PYSPY_DIR=<dir>`` samples the first process of each row with ``py-spy`` (``pip
 install py-spy``) from the start signal until its nodes are done: the thread holding the
