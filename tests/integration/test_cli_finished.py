@@ -82,8 +82,12 @@ def test_a_legacy_run_between_two_versions_is_not_deleted(
     assert code == 1, out
     assert "not closed" in err, err
     assert f"etcd-rendezvous close --run-id {run_id}" in err, err
-    code, out, err = run_main(capsys, "gc", *select, "--older-than", "0", "--undated", "--yes")
-    assert (code, out.strip()) == (0, "nothing to delete"), err
+    # A dry run: the server is shared, and other tests' finished runs are not ours to delete.
+    code, out, err = run_main(
+        capsys, "gc", *select, "--older-than", "0", "--undated", "--dry-run", "--json"
+    )
+    assert code == 0, err
+    assert run_id not in [r["run_id"] for r in json.loads(out)["runs"]], out
     assert conn.try_get(layout.counter_key) is not None
 
     # The workers go on: the next version forms, with the run's version counter.
@@ -117,8 +121,12 @@ def test_pytorch_workers_below_min_workers_are_not_a_finished_run(
     assert (run["status"], run["live"], run["finished"]) == ("joinable", 0, False), run
     code, _, err = run_main(capsys, "delete", *select, "--run-id", run_id, "--yes")
     assert (code, "not closed" in err) == (1, True), err
-    code, out, err = run_main(capsys, "gc", *select, "--older-than", "0", "--undated", "--yes")
-    assert (code, out.strip()) == (0, "nothing to delete"), err
+    # A dry run: the server is shared, and other tests' finished runs are not ours to delete.
+    code, out, err = run_main(
+        capsys, "gc", *select, "--older-than", "0", "--undated", "--dry-run", "--json"
+    )
+    assert code == 0, err
+    assert run_id not in [r["run_id"] for r in json.loads(out)["runs"]], out
 
     # The third worker comes: all three rendezvous.
     (last,) = _spawn(workers, etcd_server, ["torch"], run_id, 3, last_call=1)
@@ -156,8 +164,12 @@ def test_an_etcd_v2_fleet_between_two_heartbeats_is_not_finished(
     (run,) = [r for r in json.loads(listed.stdout) if r["run_id"] == run_id]
     assert (run["status"], run["live"], run["finished"]) == ("closed", 0, False), run
     assert run["heartbeat_lifetime"] == {"seconds": 450.0, "source": "published by its nodes"}
-    collected = run_cli("gc", *select, "--older-than", "0", "--undated", "--yes", env=later)
-    assert (collected.returncode, collected.stdout.strip()) == (0, "nothing to delete")
+    collected = run_cli(
+        "gc", *select, "--older-than", "0", "--undated", "--dry-run", "--json", env=later
+    )
+    assert collected.returncode == 0, collected.stderr
+    candidates = [r["run_id"] for r in json.loads(collected.stdout)["runs"]]
+    assert run_id not in candidates, candidates
     deleted = run_cli("delete", *select, "--run-id", run_id, "--yes", env=later)
     assert deleted.returncode == 1, deleted.stdout
     assert "not finished" in deleted.stderr, deleted.stderr

@@ -461,13 +461,13 @@ def test_a_wait_cut_short_by_the_callers_deadline_says_how_long_it_waited(
     wait = SHORT.total_seconds()
     with conn.bounded_by(Deadline(wait)), pytest.raises(LookupError) as info:
         store.get("never-set")
-    waited = re.search(r"within (\d+\.\d) s \(the caller's deadline", str(info.value))
+    waited = re.search(r"within (\d+\.\d) s \(its caller's deadline", str(info.value))
     assert waited is not None, str(info.value)
     assert wait - 0.1 <= float(waited[1]) < wait + 2.0
     assert f"the store's timeout of {LONG.total_seconds():g} s" in str(info.value)
     with conn.bounded_by(Deadline(wait)), pytest.raises(LookupError) as info:
         store.wait(["never-set"])
-    assert "(the caller's deadline, before the store's timeout" in str(info.value)
+    assert "(its caller's deadline, earlier than the store's timeout" in str(info.value)
 
 
 def test_wait_timeout_names_missing_keys(store: EtcdStore) -> None:
