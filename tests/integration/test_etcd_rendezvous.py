@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -198,6 +200,107 @@ def test_late_workers_are_counted_together_with_a_dead_waiter_after_the_grace(
     assert len(set(state["waiting"])) == 4
     assert state["status"] == "final"
     assert members[0].request("waiting") == {"event": "waiting", "n": 4}
+
+
+def test_a_suspended_rank_0_holds_up_no_member_of_a_complete_version(
+    etcd_server, run_id, workers, conn
+):
+    """Once a version is final, every member gets the master address from the version's
+    store within its timeout, whatever rank 0 does after the rendezvous: rank 0 publishes
+    it before anyone can join the version it creates. Here rank 0 is suspended (as a
+    starved or frozen host would be) as soon as its version is joinable; the other
+    member completes the version and must not wait for rank 0 to wake up."""
+    (first,) = _spawn(workers, etcd_server, run_id, 1, 2, 2, timeout=60)
+    first.send("join")
+    wait_for_state(
+        conn,
+        _state_key(run_id),
+        lambda state: state is not None and state.get("status") == "joinable",
+    )
+    os.kill(first.proc.pid, signal.SIGSTOP)
+    try:
+        timeout = 8
+        params = _params(etcd_server, run_id, 2, 2, timeout=timeout, torch_store="false")
+        with create_rdzv_handler(params) as handler:
+            started = time.monotonic()
+            info = handler.next_rendezvous()
+            elapsed = time.monotonic() - started
+    finally:
+        os.kill(first.proc.pid, signal.SIGCONT)
+    assert (info.rank, info.world_size) == (1, 2)
+    assert elapsed < timeout
+    joined = expect_joined(first.next_event(), first)
+    assert joined["rank"] == 0
+    assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == (
+        joined["master_addr"],
+        joined["master_port"],
+    )
+
+
+# -- a starved worker's deadline ----------------------------------------------------------
+
+#: The rendezvous timeout of the starved workers below, and the documented bound past it.
+_STARVED_TIMEOUT = 6
+_BOUND = 2.0
+
+
+def test_a_worker_whose_process_is_busy_ends_within_its_timeout(etcd_server, run_id, workers):
+    """Sixteen threads spinning in the worker's process leave the rendezvous a small share
+    of the interpreter: a rendezvous that cannot complete still fails within the timeout
+    plus the bound, naming the cause."""
+    (worker,) = _spawn(
+        workers,
+        etcd_server,
+        run_id,
+        1,
+        2,
+        2,
+        timeout=_STARVED_TIMEOUT,
+        extra_args=["--busy-threads=16"],
+    )
+    event = worker.request("join")
+    logging.getLogger(__name__).info("the busy worker's join: %s", event)
+    assert (event["event"], event.get("type")) == ("error", "RendezvousTimeoutError"), event
+    assert run_id in str(event["message"])
+    # next_rendezvous() as the worker timed it (the worker takes its time to read the
+    # command and to answer too: it is starved).
+    assert float(event["elapsed"]) < _STARVED_TIMEOUT + _BOUND, event["elapsed"]
+
+
+def test_busy_workers_complete_and_exchange_the_master_address(etcd_server, run_id, workers):
+    """The same starvation in every worker: the rendezvous completes, the master address
+    included, well within the timeout."""
+    group = _spawn(
+        workers, etcd_server, run_id, 3, 3, 3, timeout=30, extra_args=["--busy-threads=8"]
+    )
+    for worker in group:
+        worker.send("join")
+    joined = [expect_joined(worker.next_event(40), worker) for worker in group]
+    assert sorted(j["rank"] for j in joined) == [0, 1, 2]
+    assert len({(j["master_addr"], j["master_port"]) for j in joined}) == 1
+    assert max(float(j["elapsed"]) for j in joined) < 30
+
+
+def test_a_worker_suspended_for_part_of_its_timeout_ends_within_it(
+    etcd_server, run_id, workers, conn
+):
+    """A worker stopped (SIGSTOP) for most of its timeout while it waits, then resumed,
+    fails within the timeout plus the bound: no wait outlives the deadline it was
+    armed under, a stopped process' clock running on."""
+    (worker,) = _spawn(workers, etcd_server, run_id, 1, 2, 2, timeout=_STARVED_TIMEOUT)
+    started = time.monotonic()
+    worker.send("join")
+    wait_for_state(conn, _state_key(run_id), lambda state: state is not None)
+    os.kill(worker.proc.pid, signal.SIGSTOP)
+    try:
+        # The fault lasts until one second before the worker's deadline.
+        time.sleep(max(0.0, started + _STARVED_TIMEOUT - 1 - time.monotonic()))
+    finally:
+        os.kill(worker.proc.pid, signal.SIGCONT)
+    event = worker.next_event(60)
+    assert (event["event"], event.get("type")) == ("error", "RendezvousTimeoutError"), event
+    assert float(event["elapsed"]) < _STARVED_TIMEOUT + _BOUND, event["elapsed"]
+    assert time.monotonic() - started < _STARVED_TIMEOUT + _BOUND
 
 
 @pytest.mark.slow

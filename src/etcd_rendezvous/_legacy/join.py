@@ -313,15 +313,17 @@ class BatchJoin:
     def discard(self) -> None:
         """Stop keeping our member key alive and delete it (a failure is only logged).
 
-        Past the rendezvous deadline the key is left to lapse (within its TTL) instead:
-        the caller is due to return.
+        Past the rendezvous deadline the key is left to lapse (within its TTL) instead,
+        and the keeper is not waited for: the caller is due to return. (A refresh still
+        in flight cannot bring a deleted key back: it requires the key to exist.)
         """
         member, self._member = self._member, None
         if member is None:
             return
-        member.keeper.stop()
         if self._deadline.expired():
+            member.keeper.stop(timeout=0.0)
             return
+        member.keeper.stop()
         try:
             self._conn.delete(member.entry.key)
         except RendezvousError as exc:
@@ -479,6 +481,8 @@ class BatchJoin:
         """Wait for a change of the state, at most ``timeout`` seconds and never past the
         rendezvous deadline."""
         remaining = self._deadline.remaining()
+        if remaining <= 0:
+            raise self._timeout_error()  # (not even a stream opened past the deadline)
         changed = self._feed.wait(remaining if timeout is None else min(timeout, remaining))
         if self._deadline.expired():
             raise self._timeout_error()

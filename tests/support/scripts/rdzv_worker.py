@@ -8,7 +8,8 @@ Run as ``python tests/support/scripts/rdzv_worker.py --impl ours|torch --endpoin
 executes one command per stdin line, answering each with one JSON line on stdout:
 
 * ``join`` -> ``{"event": "joined", "rank", "world_size", "version", "master_addr",
-  "master_port", "elapsed"}`` or ``{"event": "error", "type", "message"}``; with
+  "master_port", "elapsed"}`` or ``{"event": "error", "type", "message", "elapsed"}``
+  (``elapsed``: the seconds the command took, in the worker); with
   ``etcd-v2`` the dynamic rendezvous' ``round`` replaces ``version``
 * ``waiting`` -> ``{"event": "waiting", "n": num_nodes_waiting()}``
 * ``closed`` -> ``{"event": "closed", "value": is_closed()}``
@@ -19,6 +20,10 @@ executes one command per stdin line, answering each with one JSON line on stdout
   still alive besides the main one)
 * ``clock`` -> ``{"event": "clock", "time": time.time()}`` (the process' wall clock)
 * ``exit`` -> exits 0
+
+``--busy-threads N`` starts N threads, once the handler is made, that spin in Python for
+the life of the process: the rendezvous then gets a small share of the interpreter, as in
+a worker whose process is busy with something else.
 """
 
 from __future__ import annotations
@@ -140,6 +145,11 @@ def _sleep_under_faketime() -> None:
     time.sleep = sleep
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
 def main() -> None:
     _sleep_under_faketime()  # before the library binds time.sleep anywhere
     parser = argparse.ArgumentParser()
@@ -157,17 +167,20 @@ def main() -> None:
     # Ours hands out a torch Store when PyTorch is installed ("auto"), which means
     # importing PyTorch (seconds per process); most tests do not need it.
     parser.add_argument("--torch-store", choices=("auto", "true", "false"), default="false")
+    parser.add_argument("--busy-threads", type=int, default=0)
     args = parser.parse_args()
     _log_to_file()
 
     handler = _make_handler(args)
     store: Any = None
     _emit(event="ready")
+    for i in range(args.busy_threads):
+        threading.Thread(target=_spin, name=f"busy-{i}", daemon=True).start()
     for line in sys.stdin:
         cmd, *rest = line.split()
+        started = time.monotonic()
         try:
             if cmd == "join":
-                started = time.monotonic()
                 info = handler.next_rendezvous()
                 store = info.store
                 where: dict[str, Any]
@@ -223,7 +236,8 @@ def main() -> None:
             else:
                 _emit(event="error", type="UnknownCommand", message=cmd)
         except Exception as exc:
-            _emit(event="error", type=type(exc).__name__, message=str(exc))
+            elapsed = time.monotonic() - started
+            _emit(event="error", type=type(exc).__name__, message=str(exc), elapsed=elapsed)
 
 
 if __name__ == "__main__":
