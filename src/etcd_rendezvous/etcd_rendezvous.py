@@ -12,7 +12,6 @@ PyTorch's join the same rendezvous; how it works: :doc:`how-it-works`.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -43,10 +42,7 @@ from .api import (
     RendezvousInfo,
     RendezvousParameters,
     RendezvousStoreInfo,
-    RendezvousTimeoutError,
-    _get_free_port,
 )
-from .etcd_store import EtcdStore
 from .layout import DEFAULT_PREFIX
 from .prometheus import serve_metrics_from_environment
 
@@ -72,34 +68,8 @@ _DEFAULT_TIMEOUT: int = 600
 _DEFAULT_LAST_CALL_TIMEOUT: int = 30
 
 #: Least time given to the exchange of the master address after the barrier, in seconds
-#: (rank 0 published it already; see :meth:`EtcdRendezvousHandler.next_rendezvous`).
+#: (rank 0 publishes it at once; see :meth:`EtcdRendezvousHandler.next_rendezvous`).
 _EXCHANGE_GRACE = 0.5
-
-
-class _MasterAddress:
-    """Rank 0's side of the master-address exchange: this worker's address and a free
-    port, written to a version's store (``MASTER_PORT``, then ``MASTER_ADDR``, as
-    :meth:`RendezvousStoreInfo.build <etcd_rendezvous.api.RendezvousStoreInfo.build>`
-    writes them) as soon as the worker knows it is rank 0 there (see
-    :meth:`EtcdRendezvous.on_rank_zero`), and remembered."""
-
-    def __init__(self, local_addr: str | None) -> None:
-        self._local_addr = local_addr
-        self._published: tuple[str, RendezvousStoreInfo] | None = None
-
-    def publish(self, version: str, store: EtcdStore) -> RendezvousStoreInfo:
-        """Write our address and a free port to ``store``, the store of ``version``."""
-        info = RendezvousStoreInfo(self._local_addr or socket.getfqdn(), _get_free_port())
-        store.set(RendezvousStoreInfo.MASTER_PORT_KEY, str(info.master_port))
-        store.set(RendezvousStoreInfo.MASTER_ADDR_KEY, info.master_addr)
-        self._published = (version, info)
-        return info
-
-    def published(self, version: str) -> RendezvousStoreInfo | None:
-        """What we published in ``version``'s store, if we did."""
-        if self._published is None or self._published[0] != version:
-            return None
-        return self._published[1]
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -136,8 +106,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
     ) -> None:
         self._rdzv_impl = rdzv_impl
         self._local_addr = local_addr
-        self._master = _MasterAddress(local_addr)
-        rdzv_impl.on_rank_zero(self._master.publish)
         self._backend_name = backend_name
         self._torch_store = torch_available() if torch_store is None else torch_store
         load_torch_store(self._torch_store)
@@ -167,46 +135,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
         :class:`~etcd_rendezvous.torch_store.TorchEtcdStore` when PyTorch is installed
         (see ``torch_store``).
 
-        Rank 0 publishes its address (``local_addr``) and a free port in the store as
-        soon as it knows it is rank 0: before the version it creates is joinable. The
-        other members read them there once the rendezvous completes, whatever rank 0
-        does afterwards.
-
         Returns or raises within the rendezvous ``timeout`` plus about a second,
         whatever etcd does (see :meth:`EtcdRendezvous.rendezvous_barrier`).
-
-        Raises:
-            RendezvousTimeoutError: the rendezvous did not complete in time, or its
-                rank 0 (a PyTorch worker, say, which publishes after the rendezvous)
-                did not publish its address in time.
         """
         rdzv = self._rdzv_impl
         rdzv_version, rank, world_size = rdzv.rendezvous_barrier()
         logger.info("Creating EtcdStore as the c10d::Store implementation")
-        # The exchange gets a moment even if the barrier completed right at the deadline.
+        # Rank 0 publishes its address just after the barrier, so the exchange gets a
+        # moment even if the barrier completed right at the deadline.
         remaining = rdzv._rendezvous_deadline.remaining()
         with rdzv.connection.bounded_by(Deadline(max(remaining, _EXCHANGE_GRACE))):
             store = rdzv.setup_kv_store(rdzv_version, create_dir=False)
-            bootstrap_store_info = self._master_address(rdzv_version, rank, world_size, store)
+            bootstrap_store_info = RendezvousStoreInfo.build(
+                rank, store, local_addr=self._local_addr
+            )
         return RendezvousInfo(
             adapt_store(store, self._torch_store), rank, world_size, bootstrap_store_info
         )
-
-    def _master_address(
-        self, version: str, rank: int, world_size: int, store: EtcdStore
-    ) -> RendezvousStoreInfo:
-        """Rank 0's address and port in the store of ``version``: ours if we are rank 0
-        (published now unless we did already), else read from the store."""
-        if rank == 0:
-            return self._master.published(version) or self._master.publish(version, store)
-        try:
-            return RendezvousStoreInfo.build(rank, store, local_addr=self._local_addr)
-        except LookupError as exc:
-            raise RendezvousTimeoutError(
-                f"Version {version} of the rendezvous of run {self.get_run_id()!r} is "
-                f"complete (we are rank {rank} of {world_size}), but its rank 0 did not "
-                f"publish its address in time: {exc}"
-            ) from exc
 
     @torch_errors
     def is_closed(self) -> bool:

@@ -202,41 +202,6 @@ def test_late_workers_are_counted_together_with_a_dead_waiter_after_the_grace(
     assert members[0].request("waiting") == {"event": "waiting", "n": 4}
 
 
-def test_a_suspended_rank_0_holds_up_no_member_of_a_complete_version(
-    etcd_server, run_id, workers, conn
-):
-    """Once a version is final, every member gets the master address from the version's
-    store within its timeout, whatever rank 0 does after the rendezvous: rank 0 publishes
-    it before anyone can join the version it creates. Here rank 0 is suspended (as a
-    starved or frozen host would be) as soon as its version is joinable; the other
-    member completes the version and must not wait for rank 0 to wake up."""
-    (first,) = _spawn(workers, etcd_server, run_id, 1, 2, 2, timeout=60)
-    first.send("join")
-    wait_for_state(
-        conn,
-        _state_key(run_id),
-        lambda state: state is not None and state.get("status") == "joinable",
-    )
-    os.kill(first.proc.pid, signal.SIGSTOP)
-    try:
-        timeout = 8
-        params = _params(etcd_server, run_id, 2, 2, timeout=timeout, torch_store="false")
-        with create_rdzv_handler(params) as handler:
-            started = time.monotonic()
-            info = handler.next_rendezvous()
-            elapsed = time.monotonic() - started
-    finally:
-        os.kill(first.proc.pid, signal.SIGCONT)
-    assert (info.rank, info.world_size) == (1, 2)
-    assert elapsed < timeout
-    joined = expect_joined(first.next_event(), first)
-    assert joined["rank"] == 0
-    assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == (
-        joined["master_addr"],
-        joined["master_port"],
-    )
-
-
 # -- a starved worker's deadline ----------------------------------------------------------
 
 #: The rendezvous timeout of the starved workers below, and the documented bound past it.

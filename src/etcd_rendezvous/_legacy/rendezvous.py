@@ -18,7 +18,6 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from .._progress_log import ProgressLog, progress_interval, seconds_left
@@ -35,7 +34,6 @@ from .._transport.retry import CONNECTION, CONTENTION, Deadline, Retry
 from ..api import (
     RendezvousClosedError,
     RendezvousConnectionError,
-    RendezvousError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -174,11 +172,6 @@ class EtcdRendezvous:
         #: The final version we announced ourselves waiting on, and our wait key's name:
         #: an attempt repeated after an etcd failure reuses it, and is counted once.
         self._waiting_as: tuple[str, str] | None = None
-        #: What to do once this worker knows it is rank 0 of a version (see
-        #: :meth:`on_rank_zero`).
-        self._rank_zero_hook: Callable[[str, EtcdStore], object] | None = None
-        #: The version the hook ran for in this barrier.
-        self._rank_zero_of: str | None = None
         self._finalizer = weakref.finalize(self, stop_keepers, self._keepers)
         try:
             _check_arguments(
@@ -366,32 +359,6 @@ class EtcdRendezvous:
 
     # -- the barrier ------------------------------------------------------------------
 
-    def on_rank_zero(self, hook: Callable[[str, EtcdStore], object] | None) -> None:
-        """Call ``hook(version, store)`` as soon as this worker knows it is rank 0 of a
-        version, with that version's store: in a version it creates, before the version
-        becomes joinable (so before any other worker can be admitted, and long before
-        the version can be final); in a version another worker created, right after it
-        is admitted as rank 0. Once per version; ``None``: nothing (the default).
-
-        :class:`~etcd_rendezvous.etcd_rendezvous.EtcdRendezvousHandler` publishes the
-        master address there, so that the other members find it in the store when the
-        rendezvous completes, whatever rank 0 does afterwards. A
-        :class:`~etcd_rendezvous.api.RendezvousError` the hook raises is logged, and the
-        rendezvous goes on.
-        """
-        self._rank_zero_hook = hook
-
-    def _rank_zero(self, version: str) -> None:
-        """We are rank 0 of ``version``: run the :meth:`on_rank_zero` hook."""
-        hook = self._rank_zero_hook
-        if hook is None or self._rank_zero_of == version:
-            return
-        self._rank_zero_of = version
-        try:
-            hook(version, self.setup_kv_store(version, create_dir=False))
-        except RendezvousError as exc:
-            logger.info("Could not act as rank 0 of version %s yet: %s", version, exc)
-
     @_records_failure
     def rendezvous_barrier(self) -> tuple[str, int, int]:
         """Join the next rendezvous; block until it completes.
@@ -414,7 +381,6 @@ class EtcdRendezvous:
             RendezvousError: other non-retryable errors.
         """
         self._rendezvous_deadline = Deadline(self._timeout)
-        self._rank_zero_of = None
         self._record(
             f"The worker attempts to join the next rendezvous of run '{self._run_id}'.",
             method="rendezvous_barrier",
@@ -587,8 +553,6 @@ class EtcdRendezvous:
         """
         this_rank = self._join.admit(expected_version)
         logger.info("Joined rendezvous version %s as rank %s", expected_version, this_rank)
-        if this_rank == 0:
-            self._rank_zero(expected_version)  # (unless we created it: done then)
         self._record(
             f"The worker joined version {expected_version} of the rendezvous of run "
             f"'{self._run_id}' as rank {this_rank}.",
@@ -672,8 +636,6 @@ class EtcdRendezvous:
             self._check_version_dir(active_version, version, counted)
         self.create_path_if_not_exists(self._layout.store_dir(version))
         opening = self._join.opening_state(version)
-        # We are its rank 0: what rank 0 publishes is in place before anyone can join.
-        self._rank_zero(version)
         # No tag needed: only the holder of our tagged setup state swaps it for this.
         return self._conn.compare_and_swap(
             self._layout.state_key, json.dumps(opening.state), active_version, ttl=opening.ttl
