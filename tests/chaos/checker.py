@@ -109,13 +109,22 @@ class Timeline:
 
     def disturbed(self, node: str, start: float, end: float) -> bool:
         """Whether a fault that can make ``node``'s keys lapse or its requests fail
-        overlapped ``[start, end]``: its own pause, freeze or network fault, any etcd
-        member fault, garbage in a worker's key."""
+        overlapped ``[start, end]``: its own pause, freeze or network fault (but a
+        delay of a second or less), any etcd member fault, garbage in a worker's key
+        or the state."""
         for fault in self.faults:
             kind = fault["kind"]
-            own = fault.get("target") == node and kind in ("pause", "freeze", "net", "kill")
+            params = fault.get("params") or {}
+            # A slow network (up to a second a response) delays a refresh, it does not
+            # stop it; dropped, refused or reset connections do.
+            slow_only = kind == "net" and params.get("mode") == "delay" and params["delay"] <= 1.0
+            own = (
+                fault.get("target") == node
+                and kind in ("pause", "freeze", "net", "kill")
+                and not slow_only
+            )
             shared = kind in ("etcd_kill", "etcd_freeze", "etcd_pause") or (
-                kind == "garbage" and fault.get("params", {}).get("class") in ("worker", "state")
+                kind == "garbage" and params.get("class") in ("worker", "state")
             )
             if not (own or shared):
                 continue

@@ -81,7 +81,7 @@ FAMILIES: dict[str, int] = {
     "ops": 3,  # operator commands (status, list, delete, gc, close) during churn
     "clock": 2,  # clock offsets of the nodes (and the operator)
     "store": 2,  # garbage in the run's keys, compaction, lost history
-    "limit": 2,  # etcd's --max-request-bytes smaller than the state will grow
+    "limit": 2,  # etcd's --max-request-bytes smaller than the state will grow (v3 only)
 }
 
 #: Kinds of fault, for the report.
@@ -287,7 +287,10 @@ def generate(seed: int, flavor: str, family: str | None = None) -> Scenario:
     if flavor not in FLAVORS:
         raise ValueError(f"etcd flavor {flavor!r}: expected one of {', '.join(FLAVORS)}")
     rng = random.Random(f"chaos/{seed}/{flavor}")
-    names, weights = zip(*FAMILIES.items())
+    # etcd limits the size of v3 requests only (--max-request-bytes): on v2 the
+    # limit family would be one more "nodes" scenario.
+    families = {k: w for k, w in FAMILIES.items() if k != "limit" or FLAVORS[flavor].api == "v3"}
+    names, weights = zip(*families.items())
     drawn = rng.choices(names, weights)[0]  # drawn even when forced: the same draws follow
     family = family or drawn
     return _Generator(rng, seed, flavor, family).scenario()
