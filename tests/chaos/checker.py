@@ -17,8 +17,8 @@ invariants (``docs/testing.rst``, section "The fault harness"):
     nodes was reliably in it (running, inside the run for 3 s at least, and
     undisturbed by any fault for the keys' lifetime before).
 ``liveness``
-    Once the faults are over (``T_f``) and at least ``min_nodes`` healthy nodes keep
-    trying (no more than ``max_nodes`` for ``etcd``), within the bound B
+    Once the faults are over (``T_f``) and at least ``min_nodes`` healthy nodes, and no
+    more than ``max_nodes``, keep trying, within the bound B
     (:meth:`Scenario.liveness_bound`): a round whose world is exactly the healthy
     nodes (``max_nodes`` of them where there are more) passes two barriers, or every
     healthy node fails with a named error. A node blocked in one call for the whole
@@ -33,7 +33,7 @@ invariants (``docs/testing.rst``, section "The fault harness"):
     After ``shutdown()`` and ``close()``: no thread of the library, no socket to etcd,
     and (v3) no lease attached to the node's keys.
 ``healthy-kept``
-    (``etcd-v2``) No node is taken out of a complete round while it runs the round
+    (``etcd-v2``) None of our nodes is taken out of a complete round while it runs the round
     undisturbed, unless some node's clock runs ahead of its own by more than
     PyTorch tolerates (``keep_alive_interval x (keep_alive_max_attempt - 1) - 1 s``):
     PyTorch drops a node only on its own heartbeats.
@@ -182,17 +182,26 @@ def healthy_nodes(
     scenario: dict[str, Any], runner: list[Record], nodes: dict[str, list[Record]]
 ) -> list[str]:
     """The nodes that keep trying after ``T_f``: started, not killed, frozen or gone,
-    not ended by themselves."""
+    not ended by themselves, and still with an etcd member to talk to."""
     tl = _timeline(scenario, runner)
     gone = {
         f["target"]
         for f in tl.faults
         if f["kind"] in ("kill", "freeze", "leave") and f["t"] <= tl.t_f
     }
+    # Members lost for good (frozen, or killed and never restarted).
+    lost = {
+        f["params"]["member"]
+        for f in tl.faults
+        if f["kind"] in ("etcd_freeze", "etcd_kill") and f.get("end") is None and f["t"] <= tl.t_f
+    }
     healthy = []
     for name, proc in tl.procs.items():
         if name in gone or proc["t"] > tl.t_f:
             continue
+        members = proc.get("members")
+        if members and all(m in lost for m in members):
+            continue  # a PyTorch node talks to one member: it is cut off
         ended = tl.ended.get(name)
         stops = [r for r in nodes.get(name, []) if r["ev"] == "stop"]
         if ended is not None and ended <= tl.t_f and not stops:
@@ -317,7 +326,8 @@ def _rounds_increase(tl: Timeline, nodes: dict[str, list[Record]]) -> list[Viola
     for name, records in nodes.items():
         last = None
         for r in records:
-            if r["ev"] != "joined" or r.get("round") is None:
+            # A torchrun worker's round is its process group's token: not ordered.
+            if r["ev"] != "joined" or not isinstance(r.get("round"), int):
                 continue
             if last is not None and r["round"] <= last["round"]:
                 found.append(
@@ -421,8 +431,11 @@ def liveness(
     healthy = healthy_nodes(scenario, runner, nodes)
     if len(healthy) < scenario["min_nodes"]:
         return Liveness(False, f"{len(healthy)} healthy nodes < min_nodes", None, "", [])
-    if scenario["backend"] == "etcd" and len(healthy) > scenario["max_nodes"]:
-        return Liveness(False, "more healthy nodes than max_nodes (etcd)", None, "", [])
+    if len(healthy) > scenario["max_nodes"]:
+        # PyTorch's protocol itself: after each re-rendezvous a node beyond max_nodes
+        # waits in the wait list (etcd: as a waiting worker), which makes the members
+        # re-rendezvous again; a round may or may not settle.
+        return Liveness(False, "more healthy nodes than max_nodes", None, "", [])
     target = min(len(healthy), scenario["max_nodes"])
     deadline = tl.t_f + tl.bound
     held = _progress_at(healthy, target, nodes, tl.t_f, deadline)
@@ -674,7 +687,8 @@ def _healthy_kept(
     pid_name = {}
     for name, records in nodes.items():
         for r in records:
-            if r["ev"] == "start":
+            # Our nodes only: PyTorch's drop one another by their own heartbeats.
+            if r["ev"] == "start" and r.get("impl") == "ours":
                 pid_name[r["pid"]] = name
     found = []
     previous = None

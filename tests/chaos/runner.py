@@ -35,6 +35,7 @@ from chaos.scenario import FLAVORS, REPO, Fault, Scenario
 from etcd_rendezvous.etcd_cluster import EtcdCluster
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.faultproxy import FaultProxy
+from support.torchrun import Agent
 
 __all__ = ["Verdict", "run_scenario"]
 
@@ -117,10 +118,19 @@ class _Member:
 
 
 class _NodeProcess:
-    def __init__(self, name: str, process: subprocess.Popen[bytes], clock_file: Path | None):
+    """A node process, or a torchrun agent (``agent``) with its workers."""
+
+    def __init__(
+        self,
+        name: str,
+        process: subprocess.Popen[bytes],
+        clock_file: Path | None,
+        agent: Agent | None = None,
+    ):
         self.name = name
         self.process = process
         self.clock_file = clock_file
+        self.agent = agent
         self.killed = False
         self.frozen = False
 
@@ -129,6 +139,14 @@ class _NodeProcess:
         return self.process.poll() is None
 
     def signal(self, sig: int) -> None:
+        """Signal the node (a torchrun agent and all its workers)."""
+        if self.agent is not None:
+            if sig == signal.SIGKILL:
+                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+                    self.agent.kill_node()
+            else:
+                self.agent.signal_node(sig)
+            return
         with contextlib.suppress(ProcessLookupError):
             self.process.send_signal(sig)
 
@@ -145,8 +163,8 @@ class Runner:
         self.out = out
         self.log = log
         out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob("*.jsonl"):
-            stale.unlink()
+        for stale in [*out.glob("*.jsonl"), out / "stop"]:
+            stale.unlink(missing_ok=True)
         self.records: list[dict[str, Any]] = []
         self._recorder = Recorder(out / "runner.jsonl")
         # Timed faults wait in the pool until they are undone: room for all of them.
@@ -213,16 +231,71 @@ class Runner:
 
     # -- nodes ---------------------------------------------------------------------------
 
+    def members_of(self, name: str) -> list[_Member]:
+        """The etcd members a node is given: all of them, but PyTorch's handlers take
+        one endpoint, a member drawn from the node's name."""
+        spec = self.sc.node(name)
+        if spec.impl != "torch":
+            return self.members
+        return [self.members[int(name.lstrip("n")) % len(self.members)]]
+
     def endpoints_of(self, name: str) -> str:
         spec = self.sc.node(name)
+        members = self.members_of(name)
         if spec.proxied:
             proxies = [
                 FaultProxy(*m.host_port, name=f"proxy-{name}-{i}").start()
-                for i, m in enumerate(self.members)
+                for i, m in enumerate(members)
             ]
             self.proxies[name] = proxies
             return ",".join(f"{p.host}:{p.port}" for p in proxies)
-        return ",".join(m.endpoint for m in self.members)
+        return ",".join(m.endpoint for m in members)
+
+    def start_agent(self, name: str, env: dict[str, str], clock_file: Path | None) -> None:
+        """A torchrun agent with this package's handler, its worker ``chaos.train``."""
+        sc, settings = self.sc, self.sc.settings
+        handler = "etcd-rendezvous" if sc.backend == "etcd" else "etcd-rendezvous-v2"
+        conf: dict[str, object] = {
+            "last_call_timeout": _whole(settings["last_call"]),
+            "read_timeout": 10,
+            "request_timeout": _whole(settings["request_timeout"]),
+            "silence_timeout": _whole(settings["silence_timeout"]),
+        }
+        if sc.backend == "etcd":
+            conf["timeout"] = _whole(settings["timeout"])
+        else:
+            conf["join_timeout"] = _whole(settings["timeout"])
+            conf["keep_alive_interval"] = _whole(settings["keep_alive_interval"])
+            conf["keep_alive_max_attempt"] = _whole(settings["keep_alive_max_attempt"])
+        agent = Agent(
+            name,
+            self.out,
+            backend=handler,
+            endpoint=self.endpoints_of(name),
+            run_id=sc.run_id,
+            nnodes=f"{sc.min_nodes}:{sc.max_nodes}",
+            nproc_per_node=1,
+            rdzv_conf=conf,
+            max_restarts=1000,
+            env=env,
+            script=[
+                "--module",
+                "chaos.train",
+                f"--chaos-records={self.out / f'node-{name}.jsonl'}",
+                f"--chaos-stop={self.out / 'stop'}",
+                f"--chaos-node={name}",
+                f"--chaos-step-interval={settings['step_interval']}",
+                f"--chaos-collective-timeout={settings['collective_timeout']}",
+            ],
+        )
+        self.nodes[name] = _NodeProcess(name, agent.process, clock_file, agent)
+        self.record(
+            "proc",
+            node=name,
+            pid=agent.process.pid,
+            impl="torchrun",
+            members=[m.endpoint for m in self.members],
+        )
 
     def start_node(self, name: str) -> None:
         spec = self.sc.node(name)
@@ -249,6 +322,9 @@ class Runner:
             clock_file = self.out / f"clock-{name}"
             clock_file.write_text("+0\n")
             env.update(_faketime_env(file=clock_file))
+        if spec.impl == "torchrun":
+            self.start_agent(name, env, clock_file)
+            return
         log = open(self.out / f"node-{name}.log", "wb")  # noqa: SIM115 (the child owns it)
         process = subprocess.Popen(
             [sys.executable, "-m", "chaos.node", str(config_path)],
@@ -260,7 +336,13 @@ class Runner:
         )
         log.close()
         self.nodes[name] = _NodeProcess(name, process, clock_file)
-        self.record("proc", node=name, pid=process.pid, impl=spec.impl)
+        self.record(
+            "proc",
+            node=name,
+            pid=process.pid,
+            impl=spec.impl,
+            members=[m.endpoint for m in self.members_of(name)],
+        )
 
     # -- faults --------------------------------------------------------------------------
 
@@ -302,7 +384,10 @@ class Runner:
                 node.signal(signal.SIGSTOP)
                 node.frozen = kind == "freeze"
             elif kind == "leave":
-                node.tell("leave")
+                if node.agent is not None:
+                    node.process.send_signal(signal.SIGTERM)  # torchrun leaves the job
+                else:
+                    node.tell("leave")
             elif kind == "net":
                 for proxy in self.proxies.get(target or "", []):
                     _proxy_mode(proxy, params)
@@ -564,10 +649,12 @@ class Runner:
             if node.frozen and node.running:
                 node.signal(signal.SIGKILL)
                 node.killed = True
+        (self.out / "stop").touch()  # torchrun's workers end together on it
         for node in self.nodes.values():
             if node.running:
                 node.signal(signal.SIGCONT)  # a pause the stop interrupted
-                node.tell("stop")
+                if node.agent is None:
+                    node.tell("stop")
         waited = settings["timeout"] + checker.DEADLINE_SLACK + 10 + checker.STOP_MARGIN
         deadline = time.monotonic() + waited
         for node in self.nodes.values():
@@ -582,9 +669,15 @@ class Runner:
                 )
                 node.signal(signal.SIGKILL)
                 node.killed = True
-                node.process.wait(10)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    node.process.wait(10)
         for node in self.nodes.values():
-            tail = (self.out / f"node-{node.name}.log").read_bytes()[-1500:]
+            log = (
+                node.agent.log_path
+                if node.agent is not None
+                else self.out / f"node-{node.name}.log"
+            )
+            tail = log.read_bytes()[-1500:] if log.exists() else b""
             self.record(
                 "proc_end",
                 node=node.name,

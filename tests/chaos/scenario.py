@@ -82,6 +82,7 @@ FAMILIES: dict[str, int] = {
     "clock": 2,  # clock offsets of the nodes (and the operator)
     "store": 2,  # garbage in the run's keys, compaction, lost history
     "limit": 2,  # etcd's --max-request-bytes smaller than the state will grow (v3 only)
+    "torchrun": 2,  # torchrun agents (this package's handlers) training over gloo
 }
 
 #: Kinds of fault, for the report.
@@ -106,6 +107,8 @@ DYNAMIC_ADMISSION_GRACE = 2.0
 DYNAMIC_PROGRESS_SILENCE = 4.0
 #: The most node processes a scenario starts.
 MAX_PROCESSES = 8
+#: torchrun: starting a worker group (PyTorch's import, the gloo process group).
+TORCHRUN_WORKER_START = 10.0
 #: What the load of a shared 2-core machine may add to a bound (seconds).
 MARGIN = 10.0
 
@@ -115,7 +118,9 @@ class NodeSpec:
     """One node process."""
 
     name: str
-    impl: str  # "ours" or "torch" (PyTorch 2.13's handler: v2 API only)
+    #: "ours", "torch" (PyTorch 2.13's handler: v2 API only) or "torchrun" (a torchrun
+    #: agent with this package's handler, and its worker)
+    impl: str
     start: float
     #: Behind the fault proxy (one proxy per etcd member), so that ``net`` faults can
     #: reach it.
@@ -219,6 +224,10 @@ class Scenario:
         s = self.settings
         request = s["request_timeout"]
         detect = s["step_timeout"] + s["step_interval"] + request
+        torchrun = any(n.impl == "torchrun" for n in self.nodes)
+        if torchrun:
+            # A worker's collective times out; the agent notices within a second.
+            detect = s["collective_timeout"] + 1.0 + request
         lasting_member_loss = any(
             f.kind in ("etcd_freeze",) or (f.kind == "etcd_kill" and f.duration is None)
             for f in self.faults
@@ -244,6 +253,8 @@ class Scenario:
                 + 2 * s["keep_alive_interval"]
                 + request
             )
+        if torchrun:
+            cycle += TORCHRUN_WORKER_START
         return Bound(detect=detect, cycle=cycle, failover=failover, margin=MARGIN)
 
     def replay_command(self) -> str:
@@ -267,12 +278,18 @@ class Scenario:
         for f in self.faults:
             kinds[f.kind] = kinds.get(f.kind, 0) + 1
         torch = sum(1 for n in self.nodes if n.impl == "torch")
+        agents = sum(1 for n in self.nodes if n.impl == "torchrun")
+        who = (
+            f"{agents} torchrun agents"
+            if agents
+            else f"{len(self.nodes)} nodes ({torch} PyTorch's)"
+        )
         faults = ", ".join(f"{k} x{v}" for k, v in sorted(kinds.items())) or "none"
         limit = f", --max-request-bytes={self.max_request_bytes}" if self.max_request_bytes else ""
         return (
             f"seed {self.seed} [{self.family}] {self.backend} on etcd {self.flavor} "
             f"({self.members} member{'s' if self.members > 1 else ''}{limit}), "
-            f"{len(self.nodes)} nodes ({torch} PyTorch's), min {self.min_nodes} max "
+            f"{who}, min {self.min_nodes} max "
             f"{self.max_nodes}; faults: {faults}; T_f {self.faults_over():.1f} s"
         )
 
@@ -317,11 +334,18 @@ class _Generator:
         count = rng.randint(3, 6) if family != "limit" else rng.randint(5, 7)
         min_nodes = rng.randint(1, max(1, count - 1)) if family != "limit" else 2
         max_nodes = count if backend == "etcd" or self.chance(0.7) else max(min_nodes, count - 1)
-        torch_ok = self.api == "v2" and os.environ.get("CHAOS_NO_TORCH") != "1"
+        torch_ok = self.api == "v2" and family != "torchrun"
+        torch_ok = torch_ok and os.environ.get("CHAOS_NO_TORCH") != "1"
         torch_count = 0
         if torch_ok and (family in ("mixed", "ops") or self.chance(0.25)):
             torch_count = rng.randint(1, 2)
+        if family == "torchrun":
+            count = rng.randint(3, 4)  # an agent and its worker each: 6 to 8 processes
+            min_nodes = rng.randint(1, count - 1)
+            max_nodes = count
         impls = ["torch"] * torch_count + ["ours"] * (count - torch_count)
+        if family == "torchrun":
+            impls = ["torchrun"] * count
         rng.shuffle(impls)
         window = rng.uniform(8.0, 22.0)  # the faults happen in [2, 2 + window]
         self.window = (2.0, 2.0 + window)
@@ -339,6 +363,7 @@ class _Generator:
             "silence_timeout": 5.0,
             "step_timeout": 5.0,
             "step_interval": 0.5,
+            "collective_timeout": 10.0,
         }
         if family == "clock":
             # Heartbeats that tolerate a few seconds of skew, as PyTorch's defaults do
@@ -543,6 +568,14 @@ class _Generator:
             self.store_fault()
         if self.chance(0.5):
             self.node_fault(["kill", "pause"])
+
+    def _torchrun(self) -> None:
+        for _ in range(self.rng.randint(1, 3)):
+            pick = self.rng.random()
+            if pick < 0.6:
+                self.node_fault(["kill", "pause", "freeze", "leave", "net", "clock"])
+            else:
+                self.etcd_fault()
 
     def _limit(self) -> None:
         if self.chance(0.5):

@@ -56,7 +56,7 @@ class History:
 
     def start(self, name: str, pid: int, at: float = 0.0) -> None:
         self.runner.append({"t": T0 + at, "ev": "proc", "node": name, "pid": pid})
-        self.nodes[name] = [{"t": T0 + at, "ev": "start", "node": name, "pid": pid}]
+        self.nodes[name] = [{"t": T0 + at, "ev": "start", "node": name, "pid": pid, "impl": "ours"}]
 
     def node(self, name: str, at: float, ev: str, **fields: Any) -> None:
         self.nodes[name].append({"t": T0 + at, "ev": ev, "node": name, **fields})
@@ -497,7 +497,7 @@ def test_scenarios_keep_to_their_rules():
             assert 3 <= len(sc.nodes) <= 8
             assert sc.min_nodes <= sc.max_nodes
             if sc.api == "v3":
-                assert all(n.impl == "ours" for n in sc.nodes)  # PyTorch's speak v2 only
+                assert all(n.impl != "torch" for n in sc.nodes)  # PyTorch's speak v2 only
             if sc.backend == "etcd":
                 assert len(sc.nodes) <= sc.max_nodes
             if sc.members == 1:  # one member cannot stay down
@@ -525,3 +525,27 @@ def test_the_bound_adds_up_its_terms():
     assert bound.failover == 2.0 + 5.0  # request_timeout + silence_timeout: a member stays frozen
     assert bound.cycle == 2 * 3 + 4 + 2 + 4 + 1 + 2 + 2
     assert bound.total == bound.detect + 2 * bound.cycle + bound.failover + bound.margin
+
+
+def test_liveness_does_not_apply_beyond_max_nodes():
+    h = History(nodes=3)
+    h.scenario["max_nodes"] = 2
+    h.faults_over(5.0)
+    live = checker.liveness(h.scenario, h.runner, h.nodes)
+    assert not live.applies
+    assert "max_nodes" in live.why
+
+
+def test_a_node_whose_only_member_is_lost_is_not_waited_for():
+    h = History()
+    h.runner[1]["members"] = ["127.0.0.1:1"]  # n0 (PyTorch's) talks to one member
+    h.fault("etcd_freeze", 3.0, None, "leader", member="127.0.0.1:1")
+    h.faults_over(5.0)
+    assert checker.healthy_nodes(h.scenario, h.runner, h.nodes) == ["n1", "n2"]
+
+
+def test_pytorch_nodes_are_not_held_to_healthy_kept():
+    h = clean()
+    h.nodes["n1"][0]["impl"] = "torch"
+    states(h, 8.0, everyone(), {"127.0.0.1_100_0": 0, "127.0.0.1_102_0": 2})
+    assert "healthy-kept" not in h.invariants()
