@@ -56,18 +56,29 @@ The runner's records:
 
 ``scenario``     ``scenario``: the scenario as generated (``Scenario.as_dict()``)
 ``etcd``         ``endpoints``, ``client_urls``, ``api``, ``version``
-``proc``         ``node``, ``pid``: a node process was started
-``fault``        ``kind``, ``target``, ``params``, ``end`` (``t`` + duration, or
-                 ``None`` for a lasting one): a fault was injected at ``t``
-``recovered``    ``kind``, ``target``: a fault with a duration was undone
-``command``      ``args``, ``t0``, ``rc``, ``stdout``, ``stderr``, ``report`` (the
-                 JSON report of ``delete``/``gc``, if any)
-``state``        ``round``, ``complete``, ``closed``, ``participants`` (node name ->
-                 rank), ``wait_list``: an ``etcd-v2`` state as the runner's watch saw it
-``faults_over``  the last fault ended (``T_f``)
-``healthy``      ``nodes``: the nodes that are alive, not frozen and keep trying
-``leases``       ``leaked``: v3 leases left by nodes that shut down (``id``,
-                 ``keys``, ``pid``)
+``begin``        the scenario's start (the nodes' start times count from it); ``bound``
+                 (the liveness bound, seconds) and ``bound_terms``
+``proc``         ``node``, ``pid``, ``impl``, ``members`` (the etcd members it was
+                 given): a node process (or torchrun agent) was started
+``fault``        ``id``, ``index`` (in the scenario's list), ``kind``, ``target``,
+                 ``params`` (with what was done: the member, the key and the value it
+                 held), ``end`` (when it is to be undone; ``None``: never)
+``recovered``    ``id``, ``kind``, ``target``: a fault with a duration was undone
+``fault_failed`` / ``undo_failed``: the runner could not do it (``error``)
+``command``      ``kind``, ``args``, ``t0`` (its start; ``t`` is its end), ``rc``,
+                 ``stdout``, ``stderr``, ``report`` (the JSON of ``delete``/``gc``)
+``state``        each new value of the run's state key: ``present``, ``size`` and, for
+                 ``etcd-v2``, ``round``, ``complete``, ``closed``, ``participants``
+                 (``addr_pid_id`` -> rank), ``wait_list``, ``redundancy_list``,
+                 ``heartbeats``; for ``etcd``, ``status``, ``version``, ``participants``
+                 (how many), ``keep_alives``, ``waiting``
+``faults_over``  ``T_f``: every fault injected and every timed one undone
+``hung``         ``node``, ``waited``, ``last`` (its last record): a node that did not
+                 end within its bounds once asked to stop (then killed)
+``proc_end``     ``node``, ``rc``, ``killed`` (by a fault or the runner), ``stderr``
+                 (the tail of its output)
+``leases``       ``leases``: every v3 lease once the nodes ended (``id``, ``ttl``,
+                 ``keys``, ``pids``: the nodes whose keys it holds)
 ``end``          ``reason``: why the runner ended the scenario
 """
 
