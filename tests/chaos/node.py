@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import gc
 import json
+import logging
 import os
 import socket
 import sys
@@ -425,6 +426,12 @@ def _address(hexaddr: str) -> str:
 
 def main() -> None:
     _patch_sleep_for_faketime()
+    # The library's INFO lines go to the node's log (``node-<name>.log``), with the
+    # time since the process started and the thread: what to read when a seed fails.
+    logging.basicConfig(
+        level=logging.DEBUG if os.environ.get("CHAOS_DEBUG") else logging.INFO,
+        format="%(relativeCreated)8.0f %(threadName)s %(name)s %(levelname)s %(message)s",
+    )
     with open(sys.argv[1]) as fh:
         config = json.load(fh)
     Node(config).run()

@@ -46,6 +46,8 @@ _STATE_POLL = 0.1
 _PROGRESS_POLL = 1.0
 #: After progress is shown, let the nodes run this much longer before stopping them.
 _SETTLE = 1.0
+#: How long PyTorch's nodes get to end once asked to stop.
+_TORCH_STOP = 20.0
 
 
 @dataclass
@@ -657,11 +659,21 @@ class Runner:
                     node.tell("stop")
         waited = settings["timeout"] + checker.DEADLINE_SLACK + 10 + checker.STOP_MARGIN
         deadline = time.monotonic() + waited
-        for node in self.nodes.values():
-            remaining = max(0.1, deadline - time.monotonic())
+        # PyTorch's nodes are not held to our deadlines (python-etcd waits on a frozen
+        # member for ever): they get a while, then are killed.
+        torch_deadline = time.monotonic() + _TORCH_STOP
+        for node in sorted(self.nodes.values(), key=lambda n: self.sc.node(n.name).impl == "torch"):
+            ours = self.sc.node(node.name).impl != "torch"
+            remaining = max(0.1, (deadline if ours else torch_deadline) - time.monotonic())
             try:
                 node.process.wait(remaining)
             except subprocess.TimeoutExpired:
+                if not ours:
+                    node.signal(signal.SIGKILL)
+                    node.killed = True
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        node.process.wait(10)
+                    continue
                 path = self.out / f"node-{node.name}.jsonl"
                 records = list(read_records(path)) if path.exists() else []
                 self.record(
