@@ -15,6 +15,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from chaos.runner import run_scenario
 
+    # SIGTERM ends the run as Ctrl-C does: the scenario's nodes and etcd are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"records in {args.out}", flush=True)

@@ -333,7 +333,9 @@ class _Generator:
         members = 3 if family == "etcd" or self.chance(0.35) else 1
         count = rng.randint(3, 6) if family != "limit" else rng.randint(5, 7)
         min_nodes = rng.randint(1, max(1, count - 1)) if family != "limit" else 2
-        max_nodes = count if backend == "etcd" or self.chance(0.7) else max(min_nodes, count - 1)
+        # More nodes than max_nodes (the redundancy list) now and then: liveness does not
+        # apply there (see the checker), the other invariants do.
+        max_nodes = count if backend == "etcd" or self.chance(0.85) else max(min_nodes, count - 1)
         torch_ok = self.api == "v2" and family != "torchrun"
         torch_ok = torch_ok and os.environ.get("CHAOS_NO_TORCH") != "1"
         torch_count = 0
@@ -555,8 +557,17 @@ class _Generator:
         self.add_command(kind)
 
     def _clock(self) -> None:
-        for node in self.rng.sample(self.nodes, self.rng.randint(1, len(self.nodes))):
-            self.clock_fault(node.name)
+        """Clock offsets: on a few nodes, either way (up to 30 s), or only slow clocks
+        (some nodes behind the others: the ones with the right time must not suffer
+        for it)."""
+        slow_only = self.chance(0.5)
+        count = self.rng.randint(1, 2 if slow_only else len(self.nodes))
+        for node in self.rng.sample(self.nodes, count):
+            if slow_only:
+                offset = round(-self.rng.uniform(5.0, 30.0), 1)
+                self.faults.append(Fault("clock", self.at(), None, node.name, {"offset": offset}))
+            else:
+                self.clock_fault(node.name)
         if self.chance(0.5):
             self.node_fault(["kill", "pause"])
         if self.chance(0.4):
