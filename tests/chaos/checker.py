@@ -31,7 +31,8 @@ invariants (``docs/testing.rst``, section "The fault harness"):
     A value written through a round's store still reads in that round.
 ``no-leaks``
     After ``shutdown()`` and ``close()``: no thread of the library, no socket to etcd,
-    and (v3) no lease attached to the node's keys.
+    and (v3) no lease attached to the node's keys, nor long leases holding no key
+    beyond one for each node that was killed.
 ``healthy-kept``
     (``etcd-v2``) None of our nodes is taken out of a complete round while it runs the round
     undisturbed, unless some node's clock runs ahead of its own by more than
@@ -58,6 +59,9 @@ Record = dict[str, Any]
 DEADLINE_SLACK = 2.0
 #: A node inside the run this long before a command may have written its keys.
 SETTLED_IN_RUN = 3.0
+#: A lease with more left than this that holds no key was left behind (the short
+#: ones, of keys just deleted, lapse on their own within seconds).
+_ORPHAN_TTL = 60
 #: Barriers a round must pass to count as progress.
 PROGRESS_STEPS = 2
 #: How long a node may take to stop: its call's timeout, shutdown's close timeout,
@@ -654,9 +658,24 @@ def _no_leaks(
                         tl.rel(r["t"]),
                     )
                 )
+    gone = sum(1 for f in tl.faults if f["kind"] in ("kill", "freeze"))
     for r in runner:
         if r["ev"] != "leases":
             continue
+        # A long lease (the two-hour one a connection shares between the keys it
+        # writes) holding no key: what a node left that neither revoked nor uses it.
+        # A killed node cannot revoke its own.
+        orphans = [x for x in r["leases"] if not x["keys"] and x["ttl"] > _ORPHAN_TTL]
+        if orphans and len(orphans) > gone and clean_pids:
+            found.append(
+                Violation(
+                    "no-leaks",
+                    f"{len(orphans)} v3 lease(s) holding no key, with {orphans[0]['ttl']} s "
+                    f"left, remain after the nodes shut down ({gone} node(s) were killed)",
+                    sorted(clean_pids.values()),
+                    tl.rel(r["t"]),
+                )
+            )
         for lease in r["leases"]:
             owners = {clean_pids[p] for p in lease.get("pids", []) if p in clean_pids}
             if owners:

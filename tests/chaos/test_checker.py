@@ -549,3 +549,14 @@ def test_pytorch_nodes_are_not_held_to_healthy_kept():
     h.nodes["n1"][0]["impl"] = "torch"
     states(h, 8.0, everyone(), {"127.0.0.1_100_0": 0, "127.0.0.1_102_0": 2})
     assert "healthy-kept" not in h.invariants()
+
+
+def test_long_leases_holding_nothing_after_shutdown_are_leaks():
+    h = clean()
+    orphan = {"id": 9, "ttl": 7100, "keys": [], "pids": []}
+    h.run("leases", 25.0, leases=[orphan, {**orphan, "id": 10, "ttl": 3}])
+    assert h.invariants() == ["no-leaks"]
+    h.fault("kill", 3.0, None, "n2")  # n2 could not revoke its own
+    h.runner = [r for r in h.runner if r["ev"] != "leases"]
+    h.run("leases", 25.0, leases=[orphan])
+    assert "no-leaks" not in h.invariants()
