@@ -62,6 +62,8 @@ SETTLED_IN_RUN = 3.0
 #: A lease with more left than this that holds no key was left behind (the short
 #: ones, of keys just deleted, lapse on their own within seconds).
 _ORPHAN_TTL = 60
+#: A stall of the machine this long counts as a disturbance of every node.
+_STALL_DISTURBS = 1.0
 #: Barriers a round must pass to count as progress.
 PROGRESS_STEPS = 2
 #: How long a node may take to stop: its call's timeout, shutdown's close timeout,
@@ -99,6 +101,13 @@ class Timeline:
     t_f: float  # absolute
     bound: float
     closed_at: float | None  # a close command ran
+    #: (start, end) of each moment the machine was too busy to keep time (the
+    #: runner's "stall" records).
+    stalls: list[tuple[float, float]] = field(default_factory=list)
+
+    def stalled(self, start: float, end: float) -> float:
+        """Seconds the machine stalled within ``[start, end]``."""
+        return sum(max(0.0, min(end, e) - max(start, s)) for s, e in self.stalls)
 
     def rel(self, t: float | None) -> float | None:
         return None if t is None else round(t - self.t0, 2)
@@ -116,6 +125,9 @@ class Timeline:
         overlapped ``[start, end]``: its own pause, freeze or network fault (but a
         delay of a second or less), any etcd member fault, garbage in a worker's key
         or the state."""
+        # A machine too busy to keep time for a second starves every keep-alive.
+        if any(e - s >= _STALL_DISTURBS and s <= end and e >= start for s, e in self.stalls):
+            return True
         for fault in self.faults:
             kind = fault["kind"]
             params = fault.get("params") or {}
@@ -173,7 +185,8 @@ def _timeline(scenario: dict[str, Any], runner: list[Record]) -> Timeline:
         (r["t0"] for r in runner if r["ev"] == "command" and r["kind"] == "close" and r["rc"] == 0),
         None,
     )
-    return Timeline(t0, faults, procs, ended, t_f, float(begin["bound"]), closed_at)
+    stalls = [(r["start"], r["start"] + r["late"]) for r in runner if r["ev"] == "stall"]
+    return Timeline(t0, faults, procs, ended, t_f, float(begin["bound"]), closed_at, stalls)
 
 
 def _faults_over(scenario: dict[str, Any]) -> float:
@@ -441,7 +454,9 @@ def liveness(
         # re-rendezvous again; a round may or may not settle.
         return Liveness(False, "more healthy nodes than max_nodes", None, "", [])
     target = min(len(healthy), scenario["max_nodes"])
+    # Time the machine could not keep is given back (it stalled for everyone).
     deadline = tl.t_f + tl.bound
+    deadline += tl.stalled(tl.t_f, deadline)
     held = _progress_at(healthy, target, nodes, tl.t_f, deadline)
     if held is not None:
         return Liveness(True, "", held, "progress", [])
@@ -569,6 +584,7 @@ def _named_errors(
                 limit = timeout
             allowed = limit + DEADLINE_SLACK
             allowed += tl.paused_during(name, r["t"] - r["elapsed"], r["t"])
+            allowed += tl.stalled(r["t"] - r["elapsed"], r["t"])
             if r["elapsed"] > allowed:
                 found.append(
                     Violation(

@@ -46,6 +46,10 @@ _STATE_POLL = 0.1
 _PROGRESS_POLL = 1.0
 #: After progress is shown, let the nodes run this much longer before stopping them.
 _SETTLE = 1.0
+#: The runner's load probe: it wakes every tick and records a stall when it woke this
+#: much late.
+_LOAD_TICK = 0.1
+_STALL = 0.25
 #: How long PyTorch's nodes get to end once asked to stop.
 _TORCH_STOP = 20.0
 
@@ -564,6 +568,17 @@ class Runner:
                 **_describe_state(self.sc.backend, value),
             )
 
+    def watch_load(self) -> None:
+        """Record each moment the runner's own thread was scheduled late (``stall``):
+        the machine was too busy to keep time, for everyone. The checker gives the
+        stalls back to the deadlines and counts them as disturbances."""
+        while not self.stopping.is_set():
+            start = time.monotonic()
+            self.stopping.wait(_LOAD_TICK)
+            late = time.monotonic() - start - _LOAD_TICK
+            if late > _STALL:
+                self.record("stall", start=start + _LOAD_TICK, late=round(late, 3))
+
     # -- the scenario ----------------------------------------------------------------------
 
     def run(self) -> Verdict:
@@ -575,6 +590,8 @@ class Runner:
         self.start_etcd()
         watcher = threading.Thread(target=self.watch_state, name="chaos-state", daemon=True)
         watcher.start()
+        load = threading.Thread(target=self.watch_load, name="chaos-load", daemon=True)
+        load.start()
         t0 = time.monotonic()
         self.record("begin", t=t0, bound=bound.total, bound_terms=bound.explain())
         events: list[tuple[float, int, str, Any]] = []
@@ -621,7 +638,7 @@ class Runner:
                         if now >= t_f + 10:
                             reason = f"liveness does not apply: {status.why}"
                             break
-                    elif now >= deadline:
+                    elif now >= deadline + self.stalled_since(t_f):
                         reason = "liveness bound passed"
                         break
                 if not any(n.running for n in self.nodes.values()) and not events and over_recorded:
@@ -633,11 +650,17 @@ class Runner:
             self.stop_nodes()
             self.stopping.set()
             watcher.join(5)
+            load.join(5)
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.observe_leases()
             self.record("end", reason=reason)
             self.teardown()
         return self.verdict(time.monotonic() - started)
+
+    def stalled_since(self, since: float) -> float:
+        """Seconds the machine stalled since ``since`` (given back to the bound)."""
+        with self.lock:
+            return sum(r["late"] for r in self.records if r["ev"] == "stall" and r["t"] >= since)
 
     def liveness_now(self, now: float) -> checker.Liveness:
         _, nodes = read_all(self.out)

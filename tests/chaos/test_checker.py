@@ -560,3 +560,19 @@ def test_long_leases_holding_nothing_after_shutdown_are_leaks():
     h.runner = [r for r in h.runner if r["ev"] != "leases"]
     h.run("leases", 25.0, leases=[orphan])
     assert "no-leaks" not in h.invariants()
+
+
+def test_a_stalled_machine_disturbs_everyone_and_gives_its_time_back():
+    h = clean()
+    states(h, 8.0, everyone(), {"127.0.0.1_100_0": 0, "127.0.0.1_102_0": 2})
+    assert h.invariants() == ["healthy-kept"]
+    h.run("stall", 6.5, start=T0 + 5.0, late=1.5)
+    assert h.check() == []
+    # A late progress is on time once the stall is given back.
+    h = History()
+    h.faults_over(5.0)
+    h.round(["n0", "n1", "n2"], 0, at=5.0 + BOUND - 1.0, steps=3)
+    h.finish(60.0)
+    assert h.invariants() == ["liveness"]
+    h.run("stall", 20.0, start=T0 + 10.0, late=3.0)
+    assert h.check() == []
