@@ -77,10 +77,17 @@ class Violation:
     detail: str
     nodes: list[str] = field(default_factory=list)
     t: float | None = None  # seconds after the scenario's start
+    #: What broke, within the invariant (for the summary): "threads", "sockets", ...
+    what: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.invariant}/{self.what}" if self.what else self.invariant
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "invariant": self.invariant,
+            "what": self.what,
             "detail": self.detail,
             "nodes": self.nodes,
             "t": self.t,
@@ -651,6 +658,7 @@ def _no_leaks(
                         + ("" if r.get("threads_after_close") else " (close() ends them)"),
                         [name],
                         tl.rel(r["t"]),
+                        "threads after shutdown",
                     )
                 )
             elif r.get("threads_after_close"):
@@ -661,6 +669,7 @@ def _no_leaks(
                         f"{r['threads_after_close']}",
                         [name],
                         tl.rel(r["t"]),
+                        "threads after close",
                     )
                 )
             if r["sockets"] or r.get("sockets_after_gc"):
@@ -672,6 +681,7 @@ def _no_leaks(
                         f"close(): {r['sockets'] or r['sockets_after_gc']}{freed}",
                         [name],
                         tl.rel(r["t"]),
+                        "sockets" if r.get("sockets_after_gc") else "sockets until gc",
                     )
                 )
     gone = sum(1 for f in tl.faults if f["kind"] in ("kill", "freeze"))
@@ -690,6 +700,7 @@ def _no_leaks(
                     f"left, remain after the nodes shut down ({gone} node(s) were killed)",
                     sorted(clean_pids.values()),
                     tl.rel(r["t"]),
+                    "leases holding nothing",
                 )
             )
         for lease in r["leases"]:
@@ -702,6 +713,7 @@ def _no_leaks(
                         f"{lease['keys']} of {sorted(owners)}, which shut down",
                         sorted(owners),
                         tl.rel(r["t"]),
+                        "lease of a node's key",
                     )
                 )
     return found

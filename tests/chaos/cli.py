@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     check = sub.add_parser("check")
     check.add_argument("folder", type=Path)
+    report = sub.add_parser("report")
+    report.add_argument("folder", type=Path, help="a run's --out folder")
     timeline = sub.add_parser("timeline")
     timeline.add_argument("folder", type=Path)
     timeline.add_argument("--nodes", action="store_true", help="every node record too")
@@ -80,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "check":
         return _check(args.folder)
+    if args.command == "report":
+        return _report(args.folder)
     if args.command == "timeline":
         return _timeline(args.folder, args.nodes)
     if args.command == "show":
@@ -127,14 +131,24 @@ def _summary(results: list[dict], seconds: float) -> None:
     invariants: Counter[str] = Counter()
     for r in results:
         faults.update(r["faults"])
-        invariants.update(v["invariant"] for v in r["violations"])
+        invariants.update(
+            {
+                f"{v['invariant']}/{v['what']}" if v.get("what") else v["invariant"]
+                for v in r["violations"]
+            }
+        )
     flavors = Counter(r["flavor"] for r in results)
     print(f"\n{len(results)} scenarios in {seconds / 60:.1f} min; etcd: {dict(flavors)}")
     print(f"faults injected: {dict(sorted(faults.items()))}")
     bad = [r for r in results if r["violations"]]
-    print(f"scenarios with violations: {len(bad)}; by invariant: {dict(invariants)}")
+    print(f"scenarios with violations: {len(bad)}; scenarios by invariant: {dict(invariants)}")
     for r in bad:
-        kinds = sorted({v["invariant"] for v in r["violations"]})
+        kinds = sorted(
+            {
+                f"{v['invariant']}/{v['what']}" if v.get("what") else v["invariant"]
+                for v in r["violations"]
+            }
+        )
         print(
             f"  seed {r['seed']} ({r['flavor']}, {r['family']}): {', '.join(kinds)}: {r['replay']}"
         )
@@ -148,6 +162,47 @@ def _check(folder: Path) -> int:
         print(f"[{v.invariant}] at {v.t} s: {v.detail}")
     print(f"{len(found)} violation(s)")
     return 1 if found else 0
+
+
+def _report(folder: Path) -> int:
+    """Check every scenario under ``folder`` again and print the run's summary."""
+    results = []
+    for sub in sorted(folder.glob("seed-*"), key=lambda p: int(p.name.split("-")[1])):
+        if not (sub / "runner.jsonl").exists():
+            continue
+        runner, nodes = read_all(sub)
+        if not any(r["ev"] == "end" for r in runner):
+            continue  # cut short
+        scenario = next(r["scenario"] for r in runner if r["ev"] == "scenario")
+        found = checker.check(scenario, runner, nodes)
+        counts: Counter[str] = Counter(r["kind"] for r in runner if r["ev"] in ("fault", "command"))
+        if scenario.get("max_request_bytes"):
+            counts["request_limit"] += 1
+        counts["join"] += sum(1 for n in scenario["nodes"] if n["start"] > 2.0)
+        begin = next(r["t"] for r in runner if r["ev"] == "begin")
+        end = next(r["t"] for r in runner if r["ev"] == "end")
+        results.append(
+            {
+                "seed": scenario["seed"],
+                "flavor": scenario["flavor"],
+                "family": scenario["family"],
+                "backend": scenario["backend"],
+                "replay": (
+                    f"python -m tests.chaos run --seeds {scenario['seed']} --etcd "
+                    f"{scenario['flavor']} --family {scenario['family']}"
+                ),
+                "seconds": end - begin,
+                "faults": {k: v for k, v in counts.items() if v},
+                "violations": [v.as_dict() for v in found],
+            }
+        )
+        kinds = Counter(v.key for v in found)
+        print(
+            f"seed {scenario['seed']:>4} {scenario['flavor']:<7} {scenario['family']:<9} "
+            f"{scenario['backend']:<8} {end - begin:5.0f} s  {dict(kinds) or 'ok'}"
+        )
+    _summary(results, sum(r["seconds"] for r in results))
+    return 1 if any(r["violations"] for r in results) else 0
 
 
 _QUIET = {"step", "stored", "world"}
