@@ -50,6 +50,8 @@ _SETTLE = 1.0
 #: much late.
 _LOAD_TICK = 0.1
 _STALL = 0.25
+#: How long the runner watches after T_f when liveness does not apply.
+_WATCH_WITHOUT_LIVENESS = 30.0
 #: How long PyTorch's nodes get to end once asked to stop.
 _TORCH_STOP = 20.0
 
@@ -635,7 +637,8 @@ class Runner:
                         reason = f"liveness shown ({status.how})"
                         break
                     if not status.applies:
-                        if now >= t_f + 10:
+                        # Still worth watching for the other invariants a while.
+                        if now >= t_f + min(bound.total, _WATCH_WITHOUT_LIVENESS):
                             reason = f"liveness does not apply: {status.why}"
                             break
                     elif now >= deadline + self.stalled_since(t_f):
