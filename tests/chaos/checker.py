@@ -111,6 +111,11 @@ class Timeline:
     #: (start, end) of each moment the machine was too busy to keep time (the
     #: runner's "stall" records).
     stalls: list[tuple[float, float]] = field(default_factory=list)
+    #: The longest delay a response may take without disturbing a node's keep-alive:
+    #: a second for the ``etcd`` backend (keys of 10 s refreshed every 5 s), a quarter
+    #: of ``keep_alive_interval`` for ``etcd-v2`` (a heartbeat takes a few requests one
+    #: after the other, every interval).
+    slow_ok: float = 1.0
 
     def stalled(self, start: float, end: float) -> float:
         """Seconds the machine stalled within ``[start, end]``."""
@@ -138,9 +143,12 @@ class Timeline:
         for fault in self.faults:
             kind = fault["kind"]
             params = fault.get("params") or {}
-            # A slow network (up to a second a response) delays a refresh, it does not
-            # stop it; dropped, refused or reset connections do.
-            slow_only = kind == "net" and params.get("mode") == "delay" and params["delay"] <= 1.0
+            # A slow network delays a refresh, it does not stop it (dropped, refused or
+            # reset connections do), while the delay is short against the keys' refresh
+            # period (see Timeline.slow_ok).
+            slow_only = (
+                kind == "net" and params.get("mode") == "delay" and params["delay"] <= self.slow_ok
+            )
             own = (
                 fault.get("target") == node
                 and kind in ("pause", "freeze", "net", "kill")
@@ -193,7 +201,12 @@ def _timeline(scenario: dict[str, Any], runner: list[Record]) -> Timeline:
         None,
     )
     stalls = [(r["start"], r["start"] + r["late"]) for r in runner if r["ev"] == "stall"]
-    return Timeline(t0, faults, procs, ended, t_f, float(begin["bound"]), closed_at, stalls)
+    slow_ok = 1.0
+    if scenario["backend"] == "etcd-v2":
+        slow_ok = scenario["settings"]["keep_alive_interval"] / 4
+    return Timeline(
+        t0, faults, procs, ended, t_f, float(begin["bound"]), closed_at, stalls, slow_ok
+    )
 
 
 def _faults_over(scenario: dict[str, Any]) -> float:
