@@ -62,7 +62,7 @@ SETTLED_IN_RUN = 3.0
 #: A lease with more left than this that holds no key was left behind (the short
 #: ones, of keys just deleted, lapse on their own within seconds).
 _ORPHAN_TTL = 60
-#: A stall of the machine this long counts as a disturbance of every node.
+#: Stalls of the machine adding up to this long within a window disturb every node.
 _STALL_DISTURBS = 1.0
 #: Barriers a round must pass to count as progress.
 PROGRESS_STEPS = 2
@@ -137,8 +137,9 @@ class Timeline:
         overlapped ``[start, end]``: its own pause, freeze or network fault (but a
         delay of a second or less), any etcd member fault, garbage in a worker's key
         or the state."""
-        # A machine too busy to keep time for a second starves every keep-alive.
-        if any(e - s >= _STALL_DISTURBS and s <= end and e >= start for s, e in self.stalls):
+        # A machine that lost a second in all, within the window, starves every
+        # keep-alive.
+        if self.stalled(start, end) >= _STALL_DISTURBS:
             return True
         for fault in self.faults:
             kind = fault["kind"]
