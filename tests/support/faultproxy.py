@@ -16,6 +16,8 @@ runs:
   a host that is down) and reset the connections already open.
 * :meth:`~FaultProxy.reset`: accept connections and reset them at once; reset the open
   ones too.
+* :meth:`~FaultProxy.delay`: forward, but hold every chunk of the server's answers for
+  a while first (a slow network); :meth:`~FaultProxy.forward` ends it.
 
 The proxy also parses the HTTP/1.1 requests it forwards (request line and
 ``Content-Length`` framing only), so a test can count exactly what reached the wire:
@@ -198,6 +200,8 @@ class FaultProxy:
         self._name = name
         self._cond = threading.Condition()
         self._mode = Mode.FORWARD
+        #: Seconds each chunk of a response is held before it is passed on.
+        self._delay = 0.0
         self._drops_left: int | None = None
         self._close_on_drop = False
         self._on_drop: Callable[[], object] | None = None
@@ -294,9 +298,19 @@ class FaultProxy:
         with self._cond:
             self._require_running()
             self._mode = Mode.FORWARD
+            self._delay = 0.0
             self._drops_left = None
             if self._listener is None:
                 self._open_listener()
+
+    def delay(self, seconds: float) -> None:
+        """Forward both ways, holding each chunk of the server's answers ``seconds``
+        before passing it on (``0``: no delay), until the mode changes."""
+        if seconds < 0:
+            raise ValueError(f"seconds: must not be negative, got {seconds!r}")
+        self.forward()
+        with self._cond:
+            self._delay = seconds
 
     def drop_responses(
         self,
@@ -552,6 +566,9 @@ class FaultProxy:
                     break
                 if self._should_drop(conn):
                     continue
+                delay = self._delay
+                if delay:
+                    time.sleep(delay)
                 conn.client.sendall(data)
         except OSError:
             pass

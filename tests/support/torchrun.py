@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from support import TORCHRUN_WORKER
@@ -42,7 +42,11 @@ class Agent:
         env: Mapping[str, str] | None = None,
         launcher: list[str] | None = None,
         monitor_interval: float = 0.2,
+        script: Sequence[str] | None = None,
     ) -> None:
+        """``script``: the training script and its arguments, instead of
+        ``scripts/torchrun_worker.py`` with ``--out``, ``--steps`` and
+        ``--step-seconds``."""
         self.name = name
         self.log_path = out / f"agent-{name}.log"
         conf = ",".join(f"{key}={value}" for key, value in rdzv_conf.items())
@@ -57,10 +61,15 @@ class Agent:
             f"--max-restarts={max_restarts}",
             f"--monitor-interval={monitor_interval}",
             "--local-addr=127.0.0.1",
-            str(WORKER),
-            f"--out={out}",
-            f"--steps={steps}",
-            f"--step-seconds={step_seconds}",
+            *(
+                script
+                or [
+                    str(WORKER),
+                    f"--out={out}",
+                    f"--steps={steps}",
+                    f"--step-seconds={step_seconds}",
+                ]
+            ),
         ]
         child_env = dict(os.environ)
         # The tests of other modules opt out of TCPStore sharing; here torchrun decides.
@@ -102,6 +111,15 @@ class Agent:
                 os.kill(pid, signal.SIGKILL)
         self.process.wait(10)
         return [self.process.pid, *descendants]
+
+    def signal_node(self, sig: int) -> list[int]:
+        """Send ``sig`` (SIGSTOP, SIGCONT, ...) to the agent and all its descendants;
+        returns their pids."""
+        pids = [self.process.pid, *_descendants(self.process.pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
 
     def stop(self) -> None:
         """Kill whatever is left of the agent and its workers (test cleanup)."""

@@ -2,7 +2,8 @@
 
 Run as ``python tests/support/scripts/rdzv_worker.py --impl ours|torch --endpoint H:P --run-id R
 --min N --max M [--last-call S] [--timeout S] [--prefix P] [--backend etcd|etcd-v2]
-[--keep-alive-interval S] [--keep-alive-max-attempt N]``. It creates a handler of the
+[--keep-alive-interval S] [--keep-alive-max-attempt N] [--request-timeout S]
+[--silence-timeout S]``. It creates a handler of the
 ``etcd`` backend (default) or of the ``etcd-v2`` backend with the dynamic rendezvous
 (ours, or PyTorch's with ``--impl torch``), prints ``{"event": "ready"}`` and then
 executes one command per stdin line, answering each with one JSON line on stdout:
@@ -64,6 +65,8 @@ def _make_dynamic_handler(args: argparse.Namespace) -> Any:
         "keep_alive_max_attempt": args.keep_alive_max_attempt,
         "read_timeout": 10,
     }
+    if args.impl == "ours":
+        config.update(_our_request_timeouts(args))
     # With TCPStore sharing (PyTorch's default when it is installed) a node that joins
     # PyTorch 2.13's handlers in a later round waits for MASTER_ADDR until the store
     # times out: its rank 0 publishes it only in its first round (ours republishes it
@@ -94,7 +97,22 @@ def _round(handler: Any) -> int | None:
         return None
 
 
-def _make_handler(args: argparse.Namespace) -> Any:
+def _our_request_timeouts(args: argparse.Namespace) -> dict[str, Any]:
+    """``request_timeout`` and ``silence_timeout`` where the command line sets them (our
+    handlers only: PyTorch's have neither)."""
+    return {
+        name: value
+        for name, value in (
+            ("request_timeout", args.request_timeout),
+            ("silence_timeout", args.silence_timeout),
+        )
+        if value is not None
+    }
+
+
+def make_handler(args: argparse.Namespace) -> Any:
+    """The handler the command line describes (see :func:`add_handler_arguments`): of
+    the ``etcd`` or ``etcd-v2`` backend, ours or PyTorch's."""
     if args.backend == "etcd-v2":
         return _make_dynamic_handler(args)
     config: dict[str, Any] = {
@@ -111,6 +129,7 @@ def _make_handler(args: argparse.Namespace) -> Any:
 
         config["read_timeout"] = 10
         config["torch_store"] = args.torch_store
+        config.update(_our_request_timeouts(args))
     return create_rdzv_handler(_parameters(RendezvousParameters, "etcd", args, config))
 
 
@@ -129,18 +148,20 @@ def _log_to_file() -> None:
     )
 
 
-def _sleep_under_faketime() -> None:
-    """Under libfaketime with its monotonic clock left real (``support.rdzv.skewed_clock``)
-    ``time.sleep`` fails with EINVAL: libfaketime 0.9.10 mishandles the absolute monotonic
-    ``clock_nanosleep`` of Python 3.11. Sleep on an event instead, whose timed wait it
-    leaves alone (with the monotonic clock faked too, timed waits hang instead)."""
-    if "FAKETIME" not in os.environ:
+def sleep_under_faketime() -> None:
+    """Under libfaketime with its monotonic clock left real (``support.rdzv.skewed_clock``,
+    the fault harness's clock offsets) ``time.sleep`` fails with EINVAL: libfaketime
+    0.9.10 mishandles the absolute monotonic ``clock_nanosleep`` of Python 3.11. Sleep on
+    an event instead, whose timed wait it leaves alone (with the monotonic clock faked
+    too, timed waits hang instead). Call it before the library binds ``time.sleep``."""
+    if "FAKETIME" not in os.environ and "FAKETIME_TIMESTAMP_FILE" not in os.environ:
         return
+    never = threading.Event()
 
     def sleep(seconds: float) -> None:
         if seconds < 0:
             raise ValueError("sleep length must be non-negative")
-        threading.Event().wait(seconds)
+        never.wait(seconds)
 
     time.sleep = sleep
 
@@ -150,9 +171,8 @@ def _spin() -> None:
         pass
 
 
-def main() -> None:
-    _sleep_under_faketime()  # before the library binds time.sleep anywhere
-    parser = argparse.ArgumentParser()
+def add_handler_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options :func:`make_handler` reads (also used by ``tests/chaos/node.py``)."""
     parser.add_argument("--impl", choices=("ours", "torch"), default="ours")
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--run-id", required=True)
@@ -167,11 +187,20 @@ def main() -> None:
     # Ours hands out a torch Store when PyTorch is installed ("auto"), which means
     # importing PyTorch (seconds per process); most tests do not need it.
     parser.add_argument("--torch-store", choices=("auto", "true", "false"), default="false")
+    # Ours only; unset: the library's defaults.
+    parser.add_argument("--request-timeout", type=float, default=None)
+    parser.add_argument("--silence-timeout", type=float, default=None)
+
+
+def main() -> None:
+    sleep_under_faketime()
+    parser = argparse.ArgumentParser()
+    add_handler_arguments(parser)
     parser.add_argument("--busy-threads", type=int, default=0)
     args = parser.parse_args()
     _log_to_file()
 
-    handler = _make_handler(args)
+    handler = make_handler(args)
     store: Any = None
     _emit(event="ready")
     for i in range(args.busy_threads):
