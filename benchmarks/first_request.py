@@ -9,7 +9,8 @@ sends (urllib3's ``urlopen``, which python-etcd and the v3 transport both end in
 stack is taken. Printed: each call from the handler's ``next_rendezvous()`` down to the
 first call that leaves the package (python-etcd's or urllib3's), with its file, then
 the number of calls and the turn-backs (a call into a module already on the chain
-above, after another module: ``a → b → a``). See docs/architecture.rst, "From
+above, after another module: ``a → b → a``), in all and down to the transport's
+interface (the first call into ``_transport/``). See docs/architecture.rst, "From
 next_rendezvous() to the first request".
 """
 
@@ -112,9 +113,13 @@ def main() -> None:
     for where, name in chain:
         print(f"  {name:<28} {where}")
     files = {where for where, _ in chain[:-1]}
+    # The calls down to the transport's interface (the first call into _transport/).
+    entry = next(i for i, (where, _) in enumerate(chain) if where.startswith("_transport"))
+    above = chain[: entry + 1]
     print(
         f"{len(chain) - 1} calls in {len(files)} files of the package, "
-        f"{_turn_backs(chain)} turn-backs"
+        f"{_turn_backs(chain)} turn-backs; to the transport's interface: {entry} calls in "
+        f"{len({where for where, _ in above[:-1]})} files, {_turn_backs(above)} turn-backs"
     )
 
 
