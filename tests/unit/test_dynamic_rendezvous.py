@@ -8,6 +8,7 @@ several nodes, late and redundant nodes, close, dead-node removal, heartbeats.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import re
 import subprocess
@@ -1047,9 +1048,22 @@ def make_handler(
             heartbeat=timedelta(seconds=5),
         ),
     )
-    node = DynamicRendezvousHandler._node_desc_generator.generate(addr)
+    node = _NodeDesc(addr, os.getpid(), next(_LOCAL_IDS))
     holder = BackendStateHolder(backend, settings)
-    return DynamicRendezvousHandler(node, settings, backend.name, store, holder)
+    handler = DynamicRendezvousHandler(node, settings, backend.name, store, holder)
+    _NODES[handler] = node
+    return handler
+
+
+#: The local ids of the nodes :func:`make_handler` makes (a handler's own generator's
+#: start at 0 in each process: these start far above), and the node of each handler.
+_LOCAL_IDS = itertools.count(10_000)
+_NODES: weakref.WeakKeyDictionary[DynamicRendezvousHandler, _NodeDesc] = weakref.WeakKeyDictionary()
+
+
+def node_of(handler: DynamicRendezvousHandler) -> _NodeDesc:
+    """The node of a handler :func:`make_handler` made."""
+    return _NODES[handler]
 
 
 class Joiner:
@@ -1088,7 +1102,7 @@ def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
     created: list[DynamicRendezvousHandler] = []
     yield created
     for handler in created:
-        handler._stop_heartbeats()
+        handler.close()
 
 
 @pytest.mark.parametrize("backend_type", [MemoryBackend, PollingBackend])
@@ -1103,7 +1117,7 @@ def test_four_nodes_rendezvous(
     assert sorted(info.rank for info in infos) == [0, 1, 2, 3]
     assert {info.world_size for info in infos} == {4}
     # Ranks follow the node order, as in PyTorch.
-    by_node = sorted(zip(handlers, infos), key=lambda pair: pair[0]._this_node)
+    by_node = sorted(zip(handlers, infos), key=lambda pair: node_of(pair[0]))
     assert [info.rank for _, info in by_node] == [0, 1, 2, 3]
     # The store is round-scoped; rank 0 published the bootstrap address there.
     assert store.data["torch.rendezvous.run.0/MASTER_ADDR"] == b"127.0.0.1"
@@ -1174,7 +1188,7 @@ def test_redundant_node_exits_gracefully_on_close(
     for joiner in [Joiner(h) for h in handlers[:2]]:
         joiner.join()
     spare = Joiner(handlers[2])
-    wait_until(lambda: handlers[2]._this_node in backend.load().redundancy_list)
+    wait_until(lambda: node_of(handlers[2]) in backend.load().redundancy_list)
     assert handlers[0].num_nodes_waiting() == 0  # Redundant nodes do not trigger a round.
     handlers[0].set_closed()
     with pytest.raises(RendezvousGracefulExitError):
@@ -1215,11 +1229,11 @@ def test_dead_node_is_removed_after_its_heartbeats_lapse(
     for joiner in [Joiner(h) for h in handlers]:
         joiner.join()
     dead, survivor = handlers
-    dead._stop_heartbeats()  # As if its process was killed.
+    dead.close()  # As if its process was killed: its heartbeats stop.
     lifetime = interval * 2
 
     def lapsed() -> bool:  # (the survivor's heartbeat may have dropped it already)
-        beat = backend.load().last_heartbeats.get(dead._this_node)
+        beat = backend.load().last_heartbeats.get(node_of(dead))
         return beat is None or datetime.now(timezone.utc) - beat > lifetime
 
     wait_until(lapsed)
@@ -1228,8 +1242,8 @@ def test_dead_node_is_removed_after_its_heartbeats_lapse(
     info = Joiner(survivor).join()
     assert info.world_size == 1
     state = backend.load()
-    assert dead._this_node not in state.participants
-    assert dead._this_node not in state.last_heartbeats
+    assert node_of(dead) not in state.participants
+    assert node_of(dead) not in state.last_heartbeats
     assert state.round == 1
 
 
@@ -1237,12 +1251,12 @@ def test_dead_node_is_removed_after_its_heartbeats_lapse(
 
 
 def keep_alive_threads(handler: DynamicRendezvousHandler) -> list[threading.Thread]:
-    name = f"RendezvousKeepAliveTimer_{handler._this_node.local_id}"
+    name = f"RendezvousKeepAliveTimer_{node_of(handler).local_id}"
     return [t for t in threading.enumerate() if t.name == name]
 
 
 def last_heartbeat(backend: MemoryBackend, handler: DynamicRendezvousHandler) -> datetime:
-    return backend.load().last_heartbeats[handler._this_node]
+    return backend.load().last_heartbeats[node_of(handler)]
 
 
 def test_heartbeats_run_and_stop_on_shutdown(handlers: list[DynamicRendezvousHandler]) -> None:
@@ -1258,7 +1272,7 @@ def test_heartbeats_run_and_stop_on_shutdown(handlers: list[DynamicRendezvousHan
     assert handler.shutdown() is True
     assert not thread.is_alive()
     assert keep_alive_threads(handler) == []  # the only heartbeat writer is gone
-    handler._stop_heartbeats()  # Idempotent.
+    handler.close()  # Stopping them again is harmless.
 
 
 def test_heartbeats_survive_transient_errors(handlers: list[DynamicRendezvousHandler]) -> None:
@@ -1373,7 +1387,8 @@ def test_rank_0_keeps_its_tcp_store_port_across_rounds_and_stops_the_old_server(
     server of each round is a new, empty one on the same port, the old one stopped."""
     dist = pytest.importorskip("torch.distributed", reason="needs PyTorch")
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    handler = make_handler(MemoryBackend(), DictStore(), 1, 1)
+    backend = MemoryBackend()
+    handler = make_handler(backend, DictStore(), 1, 1)
     handlers.append(handler)
     first = handler.next_rendezvous().bootstrap_store_info
     assert first is not None
@@ -1385,7 +1400,7 @@ def test_rank_0_keeps_its_tcp_store_port_across_rounds_and_stops_the_old_server(
 
     second = handler.next_rendezvous().bootstrap_store_info  # the node re-joins: round 1
     assert second is not None
-    assert handler._state_holder.state.round == 1
+    assert backend.load().round == 1
     assert (second.master_addr, second.master_port) == (first.master_addr, first.master_port)
     assert old_server() is None  # no reference left: torch has stopped that server
     with pytest.raises(dist.DistError):
@@ -1502,9 +1517,16 @@ def test_create_handler_reads_the_options() -> None:
     assert settings.timeout.heartbeat == timedelta(seconds=14)
     assert settings.keep_alive_interval == timedelta(seconds=6)
     assert settings.keep_alive_max_attempt == 7
-    assert handler._this_node.addr == "10.0.0.1"
     assert handler.get_backend() == "memory"
     assert handler.get_run_id() == "run-9"
+    # The node is known by its local_addr: the events it records name it.
+    seen: list[RdzvEvent] = []
+    add_event_handler(seen.append)
+    try:
+        handler.set_closed()
+    finally:
+        remove_event_handler(seen.append)
+    assert {event.hostname for event in seen} == {"10.0.0.1"}
 
 
 def test_create_handler_defaults() -> None:
@@ -1773,7 +1795,7 @@ def test_a_failed_address_exchange_says_who_left_the_round(
     for joiner in joiners:
         with pytest.raises(LookupError) as caught:
             joiner.join()
-        errors[joiner.handler._this_node == min(h._this_node for h in handlers)] = str(caught.value)
+        errors[node_of(joiner.handler) == min(node_of(h) for h in handlers)] = str(caught.value)
     common = (
         r"within 1\.2 s\. The exchange of rank 0's address is bounded by what is left of "
         r"join_timeout \(30 s\) after the round completed\. "

@@ -57,10 +57,6 @@ __all__ = ["DynamicRendezvousHandler", "create_handler"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
-#: The module the handler and its factory are imported from, documented in and reported
-#: under (``type(handler).__module__``), as PyTorch's are.
-PUBLIC_MODULE = LOGGER_NAME
-
 #: Environment variable with which PyTorch opts out of sharing the agent's TCPStore.
 _DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -91,8 +87,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
     the thread and releases the backend if the handler owns it, without closing the
     rendezvous for the other nodes.
     """
-
-    __module__ = PUBLIC_MODULE
 
     # Static
     _node_desc_generator = _NodeDescGenerator()
@@ -843,9 +837,6 @@ def create_handler(
         if owns_backend:
             as_backend(backend).close()
         raise
-
-
-create_handler.__module__ = PUBLIC_MODULE
 
 
 def _handler_from_params(
