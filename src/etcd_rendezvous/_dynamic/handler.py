@@ -60,9 +60,6 @@ logger = logging.getLogger(LOGGER_NAME)
 #: Environment variable with which PyTorch opts out of sharing the agent's TCPStore.
 _DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
-#: Least time given to the exchange of the master address after a round completed, in
-#: seconds (rank 0 publishes it at once; see :meth:`DynamicRendezvousHandler.next_rendezvous`).
-_EXCHANGE_GRACE = 0.5
 
 #: Longest a node spends deleting its key when it leaves without a deadline of its own
 #: (``close()``, a failed ``next_rendezvous()``), in seconds: the key expires anyway.
@@ -324,12 +321,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class.
 
-        Returns or raises within ``join_timeout`` (plus about a second), whatever the
-        ``etcd-v2`` backend does: every call to it is given the join deadline, and
-        retries failures such as an etcd election until then. Only a node on the
-        redundancy list waits on past it. The wait for rank 0's address after the round
-        completed is bounded by what is left of the join deadline (at least half a
-        second); rank 0's writes of it, by the store's own timeout.
+        Joins within ``join_timeout`` (plus about a second), whatever the ``etcd-v2``
+        backend does: every call to it is given the join deadline, and retries failures
+        such as an etcd election until then. Only a node on the redundancy list waits on
+        past it. The exchange of rank 0's address that follows is bounded by the store's
+        timeout, as in PyTorch.
 
         A state write that etcd refuses as larger than its ``--max-request-bytes``
         raises :class:`~etcd_rendezvous.api.RequestTooLargeError`, in every node that
@@ -350,27 +346,21 @@ class DynamicRendezvousHandler(RendezvousHandler):
         joined = self._state_holder.state
         round_ = joined.round
         rank_0 = min(joined.participants, key=joined.participants.__getitem__)
-        # Rank 0 publishes its address in the store just after completing the round, so
-        # the exchange gets a moment even if the round completed right at the deadline.
-        exchange = Deadline(max(deadline.remaining(), _EXCHANGE_GRACE))
         try:
-            return self._bootstrap(rank, world_size, store, exchange)
+            return self._bootstrap(rank, world_size, store)
         except LookupError as exc:  # the store's timeout: rank 0 never published
             self._explain_exchange_failure(exc, round_, rank_0)
             raise
 
     def _explain_exchange_failure(self, exc: LookupError, round_: int, rank_0: _NodeDesc) -> None:
         """Complete the message of ``exc``, the store's timeout in the exchange of rank
-        0's address after round ``round_`` completed, with the bound of that wait and,
-        from the state as it is now, why rank 0's address never came, if it tells: this
-        node or rank 0 (``rank_0``) is no longer a participant of the round."""
+        0's address after round ``round_`` completed, with why rank 0's address never
+        came, if the state as it is now tells: this node or rank 0 (``rank_0``) is no
+        longer a participant of the round."""
         if len(exc.args) != 1 or not isinstance(exc.args[0], str):
             return
-        run_id, join = self._settings.run_id, self._settings.timeout.join.total_seconds()
-        notes = [
-            f"The exchange of rank 0's address is bounded by what is left of join_timeout "
-            f"({join:g} s) after the round completed."
-        ]
+        run_id = self._settings.run_id
+        notes = [f"Rank 0 of round {round_} publishes its address once the round completed."]
         holder = self._state_holder
         deadline = Deadline(_WITHDRAW_TIMEOUT)
         try:
@@ -489,11 +479,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             f"{wants}; {left}"
         )
 
-    def _bootstrap(
-        self, rank: int, world_size: int, store: Store, exchange: Deadline
-    ) -> RendezvousInfo:
+    def _bootstrap(self, rank: int, world_size: int, store: Store) -> RendezvousInfo:
         """The end of :meth:`next_rendezvous`: exchange the master address in the store
-        (a rank other than 0 waits for it until ``exchange``)."""
+        (within the store's timeout, as in PyTorch)."""
         msg = (
             f"The node '{self._this_node}' has joined round {self._state_holder.state.round} of "
             f"the rendezvous '{self._settings.run_id}' as rank {rank} in a world of size "
@@ -502,10 +490,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._record("next_rendezvous", msg, rank=rank)
         logger.info(msg)
 
-        if rank != 0:
-            # Rank 0 publishes the port, then the address; the address is then there.
-            keys = [RendezvousStoreInfo.MASTER_ADDR_KEY]
-            store.wait(keys, timedelta(seconds=exchange.remaining()))
         if not self.use_agent_store:
             # Opted out of TCPStore sharing (or no PyTorch): rank 0 publishes a free port.
             bootstrap_store_info = RendezvousStoreInfo.build(
