@@ -171,7 +171,7 @@ class _Attempt:
     predecessors: dict[NodeDesc, int]
     #: When the admissions last made progress (``time.monotonic()``).
     progress_at: float
-    #: What the state's admissions looked like at the last look (see ``admission``).
+    #: What the state's admissions looked like at the last look (see ``_admission``).
     mark: object = None
     #: Whether the node waits for its turn as a candidate admitter (see
     #: :func:`stagger_wait`) rather than for its listed predecessors.

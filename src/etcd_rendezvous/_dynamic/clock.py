@@ -5,7 +5,7 @@ Over this package's etcd connection it is etcd's clock (:class:`EtcdClock`, from
 ``Date`` of etcd's answers: see :class:`~etcd_rendezvous._transport.clock.ServerClock`),
 so that our nodes trust no node's clock, theirs included; with any other backend it is
 the local wall clock (:class:`LocalClock`), as in PyTorch. The state holder owns the one
-clock of a handler (:attr:`~._RendezvousStateHolder.clock`); every part of the handler
+clock of a handler (:attr:`~.holder.StateHolder.clock`); every part of the handler
 reads the time from it, and tests replace it there. See docs/how-it-works.rst, section
 "The dynamic rendezvous", Clocks.
 """
