@@ -1616,13 +1616,17 @@ class KeyedMemoryBackend(MemoryBackend, BoardRegistry):
     def __init__(self) -> None:
         BoardRegistry.__init__(self, Clock())
         MemoryBackend.__init__(self)  # its call counts take in the registry's too
+        #: The deadline of each call of the state.
+        self.deadlines: list[Deadline | None] = []
 
     def get_state(self, *, deadline: Deadline | None = None) -> tuple[bytes, Any] | None:
+        self.deadlines.append(deadline)
         return MemoryBackend.get_state(self)
 
     def set_state(
         self, state: bytes, token: Any = None, *, deadline: Deadline | None = None
     ) -> tuple[bytes, Any, bool] | None:
+        self.deadlines.append(deadline)
         return MemoryBackend.set_state(self, state, token)
 
     def wait_for_change(
@@ -1645,6 +1649,19 @@ def test_only_a_backend_that_keeps_node_keys_gets_batched_admission() -> None:
     assert (keyed.calls["announce"], keyed.calls["withdraw"]) == (1, 1)
     assert len(keyed.load().participants) == len(plain.load().participants) == 1
     assert "announce" not in plain.calls
+
+
+def test_the_holder_passes_the_callers_deadline_to_this_packages_backend_only() -> None:
+    """This package's backend gets the deadline of each call; a backend with PyTorch's
+    interface (whose get_state() and set_state() take none) is called as PyTorch does."""
+    keyed, plain, deadline = KeyedMemoryBackend(), MemoryBackend(), Deadline(10)
+    for backend in (keyed, plain):
+        holder = make_holder(backend)
+        holder.sync(deadline)
+        holder.mark_dirty()
+        holder.sync(deadline)
+    assert keyed.deadlines == [deadline, deadline]
+    assert (plain.calls["get"], plain.calls["set"]) == (1, 1)
 
 
 def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired() -> None:
