@@ -53,9 +53,9 @@ from etcd_rendezvous._transport.v2 import EtcdConnection
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_server import EtcdServer
-from etcd_rendezvous.registry import get_rendezvous_handler
 from support.closing import closing_factory
 from support.faultproxy import FaultProxy
+from support.handlers import make_handler
 from support.history import EVENT_HISTORY, forget_history
 from support.net import closed_port, endpoint_of
 from support.rdzv import Worker
@@ -195,7 +195,7 @@ def handlers(
             local_addr="127.0.0.1",
             **{"join_timeout": 60, "torch_store": "false", **handler_options, **options},
         )
-        return [get_rendezvous_handler(params) for _ in range(count)]
+        return [make_handler(params) for _ in range(count)]
 
     def close(group: list[Any]) -> None:
         for handler in group:

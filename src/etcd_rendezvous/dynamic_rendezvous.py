@@ -31,16 +31,12 @@ __all__ = [
     "decode_state",
 ]
 
-# Pickles, reprs and the docs name these after the module users import them from, which
-# stays where it is while the private modules behind it may move. The state classes keep
-# PyTorch's names (_NodeDesc, _RendezvousState, found here as in PyTorch's module); the
-# state written to etcd names PyTorch's module, whatever these say (see decode_state).
-RendezvousBackend.__module__ = __name__
-RendezvousSettings.__module__ = __name__
-RendezvousTimeout.__module__ = __name__
+# A state pickled with Python's own pickler (a decoded state sent to another process)
+# names the module its classes are found in: this one, as PyTorch's name its own
+# dynamic_rendezvous, with the same class names; not the private module behind it, which
+# may move. (The state written to etcd names PyTorch's module: see decode_state.)
 _NodeDesc.__module__ = __name__
 _RendezvousState.__module__ = __name__
-decode_state.__module__ = __name__
 
 # Bound (and documented) here, where users import it from.
 Token = _Token

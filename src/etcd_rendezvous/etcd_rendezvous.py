@@ -56,10 +56,6 @@ __all__ = [
     "parse_state",
 ]
 
-# Pickles, reprs and the docs name these after the module users import them from.
-member_ranks.__module__ = __name__
-parse_state.__module__ = __name__
-
 logger = logging.getLogger(__name__)
 
 #: Default time for :meth:`EtcdRendezvous.rendezvous_barrier` to succeed, in seconds.
@@ -182,7 +178,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
 
     def get_run_id(self) -> str:
         """Return the run id."""
-        return self._rdzv_impl._run_id
+        return self._rdzv_impl.layout.run_id
 
     def shutdown(self) -> bool:
         """Close the rendezvous and stop this worker's keep-alive threads.

@@ -15,8 +15,3 @@ from __future__ import annotations
 from ._dynamic.etcd_backend import EtcdRendezvousBackend, create_backend
 
 __all__ = ["EtcdRendezvousBackend", "create_backend"]
-
-# Reprs and the docs name these after the module users import them from, which stays
-# where it is while the private module behind it may move.
-EtcdRendezvousBackend.__module__ = __name__
-create_backend.__module__ = __name__

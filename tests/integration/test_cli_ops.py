@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from etcd_rendezvous._dynamic.progress import Progress
+from etcd_rendezvous._dynamic.keys import Progress
 from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
 from etcd_rendezvous.cli._common import (

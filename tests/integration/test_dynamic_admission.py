@@ -202,10 +202,10 @@ def test_a_slow_oldest_node_is_admitted_by_the_next_one(
     stuck, release = threading.Event(), threading.Event()
     list_nodes = backend.list_nodes
 
-    def slow_listing() -> list[Any]:
+    def slow_listing(deadline: Any = None) -> list[Any]:
         stuck.set()
         release.wait(60)
-        return list_nodes()
+        return list_nodes(deadline)
 
     backend.list_nodes = slow_listing  # type: ignore[method-assign]
     futures = join_in(pool, [slow])

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._dynamic.progress import Progress
+from etcd_rendezvous._dynamic.keys import Progress
 from etcd_rendezvous._dynamic.state import _encode_state
 from etcd_rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,

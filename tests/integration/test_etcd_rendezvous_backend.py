@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from etcd_rendezvous._dynamic.admission import AnnouncedNode
+from etcd_rendezvous._dynamic.keys import AnnouncedNode
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import KeyNotFoundError, Transport
 from etcd_rendezvous.api import (

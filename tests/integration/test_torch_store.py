@@ -223,19 +223,22 @@ def test_replace_torch_etcd_backends_in_pytorchs_global_registry(
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from etcd_rendezvous.torchrun import replace_torch_etcd_backends
+from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from etcd_rendezvous.etcd_rendezvous import EtcdRendezvousHandler
 replace_torch_etcd_backends()
 for name in ("etcd", "etcd-v2"):
     params = RendezvousParameters(name, {etcd_server.get_endpoint()!r}, {run_id!r} + name, 1, 1)
     handler = get_rendezvous_handler(params)
-    print(name, handler.get_backend(), type(handler).__module__)
+    ours = isinstance(handler, (EtcdRendezvousHandler, DynamicRendezvousHandler))
+    print(name, handler.get_backend(), ours and type(handler).__name__)
     handler.shutdown()
 """
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     ).stdout.split("\n")
     assert out[:2] == [
-        "etcd etcd etcd_rendezvous.etcd_rendezvous",
-        "etcd-v2 etcd-v2 etcd_rendezvous.dynamic_rendezvous",
+        "etcd etcd EtcdRendezvousHandler",
+        "etcd-v2 etcd-v2 DynamicRendezvousHandler",
     ]
 
 

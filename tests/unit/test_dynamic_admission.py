@@ -1,10 +1,12 @@
-"""Unit tests of the node-key protocol (:mod:`etcd_rendezvous._dynamic.admission`) with an
-in-memory registry and a fake clock."""
+"""Unit tests of the node-key protocol (:mod:`etcd_rendezvous._dynamic.admission`) through
+the admission's interface (what the executor asks it, on a state), with an in-memory
+registry of keys and fake clocks."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -17,23 +19,23 @@ from etcd_rendezvous._dynamic.admission import (
     ADMISSION_GRACE,
     ADMIT_GATHER,
     ADMIT_STAGGER,
+    CHANGED,
     EXIT_GATHER,
-    AnnouncedNode,
-    Batch,
-    Gone,
-    NodeKeys,
+    Admission,
     Refresh,
     Wait,
     stagger_wait,
 )
+from etcd_rendezvous._dynamic.keys import AnnouncedNode, Progress
+from etcd_rendezvous._dynamic.ops import Action
 from etcd_rendezvous._dynamic.progress import (
     PROGRESS_SILENCE,
     Heard,
-    Progress,
     concerns,
     refusal_verdict,
 )
 from etcd_rendezvous._transport.limits import Refusal, Verdict
+from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous.api import RequestTooLargeError
 from etcd_rendezvous.dynamic_rendezvous import (
     NodeDesc,
@@ -63,59 +65,61 @@ class MemoryRegistry:
     def _count(self, name: str) -> None:
         self.calls[name] = self.calls.get(name, 0) + 1
 
-    def announce_node(self, node: NodeDesc, ttl: int) -> int:
+    def announce_node(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> int:
         self._count("announce")
         if node not in self.keys:
             self.index += 1
             self.keys[node] = self.index
         return self.keys[node]
 
-    def refresh_node(self, node: NodeDesc, ttl: int) -> bool:
+    def refresh_node(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> bool:
         self._count("refresh")
         return node in self.keys
 
-    def withdraw_node(self, node: NodeDesc) -> None:
+    def withdraw_node(self, node: NodeDesc, deadline: Deadline | None = None) -> None:
         self._count("withdraw")
         self.keys.pop(node, None)
         self.leaving.pop(node, None)
 
-    def mark_leaving(self, node: NodeDesc, round_: int, ttl: int) -> None:
+    def mark_leaving(
+        self, node: NodeDesc, round_: int, ttl: int, deadline: Deadline | None = None
+    ) -> None:
         self._count("mark")
         self.announce_node(node, ttl)
         self.leaving[node] = round_
 
-    def list_nodes(self) -> list[AnnouncedNode]:
+    def list_nodes(self, deadline: Deadline | None = None) -> list[AnnouncedNode]:
         self._count("list")
         keys = sorted(self.keys.items(), key=lambda e: e[1])
         return [AnnouncedNode(n, i, self.leaving.get(n)) for n, i in keys]
 
-    def expires_in(self, node: NodeDesc) -> int | None:
+    def expires_in(self, node: NodeDesc, deadline: Deadline | None = None) -> int | None:
         self._count("expires_in")
         return self.lifetimes.get(node, 15) if node in self.keys else None
 
-    def remove_expired(self, node: NodeDesc) -> bool:
+    def remove_expired(self, node: NodeDesc, deadline: Deadline | None = None) -> bool:
         self._count("remove_expired")
         if node not in self.lingering:
             self.keys.pop(node, None)
             self.leaving.pop(node, None)
         return True
 
-    def aggregator(self) -> NodeDesc | None:
+    def aggregator(self, deadline: Deadline | None = None) -> NodeDesc | None:
         self._count("aggregator")
         return self.lock
 
-    def claim_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+    def claim_aggregator(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> bool:
         self._count("claim")
         if self.lock is None:
             self.lock = node
             return True
         return False
 
-    def renew_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+    def renew_aggregator(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> bool:
         self._count("renew")
         return self.lock == node
 
-    def release_aggregator(self, node: NodeDesc) -> None:
+    def release_aggregator(self, node: NodeDesc, deadline: Deadline | None = None) -> None:
         if self.lock == node:
             self.lock = None
 
@@ -134,16 +138,113 @@ def settings(interval: int = 5, attempts: int = 3) -> RendezvousSettings:
     )
 
 
-def keys_of(node: NodeDesc, registry: MemoryRegistry, clock: Clock, **kw: int) -> NodeKeys:
-    return NodeKeys(registry, node, settings(**kw), clock)
+#: The time on the clock of the state's times while a test runs: the heartbeats a batch or
+#: a fold writes carry it.
+STATE_NOW = NOW + timedelta(microseconds=1)
 
 
-def wants_all_but(*admitted: NodeDesc):  # type: ignore[no-untyped-def]
-    return lambda node: node not in admitted
+class StateClock:
+    """The clock of the state's times, standing at :data:`STATE_NOW`."""
+
+    def now(self) -> datetime:
+        return STATE_NOW
 
 
-def waits(outcome: Batch | Gone | Wait) -> float:
-    """The seconds of a :class:`Wait` (fails on a batch or gone nodes)."""
+def keys_of(node: NodeDesc, registry: MemoryRegistry, clock: Clock, **kw: int) -> Admission:
+    """``node``'s admission over ``registry``: it follows the progress key if the
+    registry keeps one (a :class:`BoardRegistry`), else it waits for the keys older than
+    its own (as it always does to leave a round)."""
+    board = isinstance(registry, BoardRegistry)
+    return Admission(
+        registry, node, settings(**kw), clock, state_clock=StateClock(), progress_key=board
+    )
+
+
+def deadline() -> Deadline:
+    return Deadline(60)
+
+
+Outcome = list[NodeDesc] | Wait | Refresh
+
+
+def admit(
+    keys: Admission, *admitted: NodeDesc, token: int | None = None, others: int = 0
+) -> Outcome:
+    """The node of ``keys`` asks to join round 0 (incomplete) whose participants are
+    ``admitted``, and ``others`` nodes without keys (more of them: others were admitted,
+    progress). Returns the participants (but the others) once it made the batch, or else
+    how long it waits for another node to make it, or :class:`Refresh`."""
+    state = RendezvousState()
+    state.participants.update(dict.fromkeys(admitted, 0))
+    state.participants.update((NodeDesc("elsewhere", 9, i), 0) for i in range(others))
+    outcome = keys.join(Action.ADD_TO_PARTICIPANTS, state, token, deadline())
+    if outcome is not CHANGED:
+        assert isinstance(outcome, (Wait, Refresh)), outcome
+        return outcome
+    return [node for node in state.participants if node.addr != "elsewhere"]
+
+
+def leave(
+    keys: Admission, round_: int, *participants: NodeDesc, waiting: Iterable[NodeDesc] = ()
+) -> RendezvousState | Wait:
+    """The node of ``keys`` asks to leave the complete round ``round_`` of
+    ``participants`` (``waiting`` wait for the next): the state once it made the batch
+    (those it took out are on the wait list), or else how long it waits for another node
+    to make it."""
+    state = RendezvousState()
+    state.round, state.complete = round_, True
+    state.participants.update(dict.fromkeys(participants, 0))
+    state.wait_list.update(waiting)
+    outcome = keys.join(Action.REMOVE_FROM_PARTICIPANTS, state, None, deadline())
+    if outcome is not CHANGED:
+        assert isinstance(outcome, Wait), outcome
+        return outcome
+    return state
+
+
+def reap(keys: Admission, node: NodeDesc, round_: int, *blockers: NodeDesc) -> Outcome:
+    """``node`` (of ``keys``) alone waits for the next round while ``blockers`` are the
+    participants of the complete round ``round_``: those it took out, or how long it
+    waits before looking again."""
+    state = RendezvousState()
+    state.round, state.complete = round_, True
+    for blocker in blockers:
+        state.participants[blocker] = 0
+        state.last_heartbeats[blocker] = NOW
+    state.wait_list.add(node)
+    outcome = keys.reap(state, deadline())
+    if outcome is not CHANGED:
+        assert isinstance(outcome, Wait), outcome
+        return outcome
+    return [blocker for blocker in blockers if blocker not in state.participants]
+
+
+def tick(keys: Admission, state: RendezvousState, clock: Clock) -> set[NodeDesc]:
+    """The heartbeat of the node of ``keys``, once due: the nodes whose heartbeats in
+    ``state`` its fold refreshed (none unless it aggregates)."""
+    clock.now += keys.seconds_to_tick() or 0.0
+    keys.fold(state, False, deadline())
+    return {node for node, beat in state.last_heartbeats.items() if beat == STATE_NOW}
+
+
+def hear(keys: Admission, timeout: float, token: int) -> Heard:
+    """What the node of ``keys``, holding an empty state of ``token``, hears on the
+    progress key within ``timeout``."""
+    return keys.wait(RendezvousState(), token, timeout, deadline())
+
+
+def wrote(keys: Admission, token: int, state: RendezvousState) -> None:
+    """The node of ``keys`` wrote ``state``, its token ``token``."""
+    keys.synced(state, token, True, False, deadline())
+
+
+def read(keys: Admission, token: int, state: RendezvousState) -> None:
+    """The node of ``keys`` read ``state``, its token ``token``."""
+    keys.synced(state, token, None, True, deadline())
+
+
+def waits(outcome: object) -> float:
+    """The seconds of a :class:`Wait` (fails on anything else)."""
     assert isinstance(outcome, Wait), outcome
     return outcome.seconds
 
@@ -152,104 +253,98 @@ def test_the_oldest_waiting_node_admits_everyone_announced() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
     registry.announce_node(A, 15)  # A's key is the oldest (its answer was lost, say).
-    assert waits(b.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
+    assert waits(admit(b)) == pytest.approx(ADMISSION_GRACE)
     registry.announce_node(C, 15)  # Announced, not asking yet: admitted all the same.
-    assert a.admission(wants_all_but(), "m") == Batch([A, B, C])
+    assert admit(a) == [A, B, C]
     assert registry.calls["list"] == 2  # One listing each, none more for the admitter.
 
 
 def test_a_node_waits_until_its_predecessors_are_admitted() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
-    assert a.admission(wants_all_but(), "m0") == Batch([A])
+    assert admit(a) == [A]
     # A was admitted before: B does not wait (its batch lists A; the caller skips it).
-    assert b.admission(wants_all_but(A), "m0") == Batch([A, B])
+    assert admit(b, A) == [A, B]
     c = keys_of(C, registry, clock)
-    assert waits(c.admission(wants_all_but(A), "m1")) == pytest.approx(ADMISSION_GRACE)
+    assert waits(admit(c, A)) == pytest.approx(ADMISSION_GRACE)
     clock.now += 1
-    assert c.admission(wants_all_but(A, B), "m2") == Batch([A, B, C])
+    assert admit(c, A, B) == [A, B, C]
 
 
 def test_a_predecessor_stuck_for_the_grace_period_is_admitted_with_the_others() -> None:
     registry, clock = MemoryRegistry(), Clock()
     registry.announce_node(D, 15)  # Slow: announced, but never makes its batch.
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
-    assert waits(a.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
-    assert waits(b.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE)
+    assert waits(admit(a)) == pytest.approx(ADMISSION_GRACE)
+    assert waits(admit(b)) == pytest.approx(ADMISSION_GRACE)
     clock.now += ADMISSION_GRACE / 2
-    assert waits(a.admission(wants_all_but(), "m")) == pytest.approx(ADMISSION_GRACE / 2)
+    assert waits(admit(a)) == pytest.approx(ADMISSION_GRACE / 2)
     clock.now += ADMISSION_GRACE / 2
     # Its key is alive: D is slow, not dead. A admits it with everyone, in one batch.
-    assert a.admission(wants_all_but(), "m") == Batch([D, A, B])
+    assert admit(a) == [D, A, B]
 
 
 def test_admissions_of_others_reset_the_grace_period() -> None:
     registry, clock = MemoryRegistry(), Clock()
     registry.announce_node(D, 15)
     b = keys_of(B, registry, clock)
-    assert waits(b.admission(wants_all_but(), "m0")) == pytest.approx(ADMISSION_GRACE)
+    assert waits(admit(b)) == pytest.approx(ADMISSION_GRACE)
     clock.now += ADMISSION_GRACE - 0.1
-    assert waits(b.admission(wants_all_but(), "m1")) == pytest.approx(ADMISSION_GRACE)
+    # Another node was admitted meanwhile (by a batch of its own): progress.
+    assert waits(admit(b, others=1)) == pytest.approx(ADMISSION_GRACE)
     clock.now += ADMISSION_GRACE - 0.1
-    assert waits(b.admission(wants_all_but(), "m1")) == pytest.approx(0.1)
+    assert waits(admit(b, others=1)) == pytest.approx(0.1)
 
 
 def test_a_predecessor_whose_key_is_gone_no_longer_blocks_after_the_grace_period() -> None:
     registry, clock = MemoryRegistry(), Clock()
     registry.announce_node(D, 15)
     b = keys_of(B, registry, clock)
-    assert isinstance(b.admission(wants_all_but(), "m"), Wait)
+    assert isinstance(admit(b), Wait)
     registry.withdraw_node(D)
     clock.now += ADMISSION_GRACE
-    assert b.admission(wants_all_but(), "m") == Batch([B])
-
-
-def leaving(keys: NodeKeys, round_: int):  # type: ignore[no-untyped-def]
-    """What the executor asks, for nodes that are participants of complete ``round_``."""
-    return lambda node: keys.leaving(node) == round_
+    assert admit(b) == [B]
 
 
 def test_a_leaving_node_marks_its_key_once_per_round() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a = keys_of(A, registry, clock)
-    a.leave(3)
-    a.leave(3)
-    assert registry.calls == {"announce": 2, "mark": 1}  # Announced by leave(), then marked.
+    # It lets the others of the round ask too before it lists the keys.
+    assert waits(leave(a, 3, A, B)) == pytest.approx(EXIT_GATHER)
+    assert waits(leave(a, 3, A, B)) == pytest.approx(EXIT_GATHER)
+    assert registry.calls == {"announce": 2, "mark": 1}  # Announced, then marked.
     assert registry.leaving == {A: 3}
-    assert a.leaving(A) == 3
-    assert a.leaving(B) is None
-    a.leave(4)
+    leave(a, 4, A, B)
     assert registry.calls["mark"] == 2
     assert registry.leaving == {A: 4}
-    a.withdraw()
-    assert a.leaving(A) is None
+    a.withdraw(deadline())
     assert registry.leaving == {}
 
 
 def test_the_oldest_leaving_node_takes_out_everyone_who_asked() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a, b, c = (keys_of(n, registry, clock) for n in (A, B, C))
-    for keys in (a, b, c):
-        keys.begin_join()
-        registry.announce_node(keys.node, 15)
-    c.leave(3)
-    b.leave(3)
-    # Each lets the others of the round ask too before it lists the keys.
-    assert waits(c.admission(leaving(c, 3), "m")) == pytest.approx(EXIT_GATHER)
+    for node, keys in zip((A, B, C), (a, b, c)):
+        keys.begin()
+        registry.announce_node(node, 15)
+    assert waits(leave(c, 3, A, B, C)) == pytest.approx(EXIT_GATHER)
+    assert waits(leave(b, 3, A, B, C)) == pytest.approx(EXIT_GATHER)
     assert "list" not in registry.calls
     clock.now += EXIT_GATHER
     # C sees B asking to leave: B makes the batch.
-    assert waits(c.admission(leaving(c, 3), "m")) == pytest.approx(ADMISSION_GRACE)
-    # B sees nobody older asking (A is a participant that stays): its batch lists all;
-    # the leaving marks of the listing tell the caller whom to take out.
-    assert b.admission(leaving(b, 3), "m") == Batch([A, B, C])
-    assert [n for n in (A, B, C) if b.leaving(n) == 3] == [B, C]
+    assert waits(leave(c, 3, A, B, C)) == pytest.approx(ADMISSION_GRACE)
+    # B sees nobody older asking (A is a participant that stays): its batch takes out
+    # everyone whose key says it leaves; they wait for the next round.
+    state = leave(b, 3, A, B, C)
+    assert isinstance(state, RendezvousState)
+    assert list(state.participants) == [A]
+    assert state.wait_list == {B, C}
 
 
 class MarkAfterFirstListing(MemoryRegistry):
     """A registry in which node A asks to leave round 3 just after the first listing."""
 
-    def list_nodes(self) -> list[AnnouncedNode]:
+    def list_nodes(self, deadline: Deadline | None = None) -> list[AnnouncedNode]:
         listing = super().list_nodes()
         if self.calls["list"] == 1:
             self.leaving[A] = 3
@@ -261,21 +356,20 @@ def test_an_older_node_asking_to_leave_after_our_listing_makes_the_batch() -> No
     registry.announce_node(A, 15)
     registry.announce_node(D, 15)  # Waits for its admission.
     b = keys_of(B, registry, clock)
-    b.leave(3)
+    assert waits(leave(b, 3, A, B)) == pytest.approx(EXIT_GATHER)
     clock.now += EXIT_GATHER
-
-    def wants(admitted: bool):  # type: ignore[no-untyped-def]
-        return lambda node: b.leaving(node) == 3 or (node == D and not admitted)
-
-    assert waits(b.admission(wants(False), "m0")) == pytest.approx(ADMISSION_GRACE)  # D's turn.
-    # D was admitted. The attempt's listing showed A staying; the listing taken for the
-    # batch shows it leaving: A makes the batch.
-    assert waits(b.admission(wants(True), "m1")) == pytest.approx(ADMISSION_GRACE)
+    assert waits(leave(b, 3, A, B)) == pytest.approx(ADMISSION_GRACE)  # D's turn.
+    # D was admitted (to the wait list). The attempt's listing showed A staying; the
+    # listing taken for the batch shows it leaving: A makes the batch.
+    assert waits(leave(b, 3, A, B, waiting=[D])) == pytest.approx(ADMISSION_GRACE)
     assert registry.calls["list"] == 2
     a = keys_of(A, registry, clock)
-    a.leave(3)
+    assert waits(leave(a, 3, A, B, waiting=[D])) == pytest.approx(EXIT_GATHER)
     clock.now += EXIT_GATHER
-    assert a.admission(leaving(a, 3), "m") == Batch([A, D, B])
+    # A and B leave: the round ends, and the batch admits everyone to the next one.
+    state = leave(a, 3, A, B, waiting=[D])
+    assert isinstance(state, RendezvousState)
+    assert (state.round, list(state.participants)) == (4, [A, D, B])
 
 
 def state_with(*nodes: NodeDesc, age: float = 0.0) -> RendezvousState:
@@ -290,7 +384,7 @@ def test_ticks_refresh_the_key_and_the_aggregator_folds_live_keys() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a = keys_of(A, registry, clock)
     assert not a.tick_due()
-    a.admission(wants_all_but(), "m")
+    admit(a)
     assert registry.lock == A  # The first admitter aggregates from the start.
     registry.announce_node(B, 15)
     assert a.seconds_to_tick() == pytest.approx(5)
@@ -298,12 +392,12 @@ def test_ticks_refresh_the_key_and_the_aggregator_folds_live_keys() -> None:
     assert a.tick_due()
     pytorch_node = NodeDesc("torch-host", 2, 0)  # No key: it heartbeats itself.
     state = state_with(A, B, pytorch_node, age=7)
-    assert a.tick(state, NOW) == {A, B}
+    assert tick(a, state, clock) == {A, B}
     assert registry.lock == A
     assert a.seconds_to_tick() == pytest.approx(5)
     # Ticks renew the lock without reading it.
     clock.now += 5
-    assert a.tick(state_with(A, B, age=1), NOW) == {A, B}
+    assert tick(a, state_with(A, B, age=1), clock) == {A, B}
     assert registry.calls["aggregator"] == 1
     assert registry.calls["renew"] == 2
 
@@ -313,27 +407,26 @@ def test_nobody_looks_at_the_lock_while_its_heartbeat_is_fresh() -> None:
     registry.announce_node(A, 15)
     registry.lock = A
     b = keys_of(B, registry, clock)
-    b.admission(wants_all_but(A), "m")
+    admit(b, A)
     registry.calls.clear()
-    assert b.tick(state_with(A, B, age=5), NOW) == set()
+    assert tick(b, state_with(A, B, age=5), clock) == set()
     assert "aggregator" not in registry.calls
     assert registry.calls["refresh"] == 1
     # Late: it looks, finds the lock held, and leaves it be.
-    assert b.tick(state_with(A, B, age=8), NOW) == set()
+    assert tick(b, state_with(A, B, age=8), clock) == set()
     assert registry.calls["aggregator"] == 1
     # The holder is gone (its lock lapsed): it takes over.
     registry.lock = None
-    assert b.tick(state_with(A, B, age=8), NOW) == {A, B}
+    assert tick(b, state_with(A, B, age=8), clock) == {A, B}
     assert registry.lock == B
 
 
 def test_a_node_dropped_from_the_state_deletes_its_key() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a = keys_of(A, registry, clock)
-    a.admission(wants_all_but(), "m")
-    registry.lock = A
-    a._leading = True
-    assert a.tick(state_with(B), NOW) == set()
+    admit(a)
+    assert registry.lock == A  # The first admitter aggregates.
+    assert tick(a, state_with(B), clock) == set()
     assert A not in registry.keys
     assert registry.lock is None
     assert not a.announced
@@ -343,12 +436,12 @@ def test_a_node_dropped_from_the_state_deletes_its_key() -> None:
 def test_a_joining_node_keeps_its_key_and_an_expired_key_is_recreated() -> None:
     registry, clock = MemoryRegistry(), Clock()
     a = keys_of(A, registry, clock)
-    a.begin_join()
-    a.admission(wants_all_but(), "m")
+    a.begin()
+    admit(a)
     del registry.keys[A]  # Expired.
-    assert a.tick(state_with(), NOW) == set()
+    assert tick(a, state_with(), clock) == set()
     assert A in registry.keys
-    a.end_join()
+    a.end()
 
 
 def test_the_heartbeat_period_of_a_node_with_a_key() -> None:
@@ -356,13 +449,13 @@ def test_the_heartbeat_period_of_a_node_with_a_key() -> None:
     interval = timedelta(seconds=5)
     a = keys_of(A, registry, clock, attempts=3)
     assert a.heartbeat_period(interval) == interval
-    a.admission(wants_all_but(), "m")
+    admit(a)
     assert a.heartbeat_period(interval) == 1.5 * interval
     c = keys_of(C, registry, clock, attempts=5)
-    c.admission(wants_all_but(), "m")
+    admit(c)
     assert c.heartbeat_period(interval) == 3.5 * interval
     b = keys_of(B, registry, clock, attempts=1)
-    b.admission(wants_all_but(), "m")
+    admit(b)
     assert b.heartbeat_period(interval) == interval
 
 
@@ -375,15 +468,15 @@ def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired() -> N
     # Round 3 is complete; A and B left it and wait; C did not ask (it died).
     # C's key has 9 s to live: look again when it may have expired (whole seconds, so
     # up to one second early, and then every _REAP_STEP seconds).
-    assert waits(b.reap(3, [C])) == pytest.approx(8 + _REAP_STEP)
+    assert waits(reap(b, B, 3, C)) == pytest.approx(8 + _REAP_STEP)
     assert registry.calls["list"] == 1
     # A state change in between does not make it list again.
     clock.now += 4
-    assert waits(b.reap(3, [C])) == pytest.approx(4 + _REAP_STEP)
+    assert waits(reap(b, B, 3, C)) == pytest.approx(4 + _REAP_STEP)
     assert registry.calls["list"] == 1
     clock.now += 4 + _REAP_STEP
     registry.keys.pop(C)  # expired
-    assert b.reap(3, [C]) == Gone([C])
+    assert reap(b, B, 3, C) == [C]
 
 
 @pytest.mark.parametrize("lifetime", [0, None], ids=["v3-last-second", "v2-past-expiry"])
@@ -393,7 +486,7 @@ def test_a_listed_key_without_a_whole_second_left_counts_as_gone(lifetime: int |
         registry.announce_node(node, 15)
     registry.lifetimes[C] = lifetime
     b = keys_of(B, registry, clock)
-    assert b.reap(3, [C]) == Gone([C])
+    assert reap(b, B, 3, C) == [C]
 
 
 def test_a_participant_never_listed_with_a_key_is_left_to_its_heartbeat() -> None:
@@ -401,9 +494,9 @@ def test_a_participant_never_listed_with_a_key_is_left_to_its_heartbeat() -> Non
     registry.announce_node(B, 15)
     b = keys_of(B, registry, clock, interval=5)
     # D is PyTorch's node (no key): not judged; B looks again every interval.
-    assert waits(b.reap(3, [D])) == pytest.approx(5)
+    assert waits(reap(b, B, 3, D)) == pytest.approx(5)
     clock.now += 5
-    assert waits(b.reap(3, [D])) == pytest.approx(5)
+    assert waits(reap(b, B, 3, D)) == pytest.approx(5)
 
 
 def test_reaping_reads_at_most_two_lifetimes_and_looks_each_interval_for_the_rest() -> None:
@@ -413,10 +506,10 @@ def test_reaping_reads_at_most_two_lifetimes_and_looks_each_interval_for_the_res
     registry.lifetimes.update({A: 14, C: 14, D: 2})
     b = keys_of(B, registry, clock, interval=5)
     # A and C are probed (14 s left); D, which would expire first, is not: the interval.
-    assert waits(b.reap(3, [A, C, D])) == pytest.approx(5)
+    assert waits(reap(b, B, 3, A, C, D)) == pytest.approx(5)
     assert registry.calls["expires_in"] == 2
     # A new round starts afresh.
-    assert waits(b.reap(4, [D])) == pytest.approx(1 + _REAP_STEP)
+    assert waits(reap(b, B, 4, D)) == pytest.approx(1 + _REAP_STEP)
 
 
 def test_a_reaped_key_is_deleted_so_that_no_other_node_admits_its_node() -> None:
@@ -427,12 +520,12 @@ def test_a_reaped_key_is_deleted_so_that_no_other_node_admits_its_node() -> None
     a, b = keys_of(A, registry, clock), keys_of(B, registry, clock)
     # B, first of the wait list, takes C out; A makes the next round's batch from a
     # listing of its own, which must not show C.
-    assert b.reap(3, [C]) == Gone([C])
+    assert reap(b, B, 3, C) == [C]
     assert registry.calls["remove_expired"] == 1
-    assert a.admission(wants_all_but(), "m") == Batch([A, B])
+    assert admit(a) == [A, B]
 
 
-def _c_reaped_by_b_but_still_listed() -> tuple[MemoryRegistry, NodeKeys]:
+def _c_reaped_by_b_but_still_listed() -> tuple[MemoryRegistry, Admission]:
     """B and C announced; C's key read 0 s left, and B's delete of it did not remove the
     key listings show (etcd had not deleted it yet, or C renewed it in between)."""
     registry = MemoryRegistry()
@@ -441,21 +534,19 @@ def _c_reaped_by_b_but_still_listed() -> tuple[MemoryRegistry, NodeKeys]:
     registry.lifetimes[C] = 0
     registry.lingering.add(C)
     b = keys_of(B, registry, Clock())
-    assert b.reap(3, [C]) == Gone([C])
+    assert reap(b, B, 3, C) == [C]
     return registry, b
 
 
 def test_a_key_taken_for_dead_is_left_out_of_batches_until_etcd_deletes_it() -> None:
     registry, b = _c_reaped_by_b_but_still_listed()
     # etcd still lists C's key: the next round's batch must not admit C again.
-    assert b.admission(wants_all_but(), "m") == Batch([B])
+    assert admit(b) == [B]
     # Once etcd deleted it, a key C announces again (a new index) is C's to use.
     registry.keys.pop(C)
-    b.admitted()
-    assert b.admission(wants_all_but(), "m2") == Batch([B])
+    assert admit(b) == [B]
     registry.announce_node(C, 15)
-    b.admitted()
-    assert b.admission(wants_all_but(), "m3") == Batch([B, C])
+    assert admit(b) == [B, C]
 
 
 def test_a_key_taken_for_dead_that_is_renewed_after_all_is_admitted_again() -> None:
@@ -463,16 +554,14 @@ def test_a_key_taken_for_dead_that_is_renewed_after_all_is_admitted_again() -> N
     registry, b = _c_reaped_by_b_but_still_listed()
     # Still at 0 s when the next listing probes it: still left out.
     probes = registry.calls["expires_in"]
-    assert b.admission(wants_all_but(), "m") == Batch([B])
+    assert admit(b) == [B]
     assert registry.calls["expires_in"] == probes + 1
     # C renewed its key in its last second (same key, same index): admitted again.
     registry.lifetimes[C] = 15
-    b.admitted()
-    assert b.admission(wants_all_but(), "m2") == Batch([B, C])
+    assert admit(b) == [B, C]
     # Forgiven for good: no more probes of it when listing.
     probes = registry.calls["expires_in"]
-    b.admitted()
-    assert b.admission(wants_all_but(), "m3") == Batch([B, C])
+    assert admit(b) == [B, C]
     assert registry.calls["expires_in"] == probes
 
 
@@ -495,27 +584,33 @@ class BoardRegistry(MemoryRegistry):
         #: etcd's request limit, in bytes (``None``: none).
         self.limit: int | None = None
 
-    def list_nodes(self) -> list[AnnouncedNode]:
+    def list_nodes(self, deadline: Deadline | None = None) -> list[AnnouncedNode]:
         self.listed_at = self.index
         return super().list_nodes()
 
-    def read_progress(self) -> tuple[Progress | None, int | None, int]:
+    def read_progress(
+        self, deadline: Deadline | None = None
+    ) -> tuple[Progress | None, int | None, int]:
         self._count("read_progress")
         return self.progress, self.progress_index if self.exists else None, self.index
 
-    def create_progress(self, progress: Progress) -> int | None:
+    def create_progress(self, progress: Progress, deadline: Deadline | None = None) -> int | None:
         if self.exists:
             return None
         return self._put(progress)
 
-    def write_progress(self, progress: Progress, index: int) -> int | None:
+    def write_progress(
+        self, progress: Progress, index: int, deadline: Deadline | None = None
+    ) -> int | None:
         self._count("write_progress")
         held = self.progress if self.exists and index != self.progress_index else None
         if held is not None and held.newness >= progress.newness:
             return None  # a summary at least as new: kept
         return self._put(progress)
 
-    def replace_progress(self, progress: Progress, index: int) -> int | None:
+    def replace_progress(
+        self, progress: Progress, index: int, deadline: Deadline | None = None
+    ) -> int | None:
         self._count("replace_progress")
         if self.exists and index != self.progress_index:
             return None
@@ -527,7 +622,9 @@ class BoardRegistry(MemoryRegistry):
         self.written.append(progress)
         return self.index
 
-    def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
+    def wait_progress(
+        self, after: int, timeout: float, deadline: Deadline | None = None
+    ) -> list[tuple[Progress | None, int]]:
         self._count("wait_progress")
         changes, self.changes = self.changes, []
         if not changes:
@@ -537,7 +634,7 @@ class BoardRegistry(MemoryRegistry):
     def stop_waiting(self) -> None:
         self._count("stop_waiting")
 
-    def check_size(self, size: int) -> None:
+    def check_size(self, size: int, deadline: Deadline | None = None) -> None:
         """etcd accepts ``size`` bytes unless ``limit`` (bytes) is below it."""
         self._count("check_size")
         if self.limit is not None and size > self.limit:
@@ -555,9 +652,9 @@ def summary(token: int, decided: int, *, complete: bool = False, count: int = 0)
     return Progress(token, 0, complete, False, decided, count, 0)
 
 
-def joining(node: NodeDesc, registry: BoardRegistry, clock: Clock) -> NodeKeys:
+def joining(node: NodeDesc, registry: BoardRegistry, clock: Clock) -> Admission:
     keys = keys_of(node, registry, clock)
-    keys.begin_join()
+    keys.begin()
     return keys
 
 
@@ -585,12 +682,12 @@ def test_a_node_far_behind_never_lists_while_batches_are_made() -> None:
     registry.keys.pop(B, None)
     registry.announce_node(B, 15)
     for token in range(6, 16):  # a batch every half step: progress all the time
-        outcome = far.admission(wants_all_but(), "m", token=token)
+        outcome = admit(far, token=token)
         assert isinstance(outcome, Wait)
         assert outcome.seconds > 0
         clock.now += ADMIT_STAGGER / 2
         registry.publish(summary(token + 1, decided))
-        assert far.await_progress(1.0, token, RendezvousState()) is Heard.KEEP
+        assert hear(far, 1.0, token) is Heard.KEEP
     assert registry.calls.get("list", 0) == 0
     del keys
 
@@ -605,15 +702,15 @@ def test_a_summary_of_the_same_state_deciding_more_keys_moves_a_candidate_up() -
     registry.publish(summary(5, 1))
     keys = joining(A, registry, clock)
     registry.index += 40  # forty nodes announce before A, after the decided index
-    far = waits(keys.admission(wants_all_but(), "m", token=5))
+    far = waits(admit(keys, token=5))
     assert far >= ADMIT_GATHER + _STAGGER_CAP * ADMIT_STAGGER
     registry.publish(summary(50, 1))  # a relay of the batch's state
-    assert keys.await_progress(far, 5, RendezvousState()) is Heard.KEEP
+    assert hear(keys, far, 5) is Heard.KEEP
     registry.publish(summary(50, 46))  # the batch's own: its listing decided A's elders
     heard_at = clock.now
-    assert keys.await_progress(far, 5, RendezvousState()) is Heard.KEEP
+    assert hear(keys, far, 5) is Heard.KEEP
     assert clock.now == heard_at  # at once, not at the end of the stagger
-    assert waits(keys.admission(wants_all_but(), "m", token=5)) == pytest.approx(ADMIT_GATHER)
+    assert waits(admit(keys, token=5)) == pytest.approx(ADMIT_GATHER)
 
 
 def test_a_slow_head_is_admitted_by_its_successor() -> None:
@@ -621,14 +718,14 @@ def test_a_slow_head_is_admitted_by_its_successor() -> None:
     registry = BoardRegistry(clock)
     head, next_ = joining(A, registry, clock), joining(B, registry, clock)
     # A creates the progress key, then both announce: A's key is the oldest undecided.
-    assert waits(head.admission(wants_all_but(), "m", token=0)) == pytest.approx(ADMIT_GATHER)
+    assert waits(admit(head, token=0)) == pytest.approx(ADMIT_GATHER)
     clock.now += 2 * ADMIT_GATHER
-    assert head.admission(wants_all_but(), "m", token=0) == Batch([A])
+    assert admit(head, token=0) == [A]
     registry.keys.pop(A)  # start over: A announced, but is slow to make its batch
     registry.keys[A] = registry.index
-    assert waits(next_.admission(wants_all_but(), "m", token=0)) > 0
+    assert waits(admit(next_, token=0)) > 0
     clock.now += ADMIT_STAGGER * (_STAGGER_CAP + 2)  # no progress from A all that time
-    assert next_.admission(wants_all_but(), "m", token=0) == Batch([A, B])
+    assert admit(next_, token=0) == [A, B]
     assert not any("dead" in name for name in registry.calls)
 
 
@@ -637,10 +734,10 @@ def test_a_candidate_holding_an_older_state_than_the_hint_reads_it_first() -> No
     registry = BoardRegistry(clock)
     registry.publish(summary(7, 7))  # a state newer than the one A read (token 3)
     keys = joining(A, registry, clock)
-    assert isinstance(keys.admission(wants_all_but(), "m", token=3), Wait)
+    assert isinstance(admit(keys, token=3), Wait)
     clock.now += 2 * ADMIT_GATHER
-    assert keys.admission(wants_all_but(), "m", token=3) == Refresh()
-    assert keys.admission(wants_all_but(), "m", token=7) == Batch([A])
+    assert admit(keys, token=3) == Refresh()
+    assert admit(keys, token=7) == [A]
 
 
 def test_the_hint_is_never_trusted_over_the_state() -> None:
@@ -661,51 +758,51 @@ def test_a_silent_progress_key_sends_the_node_to_the_key_then_the_state() -> Non
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = joining(A, registry, clock)
-    keys.admission(wants_all_but(), "m", token=0)
-    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.KEEP
+    admit(keys, token=0)
+    assert hear(keys, 0.5, 0) is Heard.KEEP
     clock.now += PROGRESS_SILENCE
-    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.READ
+    assert hear(keys, 0.5, 0) is Heard.READ
     # Garbage (or a deletion) in the key is no change: silence again, then the state.
     registry.changes.append((None, registry.index + 1))
-    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.KEEP
+    assert hear(keys, 0.5, 0) is Heard.KEEP
     # The next silence is drawn between one and two PROGRESS_SILENCE (nodes spread out).
-    assert keys.await_progress(2 * PROGRESS_SILENCE, 0, RendezvousState()) is Heard.READ
+    assert hear(keys, 2 * PROGRESS_SILENCE, 0) is Heard.READ
 
 
 def test_a_watch_lagging_behind_the_key_is_caught_up_by_a_read_of_the_key() -> None:
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = joining(A, registry, clock)
-    keys.admission(wants_all_but(), "m", token=0)
+    admit(keys, token=0)
     registry.progress = summary(9, 0)  # written, but the watch has not delivered it
     registry.index = registry.progress_index = 20
     clock.now += PROGRESS_SILENCE
-    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.KEEP  # not ours
+    assert hear(keys, 0.5, 0) is Heard.KEEP  # not ours
     registry.progress = Progress(10, 0, True, False, 0, 1, 0)
     registry.index = registry.progress_index = 21
     clock.now += 2 * PROGRESS_SILENCE
-    assert keys.await_progress(0.5, 0, RendezvousState()) is Heard.READ  # complete
+    assert hear(keys, 0.5, 0) is Heard.READ  # complete
 
 
 def test_a_state_the_key_does_not_describe_is_relayed_and_ours_summarised() -> None:
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = joining(A, registry, clock)
-    keys.admission(wants_all_but(), "m", token=0)
+    admit(keys, token=0)
     decided = registry.listed_at
     state = RendezvousState()
     state.participants[A] = 0
-    keys.state_read(20, state, written=True)  # our batch: it decided up to its listing
+    wrote(keys, 20, state)  # our batch: it decided up to its listing
     assert registry.written[-1] == Progress(20, 0, False, False, decided, 1, 0)
-    keys.state_read(20, state, written=False)  # read, and the key describes it: nothing
+    read(keys, 20, state)  # read, and the key describes it: nothing
     assert len(registry.written) == 2
-    keys.state_read(25, state, written=False)  # PyTorch's worker wrote 25: relay it
+    read(keys, 25, state)  # PyTorch's worker wrote 25: relay it
     assert registry.written[-1] == Progress(25, 0, False, False, decided, 1, 0)
     registry.publish(Progress(27, 0, True, False, decided + 5, 1, 0))  # not heard yet
-    keys.state_read(27, state, written=False)  # a relay never overwrites a newer summary
+    read(keys, 27, state)  # a relay never overwrites a newer summary
     assert registry.progress == Progress(27, 0, True, False, decided + 5, 1, 0)
-    keys.end_join()
-    keys.state_read(30, state, written=False)  # not following the key: no relay
+    keys.end()
+    read(keys, 30, state)  # not following the key: no relay
     assert registry.written[-1].token == 25
     assert registry.calls["stop_waiting"] == 1
 
@@ -718,11 +815,11 @@ def test_each_summary_publishes_the_writers_heartbeat_lifetime() -> None:
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = keys_of(A, registry, clock, interval=7, attempts=4)
-    keys.begin_join()
-    keys.admission(wants_all_but(), "m", token=0)
+    keys.begin()
+    admit(keys, token=0)
     state = RendezvousState()
     state.participants[A] = 0
-    keys.state_read(20, state, written=True)
+    wrote(keys, 20, state)
     written = registry.written[-1]
     assert written.lifetime == 28
     value = json.loads(written.encode())
@@ -749,14 +846,14 @@ def test_a_summary_beyond_its_own_write_is_never_heard() -> None:
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = joining(A, registry, clock)
-    assert isinstance(keys.admission(wants_all_but(), "m", token=0), Wait)
+    assert isinstance(admit(keys, token=0), Wait)
     registry.index += 1
     lie = Progress(10**12, 0, False, False, 10**12, 0, 0)
     registry.progress, registry.progress_index = lie, registry.index
     registry.changes.append((lie, registry.index))
-    assert keys.await_progress(1.0, 0, RendezvousState()) is Heard.KEEP
+    assert hear(keys, 1.0, 0) is Heard.KEEP
     clock.now += 2 * ADMIT_GATHER
-    assert keys.admission(wants_all_but(), "m", token=0) == Batch([A])
+    assert admit(keys, token=0) == [A]
 
 
 def test_a_summary_of_a_state_no_read_finds_is_dropped_after_a_read() -> None:
@@ -766,23 +863,23 @@ def test_a_summary_of_a_state_no_read_finds_is_dropped_after_a_read() -> None:
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = joining(A, registry, clock)
-    assert isinstance(keys.admission(wants_all_but(), "m", token=3), Wait)
+    assert isinstance(admit(keys, token=3), Wait)
     registry.index += 1000
     lie = Progress(registry.index - 1, 0, False, False, registry.index - 1, 0, 0)
     registry.publish(lie)
-    keys.await_progress(1.0, 3, RendezvousState())
+    hear(keys, 1.0, 3)
     outcomes = []
     for _ in range(5):  # wait, read the state when told (or after a silence), ask again
-        outcome = keys.admission(wants_all_but(), "m", token=3)
+        outcome = admit(keys, token=3)
         outcomes.append(outcome)
-        if isinstance(outcome, Batch):
+        if isinstance(outcome, list):
             break
         if isinstance(outcome, Wait):
             clock.now += outcome.seconds
-            keys.await_progress(outcome.seconds, 3, RendezvousState())
-        keys.state_read(3, RendezvousState(), written=False)
-    assert isinstance(outcomes[-1], Batch), outcomes
-    assert A in outcomes[-1].nodes
+            hear(keys, outcome.seconds, 3)
+        read(keys, 3, RendezvousState())
+    assert isinstance(outcomes[-1], list), outcomes
+    assert A in outcomes[-1]
     # The read replaced the lie with a summary of the state it found.
     assert registry.progress is not None
     assert registry.progress.token == 3
@@ -809,11 +906,11 @@ def report(
     return Progress(token, round_, complete, False, decided, 2, 0, refused=refusal)
 
 
-def joining_round(node: NodeDesc, registry: BoardRegistry, clock: Clock) -> NodeKeys:
+def joining_round(node: NodeDesc, registry: BoardRegistry, clock: Clock) -> Admission:
     """``node`` joining a round of at least 4 nodes (at most 8)."""
     at_least_4 = RendezvousSettings("run", 4, 8, RendezvousTimeout(), timedelta(seconds=5), 3)
-    keys = NodeKeys(registry, node, at_least_4, clock)
-    keys.begin_join()
+    keys = Admission(registry, node, at_least_4, clock, state_clock=StateClock())
+    keys.begin()
     return keys
 
 
@@ -898,10 +995,10 @@ def test_a_waiting_node_raises_a_report_that_concerns_it() -> None:
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = joining_round(A, registry, clock)
-    assert isinstance(keys.admission(wants_all_but(), "m", token=0), Wait)
+    assert isinstance(admit(keys, token=0), Wait)
     registry.publish(report(0, registry.index))
     with pytest.raises(RequestTooLargeError, match="--max-request-bytes") as info:
-        keys.await_progress(1.0, 0, RendezvousState())
+        hear(keys, 1.0, 0)
     assert "request is too large" in str(info.value)
     assert "the node 'maker'" in str(info.value)
     assert registry.calls.get("check_size", 0) == 0  # it was there: no need to ask etcd
@@ -914,9 +1011,9 @@ def test_a_node_that_arrives_after_a_report_asks_etcd_then_writes_it_again() -> 
     registry.publish(report(0, 30))
     registry.limit = 4096  # under the refused size: etcd still refuses it
     keys = joining_round(B, registry, clock)
-    assert isinstance(keys.admission(wants_all_but(), "m", token=0), Wait)
+    assert isinstance(admit(keys, token=0), Wait)
     with pytest.raises(RequestTooLargeError):
-        keys.await_progress(1.0, 0, RendezvousState())
+        hear(keys, 1.0, 0)
     assert registry.calls["check_size"] == 1
     assert registry.progress == report(0, 30)
     assert registry.progress_index > registry.keys[B]  # for those who came with B
@@ -930,9 +1027,9 @@ def test_a_report_etcd_no_longer_confirms_is_dropped() -> None:
     registry.index = 30
     registry.publish(report(0, 30))
     keys = joining_round(B, registry, clock)
-    assert isinstance(keys.admission(wants_all_but(), "m", token=0), Wait)
-    keys.await_progress(1.0, 0, RendezvousState())
-    keys.await_progress(1.0, 0, RendezvousState())
+    assert isinstance(admit(keys, token=0), Wait)
+    hear(keys, 1.0, 0)
+    hear(keys, 1.0, 0)
     assert registry.calls["check_size"] == 1
     assert registry.progress == dataclasses.replace(report(0, 30), refused=None)
 
@@ -941,13 +1038,15 @@ def test_a_refused_batch_is_reported_with_the_summary_of_the_state_it_replaced()
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = joining_round(A, registry, clock)
-    keys.admission(wants_all_but(), "m", token=0)
+    admit(keys, token=0)
     held = round_state(0, False, C)
-    keys.state_read(7, held, written=False)
+    read(keys, 7, held)
     clock.now += 2 * ADMIT_GATHER
-    assert keys.admission(wants_all_but(), "m", token=7) == Batch([A])
+    assert admit(keys, token=7) == [A]
     refused = RequestTooLargeError("refused", key="/state", size=9000, endpoint="e", api="v3")
-    keys.refused(refused, 7, 5, False)
+    # The state refused would have had 5 participants, the round incomplete.
+    would_have = round_state(0, False, A, B, C, D, NodeDesc("more", 1, 0))
+    keys.refused(refused, would_have, 7, deadline())
     written = registry.written[-1]
     assert dataclasses.replace(written, refused=None) == Progress.of(7, held, 0)
     assert written.refused is not None
@@ -975,9 +1074,9 @@ def test_a_report_claiming_a_listing_after_its_own_write_is_never_heard() -> Non
     clock = Clock()
     registry = BoardRegistry(clock)
     keys = joining_round(A, registry, clock)
-    keys.admission(wants_all_but(), "m", token=0)
+    admit(keys, token=0)
     registry.index += 1
     lie = report(0, 10**12)
     registry.progress, registry.progress_index = lie, registry.index
     registry.changes.append((lie, registry.index))
-    assert keys.await_progress(1.0, 0, RendezvousState()) is Heard.KEEP
+    assert hear(keys, 1.0, 0) is Heard.KEEP

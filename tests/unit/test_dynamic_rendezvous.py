@@ -8,12 +8,14 @@ several nodes, late and redundant nodes, close, dead-node removal, heartbeats.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import re
 import subprocess
 import sys
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -24,24 +26,26 @@ import pytest
 from etcd_rendezvous import dynamic_rendezvous as dr
 from etcd_rendezvous._dynamic import handler as _dynamic_handler
 from etcd_rendezvous._dynamic import settings as _dynamic_settings
-from etcd_rendezvous._dynamic.admission import NodeKeys
-from etcd_rendezvous._dynamic.executor import _DistributedRendezvousOpExecutor
-from etcd_rendezvous._dynamic.holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
+from etcd_rendezvous._dynamic.admission import CHANGED, Admission
+from etcd_rendezvous._dynamic.executor import OpExecutor
+from etcd_rendezvous._dynamic.holder import BackendStateHolder, StateHolder
 from etcd_rendezvous._dynamic.ops import (
-    _Action,
-    _RendezvousCloseOp,
-    _RendezvousContext,
-    _RendezvousExitOp,
-    _RendezvousJoinOp,
-    _RendezvousKeepAliveOp,
+    Action,
+    CloseOp,
+    Context,
+    ExitOp,
+    JoinOp,
+    KeepAliveOp,
 )
-from etcd_rendezvous._dynamic.prefix_store import _prefix_store, _PrefixStore
+from etcd_rendezvous._dynamic.prefix_store import PrefixStore, prefix_store
 from etcd_rendezvous._dynamic.state import (
     _encode_state,
     _NodeDesc,
     _NodeDescGenerator,
     _RendezvousState,
 )
+from etcd_rendezvous._transport.clock import ServerClock
+from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous.api import (
     RendezvousClosedError,
     RendezvousConnectionError,
@@ -60,7 +64,7 @@ from etcd_rendezvous.dynamic_rendezvous import (
 from etcd_rendezvous.events import RdzvEvent, add_event_handler, remove_event_handler
 from support.wait import wait_until
 
-from .test_dynamic_admission import Clock, MemoryRegistry
+from .test_dynamic_admission import BoardRegistry, Clock, MemoryRegistry
 
 NOW = datetime(2000, 1, 1, tzinfo=timezone.utc)
 ME = _NodeDesc("this_node", 1, 1)
@@ -271,7 +275,7 @@ def test_node_desc_generator_counts_per_process() -> None:
     assert generator.generate("given-addr").addr == "given-addr"
 
 
-# -- _BackendRendezvousStateHolder ------------------------------------------------------------
+# -- BackendStateHolder ------------------------------------------------------------
 
 
 def full_state() -> _RendezvousState:
@@ -296,11 +300,9 @@ def full_state() -> _RendezvousState:
     return state
 
 
-def make_holder(
-    backend: RendezvousBackend, cache_duration: int = 0
-) -> _BackendRendezvousStateHolder:
+def make_holder(backend: RendezvousBackend, cache_duration: int = 0) -> BackendStateHolder:
     """A holder whose clock stands at ``NOW``."""
-    return _BackendRendezvousStateHolder(backend, make_settings(), cache_duration, FixedClock())
+    return BackendStateHolder(backend, make_settings(), cache_duration, FixedClock())
 
 
 def test_holder_starts_empty_without_calling_the_backend() -> None:
@@ -313,7 +315,7 @@ def test_holder_starts_empty_without_calling_the_backend() -> None:
 def test_sync_gets_empty_state_if_backend_has_none() -> None:
     backend = MemoryBackend()
     holder = make_holder(backend)
-    assert holder.sync() is None
+    assert holder.sync(Deadline(10)) is None
     assert vars(holder.state) == vars(_RendezvousState())
     assert backend.calls["get"] == 1
 
@@ -325,7 +327,7 @@ def test_sync_gets_backend_state_if_local_state_is_clean() -> None:
     for attempt in range(1, 4):
         expected.round = attempt
         backend.store(expected)
-        assert holder.sync() is None
+        assert holder.sync(Deadline(10)) is None
         assert vars(holder.state) == vars(expected)
     assert backend.calls == {"get": 3, "set": 0, "wait": 0}
 
@@ -338,7 +340,7 @@ def test_sync_gets_backend_state_if_local_state_is_old_and_dirty() -> None:
         backend.store(expected)  # Moves the token on.
         holder.state.round = attempt
         holder.mark_dirty()
-        assert holder.sync() is False
+        assert holder.sync(Deadline(10)) is False
         assert vars(holder.state) == vars(expected)
     assert backend.calls == {"get": 0, "set": 3, "wait": 0}
 
@@ -349,7 +351,7 @@ def test_sync_sets_backend_state_if_local_state_is_new_and_dirty() -> None:
     for attempt in range(1, 4):
         holder.state.round = attempt
         holder.mark_dirty()
-        assert holder.sync() is True
+        assert holder.sync(Deadline(10)) is True
         assert vars(holder.state) == vars(backend.load())
         assert backend.load().round == attempt
     assert backend.calls == {"get": 0, "set": 3, "wait": 0}
@@ -359,11 +361,11 @@ def test_sync_serves_the_cache_until_it_expires_or_a_wait_ends() -> None:
     backend = MemoryBackend()
     backend.store(full_state())
     holder = make_holder(backend, cache_duration=60)
-    holder.sync()
-    assert holder.sync() is None
+    holder.sync(Deadline(10))
+    assert holder.sync(Deadline(10)) is None
     assert backend.calls["get"] == 1
-    holder.wait_for_change(0)
-    holder.sync()
+    holder.wait_for_change(0, Deadline(10))
+    holder.sync(Deadline(10))
     assert backend.calls["get"] == 2
     assert backend.calls["wait"] == 1
 
@@ -371,12 +373,12 @@ def test_sync_serves_the_cache_until_it_expires_or_a_wait_ends() -> None:
 def test_wait_for_change_returns_when_another_node_writes() -> None:
     backend = MemoryBackend()
     holder = make_holder(backend)
-    holder.sync()
+    holder.sync(Deadline(10))
     threading.Timer(0.2, backend.store, args=(full_state(),)).start()
     started = time.monotonic()
-    holder.wait_for_change(30)
+    holder.wait_for_change(30, Deadline(10))
     assert time.monotonic() - started < 5
-    holder.sync()
+    holder.sync(Deadline(10))
     assert holder.state.round == 999
 
 
@@ -392,9 +394,9 @@ def test_holder_polls_a_backend_without_wait_for_change() -> None:
         def set_state(self, state: bytes, token: Any = None) -> None:
             return None
 
-    holder = _BackendRendezvousStateHolder(Bare(), make_settings())  # type: ignore[arg-type]
+    holder = BackendStateHolder(Bare(), make_settings())  # type: ignore[arg-type]
     started = time.monotonic()
-    holder.wait_for_change(0.05)
+    holder.wait_for_change(0.05, Deadline(10))
     assert 0.04 <= time.monotonic() - started < 1
 
 
@@ -411,7 +413,7 @@ def test_sync_removes_nodes_whose_heartbeats_lapsed() -> None:
     backend = MemoryBackend()
     backend.store(state)
     holder = make_holder(backend)
-    holder.sync()
+    holder.sync(Deadline(10))
     assert vars(holder.state) == vars(expected)
 
 
@@ -422,7 +424,7 @@ def test_sync_moves_to_next_round_if_no_participant_is_left() -> None:
     backend = MemoryBackend()
     backend.store(state)
     holder = make_holder(backend)
-    holder.sync()
+    holder.sync(Deadline(10))
     assert holder.state.complete is False
     assert holder.state.round == 1000
     assert holder.state.participants == {}
@@ -437,20 +439,20 @@ def test_sync_raises_state_error_naming_the_key() -> None:
         RendezvousStateError,
         match=r"^The rendezvous state in memory key '/torch/elastic/rendezvous/r1' is corrupt",
     ):
-        make_holder(backend).sync()
+        make_holder(backend).sync(Deadline(10))
 
 
 def test_sync_raises_state_error_naming_a_keyless_backend() -> None:
     backend = MemoryBackend()
     backend.corrupt(b"\x80\x04N.")  # A pickled None.
     with pytest.raises(RendezvousStateError, match="in the 'memory' backend is corrupt"):
-        make_holder(backend).sync()
+        make_holder(backend).sync(Deadline(10))
 
 
-# -- _DistributedRendezvousOpExecutor ---------------------------------------------------------
+# -- OpExecutor ---------------------------------------------------------
 
 
-class FakeStateHolder(_RendezvousStateHolder):
+class FakeStateHolder(StateHolder):
     """Records calls; ``sync`` reports the dirty flag like a backend that always accepts.
     Its clock stands at ``NOW`` unless given another."""
 
@@ -470,7 +472,7 @@ class FakeStateHolder(_RendezvousStateHolder):
     def clock(self) -> FixedClock:
         return self._clock
 
-    def sync(self) -> bool | None:
+    def sync(self, deadline: Deadline) -> bool | None:
         self.calls.append("sync")
         self._dirty, dirty = None, self._dirty
         return dirty
@@ -479,24 +481,24 @@ class FakeStateHolder(_RendezvousStateHolder):
         self.calls.append("mark")
         self._dirty = True
 
-    def wait_for_change(self, timeout: float) -> None:
+    def wait_for_change(self, timeout: float, deadline: Deadline) -> None:
         self.calls.append(("wait", timeout))
 
 
 def run_action(
-    action: _Action,
+    action: Action,
     state: _RendezvousState,
     settings: RendezvousSettings | None = None,
-    deadline: float | None = None,
-    update_deadline: Callable[[timedelta], float] | None = None,
+    deadline: Deadline | None = None,
+    renew: Callable[[], Deadline] | None = None,
 ) -> FakeStateHolder:
     holder = FakeStateHolder(state)
-    executor = _DistributedRendezvousOpExecutor(ME, holder, settings or make_settings())
-    actions = iter([action, _Action.FINISH])
+    executor = OpExecutor(ME, holder, settings or make_settings())
+    actions = iter([action, Action.FINISH])
     executor.run(
         lambda ctx, dl: next(actions),
-        time.monotonic() + 100 if deadline is None else deadline,
-        update_deadline,
+        Deadline(100) if deadline is None else deadline,
+        renew,
     )
     return holder
 
@@ -514,23 +516,24 @@ def add_participants(state: _RendezvousState, count: int, *, ranked: bool = Fals
 def test_run_passes_context_and_deadline_to_the_operation() -> None:
     settings = make_settings()
     holder = FakeStateHolder()
-    seen: list[tuple[_RendezvousContext, float]] = []
+    seen: list[tuple[Context, float]] = []
 
-    def op(ctx: _RendezvousContext, deadline: float) -> _Action:
+    def op(ctx: Context, deadline: Deadline) -> Action:
         seen.append((ctx, deadline))
-        return _Action.FINISH
+        return Action.FINISH
 
-    _DistributedRendezvousOpExecutor(ME, holder, settings).run(op, 3)
+    given = Deadline(3)
+    OpExecutor(ME, holder, settings).run(op, given)
     ((ctx, deadline),) = seen
     assert ctx.node is ME
     assert ctx.state is holder.state
     assert ctx.settings is settings
-    assert deadline == 3
+    assert deadline is given
 
 
 def test_run_keeps_alive() -> None:
     state = _RendezvousState()
-    holder = run_action(_Action.KEEP_ALIVE, state)
+    holder = run_action(Action.KEEP_ALIVE, state)
     assert state.last_heartbeats == {ME: NOW}
     assert holder.calls == ["sync", "mark", "sync"]
 
@@ -540,7 +543,7 @@ def test_run_adds_to_participants(was_waiting: bool) -> None:
     state = _RendezvousState()
     if was_waiting:
         state.wait_list.add(ME)
-    run_action(_Action.ADD_TO_PARTICIPANTS, state, make_settings(2, 2))
+    run_action(Action.ADD_TO_PARTICIPANTS, state, make_settings(2, 2))
     assert state.participants == {ME: 0}
     assert state.wait_list == set()
     assert state.last_heartbeats == {ME: NOW}
@@ -551,7 +554,7 @@ def test_run_adds_to_participants(was_waiting: bool) -> None:
 def test_run_adds_to_participants_and_starts_last_call(count: int) -> None:
     state = _RendezvousState()
     add_participants(state, count)
-    run_action(_Action.ADD_TO_PARTICIPANTS, state, make_settings(count + 1, count + 2))
+    run_action(Action.ADD_TO_PARTICIPANTS, state, make_settings(count + 1, count + 2))
     assert state.deadline == NOW + RendezvousTimeout().last_call
     assert state.complete is False
 
@@ -561,7 +564,7 @@ def test_run_adds_to_participants_and_completes_at_max_nodes(count: int) -> None
     state = _RendezvousState()
     add_participants(state, count)
     state.deadline = NOW
-    run_action(_Action.ADD_TO_PARTICIPANTS, state, make_settings(1, count + 1))
+    run_action(Action.ADD_TO_PARTICIPANTS, state, make_settings(1, count + 1))
     expected = _RendezvousState()
     add_participants(expected, count, ranked=True)
     expected.participants[ME] = count  # "this_node" sorts after "dummy*".
@@ -573,7 +576,7 @@ def test_run_adds_to_participants_and_completes_at_max_nodes(count: int) -> None
 def test_run_adds_to_wait_list() -> None:
     state = _RendezvousState()
     state.redundancy_list.add(ME)
-    run_action(_Action.ADD_TO_WAIT_LIST, state)
+    run_action(Action.ADD_TO_WAIT_LIST, state)
     assert state.wait_list == {ME}
     assert state.redundancy_list == set()
     assert state.last_heartbeats == {ME: NOW}
@@ -581,7 +584,7 @@ def test_run_adds_to_wait_list() -> None:
 
 def test_run_adds_to_redundancy_list() -> None:
     state = _RendezvousState()
-    run_action(_Action.ADD_TO_REDUNDANCY_LIST, state)
+    run_action(Action.ADD_TO_REDUNDANCY_LIST, state)
     assert state.redundancy_list == {ME}
     assert state.last_heartbeats == {ME: NOW}
 
@@ -593,7 +596,7 @@ def test_run_removes_from_participants(complete: bool, deadline: datetime | None
     state.participants[ME] = 0
     state.last_heartbeats[ME] = NOW
     state.complete, state.deadline, state.round = complete, deadline, 1
-    run_action(_Action.REMOVE_FROM_PARTICIPANTS, state)
+    run_action(Action.REMOVE_FROM_PARTICIPANTS, state)
     expected = _RendezvousState()
     add_participants(expected, 2)
     expected.complete, expected.deadline, expected.round = complete, deadline, 1
@@ -605,7 +608,7 @@ def test_run_removes_last_participant_and_moves_to_next_round() -> None:
     state.participants[ME] = 0
     state.last_heartbeats[ME] = NOW
     state.complete, state.round = True, 1
-    run_action(_Action.REMOVE_FROM_PARTICIPANTS, state)
+    run_action(Action.REMOVE_FROM_PARTICIPANTS, state)
     expected = _RendezvousState()
     expected.round = 2
     assert vars(state) == vars(expected)
@@ -617,7 +620,7 @@ def test_run_removes_from_participants_and_clears_last_call() -> None:
     state.participants[ME] = 0
     state.last_heartbeats[ME] = NOW
     state.deadline = NOW
-    run_action(_Action.REMOVE_FROM_PARTICIPANTS, state, make_settings(3, 4))
+    run_action(Action.REMOVE_FROM_PARTICIPANTS, state, make_settings(3, 4))
     assert state.deadline is None
     assert ME not in state.participants
 
@@ -626,7 +629,7 @@ def test_run_removes_from_wait_list() -> None:
     state = _RendezvousState()
     state.wait_list.add(ME)
     state.last_heartbeats[ME] = NOW
-    run_action(_Action.REMOVE_FROM_WAIT_LIST, state)
+    run_action(Action.REMOVE_FROM_WAIT_LIST, state)
     assert vars(state) == vars(_RendezvousState())
 
 
@@ -634,22 +637,22 @@ def test_run_removes_from_redundancy_list_and_renews_the_deadline() -> None:
     state = _RendezvousState()
     state.redundancy_list.add(ME)
     state.last_heartbeats[ME] = NOW
-    renewed: list[timedelta] = []
+    renewed: list[Deadline] = []
 
-    def update_deadline(timeout: timedelta) -> float:
-        renewed.append(timeout)
-        return time.monotonic() + 100
+    def renew() -> Deadline:
+        renewed.append(Deadline(100))
+        return renewed[-1]
 
-    run_action(_Action.REMOVE_FROM_REDUNDANCY_LIST, state, update_deadline=update_deadline)
+    run_action(Action.REMOVE_FROM_REDUNDANCY_LIST, state, renew=renew)
     assert vars(state) == vars(_RendezvousState())
-    assert renewed == [RendezvousTimeout().join]
+    assert len(renewed) == 1
 
 
 def test_run_marks_rendezvous_complete_and_assigns_ranks_in_node_order() -> None:
     state = _RendezvousState()
     add_participants(state, 3)
     state.deadline = NOW
-    run_action(_Action.MARK_RENDEZVOUS_COMPLETE, state)
+    run_action(Action.MARK_RENDEZVOUS_COMPLETE, state)
     assert state.complete is True
     assert state.deadline is None
     assert state.participants == {_NodeDesc(f"dummy{i}", 1, 1): i for i in range(3)}
@@ -657,7 +660,7 @@ def test_run_marks_rendezvous_complete_and_assigns_ranks_in_node_order() -> None
 
 def test_run_marks_rendezvous_closed() -> None:
     state = _RendezvousState()
-    run_action(_Action.MARK_RENDEZVOUS_CLOSED, state)
+    run_action(Action.MARK_RENDEZVOUS_CLOSED, state)
     expected = _RendezvousState()
     expected.closed = True
     assert vars(state) == vars(expected)
@@ -670,32 +673,32 @@ _PENDING = "of the rendezvous 'dummy_run_id'. Pending sync."
     ("action", "listed", "message"),
     [
         (
-            _Action.ADD_TO_PARTICIPANTS,
+            Action.ADD_TO_PARTICIPANTS,
             "",
             f"The node '{ME}' added itself to the participants of round 3 {_PENDING}",
         ),
         (
-            _Action.ADD_TO_WAIT_LIST,
+            Action.ADD_TO_WAIT_LIST,
             "",
             f"The node '{ME}' added itself to the wait list of round 4 {_PENDING}",
         ),
         (
-            _Action.ADD_TO_REDUNDANCY_LIST,
+            Action.ADD_TO_REDUNDANCY_LIST,
             "",
             f"The node '{ME}' added itself to the redundancy list of round 4 {_PENDING}",
         ),
         (
-            _Action.REMOVE_FROM_PARTICIPANTS,
+            Action.REMOVE_FROM_PARTICIPANTS,
             "participants",
             f"The node '{ME}' removed itself from the participants of round 3 {_PENDING}",
         ),
         (
-            _Action.REMOVE_FROM_WAIT_LIST,
+            Action.REMOVE_FROM_WAIT_LIST,
             "wait_list",
             f"The node '{ME}' removed itself from the wait list of round 4 {_PENDING}",
         ),
         (
-            _Action.REMOVE_FROM_REDUNDANCY_LIST,
+            Action.REMOVE_FROM_REDUNDANCY_LIST,
             "redundancy_list",
             # PyTorch's wording: "redundant list".
             f"The node '{ME}' removed itself from the redundant list of round 4 {_PENDING}",
@@ -703,7 +706,7 @@ _PENDING = "of the rendezvous 'dummy_run_id'. Pending sync."
     ],
 )
 def test_run_records_pytorchs_message_of_each_change(
-    action: _Action, listed: str, message: str
+    action: Action, listed: str, message: str
 ) -> None:
     state = _RendezvousState()
     state.round = 3
@@ -725,43 +728,43 @@ def test_run_records_pytorchs_message_of_each_change(
 @pytest.mark.parametrize(
     ("action", "error"),
     [
-        (_Action.ERROR_CLOSED, RendezvousClosedError),
-        (_Action.ERROR_TIMEOUT, RendezvousTimeoutError),
+        (Action.ERROR_CLOSED, RendezvousClosedError),
+        (Action.ERROR_TIMEOUT, RendezvousTimeoutError),
     ],
 )
-def test_run_raises_on_error_actions(action: _Action, error: type[Exception]) -> None:
+def test_run_raises_on_error_actions(action: Action, error: type[Exception]) -> None:
     holder = FakeStateHolder()
-    executor = _DistributedRendezvousOpExecutor(ME, holder, make_settings())
+    executor = OpExecutor(ME, holder, make_settings())
     with pytest.raises(error):
-        executor.run(lambda ctx, dl: action, time.monotonic() + 100)
+        executor.run(lambda ctx, dl: action, Deadline(100))
     assert holder.calls == ["sync"]
 
 
 @pytest.mark.parametrize(
     ("op", "action", "error", "words"),
     [
-        (_RendezvousJoinOp(), _Action.ERROR_CLOSED, RendezvousClosedError, "is closed"),
+        (JoinOp(), Action.ERROR_CLOSED, RendezvousClosedError, "is closed"),
         (
-            _RendezvousJoinOp(),
-            _Action.ERROR_TIMEOUT,
+            JoinOp(),
+            Action.ERROR_TIMEOUT,
             RendezvousTimeoutError,
             "join_timeout (600 s)",
         ),
         (
-            _RendezvousExitOp(),
-            _Action.ERROR_TIMEOUT,
+            ExitOp(),
+            Action.ERROR_TIMEOUT,
             RendezvousTimeoutError,
             "join_timeout (600 s)",
         ),
         (
-            _RendezvousCloseOp(),
-            _Action.ERROR_TIMEOUT,
+            CloseOp(),
+            Action.ERROR_TIMEOUT,
             RendezvousTimeoutError,
             "close_timeout (30 s)",
         ),
         (
-            _RendezvousKeepAliveOp(),
-            _Action.ERROR_TIMEOUT,
+            KeepAliveOp(),
+            Action.ERROR_TIMEOUT,
             RendezvousTimeoutError,
             "heartbeat_timeout (5 s)",
         ),
@@ -769,20 +772,20 @@ def test_run_raises_on_error_actions(action: _Action, error: type[Exception]) ->
     ids=["closed", "join", "exit", "close", "keep-alive"],
 )
 def test_error_actions_name_the_run_and_the_limit(
-    op: Callable[..., _Action], action: _Action, error: type[Exception], words: str
+    op: Callable[..., Action], action: Action, error: type[Exception], words: str
 ) -> None:
-    executor = _DistributedRendezvousOpExecutor(ME, FakeStateHolder(), make_settings())
+    executor = OpExecutor(ME, FakeStateHolder(), make_settings())
     # The operation's type tells the limit; its decision here is the error.
     decide = type(type(op).__name__, (type(op),), {"__call__": lambda self, ctx, dl: action})
     with pytest.raises(error) as raised:
-        executor.run(decide(), time.monotonic() + 100)
+        executor.run(decide(), Deadline(100))
     assert f"rendezvous '{make_settings().run_id}'" in str(raised.value)
     assert words in str(raised.value)
     assert str(ME) in str(raised.value)
 
 
 def test_run_waits_for_a_change_on_sync() -> None:
-    holder = run_action(_Action.SYNC, _RendezvousState())
+    holder = run_action(Action.SYNC, _RendezvousState())
     assert holder.calls[0] == "sync"
     assert holder.calls[1][0] == "wait"
     assert holder.calls[2:] == ["sync"]
@@ -794,10 +797,10 @@ def test_run_waits_for_a_change_on_sync() -> None:
 
 
 def wait_time(state: _RendezvousState, deadline_in: float = 100.0, **settings: Any) -> float:
-    holder = FakeStateHolder(state)
-    executor = _DistributedRendezvousOpExecutor(ME, holder, make_settings(**settings))
-    executor._state = state
-    return executor._time_to_next_event(time.monotonic() + deadline_in)
+    """How long a node holding ``state`` with nothing to do waits for a change."""
+    holder = run_action(Action.SYNC, state, make_settings(**settings), Deadline(deadline_in))
+    ((_, timeout),) = [call for call in holder.calls if call[0] == "wait"]
+    return float(timeout)
 
 
 def test_wake_up_at_the_last_call_deadline() -> None:
@@ -836,16 +839,16 @@ def test_events_in_the_past_do_not_cause_busy_waiting() -> None:
 
 
 def next_action(
-    op: Callable[[_RendezvousContext, float], _Action],
+    op: Callable[[Context, Deadline], Action],
     state: _RendezvousState,
     *,
     min_nodes: int = 1,
     max_nodes: int = 2,
     deadline_in: float = 100.0,
-) -> _Action:
+) -> Action:
     settings = make_settings(min_nodes, max_nodes)
-    ctx = _RendezvousContext(ME, state, settings, now=NOW)
-    return op(ctx, time.monotonic() + deadline_in)
+    ctx = Context(ME, state, settings, now=NOW)
+    return op(ctx, Deadline(deadline_in))
 
 
 def base_state() -> _RendezvousState:
@@ -856,32 +859,32 @@ def base_state() -> _RendezvousState:
 
 def test_exit_op() -> None:
     state = base_state()
-    assert next_action(_RendezvousExitOp(), state) == _Action.FINISH
+    assert next_action(ExitOp(), state) == Action.FINISH
     state.participants[ME] = 1
-    assert next_action(_RendezvousExitOp(), state) == _Action.REMOVE_FROM_PARTICIPANTS
-    assert next_action(_RendezvousExitOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+    assert next_action(ExitOp(), state) == Action.REMOVE_FROM_PARTICIPANTS
+    assert next_action(ExitOp(), state, deadline_in=-1) == Action.ERROR_TIMEOUT
 
 
 def test_exit_op_is_done_once_the_round_it_leaves_is_over() -> None:
     state = base_state()
     state.round, state.complete = 3, True
     state.participants[ME] = 1
-    op = _RendezvousExitOp()
-    assert next_action(op, state) == _Action.REMOVE_FROM_PARTICIPANTS
-    assert next_action(op, state) == _Action.REMOVE_FROM_PARTICIPANTS  # Not out yet.
+    op = ExitOp()
+    assert next_action(op, state) == Action.REMOVE_FROM_PARTICIPANTS
+    assert next_action(op, state) == Action.REMOVE_FROM_PARTICIPANTS  # Not out yet.
     # A batch took the node out of round 3 and admitted it to round 4 in one write.
     state.round = 4
-    assert next_action(op, state) == _Action.FINISH
+    assert next_action(op, state) == Action.FINISH
 
 
-def join(state: _RendezvousState, **kwargs: Any) -> _Action:
-    return next_action(_RendezvousJoinOp(), state, **kwargs)
+def join(state: _RendezvousState, **kwargs: Any) -> Action:
+    return next_action(JoinOp(), state, **kwargs)
 
 
 def test_join_raises_closed_if_rendezvous_is_closed() -> None:
     state = base_state()
     state.closed = True
-    assert join(state) == _Action.ERROR_CLOSED
+    assert join(state) == Action.ERROR_CLOSED
 
 
 def test_join_exits_gracefully_if_closed_while_redundant() -> None:
@@ -896,12 +899,12 @@ def test_join_finishes_if_complete_and_participant() -> None:
     state = base_state()
     state.participants[ME] = 0
     state.complete = True
-    assert join(state) == _Action.FINISH
+    assert join(state) == Action.FINISH
 
 
 def assert_waits(state: _RendezvousState, **kwargs: Any) -> None:
     """Keep-alive once the interval (30 s) passed, else wait for a change."""
-    for age, expected in ((30, _Action.KEEP_ALIVE), (29, _Action.SYNC)):
+    for age, expected in ((30, Action.KEEP_ALIVE), (29, Action.SYNC)):
         state.last_heartbeats[ME] = NOW - timedelta(seconds=age)
         assert join(state, **kwargs) == expected
 
@@ -909,7 +912,7 @@ def assert_waits(state: _RendezvousState, **kwargs: Any) -> None:
 def test_join_adds_to_redundancy_list_if_complete_and_full() -> None:
     state = base_state()
     state.complete = True
-    assert join(state, max_nodes=1) == _Action.ADD_TO_REDUNDANCY_LIST
+    assert join(state, max_nodes=1) == Action.ADD_TO_REDUNDANCY_LIST
 
 
 def test_join_waits_while_redundant_and_full_even_past_deadline() -> None:
@@ -924,7 +927,7 @@ def test_join_leaves_redundancy_list_once_there_is_room() -> None:
     state = base_state()
     state.complete = True
     state.redundancy_list.add(ME)
-    assert join(state, max_nodes=2) == _Action.REMOVE_FROM_REDUNDANCY_LIST
+    assert join(state, max_nodes=2) == Action.REMOVE_FROM_REDUNDANCY_LIST
 
 
 def test_join_waits_for_next_round_if_in_wait_list() -> None:
@@ -937,18 +940,18 @@ def test_join_waits_for_next_round_if_in_wait_list() -> None:
 def test_join_adds_to_wait_list_if_complete_with_room() -> None:
     state = base_state()
     state.complete = True
-    assert join(state) == _Action.ADD_TO_WAIT_LIST
+    assert join(state) == Action.ADD_TO_WAIT_LIST
 
 
 def test_join_adds_to_participants_if_not_complete() -> None:
-    assert join(base_state()) == _Action.ADD_TO_PARTICIPANTS
+    assert join(base_state()) == Action.ADD_TO_PARTICIPANTS
 
 
 def test_join_completes_after_last_call() -> None:
     state = base_state()
     state.participants[ME] = 0
     state.deadline = NOW - timedelta(seconds=1)
-    assert join(state) == _Action.MARK_RENDEZVOUS_COMPLETE
+    assert join(state) == Action.MARK_RENDEZVOUS_COMPLETE
 
 
 def test_join_waits_during_last_call() -> None:
@@ -967,37 +970,53 @@ def test_join_waits_for_min_nodes() -> None:
 def test_join_rolls_back_after_deadline() -> None:
     state = base_state()
     state.participants[ME] = 0
-    assert join(state, deadline_in=-1) == _Action.REMOVE_FROM_PARTICIPANTS
+    assert join(state, deadline_in=-1) == Action.REMOVE_FROM_PARTICIPANTS
     del state.participants[ME]
     state.complete = True
     state.wait_list.add(ME)
-    assert join(state, deadline_in=-1) == _Action.REMOVE_FROM_WAIT_LIST
+    assert join(state, deadline_in=-1) == Action.REMOVE_FROM_WAIT_LIST
+
+
+class Monotonic:
+    """A monotonic clock that the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_join_times_out_after_rollback_period() -> None:
-    state = base_state()
-    state.participants[ME] = 0
-    assert join(state, deadline_in=-6) == _Action.ERROR_TIMEOUT
-    assert join(base_state(), deadline_in=-1) == _Action.ERROR_TIMEOUT
+    clock = Monotonic()
+    op, deadline = JoinOp(clock), Deadline(10, clock=clock)
+    ctx = Context(ME, base_state(), make_settings(1, 2), now=NOW)
+    ctx.state.participants[ME] = 0
+    assert op(ctx, deadline) == Action.SYNC
+    clock.now += 11
+    assert op(ctx, deadline) == Action.REMOVE_FROM_PARTICIPANTS  # 1 s into the rollback
+    clock.now += 5
+    assert op(ctx, deadline) == Action.ERROR_TIMEOUT  # 6 s past the deadline
+    assert join(base_state(), deadline_in=-1) == Action.ERROR_TIMEOUT
 
 
 def test_close_op() -> None:
     state = base_state()
-    assert next_action(_RendezvousCloseOp(), state) == _Action.MARK_RENDEZVOUS_CLOSED
-    assert next_action(_RendezvousCloseOp(), state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+    assert next_action(CloseOp(), state) == Action.MARK_RENDEZVOUS_CLOSED
+    assert next_action(CloseOp(), state, deadline_in=-1) == Action.ERROR_TIMEOUT
     state.closed = True
-    assert next_action(_RendezvousCloseOp(), state) == _Action.FINISH
+    assert next_action(CloseOp(), state) == Action.FINISH
 
 
 def test_keep_alive_op() -> None:
     state = base_state()
-    op = _RendezvousKeepAliveOp()
-    assert next_action(op, state) == _Action.FINISH  # No heartbeat of ours yet.
+    op = KeepAliveOp()
+    assert next_action(op, state) == Action.FINISH  # No heartbeat of ours yet.
     state.last_heartbeats[ME] = NOW - timedelta(seconds=30)
-    assert next_action(op, state) == _Action.KEEP_ALIVE
-    assert next_action(op, state, deadline_in=-1) == _Action.ERROR_TIMEOUT
+    assert next_action(op, state) == Action.KEEP_ALIVE
+    assert next_action(op, state, deadline_in=-1) == Action.ERROR_TIMEOUT
     state.last_heartbeats[ME] = NOW - timedelta(seconds=29)
-    assert next_action(op, state) == _Action.FINISH
+    assert next_action(op, state) == Action.FINISH
 
 
 # -- handlers, several nodes in threads -----------------------------------------------------
@@ -1029,9 +1048,22 @@ def make_handler(
             heartbeat=timedelta(seconds=5),
         ),
     )
-    node = DynamicRendezvousHandler._node_desc_generator.generate(addr)
-    holder = _BackendRendezvousStateHolder(backend, settings)
-    return DynamicRendezvousHandler(node, settings, backend.name, store, holder)
+    node = _NodeDesc(addr, os.getpid(), next(_LOCAL_IDS))
+    holder = BackendStateHolder(backend, settings)
+    handler = DynamicRendezvousHandler(node, settings, backend.name, store, holder)
+    _NODES[handler] = node
+    return handler
+
+
+#: The local ids of the nodes :func:`make_handler` makes (a handler's own generator's
+#: start at 0 in each process: these start far above), and the node of each handler.
+_LOCAL_IDS = itertools.count(10_000)
+_NODES: weakref.WeakKeyDictionary[DynamicRendezvousHandler, _NodeDesc] = weakref.WeakKeyDictionary()
+
+
+def node_of(handler: DynamicRendezvousHandler) -> _NodeDesc:
+    """The node of a handler :func:`make_handler` made."""
+    return _NODES[handler]
 
 
 class Joiner:
@@ -1070,7 +1102,7 @@ def handlers() -> Iterator[list[DynamicRendezvousHandler]]:
     created: list[DynamicRendezvousHandler] = []
     yield created
     for handler in created:
-        handler._stop_heartbeats()
+        handler.close()
 
 
 @pytest.mark.parametrize("backend_type", [MemoryBackend, PollingBackend])
@@ -1085,7 +1117,7 @@ def test_four_nodes_rendezvous(
     assert sorted(info.rank for info in infos) == [0, 1, 2, 3]
     assert {info.world_size for info in infos} == {4}
     # Ranks follow the node order, as in PyTorch.
-    by_node = sorted(zip(handlers, infos), key=lambda pair: pair[0]._this_node)
+    by_node = sorted(zip(handlers, infos), key=lambda pair: node_of(pair[0]))
     assert [info.rank for _, info in by_node] == [0, 1, 2, 3]
     # The store is round-scoped; rank 0 published the bootstrap address there.
     assert store.data["torch.rendezvous.run.0/MASTER_ADDR"] == b"127.0.0.1"
@@ -1156,7 +1188,7 @@ def test_redundant_node_exits_gracefully_on_close(
     for joiner in [Joiner(h) for h in handlers[:2]]:
         joiner.join()
     spare = Joiner(handlers[2])
-    wait_until(lambda: handlers[2]._this_node in backend.load().redundancy_list)
+    wait_until(lambda: node_of(handlers[2]) in backend.load().redundancy_list)
     assert handlers[0].num_nodes_waiting() == 0  # Redundant nodes do not trigger a round.
     handlers[0].set_closed()
     with pytest.raises(RendezvousGracefulExitError):
@@ -1197,11 +1229,11 @@ def test_dead_node_is_removed_after_its_heartbeats_lapse(
     for joiner in [Joiner(h) for h in handlers]:
         joiner.join()
     dead, survivor = handlers
-    dead._stop_heartbeats()  # As if its process was killed.
+    dead.close()  # As if its process was killed: its heartbeats stop.
     lifetime = interval * 2
 
     def lapsed() -> bool:  # (the survivor's heartbeat may have dropped it already)
-        beat = backend.load().last_heartbeats.get(dead._this_node)
+        beat = backend.load().last_heartbeats.get(node_of(dead))
         return beat is None or datetime.now(timezone.utc) - beat > lifetime
 
     wait_until(lapsed)
@@ -1210,8 +1242,8 @@ def test_dead_node_is_removed_after_its_heartbeats_lapse(
     info = Joiner(survivor).join()
     assert info.world_size == 1
     state = backend.load()
-    assert dead._this_node not in state.participants
-    assert dead._this_node not in state.last_heartbeats
+    assert node_of(dead) not in state.participants
+    assert node_of(dead) not in state.last_heartbeats
     assert state.round == 1
 
 
@@ -1219,12 +1251,12 @@ def test_dead_node_is_removed_after_its_heartbeats_lapse(
 
 
 def keep_alive_threads(handler: DynamicRendezvousHandler) -> list[threading.Thread]:
-    name = f"RendezvousKeepAliveTimer_{handler._this_node.local_id}"
+    name = f"RendezvousKeepAliveTimer_{node_of(handler).local_id}"
     return [t for t in threading.enumerate() if t.name == name]
 
 
 def last_heartbeat(backend: MemoryBackend, handler: DynamicRendezvousHandler) -> datetime:
-    return backend.load().last_heartbeats[handler._this_node]
+    return backend.load().last_heartbeats[node_of(handler)]
 
 
 def test_heartbeats_run_and_stop_on_shutdown(handlers: list[DynamicRendezvousHandler]) -> None:
@@ -1240,7 +1272,7 @@ def test_heartbeats_run_and_stop_on_shutdown(handlers: list[DynamicRendezvousHan
     assert handler.shutdown() is True
     assert not thread.is_alive()
     assert keep_alive_threads(handler) == []  # the only heartbeat writer is gone
-    handler._stop_heartbeats()  # Idempotent.
+    handler.close()  # Stopping them again is harmless.
 
 
 def test_heartbeats_survive_transient_errors(handlers: list[DynamicRendezvousHandler]) -> None:
@@ -1280,7 +1312,7 @@ def test_garbage_collected_handler_stops_its_heartbeats() -> None:
 
 def test_prefix_store_joins_keys_like_c10d() -> None:
     store = DictStore()
-    prefixed = _PrefixStore("torch.rendezvous.run.3", store)
+    prefixed = PrefixStore("torch.rendezvous.run.3", store)
     prefixed.set("a", "1")
     assert store.data == {"torch.rendezvous.run.3/a": b"1"}
     assert prefixed.get("a") == b"1"
@@ -1291,7 +1323,7 @@ def test_prefix_store_joins_keys_like_c10d() -> None:
     prefixed.wait(["a"])
     prefixed.wait(["a"], timedelta(seconds=1))
     assert prefixed.underlying_store is store
-    assert _prefix_store("p", store).__class__ is _PrefixStore
+    assert prefix_store("p", store).__class__ is PrefixStore
 
 
 @pytest.mark.torch
@@ -1301,11 +1333,11 @@ def test_prefix_store_matches_torchs() -> None:
 
     hash_store = dist.HashStore()
     dist.PrefixStore("torch.rendezvous.run.0", hash_store).set("k", "theirs")
-    wrapped = _prefix_store("torch.rendezvous.run.0", hash_store)
+    wrapped = prefix_store("torch.rendezvous.run.0", hash_store)
     assert isinstance(wrapped, dist.PrefixStore)  # A torch store gets torch's wrapper.
     assert wrapped.get("k") == b"theirs"
     # Ours writes the same key torch's reads.
-    _PrefixStore("torch.rendezvous.run.0", hash_store).set("j", "ours")  # type: ignore[arg-type]
+    PrefixStore("torch.rendezvous.run.0", hash_store).set("j", "ours")  # type: ignore[arg-type]
     assert dist.PrefixStore("torch.rendezvous.run.0", hash_store).get("j") == b"ours"
     assert hash_store.get("torch.rendezvous.run.0/j") == b"ours"
 
@@ -1355,7 +1387,8 @@ def test_rank_0_keeps_its_tcp_store_port_across_rounds_and_stops_the_old_server(
     server of each round is a new, empty one on the same port, the old one stopped."""
     dist = pytest.importorskip("torch.distributed", reason="needs PyTorch")
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    handler = make_handler(MemoryBackend(), DictStore(), 1, 1)
+    backend = MemoryBackend()
+    handler = make_handler(backend, DictStore(), 1, 1)
     handlers.append(handler)
     first = handler.next_rendezvous().bootstrap_store_info
     assert first is not None
@@ -1367,7 +1400,7 @@ def test_rank_0_keeps_its_tcp_store_port_across_rounds_and_stops_the_old_server(
 
     second = handler.next_rendezvous().bootstrap_store_info  # the node re-joins: round 1
     assert second is not None
-    assert handler._state_holder.state.round == 1
+    assert backend.load().round == 1
     assert (second.master_addr, second.master_port) == (first.master_addr, first.master_port)
     assert old_server() is None  # no reference left: torch has stopped that server
     with pytest.raises(dist.DistError):
@@ -1484,9 +1517,16 @@ def test_create_handler_reads_the_options() -> None:
     assert settings.timeout.heartbeat == timedelta(seconds=14)
     assert settings.keep_alive_interval == timedelta(seconds=6)
     assert settings.keep_alive_max_attempt == 7
-    assert handler._this_node.addr == "10.0.0.1"
     assert handler.get_backend() == "memory"
     assert handler.get_run_id() == "run-9"
+    # The node is known by its local_addr: the events it records name it.
+    seen: list[RdzvEvent] = []
+    add_event_handler(seen.append)
+    try:
+        handler.set_closed()
+    finally:
+        remove_event_handler(seen.append)
+    assert {event.hostname for event in seen} == {"10.0.0.1"}
 
 
 def test_create_handler_defaults() -> None:
@@ -1521,7 +1561,7 @@ def test_create_handler_rejects_bad_options(
     ],
 )
 def test_handler_validates_settings(settings: RendezvousSettings, message: str) -> None:
-    holder = _BackendRendezvousStateHolder(MemoryBackend(), settings)
+    holder = BackendStateHolder(MemoryBackend(), settings)
     with pytest.raises(ValueError, match=message):
         DynamicRendezvousHandler(ME, settings, "memory", DictStore(), holder)
 
@@ -1569,25 +1609,59 @@ def test_mixed_fleet_with_pytorchs_handler(handlers: list[DynamicRendezvousHandl
     assert store.get("torch.rendezvous.mixed.0/from-ours") == b"1"
 
 
-class RegistryBackend(MemoryBackend, MemoryRegistry):
-    """An in-memory backend that keeps node keys too."""
+class KeyedMemoryBackend(MemoryBackend, BoardRegistry):
+    """An in-memory backend with this package's backend's interface: node keys, the
+    aggregator lock and a progress key too, calls that take a deadline, a connection."""
 
     def __init__(self) -> None:
-        MemoryRegistry.__init__(self)
+        BoardRegistry.__init__(self, Clock())
         MemoryBackend.__init__(self)  # its call counts take in the registry's too
+        #: The deadline of each call of the state.
+        self.deadlines: list[Deadline | None] = []
+
+    def get_state(self, *, deadline: Deadline | None = None) -> tuple[bytes, Any] | None:
+        self.deadlines.append(deadline)
+        return MemoryBackend.get_state(self)
+
+    def set_state(
+        self, state: bytes, token: Any = None, *, deadline: Deadline | None = None
+    ) -> tuple[bytes, Any, bool] | None:
+        self.deadlines.append(deadline)
+        return MemoryBackend.set_state(self, state, token)
+
+    def wait_for_change(
+        self, token: Any, timeout: float, *, deadline: Deadline | None = None
+    ) -> None:
+        MemoryBackend.wait_for_change(self, token, timeout)
+
+    @property
+    def connection(self) -> Any:
+        return types.SimpleNamespace(clock=ServerClock())
 
 
 def test_only_a_backend_that_keeps_node_keys_gets_batched_admission() -> None:
-    plain = DynamicRendezvousHandler.from_backend("run", DictStore(), MemoryBackend(), 1, 1)
-    keyed = DynamicRendezvousHandler.from_backend("run", DictStore(), RegistryBackend(), 1, 1)
-    assert plain._node_keys is None
-    assert keyed._node_keys is not None
-    # The keyed node announces itself instead of writing itself into the state.
-    keyed._stop_heartbeats()
-    info = keyed.next_rendezvous()
-    keyed._stop_heartbeats()
-    assert info.world_size == 1
-    assert keyed._node_keys.announced
+    plain, keyed = MemoryBackend(), KeyedMemoryBackend()
+    for backend in (plain, keyed):
+        with DynamicRendezvousHandler.from_backend("run", DictStore(), backend, 1, 1) as handler:
+            assert handler.next_rendezvous().world_size == 1
+    # The keyed node announced itself, was admitted in a batch (its own) and deleted its
+    # key when closed; the plain one wrote itself into the state, as in PyTorch.
+    assert (keyed.calls["announce"], keyed.calls["withdraw"]) == (1, 1)
+    assert len(keyed.load().participants) == len(plain.load().participants) == 1
+    assert "announce" not in plain.calls
+
+
+def test_the_holder_passes_the_callers_deadline_to_this_packages_backend_only() -> None:
+    """This package's backend gets the deadline of each call; a backend with PyTorch's
+    interface (whose get_state() and set_state() take none) is called as PyTorch does."""
+    keyed, plain, deadline = KeyedMemoryBackend(), MemoryBackend(), Deadline(10)
+    for backend in (keyed, plain):
+        holder = make_holder(backend)
+        holder.sync(deadline)
+        holder.mark_dirty()
+        holder.sync(deadline)
+    assert keyed.deadlines == [deadline, deadline]
+    assert (plain.calls["get"], plain.calls["set"]) == (1, 1)
 
 
 def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired() -> None:
@@ -1605,22 +1679,22 @@ def test_the_first_waiting_node_takes_out_a_participant_whose_key_expired() -> N
     state.last_heartbeats.update({dead: NOW, ME: NOW, other: NOW})
     holder = FakeStateHolder(state)
     settings = make_settings(1, 3, interval=timedelta(seconds=5))
-    keys = NodeKeys(registry, ME, settings, clock)
-    executor = _DistributedRendezvousOpExecutor(ME, holder, settings, keys)
+    keys = Admission(registry, ME, settings, clock, state_clock=holder.clock, progress_key=False)
+    executor = OpExecutor(ME, holder, settings, keys)
     waits = 0
 
-    def op(ctx: _RendezvousContext, deadline: float) -> _Action:
+    def op(ctx: Context, deadline: Deadline) -> Action:
         nonlocal waits
         if dead not in ctx.state.participants:
-            return _Action.FINISH
+            return Action.FINISH
         waits += 1
         assert waits < 5, "the dead participant was never taken out"
         if waits == 2:
             registry.keys.pop(dead)  # its key expired while we waited
             clock.now += 2.3
-        return _Action.SYNC
+        return Action.SYNC
 
-    executor.run(op, time.monotonic() + 100)
+    executor.run(op, Deadline(100))
 
     # First look: the key lives 3 s more; we wait until then (whole seconds: 2.3 s).
     assert holder.calls[1][0] == "wait"
@@ -1644,10 +1718,10 @@ def test_only_the_first_of_the_wait_list_looks_at_the_keys() -> None:
     state.last_heartbeats.update({dead: NOW, ME: NOW, first: NOW})
     holder = FakeStateHolder(state)
     settings = make_settings(1, 3)
-    keys = NodeKeys(registry, ME, settings)
-    executor = _DistributedRendezvousOpExecutor(ME, holder, settings, keys)
-    actions = iter([_Action.SYNC, _Action.FINISH])
-    executor.run(lambda ctx, dl: next(actions), time.monotonic() + 100)
+    keys = Admission(registry, ME, settings, state_clock=holder.clock, progress_key=False)
+    executor = OpExecutor(ME, holder, settings, keys)
+    actions = iter([Action.SYNC, Action.FINISH])
+    executor.run(lambda ctx, dl: next(actions), Deadline(100))
     assert "list" not in registry.calls
     assert holder.calls[1][0] == "wait"
 
@@ -1661,19 +1735,22 @@ def test_the_aggregator_never_moves_another_nodes_heartbeat_back() -> None:
     ahead, behind = _NodeDesc("ahead", 1, 1), _NodeDesc("behind", 1, 1)
     registry, monotonic = MemoryRegistry(), Clock()
     settings = make_settings(1, 3, interval=timedelta(seconds=5))
-    keys = NodeKeys(registry, ME, settings, monotonic)
-    keys.admission(lambda node: True, "m", None)  # announced; the first admitter aggregates
+    state = _RendezvousState()
+    holder = FakeStateHolder(state)
+    keys = Admission(
+        registry, ME, settings, monotonic, state_clock=holder.clock, progress_key=False
+    )
+    # Announced and admitted: the first admitter aggregates.
+    assert keys.join(Action.ADD_TO_PARTICIPANTS, state, None, Deadline(10)) is CHANGED
     for node in (ahead, behind):
         registry.announce_node(node, 15)
-    state = _RendezvousState()
     state.complete = True
     state.participants = {ahead: 0, behind: 1, ME: 2}
     later = NOW + timedelta(seconds=20)
     state.last_heartbeats = {ahead: later, behind: NOW - timedelta(seconds=4), ME: NOW}
-    holder = FakeStateHolder(state)
-    executor = _DistributedRendezvousOpExecutor(ME, holder, settings, keys)
+    executor = OpExecutor(ME, holder, settings, keys)
     monotonic.now += 5  # the next tick is due
-    executor.run(lambda ctx, dl: _Action.FINISH, time.monotonic() + 100)
+    executor.run(lambda ctx, dl: Action.FINISH, Deadline(100))
     assert holder.calls[:3] == ["sync", "mark", "sync"]  # the fold was written
     assert holder.state.last_heartbeats == {ahead: later, behind: NOW, ME: NOW}
 
@@ -1687,14 +1764,14 @@ def test_the_state_holders_clock_is_the_one_every_part_reads() -> None:
     backend = MemoryBackend()
     backend.store(state)
     settings = make_settings(1, 2)
-    holder = _BackendRendezvousStateHolder(backend, settings, 0, clock)
+    holder = BackendStateHolder(backend, settings, 0, clock)
     seen: list[datetime] = []
 
-    def op(ctx: _RendezvousContext, deadline: float) -> _Action:
+    def op(ctx: Context, deadline: Deadline) -> Action:
         seen.append(ctx.now)
-        return _Action.FINISH if ME in ctx.state.participants else _Action.ADD_TO_PARTICIPANTS
+        return Action.FINISH if ME in ctx.state.participants else Action.ADD_TO_PARTICIPANTS
 
-    _DistributedRendezvousOpExecutor(ME, holder, settings).run(op, time.monotonic() + 100)
+    OpExecutor(ME, holder, settings).run(op, Deadline(100))
     written = backend.load()
     assert written.last_heartbeats == {ME: clock.at}
     assert written.deadline == clock.at + settings.timeout.last_call
@@ -1703,7 +1780,7 @@ def test_the_state_holders_clock_is_the_one_every_part_reads() -> None:
 
 class DroppingStore(DictStore):
     """A store whose wait for rank 0's address gives up, as :class:`EtcdStore`'s does at
-    its caller's deadline, after another node took rank 0 out of the round meanwhile."""
+    its timeout, after another node took rank 0 out of the round meanwhile."""
 
     def __init__(self, backend: MemoryBackend) -> None:
         super().__init__()
@@ -1735,11 +1812,8 @@ def test_a_failed_address_exchange_says_who_left_the_round(
     for joiner in joiners:
         with pytest.raises(LookupError) as caught:
             joiner.join()
-        errors[joiner.handler._this_node == min(h._this_node for h in handlers)] = str(caught.value)
-    common = (
-        r"within 1\.2 s\. The exchange of rank 0's address is bounded by what is left of "
-        r"join_timeout \(30 s\) after the round completed\. "
-    )
+        errors[node_of(joiner.handler) == min(node_of(h) for h in handlers)] = str(caught.value)
+    common = r"within 1\.2 s\. Rank 0 of round 0 publishes its address once the round completed\. "
     assert re.search(
         common + r"This node is no longer a participant of round 0 of the rendezvous 'run' "
         r"\(its state is at round 0\): it was dropped",

@@ -18,7 +18,8 @@ import pytest
 
 from etcd_rendezvous import dynamic_rendezvous as dr
 from etcd_rendezvous._dynamic import state as codec
-from etcd_rendezvous._dynamic.holder import _BackendRendezvousStateHolder
+from etcd_rendezvous._dynamic.holder import BackendStateHolder
+from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous.api import RendezvousStateError
 
 TORCH_MODULE = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
@@ -403,7 +404,7 @@ def test_node_hashed_before_it_was_built_does_not_corrupt_sets() -> None:
 
 
 def test_holder_names_the_backends_key(tmp_path: Path) -> None:
-    class KeyedBackend(dr.RendezvousBackend):
+    class NamedBackend(dr.RendezvousBackend):
         @property
         def name(self) -> str:
             return "etcd-v2"
@@ -419,9 +420,9 @@ def test_holder_names_the_backends_key(tmp_path: Path) -> None:
             return None
 
     settings = dr.RendezvousSettings("run-1", 1, 1, dr.RendezvousTimeout(), timedelta(seconds=5), 3)
-    holder = _BackendRendezvousStateHolder(KeyedBackend(), settings)
+    holder = BackendStateHolder(NamedBackend(), settings)
     with pytest.raises(
         RendezvousStateError, match=r"in etcd-v2 key '/torch/elastic/rendezvous/run-1' is corrupt"
     ):
-        holder.sync()
+        holder.sync(Deadline(10))
     assert not (tmp_path / "pwned").exists()

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 
 from etcd_rendezvous import events
-from etcd_rendezvous._dynamic.executor import _DistributedRendezvousOpExecutor
-from etcd_rendezvous._dynamic.holder import _BackendRendezvousStateHolder
+from etcd_rendezvous._dynamic.executor import OpExecutor
+from etcd_rendezvous._dynamic.holder import BackendStateHolder
 from etcd_rendezvous.api import RendezvousClosedError, RendezvousParameters
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, create_handler
 from etcd_rendezvous.events import NodeState, RdzvEvent
@@ -131,9 +131,7 @@ def test_the_dynamic_handler_records_pytorchs_events_in_order(
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     backend, store = MemoryBackend(), DictStore()
     # Renaming our private classes cannot rename PyTorch's events.
-    private = {
-        c: c.__name__ for c in (_DistributedRendezvousOpExecutor, _BackendRendezvousStateHolder)
-    }
+    private = {c: c.__name__ for c in (OpExecutor, BackendStateHolder)}
     for cls in private:
         cls.__name__ = "Renamed"
     try:

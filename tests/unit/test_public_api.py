@@ -7,9 +7,10 @@ entry points declared in ``pyproject.toml``. They are written out, not computed 
 code, so a name that disappears or moves fails here. Adding names is fine; removing one
 is a breaking change.
 
-Every public class and function also names a public module as its ``__module__``, one
-that has it under its own name: pickles, reprs and the docs refer to it there, so a
-private module behind it can move without breaking them.
+Every public class whose instances are pickled (the errors, which cross processes, and
+the decoded state) names a public module as its ``__module__``, one that has it under its
+own name: a pickle refers to it there, so a private module behind it can move without
+breaking it. Other classes and functions may name the private module they live in.
 """
 
 from __future__ import annotations
@@ -301,10 +302,22 @@ def test_public_names_still_importable(module: str) -> None:
     assert _missing(module, _public_names(module)) == [], f"{module} lost public names"
 
 
+#: Public classes, besides the errors, whose instances are pickled: a decoded state sent to
+#: another process (PyTorch's state classes, under their public names here).
+PICKLED: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("etcd_rendezvous.dynamic_rendezvous", "NodeDesc"),
+        ("etcd_rendezvous.dynamic_rendezvous", "RendezvousState"),
+    }
+)
+
+
 def _misplaced(module: str, name: str) -> str | None:
-    """Why ``module.name``'s ``__module__`` is wrong, or None if it is a public home."""
+    """Why ``module.name``'s ``__module__`` is wrong, or None if it is a public home (or
+    the object is not pickled)."""
     obj = getattr(importlib.import_module(module), name)
-    if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+    pickled = inspect.isclass(obj) and (issubclass(obj, BaseException) or (module, name) in PICKLED)
+    if not pickled:
         return None
     home = obj.__module__
     if home.split(".")[0] != "etcd_rendezvous":
@@ -317,7 +330,7 @@ def _misplaced(module: str, name: str) -> str | None:
 
 
 @pytest.mark.parametrize("module", sorted(BEFORE))
-def test_public_objects_name_a_public_module(module: str) -> None:
+def test_pickled_objects_name_a_public_module(module: str) -> None:
     if module in NEEDS_TORCH and importlib.util.find_spec("torch") is None:
         pytest.skip("importing the module would import PyTorch, which is not installed")
     found = [_misplaced(module, name) for name in _public_names(module)]

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 import types
-from collections.abc import Iterator
+import uuid
 
 import pytest
 
 from etcd_rendezvous import api, registry
 from etcd_rendezvous.api import RendezvousParameters, rendezvous_handler_registry
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.net import closed_port
 
 from .test_api import FakeHandler, create_fake
 
 
 @pytest.fixture
-def dummy_backend() -> Iterator[str]:
-    """Register a throw-away backend in the global registry and remove it afterwards."""
-    name = "dummy-test-backend"
+def dummy_backend() -> str:
+    """A throw-away backend registered in the global registry, under a name of its own."""
+    name = f"dummy-test-backend-{uuid.uuid4().hex[:8]}"
     rendezvous_handler_registry.register(name, create_fake)
-    yield name
-    del rendezvous_handler_registry._registry[name]
+    return name
 
 
 def make_params(backend: str) -> RendezvousParameters:
@@ -46,29 +47,10 @@ def test_get_handler_unknown_backend() -> None:
 
 
 def test_get_handler_backend_mismatch() -> None:
-    name = "mismatching-test-backend"
+    name = f"mismatching-test-backend-{uuid.uuid4().hex[:8]}"
     rendezvous_handler_registry.register(name, lambda params: FakeHandler("something-else"))
-    try:
-        with pytest.raises(RuntimeError, match=r"does not match the requested backend"):
-            get_rendezvous_handler(make_params(name))
-    finally:
-        del rendezvous_handler_registry._registry[name]
-
-
-def test_etcd_is_registered_with_lazy_creator() -> None:
-    assert rendezvous_handler_registry._registry["etcd"] is registry._create_etcd_handler
-
-
-def test_backends_are_also_registered_under_their_torchrun_names() -> None:
-    entries = rendezvous_handler_registry._registry
-    assert entries["etcd-rendezvous"] is registry._create_etcd_handler
-    assert entries["etcd-rendezvous-v2"] is registry._create_etcd_v2_handler
-
-
-def test_register_default_handlers_is_idempotent() -> None:
-    registry._register_default_handlers()
-    registry._register_default_handlers()
-    assert rendezvous_handler_registry._registry["etcd"] is registry._create_etcd_handler
+    with pytest.raises(RuntimeError, match=r"does not match the requested backend"):
+        get_rendezvous_handler(make_params(name))
 
 
 def test_etcd_cannot_be_reregistered_with_other_creator() -> None:
@@ -76,17 +58,22 @@ def test_etcd_cannot_be_reregistered_with_other_creator() -> None:
         api.rendezvous_handler_registry.register("etcd", create_fake)
 
 
-def test_etcd_creator_imports_backend_module_lazily(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["etcd", "etcd-rendezvous"])
+def test_the_etcd_backends_handler_comes_from_its_module(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under PyTorch's name and torchrun's plugin name, the registry creates the handler
+    with ``etcd_rendezvous.etcd_rendezvous.create_rdzv_handler``, imported when needed."""
     seen: list[RendezvousParameters] = []
 
     def create_rdzv_handler(params: RendezvousParameters) -> FakeHandler:
         seen.append(params)
-        return FakeHandler("etcd")
+        return FakeHandler(params.backend)
 
     fake_module = types.ModuleType("etcd_rendezvous.etcd_rendezvous")
     fake_module.create_rdzv_handler = create_rdzv_handler  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "etcd_rendezvous.etcd_rendezvous", fake_module)
-    params = make_params("etcd")
+    params = make_params(name)
 
     handler = get_rendezvous_handler(params)
 
@@ -94,12 +81,9 @@ def test_etcd_creator_imports_backend_module_lazily(monkeypatch: pytest.MonkeyPa
     assert seen == [params]
 
 
-def test_etcd_v2_is_registered_with_lazy_creator() -> None:
-    assert rendezvous_handler_registry._registry["etcd-v2"] is registry._create_etcd_v2_handler
-
-
+@pytest.mark.parametrize("name", ["etcd-v2", "etcd-rendezvous-v2"])
 def test_etcd_v2_creator_builds_backend_then_dynamic_handler(
-    monkeypatch: pytest.MonkeyPatch,
+    name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[tuple[str, object]] = []
     backend, store = object(), object()
@@ -120,7 +104,7 @@ def test_etcd_v2_creator_builds_backend_then_dynamic_handler(
     fake_dynamic.create_handler = create_handler  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "etcd_rendezvous.etcd_rendezvous_backend", fake_backend)
     monkeypatch.setitem(sys.modules, "etcd_rendezvous.dynamic_rendezvous", fake_dynamic)
-    params = make_params("etcd-v2")
+    params = make_params(name)
 
     handler = get_rendezvous_handler(params)
 
@@ -128,16 +112,57 @@ def test_etcd_v2_creator_builds_backend_then_dynamic_handler(
     assert calls == [
         ("create_backend", params),
         # The handler owns the backend (and its connection): its close() releases them.
-        ("create_handler", (store, backend, params, "etcd-v2", True)),
+        ("create_handler", (store, backend, params, name, True)),
     ]
 
 
-def test_importing_the_registry_imports_no_backend() -> None:
-    code = (
-        "import sys, etcd_rendezvous.registry\n"
-        "loaded = [m for m in ('etcd', 'etcd_rendezvous.dynamic_rendezvous',\n"
-        "          'etcd_rendezvous.etcd_rendezvous_backend') if m in sys.modules]\n"
-        "print(loaded)\n"
+#: What the first handler loads: python-etcd and the modules of the backends.
+_LOADED_LATE = (
+    "etcd",
+    "etcd_rendezvous.etcd_rendezvous",
+    "etcd_rendezvous.dynamic_rendezvous",
+    "etcd_rendezvous.etcd_rendezvous_backend",
+)
+
+
+@pytest.mark.parametrize(
+    ("backend", "loaded"),
+    [
+        ("etcd", ["etcd", "etcd_rendezvous.etcd_rendezvous"]),
+        (
+            "etcd-v2",
+            [
+                "etcd",
+                "etcd_rendezvous.dynamic_rendezvous",
+                "etcd_rendezvous.etcd_rendezvous_backend",
+            ],
+        ),
+    ],
+)
+def test_the_backends_load_with_the_first_handler(backend: str, loaded: list[str]) -> None:
+    """Importing the package (and its registry) loads neither python-etcd nor a backend's
+    modules; creating the first handler of a backend loads them (here one that fails to
+    reach etcd, at a port nothing listens on). In a fresh interpreter."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import etcd_rendezvous, etcd_rendezvous.registry
+        from etcd_rendezvous import RendezvousConnectionError, RendezvousParameters
+
+        late = {_LOADED_LATE!r}
+        print([m for m in late if m in sys.modules])
+        params = RendezvousParameters(
+            {backend!r}, "127.0.0.1:{closed_port()}", "run", 1, 1,
+            connect_timeout="1", timeout="2", join_timeout="2",
+        )
+        try:
+            etcd_rendezvous.get_rendezvous_handler(params)
+        except RendezvousConnectionError:
+            pass
+        print([m for m in late if m in sys.modules])
+        """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    before, after = out.stdout.splitlines()
+    assert before == "[]"
+    assert after == str([m for m in _LOADED_LATE if m in loaded])

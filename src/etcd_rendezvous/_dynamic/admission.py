@@ -1,20 +1,23 @@
 """Batched admission and aggregated heartbeats for the dynamic rendezvous (node keys).
 
-With a backend that implements :class:`NodeRegistry` (this package's ``etcd-v2``
-backend), each node announces itself with a key of its own; a candidate admitter (the
-node whose key is the oldest not yet decided, or the next one if it is slow) admits
-every announced node (or takes it out of the round it leaves) in one state write, and
-summarises that write in the progress key (:mod:`etcd_rendezvous._dynamic.progress`),
-which the other nodes wait on instead of the state; one *aggregator* refreshes the
-heartbeats of every node with a live key in one write; and the first node of the wait
-list takes out the participants whose keys are gone. A constant number of requests per
-node instead of
-PyTorch's O(N^2), writing the same state.
+With a backend that keeps the run's other keys (a :class:`~.keys.KeyedBackend`: this
+package's ``etcd-v2`` backend), each node announces itself with a key of its own; a
+candidate admitter (the node whose key is the oldest not yet decided, or the next one if
+it is slow) admits every announced node (or takes it out of the round it leaves) in one
+state write, and summarises that write in the progress key
+(:mod:`etcd_rendezvous._dynamic.progress`), which the other nodes wait on instead of the
+state; one *aggregator* refreshes the heartbeats of every node with a live key in one
+write; and the first node of the wait list takes out the participants whose keys are
+gone. A constant number of requests per node instead of PyTorch's O(N^2), writing the
+same state.
 
-:class:`NodeKeys` is one node's side of it: its key, its admission attempt, its
-heartbeat ticks and their requests to the registry. What a batch does to the state is
-decided by :mod:`etcd_rendezvous._dynamic.ops` and carried out by
-:mod:`etcd_rendezvous._dynamic.executor`. The protocol step by step: see
+:class:`Admission` is one node's side of it, beside the requests it makes: its key, its
+admission attempts, the batches it makes, its heartbeat ticks and the aggregator's fold,
+the participants it reaps, and its view of the progress key. The executor asks it one
+question per step (:meth:`Admission.join`, :meth:`Admission.reap`,
+:meth:`Admission.fold`, :meth:`Admission.wait`); the changes it makes to the state are
+:mod:`etcd_rendezvous._dynamic.changes`'s, decided by
+:func:`~etcd_rendezvous._dynamic.ops.admission_action`. The protocol step by step: see
 docs/how-it-works.rst, section "Our nodes: node keys, batched admission, one heartbeat
 writer".
 """
@@ -29,23 +32,32 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Protocol, runtime_checkable
 
+from .._transport.retry import Deadline
 from ..api import RequestTooLargeError
-from .progress import PROGRESS_SILENCE, Heard, Progress, ProgressBoard, ProgressKey
-from .settings import RendezvousSettings
+from ..events import NodeState
+from .backend import Token
+from .changes import Changes
+from .clock import LOCAL_CLOCK, Clock
+from .keys import AnnouncedNode, KeyedBackend, Progress
+from .ops import ADMISSIONS, Action, admission_action
+from .progress import PROGRESS_SILENCE, Heard, ProgressKey
+from .settings import (
+    EXECUTOR_EVENTS,
+    RendezvousSettings,
+    event_source,
+    record_node_event,
+)
 from .state import NodeDesc, RendezvousState
 
 __all__ = [
     "ADMISSION_GRACE",
     "ADMIT_GATHER",
     "ADMIT_STAGGER",
+    "CHANGED",
     "EXIT_GATHER",
-    "AnnouncedNode",
-    "Batch",
-    "Gone",
-    "NodeKeys",
-    "NodeRegistry",
+    "Admission",
+    "Changed",
     "Refresh",
     "Wait",
     "stagger_wait",
@@ -99,14 +111,13 @@ _LOCK_INTERVALS = 2
 
 
 @dataclass(frozen=True)
-class AnnouncedNode:
-    """A node key as listed: the node, the etcd index at which its key was created, and
-    the complete round the node asked to leave, if its key says so (see
-    :meth:`NodeRegistry.mark_leaving`)."""
+class Changed:
+    """The node made its changes to the state (a batch, or dead participants taken
+    out): write it."""
 
-    node: NodeDesc
-    created_index: int
-    leaving: int | None = None
+
+#: The one :class:`Changed`.
+CHANGED = Changed()
 
 
 @dataclass(frozen=True)
@@ -117,26 +128,18 @@ class Wait:
 
 
 @dataclass(frozen=True)
-class Batch:
-    """This node makes the batch now: ``nodes`` are the listed nodes, oldest first, but
-    those taken for dead. For each, the caller takes it out of its round if it leaves,
-    and admits it if the join decision says so."""
-
-    nodes: list[NodeDesc]
-
-
-@dataclass(frozen=True)
-class Gone:
-    """Participants whose keys are gone (died or withdrew): the caller takes them out
-    of the round."""
-
-    nodes: list[NodeDesc]
-
-
-@dataclass(frozen=True)
 class Refresh:
     """This node would make the batch now, but the state it holds is older than the
     one the progress key describes: read the state first, then ask again."""
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """This node makes the batch now: ``nodes`` are the listed nodes, oldest first, but
+    those taken for dead. Each is taken out of its round if it leaves, and admitted if
+    the join decision says so."""
+
+    nodes: list[NodeDesc]
 
 
 def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0.0) -> float:
@@ -154,54 +157,6 @@ def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0
     return max(steps - idle, 0.0)
 
 
-@runtime_checkable
-class NodeRegistry(Protocol):
-    """What a backend provides for node keys.
-
-    A backend with all these methods gets batched admission and aggregated heartbeats;
-    any other backend (PyTorch's, a user's) keeps PyTorch's protocol. Every method may
-    raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
-    """
-
-    def announce_node(self, node: NodeDesc, ttl: int) -> int:
-        """Create the key of ``node`` (or find it made by an earlier attempt of ours);
-        return the index at which it was created."""
-
-    def refresh_node(self, node: NodeDesc, ttl: int) -> bool:
-        """Restart the TTL of the key of ``node``; ``False`` if the key is gone."""
-
-    def withdraw_node(self, node: NodeDesc) -> None:
-        """Delete the key of ``node`` (nothing if it is gone)."""
-
-    def mark_leaving(self, node: NodeDesc, round_: int, ttl: int) -> None:
-        """Write the key of ``node`` saying that the node leaves the complete round
-        ``round_`` (create it, with ``ttl``, if it is gone); listings report it."""
-
-    def list_nodes(self) -> list[AnnouncedNode]:
-        """Every node key of the run, oldest first."""
-
-    def expires_in(self, node: NodeDesc) -> int | None:
-        """Whole seconds until the key of ``node`` expires, as far as the last listing
-        tells (on v3: one request for its lease); ``0`` or ``None`` if its time is up
-        (or it is gone)."""
-
-    def remove_expired(self, node: NodeDesc) -> bool:
-        """Delete the key of ``node`` if it is still the one the last listing showed;
-        whether the key is gone now (``False``: it was written since, its node lives)."""
-
-    def aggregator(self) -> NodeDesc | None:
-        """The holder of the aggregator lock, or ``None`` if nobody holds it."""
-
-    def claim_aggregator(self, node: NodeDesc, ttl: int) -> bool:
-        """Create the aggregator lock for ``node`` if nobody holds it; whether it did."""
-
-    def renew_aggregator(self, node: NodeDesc, ttl: int) -> bool:
-        """Restart the TTL of the lock if ``node`` holds it; ``False`` if gone or another's."""
-
-    def release_aggregator(self, node: NodeDesc) -> None:
-        """Delete the aggregator lock if ``node`` holds it."""
-
-
 #: Tells whether a batch would do something for a node on the state at hand: take it
 #: out of the round it asked to leave, or admit it (the join decision adds it to the
 #: participants, the wait list or the redundancy list).
@@ -216,7 +171,7 @@ class _Attempt:
     predecessors: dict[NodeDesc, int]
     #: When the admissions last made progress (``time.monotonic()``).
     progress_at: float
-    #: What the state's admissions looked like at the last look (see ``admission``).
+    #: What the state's admissions looked like at the last look (see ``_admission``).
     mark: object = None
     #: Whether the node waits for its turn as a candidate admitter (see
     #: :func:`stagger_wait`) rather than for its listed predecessors.
@@ -235,31 +190,45 @@ class _Attempt:
         return any(wants(node) for node in reversed(self.predecessors))
 
 
-class NodeKeys:
-    """The node-key protocol of one handler's node.
+class Admission:
+    """One node's side of the node-key protocol, with the requests it makes to
+    ``keys``.
 
-    The handler calls :meth:`begin_join` and :meth:`end_join` around
-    ``next_rendezvous()`` and :meth:`withdraw` when it leaves (or fails to join); its
-    operation executor
-    calls :meth:`admission` instead of adding the node itself, and :meth:`tick` when
-    :meth:`tick_due` says so. Thread-safe.
+    The handler calls :meth:`begin` and :meth:`end` around ``next_rendezvous()`` and
+    :meth:`withdraw` when the node leaves (or fails to join). The executor, after each
+    sync, hands it the state (:meth:`synced`, :meth:`fold`); for each decision, asks
+    whether it takes it (:meth:`decided`) and then to take it (:meth:`join`); and when
+    the node has nothing to do, lets it reap (:meth:`reap`) and wait (:meth:`wait`).
+    Thread-safe. Every request ends by the ``deadline`` its caller passes.
 
     Args:
-        registry: the backend that keeps the keys.
+        keys: the backend that keeps the run's keys.
         node: this handler's node.
-        settings: the rendezvous settings (the keep-alive interval and attempts).
+        settings: the rendezvous settings.
         clock: the monotonic clock (replaceable in tests).
+        state_clock: the clock of the state's times (the state holder's).
+        progress_key: whether the node follows the progress key; without it, it always
+            waits for the keys older than its own to be admitted (as it does when it
+            leaves a round), which the unit tests of that path isolate.
     """
 
     def __init__(
         self,
-        registry: NodeRegistry,
+        keys: KeyedBackend,
         node: NodeDesc,
         settings: RendezvousSettings,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        state_clock: Clock = LOCAL_CLOCK,
+        progress_key: bool = True,
     ) -> None:
-        self._registry = registry
+        self._keys = keys
         self._node = node
+        self._settings = settings
+        self._state_clock = state_clock
+        self._changes = Changes(node, settings, state_clock)
+        # The events of a node admitted by another keep PyTorch's executor's names.
+        self._events = event_source(EXECUTOR_EVENTS, settings.run_id)
         interval = settings.keep_alive_interval.total_seconds()
         attempts = settings.keep_alive_max_attempt
         self._interval = interval
@@ -277,7 +246,13 @@ class NodeKeys:
         self._attempt: _Attempt | None = None
         self._leading = False
         self._listed: set[NodeDesc] = set()
-        # The complete round our key says we leave (see ``leave``), and what the keys of
+        # Whether the node waits for a batch to admit it (or to take it out of the round
+        # it leaves: which one, then); the nodes whose heartbeats the aggregator's fold
+        # is writing into the state.
+        self._awaiting_admission = False
+        self._awaiting_exit: int | None = None
+        self._fold: set[NodeDesc] | None = None
+        # The complete round our key says we leave (see ``_leave``), and what the keys of
         # the last listing said.
         self._leaving: int | None = None
         self._left_at = -math.inf
@@ -291,13 +266,8 @@ class NodeKeys:
         self._dead: dict[NodeDesc, int] = {}
         self._reap_round: int | None = None
         self._reap_at = -math.inf
-        board = registry if isinstance(registry, ProgressBoard) else None
+        board = keys if progress_key else None
         self._progress = ProgressKey(board, node, settings.min_nodes, clock, self._ttl)
-
-    @property
-    def node(self) -> NodeDesc:
-        """This handler's node."""
-        return self._node
 
     @property
     def announced(self) -> bool:
@@ -309,15 +279,15 @@ class NodeKeys:
         itself: ``default`` without a key, later with one (the aggregator's job)."""
         return self._period if self._created is not None else default
 
-    # -- joining and leaving --------------------------------------------------------------
+    # -- the handler's calls --------------------------------------------------------------
 
-    def begin_join(self) -> None:
+    def begin(self) -> None:
         """``next_rendezvous()`` started: keep the key whatever the state says."""
         with self._lock:
             self._joining = True
             self._attempt = None
 
-    def end_join(self) -> None:
+    def end(self) -> None:
         """``next_rendezvous()`` ended (if it failed, the handler withdraws the node):
         stop watching, lest every later state write (the heartbeat folds) reach us."""
         with self._lock:
@@ -325,7 +295,7 @@ class NodeKeys:
             self._attempt = None
             self._progress.stop_waiting()
 
-    def withdraw(self) -> None:
+    def withdraw(self, deadline: Deadline) -> None:
         """Delete the node's key and release the aggregator lock if the node holds it."""
         with self._lock:
             created, leading = self._created, self._leading
@@ -333,38 +303,251 @@ class NodeKeys:
             self._next_tick = math.inf
             self._attempt = None
             if leading:
-                self._registry.release_aggregator(self._node)
+                self._keys.release_aggregator(self._node, deadline)
             if created is not None:
-                self._registry.withdraw_node(self._node)
+                self._keys.withdraw_node(self._node, deadline)
 
-    def admitted(self) -> None:
-        """The join decision no longer adds the node: forget the attempt."""
+    def waiting_hint(self, token: Token, deadline: Deadline) -> Progress | None:
+        """The progress key's summary (one small read), if it describes the state of
+        ``token`` or a newer one, else ``None`` (read the state)."""
+        return self._progress.waiting_hint(token if isinstance(token, int) else 0, deadline)
+
+    # -- the executor's calls -------------------------------------------------------------
+
+    def synced(
+        self,
+        state: RendezvousState,
+        token: Token,
+        written: bool | None,
+        fetched: bool,
+        deadline: Deadline,
+    ) -> None:
+        """The node synced ``state`` (read with ``token``): ``written`` as the holder's
+        sync says (``True``: ours written, ``False``: lost the race, ``None``: read),
+        ``fetched`` whether it read the backend. Summarise our write in the progress key,
+        or relay a write it misses (see :meth:`.ProgressKey.state_read`)."""
+        if isinstance(token, int) and (fetched or written is not None):
+            self._progress.state_read(token, state, written is True, self._joining, deadline)
+
+    def refused(
+        self, error: RequestTooLargeError, state: RendezvousState, token: Token, deadline: Deadline
+    ) -> None:
+        """etcd refused our write of ``state`` (made on the state of ``token``) for its
+        size: tell the nodes it would have admitted (see :meth:`.ProgressKey.refused`)."""
+        held = token if isinstance(token, int) else 0
+        count = len(state.participants)
+        self._progress.refused(error, held, count, state.complete, deadline)
+
+    @property
+    def folding(self) -> bool:
+        """Whether the aggregator's fold waits to be written (it retries at once)."""
+        return self._fold is not None
+
+    def fold(self, state: RendezvousState, lost_race: bool, deadline: Deadline) -> bool:
+        """The node's heartbeat, if due: refresh its key and, as the aggregator, the
+        heartbeats in ``state`` of the nodes with a live key; again on the newer state
+        after a ``lost_race`` (the fold does not wait for the next tick). Whether
+        ``state`` changed (to be written)."""
+        alive = self._fold
+        if alive is None or not lost_race:
+            self._fold = alive = None
+            if self.tick_due():
+                alive = self._tick(state, self._state_clock.now(), deadline) or None
+        if alive is None:
+            return False
+        self._fold = alive
+        self._changes.refresh(state, alive)
+        logger.debug(
+            "The node '%s' refreshed the heartbeats of %d node(s) with a live key in the "
+            "rendezvous '%s'. Pending sync.",
+            self._node,
+            len(alive),
+            self._settings.run_id,
+        )
+        return True
+
+    def decided(self, action: Action, state: RendezvousState) -> bool:
+        """Whether :meth:`join` takes ``action``, the join (or exit) decision on
+        ``state``: an admission, or leaving a complete round (both in a batch). Any
+        other decision ends a wait for a batch: the events of the node admitted (or
+        taken out) are recorded, saying who did it."""
+        if action in ADMISSIONS or (action == Action.REMOVE_FROM_PARTICIPANTS and state.complete):
+            return True
+        if self._awaiting_admission:
+            self._note_admitted(state)
+        return False
+
+    def join(
+        self, action: Action, state: RendezvousState, token: Token, deadline: Deadline
+    ) -> Changed | Wait | Refresh:
+        """Take ``action`` (see :meth:`decided`): this node makes the batch of every
+        announced node now, in ``state`` (:data:`CHANGED`), or waits for another node to
+        make it (:class:`Wait`: how long at most), or must read the state first
+        (:class:`Refresh`)."""
+        settings = self._settings
+
+        def wants(node: NodeDesc) -> bool:
+            if self._leaves(state, node):
+                return True
+            return admission_action(state, node, settings) is not None
+
+        counts = (len(state.participants), len(state.wait_list), len(state.redundancy_list))
         with self._lock:
-            self._attempt = None
+            if action == Action.REMOVE_FROM_PARTICIPANTS:
+                self._leave(state.round, deadline)
+            if self._created is None:
+                # Read the progress key first, so that our key is younger than the
+                # decided index it holds (see stagger_wait).
+                self._progress.read(deadline)
+                self._announce(deadline)
+            held = token if isinstance(token, int) else None
+            outcome = self._admission(wants, (state.round, *counts), held, deadline)
+        if isinstance(outcome, _Batch):
+            self._awaiting_admission, self._awaiting_exit = False, None
+            self._make_batch(state, outcome)
+            return CHANGED
+        self._awaiting_admission = True
+        if isinstance(outcome, Wait) and action == Action.REMOVE_FROM_PARTICIPANTS:
+            self._awaiting_exit = state.round
+        return outcome
 
-    def leave(self, round_: int) -> None:
+    def reap(self, state: RendezvousState, deadline: Deadline) -> Changed | Wait:
+        """While this node is the first of the wait list of a complete round: take out
+        of ``state`` the participants whose keys are gone (see "Dead participants" in
+        docs/how-it-works.rst): :data:`CHANGED`; else how long to wait before looking
+        again (``inf``: nothing to look at)."""
+        if (
+            state.closed
+            or not state.complete
+            or not state.wait_list
+            or min(state.wait_list) != self._node
+        ):
+            return Wait(math.inf)
+        blockers = [n for n in sorted(state.participants) if self._leaving_round(n) != state.round]
+        if not blockers:
+            return Wait(math.inf)
+        outcome = self._reap(state.round, blockers, deadline)
+        if isinstance(outcome, Wait):
+            return outcome
+        for node in outcome:
+            logger.info(
+                "The key of the node '%s' is gone (it died or left): the node '%s' takes it "
+                "out of round %d of the rendezvous '%s'.",
+                node,
+                self._node,
+                state.round,
+                self._settings.run_id,
+            )
+            self._changes.remove_from_participants(state, node)
+        return CHANGED
+
+    @property
+    def follows_progress(self) -> bool:
+        """Whether the node, joining, waits on the progress key instead of the state."""
+        return self._joining and self._progress.known
+
+    def wait(
+        self, state: RendezvousState, token: Token, timeout: float, deadline: Deadline
+    ) -> Heard:
+        """Wait up to ``timeout`` seconds on the progress key for a change that concerns
+        the node, holding ``state`` read with ``token`` (see
+        :meth:`.ProgressKey.await_change`)."""
+        held = token if isinstance(token, int) else 0
+        return self._progress.await_change(timeout, held, state, self._created, deadline)
+
+    def seconds_to_tick(self) -> float | None:
+        """Seconds until the next heartbeat tick is due (``None``: no key, no ticks)."""
+        if self._created is None:
+            return None
+        return max(self._next_tick - self._clock(), 0.0)
+
+    def tick_due(self) -> bool:
+        """Whether the next heartbeat tick is due (within half an interval: the
+        keep-alive timer fires every interval, give or take a little)."""
+        return self._created is not None and self._next_tick - self._clock() <= self._interval / 2
+
+    # -- leaving a round ------------------------------------------------------------------
+
+    def _leave(self, round_: int, deadline: Deadline) -> None:
         """The node leaves the complete round ``round_`` (the exit of
         ``next_rendezvous()``): write its key saying so (once per round), for a batch
-        to take it out (see :meth:`admission`)."""
+        to take it out."""
         with self._lock:
             if self._created is None:
-                self._announce()
+                self._announce(deadline)
             if self._leaving != round_:
-                self._registry.mark_leaving(self._node, round_, self._ttl)
+                self._keys.mark_leaving(self._node, round_, self._ttl, deadline)
                 self._leaving, self._left_at = round_, self._clock()
 
-    def leaving(self, node: NodeDesc) -> int | None:
+    def _leaving_round(self, node: NodeDesc) -> int | None:
         """The complete round ``node`` asked to leave, as its key said in the last
         listing (for this node: as it wrote it); ``None`` if it did not ask."""
         if node == self._node:
             return self._leaving
         return self._marks.get(node)
 
+    def _leaves(self, state: RendezvousState, node: NodeDesc) -> bool:
+        """Whether ``node`` is a participant of the complete round its key says it leaves."""
+        return (
+            state.complete
+            and node in state.participants
+            and self._leaving_round(node) == state.round
+        )
+
+    # -- the batch ------------------------------------------------------------------------
+
+    def _make_batch(self, state: RendezvousState, batch: _Batch) -> None:
+        """Make ``batch`` in ``state``: the nodes leaving first (the last one out ends the
+        round, and the join decisions then admit everyone to the next one's
+        participants), then each node's join decision on the state as that left it; the
+        heartbeats of the nodes of the listing (their keys were alive) are refreshed as
+        the aggregator does, so a round completes with fresh heartbeats."""
+        changes = self._changes
+        for node in [node for node in batch.nodes if self._leaves(state, node)]:
+            changes.remove_from_participants(state, node)
+        for node in batch.nodes:
+            action = admission_action(state, node, self._settings)
+            if action is not None:
+                changes.admit(state, node, action)
+        changes.refresh(state, self._listed)
+
+    def _note_admitted(self, state: RendezvousState) -> None:
+        """The node that waited for a batch was taken out of its round or admitted:
+        record how (the events a node records when it does it itself, saying who did)."""
+        self._awaiting_admission = False
+        with self._lock:
+            self._attempt = None
+        node, run_id = self._node, self._settings.run_id
+        left, self._awaiting_exit = self._awaiting_exit, None
+        if left is not None and (node not in state.participants or state.round != left):
+            msg = (
+                f"The node '{node}' was removed from the participants of round {left} of "
+                f"the rendezvous '{run_id}' by another node."
+            )
+            self._record("_remove_from_participants", msg)
+        if node in state.participants:
+            where, method = f"the participants of round {state.round}", "_add_to_participants"
+        elif node in state.wait_list:
+            where, method = f"the wait list of round {state.round + 1}", "_add_to_wait_list"
+        elif node in state.redundancy_list:
+            where = f"the redundancy list of round {state.round + 1}"
+            method = "_add_to_redundancy_list"
+        else:
+            return
+        msg = (
+            f"The node '{node}' was added to {where} of the rendezvous '{run_id}' by another node."
+        )
+        self._record(method, msg)
+
+    def _record(self, method: str, message: str) -> None:
+        record_node_event(self._events, method, message, NodeState.RUNNING, self._node)
+        logger.debug(message)
+
     # -- admission --------------------------------------------------------------------
 
-    def admission(
-        self, wants: WantsAdmission, mark: object, token: int | None = None
-    ) -> Batch | Wait | Refresh:
+    def _admission(
+        self, wants: WantsAdmission, mark: object, token: int | None, deadline: Deadline
+    ) -> _Batch | Wait | Refresh:
         """The batch this node must make now, or else how long to wait (at most) for
         another node to make it; :class:`Refresh` if it must read the state first.
 
@@ -376,9 +559,6 @@ class NodeKeys:
         batched admission, one heartbeat writer" (candidate admitters, batch exits).
         """
         with self._lock:
-            if self._created is None:
-                self._progress.read()
-                self._announce()
             gathering = self._left_at + EXIT_GATHER - self._clock()
             if self._attempt is None and gathering > 0:
                 return Wait(gathering)  # Let the others of the round ask to leave too.
@@ -388,7 +568,7 @@ class NodeKeys:
             if self._attempt is None and self._is_candidate(created):
                 self._attempt = _Attempt({}, now, staggered=True)
             elif self._attempt is None:
-                listing = self._list()
+                listing = self._list(deadline)
                 self._attempt = self._new_attempt(listing)
             attempt = self._attempt
             if mark != attempt.mark:
@@ -401,12 +581,12 @@ class NodeKeys:
                     return Wait(PROGRESS_SILENCE)
                 # The state that decided our key does not have us (our key was taken for
                 # dead, say): wait for the older keys, as a node with an old key does.
-                listing = self._list()
+                listing = self._list(deadline)
                 self._attempt = attempt = self._new_attempt(listing)
                 attempt.mark = mark
             if attempt.staggered:
-                return self._candidate_turn(attempt, created, wants, now, stale)
-            return self._predecessors_turn(attempt, listing, wants, now)
+                return self._candidate_turn(attempt, created, wants, now, stale, deadline)
+            return self._predecessors_turn(attempt, listing, wants, now, deadline)
 
     def _is_candidate(self, created: int) -> bool:
         """Whether the node, whose key was created at ``created``, is a candidate
@@ -415,8 +595,14 @@ class NodeKeys:
         return self._progress.known and created > self._progress.decided_upto
 
     def _candidate_turn(
-        self, attempt: _Attempt, created: int, wants: WantsAdmission, now: float, stale: bool
-    ) -> Batch | Wait | Refresh:
+        self,
+        attempt: _Attempt,
+        created: int,
+        wants: WantsAdmission,
+        now: float,
+        stale: bool,
+        deadline: Deadline,
+    ) -> _Batch | Wait | Refresh:
         """A candidate admitter makes the batch of every listed key, older ones included,
         once its turn came without progress (a batch deciding more keys, not any write:
         heartbeat folds), on the state the progress key describes."""
@@ -427,7 +613,7 @@ class NodeKeys:
             return Wait(wait)
         if stale:
             return Refresh()
-        return self._batch(self._list(), wants)
+        return self._batch(self._list(deadline), wants, deadline)
 
     def _predecessors_turn(
         self,
@@ -435,7 +621,8 @@ class NodeKeys:
         listing: list[AnnouncedNode] | None,
         wants: WantsAdmission,
         now: float,
-    ) -> Batch | Wait:
+        deadline: Deadline,
+    ) -> _Batch | Wait:
         """A node with a listed attempt makes the batch once its predecessors were
         admitted, or after :data:`ADMISSION_GRACE` without progress (admitting them too).
         ``listing`` is the one taken on this look, if any."""
@@ -443,36 +630,36 @@ class NodeKeys:
         if attempt.blocked(wants):
             if waited < ADMISSION_GRACE:
                 return Wait(ADMISSION_GRACE - waited)
-            listing = self._list()
+            listing = self._list(deadline)
             self._admit_the_slow(attempt, listing, wants, now)
-            return self._batch(listing, wants)
+            return self._batch(listing, wants, deadline)
         if listing is None:
-            listing = self._list()
+            listing = self._list(deadline)
             # An older node that asked to leave since our last listing makes the batch
             # (the oldest that asks does, after its own listing).
             if attempt.blocked(wants):
                 return Wait(max(ADMISSION_GRACE - waited, 0.0))
-        return self._batch(listing, wants)
+        return self._batch(listing, wants, deadline)
 
-    def _list(self) -> list[AnnouncedNode]:
+    def _list(self, deadline: Deadline) -> list[AnnouncedNode]:
         """List the node keys, and note which nodes asked to leave their round."""
-        listing = self._registry.list_nodes()
+        listing = self._keys.list_nodes(deadline)
         self._seen.update(entry.node for entry in listing)
         listed = {entry.node: entry.created_index for entry in listing}
         self._dead = {n: i for n, i in self._dead.items() if listed.get(n) == i}
-        self._forgive_renewed()
+        self._forgive_renewed(deadline)
         listing = [e for e in listing if self._dead.get(e.node) != e.created_index]
         self._marks = {e.node: e.leaving for e in listing if e.leaving is not None}
         return listing
 
-    def _forgive_renewed(self) -> None:
+    def _forgive_renewed(self, deadline: Deadline) -> None:
         """Forget the keys taken for dead that a probe finds with a whole second or more
         to live: their nodes renewed them in their last second (a v3 lease reading 0 s
         had under a second left, not none). At most ``_REAP_PROBES`` probes a listing,
         the longest unprobed first; a dead key is listed for a second or so at most."""
         for node in list(self._dead)[:_REAP_PROBES]:
             index = self._dead.pop(node)
-            if (self._registry.expires_in(node) or 0) < 1:
+            if (self._keys.expires_in(node, deadline) or 0) < 1:
                 self._dead[node] = index  # still dead: to the back of the queue
             else:
                 logger.info(
@@ -481,7 +668,9 @@ class NodeKeys:
                     node,
                 )
 
-    def reap(self, round_: int, blockers: list[NodeDesc]) -> Gone | Wait:
+    def _reap(
+        self, round_: int, blockers: list[NodeDesc], deadline: Deadline
+    ) -> list[NodeDesc] | Wait:
         """The nodes among ``blockers`` whose keys are gone, or else how long to wait
         before looking again (see "Dead participants" in docs/how-it-works.rst).
 
@@ -499,12 +688,14 @@ class NodeKeys:
             if now < self._reap_at:
                 return Wait(self._reap_at - now)
             seen = set(self._seen)
-            alive = {entry.node: entry.created_index for entry in self._list()}
+            alive = {entry.node: entry.created_index for entry in self._list(deadline)}
             gone = [node for node in blockers if node in seen and node not in alive]
             if gone:
-                return Gone(gone)
+                return gone
             keyed = [node for node in blockers if node in alive]
-            probed = {node: self._registry.expires_in(node) or 0 for node in keyed[:_REAP_PROBES]}
+            probed = {
+                node: self._keys.expires_in(node, deadline) or 0 for node in keyed[:_REAP_PROBES]
+            }
             # A key without a whole second left is as good as gone: its node, which
             # refreshes it every interval, missed all but the last second of its lifetime
             # (v2 lists a key past its expiry until it deletes it; a v3 lease counts down
@@ -514,10 +705,10 @@ class NodeKeys:
             expired = [node for node, ttl in probed.items() if ttl <= 0]
             # Delete those keys before the caller takes their nodes out, so that no batch
             # made on the state without them admits them again from a listing of its own.
-            expired = [node for node in expired if self._registry.remove_expired(node)]
+            expired = [node for node in expired if self._keys.remove_expired(node, deadline)]
             if expired:
                 self._dead.update((node, alive[node]) for node in expired)
-                return Gone(expired)
+                return expired
             lifetimes = list(probed.values())
             wait = self._interval
             if lifetimes:
@@ -564,16 +755,16 @@ class NodeKeys:
                 slow[0],
             )
 
-    def listed(self) -> set[NodeDesc]:
-        """The nodes of the listing the last batch came from: their keys were alive, so
-        the batch's write refreshes their heartbeats too (as the aggregator would)."""
-        return self._listed
-
-    def _batch(self, listing: list[AnnouncedNode], wants: WantsAdmission) -> Batch:
-        if not self._leading and self._registry.aggregator() is None:
+    def _batch(
+        self, listing: list[AnnouncedNode], wants: WantsAdmission, deadline: Deadline
+    ) -> _Batch:
+        """The batch of ``listing`` (the nodes of the listing are kept: their keys were
+        alive, so the batch's write refreshes their heartbeats too, as the aggregator
+        would)."""
+        if not self._leading and self._keys.aggregator(deadline) is None:
             # The first admitter aggregates from the start: the heartbeats of the nodes
             # it admits are folded before any of them is late.
-            self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
+            self._leading = self._keys.claim_aggregator(self._node, self._lock_ttl, deadline)
         self._listed = {entry.node for entry in listing}
         # This attempt is over: a later admission (the next round) lists afresh, lest it
         # wait for predecessors of this one that are gone.
@@ -583,52 +774,16 @@ class NodeKeys:
         if self._node not in self._listed and wants(self._node):
             # Our key vanished after we announced it (the refresh will re-create it).
             batch.append(self._node)
-        return Batch(batch)
+        return _Batch(batch)
 
-    def _announce(self) -> None:
-        self._created = self._registry.announce_node(self._node, self._ttl)
+    def _announce(self, deadline: Deadline) -> None:
+        self._created = self._keys.announce_node(self._node, self._ttl, deadline)
         self._next_tick = self._clock() + self._interval
         logger.debug("The node '%s' announced itself (index %s).", self._node, self._created)
 
-    # -- the progress key --------------------------------------------------------------
-
-    @property
-    def follows_progress(self) -> bool:
-        """Whether the node, joining, waits on the progress key instead of the state."""
-        return self._joining and self._progress.known
-
-    def await_progress(self, timeout: float, token: int, state: RendezvousState) -> Heard:
-        """See :meth:`.ProgressKey.await_change` (for this node's key)."""
-        return self._progress.await_change(timeout, token, state, self._created)
-
-    def refused(
-        self, error: RequestTooLargeError, token: int, count: int, completing: bool
-    ) -> None:
-        """See :meth:`.ProgressKey.refused`."""
-        self._progress.refused(error, token, count, completing)
-
-    def state_read(self, token: int, state: RendezvousState, written: bool) -> None:
-        """See :meth:`.ProgressKey.state_read` (a relay only while joining)."""
-        self._progress.state_read(token, state, written, self._joining)
-
-    def waiting_hint(self, token: int) -> Progress | None:
-        """See :meth:`.ProgressKey.waiting_hint`."""
-        return self._progress.waiting_hint(token)
-
     # -- heartbeats -------------------------------------------------------------------
 
-    def seconds_to_tick(self) -> float | None:
-        """Seconds until the next :meth:`tick` is due (``None``: no key, no ticks)."""
-        if self._created is None:
-            return None
-        return max(self._next_tick - self._clock(), 0.0)
-
-    def tick_due(self) -> bool:
-        """Whether the next :meth:`tick` is due (within half an interval: the keep-alive
-        timer fires every interval, give or take a little)."""
-        return self._created is not None and self._next_tick - self._clock() <= self._interval / 2
-
-    def tick(self, state: RendezvousState, now: datetime) -> set[NodeDesc]:
+    def _tick(self, state: RendezvousState, now: datetime, deadline: Deadline) -> set[NodeDesc]:
         """The node's heartbeat: refresh its key (re-create it if it expired) and, if the
         node is (or becomes) the aggregator, return the nodes of ``state`` whose keys are
         alive, whose heartbeats the caller refreshes in one state write (``now`` is the
@@ -645,18 +800,18 @@ class NodeKeys:
                 logger.info(
                     "The node '%s' is no longer in the rendezvous; deleting its key.", self._node
                 )
-                self.withdraw()
+                self.withdraw(deadline)
                 return set()
-            if not self._registry.refresh_node(self._node, self._ttl):
+            if not self._keys.refresh_node(self._node, self._ttl, deadline):
                 logger.info("The key of the node '%s' expired; announcing it again.", self._node)
-                self._created = self._registry.announce_node(self._node, self._ttl)
+                self._created = self._keys.announce_node(self._node, self._ttl, deadline)
                 self._leaving = None
-            if not self._lead(state, now):
+            if not self._lead(state, now, deadline):
                 return set()
-            alive = {entry.node for entry in self._list()}
+            alive = {entry.node for entry in self._list(deadline)}
             return {node for node in state.last_heartbeats if node in alive}
 
-    def _lead(self, state: RendezvousState, now: datetime) -> bool:
+    def _lead(self, state: RendezvousState, now: datetime, deadline: Deadline) -> bool:
         """Whether this node is the aggregator: it holds the lock (renewed here: the
         lock can only have changed hands if it lapsed, and then the renewal fails) or
         just took it because nobody held it.
@@ -667,17 +822,18 @@ class NodeKeys:
         """
         if self._leading:
             # Our lock, unless it lapsed: only then can another node have taken it.
-            if self._registry.renew_aggregator(self._node, self._lock_ttl):
+            if self._keys.renew_aggregator(self._node, self._lock_ttl, deadline):
                 return True
             self._leading = False
         beat = state.last_heartbeats.get(self._node)
         if beat is not None and now - beat < self._late:
             return False
-        holder = self._registry.aggregator()
-        if holder == self._node and self._registry.renew_aggregator(self._node, self._lock_ttl):
+        holder = self._keys.aggregator(deadline)
+        lock_ttl = self._lock_ttl
+        if holder == self._node and self._keys.renew_aggregator(self._node, lock_ttl, deadline):
             self._leading = True
         elif holder is None or holder == self._node:
-            self._leading = self._registry.claim_aggregator(self._node, self._lock_ttl)
+            self._leading = self._keys.claim_aggregator(self._node, lock_ttl, deadline)
             if self._leading:
                 logger.info("The node '%s' aggregates the heartbeats now.", self._node)
         else:

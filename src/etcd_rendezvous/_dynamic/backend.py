@@ -3,20 +3,18 @@
 Re-exported by :mod:`etcd_rendezvous.dynamic_rendezvous` (users import
 :class:`RendezvousBackend` and :data:`Token` from there).
 Also holds the poll that stands in for a watch when a backend cannot watch
-(:data:`POLL_INTERVAL`, :func:`delay`).
+(:data:`POLL_INTERVAL`, :func:`delay`), and :func:`as_backend`, which gives a backend
+written for PyTorch this class's defaults.
 """
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from .._transport.retry import Deadline
-
-__all__ = ["POLL_INTERVAL", "RendezvousBackend", "Token", "delay"]
+__all__ = ["POLL_INTERVAL", "RendezvousBackend", "Token", "as_backend", "delay"]
 
 #: An opaque fencing token used by the rendezvous backend (documented as
 #: :data:`etcd_rendezvous.dynamic_rendezvous.Token`).
@@ -43,9 +41,12 @@ class RendezvousBackend(ABC):
 
     The state is an opaque byte string (the encoded :class:`_RendezvousState`), stored
     together with a fencing token that changes with every write. The abstract methods
-    are PyTorch's; :attr:`state_key`, :meth:`wait_for_change`, :attr:`reports_changes`,
-    :meth:`bounded_by` and :meth:`close` are optional additions with defaults that keep
-    PyTorch's behaviour.
+    are PyTorch's; :attr:`state_key`, :meth:`wait_for_change`, :attr:`reports_changes`
+    and :meth:`close` are optional additions with defaults that keep PyTorch's
+    behaviour. A backend bounds its own calls (as PyTorch's do, with their clients'
+    timeouts); this package's ``etcd-v2`` backend also takes the deadline of the
+    handler's operation, as a keyword PyTorch's callers never pass (see
+    :class:`~etcd_rendezvous.etcd_rendezvous_backend.EtcdRendezvousBackend`).
     """
 
     @property
@@ -137,18 +138,47 @@ class RendezvousBackend(ABC):
         reading the state (``False`` by default)."""
         return False
 
-    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
-        """A block in which every backend call of this thread ends by ``deadline``.
-
-        The handler runs each step of an operation in such a block, so that a backend
-        that retries failures (such as etcd's, through an election) never outlives the
-        operation's deadline. The default does nothing.
-        """
-        return contextlib.nullcontext()
-
     def close(self) -> None:  # noqa: B027 (an optional hook, not an abstract method)
         """Release what the backend owns (such as its connection). Idempotent.
 
         A handler calls it from its own ``close()`` only if it owns the backend (see
         ``owns_backend`` of :func:`create_handler`). The default does nothing.
         """
+
+
+class _PyTorchBackend(RendezvousBackend):
+    """A backend that does not derive from :class:`RendezvousBackend` (one written for
+    PyTorch, deriving from PyTorch's class of the same name): its three members, and
+    this class's defaults for the others."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+
+    @property
+    def name(self) -> str:
+        """See base class."""
+        return str(self._backend.name)
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        """See base class."""
+        state: tuple[bytes, Token] | None = self._backend.get_state()
+        return state
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        """See base class."""
+        result: tuple[bytes, Token, bool] | None = self._backend.set_state(state, token)
+        return result
+
+    def close(self) -> None:
+        """The backend's ``close()``, if it has one (PyTorch's interface has none)."""
+        close = getattr(self._backend, "close", None)
+        if close is not None:
+            close()
+
+
+def as_backend(backend: object) -> RendezvousBackend:
+    """``backend`` as a :class:`RendezvousBackend`: itself, or, for a backend written for
+    PyTorch, a view with this class's defaults for what PyTorch's interface lacks."""
+    return backend if isinstance(backend, RendezvousBackend) else _PyTorchBackend(backend)

@@ -5,7 +5,7 @@ Over this package's etcd connection it is etcd's clock (:class:`EtcdClock`, from
 ``Date`` of etcd's answers: see :class:`~etcd_rendezvous._transport.clock.ServerClock`),
 so that our nodes trust no node's clock, theirs included; with any other backend it is
 the local wall clock (:class:`LocalClock`), as in PyTorch. The state holder owns the one
-clock of a handler (:attr:`~._RendezvousStateHolder.clock`); every part of the handler
+clock of a handler (:attr:`~.holder.StateHolder.clock`); every part of the handler
 reads the time from it, and tests replace it there. See docs/how-it-works.rst, section
 "The dynamic rendezvous", Clocks.
 """
@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Protocol
 
 from .._transport.clock import ServerClock
-from .._transport.interface import Transport
+from .keys import KeyedBackend
 from .settings import LOGGER_NAME, RendezvousSettings
 
 __all__ = ["LOCAL_CLOCK", "WARN_OFFSET", "Clock", "EtcdClock", "LocalClock", "state_clock"]
@@ -100,10 +100,8 @@ class EtcdClock:
 
 def state_clock(backend: object, settings: RendezvousSettings) -> Clock:
     """The clock of the state ``backend`` keeps for the rendezvous of ``settings``:
-    etcd's if the backend talks to etcd through this package's connection (its
-    ``connection``, as :class:`~etcd_rendezvous.etcd_rendezvous_backend.EtcdRendezvousBackend`
-    has), else the local clock."""
-    connection = getattr(backend, "connection", None)
-    if isinstance(connection, Transport):
-        return EtcdClock(connection.clock, settings)
+    etcd's with this package's backend (a :class:`~.keys.KeyedBackend`, which talks to
+    etcd through this package's connection), else the local clock."""
+    if isinstance(backend, KeyedBackend):
+        return EtcdClock(backend.connection.clock, settings)
     return LOCAL_CLOCK

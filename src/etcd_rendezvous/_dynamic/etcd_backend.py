@@ -1,8 +1,13 @@
 """The ``etcd-v2`` backend of the dynamic rendezvous (public as
 :mod:`etcd_rendezvous.etcd_rendezvous_backend`): one run's state key, as PyTorch 2.13's
-backend keeps it, plus this package's node keys (:class:`~.admission.NodeRegistry`) and
-progress key (:class:`~.progress.ProgressBoard`), and :func:`create_backend`. See
+backend keeps it, plus this package's node keys, aggregator lock and progress key (the
+:class:`~.keys.KeyedBackend` interface), and :func:`create_backend`. See
 docs/how-it-works.rst, section "The dynamic rendezvous".
+
+Every call takes the deadline of the operation that makes it (optional in PyTorch's
+``get_state()`` and ``set_state()``, whose callers never pass one); the requests of a
+call are made in :meth:`EtcdRendezvousBackend._requests`, the one boundary to the
+transport's deadlines.
 """
 
 from __future__ import annotations
@@ -39,9 +44,8 @@ from ..layout import (
     parse_node_key_name,
 )
 from ..metrics import record_metric
-from .admission import AnnouncedNode
 from .backend import RendezvousBackend, Token
-from .progress import Progress
+from .keys import AnnouncedNode, Progress
 from .state import NodeDesc
 
 __all__ = ["EtcdRendezvousBackend", "create_backend"]
@@ -179,14 +183,20 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """The connection the backend sends its requests through."""
         return self._conn
 
-    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
-        """See base class: every request of this thread on the backend's connection
-        (shared with the store of :func:`create_backend`) ends by ``deadline``; etcd
-        failures such as an election are retried until then."""
+    def _requests(self, deadline: Deadline | None) -> contextlib.AbstractContextManager[None]:
+        """The block in which a call makes its requests: each ends by ``deadline``, etcd
+        failures such as an election retried until then (``None``: by the connection's
+        ``read_timeout``)."""
+        if deadline is None:
+            return contextlib.nullcontext()
         return self._conn.bounded_by(deadline)
 
-    def get_state(self) -> tuple[bytes, Token] | None:
+    def get_state(self, *, deadline: Deadline | None = None) -> tuple[bytes, Token] | None:
         """Return the state and its token, or ``None`` if there is no state.
+
+        Args:
+            deadline: when to stop retrying etcd's failures; the dynamic handler passes
+                its operation's, PyTorch's callers none (then ``read_timeout`` bounds it).
 
         Raises:
             RendezvousConnectionError: etcd could not be reached.
@@ -194,7 +204,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """
         record_metric("rendezvous.state_reads", backend="etcd-v2")
         try:
-            node = self._conn.get(self._key)
+            with self._requests(deadline):
+                node = self._conn.get(self._key)
         except KeyNotFoundError as exc:
             self._note_absent(exc)
             return None
@@ -202,13 +213,14 @@ class EtcdRendezvousBackend(RendezvousBackend):
         return self._decode(node), node.modified_index
 
     def set_state(
-        self, state: bytes, token: Token | None = None
+        self, state: bytes, token: Token | None = None, *, deadline: Deadline | None = None
     ) -> tuple[bytes, Token, bool] | None:
         """Write ``state`` if ``token`` is current (or, without a token, if there is none).
 
         Returns the state now stored, its token and whether it is ours; ``None`` if
         the state was deleted (or expired) in the meantime. A token that is not an
-        etcd index (e.g. ``"invalid"``) never matches.
+        etcd index (e.g. ``"invalid"``) never matches. ``deadline`` as in
+        :meth:`get_state`.
 
         Raises:
             RendezvousConnectionError: etcd could not be reached; the write may or may
@@ -222,21 +234,25 @@ class EtcdRendezvousBackend(RendezvousBackend):
             try:
                 index = int(token)
             except (TypeError, ValueError):
-                return self._current_state()
+                return self._current_state(deadline)
         value = b64encode(state).decode()
         try:
             # PyTorch's pickle has no room for a tag; equal bytes are an equal state.
-            if index:
-                node = self._conn.compare_and_swap(self._key, value, index, ttl=self._ttl)
-            else:
-                node = self._conn.create(self._key, value, ttl=self._ttl)
+            with self._requests(deadline):
+                if index:
+                    node = self._conn.compare_and_swap(self._key, value, index, ttl=self._ttl)
+                else:
+                    node = self._conn.create(self._key, value, ttl=self._ttl)
         except (CompareFailedError, KeyExistsError, KeyNotFoundError):
-            return self._current_state()
+            return self._current_state(deadline)
         self._observed = (node.modified_index, node.etcd_index)
         return bytes(state), node.modified_index, True
 
-    def wait_for_change(self, token: Token | None, timeout: float) -> tuple[bytes, Token] | None:
-        """Block until the state changes after ``token``, or for ``timeout`` seconds.
+    def wait_for_change(
+        self, token: Token | None, timeout: float, *, deadline: Deadline | None = None
+    ) -> tuple[bytes, Token] | None:
+        """Block until the state changes after ``token``, or for ``timeout`` seconds
+        (its requests, to open the watch, retried until ``deadline``).
 
         ``token`` is the token of the state the caller last saw (``None``: it saw no
         state). Returns the newest state and its token as soon as a change after
@@ -260,8 +276,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             except (TypeError, ValueError):
                 return None
         rewatch = REWATCH.start(max(0.0, timeout))
-        deadline = rewatch.deadline
-        with self._watch_lock:
+        until = rewatch.deadline
+        with self._watch_lock, self._requests(deadline):
             if timeout <= 0 and self._stream is None:
                 return None  # Nothing watched, nothing known: no stream to open for that.
             while True:
@@ -269,79 +285,88 @@ class EtcdRendezvousBackend(RendezvousBackend):
                     changed, node = self._open_stream(expected)
                     if changed:
                         return None if node is None else self._as_state(node)
-                change = self._next_change(deadline)
+                change = self._next_change(until)
                 if change is not None and (expected is None or change.modified_index > expected):
                     return self._as_state(change)
-                if deadline.expired():
+                if until.expired():
                     return None
                 if self._stream is None:
                     # The stream lost the history it needed: read, then watch again.
                     rewatch.pause()
 
     # -- node keys (see etcd_rendezvous._dynamic.admission) ------------------------------
+    # The calls of the KeyedBackend interface. ``deadline`` as in get_state().
 
     @property
     def nodes_layout(self) -> EtcdV2NodesLayout:
         """Where the keys of our nodes and the aggregator lock live."""
         return self._nodes
 
-    def announce_node(self, node: NodeDesc, ttl: int) -> int:
+    def announce_node(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> int:
         """Create the key of ``node`` (its descriptor as JSON) with ``ttl``; return the
         etcd index at which it was created. A key already there is ours (same process,
         same local id: from an earlier attempt whose answer was lost): its TTL is
         restarted and its index returned."""
         key = self._node_key(node)
-        while True:
-            try:
-                created = self._conn.create(key, _node_value(node), ttl=ttl)
-            except KeyExistsError:
-                pass
-            else:
-                self._node_leases[key] = created.lease
-                return created.created_index
-            try:
-                self._node_leases[key] = self._conn.refresh(key, ttl).lease
-                return self._conn.get(key).created_index
-            except KeyNotFoundError:
-                continue  # Expired in between: create it again.
+        with self._requests(deadline):
+            while True:
+                try:
+                    created = self._conn.create(key, _node_value(node), ttl=ttl)
+                except KeyExistsError:
+                    pass
+                else:
+                    self._node_leases[key] = created.lease
+                    return created.created_index
+                try:
+                    self._node_leases[key] = self._conn.refresh(key, ttl).lease
+                    return self._conn.get(key).created_index
+                except KeyNotFoundError:
+                    continue  # Expired in between: create it again.
 
-    def refresh_node(self, node: NodeDesc, ttl: int) -> bool:
+    def refresh_node(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> bool:
         """Restart the TTL of the key of ``node`` (a v3 lease keep-alive); ``False`` if
         the key is gone."""
         key = self._node_key(node)
         try:
             # Only this node writes its key: on v3 its lease is kept alive without a read.
-            refreshed = self._conn.refresh(key, ttl, lease=self._node_leases.get(key, 0))
+            with self._requests(deadline):
+                refreshed = self._conn.refresh(key, ttl, lease=self._node_leases.get(key, 0))
         except KeyNotFoundError:
             self._node_leases.pop(key, None)
             return False
         self._node_leases[key] = refreshed.lease
         return True
 
-    def withdraw_node(self, node: NodeDesc) -> None:
+    def withdraw_node(self, node: NodeDesc, deadline: Deadline | None = None) -> None:
         """Delete the key of ``node`` (nothing if it is gone)."""
         key = self._node_key(node)
         self._node_leases.pop(key, None)
-        self._conn.delete(key)
+        with self._requests(deadline):
+            self._conn.delete(key)
 
-    def mark_leaving(self, node: NodeDesc, round_: int, ttl: int) -> None:
+    def mark_leaving(
+        self, node: NodeDesc, round_: int, ttl: int, deadline: Deadline | None = None
+    ) -> None:
         """Rewrite the key of ``node`` with ``"leaving": round_`` added to its descriptor,
         keeping its place in created order (one request: on v3 with the lease of our last
         write of the key, on v2 restarting its TTL); a key that is gone is created with
         ``ttl``."""
         key = self._node_key(node)
         value = _node_value(node, leaving=round_)
-        try:
-            written = self._conn.update(key, value, ttl=ttl, lease=self._node_leases.get(key, 0))
-        except KeyNotFoundError:
-            written = self._conn.set(key, value, ttl=ttl)
+        lease = self._node_leases.get(key, 0)
+        with self._requests(deadline):
+            try:
+                written = self._conn.update(key, value, ttl=ttl, lease=lease)
+            except KeyNotFoundError:
+                written = self._conn.set(key, value, ttl=ttl)
         self._node_leases[key] = written.lease
 
-    def list_nodes(self) -> list[AnnouncedNode]:
+    def list_nodes(self, deadline: Deadline | None = None) -> list[AnnouncedNode]:
         """The node keys of the run, oldest (lowest created index) first. Keys whose
         names are not spelled as a node key's are left out."""
         try:
-            listing = self._conn.list_dir(self._nodes.nodes_dir)
+            with self._requests(deadline):
+                listing = self._conn.list_dir(self._nodes.nodes_dir)
         except KeyNotFoundError:
             return []
         nodes = []
@@ -357,120 +382,144 @@ class EtcdRendezvousBackend(RendezvousBackend):
         nodes.sort(key=lambda entry: entry.created_index)
         return nodes
 
-    def expires_in(self, node: NodeDesc) -> int | None:
+    def expires_in(self, node: NodeDesc, deadline: Deadline | None = None) -> int | None:
         """Whole seconds until the key of ``node`` expires: on v2 as the last listing
         reported it, on v3 read from its lease (one request); ``None`` if the last
         listing did not have the key, or its lease is gone."""
         key = self._listed_keys.get(node)
-        return None if key is None else self._conn.time_to_live(key)
+        if key is None:
+            return None
+        with self._requests(deadline):
+            return self._conn.time_to_live(key)
 
-    def remove_expired(self, node: NodeDesc) -> bool:
+    def remove_expired(self, node: NodeDesc, deadline: Deadline | None = None) -> bool:
         """Delete the key of ``node`` if it is still as the last listing showed it (its
         modification index); whether it is gone now."""
         listed = self._listed_keys.get(node)
         if listed is None:
             return True
-        if self._conn.compare_and_delete(listed.key, listed):
-            self._node_leases.pop(listed.key, None)
-            return True
-        return self._conn.try_get(listed.key) is None
+        with self._requests(deadline):
+            if self._conn.compare_and_delete(listed.key, listed):
+                self._node_leases.pop(listed.key, None)
+                return True
+            return self._conn.try_get(listed.key) is None
 
-    def aggregator(self) -> NodeDesc | None:
+    def aggregator(self, deadline: Deadline | None = None) -> NodeDesc | None:
         """The node holding the aggregator lock (``None``: nobody, or not a node)."""
-        lock = self._conn.try_get(self._nodes.aggregator_key)
+        with self._requests(deadline):
+            lock = self._conn.try_get(self._nodes.aggregator_key)
         return None if lock is None else _parse_node(lock)
 
-    def claim_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+    def claim_aggregator(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> bool:
         """Create the aggregator lock for ``node`` with ``ttl``; ``False`` if it exists."""
         try:
-            self._conn.create(self._nodes.aggregator_key, _node_value(node), ttl=ttl)
+            with self._requests(deadline):
+                self._conn.create(self._nodes.aggregator_key, _node_value(node), ttl=ttl)
         except KeyExistsError:
             return False
         return True
 
-    def renew_aggregator(self, node: NodeDesc, ttl: int) -> bool:
+    def renew_aggregator(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> bool:
         """Restart the TTL of the aggregator lock if ``node`` holds it; ``False`` if it
         is gone or another node's (one request on v2, two on v3, as unconditionally)."""
+        key = self._nodes.aggregator_key
         try:
-            self._conn.compare_and_refresh(self._nodes.aggregator_key, _node_value(node), ttl)
+            with self._requests(deadline):
+                self._conn.compare_and_refresh(key, _node_value(node), ttl)
         except (KeyNotFoundError, CompareFailedError):
             return False
         return True
 
-    def release_aggregator(self, node: NodeDesc) -> None:
+    def release_aggregator(self, node: NodeDesc, deadline: Deadline | None = None) -> None:
         """Delete the aggregator lock if ``node`` holds it."""
-        lock = self._conn.try_get(self._nodes.aggregator_key)
-        if lock is not None and _parse_node(lock) == node:
-            self._conn.compare_and_delete(self._nodes.aggregator_key, lock)
+        with self._requests(deadline):
+            lock = self._conn.try_get(self._nodes.aggregator_key)
+            if lock is not None and _parse_node(lock) == node:
+                self._conn.compare_and_delete(self._nodes.aggregator_key, lock)
 
-    # -- the progress key (see etcd_rendezvous._dynamic.progress.ProgressBoard) ----------
+    # -- the progress key (see etcd_rendezvous._dynamic.progress.ProgressKey) ------------
 
     @property
     def listed_at(self) -> int:
         """The etcd index at which the last :meth:`list_nodes` was served."""
         return self._listed_at
 
-    def read_progress(self) -> tuple[Progress | None, int | None, int]:
+    def read_progress(
+        self, deadline: Deadline | None = None
+    ) -> tuple[Progress | None, int | None, int]:
         """The summary the progress key holds (``None``: absent or not a summary), the
         key's modification index (``None``: absent), and the etcd index of the answer:
         its next change comes after it (never an older index, which etcd may no longer
         have the history of)."""
         try:
-            node = self._conn.get(self._nodes.progress_key)
+            with self._requests(deadline):
+                node = self._conn.get(self._nodes.progress_key)
         except KeyNotFoundError as exc:
             index = exc.etcd_index if exc.etcd_index is not None else self._conn.last_index
             return None, None, index
         index = max(node.etcd_index, node.modified_index)
         return Progress.decode(node.value), node.modified_index, index
 
-    def create_progress(self, progress: Progress) -> int | None:
+    def create_progress(self, progress: Progress, deadline: Deadline | None = None) -> int | None:
         """Create the progress key with ``progress`` and the state's TTL (never a key that
         outlives the run); the write's modification index, or ``None`` if it exists."""
-        return self._advance_progress(progress, 0, tries=1)
+        return self._advance_progress(progress, 0, deadline, tries=1)
 
-    def write_progress(self, progress: Progress, index: int) -> int | None:
+    def write_progress(
+        self, progress: Progress, index: int, deadline: Deadline | None = None
+    ) -> int | None:
         """Write ``progress`` into the progress key (the state's TTL) unless it holds the
         summary of a newer state: compare-and-swap on its modification index ``index``
         (``0``: create it), and on a failure read it and try again while it holds an
         older summary (or garbage). The write's modification index, or ``None`` if the
         key holds a summary at least as new (or others kept writing first)."""
-        return self._advance_progress(progress, index)
+        return self._advance_progress(progress, index, deadline)
 
-    def replace_progress(self, progress: Progress, index: int) -> int | None:
+    def replace_progress(
+        self, progress: Progress, index: int, deadline: Deadline | None = None
+    ) -> int | None:
         """Write ``progress`` into the progress key only if it was not written since its
         modification index ``index`` (or, if it is gone or ``index`` is ``0``, create
         it); the write's modification index, or ``None`` if it did not write."""
-        return self._advance_progress(progress, index, tries=1)
+        return self._advance_progress(progress, index, deadline, tries=1)
 
     def _advance_progress(
-        self, progress: Progress, index: int, tries: int = ADVANCE_TRIES
+        self,
+        progress: Progress,
+        index: int,
+        deadline: Deadline | None,
+        tries: int = ADVANCE_TRIES,
     ) -> int | None:
         """Advance the progress key to ``progress`` (see :meth:`Transport.advance`) from
         its modification index ``index``; the write's modification index, or ``None``."""
-        node = self._conn.advance(
-            self._nodes.progress_key,
-            progress.encode(),
-            holds_newer=lambda held: _holds_summary_since(held, progress),
-            ttl=self._ttl,
-            expected=index,
-            tries=tries,
-        )
+        with self._requests(deadline):
+            node = self._conn.advance(
+                self._nodes.progress_key,
+                progress.encode(),
+                holds_newer=lambda held: _holds_summary_since(held, progress),
+                ttl=self._ttl,
+                expected=index,
+                tries=tries,
+            )
         return None if node is None else node.modified_index
 
-    def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
+    def wait_progress(
+        self, after: int, timeout: float, deadline: Deadline | None = None
+    ) -> list[tuple[Progress | None, int]]:
         """The changes of the progress key after the etcd index ``after`` (each summary,
         ``None`` for a deletion or garbage, with its modification index), waiting up to
         ``timeout`` seconds for the first; one stream, opened at the first call. If etcd
         no longer has the history, the key is read instead, and the stream reopened from
         that read (not from ``after`` again: that history is gone for good)."""
-        deadline = Deadline(max(timeout, 0.0))
-        with self._watch_lock:
+        until = Deadline(max(timeout, 0.0))
+        key = self._nodes.progress_key
+        with self._watch_lock, self._requests(deadline):
             if self._progress_stream is None:
-                self._progress_stream = self._conn.watch_stream(self._nodes.progress_key, after + 1)
+                self._progress_stream = self._conn.watch_stream(key, after + 1)
             stream = self._progress_stream
             changes: list[tuple[Progress | None, int]] = []
             try:
-                change = stream.next(deadline.remaining())
+                change = stream.next(until.remaining())
                 while change is not None:
                     value = None if change.action in DELETE_ACTIONS else change.value
                     changes.append((Progress.decode(value), change.modified_index))
@@ -478,8 +527,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
             except WatchHistoryLostError:
                 self._progress_stream = None
                 stream.close()
-                progress, version, index = self.read_progress()
-                self._progress_stream = self._conn.watch_stream(self._nodes.progress_key, index + 1)
+                progress, version, index = self.read_progress(deadline)
+                self._progress_stream = self._conn.watch_stream(key, index + 1)
                 return [(progress, version if version is not None else index)]
             except BaseException:
                 self._progress_stream = None
@@ -487,7 +536,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 raise
             return changes
 
-    def check_size(self, size: int) -> None:
+    def check_size(self, size: int, deadline: Deadline | None = None) -> None:
         """Ask etcd whether it accepts a write of ``size`` bytes below the run's nodes
         directory (nothing is written; see :meth:`Transport.check_size
         <etcd_rendezvous._transport.interface.Transport.check_size>`).
@@ -495,7 +544,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         Raises:
             RequestTooLargeError: etcd refused it for its size.
         """
-        self._conn.check_size(self._nodes.nodes_dir, size)
+        with self._requests(deadline):
+            self._conn.check_size(self._nodes.nodes_dir, size)
 
     def stop_waiting(self) -> None:
         """Close the watches of the state and of the progress key (reopened on demand)."""
@@ -568,8 +618,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         index = exc.etcd_index if exc.etcd_index is not None else self._conn.last_index
         self._observed = (None, index)
 
-    def _current_state(self) -> tuple[bytes, Token, bool] | None:
-        result = self.get_state()
+    def _current_state(self, deadline: Deadline | None) -> tuple[bytes, Token, bool] | None:
+        result = self.get_state(deadline=deadline)
         if result is None:
             return None
         return result[0], result[1], False
@@ -692,7 +742,7 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     )
     try:
         # Fail early, as PyTorch's client does when it connects: one read of the key.
-        with conn.bounded_by(deadline):
+        with backend._requests(deadline):
             conn.try_get(backend.key)
             if params.get("username") is not None:
                 # A user whose role misses the store (shared by all runs, so easily

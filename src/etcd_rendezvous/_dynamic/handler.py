@@ -36,18 +36,14 @@ from ..events import NodeState, _records_failure
 from ..layout import dynamic_store_prefix
 from ..metrics import MetricKind, record_metric
 from ..prometheus import serve_metrics_from_environment
-from .admission import NodeKeys, NodeRegistry
-from .backend import RendezvousBackend, delay
-from .executor import _DistributedRendezvousOpExecutor, _RendezvousOpExecutor
-from .holder import _BackendRendezvousStateHolder, _RendezvousStateHolder
-from .ops import (
-    _RendezvousCloseOp,
-    _RendezvousExitOp,
-    _RendezvousJoinOp,
-    _RendezvousKeepAliveOp,
-)
+from .admission import Admission
+from .backend import RendezvousBackend, as_backend, delay
+from .executor import OpExecutor
+from .holder import BackendStateHolder, StateHolder
+from .keys import KeyedBackend
+from .ops import CloseOp, ExitOp, JoinOp, KeepAliveOp
 from .periodic import _PeriodicTimer
-from .prefix_store import _prefix_store
+from .prefix_store import prefix_store
 from .settings import (
     LOGGER_NAME,
     RendezvousSettings,
@@ -61,16 +57,9 @@ __all__ = ["DynamicRendezvousHandler", "create_handler"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
-#: The module the handler and its factory are imported from, documented in and reported
-#: under (``type(handler).__module__``), as PyTorch's are.
-PUBLIC_MODULE = LOGGER_NAME
-
 #: Environment variable with which PyTorch opts out of sharing the agent's TCPStore.
 _DISABLE_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
-#: Least time given to the exchange of the master address after a round completed, in
-#: seconds (rank 0 publishes it at once; see :meth:`DynamicRendezvousHandler.next_rendezvous`).
-_EXCHANGE_GRACE = 0.5
 
 #: Longest a node spends deleting its key when it leaves without a deadline of its own
 #: (``close()``, a failed ``next_rendezvous()``), in seconds: the key expires anyway.
@@ -96,8 +85,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
     rendezvous for the other nodes.
     """
 
-    __module__ = PUBLIC_MODULE
-
     # Static
     _node_desc_generator = _NodeDescGenerator()
 
@@ -105,8 +92,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
     _settings: RendezvousSettings
     _backend_name: str
     _store: Store
-    _state_holder: _RendezvousStateHolder
-    _op_executor: _RendezvousOpExecutor
+    _state_holder: StateHolder
+    _op_executor: OpExecutor
     _heartbeat_lock: threading.Lock
     _keep_alive_timer: _PeriodicTimer | None
 
@@ -159,9 +146,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
             keep_alive_max_attempt=keep_alive_max_attempt,
         )
 
-        state_holder = _BackendRendezvousStateHolder(backend, settings)
-        # A backend that keeps node keys gets batched admission and aggregated heartbeats.
-        node_keys = NodeKeys(backend, node, settings) if isinstance(backend, NodeRegistry) else None
+        state_holder = BackendStateHolder(backend, settings)
+        # This package's backend keeps node keys: batched admission, aggregated heartbeats.
+        admission = None
+        if isinstance(backend, KeyedBackend):
+            admission = Admission(backend, node, settings, state_clock=state_holder.clock)
 
         return cls(
             node,
@@ -170,7 +159,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             store,
             state_holder,
             owned_backend=backend if owns_backend else None,
-            node_keys=node_keys,
+            admission=admission,
         )
 
     def __init__(
@@ -179,10 +168,10 @@ class DynamicRendezvousHandler(RendezvousHandler):
         settings: RendezvousSettings,
         backend_name: str,
         store: Store,
-        state_holder: _RendezvousStateHolder,
+        state_holder: StateHolder,
         *,
         owned_backend: RendezvousBackend | None = None,
-        node_keys: NodeKeys | None = None,
+        admission: Admission | None = None,
     ) -> None:
         if not settings.run_id:
             raise ValueError("The run id must be a non-empty string.")
@@ -205,14 +194,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._last_participants: set[_NodeDesc] = set()
         self._store = store
         self._state_holder = state_holder
-        self._node_keys = node_keys
+        self._admission = admission
         # When num_nodes_waiting() last read the whole state.
         self._waiting_read_at = -math.inf
         # When the progress key was last read for it, and whether it said none waits.
         self._waiting_hint: tuple[float, bool] = (-math.inf, False)
-        self._op_executor = _DistributedRendezvousOpExecutor(
-            self._this_node, self._state_holder, self._settings, node_keys
-        )
+        self._op_executor = OpExecutor(self._this_node, state_holder, settings, admission)
         self._heartbeat_lock = threading.Lock()
         # Guards starting and stopping the keep-alive timer.
         self._timer_lock = threading.Lock()
@@ -223,7 +210,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # The port of the last shared TCPStore server this node hosted (0: none yet).
         self._tcp_store_port = 0
         # The backend released by close(), if the handler owns it.
-        self._owned_backend = owned_backend
+        self._owned_backend = None if owned_backend is None else as_backend(owned_backend)
         self._close_lock = threading.Lock()
         self._closed = False
         self._events = event_source(type(self).__name__, settings.run_id)
@@ -334,19 +321,23 @@ class DynamicRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class.
 
-        Returns or raises within ``join_timeout`` (plus about a second), whatever the
-        backend does: every backend call runs under the join deadline (see
-        :meth:`RendezvousBackend.bounded_by`), retrying failures such as an etcd
-        election until then. Only a node on the redundancy list waits on past it.
+        Joins within ``join_timeout`` (plus about a second), whatever the ``etcd-v2``
+        backend does: every call to it is given the join deadline, and retries failures
+        such as an etcd election until then. Only a node on the redundancy list waits on
+        past it. The exchange of rank 0's address that follows is bounded by the store's
+        timeout, as in PyTorch.
 
         A state write that etcd refuses as larger than its ``--max-request-bytes``
         raises :class:`~etcd_rendezvous.api.RequestTooLargeError`, in every node that
         waited for it too, within seconds (see the documentation, "etcd's limits").
         """
-        deadline = self._get_deadline(self._settings.timeout.join)
+        join = self._settings.timeout.join
+        deadline = self._get_deadline(join)
         self._begin_attempt(deadline)
         started = time.monotonic()
-        self._join(deadline)
+        with self._joining(deadline):
+            self._op_executor.run(ExitOp(), deadline)
+            self._op_executor.run(JoinOp(), deadline, lambda: self._get_deadline(join))
         self._start_heartbeats()
 
         rank, world_size = self._get_world()
@@ -355,35 +346,27 @@ class DynamicRendezvousHandler(RendezvousHandler):
         joined = self._state_holder.state
         round_ = joined.round
         rank_0 = min(joined.participants, key=joined.participants.__getitem__)
-        # Rank 0 publishes its address in the store just after completing the round, so
-        # the exchange gets a moment even if the round completed right at the deadline.
-        exchange = Deadline(max(deadline - time.monotonic(), _EXCHANGE_GRACE))
         try:
-            with self._state_holder.bounded_by(exchange):
-                return self._bootstrap(rank, world_size, store)
+            return self._bootstrap(rank, world_size, store)
         except LookupError as exc:  # the store's timeout: rank 0 never published
             self._explain_exchange_failure(exc, round_, rank_0)
             raise
 
     def _explain_exchange_failure(self, exc: LookupError, round_: int, rank_0: _NodeDesc) -> None:
         """Complete the message of ``exc``, the store's timeout in the exchange of rank
-        0's address after round ``round_`` completed, with the bound of that wait and,
-        from the state as it is now, why rank 0's address never came, if it tells: this
-        node or rank 0 (``rank_0``) is no longer a participant of the round."""
+        0's address after round ``round_`` completed, with why rank 0's address never
+        came, if the state as it is now tells: this node or rank 0 (``rank_0``) is no
+        longer a participant of the round."""
         if len(exc.args) != 1 or not isinstance(exc.args[0], str):
             return
-        run_id, join = self._settings.run_id, self._settings.timeout.join.total_seconds()
-        notes = [
-            f"The exchange of rank 0's address is bounded by what is left of join_timeout "
-            f"({join:g} s) after the round completed."
-        ]
+        run_id = self._settings.run_id
+        notes = [f"Rank 0 of round {round_} publishes its address once the round completed."]
         holder = self._state_holder
-        deadline = self._get_deadline(timedelta(seconds=_WITHDRAW_TIMEOUT))
+        deadline = Deadline(_WITHDRAW_TIMEOUT)
         try:
             with self._locked(deadline, "read the state of"):
-                with holder.bounded_by(Deadline.at(deadline)):
-                    holder.invalidate()  # the state now, not the one held
-                    holder.sync()
+                holder.invalidate()  # the state now, not the one held
+                holder.sync(deadline)
                 now_round, participants = holder.state.round, set(holder.state.participants)
         except RendezvousError:  # nothing more is known
             now_round, participants = round_, {self._this_node, rank_0}
@@ -401,7 +384,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
             )
         exc.args = (" ".join([exc.args[0], *notes]),)
 
-    def _begin_attempt(self, deadline: float) -> None:
+    def _begin_attempt(self, deadline: Deadline) -> None:
         """Report the attempt, stop the heartbeats and take the handler's lock (all by
         ``deadline``); without node keys, spread the first attempts as PyTorch does."""
         msg = (
@@ -419,16 +402,17 @@ class DynamicRendezvousHandler(RendezvousHandler):
         # PyTorch delays its first attempt by a random 0-0.3 s, to spread the nodes'
         # compare-and-swaps of the state. A node that announces itself with a node key
         # writes no state to join, so it does not wait.
-        if self._node_keys is None and self._state_holder.state.round == 0:
+        if self._admission is None and self._state_holder.state.round == 0:
             delay(seconds=(0, 0.3))
 
-    def _join(self, deadline: float) -> None:
-        """Run the exit and join operations until the node is in a complete round. On a
-        failure other than etcd out of reach, withdraw the node's key (if it has one),
-        lest a batch admit it after all."""
-        keys = self._node_keys
-        if keys is not None:
-            keys.begin_join()
+    @contextlib.contextmanager
+    def _joining(self, deadline: Deadline) -> Iterator[None]:
+        """The block in which the node joins: progress lines logged, and with node keys,
+        the node waits on the progress key. On a failure other than etcd out of reach,
+        withdraw the node's key (if it has one), lest a batch admit it after all."""
+        admission = self._admission
+        if admission is not None:
+            admission.begin()
             holder = self._state_holder
             if holder.token is None and holder.fetches == 0:
                 # A fresh node (in no round, never read the state) announces itself and
@@ -443,16 +427,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
         try:
             with progress:
-                self._op_executor.run(_RendezvousExitOp(), deadline)
-                self._op_executor.run(_RendezvousJoinOp(), deadline, self._get_deadline)
+                yield
         except RendezvousConnectionError:
             raise  # etcd is out of reach: the key expires on its own.
         except BaseException:
             self._withdraw(Deadline(_WITHDRAW_TIMEOUT))
             raise
         finally:
-            if keys is not None:
-                keys.end_join()
+            if admission is not None:
+                admission.end()
 
     def _record_round_metrics(self, seconds: float, world_size: int) -> None:
         """The ``rendezvous.*`` metrics of a round this node completed (see
@@ -467,14 +450,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         record_metric("rendezvous.nodes_admitted", len(participants - previous), **labels)
         record_metric("rendezvous.nodes_removed", len(previous - participants), **labels)
 
-    def _describe_progress(self, deadline: float) -> str | None:
+    def _describe_progress(self, deadline: Deadline) -> str | None:
         """The progress line of a waiting :meth:`next_rendezvous`, from the state last
         read (see :mod:`etcd_rendezvous._progress_log`)."""
         state = self._state_holder.state
         settings = self._settings
         head = f"Rendezvous '{settings.run_id}' round {state.round}"
         joined = len(state.participants)
-        left = seconds_left(deadline - time.monotonic())
+        left = seconds_left(deadline.remaining())
         if state.closed:
             return None
         if self._this_node in state.redundancy_list:
@@ -497,7 +480,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         )
 
     def _bootstrap(self, rank: int, world_size: int, store: Store) -> RendezvousInfo:
-        """The end of :meth:`next_rendezvous`: exchange the master address in the store."""
+        """The end of :meth:`next_rendezvous`: exchange the master address in the store
+        (within the store's timeout, as in PyTorch)."""
         msg = (
             f"The node '{self._this_node}' has joined round {self._state_holder.state.round} of "
             f"the rendezvous '{self._settings.run_id}' as rank {rank} in a world of size "
@@ -565,19 +549,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """Whether the progress key says that no node waits, trusted for
         ``_WAITING_RECHECK`` s after a read of the whole state and read every
         ``_WAITING_POLL`` s at most (polls come often: torchrun, 10 a second)."""
-        keys, now = self._node_keys, time.monotonic()
+        admission, now = self._admission, time.monotonic()
         holder = self._state_holder
-        cached = isinstance(holder, _BackendRendezvousStateHolder) and holder.cached
-        if keys is None or cached or now - self._waiting_read_at >= _WAITING_RECHECK:
+        cached = isinstance(holder, BackendStateHolder) and holder.cached
+        if admission is None or cached or now - self._waiting_read_at >= _WAITING_RECHECK:
             return False
         at, none_waiting = self._waiting_hint
         if now - at < _WAITING_POLL:
             return none_waiting
         deadline = self._get_deadline(self._settings.timeout.join)
-        bound = holder.bounded_by(Deadline.at(deadline))
-        with self._locked(deadline, "read the progress of"), bound:
+        with self._locked(deadline, "read the progress of"):
             token = holder.token
-            progress = keys.waiting_hint(token if isinstance(token, int) else 0)
+            progress = admission.waiting_hint(token, deadline)
         if progress is not None and progress.token == token:
             holder.keep()  # The state held is still the latest: no need to read it.
         none_waiting = progress is not None and progress.waiting == 0
@@ -589,19 +572,18 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """The state, synced with the backend within ``timeout``."""
         deadline = self._get_deadline(timeout)
         with self._locked(deadline, what):
-            with self._state_holder.bounded_by(Deadline.at(deadline)):
-                self._state_holder.sync()
+            self._state_holder.sync(deadline)
             yield self._state_holder.state
 
     @contextlib.contextmanager
-    def _locked(self, deadline: float, what: str) -> Iterator[None]:
+    def _locked(self, deadline: Deadline, what: str) -> Iterator[None]:
         """Hold the heartbeat lock, waiting for it (a heartbeat in progress) no later
         than ``deadline``.
 
         Raises:
             RendezvousTimeoutError: the lock was not free by ``deadline``.
         """
-        if not self._heartbeat_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        if not self._heartbeat_lock.acquire(timeout=deadline.remaining()):
             raise RendezvousTimeoutError(
                 f"Could not {what} the rendezvous '{self._settings.run_id}' in time: a "
                 "keep-alive heartbeat held on to the backend until the deadline."
@@ -630,7 +612,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         try:
             with self._locked(deadline, "close"):
                 self._close(deadline)
-                self._withdraw(Deadline.at(deadline))
+                self._withdraw(deadline)
         except RendezvousError as ex:
             msg = (
                 f"The node '{self._this_node}' has failed to shutdown the rendezvous "
@@ -653,19 +635,16 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._closed = True
         self._stop_heartbeats()
         self._withdraw(Deadline(_WITHDRAW_TIMEOUT))
-        # Backends that do not derive from RendezvousBackend may lack close().
-        close_backend = getattr(self._owned_backend, "close", None)
-        if close_backend is not None:
-            close_backend()
+        if self._owned_backend is not None:
+            self._owned_backend.close()
 
     def _withdraw(self, deadline: Deadline) -> None:
         """Delete the node's key (with node keys), by ``deadline``; a failure is only
         logged: the key expires on its own."""
-        if self._node_keys is None:
+        if self._admission is None:
             return
         try:
-            with self._state_holder.bounded_by(deadline):
-                self._node_keys.withdraw()
+            self._admission.withdraw(deadline)
         except RendezvousError as ex:
             logger.warning(
                 "The node '%s' could not delete its key from the rendezvous '%s' (%s: %s); "
@@ -676,9 +655,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 ex,
             )
 
-    def _close(self, deadline: float) -> None:
-        op = _RendezvousCloseOp()
-        self._op_executor.run(op, deadline)
+    def _close(self, deadline: Deadline) -> None:
+        self._op_executor.run(CloseOp(), deadline)
         msg = f"The node '{self._this_node}' has closed the rendezvous '{self._settings.run_id}'."
         self._record("_close", msg, NodeState.SUCCEEDED)
         logger.info(msg)
@@ -691,10 +669,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _keep_alive(self) -> None:
         with self._heartbeat_lock:
-            op = _RendezvousKeepAliveOp()
             deadline = self._get_deadline(self._settings.timeout.heartbeat)
             try:
-                self._op_executor.run(op, deadline)
+                self._op_executor.run(KeepAliveOp(), deadline)
             except (RendezvousConnectionError, RendezvousTimeoutError) as ex:
                 # Transient: the next heartbeat tries again.
                 self._record_heartbeat_failure(ex)
@@ -745,13 +722,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
             self._keep_alive_timer.start()
 
-    def _stop_heartbeats(self, deadline: float | None = None) -> None:
+    def _stop_heartbeats(self, deadline: Deadline | None = None) -> None:
         """Stop the keep-alive timer, waiting for a heartbeat in progress to end (no
-        later than ``deadline``, a ``time.monotonic()`` time, if given)."""
+        later than ``deadline``, if given)."""
         with self._timer_lock:
             if self._keep_alive_timer is None:
                 return
-            timeout = None if deadline is None else deadline - time.monotonic()
+            timeout = None if deadline is None else deadline.remaining()
             self._keep_alive_timer.cancel(timeout)
             self._keep_alive_timer = None
 
@@ -761,13 +738,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _wrap_store(self, store: Store) -> Store:
         key_prefix = dynamic_store_prefix(self._settings.run_id, self._state_holder.state.round)
-        return _prefix_store(key_prefix, store)
+        return prefix_store(key_prefix, store)
 
     def _get_store(self) -> Store:
         return self._wrap_store(self._store)
 
-    def _get_deadline(self, timeout: timedelta) -> float:
-        return time.monotonic() + timeout.total_seconds()
+    def _get_deadline(self, timeout: timedelta) -> Deadline:
+        return Deadline(timeout.total_seconds())
 
 
 def _get_timeout(params: RendezvousParameters, key: str) -> timedelta | None:
@@ -841,13 +818,9 @@ def create_handler(
             event_source("", params.run_id).record(
                 "create_handler", f"{type(e).__name__}: {e}", NodeState.FAILED
             )
-        close_backend = getattr(backend, "close", None)
-        if owns_backend and close_backend is not None:
-            close_backend()
+        if owns_backend:
+            as_backend(backend).close()
         raise
-
-
-create_handler.__module__ = PUBLIC_MODULE
 
 
 def _handler_from_params(

@@ -1,53 +1,37 @@
 """The rendezvous state as a node holds it, kept in sync with the other nodes through the
 backend.
 
-:class:`_BackendRendezvousStateHolder` reads the state (or adopts the one a watching
-backend brought), writes the node's changes back with the fencing token it read, and
-drops the nodes whose heartbeats lapsed.
+:class:`BackendStateHolder` (PyTorch's ``_BackendRendezvousStateHolder``) reads the
+state (or adopts the one a watching backend brought), writes the node's changes back
+with the fencing token it read, and drops the nodes whose heartbeats lapsed. Every call
+takes the deadline of the step that makes it, and passes it to this package's backend
+(see :class:`~etcd_rendezvous._dynamic.keys.KeyedBackend`); any other backend bounds its
+calls itself, as PyTorch's do.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
 
 from .._transport.retry import Deadline
 from ..api import RequestTooLargeError
-from .backend import POLL_INTERVAL, RendezvousBackend, Token, delay
+from .backend import POLL_INTERVAL, RendezvousBackend, Token, as_backend, delay
+from .changes import remove_participant_epilogue
 from .clock import LOCAL_CLOCK, Clock, state_clock
+from .keys import KeyedBackend
 from .settings import LOGGER_NAME, STATE_HOLDER_EVENTS, RendezvousSettings, event_source
 from .state import _encode_state, _NodeDesc, _RendezvousState, decode_state
 
-__all__ = [
-    "_BackendRendezvousStateHolder",
-    "_RendezvousStateHolder",
-    "_remove_participant_epilogue",
-]
+__all__ = ["BackendStateHolder", "StateHolder"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
 
-def _remove_participant_epilogue(state: _RendezvousState, settings: RendezvousSettings) -> None:
-    """Fix up the round after participants left (shared by sanitizing and exiting)."""
-    if state.complete:
-        # If we do not have any participants left, move to the next round.
-        if not state.participants:
-            logger.debug("No participants left in the rendezvous, marking rendezvous as incomplete")
-            state.complete = False
-            state.round += 1
-    elif len(state.participants) < settings.min_nodes:
-        logger.debug(
-            "Number of participants %d less than min_nodes %d, clearing deadline in state",
-            len(state.participants),
-            settings.min_nodes,
-        )
-        state.deadline = None
-
-
-class _RendezvousStateHolder(ABC):
-    """Hold the shared rendezvous state synced with other nodes."""
+class StateHolder(ABC):
+    """Hold the shared rendezvous state synced with other nodes (PyTorch's
+    ``_RendezvousStateHolder``)."""
 
     @property
     @abstractmethod
@@ -55,8 +39,8 @@ class _RendezvousStateHolder(ABC):
         """Get the local state."""
 
     @abstractmethod
-    def sync(self) -> bool | None:
-        """Read or write the latest state.
+    def sync(self, deadline: Deadline) -> bool | None:
+        """Read or write the latest state, by ``deadline``.
 
         Returns:
             Whether the local state, if marked dirty, was successfully synced with
@@ -74,18 +58,14 @@ class _RendezvousStateHolder(ABC):
         local wall clock, as in PyTorch)."""
         return LOCAL_CLOCK
 
-    def wait_for_change(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for another node to change the state.
+    def wait_for_change(self, timeout: float, deadline: Deadline) -> None:
+        """Wait up to ``timeout`` seconds for another node to change the state (its
+        requests end by ``deadline``).
 
         The next :meth:`sync` then returns the newest state. The default sleeps
         ``min(timeout, 1 s)``, PyTorch's poll interval.
         """
         delay(min(max(timeout, 0.0), POLL_INTERVAL))
-
-    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
-        """A block in which :meth:`sync` and :meth:`wait_for_change` end by ``deadline``
-        (the default: no bound)."""
-        return contextlib.nullcontext()
 
     @property
     def token(self) -> Token:
@@ -104,27 +84,18 @@ class _RendezvousStateHolder(ABC):
         """Serve the state held to the next :meth:`sync` (the default does nothing)."""
 
 
-class _BackendRendezvousStateHolder(_RendezvousStateHolder):
+class BackendStateHolder(StateHolder):
     """Hold the rendezvous state synced with other nodes via a backend.
 
     Args:
-        backend: The rendezvous backend to use.
+        backend: The rendezvous backend to use (one written for PyTorch, too).
         settings: The rendezvous settings.
         cache_duration: The amount of time, in seconds, to cache the last rendezvous
             state before requesting it from the backend again.
-        clock: The clock of the times in the state; by default etcd's if the backend
-            talks to etcd through this package's connection, else the local wall clock
-            (see :func:`~etcd_rendezvous._dynamic.clock.state_clock`).
+        clock: The clock of the times in the state; by default etcd's with this
+            package's backend, else the local wall clock (see
+            :func:`~etcd_rendezvous._dynamic.clock.state_clock`).
     """
-
-    _backend: RendezvousBackend
-    _state: _RendezvousState
-    _settings: RendezvousSettings
-    _cache_duration: int
-    _token: Token
-    _dirty: bool
-    _last_sync_time: float
-    _dead_nodes: list[_NodeDesc]
 
     def __init__(
         self,
@@ -133,15 +104,17 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         cache_duration: int = 1,
         clock: Clock | None = None,
     ) -> None:
-        self._backend = backend
+        self._backend = as_backend(backend)
+        # This package's backend, whose calls take the step's deadline.
+        self._keyed = backend if isinstance(backend, KeyedBackend) else None
         self._state = _RendezvousState()
         self._settings = settings
         self._clock = clock or state_clock(backend, settings)
         self._cache_duration = cache_duration
-        self._token = None
+        self._token: Token = None
         self._dirty = False
-        self._last_sync_time = -1
-        self._dead_nodes = []
+        self._last_sync_time = -1.0
+        self._dead_nodes: list[_NodeDesc] = []
         self._events = event_source(STATE_HOLDER_EVENTS, settings.run_id)
         self._fetches = 0
 
@@ -182,13 +155,12 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         self._last_sync_time = time.monotonic()
 
     def _source(self) -> str:
-        # Backends that do not derive from RendezvousBackend may lack the property.
-        key = getattr(self._backend, "state_key", None)
+        key = self._backend.state_key
         if key is None:
             return f"the '{self._backend.name}' backend"
         return f"{self._backend.name} key '{key}'"
 
-    def sync(self) -> bool | None:
+    def sync(self, deadline: Deadline) -> bool | None:
         """See base class."""
         state_bits: bytes | None = None
         token = None
@@ -198,7 +170,7 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
             has_set = False
             state_bits = _encode_state(self._state)
             try:
-                set_response = self._backend.set_state(state_bits, self._token)
+                set_response = self._set(state_bits, deadline)
             except RequestTooLargeError:
                 # etcd refused our changes for their size: drop them, lest the next sync
                 # (a close, say) send them again; it reads the state instead.
@@ -209,17 +181,15 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
                 state_bits, token, has_set = set_response
         else:
             has_set = None
-            if self._adopt_known_change():
+            if self._adopt_known_change(deadline):
                 # The backend's watch brought a newer state: no read needed.
                 return None
-            if self._cache_duration > 0 and self._last_sync_time >= max(
-                time.monotonic() - self._cache_duration, 0
-            ):
+            if self.cached:
                 # Avoid overloading the backend if we are asked to retrieve the state
                 # repeatedly. Serve the cached state.
                 return None
             self._fetches += 1
-            get_response = self._backend.get_state()
+            get_response = self._get(deadline)
             if get_response is not None:
                 state_bits, token = get_response
 
@@ -236,46 +206,53 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
         self._adopt(state_bits, token)
         return has_set
 
-    def wait_for_change(self, timeout: float) -> None:
+    def wait_for_change(self, timeout: float, deadline: Deadline) -> None:
         """Wait through the backend's :meth:`RendezvousBackend.wait_for_change`.
 
         If the backend returns the new state, it becomes the local state (as a
         :meth:`sync` would make it); otherwise the cache is invalidated, so that the
-        next :meth:`sync` reads the backend. A backend without the method is polled
+        next :meth:`sync` reads the backend. A backend that cannot watch is polled
         every second, as in PyTorch.
         """
         if self._dirty:
             return
-        wait = getattr(self._backend, "wait_for_change", None)
-        change = None
-        if wait is None:
-            super().wait_for_change(timeout)
-        else:
-            change = wait(self._token, max(timeout, 0.0))
+        change = self._wait(max(timeout, 0.0), deadline)
         if isinstance(change, tuple) and len(change) == 2:
             # The backend knows the new state: adopt it without reading it again.
             self._adopt(change[0], change[1])
         else:
             self._last_sync_time = -1
 
-    def _adopt_known_change(self) -> bool:
+    def _adopt_known_change(self, deadline: Deadline) -> bool:
         """Adopt a newer state the backend already received (from its watch), if it
         returns one without waiting: then no read is needed (see
         :attr:`RendezvousBackend.reports_changes`)."""
-        if self._token is None or not getattr(self._backend, "reports_changes", False):
+        if self._token is None or not self._backend.reports_changes:
             return False
-        wait = getattr(self._backend, "wait_for_change", None)
-        change = None if wait is None else wait(self._token, 0.0)
+        change = self._wait(0.0, deadline)
         if isinstance(change, tuple) and len(change) == 2:
             self._adopt(change[0], change[1])
             return True
         return False
 
-    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
-        """The backend's :meth:`RendezvousBackend.bounded_by`, if it has one."""
-        # Backends that do not derive from RendezvousBackend may lack the method.
-        bound = getattr(self._backend, "bounded_by", None)
-        return contextlib.nullcontext() if bound is None else bound(deadline)
+    # -- the backend's calls, with the step's deadline for this package's backend ----------
+
+    def _get(self, deadline: Deadline) -> tuple[bytes, Token] | None:
+        if self._keyed is not None:
+            return self._keyed.get_state(deadline=deadline)
+        return self._backend.get_state()
+
+    def _set(self, state_bits: bytes, deadline: Deadline) -> tuple[bytes, Token, bool] | None:
+        if self._keyed is not None:
+            return self._keyed.set_state(state_bits, self._token, deadline=deadline)
+        return self._backend.set_state(state_bits, self._token)
+
+    def _wait(self, timeout: float, deadline: Deadline) -> tuple[bytes, Token] | None:
+        if self._keyed is not None:
+            return self._keyed.wait_for_change(self._token, timeout, deadline=deadline)
+        return self._backend.wait_for_change(self._token, timeout)
+
+    # -- the state held ---------------------------------------------------------------------
 
     def _adopt(self, state_bits: bytes | None, token: Token) -> None:
         """Make the decoded ``state_bits`` (or a new state if ``None``) the local state."""
@@ -311,8 +288,7 @@ class _BackendRendezvousStateHolder(_RendezvousStateHolder):
             state.redundancy_list.discard(dead_node)
 
         if participant_removed:
-            # Common epilogue shared with _DistributedRendezvousOpExecutor.
-            _remove_participant_epilogue(state, self._settings)
+            remove_participant_epilogue(state, self._settings)
 
     def mark_dirty(self) -> None:
         """See base class.

@@ -1,11 +1,12 @@
 """The decisions of the dynamic rendezvous: what a node does next, a plain function of the
 state it holds.
 
-An operation (:class:`_RendezvousJoinOp`, :class:`_RendezvousExitOp`,
-:class:`_RendezvousCloseOp`, :class:`_RendezvousKeepAliveOp`) looks at a
-:class:`_RendezvousContext` and returns an :class:`_Action`: it reads no backend and
-changes nothing. The executor (:mod:`etcd_rendezvous._dynamic.executor`) carries the
-actions out. The protocol: see docs/how-it-works.rst, section "The dynamic rendezvous".
+An operation (:class:`JoinOp`, :class:`ExitOp`, :class:`CloseOp`, :class:`KeepAliveOp`:
+PyTorch's ``_RendezvousJoinOp``, ``_RendezvousExitOp``, ``_RendezvousCloseOp`` and
+``_RendezvousKeepAliveOp``) looks at a :class:`Context` and the operation's deadline and
+returns an :class:`Action`: it reads no backend and changes nothing. The executor
+(:mod:`etcd_rendezvous._dynamic.executor`) carries the actions out. The protocol: see
+docs/how-it-works.rst, section "The dynamic rendezvous".
 """
 
 from __future__ import annotations
@@ -16,29 +17,34 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from enum import Enum
 
+from .._transport.retry import Deadline
 from ..api import RendezvousGracefulExitError
 from .clock import LOCAL_CLOCK
 from .settings import LOGGER_NAME, RendezvousSettings
 from .state import _NodeDesc, _RendezvousState
 
 __all__ = [
-    "_ADMISSIONS",
-    "_Action",
-    "_RendezvousCloseOp",
-    "_RendezvousContext",
-    "_RendezvousExitOp",
-    "_RendezvousJoinOp",
-    "_RendezvousKeepAliveOp",
-    "_StateHandler",
-    "_admission_action",
-    "_should_keep_alive",
+    "ADMISSIONS",
+    "Action",
+    "CloseOp",
+    "Context",
+    "ExitOp",
+    "JoinOp",
+    "KeepAliveOp",
+    "StateHandler",
+    "admission_action",
 ]
+
+#: Seconds after its deadline during which a joining node that could not complete may
+#: still take itself out of the round (PyTorch's rollback period).
+ROLLBACK_PERIOD = 5.0
 
 logger = logging.getLogger(LOGGER_NAME)
 
 
-class _Action(Enum):
-    """Specifies the possible actions based on the state of the rendezvous."""
+class Action(Enum):
+    """Specifies the possible actions based on the state of the rendezvous (PyTorch's
+    ``_Action``)."""
 
     KEEP_ALIVE = 1
     ADD_TO_PARTICIPANTS = 2
@@ -55,8 +61,8 @@ class _Action(Enum):
     FINISH = 13
 
 
-class _RendezvousContext:
-    """Holds the context of the rendezvous.
+class Context:
+    """Holds the context of the rendezvous (PyTorch's ``Context``).
 
     Attributes:
         node: The node descriptor associated with the current rendezvous handler
@@ -92,10 +98,11 @@ class _RendezvousContext:
         self.now = now or LOCAL_CLOCK.now()
 
 
-_StateHandler = Callable[[_RendezvousContext, float], _Action]
+#: An operation: the next action, from the context and the operation's deadline.
+StateHandler = Callable[[Context, Deadline], Action]
 
 
-def _should_keep_alive(ctx: _RendezvousContext) -> bool:
+def _should_keep_alive(ctx: Context) -> bool:
     """Determine whether a keep-alive heartbeat should be sent."""
     try:
         last_heartbeat = ctx.state.last_heartbeats[ctx.node]
@@ -106,15 +113,15 @@ def _should_keep_alive(ctx: _RendezvousContext) -> bool:
 
 
 #: The actions that add a node to the state (which a batch admission takes for others).
-_ADMISSIONS = frozenset(
-    {_Action.ADD_TO_PARTICIPANTS, _Action.ADD_TO_WAIT_LIST, _Action.ADD_TO_REDUNDANCY_LIST}
+ADMISSIONS = frozenset(
+    {Action.ADD_TO_PARTICIPANTS, Action.ADD_TO_WAIT_LIST, Action.ADD_TO_REDUNDANCY_LIST}
 )
 
 
-def _admission_action(
+def admission_action(
     state: _RendezvousState, node: _NodeDesc, settings: RendezvousSettings
-) -> _Action | None:
-    """The action of :class:`_RendezvousJoinOp` that adds ``node`` to ``state``, if it
+) -> Action | None:
+    """The action of :class:`JoinOp` that adds ``node`` to ``state``, if it
     takes one (the decision before its deadline: a node past it does not join).
 
     Not complete: a node that is not a participant joins the participants (leaving the
@@ -125,15 +132,15 @@ def _admission_action(
     if state.closed or node in state.redundancy_list:
         return None
     if not state.complete:
-        return None if node in state.participants else _Action.ADD_TO_PARTICIPANTS
+        return None if node in state.participants else Action.ADD_TO_PARTICIPANTS
     if node in state.participants or node in state.wait_list:
         return None
     if len(state.participants) < settings.max_nodes:
-        return _Action.ADD_TO_WAIT_LIST
-    return _Action.ADD_TO_REDUNDANCY_LIST
+        return Action.ADD_TO_WAIT_LIST
+    return Action.ADD_TO_REDUNDANCY_LIST
 
 
-class _RendezvousExitOp:
+class ExitOp:
     """Represent a rendezvous exit operation: leave the round the node is a participant
     of when the operation starts.
 
@@ -145,20 +152,30 @@ class _RendezvousExitOp:
     def __init__(self) -> None:
         self._round: int | None = None
 
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+    def __call__(self, ctx: Context, deadline: Deadline) -> Action:
         state = ctx.state
         if ctx.node in state.participants and self._round in (None, state.round):
             self._round = state.round
-            if time.monotonic() > deadline:
-                return _Action.ERROR_TIMEOUT
-            return _Action.REMOVE_FROM_PARTICIPANTS
-        return _Action.FINISH
+            if deadline.expired():
+                return Action.ERROR_TIMEOUT
+            return Action.REMOVE_FROM_PARTICIPANTS
+        return Action.FINISH
 
 
-class _RendezvousJoinOp:
-    """Represent a rendezvous join operation."""
+class JoinOp:
+    """Represent a rendezvous join operation.
 
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+    Past its deadline, a node that could not complete the round may still take itself
+    out for :data:`ROLLBACK_PERIOD` seconds (a deadline the operation sets when it first
+    sees the operation's, on ``clock``, the monotonic clock: replaceable in tests).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        # The operation's deadline last seen, and the end of its rollback period.
+        self._rollback: tuple[Deadline, Deadline] | None = None
+
+    def __call__(self, ctx: Context, deadline: Deadline) -> Action:
         state = ctx.state
 
         # A closed rendezvous means that it no longer accepts new nodes.
@@ -168,7 +185,7 @@ class _RendezvousJoinOp:
                     f"The rendezvous '{ctx.settings.run_id}' is closed, terminating pending "
                     "rendezvous."
                 )
-            return _Action.ERROR_CLOSED
+            return Action.ERROR_CLOSED
 
         if ctx.node in state.redundancy_list:
             return self._redundant(ctx)
@@ -178,62 +195,66 @@ class _RendezvousJoinOp:
         # If we are part of the rendezvous and it is already complete there is no
         # further action to take.
         if state.complete and is_participant:
-            return _Action.FINISH
+            return Action.FINISH
 
-        now = time.monotonic()
-        if now > deadline:
-            return self._late(ctx, now, deadline, is_participant)
+        rollback = self._rollback_until(deadline)
+        if deadline.expired():
+            return self._late(ctx, rollback, is_participant)
 
-        admission = _admission_action(state, ctx.node, ctx.settings)
+        admission = admission_action(state, ctx.node, ctx.settings)
         if admission is not None:
             return admission
         if not state.complete and is_participant and self._may_complete(ctx):
-            return _Action.MARK_RENDEZVOUS_COMPLETE
+            return Action.MARK_RENDEZVOUS_COMPLETE
 
         if _should_keep_alive(ctx):
-            return _Action.KEEP_ALIVE
+            return Action.KEEP_ALIVE
 
         # Either the rendezvous is not complete but we are part of it, so we wait for
         # other participants to join; or it is complete but we are not part of it, so we
         # wait for the next round.
-        return _Action.SYNC
+        return Action.SYNC
 
     @staticmethod
-    def _redundant(ctx: _RendezvousContext) -> _Action:
+    def _redundant(ctx: Context) -> Action:
         """The next action of a node on the redundancy list."""
         state = ctx.state
         logger.debug("The node %s is in redundancy list", ctx.node)
         # Do not apply the timeout logic here, to allow the node to rejoin.
         if len(state.participants) == ctx.settings.max_nodes:
             if _should_keep_alive(ctx):
-                return _Action.KEEP_ALIVE
-            return _Action.SYNC
+                return Action.KEEP_ALIVE
+            return Action.SYNC
         # Transition to the waiting state that respects timeouts.
         logger.debug("The node %s is removed from redundancy list", ctx.node)
-        return _Action.REMOVE_FROM_REDUNDANCY_LIST
+        return Action.REMOVE_FROM_REDUNDANCY_LIST
+
+    def _rollback_until(self, deadline: Deadline) -> Deadline:
+        """The end of the rollback period after ``deadline`` (a renewed deadline, for a
+        node that left the redundancy list, gets one of its own)."""
+        if self._rollback is None or self._rollback[0] is not deadline:
+            until = Deadline(deadline.remaining() + ROLLBACK_PERIOD, clock=self._clock)
+            self._rollback = (deadline, until)
+        return self._rollback[1]
 
     @staticmethod
-    def _late(
-        ctx: _RendezvousContext, now: float, deadline: float, is_participant: bool
-    ) -> _Action:
-        """The next action of a node past the operation's ``deadline``: roll back while
-        there is time, else time out."""
-        rollback_period = 5  # seconds
-
+    def _late(ctx: Context, rollback: Deadline, is_participant: bool) -> Action:
+        """The next action of a node past the operation's deadline: roll back until
+        ``rollback``, then time out."""
         # If we still have time to roll back (a short period on top of the operation
         # deadline), try to remove ourselves from the rendezvous. It is okay if we
         # cannot, as our keep-alive will eventually expire.
-        if now <= deadline + rollback_period:
+        if not rollback.expired():
             # A participant could not find enough participants to complete on time.
             if is_participant:
-                return _Action.REMOVE_FROM_PARTICIPANTS
+                return Action.REMOVE_FROM_PARTICIPANTS
             # A waiting node could not wait till the next round.
             if ctx.node in ctx.state.wait_list:
-                return _Action.REMOVE_FROM_WAIT_LIST
-        return _Action.ERROR_TIMEOUT
+                return Action.REMOVE_FROM_WAIT_LIST
+        return Action.ERROR_TIMEOUT
 
     @staticmethod
-    def _may_complete(ctx: _RendezvousContext) -> bool:
+    def _may_complete(ctx: Context) -> bool:
         """Whether a participant of an incomplete round marks it complete (and if not,
         log why)."""
         state = ctx.state
@@ -258,23 +279,23 @@ class _RendezvousJoinOp:
         return False
 
 
-class _RendezvousCloseOp:
+class CloseOp:
     """Represent a rendezvous close operation."""
 
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+    def __call__(self, ctx: Context, deadline: Deadline) -> Action:
         if ctx.state.closed:
-            return _Action.FINISH
-        if time.monotonic() > deadline:
-            return _Action.ERROR_TIMEOUT
-        return _Action.MARK_RENDEZVOUS_CLOSED
+            return Action.FINISH
+        if deadline.expired():
+            return Action.ERROR_TIMEOUT
+        return Action.MARK_RENDEZVOUS_CLOSED
 
 
-class _RendezvousKeepAliveOp:
+class KeepAliveOp:
     """Represent a rendezvous keep-alive update operation."""
 
-    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+    def __call__(self, ctx: Context, deadline: Deadline) -> Action:
         if _should_keep_alive(ctx):
-            if time.monotonic() > deadline:
-                return _Action.ERROR_TIMEOUT
-            return _Action.KEEP_ALIVE
-        return _Action.FINISH
+            if deadline.expired():
+                return Action.ERROR_TIMEOUT
+            return Action.KEEP_ALIVE
+        return Action.FINISH

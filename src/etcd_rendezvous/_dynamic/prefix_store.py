@@ -1,7 +1,7 @@
 """The store a rendezvous round hands out: the agent's store, every key under the round's prefix.
 
-:func:`_prefix_store` wraps a PyTorch store in PyTorch's ``PrefixStore`` and any other in
-:class:`_PrefixStore`, its equivalent without PyTorch. The prefix is
+:func:`prefix_store` wraps a PyTorch store in PyTorch's ``PrefixStore`` and any other in
+:class:`PrefixStore`, its equivalent without PyTorch. The prefix is
 :func:`etcd_rendezvous.layout.dynamic_store_prefix`.
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 
 from ..api import Store
 
-__all__ = ["_PrefixStore", "_prefix_store"]
+__all__ = ["PrefixStore", "prefix_store"]
 
 
-class _PrefixStore:
+class PrefixStore:
     """A c10d ``PrefixStore`` without torch: every key becomes ``prefix + "/" + key``.
 
     Wraps any :class:`~etcd_rendezvous.api.Store`. The extended c10d methods are passed
@@ -107,7 +107,7 @@ class _PrefixStore:
         return int(store.num_keys())
 
 
-def _prefix_store(prefix: str, store: Store) -> Store:
+def prefix_store(prefix: str, store: Store) -> Store:
     """Wrap ``store`` in torch's ``PrefixStore`` if it is a torch store, else ours."""
     # A torch store exists only if torch.distributed was imported; never import it here.
     dist = sys.modules.get("torch.distributed")
@@ -115,4 +115,4 @@ def _prefix_store(prefix: str, store: Store) -> Store:
     if torch_store_type is not None and isinstance(store, torch_store_type):
         wrapped: Store = dist.PrefixStore(prefix, store)  # type: ignore[union-attr]
         return wrapped
-    return _PrefixStore(prefix, store)
+    return PrefixStore(prefix, store)

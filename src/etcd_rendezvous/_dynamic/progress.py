@@ -1,10 +1,10 @@
 """The progress key of the dynamic rendezvous: a small summary of the last state write.
 
-A backend that keeps one (:class:`ProgressBoard`, this package's ``etcd-v2`` backend)
-lets the nodes that wait for their admission follow the summary instead of the state,
-and read the state only when the summary says something concerns them, or after a
-silence. The summary is a hint: the state stays the authority. See
-docs/how-it-works.rst, "The progress key".
+A backend that keeps one (a :class:`~etcd_rendezvous._dynamic.keys.KeyedBackend`,
+this package's ``etcd-v2`` backend) lets the nodes that wait for their admission follow
+the summary instead of the state, and read the state only when the summary says
+something concerns them, or after a silence. The summary is a hint: the state stays
+the authority. See docs/how-it-works.rst, "The progress key".
 
 A batch whose state write etcd refused for its size (a
 :class:`~etcd_rendezvous.api.RequestTooLargeError`) is reported in the key by its maker:
@@ -22,12 +22,12 @@ of waiting for their timeout. A report concerns a node of the round it is about 
 A report about another round (one that completed, or a later one) is stale and ignored,
 and one written before the node's key was created (it arrived later, maybe after etcd's
 limit was raised) is verified first: a write of the same size that cannot apply
-(:meth:`ProgressBoard.check_size`). If etcd refuses that too, the node raises and writes
-the report again, so that the nodes that arrived with it need not check; if not, it
-replaces the report with the summary alone. A report that cannot be read, or claims an
-index written after the report itself, is ignored like a garbled summary; a well-formed
-one is taken at its word by the nodes that were there (whoever may write the key may as
-well close the rendezvous).
+(:meth:`~etcd_rendezvous._dynamic.keys.KeyedBackend.check_size`). If etcd refuses that
+too, the node raises and writes the report again, so that the nodes that arrived with
+it need not check; if not, it replaces the report with the summary alone. A report that
+cannot be read, or claims an index written after the report itself, is ignored like a
+garbled summary; a well-formed one is taken at its word by the nodes that were there
+(whoever may write the key may as well close the rendezvous).
 
 PyTorch's workers never read the key, so no report reaches them.
 """
@@ -36,24 +36,22 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import logging
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from .._transport.limits import Refusal, Verdict
+from .._transport.retry import Deadline
 from ..api import RendezvousError, RequestTooLargeError
 from ..metrics import record_metric
+from .keys import KeyedBackend, Progress
 from .state import NodeDesc, RendezvousState
 
 __all__ = [
     "PROGRESS_SILENCE",
     "Heard",
-    "Progress",
-    "ProgressBoard",
     "ProgressKey",
     "concerns",
     "refusal_verdict",
@@ -61,148 +59,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The fields of the progress key's JSON value, in the order of :class:`Progress`.
-_FIELDS = ("token", "round", "complete", "closed", "decided_upto", "participants", "waiting")
-#: The field of the writer's heartbeat lifetime, which older writers leave out (and older
-#: readers ignore): the operator commands' measure of how long a node may stay silent.
-_LIFETIME = "lifetime"
-#: The field of a report of a refused write (see :class:`Progress`).
-_REFUSED = "refused"
-
 #: Seconds a node that follows the progress key waits without hearing of a change (on
 #: the progress key, or in a read of the state) before it reads the key, then the state,
 #: anyway: a state written by PyTorch's workers, or by a node that died before its
 #: summary. After the first silence, each node draws its next between this and twice it.
 PROGRESS_SILENCE = 2.0
-
-
-@dataclass(frozen=True)
-class Progress:
-    """What the progress key says: a summary of one state write (a hint; the state is
-    the authority). See "The progress key" in docs/how-it-works.rst."""
-
-    #: The token (etcd index) of the state write it describes (0: none yet).
-    token: int
-    round: int
-    complete: bool
-    closed: bool
-    #: Every node key created at or before this etcd index was decided by a batch.
-    decided_upto: int
-    #: How many participants, and how many nodes on the wait list.
-    participants: int
-    waiting: int
-    #: The writer's heartbeat lifetime (``keep_alive_interval`` times ``keep_alive_max_attempt``,
-    #: in whole seconds; 0: not said, by an older writer): how long its nodes may stay
-    #: silent before they count as dead, which ``etcd-rendezvous`` reads to tell a run
-    #: whose nodes are gone. It says nothing of the state: summaries are compared
-    #: without it.
-    lifetime: int = field(default=0, compare=False)
-    #: A batch's write that etcd refused for its size, made on the state of ``token``
-    #: (``None``: none; see the module's docs).
-    refused: Refusal | None = None
-
-    @classmethod
-    def of(
-        cls, token: int, state: RendezvousState, decided_upto: int, lifetime: int = 0
-    ) -> Progress:
-        """The summary of ``state``, written with ``token`` by a node whose heartbeat
-        lifetime is ``lifetime`` seconds."""
-        return cls(
-            token,
-            state.round,
-            state.complete,
-            state.closed,
-            decided_upto,
-            len(state.participants),
-            len(state.wait_list),
-            lifetime,
-        )
-
-    def encode(self) -> str:
-        """The progress key's value: the summary as a small JSON object."""
-        fields: dict[str, object] = {name: getattr(self, name) for name in _FIELDS}
-        if self.lifetime:
-            fields[_LIFETIME] = self.lifetime
-        if self.refused is not None:
-            fields[_REFUSED] = self.refused.encode()
-        return json.dumps(fields)
-
-    @property
-    def newness(self) -> tuple[int, int, int]:
-        """What orders two summaries: the token; then, of the same state, the decided
-        index (a relay of a batch's state, written before the batch's own summary, knows
-        less); then a report of a refused write on that state (which comes after its
-        summary; of two, the one with the later listing)."""
-        return self.token, self.decided_upto, -1 if self.refused is None else self.refused.upto
-
-    @classmethod
-    def decode(cls, value: str | None) -> Progress | None:
-        """The summary a progress key's value holds; ``None`` for anything else (a
-        summary that cannot be read is as good as none: the reader falls back on the
-        state). A lifetime that is missing (an older writer) or not a positive whole
-        number reads as 0; a report of a refused write that cannot be read is left out."""
-        try:
-            fields = json.loads(value or "")
-        except ValueError:
-            return None
-        if not isinstance(fields, dict):
-            return None
-        values = [fields.get(name) for name in _FIELDS]
-        flags = (values[2], values[3])
-        counts = values[:2] + values[4:]
-        if any(type(v) is not bool for v in flags) or any(type(v) is not int for v in counts):
-            return None
-        progress = cls(*values)  # type: ignore[arg-type]
-        lifetime = fields.get(_LIFETIME)
-        if type(lifetime) is int and lifetime > 0:
-            progress = dataclasses.replace(progress, lifetime=lifetime)
-        refused = Refusal.decode(fields.get(_REFUSED))
-        return progress if refused is None else dataclasses.replace(progress, refused=refused)
-
-
-@runtime_checkable
-class ProgressBoard(Protocol):
-    """The progress key, for a backend that keeps one (this package's ``etcd-v2``).
-
-    Every method may raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
-    """
-
-    def read_progress(self) -> tuple[Progress | None, int | None, int]:
-        """The progress key's summary (``None`` if absent or not a summary), its
-        modification index (``None`` if absent), and the etcd index of the read, from
-        which to wait for its next change."""
-
-    def create_progress(self, progress: Progress) -> int | None:
-        """Create the progress key with ``progress`` (with the state's TTL); the write's
-        modification index, or ``None`` if the key exists."""
-
-    def write_progress(self, progress: Progress, index: int) -> int | None:
-        """Write ``progress`` into the progress key unless it holds a summary of a newer
-        state (compare-and-swap on its modification index ``index``, ``0`` if absent,
-        read again after a lost race); the write's modification index, or ``None`` if
-        the key holds a summary at least as new."""
-
-    def replace_progress(self, progress: Progress, index: int) -> int | None:
-        """Write ``progress`` only if the key was not written since its modification
-        index ``index`` (create it if it is gone); the write's modification index, or
-        ``None`` if it did not write."""
-
-    def wait_progress(self, after: int, timeout: float) -> list[tuple[Progress | None, int]]:
-        """The changes of the progress key after the etcd index ``after``, waiting up to
-        ``timeout`` seconds for the first: each summary (``None``: deleted, or not a
-        summary) with its modification index. Empty if none came."""
-
-    def stop_waiting(self) -> None:
-        """Close the watches of the state and of the progress key (reopened on demand)."""
-
-    def check_size(self, size: int) -> None:
-        """Ask etcd whether it accepts a write of ``size`` bytes among the run's keys
-        (nothing is written); raise its
-        :class:`~etcd_rendezvous.api.RequestTooLargeError` if not."""
-
-    @property
-    def listed_at(self) -> int:
-        """The etcd index at which the last :meth:`NodeRegistry.list_nodes` was served."""
 
 
 class Heard(enum.Enum):
@@ -286,7 +147,7 @@ class ProgressKey:
     Every method may raise :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
     """
 
-    board: ProgressBoard | None
+    board: KeyedBackend | None
     node: NodeDesc
     min_nodes: int
     clock: Callable[[], float]
@@ -335,11 +196,11 @@ class ProgressKey:
             self._deciding = self.board.listed_at
 
     def stop_waiting(self) -> None:
-        """Close the watches (see :meth:`ProgressBoard.stop_waiting`)."""
+        """Close the watches (see :meth:`.KeyedBackend.stop_waiting`)."""
         if self.board is not None:
             self.board.stop_waiting()
 
-    def read(self) -> None:
+    def read(self, deadline: Deadline) -> None:
         """Read the progress key before announcing (creating it if there is none), so that
         our key is younger than the decided index it holds (see
         :func:`~etcd_rendezvous._dynamic.admission.stagger_wait`).
@@ -351,18 +212,18 @@ class ProgressKey:
         # The silence counts from now: the node starts listening (a node that loses the
         # race to create the key has heard nothing yet, and has nothing to look for).
         self._heard_at = self.clock()
-        progress, version, index = board.read_progress()
+        progress, version, index = board.read_progress(deadline)
         if progress is not None:
             self._hear(progress, version, index)
             return
         first = Progress(0, 0, False, False, index, 0, 0, self.lifetime)
         if version is not None:  # garbage: start afresh
-            written = board.write_progress(first, version)
+            written = board.write_progress(first, version, deadline)
             if written is not None:
                 self._hear(first, written)
                 return
         else:
-            created = board.create_progress(first)
+            created = board.create_progress(first, deadline)
             if created is not None:
                 self._hear(first, created)
                 return
@@ -411,7 +272,12 @@ class ProgressKey:
         return True
 
     def await_change(
-        self, timeout: float, token: int, state: RendezvousState, created: int | None
+        self,
+        timeout: float,
+        token: int,
+        state: RendezvousState,
+        created: int | None,
+        deadline: Deadline,
     ) -> Heard:
         """Wait up to ``timeout`` seconds on the progress key for a change of the state
         that concerns this node (see :func:`concerns`), holding ``state`` read with
@@ -421,18 +287,18 @@ class ProgressKey:
         board = self.board
         if board is None or self._index is None:
             return Heard.READ
-        self._act_on_report(board, token, state, created)
-        deadline = self.clock() + max(timeout, 0.0)
+        self._act_on_report(board, token, state, created, deadline)
+        until = self.clock() + max(timeout, 0.0)
         while True:
             now = self.clock()
             silence_at = self._heard_at + self._silence
             if now >= silence_at:
-                return self._after_silence(board, token, state, created)
-            if now >= deadline:
+                return self._after_silence(board, token, state, created, deadline)
+            if now >= until:
                 return Heard.KEEP
-            changes = board.wait_progress(self._index, min(deadline, silence_at) - now)
+            changes = board.wait_progress(self._index, min(until, silence_at) - now, deadline)
             newer = [self._hear(p, version) for p, version in changes]
-            self._act_on_report(board, token, state, created)
+            self._act_on_report(board, token, state, created, deadline)
             heard = [p for p, _ in changes if p is not None]
             node, least = self.node, self.min_nodes
             if any(concerns(p, token, state, node, created, least) for p in heard):
@@ -441,7 +307,12 @@ class ProgressKey:
                 return Heard.KEEP
 
     def _after_silence(
-        self, board: ProgressBoard, token: int, state: RendezvousState, created: int | None
+        self,
+        board: KeyedBackend,
+        token: int,
+        state: RendezvousState,
+        created: int | None,
+        deadline: Deadline,
     ) -> Heard:
         """Nothing heard for the silence (spread out over the nodes, drawn afresh here):
         read the key itself (our watch may lag behind it), then the state unless the key
@@ -449,9 +320,9 @@ class ProgressKey:
         record_metric("rendezvous.silence_reads", backend="etcd-v2")
         self._heard_at = self.clock()
         self._silence = PROGRESS_SILENCE * (1.0 + random.random())
-        progress, version, index = board.read_progress()
+        progress, version, index = board.read_progress(deadline)
         heard = progress is not None and self._hear(progress, version, index)
-        self._act_on_report(board, token, state, created)
+        self._act_on_report(board, token, state, created, deadline)
         if progress is None or not heard:
             return Heard.READ
         if concerns(progress, token, state, self.node, created, self.min_nodes):
@@ -459,7 +330,12 @@ class ProgressKey:
         return Heard.KEEP
 
     def _act_on_report(
-        self, board: ProgressBoard, token: int, state: RendezvousState, created: int | None
+        self,
+        board: KeyedBackend,
+        token: int,
+        state: RendezvousState,
+        created: int | None,
+        deadline: Deadline,
     ) -> None:
         """Raise the :class:`~etcd_rendezvous.api.RequestTooLargeError` of the newest
         report of a refused write heard, if it concerns the node (see
@@ -475,10 +351,10 @@ class ProgressKey:
             return
         if verdict is Verdict.VERIFY:
             try:
-                board.check_size(report.refused.size)
+                board.check_size(report.refused.size, deadline)
             except RequestTooLargeError:
                 # Confirmed: written again, for the nodes that arrived with us.
-                written = board.replace_progress(report, written_at)
+                written = board.replace_progress(report, written_at, deadline)
                 if written is not None:
                     self._report = (report, written)
                     self._report_at = max(self._report_at, written)
@@ -489,12 +365,18 @@ class ProgressKey:
                     self.node,
                 )
                 self._report = None
-                board.replace_progress(dataclasses.replace(report, refused=None), written_at)
+                dropped = dataclasses.replace(report, refused=None)
+                board.replace_progress(dropped, written_at, deadline)
                 return
         raise report.refused.error(f"The node '{self.node}'")
 
     def refused(
-        self, error: RequestTooLargeError, token: int, count: int, completing: bool
+        self,
+        error: RequestTooLargeError,
+        token: int,
+        count: int,
+        completing: bool,
+        deadline: Deadline,
     ) -> None:
         """etcd refused our write of the state, made on the state of ``token``, for its
         size (it would have had ``count`` participants, and ``completing``: completed
@@ -516,11 +398,18 @@ class ProgressKey:
             return
         report = Refusal.of(error, deciding, count, completing, f"the node '{self.node}'")
         try:
-            board.write_progress(dataclasses.replace(held, refused=report), self._version)
+            board.write_progress(dataclasses.replace(held, refused=report), self._version, deadline)
         except RendezvousError as exc:
             logger.info("The node '%s' could not report the refusal: %s", self.node, exc)
 
-    def state_read(self, token: int, state: RendezvousState, written: bool, joining: bool) -> None:
+    def state_read(
+        self,
+        token: int,
+        state: RendezvousState,
+        written: bool,
+        joining: bool,
+        deadline: Deadline,
+    ) -> None:
         """The node read (``written``: wrote) the state ``state`` with ``token``: after a
         write of ours, summarise it in the progress key; after a read that finds a state
         the key does not describe, write the summary ourselves (relay: see
@@ -535,13 +424,13 @@ class ProgressKey:
         if written:
             if deciding is not None and deciding > self.decided_upto:
                 self.decided_upto, self.decided_at = deciding, self.clock()
-            self._summarise(board, token, state, board.write_progress)
+            self._summarise(board, token, state, board.write_progress, deadline)
         elif hint is not None and hint.token > token:
             self._forget_hint(hint, token)
-            self._summarise(board, token, state, board.replace_progress)
+            self._summarise(board, token, state, board.replace_progress, deadline)
         elif joining and hint is not None and token > hint.token:
             # Only a node that follows the key knows what it misses.
-            self._summarise(board, token, state, board.replace_progress)
+            self._summarise(board, token, state, board.replace_progress, deadline)
 
     def _forget_hint(self, hint: Progress, token: int) -> None:
         """The state read with ``token`` is older than ``hint`` describes: the state is
@@ -559,16 +448,17 @@ class ProgressKey:
 
     def _summarise(
         self,
-        board: ProgressBoard,
+        board: KeyedBackend,
         token: int,
         state: RendezvousState,
-        write: Callable[[Progress, int], int | None],
+        write: Callable[[Progress, int, Deadline], int | None],
+        deadline: Deadline,
     ) -> None:
         """Write the summary of ``state`` (read with ``token``) by ``write`` (one of
         ``board``'s, on the key's version last heard); if someone wrote the key since
         we heard it, leave it: its summary may know more."""
         progress = Progress.of(token, state, self.decided_upto, self.lifetime)
-        index = write(progress, self._version)
+        index = write(progress, self._version, deadline)
         if index is None:
             return
         self._version = max(index, self._version)
@@ -576,13 +466,13 @@ class ProgressKey:
         if self.hint is None or token > self.hint.token:
             self.hint = progress
 
-    def waiting_hint(self, token: int) -> Progress | None:
+    def waiting_hint(self, token: int, deadline: Deadline) -> Progress | None:
         """The progress key's summary (one small read), if it describes the state held
         (``token``) or a newer one, else ``None`` (read the state)."""
         board = self.board
         if board is None:
             return None
-        progress, version, index = board.read_progress()
+        progress, version, index = board.read_progress(deadline)
         if progress is None or progress.token < token:
             return None
         self._hear(progress, version, index)
