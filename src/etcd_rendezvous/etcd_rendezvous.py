@@ -36,8 +36,8 @@ from ._torch_store import adapt_store, load_torch_store, torch_available, torch_
 from ._transport.interface import KeyNotFoundError
 from ._transport.options import create_etcd_connection as _create_etcd_connection
 from ._transport.options import seconds as _seconds
-from ._transport.retry import Deadline
 from .api import (
+    Deadline,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,

@@ -38,8 +38,8 @@ from ._transport.interface import (
     Node,
     Transport,
 )
-from ._transport.retry import CONTENTION, REWATCH, Deadline, Retry
-from .api import RendezvousConnectionError, RendezvousStateError
+from ._transport.retry import CONTENTION, REWATCH, Retry
+from .api import Deadline, RendezvousConnectionError, RendezvousStateError
 from .layout import normalize_key, store_value_key
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from .._transport.interface import (
     WatchHistoryLostError,
     WatchStream,
 )
-from .._transport.retry import Deadline
+from ..api import Deadline
 from .state import CONST_ETCD_FROZEN_TTL, LOGGER_NAME, Hint, read_state, status_in
 
 __all__ = ["SILENCE", "SILENCE_MAX", "Observed", "StateFeed"]

@@ -22,8 +22,7 @@ from typing import Any, Protocol
 
 from .._transport.interface import CompareFailedError, KeyNotFoundError, Node, Transport
 from .._transport.limits import Refusal, Verdict
-from .._transport.retry import Deadline
-from ..api import RendezvousError, RendezvousStateError, RequestTooLargeError
+from ..api import Deadline, RendezvousError, RendezvousStateError, RequestTooLargeError
 from ..layout import LegacyLayout, new_member_name, normalize_key
 from ..metrics import record_metric
 from .admission import (

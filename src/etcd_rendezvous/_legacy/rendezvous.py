@@ -30,8 +30,9 @@ from .._transport.interface import (
     Node,
     Transport,
 )
-from .._transport.retry import CONNECTION, CONTENTION, Deadline, Retry
+from .._transport.retry import CONNECTION, CONTENTION, Retry
 from ..api import (
+    Deadline,
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousStateError,

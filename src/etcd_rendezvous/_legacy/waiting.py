@@ -33,8 +33,7 @@ from .._transport.interface import (
     WatchStream,
 )
 from .._transport.limits import Refusal
-from .._transport.retry import Deadline
-from ..api import RendezvousError, RequestTooLargeError
+from ..api import Deadline, RendezvousError, RequestTooLargeError
 from ..layout import LegacyLayout, normalize_key, waiter_name
 from .admission import grace
 from .state import (

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from ..metrics import record_metric
 from .attempt import Attempt, Outcome
 from .clock import ServerClock
@@ -29,7 +29,6 @@ from .interface import (
     WatchStream,
 )
 from .metering import op_name
-from .retry import Deadline
 
 __all__ = ["Connection"]
 

@@ -16,9 +16,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from .interface import ETCD_APIS, ConnectionOptions, Transport
-from .retry import Deadline
 from .v2 import EtcdConnection
 from .v3 import EtcdV3Connection
 

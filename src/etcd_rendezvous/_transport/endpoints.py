@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from ..metrics import MetricKind, record_metric
 from .attempt import Attempt, Outcome, try_once
 from .interface import TransportClosedError, WatchStream
 from .metering import op_name
-from .retry import CONNECTION, Deadline
+from .retry import CONNECTION
 
 __all__ = ["Access", "Endpoints", "Timeouts", "format_host"]
 

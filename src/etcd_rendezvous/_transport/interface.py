@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import TypedDict, TypeVar
 
-from ..api import RendezvousError
+from ..api import Deadline, RendezvousError
 from .clock import ServerClock
-from .retry import Deadline
 
 __all__ = [
     "ADVANCE_TRIES",

@@ -22,13 +22,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..api import RendezvousConnectionError, RendezvousError
+from ..api import Deadline, RendezvousConnectionError, RendezvousError
 from ..metrics import record_metric
 from .attempt import AmbiguousError
 from .endpoints import Endpoints
 from .interface import Node, WatchHistoryLostError, WatchStream
 from .metering import count_bytes
-from .retry import REWATCH, Deadline
+from .retry import REWATCH
 
 __all__ = [
     "Changes",

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import etcd
 import urllib3
 
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from .attempt import Attempt, Outcome
 from .base import Connection
 from .interface import (
@@ -30,7 +30,6 @@ from .interface import (
     WatchHistoryLostError,
     WatchStream,
 )
-from .retry import Deadline
 from .v2_session import V2Session
 from .v2_watch import V2WatchStream
 

@@ -18,10 +18,10 @@ import etcd
 import urllib3
 from urllib3.exceptions import HTTPError
 
+from ..api import Deadline
 from .attempt import AmbiguousError
 from .endpoints import Endpoints
 from .interface import KeyNotFoundError, Node, WatchHistoryLostError
-from .retry import Deadline
 from .stream import Changes, Messages, StreamingWatch, hold_socket_open, iter_objects
 from .v2_session import V2Session
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from . import v3_wire as wire
 from .attempt import Attempt
 from .base import Connection
@@ -32,7 +32,6 @@ from .interface import (
     WatchStream,
 )
 from .metering import op_name
-from .retry import Deadline
 from .v3_session import LeaseGoneError, V3Session
 from .v3_watch import V3WatchStream
 
