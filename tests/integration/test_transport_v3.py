@@ -22,10 +22,9 @@ from etcd_rendezvous._transport.interface import (
     KeyNotFoundError,
     TransportClosedError,
 )
-from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous._transport.v3_wire import b64
-from etcd_rendezvous.api import RendezvousConnectionError
+from etcd_rendezvous.api import Deadline, RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.etcd_requests import read_metrics, requests_since
 from support.faultproxy import FaultProxy
@@ -252,10 +251,10 @@ def test_watch_from_a_compacted_revision_returns_none_promptly(
     latest = v3.set(key, "2")
     gateway(etcd_server, "/v3/kv/compaction", {"revision": str(latest.modified_index)})
     started = time.monotonic()
-    assert v3.watch(key, first.modified_index, timeout=10) is None
+    assert v3.watch(key, first.modified_index, Deadline(10)) is None
     assert time.monotonic() - started < 2
     # From a revision that is still there, the history is replayed.
-    change = v3.watch(key, latest.modified_index, timeout=5)
+    change = v3.watch(key, latest.modified_index, Deadline(5))
     assert change is not None
     assert change.value == "2"
 
@@ -263,7 +262,7 @@ def test_watch_from_a_compacted_revision_returns_none_promptly(
 def test_watch_sees_a_deletion_and_a_lapsed_lease(v3: EtcdV3Connection, etcd_prefix: str) -> None:
     key = f"{etcd_prefix}/k"
     node = v3.set(key, "v", ttl=1)
-    change = v3.watch(key, node.modified_index + 1, timeout=5)
+    change = v3.watch(key, node.modified_index + 1, Deadline(5))
     assert change is not None
     assert (change.action, change.value) == ("delete", None)
 
@@ -274,7 +273,11 @@ def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> 
     def wait() -> None:
         try:
             result.append(
-                v3.watch(f"{etcd_prefix}/never", v3.set(f"{etcd_prefix}/x", "1").etcd_index + 1, 30)
+                v3.watch(
+                    f"{etcd_prefix}/never",
+                    v3.set(f"{etcd_prefix}/x", "1").etcd_index + 1,
+                    Deadline(30),
+                )
             )
         except TransportClosedError as exc:
             result.append(exc)
@@ -335,7 +338,7 @@ def test_an_expired_token_is_renewed_without_the_caller_noticing(
     # The server's token TTL is 1 s. Nothing shows that the token expired without using
     # it, and any request with it renews its TTL: the wait itself is what is tested.
     time.sleep(2.5)
-    watch = conn.watch("/k", first.modified_index, timeout=5)
+    watch = conn.watch("/k", first.modified_index, Deadline(5))
     assert watch is not None
     assert conn.compare_and_swap("/k", "2", conn.get("/k")).value == "2"
     assert conn._session._token is not None
@@ -350,7 +353,7 @@ def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
     writer = connect(endpoint_of(auth_server), username="root", password="secret")
     first = conn.set("/s", "1")
     stream = conn.watch_stream("/s", first.modified_index)
-    change = stream.next(5)
+    change = stream.next(Deadline(5))
     assert change is not None
     assert change.value == "1"
     token = conn._session._token
@@ -361,7 +364,7 @@ def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
     gateway(auth_server, "/v3/auth/user/changepw", password, token=root["token"])
     writer.set("/s", "2")
     proxy.forward()
-    change = stream.next(10)
+    change = stream.next(Deadline(10))
     assert change is not None
     assert change.value == "2"
     assert conn._session._token not in (None, token)
@@ -389,7 +392,7 @@ def test_client_certificates(
     node = conn.set("/tls/k", "v", ttl=5)
     conn.refresh("/tls/k", 5)
     assert conn.get("/tls/k").value == "v"
-    assert conn.watch("/tls/k", node.modified_index, 5) is not None
+    assert conn.watch("/tls/k", node.modified_index, Deadline(5)) is not None
     without = connect(endpoint_of(tls_etcd_server), protocol="https", cacert=tls_certs["ca.crt"])
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match=r"TLS|cert"):
@@ -426,8 +429,8 @@ def test_a_refused_port_fails_within_the_callers_deadline(connect: Connect) -> N
         port = sock.getsockname()[1]
     conn = connect(("127.0.0.1", port), read_timeout=60)
     started = time.monotonic()
-    with conn.bounded_by(Deadline(1.0)), pytest.raises(RendezvousConnectionError) as info:
-        conn.get("/k")
+    with pytest.raises(RendezvousConnectionError) as info:
+        conn.get("/k", deadline=Deadline(1.0))
     assert time.monotonic() - started < 3
     assert f"127.0.0.1:{port}" in str(info.value)
 

@@ -42,6 +42,7 @@ from ..metrics import record_metric
 from .admission import AnnouncedNode
 from .backend import RendezvousBackend, Token
 from .progress import Progress
+from .scoped_transport import scoped
 from .state import NodeDesc
 
 __all__ = ["EtcdRendezvousBackend", "create_backend"]
@@ -99,8 +100,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
         *,
         owns_connection: bool = False,
     ) -> None:
-        self._conn = as_transport(client, param="client")
-        self._owns_conn = owns_connection or self._conn is not client
+        conn = as_transport(client, param="client")
+        self._owns_conn = owns_connection or conn is not client
+        self._conn = scoped(conn)
         self._close_lock = threading.Lock()
         self._closed = False
         # The watch stream on the state key (opened by the first wait_for_change).
@@ -470,11 +472,11 @@ class EtcdRendezvousBackend(RendezvousBackend):
             stream = self._progress_stream
             changes: list[tuple[Progress | None, int]] = []
             try:
-                change = stream.next(deadline.remaining())
+                change = stream.next(deadline)
                 while change is not None:
                     value = None if change.action in DELETE_ACTIONS else change.value
                     changes.append((Progress.decode(value), change.modified_index))
-                    change = stream.next(0.0)
+                    change = stream.next(Deadline(0.0))
             except WatchHistoryLostError:
                 self._progress_stream = None
                 stream.close()
@@ -539,9 +541,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return None
         change = None
         try:
-            newest = stream.next(deadline.remaining())
+            newest = stream.next(deadline)
             while newest is not None:
-                change, newest = newest, stream.next(0.0)
+                change, newest = newest, stream.next(Deadline(0.0))
         except WatchHistoryLostError:
             self._drop_stream()
             self._observed = None
@@ -680,12 +682,14 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
             permission on the state key or the store; the message names the key.
     """
     deadline = Deadline(seconds(params, "join_timeout", _DEFAULT_JOIN_TIMEOUT))
-    conn = create_etcd_connection(
-        params,
-        cert_option="ssl_cert",
-        key_option="ssl_cert_key",
-        cacert_option="ca_cert",
-        deadline=deadline,
+    conn = scoped(
+        create_etcd_connection(
+            params,
+            cert_option="ssl_cert",
+            key_option="ssl_cert_key",
+            cacert_option="ca_cert",
+            deadline=deadline,
+        )
     )
     backend = EtcdRendezvousBackend(
         conn, params.run_id, key_prefix=ETCD_V2_STATE_PREFIX, owns_connection=True

@@ -146,56 +146,51 @@ class EtcdConnection(Connection):
         what: str,
         key: str,
         call: Callable[[Any], _T],
+        deadline: Deadline,
         *,
-        budget: Deadline | None = None,
         cap_requests: bool = True,
-        within_scope: bool = True,
     ) -> Attempt[_T]:
-        """Run ``call(client)`` on one endpoint after another until etcd answers it (see
+        """Run ``call(client)`` on one endpoint after another until etcd answers it or
+        ``deadline`` passes (see
         :meth:`~etcd_rendezvous._transport.endpoints.Endpoints.operate`)."""
         return self._endpoints.operate(
             what,
             key,
             lambda idx, cap: self._session.once(idx, what, key, call, cap),
-            budget=budget,
+            deadline=deadline,
             cap_requests=cap_requests,
-            within_scope=within_scope,
         )
 
     # -- reads ------------------------------------------------------------------------
 
-    def get(self, key: str, *, recursive: bool = False) -> Node:
-        """Read ``key`` (a directory with its immediate children, or all if ``recursive``).
+    def get(self, key: str, *, deadline: Deadline | None = None) -> Node:
+        """Read ``key``.
 
         Raises:
             KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
         """
-        return self._note_index(
-            self._v2("read", key, lambda c: _node(c.read(key, recursive=recursive))).unwrap()
-        )
+        call = lambda c: _node(c.read(key, recursive=False))  # noqa: E731
+        return self._note_index(self._v2("read", key, call, self._deadline(deadline)).unwrap())
 
-    def list_dir(self, key: str, *, recursive: bool = False) -> Node:
+    def list_dir(
+        self, key: str, *, recursive: bool = False, deadline: Deadline | None = None
+    ) -> Node:
         """Read directory ``key`` with its immediate children (all levels if ``recursive``).
 
         Raises:
             KeyNotFoundError: the directory does not exist (``etcd_index`` tells when).
         """
         # Its own op ("list"), as on v3, so that the metrics tell listings from reads.
-        return self._note_index(
-            self._v2("list", key, lambda c: _node(c.read(key, recursive=recursive))).unwrap()
-        )
+        call = lambda c: _node(c.read(key, recursive=recursive))  # noqa: E731
+        return self._note_index(self._v2("list", key, call, self._deadline(deadline)).unwrap())
 
     def _wait_for_change(
-        self, key: str, index: int, wait: float | Deadline, *, recursive: bool
+        self, key: str, index: int, deadline: Deadline, *, recursive: bool
     ) -> Node | None:
         """Wait for the first change of ``key`` at or after etcd ``index``.
 
-        Returns the change, or ``None`` when ``wait`` passed: ``wait`` seconds (within
-        the thread's deadline), or a deadline of its own (which the thread's does not
-        cap). Connection failures
-        are retried until the watch's own deadline; if etcd stays unreachable for
-        longer than the read timeout (outside a ``bounded_by`` block),
-        :class:`RendezvousConnectionError` is raised.
+        Returns the change, or ``None`` when ``deadline`` passed. Connection failures are
+        retried until then.
 
         A v2 wait is a long poll, which a member answers only when the key changes: a
         poll lasts at most ``silence_timeout`` and is then sent again from ``index``;
@@ -206,15 +201,12 @@ class EtcdConnection(Connection):
             WatchHistoryLostError: etcd answered "event index cleared" (401).
         """
         endpoints = self._endpoints
-        own = isinstance(wait, Deadline)
-        deadline = wait if isinstance(wait, Deadline) else endpoints.budget(Deadline(wait))
         while not deadline.expired():
             idx = endpoints.pick()
             remaining = deadline.remaining()
             poll = min(remaining, endpoints.timeouts.silence)
-            budget = deadline if own else endpoints.watch_budget(deadline)
             try:
-                return self._poll(key, index, poll, recursive, budget, not own)
+                return self._poll(key, index, poll, recursive, deadline)
             except etcd.EtcdWatchTimedOut:
                 if poll >= remaining:
                     return None  # that poll was the whole wait
@@ -227,17 +219,10 @@ class EtcdConnection(Connection):
         return None
 
     def _poll(
-        self,
-        key: str,
-        index: int,
-        seconds: float,
-        recursive: bool,
-        budget: Deadline,
-        within_scope: bool,
+        self, key: str, index: int, seconds: float, recursive: bool, deadline: Deadline
     ) -> Node | None:
-        """One long poll of at most ``seconds`` (connection failures retried within
-        ``budget``, capped by the thread's deadline if ``within_scope``); raises
-        ``etcd.EtcdWatchTimedOut`` if nothing changed."""
+        """One long poll of at most ``seconds`` (connection failures retried until
+        ``deadline``); raises ``etcd.EtcdWatchTimedOut`` if nothing changed."""
 
         def call(client: Any) -> Node:
             # python-etcd treats a timeout of 0 as "wait forever".
@@ -247,9 +232,7 @@ class EtcdConnection(Connection):
             return _node(result)
 
         try:
-            watched = self._v2(
-                "watch", key, call, budget=budget, cap_requests=False, within_scope=within_scope
-            )
+            watched = self._v2("watch", key, call, deadline, cap_requests=False)
             return self._note_index(watched.unwrap())
         except etcd.EtcdEventIndexCleared as exc:
             raise WatchHistoryLostError(key, index, str(exc)) from None
@@ -258,7 +241,14 @@ class EtcdConnection(Connection):
             # missing parent directory on some versions. Treat as "no change yet".
             return None
 
-    def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
+    def watch_stream(
+        self,
+        key: str,
+        start_index: int,
+        *,
+        recursive: bool = False,
+        deadline: Deadline | None = None,
+    ) -> WatchStream:
         """The changes of ``key`` (or below it) from etcd index ``start_index`` on, over
         streaming watch requests (``stream=true``): one for every change made after the
         stream opened, one more per change that was already in etcd's history (see
@@ -266,99 +256,103 @@ class EtcdConnection(Connection):
         operation.
 
         Raises:
-            RendezvousConnectionError: etcd stayed unreachable for the operation's
-                deadline.
+            RendezvousConnectionError: etcd stayed unreachable until ``deadline``.
         """
         stream = V2WatchStream(self._session, self._endpoints, key, start_index, recursive)
         self._adopt(stream)
-        stream.start()
+        stream.start(self._deadline(deadline))
         return stream
 
-    def server_version(self) -> str:
+    def server_version(self, *, deadline: Deadline | None = None) -> str:
         """The etcd server version (``etcdserver`` field of ``/version``)."""
         if self._version is None:
-            answer = self._v2("query the version of", "/version", lambda c: str(c.version))
+            call = lambda c: str(c.version)  # noqa: E731
+            answer = self._v2("query the version of", "/version", call, self._deadline(deadline))
             self._version = answer.unwrap()
         return self._version
 
-    def can_refresh_directory_ttl(self) -> bool:
+    def can_refresh_directory_ttl(self, *, deadline: Deadline | None = None) -> bool:
         """etcd 3.5 and later answer "Not a file" to refreshing a directory's TTL."""
+        version = self.server_version(deadline=deadline)
         try:
-            major, minor = (int(part) for part in self.server_version().split(".")[:2])
+            major, minor = (int(part) for part in version.split(".")[:2])
         except ValueError:
             return True
         return (major, minor) < (3, 5)
 
-    def time_to_live(self, node: Node) -> int | None:
+    def time_to_live(self, node: Node, *, deadline: Deadline | None = None) -> int | None:
         """The TTL v2 reported with ``node``."""
         return node.ttl
 
     # -- writes -----------------------------------------------------------------------
 
-    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
+    def set(
+        self,
+        key: str,
+        value: str | None,
+        *,
+        ttl: int | None = None,
+        deadline: Deadline | None = None,
+    ) -> Node:
         """Unconditionally write ``key`` (idempotent, so re-sent freely)."""
-        return self._note_index(
-            self._v2("write", key, lambda c: _node(c.write(key, value, ttl=ttl))).unwrap()
-        )
+        call = lambda c: _node(c.write(key, value, ttl=ttl))  # noqa: E731
+        return self._note_index(self._v2("write", key, call, self._deadline(deadline)).unwrap())
 
-    def update(self, key: str, value: str, *, ttl: int, lease: int = 0) -> Node:
+    def update(
+        self, key: str, value: str, *, ttl: int, lease: int = 0, deadline: Deadline | None = None
+    ) -> Node:
         """Rewrite the existing ``key`` (``prevExist``: a plain write would give it a new
         creation index); raises :class:`KeyNotFoundError` if it is gone. ``lease`` is
         for v3 (v2 restarts the TTL)."""
-        return self._note_index(
-            self._v2(
-                "update",
-                key,
-                lambda c: _node(c.write(key, value, ttl=ttl, prevExist=True)),
-            ).unwrap()
-        )
+        call = lambda c: _node(c.write(key, value, ttl=ttl, prevExist=True))  # noqa: E731
+        return self._note_index(self._v2("update", key, call, self._deadline(deadline)).unwrap())
 
-    def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
-        """Reset the TTL of an existing key without changing its value or notifying watchers.
+    def refresh(
+        self, key: str, ttl: int, *, lease: int = 0, deadline: Deadline | None = None
+    ) -> Node:
+        """Reset the TTL of an existing key without changing its value or notifying
+        watchers. ``lease`` is for v3 (v2 refreshes in one request anyway)."""
+        return self._refresh(key, ttl, self._deadline(deadline))
 
-        ``timeout`` bounds the time spent retrying connection failures (default: the
-        read timeout). ``lease`` is for v3 (v2 refreshes in one request anyway).
-        """
-        return self._refresh(key, ttl, None if timeout is None else Deadline(timeout))
-
-    def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
+    def compare_and_refresh(
+        self, key: str, value: str, ttl: int, *, deadline: Deadline | None = None
+    ) -> Node:
         """:meth:`refresh` with ``prevValue``: one request, as without it."""
-        return self._refresh(key, ttl, None, prevValue=value)
+        return self._refresh(key, ttl, self._deadline(deadline), prevValue=value)
 
-    def _refresh(self, key: str, ttl: int, budget: Deadline | None, **condition: str) -> Node:
-        return self._note_index(
-            self._v2(
-                "refresh the TTL of",
-                key,
-                lambda c: _node(
-                    c.write(key, None, ttl=ttl, refresh=True, prevExist=True, **condition)
-                ),
-                budget=budget,
-            ).unwrap()
+    def _refresh(self, key: str, ttl: int, deadline: Deadline, **condition: str) -> Node:
+        call = lambda c: _node(  # noqa: E731
+            c.write(key, None, ttl=ttl, refresh=True, prevExist=True, **condition)
         )
+        return self._note_index(self._v2("refresh the TTL of", key, call, deadline).unwrap())
 
-    def mkdir(self, key: str, *, ttl: int | None = None) -> bool:
+    def mkdir(self, key: str, *, ttl: int | None = None, deadline: Deadline | None = None) -> bool:
         """Create directory ``key`` unless it exists. Returns whether it was created."""
+        call = lambda c: c.write(key, None, dir=True, prevExist=False, ttl=ttl)  # noqa: E731
         try:
-            self._v2(
-                "create the directory",
-                key,
-                lambda c: c.write(key, None, dir=True, prevExist=False, ttl=ttl),
-            ).unwrap()
+            self._v2("create the directory", key, call, self._deadline(deadline)).unwrap()
         except KeyExistsError:
             return False
         return True
 
-    def create(self, key: str, value: str, *, ttl: int | None = None) -> Node:
+    def create(
+        self, key: str, value: str, *, ttl: int | None = None, deadline: Deadline | None = None
+    ) -> Node:
         """Create ``key`` with ``value`` (``prevExist=false``; see
         :meth:`Transport.create <etcd_rendezvous._transport.interface.Transport.create>`)."""
-        done = self._v2(
-            "create", key, lambda c: _node(c.write(key, value, ttl=ttl, prevExist=False))
-        )
-        return self._settle("create", key, value, None, done)
+        deadline = self._deadline(deadline)
+        call = lambda c: _node(c.write(key, value, ttl=ttl, prevExist=False))  # noqa: E731
+        done = self._v2("create", key, call, deadline)
+        return self._settle("create", key, value, None, done, deadline)
 
     def compare_and_swap(
-        self, key: str, value: str, prev: Node | int, *, ttl: int | None = None
+        self,
+        key: str,
+        value: str,
+        prev: Node | int,
+        *,
+        ttl: int | None = None,
+        deadline: Deadline | None = None,
     ) -> Node:
         """Replace ``prev`` with ``value`` if ``key`` still holds ``prev.value`` at
         ``prev.modified_index`` (PyTorch's workers compare the value alone; the index
@@ -373,12 +367,12 @@ class EtcdConnection(Connection):
             if prev.value is None:
                 raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
             conditions, since = _prev_conditions(prev), prev.modified_index
-        done = self._v2(
-            "compare-and-swap", key, lambda c: _node(c.write(key, value, ttl=ttl, **conditions))
-        )
-        return self._settle("compare-and-swap", key, value, since, done)
+        deadline = self._deadline(deadline)
+        call = lambda c: _node(c.write(key, value, ttl=ttl, **conditions))  # noqa: E731
+        done = self._v2("compare-and-swap", key, call, deadline)
+        return self._settle("compare-and-swap", key, value, since, done, deadline)
 
-    def compare_and_delete(self, key: str, prev: Node) -> bool:
+    def compare_and_delete(self, key: str, prev: Node, *, deadline: Deadline | None = None) -> bool:
         """Delete ``key`` only if its modification index is still ``prev``'s. Returns
         whether it did; a delete whose answer was lost counts as ours if the key's next
         change after ``prev`` was a compare-and-delete.
@@ -387,47 +381,44 @@ class EtcdConnection(Connection):
         3.5 resets connections when many DELETEs with URLs of several kilobytes arrive
         at once.
         """
-        done = self._v2(
-            "compare-and-delete", key, lambda c: c.delete(key, prevIndex=prev.modified_index)
-        )
+        deadline = self._deadline(deadline)
+        call = lambda c: c.delete(key, prevIndex=prev.modified_index)  # noqa: E731
+        done = self._v2("compare-and-delete", key, call, deadline)
         if done.outcome is Outcome.APPLIED:
             return True
         if done.after_unknown:
-            change = self.first_change_after(key, prev.modified_index)
+            change = self.first_change_after(key, prev.modified_index, deadline=deadline)
             return change is not None and change.action == "compareAndDelete"
         return False
 
-    def check_writable(self, prefix: str) -> None:
+    def check_writable(self, prefix: str, *, deadline: Deadline | None = None) -> None:
         """A compare-and-swap below ``prefix`` that cannot apply (on a key that no one
         writes, from an index it cannot have): etcd checks the user's permission first."""
         probe = f"{prefix.rstrip('/')}/_permission-check-{uuid.uuid4().hex}"
+        call = lambda c: c.write(probe, "", prevIndex=1)  # noqa: E731
         try:
-            self._v2("write below", prefix, lambda c: c.write(probe, "", prevIndex=1)).unwrap()
+            self._v2("write below", prefix, call, self._deadline(deadline)).unwrap()
         except (KeyNotFoundError, CompareFailedError):
             return
 
-    def check_size(self, prefix: str, size: int) -> None:
+    def check_size(self, prefix: str, size: int, *, deadline: Deadline | None = None) -> None:
         """A compare-and-swap of ``size`` bytes on a key below ``prefix`` that no one
         writes, from an index it cannot have: etcd parses the form (and refuses one too
         large) first."""
         probe = f"{prefix.rstrip('/')}/_size-check-{uuid.uuid4().hex}"
+        call = lambda c: c.write(probe, "x" * max(size, 0), prevIndex=1)  # noqa: E731
         try:
-            self._v2(
-                "check the size limit below",
-                prefix,
-                lambda c: c.write(probe, "x" * max(size, 0), prevIndex=1),
-            ).unwrap()
+            self._v2("check the size limit below", prefix, call, self._deadline(deadline)).unwrap()
         except (KeyNotFoundError, CompareFailedError):
             return
 
-    def delete(self, key: str, *, recursive: bool = False) -> bool:
+    def delete(
+        self, key: str, *, recursive: bool = False, deadline: Deadline | None = None
+    ) -> bool:
         """Delete ``key`` (a directory with ``recursive``). Returns whether it existed."""
+        call = lambda c: c.delete(key, recursive=recursive, dir=recursive or None)  # noqa: E731
         try:
-            self._v2(
-                "delete",
-                key,
-                lambda c: c.delete(key, recursive=recursive, dir=recursive or None),
-            ).unwrap()
+            self._v2("delete", key, call, self._deadline(deadline)).unwrap()
         except KeyNotFoundError:
             return False
         return True
