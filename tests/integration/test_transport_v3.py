@@ -116,13 +116,15 @@ def test_refresh_with_the_lease_of_our_own_write_is_one_request(
     assert v3.get(key).lease == lease
 
 
-def test_refresh_with_a_lapsed_lease_reads_the_key(v3: EtcdV3Connection, etcd_prefix: str) -> None:
+def test_refresh_with_a_lapsed_lease_reads_the_key(
+    v3: EtcdV3Connection, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
     """The lease passed is gone (revoked, or lapsed with the key): the key is read, and
     its absence reported; a key rewritten with a longer TTL is refreshed by its lease."""
     key = f"{etcd_prefix}/ours"
     lease = v3.set(key, "v", ttl=5).lease
     v3.delete(key)
-    v3._call("revoke", key, "/v3/lease/revoke", {"ID": str(lease)})
+    gateway(etcd_server, "/v3/lease/revoke", {"ID": str(lease)})
     with pytest.raises(KeyNotFoundError):
         v3.refresh(key, 5, lease=lease)
     current = v3.set(key, "w", ttl=5).lease
@@ -145,7 +147,7 @@ def test_update_with_the_lease_of_our_own_write_is_one_request(
     current = v3.get(key)
     assert (current.value, current.lease) == ("w", written.lease)
     assert current.created_index == written.created_index
-    v3._call("revoke", key, "/v3/lease/revoke", {"ID": str(written.lease)})  # Key and all.
+    gateway(private_etcd_server, "/v3/lease/revoke", {"ID": str(written.lease)})  # Key and all.
     with pytest.raises(KeyNotFoundError):
         v3.update(key, "x", ttl=7, lease=written.lease)
     assert v3.try_get(key) is None
@@ -267,7 +269,10 @@ def test_watch_sees_a_deletion_and_a_lapsed_lease(v3: EtcdV3Connection, etcd_pre
     assert (change.action, change.value) == ("delete", None)
 
 
-def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> None:
+def test_close_wakes_a_blocked_watch(
+    etcd_proxy: FaultProxy, connect: Connect, etcd_prefix: str
+) -> None:
+    v3 = connect(etcd_proxy.endpoint)
     result: list[Any] = []
 
     def wait() -> None:
@@ -284,11 +289,7 @@ def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> 
 
     thread = threading.Thread(target=wait)
     thread.start()
-    wait_until(
-        lambda: any(stream._feed is not None for stream in list(v3._endpoints._streams)),
-        5,
-        "the watch stream to open",
-    )
+    etcd_proxy.wait_for_requests(1, 5, where=lambda request: request.path == "/v3/watch")
     started = time.monotonic()
     v3.close()
     thread.join(5)
@@ -329,20 +330,25 @@ def test_a_wrong_password_is_a_clear_error_within_two_seconds(
     assert auth_server.client_url in str(info.value)
 
 
+def _authentications(proxy: FaultProxy) -> int:
+    """How many times the client authenticated through ``proxy``."""
+    return sum(request.path == "/v3/auth/authenticate" for request in proxy.requests)
+
+
 def test_an_expired_token_is_renewed_without_the_caller_noticing(
-    auth_server: EtcdServer, connect: Connect
+    auth_server: EtcdServer, connect: Connect, fault_proxy_factory: Callable[..., FaultProxy]
 ) -> None:
-    conn = connect(endpoint_of(auth_server), username="root", password="secret")
+    proxy = fault_proxy_factory(auth_server.get_host(), auth_server.get_port())
+    conn = connect(proxy.endpoint, username="root", password="secret")
     first = conn.set("/k", "1")
-    token = conn._session._token
+    assert _authentications(proxy) == 1
     # The server's token TTL is 1 s. Nothing shows that the token expired without using
     # it, and any request with it renews its TTL: the wait itself is what is tested.
     time.sleep(2.5)
     watch = conn.watch("/k", first.modified_index, Deadline(5))
     assert watch is not None
     assert conn.compare_and_swap("/k", "2", conn.get("/k")).value == "2"
-    assert conn._session._token is not None
-    assert conn._session._token != token
+    assert _authentications(proxy) == 2  # once more, for the expired token
 
 
 def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
@@ -356,7 +362,7 @@ def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
     change = stream.next(Deadline(5))
     assert change is not None
     assert change.value == "1"
-    token = conn._session._token
+    authenticated = _authentications(proxy)
     # The stream breaks; meanwhile etcd drops root's tokens (a password change does).
     proxy.refuse()
     root = gateway(auth_server, "/v3/auth/authenticate", {"name": "root", "password": "secret"})
@@ -367,7 +373,7 @@ def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
     change = stream.next(Deadline(10))
     assert change is not None
     assert change.value == "2"
-    assert conn._session._token not in (None, token)
+    assert _authentications(proxy) > authenticated  # a fresh token for the reopened stream
     stream.close()
 
 
