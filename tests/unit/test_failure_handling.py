@@ -7,6 +7,7 @@ suspended) is tested in ``tests/integration/test_failover.py`` and
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from base64 import b64decode
@@ -14,7 +15,6 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-import etcd
 import pytest
 
 from etcd_rendezvous._dynamic.periodic import _PeriodicTimer
@@ -33,7 +33,7 @@ from etcd_rendezvous._transport.interface import (
     Node,
     WatchStream,
 )
-from etcd_rendezvous._transport.v2_session import _is_transient_server_error
+from etcd_rendezvous._transport.v2_session import ErrorAnswer, transient
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous.api import Deadline, RendezvousConnectionError
 from etcd_rendezvous.etcd_store import EtcdStore, _tagged
@@ -69,9 +69,10 @@ def test_answers_after_the_proposal_have_an_unknown_outcome(answer: str) -> None
     assert "http://e:1" in str(error)
 
 
-def _v2_error(cause: str) -> etcd.EtcdException:
+def _v2_error(cause: str) -> ErrorAnswer:
+    """etcd's v2 answer of errorCode 300 with ``cause``, as it comes on the wire."""
     payload = {"errorCode": 300, "message": "Raft Internal Error", "cause": cause, "index": 0}
-    return etcd.EtcdException("Raft Internal Error : " + cause, payload)
+    return ErrorAnswer.read(500, json.dumps(payload).encode())
 
 
 @pytest.mark.parametrize(
@@ -85,12 +86,47 @@ def _v2_error(cause: str) -> etcd.EtcdException:
     ],
 )
 def test_v2_election_answers_are_transient(cause: str) -> None:
-    assert _is_transient_server_error(_v2_error(cause))
+    assert transient(_v2_error(cause))
 
 
 def test_v2_genuine_refusal_stays_an_error() -> None:
     # etcd 3.5 answers code 300 "Not a file" to refreshing a directory's TTL.
-    assert not _is_transient_server_error(_v2_error("Not a file"))
+    assert not transient(_v2_error("Not a file"))
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "code", "retried"),
+    [
+        # The status decides over the errorCode where python-etcd's reading does.
+        (404, {"errorCode": 100, "message": "Key not found", "index": 7}, 100, False),
+        (404, {"message": "no code"}, 100, False),
+        (401, {"message": "Insufficient credentials"}, 110, False),
+        (
+            403,
+            {"errorCode": 110, "message": "The request requires user authentication"},
+            110,
+            False,
+        ),
+        (400, {"errorCode": 301, "message": "Leader Election in progress"}, 301, True),
+        (400, {"errorCode": 400, "message": "watcher is cleared due to etcd recovery"}, 400, True),
+        (403, {"errorCode": 102, "message": "Not a file"}, 102, False),
+        (500, {"message": "etcdserver: request timed out"}, None, True),  # a 5xx without code
+        (400, {"errorCode": 209, "message": "Invalid field"}, 209, False),
+        (503, "service unavailable", None, False),  # not JSON: no status, never retried
+        (404, "404 page not found\n", None, False),  # no v2 API
+    ],
+)
+def test_v2_error_answers_are_read_as_python_etcd_reads_them(
+    status: int, body: dict[str, object] | str, code: int | None, retried: bool
+) -> None:
+    raw = body if isinstance(body, str) else json.dumps(body)
+    answer = ErrorAnswer.read(status, raw.encode())
+    assert (answer.code, transient(answer)) == (code, retried)
+    if isinstance(body, str):
+        assert (answer.status, answer.text) == (None, f"Bad response : {body}")
+    else:
+        assert answer.text == f"{body.get('message')} : {body.get('cause')}"
+        assert answer.index == body.get("index")
 
 
 @pytest.mark.parametrize("message", ["raft proposal dropped", "etcdserver: unhealthy cluster"])

@@ -1,17 +1,21 @@
-"""The v2 transport: etcd's v2 API through python-etcd.
+"""The v2 transport: etcd's v2 API over HTTP, with urllib3.
 
 :class:`EtcdConnection` implements :class:`~etcd_rendezvous._transport.interface.Transport`
-over a :class:`~etcd_rendezvous._transport.v2_session.V2Session` (one python-etcd client
-per endpoint, and the classification of their failures), which its watch streams share.
-See docs/etcd-v3.rst, section "Inside the transport".
+over a :class:`~etcd_rendezvous._transport.v2_session.V2Session` (the connection's urllib3
+pool, its credentials, and what etcd's answers mean), which its watch streams share. It
+sends the requests python-etcd sends, byte for byte, and reads the answers as python-etcd
+reads them; python-etcd itself is used only to recognise a user's ``etcd.Client`` (see
+:meth:`EtcdConnection.from_client`). See docs/etcd-v3.rst, section "Inside the
+transport".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import etcd
 import urllib3
@@ -30,7 +34,7 @@ from .interface import (
     WatchHistoryLostError,
     WatchStream,
 )
-from .v2_session import V2Session
+from .v2_session import KEYS, HistoryClearedError, PollEndedError, V2Session
 from .v2_watch import V2WatchStream
 
 if TYPE_CHECKING:
@@ -47,46 +51,57 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_T = TypeVar("_T")
+Endpoint = tuple[str, int]
+#: What a v2 request answers: its JSON object and its ``X-Etcd-Index``.
+_Answer = tuple[dict[str, Any], int]
 
 
-def _node(result: Any) -> Node:
-    """A :class:`Node` from a python-etcd ``EtcdResult``."""
-    etcd_index = int(getattr(result, "etcd_index", 0) or 0)
-    raw_children = getattr(result, "_children", None) or []
-    return Node(
-        key=result.key,
-        value=result.value,
-        modified_index=int(result.modifiedIndex or 0),
-        created_index=int(result.createdIndex or 0),
-        etcd_index=etcd_index,
-        ttl=result.ttl,
-        is_dir=bool(result.dir),
-        children=tuple(_node_from_dict(child, etcd_index) for child in raw_children),
-        action=str(result.action or ""),
-    )
+def _path(key: str) -> str:
+    """The path of ``key`` below an endpoint, as python-etcd spells it (the key as it is,
+    after a leading ``/``)."""
+    return KEYS + (key if key.startswith("/") else f"/{key}")
 
 
-def _node_from_dict(raw: dict[str, Any], etcd_index: int) -> Node:
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _node(answer: _Answer, what: str, key: str) -> Node:
+    """The :class:`Node` of a v2 answer (``{"action", "node", "prevNode"}`` and its
+    ``X-Etcd-Index``)."""
+    data, etcd_index = answer
+    raw = data.get("node")
+    if not isinstance(raw, dict):
+        raise OperationRefusedError(
+            f"etcd answered the request to {what} {key!r} without a node: {data!r:.200}"
+        )
+    node = _node_from_dict(raw, etcd_index, str(data.get("action") or ""))
+    previous = data.get("prevNode")
+    if isinstance(previous, dict) and previous.get("dir") and not node.is_dir:
+        # etcd answers a write on a directory with a node that does not say it is one.
+        node = dataclasses.replace(node, is_dir=True)
+    return node
+
+
+def _node_from_dict(raw: dict[str, Any], etcd_index: int, action: str = "get") -> Node:
+    is_dir = bool(raw.get("dir", False))
+    children = raw.get("nodes") if is_dir else None
     return Node(
         key=raw.get("key", ""),
         value=raw.get("value"),
-        modified_index=int(raw.get("modifiedIndex", 0)),
-        created_index=int(raw.get("createdIndex", 0)),
+        modified_index=int(raw.get("modifiedIndex", 0) or 0),
+        created_index=int(raw.get("createdIndex", 0) or 0),
         etcd_index=etcd_index,
         ttl=raw.get("ttl"),
-        is_dir=bool(raw.get("dir", False)),
-        children=tuple(_node_from_dict(c, etcd_index) for c in raw.get("nodes", []) or []),
-        action="get",
+        is_dir=is_dir,
+        children=tuple(_node_from_dict(child, etcd_index) for child in children or []),
+        action=action,
     )
 
 
-Endpoint = tuple[str, int]
-
-
 class EtcdConnection(Connection):
-    """A connection to an etcd cluster over the v2 API, on one or more endpoints: one
-    python-etcd client per endpoint. The options are
+    """A connection to an etcd cluster over the v2 API, on one or more endpoints, through
+    one urllib3 pool. The options are
     :class:`~etcd_rendezvous._transport.interface.Transport`'s.
     """
 
@@ -94,39 +109,41 @@ class EtcdConnection(Connection):
 
     def __init__(self, endpoints: Sequence[Endpoint], **options: Unpack[ConnectionOptions]) -> None:
         super().__init__(endpoints, **options)
-        self._session = V2Session(endpoints, self._endpoints, self._access, self._clock)
+        self._session = V2Session(self._endpoints, self._access, self._clock)
         self._version: str | None = None
 
     # -- construction ---------------------------------------------------------------
 
     @classmethod
     def from_client(cls, client: Any, *, param: str = "etcd_client") -> EtcdConnection:
-        """Build a hardened connection with the same endpoints and credentials as
-        ``client``, a python-etcd ``etcd.Client`` (not modified). Callers outside the
-        transport use :func:`~etcd_rendezvous._transport.connect.as_transport`.
+        """Build a hardened connection to ``client``'s endpoint, with its credentials and
+        read timeout, from ``client``, a python-etcd ``etcd.Client`` (read through its
+        public attributes alone, and not modified): ``base_uri``, ``protocol``,
+        ``username``, ``password``, ``read_timeout`` and the TLS files its ``http`` pool
+        was given. The other members a client made with ``allow_reconnect`` learned
+        are not used (python-etcd tells them only by asking etcd): give several
+        endpoints to the connection instead. Callers outside the transport use
+        :func:`~etcd_rendezvous._transport.connect.as_transport`.
 
         Raises:
             TypeError: ``client`` is not an ``etcd.Client``; the message names
                 ``param``, the caller's name for it.
-            ValueError: an endpoint of ``client`` cannot be parsed.
+            ValueError: the endpoint of ``client`` cannot be parsed.
         """
         if not isinstance(client, etcd.Client):
             raise TypeError(
                 f"{param}: expected an etcd.Client or an etcd-rendezvous connection, got "
                 f"{type(client).__name__}."
             )
-        uris = [client.base_uri, *getattr(client, "_machines_cache", [])]
-        endpoints: list[Endpoint] = []
-        for uri in dict.fromkeys(uris):
-            parsed = urllib3.util.parse_url(uri)
-            if parsed.host is None or parsed.port is None:
-                raise ValueError(f"{param}: cannot parse endpoint {uri!r}.")
-            endpoints.append((parsed.host.strip("[]"), parsed.port))
+        uri = client.base_uri
+        parsed = urllib3.util.parse_url(uri)
+        if parsed.host is None or parsed.port is None:
+            raise ValueError(f"{param}: cannot parse endpoint {uri!r}.")
         pool_kw = client.http.connection_pool_kw
         cert = pool_kw.get("cert_file")
         read_timeout = client.read_timeout if client.read_timeout else DEFAULT_READ_TIMEOUT
         return cls(
-            endpoints,
+            [(parsed.host.strip("[]"), parsed.port)],
             protocol=client.protocol,
             cert=cert,
             key=pool_kw.get("key_file") if cert else None,
@@ -145,20 +162,27 @@ class EtcdConnection(Connection):
         self,
         what: str,
         key: str,
-        call: Callable[[Any], _T],
+        method: str,
+        fields: dict[str, Any] | None,
         deadline: Deadline,
         *,
-        cap_requests: bool = True,
-    ) -> Attempt[_T]:
-        """Run ``call(client)`` on one endpoint after another until etcd answers it or
-        ``deadline`` passes (see
-        :meth:`~etcd_rendezvous._transport.endpoints.Endpoints.operate`)."""
+        path: str | None = None,
+        poll: float | None = None,
+    ) -> Attempt[_Answer]:
+        """Send ``method`` on ``key``'s path (or ``path``) with ``fields`` to one endpoint
+        after another until etcd answers it or ``deadline`` passes (see
+        :meth:`~etcd_rendezvous._transport.endpoints.Endpoints.operate`). Each request
+        waits ``read_timeout`` for its answer at most, as the failover loop caps it, or
+        ``poll`` seconds exactly (a long poll, which etcd answers only on a change)."""
+        read = self._endpoints.timeouts.read
+        where = _path(key) if path is None else path
+
+        def send(idx: int, cap: float | None) -> _Answer:
+            wait = poll if poll is not None else read if cap is None else min(read, cap)
+            return self._session.request(idx, method, where, fields, what=what, key=key, wait=wait)
+
         return self._endpoints.operate(
-            what,
-            key,
-            lambda idx, cap: self._session.once(idx, what, key, call, cap),
-            deadline=deadline,
-            cap_requests=cap_requests,
+            what, key, send, deadline=deadline, cap_requests=poll is None
         )
 
     # -- reads ------------------------------------------------------------------------
@@ -169,8 +193,8 @@ class EtcdConnection(Connection):
         Raises:
             KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
         """
-        call = lambda c: _node(c.read(key, recursive=False))  # noqa: E731
-        return self._note_index(self._v2("read", key, call, self._deadline(deadline)).unwrap())
+        answer = self._v2("read", key, "GET", {"recursive": "false"}, self._deadline(deadline))
+        return self._note_index(_node(answer.unwrap(), "read", key))
 
     def list_dir(
         self, key: str, *, recursive: bool = False, deadline: Deadline | None = None
@@ -181,8 +205,9 @@ class EtcdConnection(Connection):
             KeyNotFoundError: the directory does not exist (``etcd_index`` tells when).
         """
         # Its own op ("list"), as on v3, so that the metrics tell listings from reads.
-        call = lambda c: _node(c.read(key, recursive=recursive))  # noqa: E731
-        return self._note_index(self._v2("list", key, call, self._deadline(deadline)).unwrap())
+        fields = {"recursive": _flag(recursive)}
+        answer = self._v2("list", key, "GET", fields, self._deadline(deadline))
+        return self._note_index(_node(answer.unwrap(), "list", key))
 
     def _wait_for_change(
         self, key: str, index: int, deadline: Deadline, *, recursive: bool
@@ -207,7 +232,7 @@ class EtcdConnection(Connection):
             poll = min(remaining, endpoints.timeouts.silence)
             try:
                 return self._poll(key, index, poll, recursive, deadline)
-            except etcd.EtcdWatchTimedOut:
+            except PollEndedError:
                 if poll >= remaining:
                     return None  # that poll was the whole wait
             except RendezvousConnectionError:
@@ -222,19 +247,14 @@ class EtcdConnection(Connection):
         self, key: str, index: int, seconds: float, recursive: bool, deadline: Deadline
     ) -> Node | None:
         """One long poll of at most ``seconds`` (connection failures retried until
-        ``deadline``); raises ``etcd.EtcdWatchTimedOut`` if nothing changed."""
-
-        def call(client: Any) -> Node:
-            # python-etcd treats a timeout of 0 as "wait forever".
-            result = client.read(
-                key, wait=True, waitIndex=index, recursive=recursive, timeout=max(seconds, 0.001)
-            )
-            return _node(result)
-
+        ``deadline``); raises :class:`PollEndedError` if nothing changed."""
+        fields = {"wait": "true", "waitIndex": index, "recursive": _flag(recursive)}
+        # A poll of 0 s would wait for ever.
+        poll = max(seconds, 0.001)
         try:
-            watched = self._v2("watch", key, call, deadline, cap_requests=False)
-            return self._note_index(watched.unwrap())
-        except etcd.EtcdEventIndexCleared as exc:
+            watched = self._v2("watch", key, "GET", fields, deadline, poll=poll)
+            return self._note_index(_node(watched.unwrap(), "watch", key))
+        except HistoryClearedError as exc:
             raise WatchHistoryLostError(key, index, str(exc)) from None
         except KeyNotFoundError:
             # Watching a missing key works in etcd; this only happens for a
@@ -266,9 +286,9 @@ class EtcdConnection(Connection):
     def server_version(self, *, deadline: Deadline | None = None) -> str:
         """The etcd server version (``etcdserver`` field of ``/version``)."""
         if self._version is None:
-            call = lambda c: str(c.version)  # noqa: E731
-            answer = self._v2("query the version of", "/version", call, self._deadline(deadline))
-            self._version = answer.unwrap()
+            what, deadline = "query the version of", self._deadline(deadline)
+            answer = self._v2(what, "/version", "GET", None, deadline, path="/version")
+            self._version = str(answer.unwrap()[0].get("etcdserver", ""))
         return self._version
 
     def can_refresh_directory_ttl(self, *, deadline: Deadline | None = None) -> bool:
@@ -295,8 +315,9 @@ class EtcdConnection(Connection):
         deadline: Deadline | None = None,
     ) -> Node:
         """Unconditionally write ``key`` (idempotent, so re-sent freely)."""
-        call = lambda c: _node(c.write(key, value, ttl=ttl))  # noqa: E731
-        return self._note_index(self._v2("write", key, call, self._deadline(deadline)).unwrap())
+        fields = _form(value, ttl)
+        answer = self._v2("write", key, "PUT", fields, self._deadline(deadline))
+        return self._note_index(_node(answer.unwrap(), "write", key))
 
     def update(
         self, key: str, value: str, *, ttl: int, lease: int = 0, deadline: Deadline | None = None
@@ -304,8 +325,9 @@ class EtcdConnection(Connection):
         """Rewrite the existing ``key`` (``prevExist``: a plain write would give it a new
         creation index); raises :class:`KeyNotFoundError` if it is gone. ``lease`` is
         for v3 (v2 restarts the TTL)."""
-        call = lambda c: _node(c.write(key, value, ttl=ttl, prevExist=True))  # noqa: E731
-        return self._note_index(self._v2("update", key, call, self._deadline(deadline)).unwrap())
+        fields = _form(value, ttl, prevExist="true")
+        answer = self._v2("update", key, "PUT", fields, self._deadline(deadline))
+        return self._note_index(_node(answer.unwrap(), "update", key))
 
     def refresh(
         self, key: str, ttl: int, *, lease: int = 0, deadline: Deadline | None = None
@@ -321,16 +343,17 @@ class EtcdConnection(Connection):
         return self._refresh(key, ttl, self._deadline(deadline), prevValue=value)
 
     def _refresh(self, key: str, ttl: int, deadline: Deadline, **condition: str) -> Node:
-        call = lambda c: _node(  # noqa: E731
-            c.write(key, None, ttl=ttl, refresh=True, prevExist=True, **condition)
+        what = "refresh the TTL of"
+        fields = _form(None, ttl, refresh="true", prevExist="true", **condition)
+        return self._note_index(
+            _node(self._v2(what, key, "PUT", fields, deadline).unwrap(), what, key)
         )
-        return self._note_index(self._v2("refresh the TTL of", key, call, deadline).unwrap())
 
     def mkdir(self, key: str, *, ttl: int | None = None, deadline: Deadline | None = None) -> bool:
         """Create directory ``key`` unless it exists. Returns whether it was created."""
-        call = lambda c: c.write(key, None, dir=True, prevExist=False, ttl=ttl)  # noqa: E731
+        fields = _form(None, ttl, dir="true", prevExist="false")
         try:
-            self._v2("create the directory", key, call, self._deadline(deadline)).unwrap()
+            self._v2("create the directory", key, "PUT", fields, self._deadline(deadline)).unwrap()
         except KeyExistsError:
             return False
         return True
@@ -341,8 +364,7 @@ class EtcdConnection(Connection):
         """Create ``key`` with ``value`` (``prevExist=false``; see
         :meth:`Transport.create <etcd_rendezvous._transport.interface.Transport.create>`)."""
         deadline = self._deadline(deadline)
-        call = lambda c: _node(c.write(key, value, ttl=ttl, prevExist=False))  # noqa: E731
-        done = self._v2("create", key, call, deadline)
+        done = self._nodes("create", key, _form(value, ttl, prevExist="false"), deadline)
         return self._settle("create", key, value, None, done, deadline)
 
     def compare_and_swap(
@@ -368,9 +390,18 @@ class EtcdConnection(Connection):
                 raise ValueError(f"compare_and_swap: {key!r} has no value to compare against.")
             conditions, since = _prev_conditions(prev), prev.modified_index
         deadline = self._deadline(deadline)
-        call = lambda c: _node(c.write(key, value, ttl=ttl, **conditions))  # noqa: E731
-        done = self._v2("compare-and-swap", key, call, deadline)
+        fields = _form(value, ttl, **conditions)
+        done = self._nodes("compare-and-swap", key, fields, deadline)
         return self._settle("compare-and-swap", key, value, since, done, deadline)
+
+    def _nodes(
+        self, what: str, key: str, fields: dict[str, Any], deadline: Deadline
+    ) -> Attempt[Node]:
+        """A conditional write (PUT ``fields``) sent until etcd answers it, as the node
+        written, for :meth:`_settle`."""
+        done = self._v2(what, key, "PUT", fields, deadline)
+        node = None if done.result is None else _node(done.result, what, key)
+        return Attempt(done.outcome, node, done.refusal, done.failure, done.after_unknown)
 
     def compare_and_delete(self, key: str, prev: Node, *, deadline: Deadline | None = None) -> bool:
         """Delete ``key`` only if its modification index is still ``prev``'s. Returns
@@ -382,8 +413,8 @@ class EtcdConnection(Connection):
         at once.
         """
         deadline = self._deadline(deadline)
-        call = lambda c: c.delete(key, prevIndex=prev.modified_index)  # noqa: E731
-        done = self._v2("compare-and-delete", key, call, deadline)
+        fields = {"prevIndex": prev.modified_index}
+        done = self._v2("compare-and-delete", key, "DELETE", fields, deadline)
         if done.outcome is Outcome.APPLIED:
             return True
         if done.after_unknown:
@@ -395,9 +426,10 @@ class EtcdConnection(Connection):
         """A compare-and-swap below ``prefix`` that cannot apply (on a key that no one
         writes, from an index it cannot have): etcd checks the user's permission first."""
         probe = f"{prefix.rstrip('/')}/_permission-check-{uuid.uuid4().hex}"
-        call = lambda c: c.write(probe, "", prevIndex=1)  # noqa: E731
+        fields = _form("", None, prevIndex=1)
+        what, deadline = "write below", self._deadline(deadline)
         try:
-            self._v2("write below", prefix, call, self._deadline(deadline)).unwrap()
+            self._v2(what, prefix, "PUT", fields, deadline, path=_path(probe)).unwrap()
         except (KeyNotFoundError, CompareFailedError):
             return
 
@@ -406,9 +438,10 @@ class EtcdConnection(Connection):
         writes, from an index it cannot have: etcd parses the form (and refuses one too
         large) first."""
         probe = f"{prefix.rstrip('/')}/_size-check-{uuid.uuid4().hex}"
-        call = lambda c: c.write(probe, "x" * max(size, 0), prevIndex=1)  # noqa: E731
+        fields = _form("x" * max(size, 0), None, prevIndex=1)
+        what, deadline = "check the size limit below", self._deadline(deadline)
         try:
-            self._v2("check the size limit below", prefix, call, self._deadline(deadline)).unwrap()
+            self._v2(what, prefix, "PUT", fields, deadline, path=_path(probe)).unwrap()
         except (KeyNotFoundError, CompareFailedError):
             return
 
@@ -416,12 +449,25 @@ class EtcdConnection(Connection):
         self, key: str, *, recursive: bool = False, deadline: Deadline | None = None
     ) -> bool:
         """Delete ``key`` (a directory with ``recursive``). Returns whether it existed."""
-        call = lambda c: c.delete(key, recursive=recursive, dir=recursive or None)  # noqa: E731
+        fields = {"recursive": _flag(recursive)}
+        if recursive:
+            fields["dir"] = "true"
         try:
-            self._v2("delete", key, call, self._deadline(deadline)).unwrap()
+            self._v2("delete", key, "DELETE", fields, self._deadline(deadline)).unwrap()
         except KeyNotFoundError:
             return False
         return True
+
+
+def _form(value: str | None, ttl: int | None, **options: Any) -> dict[str, Any]:
+    """The form of a write, in python-etcd's order: ``value`` (unless ``None``), ``ttl``
+    (unless ``None``), then ``options`` (conditions and flags) as given."""
+    form: dict[str, Any] = {}
+    if value is not None:
+        form["value"] = value
+    if ttl is not None:
+        form["ttl"] = ttl
+    return {**form, **options}
 
 
 def _prev_conditions(prev: Node) -> dict[str, Any]:
