@@ -225,20 +225,12 @@ class Connection(Transport):
         """The result of a conditional write whose last copy etcd answered (``done``),
         sent until ``deadline``.
 
-        If an earlier copy's answer was lost and the last copy was refused, the earlier
-        copy may be the reason: every copy compared against the same state (``since``,
-        the modification index compared against; ``None`` for a create), so the first
-        change after that state is decisive. It is ours if it carries ``value``: callers
-        make each conditional write's value its own (a tag), or write values whose
-        meaning is the same whoever wrote them (see :doc:`how-it-works`). If etcd no
-        longer holds that change, or it could not be read in time (even past
-        ``deadline``, see :meth:`_lookup_change`), the refusal is raised with
-        ``outcome_unknown`` set and ``unknown_because`` saying which.
-
-        A refusal for the request's size (a
-        :class:`~etcd_rendezvous.api.RequestTooLargeError`) is settled the same way: a
-        member whose ``--max-request-bytes`` is larger (during a rolling change of the
-        flag) may have applied the lost copy.
+        If an earlier copy's answer was lost and the last copy was refused (for its
+        state, or its size), the earlier copy may be the reason: every copy compared
+        against the same state (``since``, the modification index compared against;
+        ``None`` for a create), so the first change after that state, looked up even
+        past ``deadline`` (see :meth:`_lookup_change`), decides (see
+        :func:`~etcd_rendezvous._transport.attempt.settled`).
         """
         if not done.after_unknown:
             return self._note_index(done.unwrap())
