@@ -15,7 +15,9 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import urllib3
 
 from ..api import Deadline, RendezvousConnectionError
 from ..metrics import MetricKind, record_metric
@@ -51,6 +53,17 @@ class Access:
     cacert: str | None = None
     username: str | None = None
     password: str | None = None
+
+    def pool(self, endpoints: int, per_endpoint: int) -> urllib3.PoolManager:
+        """A connection's pool of HTTP connections to its ``endpoints`` (keeping
+        ``per_endpoint`` idle connections to each), verifying the server and presenting
+        the client certificate over https, and never re-sending a request."""
+        options: dict[str, Any] = {"retries": False, "maxsize": per_endpoint}
+        if self.protocol == "https":
+            options.update(cert_reqs="CERT_REQUIRED", ca_certs=self.cacert)
+            if self.cert:
+                options.update(cert_file=self.cert, key_file=self.key)
+        return urllib3.PoolManager(num_pools=endpoints, **options)
 
 
 @dataclass(frozen=True)

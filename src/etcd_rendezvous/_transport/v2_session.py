@@ -158,13 +158,8 @@ class V2Session:
     def __init__(self, endpoints: Endpoints, access: Access, clock: ServerClock) -> None:
         self._endpoints = endpoints
         self._clock = clock
-        pool_kw: dict[str, Any] = {"retries": False, "maxsize": 10}
-        if access.protocol == "https":
-            pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=access.cacert)
-            if access.cert:
-                pool_kw.update(cert_file=access.cert, key_file=access.key)
-        #: The connections to every endpoint.
-        self.pool = urllib3.PoolManager(num_pools=max(10, len(endpoints.urls)), **pool_kw)
+        #: The connections to every endpoint (ten each, as python-etcd keeps).
+        self.pool = access.pool(max(10, len(endpoints.urls)), 10)
         self.username = access.username
         #: What every request carries: etcd's v2 auth is HTTP basic auth.
         self._headers: dict[str, str] = (
