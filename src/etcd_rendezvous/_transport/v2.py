@@ -249,7 +249,7 @@ class EtcdConnection(Connection):
         """One long poll of at most ``seconds`` (connection failures retried until
         ``deadline``); raises :class:`PollEndedError` if nothing changed."""
         fields = {"wait": "true", "waitIndex": index, "recursive": _flag(recursive)}
-        # A poll of 0 s would wait for ever.
+        # At least a moment: a read timeout of 0 s would not wait at all.
         poll = max(seconds, 0.001)
         try:
             watched = self._v2("watch", key, "GET", fields, deadline, poll=poll)
