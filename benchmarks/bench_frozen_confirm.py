@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from etcd_rendezvous._legacy.state import CONST_ETCD_FROZEN_TTL
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
+from etcd_rendezvous.api import Deadline
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.layout import DEFAULT_PREFIX, LegacyLayout
 from support.rdzv import Worker
@@ -67,7 +68,7 @@ def one_run(server: EtcdServer, conn: Transport, ours: int) -> tuple[float, floa
             last_torch, confirmed, outcome = None, None, "no end within 60 s"
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                change = stream.next(1.0)
+                change = stream.next(Deadline(1.0))
                 if change is None:
                     continue
                 now = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import closing
@@ -18,6 +19,7 @@ from datetime import timedelta
 from typing import Any, ClassVar, Protocol
 
 __all__ = [
+    "Deadline",
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
@@ -130,6 +132,69 @@ class RequestTooLargeError(RendezvousError):
         self.answer = answer
         #: The etcd API of the request (``v2`` or ``v3``).
         self.api = api
+
+
+class Deadline:
+    """A point in monotonic time: made once from a caller's timeout and passed down to
+    every etcd request and wait made on the caller's behalf, each of which uses what
+    remains of it.
+
+    Not one of PyTorch's classes. The store's
+    :meth:`~etcd_rendezvous.etcd_store.EtcdStore.with_deadline` takes one.
+
+    Args:
+        seconds: how far from now the deadline is.
+        clock: the monotonic clock, replaceable in tests.
+    """
+
+    __slots__ = ("_at", "_clock", "_seconds")
+
+    def __init__(self, seconds: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._seconds = seconds
+        self._at = clock() + seconds
+
+    @classmethod
+    def at(cls, when: float, *, clock: Callable[[], float] = time.monotonic) -> Deadline:
+        """The deadline at ``when``, a reading of ``clock`` (``time.monotonic()`` seconds).
+
+        For code that keeps deadlines as raw monotonic times, as PyTorch's dynamic
+        rendezvous does.
+        """
+        deadline = cls(0.0, clock=clock)
+        deadline._seconds = when - deadline._at
+        deadline._at = when
+        return deadline
+
+    @classmethod
+    def never(cls) -> Deadline:
+        """A deadline far enough in the future to mean 'no deadline'."""
+        return cls(10.0 * 365 * 24 * 3600)
+
+    @property
+    def seconds(self) -> float:
+        """The time the deadline was set to from its creation, in seconds."""
+        return self._seconds
+
+    def remaining(self) -> float:
+        """Seconds left, never negative."""
+        return max(0.0, self._at - self._clock())
+
+    def expired(self) -> bool:
+        """Whether the deadline has passed."""
+        return self._clock() >= self._at
+
+    def earlier(self, other: Deadline) -> Deadline:
+        """The earlier of this deadline and ``other``."""
+        return self if self.remaining() <= other.remaining() else other
+
+    def earliest(self, seconds: float) -> Deadline:
+        """The earlier of this deadline and ``seconds`` from now."""
+        other = Deadline(seconds, clock=self._clock)
+        return self if self._at <= other._at else other
+
+    def __repr__(self) -> str:
+        return f"Deadline(remaining={self.remaining():.3f})"
 
 
 def _get_free_port() -> int:

@@ -36,8 +36,8 @@ from ._torch_store import adapt_store, load_torch_store, torch_available, torch_
 from ._transport.interface import KeyNotFoundError
 from ._transport.options import create_etcd_connection as _create_etcd_connection
 from ._transport.options import seconds as _seconds
-from ._transport.retry import Deadline
 from .api import (
+    Deadline,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -140,11 +140,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # Rank 0 publishes its address just after the barrier, so the exchange gets a
         # moment even if the barrier completed right at the deadline.
         remaining = rdzv._rendezvous_deadline.remaining()
-        with rdzv.connection.bounded_by(Deadline(max(remaining, _EXCHANGE_GRACE))):
-            store = rdzv.setup_kv_store(rdzv_version, create_dir=False)
-            bootstrap_store_info = RendezvousStoreInfo.build(
-                rank, store, local_addr=self._local_addr
-            )
+        exchange = Deadline(max(remaining, _EXCHANGE_GRACE))
+        store = rdzv.setup_kv_store(rdzv_version, create_dir=False)
+        bootstrap_store_info = RendezvousStoreInfo.build(
+            rank, store.with_deadline(exchange), local_addr=self._local_addr
+        )
         return RendezvousInfo(
             adapt_store(store, self._torch_store), rank, world_size, bootstrap_store_info
         )
@@ -154,8 +154,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         """Whether the rendezvous of this run is closed (asking etcd for at most the
         rendezvous ``timeout``)."""
         try:
-            with self._rdzv_impl.bounded():
-                _, state = self._rdzv_impl.get_rdzv_state()
+            _, state = self._rdzv_impl.get_rdzv_state()
         except KeyNotFoundError:
             return False
         return bool(state["status"] == "closed")
@@ -173,8 +172,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             RendezvousConnectionError: etcd stayed unreachable for the rendezvous
                 ``timeout``.
         """
-        with self._rdzv_impl.bounded():
-            return self._rdzv_impl.num_workers_waiting()
+        return self._rdzv_impl.num_workers_waiting()
 
     def get_run_id(self) -> str:
         """Return the run id."""
@@ -287,17 +285,17 @@ def create_rdzv_handler(params: RendezvousParameters | str) -> EtcdRendezvousHan
     # Creation, too, ends within the rendezvous timeout, whatever etcd does.
     deadline = Deadline(timeout)
     conn = _create_etcd_connection(params, deadline=deadline)
-    with conn.bounded_by(deadline):
-        rdzv = EtcdRendezvous(
-            client=conn,
-            prefix=str(prefix),
-            run_id=params.run_id,
-            num_min_workers=params.min_nodes,
-            num_max_workers=params.max_nodes,
-            timeout=timeout,
-            last_call_timeout=last_call_timeout,
-            owns_connection=True,
-        )
+    rdzv = EtcdRendezvous(
+        client=conn,
+        prefix=str(prefix),
+        run_id=params.run_id,
+        num_min_workers=params.min_nodes,
+        num_max_workers=params.max_nodes,
+        timeout=timeout,
+        last_call_timeout=last_call_timeout,
+        owns_connection=True,
+        deadline=deadline,
+    )
     return EtcdRendezvousHandler(
         rdzv_impl=rdzv,
         local_addr=params.local_addr,

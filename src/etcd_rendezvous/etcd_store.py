@@ -17,7 +17,6 @@ key, and nothing stored is touched.
 from __future__ import annotations
 
 import binascii
-import contextlib
 import dataclasses
 import logging
 import operator
@@ -38,8 +37,8 @@ from ._transport.interface import (
     Node,
     Transport,
 )
-from ._transport.retry import CONTENTION, REWATCH, Deadline, Retry
-from .api import RendezvousConnectionError, RendezvousStateError
+from ._transport.retry import CONTENTION, REWATCH, Retry
+from .api import Deadline, RendezvousConnectionError, RendezvousStateError
 from .layout import normalize_key, store_value_key
 
 if TYPE_CHECKING:
@@ -151,6 +150,8 @@ class EtcdStore:
         self._timeout = DEFAULT_TIMEOUT
         if timeout is not None:
             self.set_timeout(timeout)
+        #: The deadline of a view made by :meth:`with_deadline` (``None``: none).
+        self._cap: Deadline | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(prefix={self.prefix!r}, endpoints={self._conn.endpoints!r})"
@@ -194,6 +195,29 @@ class EtcdStore:
         """
         self._timeout = _check_timedelta(timeout, "timeout")
 
+    def with_deadline(self, deadline: Deadline) -> EtcdStore:
+        """This store, as seen by a caller with a deadline of its own: a store over the
+        same connection, prefix and :attr:`timeout` whose every call also ends by
+        ``deadline`` (the earlier of the two wins; a timeout message then says how long
+        the call really waited). For a rendezvous whose own calls to the store, such
+        as the exchange of rank 0's address, must end with the rendezvous; the store
+        handed to the workers is the rendezvous' own, without it.
+
+        Not in PyTorch's ``EtcdStore``. The view never closes the connection.
+
+        Raises:
+            TypeError: ``deadline`` is not a :class:`~etcd_rendezvous.api.Deadline`.
+        """
+        if not isinstance(deadline, Deadline):
+            raise TypeError(
+                f"deadline: expected an etcd_rendezvous.api.Deadline, got "
+                f"{type(deadline).__name__}."
+            )
+        view = EtcdStore(self._conn, self.prefix, self._timeout)
+        view.client = self.client
+        view._cap = deadline if self._cap is None else self._cap.earlier(deadline)
+        return view
+
     # -- c10d Store interface -----------------------------------------------------------
 
     def set(self, key: KeyLike, value: KeyLike) -> None:
@@ -204,8 +228,7 @@ class EtcdStore:
             ValueError: ``key`` is empty.
         """
         path = self._path(key)
-        with self._bounded():
-            self._conn.set(path, _encode(value, "value"))
+        self._conn.set(path, _encode(value, "value"), deadline=self._deadline())
 
     def get(self, key: KeyLike) -> bytes:
         """Return the value under ``key``, waiting up to :attr:`timeout` for it to be set.
@@ -301,8 +324,8 @@ class EtcdStore:
         Reads each key (stopping at the first missing one), never the whole directory.
         """
         paths = self._paths(keys)
-        with self._bounded():
-            return all(self._read(path, key) is not None for path, key in paths)
+        deadline = self._deadline()
+        return all(self._read(path, key, deadline) is not None for path, key in paths)
 
     # -- extended c10d interface --------------------------------------------------------
 
@@ -388,15 +411,14 @@ class EtcdStore:
                 f"keys/values: got {len(paths)} keys but {len(values)} values; they must match."
             )
         encoded = [_encode(value, "values") for value in values]
-        with self._bounded():
-            for (path, _), data in zip(paths, encoded, strict=True):
-                self._conn.set(path, data)
+        deadline = self._deadline()
+        for (path, _), data in zip(paths, encoded, strict=True):
+            self._conn.set(path, data, deadline=deadline)
 
     def delete_key(self, key: KeyLike) -> bool:
         """Delete ``key``. Returns whether it existed."""
         path = self._path(key)
-        with self._bounded():
-            return self._conn.delete(path)
+        return self._conn.delete(path, deadline=self._deadline())
 
     def num_keys(self) -> int:
         """Return the number of keys in the store.
@@ -408,8 +430,7 @@ class EtcdStore:
             RendezvousStateError: the store prefix is a key, not a directory.
         """
         try:
-            with self._bounded():
-                node = self._conn.list_dir(self._dir, recursive=True)
+            node = self._conn.list_dir(self._dir, recursive=True, deadline=self._deadline())
         except KeyNotFoundError:
             return 0
         if not node.is_dir:
@@ -420,11 +441,12 @@ class EtcdStore:
 
     # -- internals ------------------------------------------------------------------------
 
-    def _bounded(self, seconds: float | None = None) -> contextlib.AbstractContextManager[None]:
-        """A block in which every etcd request ends within ``seconds`` (default: the
-        store's :attr:`timeout`), retrying etcd failures until then."""
-        limit = self._timeout.total_seconds() if seconds is None else seconds
-        return self._conn.bounded_by(Deadline(limit))
+    def _deadline(self, timeout: timedelta | None = None) -> Deadline:
+        """The deadline of a call from now: ``timeout`` (default: the store's
+        :attr:`timeout`), or the view's (see :meth:`with_deadline`) if earlier. Every
+        request of the call ends by it; etcd failures are retried until then."""
+        own = Deadline((self._timeout if timeout is None else timeout).total_seconds())
+        return own if self._cap is None else self._cap.earlier(own)
 
     def _path(self, key: object, param: str = "key") -> str:
         """The etcd key of store key ``key``, normalised the way etcd stores it."""
@@ -438,9 +460,9 @@ class EtcdStore:
             raise TypeError(f"{param}: expected a list of keys, got the single key {keys!r}.")
         return [(self._path(key, param), key) for key in keys]
 
-    def _read(self, path: str, key: KeyLike) -> Node | None:
-        """Read one key; ``None`` if missing."""
-        node = self._conn.try_get(path)
+    def _read(self, path: str, key: KeyLike, deadline: Deadline) -> Node | None:
+        """Read one key by ``deadline``; ``None`` if missing."""
+        node = self._conn.try_get(path, deadline=deadline)
         if node is not None:
             self._require_value(node, key)
         return node
@@ -468,16 +490,14 @@ class EtcdStore:
         """Wait until every etcd key in ``wanted`` holds a value, or the timeout passes.
 
         Returns the nodes found, the keys still missing (empty unless timed out) and how
-        long the wait lasted. Every request runs under the same deadline, which a
-        caller's :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by` block
-        may shorten.
+        long the wait lasted. Every request runs under the same deadline, which a view's
+        (see :meth:`with_deadline`) may shorten.
         """
         started = time.monotonic()
-        own = Deadline(timeout.total_seconds())
-        deadline = self._conn.bound(own)
-        with self._conn.bounded_by(deadline):
-            found, missing = self._await_until(wanted, deadline)
-        return _Awaited(found, missing, time.monotonic() - started, timeout, deadline is not own)
+        deadline = self._deadline(timeout)
+        found, missing = self._await_until(wanted, deadline)
+        cut_short = deadline is self._cap
+        return _Awaited(found, missing, time.monotonic() - started, timeout, cut_short)
 
     def _await_until(
         self, wanted: dict[str, KeyLike], deadline: Deadline
@@ -485,26 +505,25 @@ class EtcdStore:
         """The loop of :meth:`_await`."""
         found: dict[str, Node] = {}
         missing: dict[str, KeyLike] = {}
-        since = self._read_into(wanted, found, missing)
+        since = self._read_into(wanted, found, missing, deadline)
         # Only for a watch that ends early without an event (etcd dropped the history we
         # asked for, or an anomaly): re-reading is the fix, the back-off stops a spin.
         rewatch = REWATCH.start(deadline)
         while missing:
-            remaining = deadline.remaining()
-            if remaining <= 0:
+            if deadline.expired():
                 break
             if len(missing) == 1:
                 watched, recursive = next(iter(missing)), False
             else:
                 watched, recursive = self._dir, True
-            change = self._conn.watch(watched, since + 1, remaining, recursive=recursive)
+            change = self._conn.watch(watched, since + 1, deadline, recursive=recursive)
             if change is None:
                 if deadline.expired():
                     break
                 rewatch.pause()
                 retry = dict(missing)
                 missing.clear()
-                since = self._read_into(retry, found, missing)
+                since = self._read_into(retry, found, missing, deadline)
                 continue
             rewatch.reset()
             since = max(since, change.modified_index)
@@ -516,9 +535,13 @@ class EtcdStore:
         return found, missing
 
     def _read_into(
-        self, wanted: dict[str, KeyLike], found: dict[str, Node], missing: dict[str, KeyLike]
+        self,
+        wanted: dict[str, KeyLike],
+        found: dict[str, Node],
+        missing: dict[str, KeyLike],
+        deadline: Deadline,
     ) -> int:
-        """Read each key of ``wanted`` into ``found`` or ``missing``.
+        """Read each key of ``wanted`` into ``found`` or ``missing``, by ``deadline``.
 
         Returns the lowest etcd index at which a key was seen missing: watching from
         the next index sees every later write to any of them.
@@ -526,7 +549,7 @@ class EtcdStore:
         since: int | None = None
         for path, key in wanted.items():
             try:
-                node = self._conn.get(path)
+                node = self._conn.get(path, deadline=deadline)
             except KeyNotFoundError as exc:
                 missing[path] = key
                 index = exc.etcd_index if exc.etcd_index is not None else self._conn.last_index
@@ -558,7 +581,7 @@ class EtcdStore:
             LookupError: the key kept changing under us for longer than :attr:`timeout`.
         """
         started = time.monotonic()
-        deadline = self._conn.bound(Deadline(self._timeout.total_seconds()))
+        deadline = self._deadline()
         retry = CONTENTION.start(
             deadline,
             lambda: LookupError(
@@ -566,8 +589,7 @@ class EtcdStore:
                 f"{_waited(started, self._timeout)}: other writers kept changing it first."
             ),
         )
-        with self._conn.bounded_by(deadline):
-            return self._update(path, key, update, retry, idempotent)
+        return self._update(path, key, update, retry, idempotent)
 
     def _update(
         self,
@@ -577,32 +599,34 @@ class EtcdStore:
         retry: Retry,
         idempotent: bool,
     ) -> bytes:
-        """The compare-and-swap loop of :meth:`_read_modify_write`."""
-        node = self._read(path, key)
+        """The compare-and-swap loop of :meth:`_read_modify_write`, every request by the
+        retry's deadline."""
+        deadline = retry.deadline
+        node = self._read(path, key, deadline)
         while True:
             if node is None:
                 new, write = update(None)
                 if not write:
                     return new
                 try:
-                    self._conn.create(path, _tagged(new))
+                    self._conn.create(path, _tagged(new), deadline=deadline)
                 except KeyExistsError as exc:
                     if not idempotent:
                         _check_known(exc, key)
                     retry.wait()
-                    node = self._read(path, key)
+                    node = self._read(path, key, deadline)
                     continue
                 return bytes(new)
             new, write = update(self._decode(node, key))
             if not write:
                 return new
             try:
-                self._conn.compare_and_swap(path, _tagged(new), node)
+                self._conn.compare_and_swap(path, _tagged(new), node, deadline=deadline)
             except CompareFailedError as exc:
                 if not idempotent:
                     _check_known(exc, key)
                 retry.wait()
-                node = self._read(path, key)
+                node = self._read(path, key, deadline)
             except KeyNotFoundError as exc:
                 if not idempotent:
                     _check_known(exc, key)

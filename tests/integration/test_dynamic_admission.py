@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous._dynamic.admission import ADMISSION_GRACE
-from etcd_rendezvous.api import RendezvousGracefulExitError
+from etcd_rendezvous.api import Deadline, RendezvousGracefulExitError
 from etcd_rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     NodeDesc,
@@ -118,7 +118,7 @@ def _state_writes(
     backend = backend_of(handler)
     versions, index = [], after
     while index < until:
-        change = backend.connection.watch(backend.key, index + 1, 5)
+        change = backend.connection.watch(backend.key, index + 1, Deadline(5))
         assert change is not None, "the state's history ended early"
         index = change.modified_index
         versions.append(decode_state(b64decode(change.value or ""), "the test"))
@@ -275,7 +275,9 @@ def test_steady_heartbeats_do_not_write_the_state_per_node(
     index = first
     deadline = time.monotonic() + 6
     while time.monotonic() < deadline:
-        change = conn.watch(backend_of(group[0]).key, index + 1, deadline - time.monotonic())
+        change = conn.watch(
+            backend_of(group[0]).key, index + 1, Deadline(deadline - time.monotonic())
+        )
         if change is not None:
             writes += 1
             index = change.modified_index
@@ -345,7 +347,7 @@ def test_a_mixed_fleet_rendezvous_and_keeps_each_other_alive(
             assert len(state.participants) == 8, state.participants
             assert state.round in rounds
             change = backend.connection.watch(
-                backend.key, node.modified_index + 1, deadline - time.monotonic()
+                backend.key, node.modified_index + 1, Deadline(deadline - time.monotonic())
             )
             node = change if change is not None else node
         assert ours[0].num_nodes_waiting() == 0

@@ -18,6 +18,7 @@ from base64 import b64decode
 import pytest
 
 from etcd_rendezvous._transport.interface import Transport
+from etcd_rendezvous.api import Deadline
 from etcd_rendezvous.dynamic_rendezvous import decode_state
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.layout import EtcdV2NodesLayout
@@ -100,7 +101,7 @@ def _assert_participants_stay(conn: Transport, run_id: str, pids: set[int], seco
     versions = 0
     while (remaining := deadline - time.monotonic()) > 0:
         assert set(participants) == pids, f"participants changed: {participants} after {versions}"
-        change = conn.watch(key, index + 1, remaining)
+        change = conn.watch(key, index + 1, Deadline(remaining))
         if change is not None:
             index, participants = _participants(conn, run_id)
             versions += 1

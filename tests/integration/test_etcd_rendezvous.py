@@ -537,7 +537,7 @@ def test_bad_node_counts_are_rejected(etcd_server, run_id, conn):
 
 def test_extra_data_roundtrip_and_timeout(etcd_server, run_id):
     with create_rdzv_handler(_params(etcd_server, run_id)) as handler:
-        rdzv = handler._rdzv_impl
+        rdzv = handler.rendezvous
         version, _, _ = rdzv.rendezvous_barrier()
         result: list[object] = []
         reader = threading.Thread(
@@ -562,7 +562,7 @@ def test_keepalive_survives_a_frozen_etcd(run_id, private_etcd_server):
     params = _params(server, run_id, read_timeout=1)
     with create_rdzv_handler(params) as handler:
         handler.next_rendezvous()
-        rdzv = handler._rdzv_impl
+        rdzv = handler.rendezvous
         keeper = rdzv._lease_this_rank
         assert keeper is not None
         # Our keep-alive key is the member key we announced ourselves with.
@@ -639,7 +639,7 @@ def test_run_directory_ttl_matches_what_etcd_can_refresh(etcd_server, run_id, co
         run_dir = conn.get(f"/torchelastic/p2p/run_{run_id}")
         ttl = conn.time_to_live(run_dir)
         major, minor = (int(p) for p in etcd_server.version.split(".")[:2])
-        keepers = {k.key: k for k in handler._rdzv_impl._keepers}
+        keepers = {k.key: k for k in handler.rendezvous._keepers}
         # On v3 a directory's TTL is a lease, which every version can keep alive.
         refreshable = conn.api == "v3" or (major, minor) < (3, 5)
         assert conn.can_refresh_directory_ttl() is refreshable
@@ -656,7 +656,7 @@ def test_run_directory_ttl_matches_what_etcd_can_refresh(etcd_server, run_id, co
 def test_close_stops_keepalive_threads(etcd_server, run_id):
     handler = create_rdzv_handler(_params(etcd_server, run_id))
     handler.next_rendezvous()
-    keepers = list(handler._rdzv_impl._keepers)
+    keepers = list(handler.rendezvous._keepers)
     assert keepers
     assert all(k.alive for k in keepers)
     handler.close()
@@ -722,7 +722,7 @@ def test_deleted_state_starts_a_new_version(etcd_server, run_id, conn):
         conn.delete(_state_key(run_id))
         with pytest.raises(KeyNotFoundError):
             conn.get(_state_key(run_id))
-        handler._rdzv_impl.stop_lease_renewals()
+        handler.rendezvous.stop_lease_renewals()
         info = handler.next_rendezvous()
         assert info.store.prefix.endswith("/rdzv/v_2/kv/")
 
@@ -776,7 +776,7 @@ def test_lost_answer_to_the_final_confirmation_is_recognised(
     params = _params(etcd_server, run_id, read_timeout=2)
     params.endpoint = f"{host}:{port}"
     handler = create_rdzv_handler(params)
-    transport = type(handler._rdzv_impl._conn)  # the API etcd_api=auto picked
+    transport = type(handler.rendezvous.connection)  # the API etcd_api=auto picked
     assert transport in (EtcdConnection, EtcdV3Connection)
     real_cas = transport.compare_and_swap
 
@@ -787,8 +787,8 @@ def test_lost_answer_to_the_final_confirmation_is_recognised(
 
     monkeypatch.setattr(transport, "compare_and_swap", cas_dropping_final_answer)
     with handler:
-        version, rank, world_size = handler._rdzv_impl.rendezvous_barrier()
-        member_key = handler._rdzv_impl._lease_this_rank.key
+        version, rank, world_size = handler.rendezvous.rendezvous_barrier()
+        member_key = handler.rendezvous._lease_this_rank.key
 
     assert etcd_proxy.dropped_responses == 1
     assert (version, rank, world_size) == ("1", 0, 1)

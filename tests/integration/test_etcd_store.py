@@ -21,9 +21,8 @@ import pytest
 
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
-from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous._transport.v2 import EtcdConnection
-from etcd_rendezvous.api import RendezvousConnectionError, RendezvousStateError, Store
+from etcd_rendezvous.api import Deadline, RendezvousConnectionError, RendezvousStateError, Store
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import DEFAULT_TIMEOUT, EtcdStore, cas_delay
 from etcd_rendezvous.layout import store_value_key
@@ -253,29 +252,46 @@ def test_get_recovers_when_etcd_dropped_the_watched_history(
     assert len(spy.named("get")) == 2
 
 
-def test_a_wait_ended_by_its_callers_deadline_says_how_long_it_waited(
-    store: EtcdStore, conn: Transport
-) -> None:
+def test_a_wait_ended_by_its_callers_deadline_says_how_long_it_waited(store: EtcdStore) -> None:
     """A rendezvous bounds the store's wait for rank 0's address by what is left of its
-    own timeout: the message says the time waited, not the store's timeout."""
+    own timeout (:meth:`EtcdStore.with_deadline`): the message says the time waited, not
+    the store's timeout."""
     store.set_timeout(timedelta(seconds=300))
-    with conn.bounded_by(Deadline(0.4)), pytest.raises(LookupError) as caught:
-        store.get("never-set")
+    with pytest.raises(LookupError) as caught:
+        store.with_deadline(Deadline(0.4)).get("never-set")
     message = str(caught.value)
     assert re.search(
         r"within 0\.[45] s \(its caller's deadline, earlier than the store's "
         r"timeout of 300 s\)\.$",
         message,
     ), message
-    with (
-        conn.bounded_by(Deadline(0.4)),
-        pytest.raises(LookupError, match=r"set within 0\.[45] s \("),
-    ):
-        store.wait(["never-set"])
+    with pytest.raises(LookupError, match=r"set within 0\.[45] s \("):
+        store.with_deadline(Deadline(0.4)).wait(["never-set"])
     # Its own timeout: said as it was set.
     store.set_timeout(SHORT)
     with pytest.raises(LookupError, match=r"'never-set'.* within 0\.3 s\.$"):
         store.multi_get(["never-set"])
+
+
+def test_a_store_with_a_deadline_shares_the_store_and_ends_by_the_deadline(
+    store: EtcdStore,
+) -> None:
+    view = store.with_deadline(Deadline(0.3))
+    view.set("k", "v")
+    assert store.get("k") == b"v"  # the same keys
+    assert (view.prefix, view.timeout, view.connection) == (
+        store.prefix,
+        store.timeout,
+        store.connection,
+    )
+    started = time.monotonic()
+    with pytest.raises(LookupError):
+        view.wait(["never-set"], LONG)  # an override of the timeout cannot outlast it
+    assert time.monotonic() - started < 1.3
+    view.close()
+    assert store.get("k") == b"v"  # the view never closes the connection
+    with pytest.raises(TypeError, match=r"deadline: expected an etcd_rendezvous\.api\.Deadline"):
+        store.with_deadline(0.3)  # type: ignore[arg-type]
 
 
 def test_get_timeout_names_the_key(
@@ -299,7 +315,9 @@ def test_get_reads_only_the_key_not_the_directory(
     store.multi_set([f"key-{i}" for i in range(200)], [f"value-{i}" for i in range(200)])
     spy = Spy(conn, monkeypatch)
     assert store.get("key-123") == b"value-123"
-    assert spy.calls == [("get", (store.prefix + b64("key-123"),), {})]
+    assert [(name, args) for name, args, _ in spy.calls] == [
+        ("get", (store.prefix + b64("key-123"),))
+    ]
     assert store.check(["key-1", "key-2"])
     assert store.multi_get(["key-3"]) == [b"value-3"]
     store.wait(["key-4"])
@@ -451,23 +469,6 @@ def test_wait_for_many_keys_set_later(
     watches = spy.named("watch")
     assert all(kwargs.get("recursive") for _, kwargs in watches[:-1])
     assert len(watches) <= len(keys)
-
-
-def test_a_wait_cut_short_by_the_callers_deadline_says_how_long_it_waited(
-    store: EtcdStore, conn: Transport
-) -> None:
-    """A rendezvous bounds the store's reads by its own deadline: a wait that gives up
-    then says the time it really waited, not the store's timeout."""
-    wait = SHORT.total_seconds()
-    with conn.bounded_by(Deadline(wait)), pytest.raises(LookupError) as info:
-        store.get("never-set")
-    waited = re.search(r"within (\d+\.\d) s \(its caller's deadline", str(info.value))
-    assert waited is not None, str(info.value)
-    assert wait - 0.1 <= float(waited[1]) < wait + 2.0
-    assert f"the store's timeout of {LONG.total_seconds():g} s" in str(info.value)
-    with conn.bounded_by(Deadline(wait)), pytest.raises(LookupError) as info:
-        store.wait(["never-set"])
-    assert "(its caller's deadline, earlier than the store's timeout" in str(info.value)
 
 
 def test_wait_timeout_names_missing_keys(store: EtcdStore) -> None:

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from etcd_rendezvous.api import Deadline
 from etcd_rendezvous.etcd_rendezvous import EtcdRendezvous
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.rdzv import Worker, expect_joined, join_all, started
@@ -169,7 +170,7 @@ def _state_history(conn, key: str, since: int) -> list[dict]:
     """Every value the state key held after etcd index ``since``, oldest first (v2 keeps
     the last 1000 changes of the whole store: enough for one test's run)."""
     history, index = [], since + 1
-    while (change := conn.watch(key, index, 0.5)) is not None:
+    while (change := conn.watch(key, index, Deadline(0.5))) is not None:
         if change.value:
             history.append(json.loads(change.value))
         index = change.modified_index + 1

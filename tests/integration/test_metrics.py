@@ -12,6 +12,7 @@ import pytest
 
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import CompareFailedError
+from etcd_rendezvous.api import Deadline
 from etcd_rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.metrics import (
@@ -136,7 +137,7 @@ def test_a_lost_compare_and_swap_and_a_watched_change_are_counted(
             conn.compare_and_swap(key, "2", first)
             with pytest.raises(CompareFailedError):
                 conn.compare_and_swap(key, "3", first)  # lost: the key changed
-            assert stream.next(10) is not None
+            assert stream.next(Deadline(10)) is not None
     finally:
         stream.close()
     assert collected.counter("transport.refusals", op="compare_and_swap", api=conn.api) == 1

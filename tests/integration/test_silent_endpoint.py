@@ -18,7 +18,7 @@ import pytest
 
 from etcd_rendezvous._transport.connect import open_transport
 from etcd_rendezvous._transport.interface import Transport
-from etcd_rendezvous.api import RendezvousConnectionError
+from etcd_rendezvous.api import Deadline, RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.metrics import MetricsCollector
 from support.faultproxy import FaultProxy
@@ -75,7 +75,7 @@ def test_a_watch_stream_on_a_silent_endpoint_is_re_armed_on_the_next(
         proxy.drop_responses()
         writer.set(key, "1")
         started = time.monotonic()
-        change = stream.next(READ_TIMEOUT)
+        change = stream.next(Deadline(READ_TIMEOUT))
         took = time.monotonic() - started
         assert change is not None
         assert change.value == "1"
@@ -84,7 +84,7 @@ def test_a_watch_stream_on_a_silent_endpoint_is_re_armed_on_the_next(
         # same answer, with no watch request of its own.
         with MetricsCollector() as collected:
             writer.set(key, "2")
-            change = stream.next(READ_TIMEOUT)
+            change = stream.next(Deadline(READ_TIMEOUT))
         assert change is not None
         assert change.value == "2"
         assert collected.counter("transport.watch_restarts") == 0
@@ -100,7 +100,7 @@ def test_a_single_wait_on_a_silent_endpoint_moves_on_within_silence_timeout(
     proxy.drop_responses()
     written = writer.set(key, "1")
     started = time.monotonic()
-    change = conn.watch(key, index + 1, READ_TIMEOUT)
+    change = conn.watch(key, index + 1, Deadline(READ_TIMEOUT))
     took = time.monotonic() - started
     assert change is not None
     assert change.value == "1"
@@ -117,9 +117,9 @@ def test_an_idle_wait_on_a_live_endpoint_returns_nothing_at_its_timeout(
     with caplog.at_level(logging.DEBUG, logger="etcd_rendezvous"), MetricsCollector() as collected:
         with conn.watch_stream(key, 0) as stream:
             started = time.monotonic()
-            assert stream.next(SILENCE_TIMEOUT * 2.5) is None
+            assert stream.next(Deadline(SILENCE_TIMEOUT * 2.5)) is None
             assert time.monotonic() - started >= SILENCE_TIMEOUT * 2.5 * 0.9
-        assert conn.watch(key, conn.last_index + 1, SILENCE_TIMEOUT * 2.5) is None
+        assert conn.watch(key, conn.last_index + 1, Deadline(SILENCE_TIMEOUT * 2.5)) is None
     assert collected.counter("transport.silent_rearms", api=conn.api) >= 2  # one per wait
     assert collected.counter("transport.failovers") == 0
     said_nothing = [r for r in caplog.records if "said nothing for" in r.getMessage()]

@@ -272,13 +272,13 @@ def test_every_legacy_option_parses_from_a_string(
         _torch_params(torchrun.BACKEND_NAME, etcd_server.get_endpoint(), run_id, **conf)
     )
     try:
-        rdzv = handler._rdzv_impl  # type: ignore[attr-defined]
+        rdzv = handler.rendezvous  # type: ignore[attr-defined]
         assert rdzv._timeout == 42.0
         assert rdzv._last_call_timeout == 7.0
         assert rdzv._prefix == "/custom/prefix/"
-        assert rdzv._conn.read_timeout == 2.5
-        assert rdzv._conn.connect_timeout == 1.5
-        assert rdzv._conn.api == "v3"
+        assert rdzv.connection.read_timeout == 2.5
+        assert rdzv.connection.connect_timeout == 1.5
+        assert rdzv.connection.api == "v3"
         assert handler._torch_store is False  # type: ignore[attr-defined]
     finally:
         handler.close()

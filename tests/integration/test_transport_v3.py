@@ -22,10 +22,9 @@ from etcd_rendezvous._transport.interface import (
     KeyNotFoundError,
     TransportClosedError,
 )
-from etcd_rendezvous._transport.retry import Deadline
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous._transport.v3_wire import b64
-from etcd_rendezvous.api import RendezvousConnectionError
+from etcd_rendezvous.api import Deadline, RendezvousConnectionError
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.etcd_requests import read_metrics, requests_since
 from support.faultproxy import FaultProxy
@@ -117,13 +116,15 @@ def test_refresh_with_the_lease_of_our_own_write_is_one_request(
     assert v3.get(key).lease == lease
 
 
-def test_refresh_with_a_lapsed_lease_reads_the_key(v3: EtcdV3Connection, etcd_prefix: str) -> None:
+def test_refresh_with_a_lapsed_lease_reads_the_key(
+    v3: EtcdV3Connection, etcd_server: EtcdServer, etcd_prefix: str
+) -> None:
     """The lease passed is gone (revoked, or lapsed with the key): the key is read, and
     its absence reported; a key rewritten with a longer TTL is refreshed by its lease."""
     key = f"{etcd_prefix}/ours"
     lease = v3.set(key, "v", ttl=5).lease
     v3.delete(key)
-    v3._call("revoke", key, "/v3/lease/revoke", {"ID": str(lease)})
+    gateway(etcd_server, "/v3/lease/revoke", {"ID": str(lease)})
     with pytest.raises(KeyNotFoundError):
         v3.refresh(key, 5, lease=lease)
     current = v3.set(key, "w", ttl=5).lease
@@ -146,7 +147,7 @@ def test_update_with_the_lease_of_our_own_write_is_one_request(
     current = v3.get(key)
     assert (current.value, current.lease) == ("w", written.lease)
     assert current.created_index == written.created_index
-    v3._call("revoke", key, "/v3/lease/revoke", {"ID": str(written.lease)})  # Key and all.
+    gateway(private_etcd_server, "/v3/lease/revoke", {"ID": str(written.lease)})  # Key and all.
     with pytest.raises(KeyNotFoundError):
         v3.update(key, "x", ttl=7, lease=written.lease)
     assert v3.try_get(key) is None
@@ -252,10 +253,10 @@ def test_watch_from_a_compacted_revision_returns_none_promptly(
     latest = v3.set(key, "2")
     gateway(etcd_server, "/v3/kv/compaction", {"revision": str(latest.modified_index)})
     started = time.monotonic()
-    assert v3.watch(key, first.modified_index, timeout=10) is None
+    assert v3.watch(key, first.modified_index, Deadline(10)) is None
     assert time.monotonic() - started < 2
     # From a revision that is still there, the history is replayed.
-    change = v3.watch(key, latest.modified_index, timeout=5)
+    change = v3.watch(key, latest.modified_index, Deadline(5))
     assert change is not None
     assert change.value == "2"
 
@@ -263,29 +264,32 @@ def test_watch_from_a_compacted_revision_returns_none_promptly(
 def test_watch_sees_a_deletion_and_a_lapsed_lease(v3: EtcdV3Connection, etcd_prefix: str) -> None:
     key = f"{etcd_prefix}/k"
     node = v3.set(key, "v", ttl=1)
-    change = v3.watch(key, node.modified_index + 1, timeout=5)
+    change = v3.watch(key, node.modified_index + 1, Deadline(5))
     assert change is not None
     assert (change.action, change.value) == ("delete", None)
 
 
-def test_close_wakes_a_blocked_watch(v3: EtcdV3Connection, etcd_prefix: str) -> None:
+def test_close_wakes_a_blocked_watch(
+    etcd_proxy: FaultProxy, connect: Connect, etcd_prefix: str
+) -> None:
+    v3 = connect(etcd_proxy.endpoint)
     result: list[Any] = []
 
     def wait() -> None:
         try:
             result.append(
-                v3.watch(f"{etcd_prefix}/never", v3.set(f"{etcd_prefix}/x", "1").etcd_index + 1, 30)
+                v3.watch(
+                    f"{etcd_prefix}/never",
+                    v3.set(f"{etcd_prefix}/x", "1").etcd_index + 1,
+                    Deadline(30),
+                )
             )
         except TransportClosedError as exc:
             result.append(exc)
 
     thread = threading.Thread(target=wait)
     thread.start()
-    wait_until(
-        lambda: any(stream._feed is not None for stream in list(v3._endpoints._streams)),
-        5,
-        "the watch stream to open",
-    )
+    etcd_proxy.wait_for_requests(1, 5, where=lambda request: request.path == "/v3/watch")
     started = time.monotonic()
     v3.close()
     thread.join(5)
@@ -326,20 +330,25 @@ def test_a_wrong_password_is_a_clear_error_within_two_seconds(
     assert auth_server.client_url in str(info.value)
 
 
+def _authentications(proxy: FaultProxy) -> int:
+    """How many times the client authenticated through ``proxy``."""
+    return sum(request.path == "/v3/auth/authenticate" for request in proxy.requests)
+
+
 def test_an_expired_token_is_renewed_without_the_caller_noticing(
-    auth_server: EtcdServer, connect: Connect
+    auth_server: EtcdServer, connect: Connect, fault_proxy_factory: Callable[..., FaultProxy]
 ) -> None:
-    conn = connect(endpoint_of(auth_server), username="root", password="secret")
+    proxy = fault_proxy_factory(auth_server.get_host(), auth_server.get_port())
+    conn = connect(proxy.endpoint, username="root", password="secret")
     first = conn.set("/k", "1")
-    token = conn._session._token
+    assert _authentications(proxy) == 1
     # The server's token TTL is 1 s. Nothing shows that the token expired without using
     # it, and any request with it renews its TTL: the wait itself is what is tested.
     time.sleep(2.5)
-    watch = conn.watch("/k", first.modified_index, timeout=5)
+    watch = conn.watch("/k", first.modified_index, Deadline(5))
     assert watch is not None
     assert conn.compare_and_swap("/k", "2", conn.get("/k")).value == "2"
-    assert conn._session._token is not None
-    assert conn._session._token != token
+    assert _authentications(proxy) == 2  # once more, for the expired token
 
 
 def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
@@ -350,10 +359,10 @@ def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
     writer = connect(endpoint_of(auth_server), username="root", password="secret")
     first = conn.set("/s", "1")
     stream = conn.watch_stream("/s", first.modified_index)
-    change = stream.next(5)
+    change = stream.next(Deadline(5))
     assert change is not None
     assert change.value == "1"
-    token = conn._session._token
+    authenticated = _authentications(proxy)
     # The stream breaks; meanwhile etcd drops root's tokens (a password change does).
     proxy.refuse()
     root = gateway(auth_server, "/v3/auth/authenticate", {"name": "root", "password": "secret"})
@@ -361,10 +370,10 @@ def test_a_watch_stream_reopened_with_a_stale_token_renews_it(
     gateway(auth_server, "/v3/auth/user/changepw", password, token=root["token"])
     writer.set("/s", "2")
     proxy.forward()
-    change = stream.next(10)
+    change = stream.next(Deadline(10))
     assert change is not None
     assert change.value == "2"
-    assert conn._session._token not in (None, token)
+    assert _authentications(proxy) > authenticated  # a fresh token for the reopened stream
     stream.close()
 
 
@@ -389,7 +398,7 @@ def test_client_certificates(
     node = conn.set("/tls/k", "v", ttl=5)
     conn.refresh("/tls/k", 5)
     assert conn.get("/tls/k").value == "v"
-    assert conn.watch("/tls/k", node.modified_index, 5) is not None
+    assert conn.watch("/tls/k", node.modified_index, Deadline(5)) is not None
     without = connect(endpoint_of(tls_etcd_server), protocol="https", cacert=tls_certs["ca.crt"])
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match=r"TLS|cert"):
@@ -426,8 +435,8 @@ def test_a_refused_port_fails_within_the_callers_deadline(connect: Connect) -> N
         port = sock.getsockname()[1]
     conn = connect(("127.0.0.1", port), read_timeout=60)
     started = time.monotonic()
-    with conn.bounded_by(Deadline(1.0)), pytest.raises(RendezvousConnectionError) as info:
-        conn.get("/k")
+    with pytest.raises(RendezvousConnectionError) as info:
+        conn.get("/k", deadline=Deadline(1.0))
     assert time.monotonic() - started < 3
     assert f"127.0.0.1:{port}" in str(info.value)
 

@@ -21,7 +21,7 @@ from etcd_rendezvous._transport.interface import (
     WatchHistoryLostError,
     WatchStream,
 )
-from etcd_rendezvous._transport.retry import Deadline
+from etcd_rendezvous.api import Deadline
 from etcd_rendezvous.etcd_cluster import EtcdCluster
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.etcd_requests import counter, read_metrics
@@ -63,7 +63,7 @@ def drain(stream: WatchStream, count: int, timeout: float = 10.0) -> list[Node]:
     deadline = Deadline(timeout)
     changes: list[Node] = []
     while len(changes) < count:
-        change = stream.next(deadline.remaining())
+        change = stream.next(deadline)
         if change is None:
             pytest.fail(f"only {len(changes)} of {count} changes came within {timeout}s")
         changes.append(change)
@@ -99,7 +99,7 @@ def test_watch_stream_delivers_all_writes_made_between_two_nexts(
         for value in "bcdefg":
             writer.set(key, value)
         assert [c.value for c in drain(stream, 6)] == list("bcdefg")
-        assert stream.next(0.2) is None
+        assert stream.next(Deadline(0.2)) is None
     finally:
         stream.close()
 
@@ -111,7 +111,7 @@ def test_watch_stream_waits_for_a_change_made_by_another_thread(
     with conn.watch_stream(key, start.modified_index + 1) as stream:
         thread = threading.Thread(target=writer.set, args=(key, "later"), name="test-writer")
         thread.start()
-        change = stream.next(10)
+        change = stream.next(Deadline(10))
         thread.join(10)
     assert change is not None
     assert (change.action, change.value) == ("set", "later")
@@ -121,7 +121,7 @@ def test_watch_stream_next_returns_none_promptly_on_timeout(conn: Transport, key
     start = conn.set(key, "v")
     with conn.watch_stream(key, start.modified_index + 1) as stream:
         started = time.monotonic()
-        assert stream.next(0.3) is None
+        assert stream.next(Deadline(0.3)) is None
         assert 0.25 <= time.monotonic() - started < 1.3
         assert stream.next_index == start.modified_index + 1
 
@@ -155,7 +155,7 @@ def test_recursive_watch_stream_delivers_changes_below_and_not_beside(
         writer.set(f"{etcd_prefix}/dirsibling/x", "s")
         writer.delete(f"{directory}/a")
         changes = drain(stream, 3)
-        assert stream.next(0.2) is None
+        assert stream.next(Deadline(0.2)) is None
     assert [(c.key, c.value) for c in changes] == [
         (f"{directory}/a", "1"),
         (f"{directory}/sub/b", "2"),
@@ -166,12 +166,11 @@ def test_recursive_watch_stream_delivers_changes_below_and_not_beside(
 # -- deadlines and lifetimes -------------------------------------------------------------
 
 
-def test_watch_stream_next_keeps_to_the_threads_deadline(conn: Transport, key: str) -> None:
+def test_watch_stream_next_keeps_to_its_deadline(conn: Transport, key: str) -> None:
     start = conn.set(key, "v")
     with conn.watch_stream(key, start.modified_index + 1) as stream:
         started = time.monotonic()
-        with conn.bounded_by(Deadline(0.3)):
-            assert stream.next(30) is None
+        assert stream.next(Deadline(0.3)) is None
         assert time.monotonic() - started < 1.3
 
 
@@ -182,7 +181,7 @@ def test_a_closed_watch_stream_refuses_next(conn: Transport, key: str) -> None:
     stream.close()
     assert stream.closed
     with pytest.raises(TransportClosedError, match="watch stream"):
-        stream.next(1)
+        stream.next(Deadline(1))
 
 
 def test_closing_the_transport_ends_its_watch_streams(
@@ -193,7 +192,7 @@ def test_closing_the_transport_ends_its_watch_streams(
     assert drain(stream, 1)[0].value == "v"
     conn.close()
     with pytest.raises(TransportClosedError):
-        stream.next(1)
+        stream.next(Deadline(1))
 
 
 # -- lost history ------------------------------------------------------------------------
@@ -204,7 +203,7 @@ def test_watch_stream_from_a_forgotten_index_raises_history_lost(conn: Transport
     latest = conn.set(key, "v")
     started = time.monotonic()
     with conn.watch_stream(key, 1) as stream, pytest.raises(WatchHistoryLostError) as info:
-        stream.next(10)
+        stream.next(Deadline(10))
     assert time.monotonic() - started < 2
     assert info.value.key == key
     assert info.value.index == 1
@@ -240,10 +239,10 @@ def test_a_stream_that_breaks_after_its_history_was_lost_raises_history_lost(
     forget_history(writer, etcd_server.client_url, f"{etcd_prefix}/other")
     proxy.forward()
     with pytest.raises(WatchHistoryLostError) as info:
-        stream.next(10)
+        stream.next(Deadline(10))
     assert info.value.index == stream.next_index
     with pytest.raises(WatchHistoryLostError):
-        stream.next(1)
+        stream.next(Deadline(1))
     stream.close()
 
 
@@ -322,7 +321,7 @@ def test_closing_a_stream_from_another_thread_wakes_its_blocked_next(
     conn: Transport, key: str
 ) -> None:
     stream = conn.watch_stream(key, conn.set(key, "v").modified_index + 1)
-    blocked = InThread(lambda: stream.next(30), name="test-next")
+    blocked = InThread(lambda: stream.next(Deadline(30)), name="test-next")
     assert stream.next_index > 0
     started = time.monotonic()
     stream.close()
@@ -333,7 +332,7 @@ def test_closing_a_stream_from_another_thread_wakes_its_blocked_next(
 
 def test_closing_the_transport_wakes_a_blocked_next(conn: Transport, key: str) -> None:
     stream = conn.watch_stream(key, conn.set(key, "v").modified_index + 1)
-    blocked = InThread(lambda: stream.next(30), name="test-next")
+    blocked = InThread(lambda: stream.next(Deadline(30)), name="test-next")
     started = time.monotonic()
     conn.close()
     with pytest.raises(TransportClosedError):
@@ -361,7 +360,7 @@ def test_a_stream_rides_out_a_sigstop_of_etcd(
     )
     writes.start()
     started = time.monotonic()
-    assert stream.next(0.5) is None
+    assert stream.next(Deadline(0.5)) is None
     assert time.monotonic() - started < 1.5
     server.resume()
     changes = drain(stream, 3, timeout=30)
@@ -369,7 +368,7 @@ def test_a_stream_rides_out_a_sigstop_of_etcd(
     writer.set(key, "4")
     changes += drain(stream, 1)
     assert [c.value for c in changes] == ["1", "2", "3", "4"]
-    assert stream.next(0.2) is None
+    assert stream.next(Deadline(0.2)) is None
     stream.close()
     assert watch_requests(api, server.client_url) - before == 1
 
@@ -396,7 +395,7 @@ def test_a_stream_moves_to_another_member_when_its_member_dies(
     assert [c.value for c in changes] == [str(i) for i in range(7)]
     indexes = [c.modified_index for c in changes]
     assert indexes == sorted(set(indexes))
-    assert stream.next(0.2) is None
+    assert stream.next(Deadline(0.2)) is None
     stream.close()
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from etcd_rendezvous._transport.interface import Node, Transport
+from etcd_rendezvous.api import Deadline
 
 __all__ = ["each_version", "wait_for_state", "wait_for_value", "wait_until"]
 
@@ -37,7 +38,7 @@ def wait_for_value(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AssertionError(f"{key} never matched; last value: {value!r}")
-        conn.watch(key, conn.last_index + 1, min(remaining, 1.0))
+        conn.watch(key, conn.last_index + 1, Deadline(min(remaining, 1.0)))
 
 
 def wait_for_state(
@@ -66,5 +67,5 @@ def each_version(conn: Transport, key: str, timeout: float = 30.0) -> Iterator[N
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise AssertionError(f"no version of {key} ended the wait in {timeout} s")
-        change = conn.watch(key, node.modified_index + 1, min(remaining, 5.0))
+        change = conn.watch(key, node.modified_index + 1, Deadline(min(remaining, 5.0)))
         node = change if change is not None else conn.get(key)

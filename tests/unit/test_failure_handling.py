@@ -7,6 +7,7 @@ suspended) is tested in ``tests/integration/test_failover.py`` and
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from base64 import b64decode
@@ -14,7 +15,6 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
-import etcd
 import pytest
 
 from etcd_rendezvous._dynamic.periodic import _PeriodicTimer
@@ -26,16 +26,16 @@ from etcd_rendezvous._transport.attempt import (
     transient_answer,
     try_once,
 )
+from etcd_rendezvous._transport.endpoints import Endpoints, Timeouts
 from etcd_rendezvous._transport.interface import (
     CompareFailedError,
     KeyExistsError,
     Node,
     WatchStream,
 )
-from etcd_rendezvous._transport.retry import Deadline
-from etcd_rendezvous._transport.v2_session import _is_transient_server_error
+from etcd_rendezvous._transport.v2_session import ErrorAnswer, transient
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
-from etcd_rendezvous.api import RendezvousConnectionError
+from etcd_rendezvous.api import Deadline, RendezvousConnectionError
 from etcd_rendezvous.etcd_store import EtcdStore, _tagged
 
 # -- what an election answers ------------------------------------------------------------
@@ -69,9 +69,10 @@ def test_answers_after_the_proposal_have_an_unknown_outcome(answer: str) -> None
     assert "http://e:1" in str(error)
 
 
-def _v2_error(cause: str) -> etcd.EtcdException:
+def _v2_error(cause: str) -> ErrorAnswer:
+    """etcd's v2 answer of errorCode 300 with ``cause``, as it comes on the wire."""
     payload = {"errorCode": 300, "message": "Raft Internal Error", "cause": cause, "index": 0}
-    return etcd.EtcdException("Raft Internal Error : " + cause, payload)
+    return ErrorAnswer.read(500, json.dumps(payload).encode())
 
 
 @pytest.mark.parametrize(
@@ -85,12 +86,47 @@ def _v2_error(cause: str) -> etcd.EtcdException:
     ],
 )
 def test_v2_election_answers_are_transient(cause: str) -> None:
-    assert _is_transient_server_error(_v2_error(cause))
+    assert transient(_v2_error(cause))
 
 
 def test_v2_genuine_refusal_stays_an_error() -> None:
     # etcd 3.5 answers code 300 "Not a file" to refreshing a directory's TTL.
-    assert not _is_transient_server_error(_v2_error("Not a file"))
+    assert not transient(_v2_error("Not a file"))
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "code", "retried"),
+    [
+        # The status decides over the errorCode where python-etcd's reading does.
+        (404, {"errorCode": 100, "message": "Key not found", "index": 7}, 100, False),
+        (404, {"message": "no code"}, 100, False),
+        (401, {"message": "Insufficient credentials"}, 110, False),
+        (
+            403,
+            {"errorCode": 110, "message": "The request requires user authentication"},
+            110,
+            False,
+        ),
+        (400, {"errorCode": 301, "message": "Leader Election in progress"}, 301, True),
+        (400, {"errorCode": 400, "message": "watcher is cleared due to etcd recovery"}, 400, True),
+        (403, {"errorCode": 102, "message": "Not a file"}, 102, False),
+        (500, {"message": "etcdserver: request timed out"}, None, True),  # a 5xx without code
+        (400, {"errorCode": 209, "message": "Invalid field"}, 209, False),
+        (503, "service unavailable", None, False),  # not JSON: no status, never retried
+        (404, "404 page not found\n", None, False),  # no v2 API
+    ],
+)
+def test_v2_error_answers_are_read_as_python_etcd_reads_them(
+    status: int, body: dict[str, object] | str, code: int | None, retried: bool
+) -> None:
+    raw = body if isinstance(body, str) else json.dumps(body)
+    answer = ErrorAnswer.read(status, raw.encode())
+    assert (answer.code, transient(answer)) == (code, retried)
+    if isinstance(body, str):
+        assert (answer.status, answer.text) == (None, f"Bad response : {body}")
+    else:
+        assert answer.text == f"{body.get('message')} : {body.get('cause')}"
+        assert answer.index == body.get("index")
 
 
 @pytest.mark.parametrize("message", ["raft proposal dropped", "etcdserver: unhealthy cluster"])
@@ -110,33 +146,52 @@ def conn() -> Iterator[Any]:
     connection.close()
 
 
-def test_an_operation_retries_until_the_callers_deadline_not_read_timeout(conn: Any) -> None:
-    assert 59 < conn._endpoints.budget().remaining() <= 60
-    with conn.bounded_by(Deadline(300)):
-        assert 299 < conn._endpoints.budget().remaining() <= 300
-        assert conn._endpoints.budget(Deadline(2)).remaining() <= 2  # its own, shorter budget
-        with conn.bounded_by(Deadline(5)):  # nested blocks: the earliest wins
-            assert conn._endpoints.budget().remaining() <= 5
-        assert conn.bound(Deadline(1000)).remaining() <= 300
-    assert 59 < conn._endpoints.budget().remaining() <= 60
+class _Clock:
+    """A monotonic clock that moves only when slept on: the deadlines' clock and the
+    failover loop's sleep."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
 
 
-def test_bounded_by_is_per_thread(conn: Any) -> None:
-    seen: list[float] = []
-    with conn.bounded_by(Deadline(1)):
-        thread = threading.Thread(target=lambda: seen.append(conn._endpoints.budget().remaining()))
-        thread.start()
-        thread.join()
-    assert seen[0] > 59
+def _endpoints(count: int, sleep: Any = lambda _: None) -> Endpoints:
+    """The endpoints of a connection to ``count`` ports nothing listens on (read_timeout
+    60 s, request_timeout 3 s)."""
+    addresses = [("127.0.0.1", 9 + i) for i in range(count)]
+    return Endpoints(addresses, "http", "v3", Timeouts(60, 5, 3, 10), sleep)
+
+
+def test_an_operation_retries_until_its_deadline_not_read_timeout() -> None:
+    clock = _Clock()
+    endpoints = _endpoints(1, clock.sleep)
+    tried: list[float] = []
+
+    def send(_endpoint: int, _cap: float | None) -> None:
+        tried.append(clock.now)
+        raise UnsentError("http://127.0.0.1:9: refused")
+
+    with pytest.raises(RendezvousConnectionError):
+        endpoints.operate("read", "/k", send, deadline=Deadline(5.0, clock=clock))
+    assert 5.0 <= clock.now < 6.0  # the caller's deadline, far short of read_timeout
+    assert len(tried) > 2  # retried until then
+    assert tried[-1] >= 5.0  # and once past it
+
+
+def test_an_operation_given_no_deadline_has_read_timeout() -> None:
+    assert 59 < _endpoints(1).deadline(None).remaining() <= 60
+    own = Deadline(300)
+    assert _endpoints(1).deadline(own) is own
 
 
 @pytest.mark.parametrize(("endpoints", "share"), [(1, 0.5), (2, 1 / 3), (3, 0.25), (7, 0.25)])
 def test_attempts_past_the_deadline_share_about_a_second(endpoints: int, share: float) -> None:
-    conn = EtcdV3Connection(
-        [("127.0.0.1", 9 + i) for i in range(endpoints)], read_timeout=60, sleep=lambda _: None
-    )
     caps: list[float | None] = []
-
     tried: list[int] = []
 
     def send(endpoint: int, cap: float | None) -> None:
@@ -144,8 +199,8 @@ def test_attempts_past_the_deadline_share_about_a_second(endpoints: int, share: 
         caps.append(cap)
         raise AmbiguousError("lost")
 
-    with conn, pytest.raises(RendezvousConnectionError), conn.bounded_by(Deadline(0)):
-        conn._endpoints.operate("write", "/k", send)
+    with pytest.raises(RendezvousConnectionError):
+        _endpoints(endpoints).operate("write", "/k", send, deadline=Deadline(0))
     # One attempt per endpoint and one more, each waiting at most its share.
     assert caps == [pytest.approx(share)] * (endpoints + 1)
     assert tried == [i % endpoints for i in range(endpoints + 1)]  # failing over in order
@@ -188,9 +243,6 @@ def test_an_applied_request_carries_its_answer_and_a_permanent_failure_propagate
 
 
 def test_a_refusal_after_a_lost_answer_is_marked_and_the_loop_fails_over() -> None:
-    conn = EtcdV3Connection(
-        [("127.0.0.1", 9), ("127.0.0.1", 10)], read_timeout=60, sleep=lambda _: None
-    )
     tried: list[int] = []
     answers: list[BaseException] = [AmbiguousError("lost"), CompareFailedError("/k", 8)]
 
@@ -198,8 +250,7 @@ def test_a_refusal_after_a_lost_answer_is_marked_and_the_loop_fails_over() -> No
         tried.append(endpoint)
         raise answers.pop(0)
 
-    with conn:
-        done = conn._endpoints.operate("compare-and-swap", "/k", send)
+    done = _endpoints(2).operate("compare-and-swap", "/k", send, deadline=Deadline(60))
     assert (done.outcome, done.after_unknown, tried) == (Outcome.REFUSED, True, [0, 1])
 
 
@@ -212,7 +263,7 @@ def test_the_store_does_not_write_again_when_its_write_may_have_applied(
 ) -> None:
     store = EtcdStore(conn, "/p")
     current = _node(_tagged(b"1"), 5, "get")
-    monkeypatch.setattr(conn, "get", lambda _key: current)
+    monkeypatch.setattr(conn, "get", lambda _key, **_kw: current)
     unknown = CompareFailedError("/k", 9)
     unknown.outcome_unknown = True
     unknown.unknown_because = "etcd no longer holds the history that tells whether it was applied"
@@ -235,7 +286,7 @@ def test_the_store_does_not_write_again_when_its_write_may_have_applied(
 class _Listener(WatchStream):
     woken = 0
 
-    def next(self, timeout: float) -> Node | None:
+    def next(self, deadline: Deadline) -> Node | None:
         return None
 
     def wake(self) -> None:
@@ -243,16 +294,13 @@ class _Listener(WatchStream):
 
 
 def test_moving_to_the_next_endpoint_wakes_the_watch_streams() -> None:
-    conn = EtcdV3Connection(
-        [("127.0.0.1", 9), ("127.0.0.1", 10)], read_timeout=60, sleep=lambda _: None
-    )
+    endpoints = _endpoints(2)
     stream = _Listener("/k", 1, False)
-    with conn:
-        conn._adopt(stream)
-        conn._endpoints.rotate(1)  # not the current endpoint: nothing moves, no one is woken
-        assert stream.woken == 0
-        conn._endpoints.rotate(0)
-        assert (conn._endpoints.pick(), stream.woken) == (1, 1)
+    assert endpoints.adopt(stream)
+    endpoints.rotate(1)  # not the current endpoint: nothing moves, no one is woken
+    assert stream.woken == 0
+    endpoints.rotate(0)
+    assert (endpoints.pick(), stream.woken) == (1, 1)
 
 
 # -- store write tags --------------------------------------------------------------------

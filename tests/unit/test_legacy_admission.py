@@ -45,7 +45,7 @@ from etcd_rendezvous._legacy.state import (
 )
 from etcd_rendezvous._transport.interface import Node
 from etcd_rendezvous._transport.limits import Refusal, Verdict
-from etcd_rendezvous.api import RendezvousStateError, RequestTooLargeError
+from etcd_rendezvous.api import Deadline, RendezvousStateError, RequestTooLargeError
 from etcd_rendezvous.layout import LegacyLayout, new_member_name
 
 LAYOUT = LegacyLayout("/p", "r")
@@ -401,6 +401,10 @@ def test_create_spread_grows_with_workers_and_round_trips_and_is_capped() -> Non
 # -- the state feed -----------------------------------------------------------------------
 
 
+#: The deadline of the feed's requests (the fakes answer at once).
+FOREVER = Deadline.never()
+
+
 class _Stream:
     """A watch stream whose changes the test hands over (``delivered``)."""
 
@@ -408,7 +412,7 @@ class _Stream:
         self.delivered: list[Node] = []
         self.closed = False
 
-    def next(self, timeout: float) -> Node | None:
+    def next(self, deadline: Deadline) -> Node | None:
         return self.delivered.pop(0) if self.delivered else None
 
     def close(self) -> None:
@@ -423,11 +427,11 @@ class _Conn:
         self.reads = 0
         self.streams: list[_Stream] = []
 
-    def get(self, key: str) -> Node:
+    def get(self, key: str, *, deadline: Deadline) -> Node:
         self.reads += 1
         return self.node
 
-    def watch_stream(self, key: str, start_index: int) -> _Stream:
+    def watch_stream(self, key: str, start_index: int, *, deadline: Deadline) -> _Stream:
         assert start_index == 0 or start_index == self.node.etcd_index + 1
         self.streams.append(_Stream())
         return self.streams[-1]
@@ -450,22 +454,22 @@ def test_the_feed_hands_out_the_changes_its_stream_already_delivered() -> None:
     again on a state that is gone: current() takes in what the stream delivered."""
     final = {"status": "final", "version": "1", "participants": [0]}
     feed, conn = _feed(final)
-    assert feed.current().state == final
+    assert feed.current(FOREVER).state == final
     assert len(conn.streams) == 1  # opened from now, before the read
     conn.streams[0].delivered.append(_change(None, 11))
-    assert feed.current().state is None
-    assert feed.current().index == 11
+    assert feed.current(FOREVER).state is None
+    assert feed.current(FOREVER).index == 11
     assert conn.reads == 1
 
 
 def test_a_change_delivered_before_the_wait_counts_as_one() -> None:
     feed, conn = _feed(joinable(1))
-    feed.current()
-    feed.wait(0.0)
+    feed.current(FOREVER)
+    feed.wait(0.0, FOREVER)
     conn.streams[0].delivered.append(_change(joinable(2), 11))
-    assert feed.wait(0.0) is True
-    assert feed.current().state == joinable(2)
-    assert feed.wait(0.0) is False
+    assert feed.wait(0.0, FOREVER) is True
+    assert feed.current(FOREVER).state == joinable(2)
+    assert feed.wait(0.0, FOREVER) is False
 
 
 def test_the_feed_decodes_only_the_newest_of_a_burst() -> None:
@@ -477,11 +481,11 @@ def test_the_feed_decodes_only_the_newest_of_a_burst() -> None:
         return dict(json.loads(node.value or ""))
 
     feed = StateFeed(conn, LAYOUT.state_key, parse)  # type: ignore[arg-type]
-    feed.current()
-    feed.wait(0.0)
+    feed.current(FOREVER)
+    feed.wait(0.0, FOREVER)
     conn.streams[0].delivered.extend(_change(joinable(n), 10 + n) for n in range(2, 6))
-    assert feed.wait(0.0) is True
-    assert feed.current().state == joinable(5)
+    assert feed.wait(0.0, FOREVER) is True
+    assert feed.current(FOREVER).state == joinable(5)
     assert parsed == [10, 15]
 
 
@@ -497,7 +501,7 @@ class _HintConn(_Conn):
         super().__init__(state)
         self.hint: Node | None = None
 
-    def try_get(self, key: str) -> Node | None:
+    def try_get(self, key: str, *, deadline: Deadline) -> Node | None:
         assert key == _HINT_KEY
         return self.hint
 
@@ -509,8 +513,8 @@ def _hint_write(value: str, index: int, action: str = "set") -> Node:
 def _following(state: dict[str, Any]) -> tuple[StateFeed, _HintConn]:
     conn = _HintConn(state)
     feed = StateFeed(conn, LAYOUT.state_key, lambda node: json.loads(node.value or ""))  # type: ignore[arg-type]
-    feed.current()
-    feed.follow_hints(_HINT_KEY)
+    feed.current(FOREVER)
+    feed.follow_hints(_HINT_KEY, FOREVER)
     return feed, conn
 
 
@@ -518,13 +522,13 @@ def test_a_worker_following_the_hint_reads_the_state_only_when_told() -> None:
     feed, conn = _following(joinable(1))
     hints = conn.streams[-1]
     hints.delivered.append(_hint_write(describe(joinable(2), 12, 11).encode(), 13))
-    assert feed.wait(0.0) is True
+    assert feed.wait(0.0, FOREVER) is True
     assert feed.news == describe(joinable(2), 12, 11)
-    assert feed.current().state == joinable(1)  # not read: a hint is not the state
+    assert feed.current(FOREVER).state == joinable(1)  # not read: a hint is not the state
     assert conn.reads == 1
     conn.node = _change(joinable(2), 12)
     conn.node = Node(LAYOUT.state_key, conn.node.value, 12, 1, 14, None, False, (), "get")
-    assert feed.refresh().state == joinable(2)
+    assert feed.refresh(FOREVER).state == joinable(2)
     assert feed.news is None
     assert conn.reads == 2
 
@@ -534,10 +538,10 @@ def test_a_hint_is_never_trusted_over_the_state() -> None:
     later than the hint, the state is what counts, and the hint is dropped."""
     feed, conn = _following(joinable(1))
     conn.streams[-1].delivered.append(_hint_write(describe(joinable(9), 999, 999).encode(), 13))
-    assert feed.wait(0.0) is True
+    assert feed.wait(0.0, FOREVER) is True
     assert feed.news is not None
     conn.node = Node(LAYOUT.state_key, json.dumps(joinable(1)), 10, 1, 14, None, False, (), "get")
-    assert feed.refresh().state == joinable(1)
+    assert feed.refresh(FOREVER).state == joinable(1)
     assert feed.news is None
     assert feed.hint is None
 
@@ -554,22 +558,22 @@ def test_a_hint_is_never_trusted_over_the_state() -> None:
 def test_a_broken_hint_is_ignored(event: Node) -> None:
     feed, conn = _following(joinable(1))
     conn.streams[-1].delivered.append(event)
-    assert feed.wait(0.0) is False
+    assert feed.wait(0.0, FOREVER) is False
     assert feed.news is None
 
 
 def test_silence_doubles_after_reads_that_find_nothing_and_resets_on_news() -> None:
     feed, conn = _following(joinable(1))
     assert SILENCE <= feed.silence <= 1.25 * SILENCE
-    feed.refresh()
+    feed.refresh(FOREVER)
     assert 2 * SILENCE <= feed.silence <= 1.25 * min(2 * SILENCE, SILENCE_MAX)
-    feed.refresh()
+    feed.refresh(FOREVER)
     assert min(4 * SILENCE, SILENCE_MAX) <= feed.silence <= 1.25 * min(4 * SILENCE, SILENCE_MAX)
     for _ in range(5):
-        feed.refresh()
+        feed.refresh(FOREVER)
     assert SILENCE_MAX <= feed.silence <= 1.25 * SILENCE_MAX
     conn.node = Node(LAYOUT.state_key, json.dumps(joinable(2)), 20, 1, 20, None, False, (), "get")
-    feed.refresh()
+    feed.refresh(FOREVER)
     assert SILENCE <= feed.silence <= 1.25 * SILENCE
 
 
@@ -580,7 +584,7 @@ def test_a_frozen_state_is_read_within_half_its_ttl_however_long_the_quiet() -> 
     leaving the other half for the read, the hint and the confirming write."""
     feed, _ = _following(joinable(1))
     for _ in range(20):
-        feed.refresh()  # nothing new, again and again
+        feed.refresh(FOREVER)  # nothing new, again and again
     longest = max(feed.silence for _ in range(2000))
     assert longest <= CONST_ETCD_FROZEN_TTL / 2
 

@@ -48,6 +48,7 @@ BEFORE: dict[str, tuple[str, ...]] = {
         "rendezvous_handler_registry",
     ),
     "etcd_rendezvous.api": (
+        "Deadline",  # added since: the deadline callers pass down
         "RendezvousClosedError",
         "RendezvousConnectionError",
         "RendezvousError",

@@ -27,11 +27,12 @@ from etcd_rendezvous._transport.interface import (
     KeyExistsError,
     KeyNotFoundError,
     Node,
+    OperationRefusedError,
 )
 from etcd_rendezvous._transport.stream import iter_objects
 from etcd_rendezvous._transport.v3 import EtcdV3Connection
 from etcd_rendezvous._transport.v3_watch import _event_node
-from etcd_rendezvous.api import RendezvousConnectionError, RequestTooLargeError
+from etcd_rendezvous.api import Deadline, RendezvousConnectionError, RequestTooLargeError
 from support.v3_gateway import b64
 
 HEADER = {"cluster_id": "1", "member_id": "2", "revision": "7", "raft_term": "3"}
@@ -162,7 +163,10 @@ def test_a_refusal_names_the_endpoint_the_key_and_the_message(replay: Any) -> No
     state, endpoint = replay
     refusal = {"code": 3, "message": "etcdserver: key is not provided", "details": []}
     state.queue("/v3/kv/put", Answer(400, refusal))
-    with connect(endpoint) as conn, pytest.raises(Exception, match="key is not provided") as info:
+    with (
+        connect(endpoint) as conn,
+        pytest.raises(OperationRefusedError, match="key is not provided") as info,
+    ):
         conn.set("/the/key", "v")
     assert f"{endpoint[0]}:{endpoint[1]}" in str(info.value)
     assert "/the/key" in str(info.value)
@@ -268,7 +272,7 @@ def test_created_and_an_event_in_one_chunk(replay: Any) -> None:
     chunk = _message({"created": True}) + _message(_put_event("v1", 8))
     state.queue("/v3/watch", Answer(chunks=[chunk], hold=True))
     with connect(endpoint) as conn:
-        node = conn.watch("/k", 8, timeout=5)
+        node = conn.watch("/k", 8, Deadline(5))
     assert node is not None
     assert (node.value, node.modified_index, node.action) == ("v1", 8, "set")
 
@@ -279,7 +283,7 @@ def test_an_event_split_across_chunks(replay: Any) -> None:
     chunks = [_message({"created": True}), event[:10], event[10:25], event[25:]]
     state.queue("/v3/watch", Answer(chunks=chunks, hold=True))
     with connect(endpoint) as conn:
-        node = conn.watch("/k", 9, timeout=5)
+        node = conn.watch("/k", 9, Deadline(5))
     assert node is not None
     assert node.value == "split value"
 
@@ -299,7 +303,7 @@ def test_a_recursive_watch_skips_siblings_in_its_range(replay: Any) -> None:
     ]
     state.queue("/v3/watch", Answer(chunks=chunks, hold=True))
     with connect(endpoint) as conn:
-        node = conn.watch("/k", 8, timeout=5, recursive=True)
+        node = conn.watch("/k", 8, Deadline(5), recursive=True)
     assert node is not None
     assert (node.key, node.modified_index, node.action) == ("/k/child", 10, "create")
 
@@ -317,7 +321,7 @@ def test_a_compacted_start_revision_returns_none_at_once(replay: Any) -> None:
     canceled = _message({"created": True}) + _message({"canceled": True, "compact_revision": "5"})
     state.queue("/v3/watch", Answer(chunks=[canceled], hold=True))  # etcd keeps it open
     with connect(endpoint) as conn:
-        assert conn.watch("/k", 2, timeout=5) is None
+        assert conn.watch("/k", 2, Deadline(5)) is None
     assert state.paths().count("/v3/watch") == 1
 
 
@@ -333,7 +337,7 @@ def _watch_through_a_refusal(state: Any, endpoint: Any, refusal: Answer) -> None
         Answer(chunks=[_message({"created": True}), _message(_put_event("v", 8))], hold=True),
     )
     with connect(endpoint, username="u", password="p") as conn:
-        node = conn.watch("/k", 8, timeout=5)
+        node = conn.watch("/k", 8, Deadline(5))
     assert node is not None
     assert (node.value, node.modified_index) == ("v", 8)
     assert state.paths().count("/v3/auth/authenticate") == 2
@@ -363,7 +367,7 @@ def test_an_error_object_inside_a_watch_stream_is_retried(replay: Any) -> None:
         Answer(chunks=[_message({"created": True}), _message(_put_event("v", 8))], hold=True),
     )
     with connect(endpoint) as conn:
-        node = conn.watch("/k", 8, timeout=5)
+        node = conn.watch("/k", 8, Deadline(5))
     assert node is not None
     assert state.paths().count("/v3/watch") == 2
 
@@ -529,7 +533,9 @@ def test_recorded_watch_stream(version: str, replay: Any) -> None:
     put_revision = int(json.loads(stream[1])["result"]["header"]["revision"])
     assert created["created"] is True
     with connect(endpoint) as conn:
-        node = conn.watch("/w/", int(created["header"]["revision"]) + 1, timeout=5, recursive=True)
+        node = conn.watch(
+            "/w/", int(created["header"]["revision"]) + 1, Deadline(5), recursive=True
+        )
     assert node is not None
     assert (node.key, node.value, node.action, node.modified_index) == (
         "/w/a",
@@ -546,7 +552,7 @@ def test_recorded_compacted_watch(version: str, replay: Any) -> None:
     state, endpoint = replay
     state.queue("/v3/watch", replayed(version, "watch_compacted"))
     with connect(endpoint) as conn:
-        assert conn.watch("/c", 2, timeout=5) is None
+        assert conn.watch("/c", 2, Deadline(5)) is None
     canceled = json.loads(recorded(version, "watch_compacted")["stream"][1])["result"]
     assert "revision" not in canceled["header"]  # the cancel carries no revision
 
@@ -579,7 +585,7 @@ def test_recorded_watch_permission_denied_is_a_clear_error(version: str, replay:
         connect(endpoint, username="alice", password="pw") as conn,
         pytest.raises(RendezvousConnectionError, match="permission denied"),
     ):
-        conn.watch("/other", 8, timeout=5)
+        conn.watch("/other", 8, Deadline(5))
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -5,15 +5,13 @@ backend keeps it, plus this package's node keys, aggregator lock and progress ke
 docs/how-it-works.rst, section "The dynamic rendezvous".
 
 Every call takes the deadline of the operation that makes it (optional in PyTorch's
-``get_state()`` and ``set_state()``, whose callers never pass one); the requests of a
-call are made in :meth:`EtcdRendezvousBackend._requests`, the one boundary to the
-transport's deadlines.
+``get_state()`` and ``set_state()``, whose callers never pass one) and passes it to each
+of its requests; without one, the connection's ``read_timeout`` bounds each request.
 """
 
 from __future__ import annotations
 
 import binascii
-import contextlib
 import json
 import logging
 import threading
@@ -103,8 +101,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
         *,
         owns_connection: bool = False,
     ) -> None:
-        self._conn = as_transport(client, param="client")
-        self._owns_conn = owns_connection or self._conn is not client
+        conn = as_transport(client, param="client")
+        self._owns_conn = owns_connection or conn is not client
+        self._conn = conn
         self._close_lock = threading.Lock()
         self._closed = False
         # The watch stream on the state key (opened by the first wait_for_change).
@@ -183,14 +182,6 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """The connection the backend sends its requests through."""
         return self._conn
 
-    def _requests(self, deadline: Deadline | None) -> contextlib.AbstractContextManager[None]:
-        """The block in which a call makes its requests: each ends by ``deadline``, etcd
-        failures such as an election retried until then (``None``: by the connection's
-        ``read_timeout``)."""
-        if deadline is None:
-            return contextlib.nullcontext()
-        return self._conn.bounded_by(deadline)
-
     def get_state(self, *, deadline: Deadline | None = None) -> tuple[bytes, Token] | None:
         """Return the state and its token, or ``None`` if there is no state.
 
@@ -204,8 +195,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """
         record_metric("rendezvous.state_reads", backend="etcd-v2")
         try:
-            with self._requests(deadline):
-                node = self._conn.get(self._key)
+            node = self._conn.get(self._key, deadline=deadline)
         except KeyNotFoundError as exc:
             self._note_absent(exc)
             return None
@@ -238,11 +228,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
         value = b64encode(state).decode()
         try:
             # PyTorch's pickle has no room for a tag; equal bytes are an equal state.
-            with self._requests(deadline):
-                if index:
-                    node = self._conn.compare_and_swap(self._key, value, index, ttl=self._ttl)
-                else:
-                    node = self._conn.create(self._key, value, ttl=self._ttl)
+            if index:
+                node = self._conn.compare_and_swap(
+                    self._key, value, index, ttl=self._ttl, deadline=deadline
+                )
+            else:
+                node = self._conn.create(self._key, value, ttl=self._ttl, deadline=deadline)
         except (CompareFailedError, KeyExistsError, KeyNotFoundError):
             return self._current_state(deadline)
         self._observed = (node.modified_index, node.etcd_index)
@@ -277,12 +268,12 @@ class EtcdRendezvousBackend(RendezvousBackend):
                 return None
         rewatch = REWATCH.start(max(0.0, timeout))
         until = rewatch.deadline
-        with self._watch_lock, self._requests(deadline):
+        with self._watch_lock:
             if timeout <= 0 and self._stream is None:
                 return None  # Nothing watched, nothing known: no stream to open for that.
             while True:
                 if self._stream is None:
-                    changed, node = self._open_stream(expected)
+                    changed, node = self._open_stream(expected, deadline)
                     if changed:
                         return None if node is None else self._as_state(node)
                 change = self._next_change(until)
@@ -308,20 +299,19 @@ class EtcdRendezvousBackend(RendezvousBackend):
         same local id: from an earlier attempt whose answer was lost): its TTL is
         restarted and its index returned."""
         key = self._node_key(node)
-        with self._requests(deadline):
-            while True:
-                try:
-                    created = self._conn.create(key, _node_value(node), ttl=ttl)
-                except KeyExistsError:
-                    pass
-                else:
-                    self._node_leases[key] = created.lease
-                    return created.created_index
-                try:
-                    self._node_leases[key] = self._conn.refresh(key, ttl).lease
-                    return self._conn.get(key).created_index
-                except KeyNotFoundError:
-                    continue  # Expired in between: create it again.
+        while True:
+            try:
+                created = self._conn.create(key, _node_value(node), ttl=ttl, deadline=deadline)
+            except KeyExistsError:
+                pass
+            else:
+                self._node_leases[key] = created.lease
+                return created.created_index
+            try:
+                self._node_leases[key] = self._conn.refresh(key, ttl, deadline=deadline).lease
+                return self._conn.get(key, deadline=deadline).created_index
+            except KeyNotFoundError:
+                continue  # Expired in between: create it again.
 
     def refresh_node(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> bool:
         """Restart the TTL of the key of ``node`` (a v3 lease keep-alive); ``False`` if
@@ -329,8 +319,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
         key = self._node_key(node)
         try:
             # Only this node writes its key: on v3 its lease is kept alive without a read.
-            with self._requests(deadline):
-                refreshed = self._conn.refresh(key, ttl, lease=self._node_leases.get(key, 0))
+            lease = self._node_leases.get(key, 0)
+            refreshed = self._conn.refresh(key, ttl, lease=lease, deadline=deadline)
         except KeyNotFoundError:
             self._node_leases.pop(key, None)
             return False
@@ -341,8 +331,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """Delete the key of ``node`` (nothing if it is gone)."""
         key = self._node_key(node)
         self._node_leases.pop(key, None)
-        with self._requests(deadline):
-            self._conn.delete(key)
+        self._conn.delete(key, deadline=deadline)
 
     def mark_leaving(
         self, node: NodeDesc, round_: int, ttl: int, deadline: Deadline | None = None
@@ -354,19 +343,17 @@ class EtcdRendezvousBackend(RendezvousBackend):
         key = self._node_key(node)
         value = _node_value(node, leaving=round_)
         lease = self._node_leases.get(key, 0)
-        with self._requests(deadline):
-            try:
-                written = self._conn.update(key, value, ttl=ttl, lease=lease)
-            except KeyNotFoundError:
-                written = self._conn.set(key, value, ttl=ttl)
+        try:
+            written = self._conn.update(key, value, ttl=ttl, lease=lease, deadline=deadline)
+        except KeyNotFoundError:
+            written = self._conn.set(key, value, ttl=ttl, deadline=deadline)
         self._node_leases[key] = written.lease
 
     def list_nodes(self, deadline: Deadline | None = None) -> list[AnnouncedNode]:
         """The node keys of the run, oldest (lowest created index) first. Keys whose
         names are not spelled as a node key's are left out."""
         try:
-            with self._requests(deadline):
-                listing = self._conn.list_dir(self._nodes.nodes_dir)
+            listing = self._conn.list_dir(self._nodes.nodes_dir, deadline=deadline)
         except KeyNotFoundError:
             return []
         nodes = []
@@ -389,8 +376,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         key = self._listed_keys.get(node)
         if key is None:
             return None
-        with self._requests(deadline):
-            return self._conn.time_to_live(key)
+        return self._conn.time_to_live(key, deadline=deadline)
 
     def remove_expired(self, node: NodeDesc, deadline: Deadline | None = None) -> bool:
         """Delete the key of ``node`` if it is still as the last listing showed it (its
@@ -398,23 +384,21 @@ class EtcdRendezvousBackend(RendezvousBackend):
         listed = self._listed_keys.get(node)
         if listed is None:
             return True
-        with self._requests(deadline):
-            if self._conn.compare_and_delete(listed.key, listed):
-                self._node_leases.pop(listed.key, None)
-                return True
-            return self._conn.try_get(listed.key) is None
+        if self._conn.compare_and_delete(listed.key, listed, deadline=deadline):
+            self._node_leases.pop(listed.key, None)
+            return True
+        return self._conn.try_get(listed.key, deadline=deadline) is None
 
     def aggregator(self, deadline: Deadline | None = None) -> NodeDesc | None:
         """The node holding the aggregator lock (``None``: nobody, or not a node)."""
-        with self._requests(deadline):
-            lock = self._conn.try_get(self._nodes.aggregator_key)
+        lock = self._conn.try_get(self._nodes.aggregator_key, deadline=deadline)
         return None if lock is None else _parse_node(lock)
 
     def claim_aggregator(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> bool:
         """Create the aggregator lock for ``node`` with ``ttl``; ``False`` if it exists."""
         try:
-            with self._requests(deadline):
-                self._conn.create(self._nodes.aggregator_key, _node_value(node), ttl=ttl)
+            value = _node_value(node)
+            self._conn.create(self._nodes.aggregator_key, value, ttl=ttl, deadline=deadline)
         except KeyExistsError:
             return False
         return True
@@ -424,18 +408,16 @@ class EtcdRendezvousBackend(RendezvousBackend):
         is gone or another node's (one request on v2, two on v3, as unconditionally)."""
         key = self._nodes.aggregator_key
         try:
-            with self._requests(deadline):
-                self._conn.compare_and_refresh(key, _node_value(node), ttl)
+            self._conn.compare_and_refresh(key, _node_value(node), ttl, deadline=deadline)
         except (KeyNotFoundError, CompareFailedError):
             return False
         return True
 
     def release_aggregator(self, node: NodeDesc, deadline: Deadline | None = None) -> None:
         """Delete the aggregator lock if ``node`` holds it."""
-        with self._requests(deadline):
-            lock = self._conn.try_get(self._nodes.aggregator_key)
-            if lock is not None and _parse_node(lock) == node:
-                self._conn.compare_and_delete(self._nodes.aggregator_key, lock)
+        lock = self._conn.try_get(self._nodes.aggregator_key, deadline=deadline)
+        if lock is not None and _parse_node(lock) == node:
+            self._conn.compare_and_delete(self._nodes.aggregator_key, lock, deadline=deadline)
 
     # -- the progress key (see etcd_rendezvous._dynamic.progress.ProgressKey) ------------
 
@@ -452,8 +434,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         its next change comes after it (never an older index, which etcd may no longer
         have the history of)."""
         try:
-            with self._requests(deadline):
-                node = self._conn.get(self._nodes.progress_key)
+            node = self._conn.get(self._nodes.progress_key, deadline=deadline)
         except KeyNotFoundError as exc:
             index = exc.etcd_index if exc.etcd_index is not None else self._conn.last_index
             return None, None, index
@@ -492,15 +473,15 @@ class EtcdRendezvousBackend(RendezvousBackend):
     ) -> int | None:
         """Advance the progress key to ``progress`` (see :meth:`Transport.advance`) from
         its modification index ``index``; the write's modification index, or ``None``."""
-        with self._requests(deadline):
-            node = self._conn.advance(
-                self._nodes.progress_key,
-                progress.encode(),
-                holds_newer=lambda held: _holds_summary_since(held, progress),
-                ttl=self._ttl,
-                expected=index,
-                tries=tries,
-            )
+        node = self._conn.advance(
+            self._nodes.progress_key,
+            progress.encode(),
+            holds_newer=lambda held: _holds_summary_since(held, progress),
+            ttl=self._ttl,
+            expected=index,
+            tries=tries,
+            deadline=deadline,
+        )
         return None if node is None else node.modified_index
 
     def wait_progress(
@@ -513,22 +494,22 @@ class EtcdRendezvousBackend(RendezvousBackend):
         that read (not from ``after`` again: that history is gone for good)."""
         until = Deadline(max(timeout, 0.0))
         key = self._nodes.progress_key
-        with self._watch_lock, self._requests(deadline):
+        with self._watch_lock:
             if self._progress_stream is None:
-                self._progress_stream = self._conn.watch_stream(key, after + 1)
+                self._progress_stream = self._conn.watch_stream(key, after + 1, deadline=deadline)
             stream = self._progress_stream
             changes: list[tuple[Progress | None, int]] = []
             try:
-                change = stream.next(until.remaining())
+                change = stream.next(until)
                 while change is not None:
                     value = None if change.action in DELETE_ACTIONS else change.value
                     changes.append((Progress.decode(value), change.modified_index))
-                    change = stream.next(0.0)
+                    change = stream.next(Deadline(0.0))
             except WatchHistoryLostError:
                 self._progress_stream = None
                 stream.close()
                 progress, version, index = self.read_progress(deadline)
-                self._progress_stream = self._conn.watch_stream(key, index + 1)
+                self._progress_stream = self._conn.watch_stream(key, index + 1, deadline=deadline)
                 return [(progress, version if version is not None else index)]
             except BaseException:
                 self._progress_stream = None
@@ -544,8 +525,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
         Raises:
             RequestTooLargeError: etcd refused it for its size.
         """
-        with self._requests(deadline):
-            self._conn.check_size(self._nodes.nodes_dir, size)
+        self._conn.check_size(self._nodes.nodes_dir, size, deadline=deadline)
 
     def stop_waiting(self) -> None:
         """Close the watches of the state and of the progress key (reopened on demand)."""
@@ -560,15 +540,18 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     # -- internals ------------------------------------------------------------------------
 
-    def _open_stream(self, expected: int | None) -> tuple[bool, Node | None]:
+    def _open_stream(
+        self, expected: int | None, deadline: Deadline | None
+    ) -> tuple[bool, Node | None]:
         """Open the watch stream from right after the state ``expected`` (its token;
-        ``None``: no state) was seen. If that takes a read, and the read shows that the
-        state changed, return ``(True, the new node or None if deleted)`` instead."""
+        ``None``: no state) was seen, its requests by ``deadline``. If that takes a read,
+        and the read shows that the state changed, return ``(True, the new node or None
+        if deleted)`` instead."""
         observed = self._observed
         if observed is None or observed[0] != expected:
             node: Node | None = None
             try:
-                node = self._conn.get(self._key)
+                node = self._conn.get(self._key, deadline=deadline)
             except KeyNotFoundError as exc:
                 self._note_absent(exc)
             else:
@@ -576,7 +559,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
             observed = self._observed
             if observed is None or observed[0] != expected:
                 return True, node
-        self._stream = self._conn.watch_stream(self._key, observed[1] + 1)
+        self._stream = self._conn.watch_stream(self._key, observed[1] + 1, deadline=deadline)
         return False, None
 
     def _next_change(self, deadline: Deadline) -> Node | None:
@@ -589,9 +572,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return None
         change = None
         try:
-            newest = stream.next(deadline.remaining())
+            newest = stream.next(deadline)
             while newest is not None:
-                change, newest = newest, stream.next(0.0)
+                change, newest = newest, stream.next(Deadline(0.0))
         except WatchHistoryLostError:
             self._drop_stream()
             self._observed = None
@@ -742,12 +725,11 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     )
     try:
         # Fail early, as PyTorch's client does when it connects: one read of the key.
-        with backend._requests(deadline):
-            conn.try_get(backend.key)
-            if params.get("username") is not None:
-                # A user whose role misses the store (shared by all runs, so easily
-                # forgotten) learns it now, before the rendezvous writes anything.
-                conn.check_writable(ETCD_V2_STORE_PREFIX)
+        conn.try_get(backend.key, deadline=deadline)
+        if params.get("username") is not None:
+            # A user whose role misses the store (shared by all runs, so easily
+            # forgotten) learns it now, before the rendezvous writes anything.
+            conn.check_writable(ETCD_V2_STORE_PREFIX, deadline=deadline)
     except BaseException:
         backend.close()
         raise

@@ -26,7 +26,7 @@ from .._transport.interface import (
     WatchHistoryLostError,
     WatchStream,
 )
-from .._transport.retry import Deadline
+from ..api import Deadline
 from .state import CONST_ETCD_FROZEN_TTL, LOGGER_NAME, Hint, read_state, status_in
 
 __all__ = ["SILENCE", "SILENCE_MAX", "Observed", "StateFeed"]
@@ -161,51 +161,58 @@ class StateFeed:
         read it at once."""
         return self._silence * (1.0 + _JITTER * secrets.randbelow(1 << 10) / (1 << 10))
 
-    def current(self) -> Observed:
-        """The latest state known: read from etcd on first use and after an error, else
-        the newest change the stream already delivered, without waiting.
+    def current(self, deadline: Deadline) -> Observed:
+        """The latest state known: read from etcd on first use and after an error (by
+        ``deadline``), else the newest change the stream already delivered, without
+        waiting.
 
         Taking in what was delivered matters: a caller that went round without waiting
         (it read the key itself and found it changed or gone) would otherwise decide
         again and again on a state that no longer exists.
         """
         if self._latest is None:
-            return self._restart()
+            return self._restart(deadline)
         if self._stream is not None:
-            self._receive(0.0)
-        return self._latest if self._latest is not None else self._restart()
+            self._receive(Deadline(0.0), deadline)
+        return self._latest if self._latest is not None else self._restart(deadline)
 
-    def note(self, node: Node) -> Observed:
-        """Take in ``node``, the answer to our own write of the state key."""
+    def note(self, node: Node, deadline: Deadline) -> Observed:
+        """Take in ``node``, the answer to our own write of the state key (see
+        :meth:`current` for ``deadline``)."""
         self._take(Observed(node, self._parse(node), node.modified_index), node.etcd_index)
-        return self.current()
+        return self.current(deadline)
 
-    def wait(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for a change newer than the latest state (or a
-        hint of one); take in every change already delivered. Returns whether there was
-        one."""
+    def wait(self, seconds: float, deadline: Deadline) -> bool:
+        """Wait at most ``seconds``, and no later than ``deadline``, for a change newer than
+        the latest state (or a hint of one); take in every change already delivered.
+        Returns whether there was one. Its requests (opening the stream, reading the
+        state) end by ``deadline``."""
         if self._stream is None:
             if self._hint_key is not None:
-                self._open_hints()
+                self._open_hints(deadline)
             elif self._latest is None:
-                self._restart()  # (not current(): what it took in would not count as a change)
+                # (not current(): what it took in would not count as a change)
+                self._restart(deadline)
             if self._stream is None:  # (after lost history, or on the hint key's)
-                self._stream = self._conn.watch_stream(self._key, self._seen_at + 1)
-        return self._receive(max(0.0, timeout))
+                self._stream = self._conn.watch_stream(
+                    self._key, self._seen_at + 1, deadline=deadline
+                )
+        return self._receive(deadline.earliest(max(0.0, seconds)), deadline)
 
-    def follow_hints(self, hint_key: str) -> None:
+    def follow_hints(self, hint_key: str, deadline: Deadline) -> None:
         """From now on follow ``hint_key`` (a version's ``progress`` key) instead of the
-        state: the state last seen is kept, and read again only by :meth:`refresh`."""
+        state: the state last seen is kept, and read again only by :meth:`refresh`.
+        Its requests end by ``deadline``."""
         if self._hint_key == hint_key and self._stream is not None:
             return
         if self._latest is None:
-            self.current()
+            self.current(deadline)
         self._close_stream()
         if self._hint_key != hint_key:
             self._hint, self._hint_at = None, 0
             self._report, self._report_at = None, 0
         self._hint_key = hint_key
-        self._open_hints()
+        self._open_hints(deadline)
 
     def follow_state(self) -> None:
         """Follow the state key again (the next :meth:`current` reads it)."""
@@ -213,29 +220,28 @@ class StateFeed:
             self._hint_key = None
             self.close()
 
-    def refresh(self) -> Observed:
-        """Read the state now, whatever is followed. A read that finds nothing new makes
-        the next silence longer (see :data:`SILENCE`)."""
+    def refresh(self, deadline: Deadline) -> Observed:
+        """Read the state now (by ``deadline``), whatever is followed. A read that finds
+        nothing new makes the next silence longer (see :data:`SILENCE`)."""
         before = self._latest
         if self._hint_key is None:
-            return self._restart()
-        observed = self._read()
+            return self._restart(deadline)
+        observed = self._read(deadline)
         unchanged = before is not None and observed.index == before.index
         self._silence = min(2 * self._silence, SILENCE_MAX) if unchanged else SILENCE
         return observed
 
-    def _receive(self, timeout: float) -> bool:
-        """Take in the changes the open stream delivers within ``timeout`` seconds (every
-        one already delivered, and at most one wait; of the states, only the newest is
-        decoded); whether there was news. After lost history the state is read again;
-        after any other error the feed is closed."""
+    def _receive(self, until: Deadline, deadline: Deadline) -> bool:
+        """Take in the changes the open stream delivers by ``until`` (every one already
+        delivered, and at most one wait; of the states, only the newest is decoded);
+        whether there was news. After lost history the state is read again (by
+        ``deadline``); after any other error the feed is closed."""
         stream = self._stream
         if stream is None:  # pragma: no cover (callers opened it)
             return False
-        deadline = Deadline(timeout)
         try:
             while True:
-                event = stream.next(deadline.remaining())
+                event = stream.next(until)
                 if event is None:
                     return False
                 if self._take_burst(stream, event):
@@ -246,7 +252,7 @@ class StateFeed:
                 self._close_stream()
                 return False
             before = self._latest
-            return before is None or self._restart().index != before.index
+            return before is None or self._restart(deadline).index != before.index
         except BaseException:
             self.close()
             raise
@@ -257,11 +263,11 @@ class StateFeed:
         whether any of it was news."""
         if self._hint_key is not None:
             news = self._apply(first)
-            while (more := stream.next(0.0)) is not None:
+            while (more := stream.next(Deadline(0.0))) is not None:
                 news = self._apply(more) or news
             return news
         newest = first
-        while (more := stream.next(0.0)) is not None:
+        while (more := stream.next(Deadline(0.0))) is not None:
             newest = more
         return self._apply(newest)
 
@@ -284,24 +290,24 @@ class StateFeed:
         if stream is not None:
             stream.close()
 
-    def _restart(self) -> Observed:
+    def _restart(self, deadline: Deadline) -> Observed:
         """Open the stream from now, then read the state: a stream opened from the
         read's index would, on v2, cost a request per change made since (while many
         workers write the state, that is many). Changes made between the two come in
         both; the stream's copies are older than the read and are ignored."""
         self._close_stream()
         self._hint_key = None
-        self._stream = self._conn.watch_stream(self._key, 0)
+        self._stream = self._conn.watch_stream(self._key, 0, deadline=deadline)
         try:
-            return self._read()
+            return self._read(deadline)
         except BaseException:
             self.close()
             raise
 
-    def _read(self) -> Observed:
+    def _read(self, deadline: Deadline) -> Observed:
         started = time.monotonic()
         try:
-            node = read_state(self._conn, self._key)
+            node = read_state(self._conn, self._key, deadline)
         except KeyNotFoundError as exc:
             at = exc.etcd_index or self._conn.last_index
             observed = Observed(None, None, at)
@@ -312,13 +318,14 @@ class StateFeed:
         self._take(observed, at)
         return observed
 
-    def _open_hints(self) -> None:
-        """Open the stream on the hint key from now. The hint already there is not read:
-        it describes a state we have seen or one the next hint describes better."""
+    def _open_hints(self, deadline: Deadline) -> None:
+        """Open the stream on the hint key from now (by ``deadline``). The hint already
+        there is not read: it describes a state we have seen or one the next hint
+        describes better."""
         key = self._hint_key
         if key is None:  # pragma: no cover (callers set it)
             return
-        self._stream = self._conn.watch_stream(key, 0)
+        self._stream = self._conn.watch_stream(key, 0, deadline=deadline)
 
     def _apply(self, event: Node) -> bool:
         """Take in one change (of the state, or of the hint key); whether it was news."""

@@ -22,8 +22,7 @@ from typing import Any, Protocol
 
 from .._transport.interface import CompareFailedError, KeyNotFoundError, Node, Transport
 from .._transport.limits import Refusal, Verdict
-from .._transport.retry import Deadline
-from ..api import RendezvousError, RendezvousStateError, RequestTooLargeError
+from ..api import Deadline, RendezvousError, RendezvousStateError, RequestTooLargeError
 from ..layout import LegacyLayout, new_member_name, normalize_key
 from ..metrics import record_metric
 from .admission import (
@@ -123,8 +122,9 @@ class BatchJoin:
         return None if self._member is None else self._member.entry.key
 
     def begin(self, deadline: Deadline) -> None:
-        """Start a barrier ending at ``deadline``. The member key of the previous one is
-        left to lapse (its keeper was stopped)."""
+        """Start a barrier ending at ``deadline``: every request of the join, its
+        admissions, confirmations and waits, ends by it. The member key of the previous
+        one is left to lapse (its keeper was stopped)."""
         self._deadline = deadline
         self._member = None
         self._decided = 0
@@ -147,18 +147,18 @@ class BatchJoin:
         Raises:
             RestartAttempt: the version ended, or froze without us (our key is deleted).
         """
-        observed = self._feed.current()
+        observed = self._feed.current(self._deadline)
         members = members_of(observed.state or {}) if observed.status_in(version) else {}
         mine = self._member
         if mine is not None and mine.version == version and mine.entry.name in members:
             return members[mine.entry.name]  # we created the version
         # Hints from before our announce on: none that decides our key is missed.
-        self._feed.follow_hints(self._layout.progress_key(version))
+        self._feed.follow_hints(self._layout.progress_key(version), self._deadline)
         self._announce(version)
         since = time.monotonic()
         while True:
             self.act_on_report(version)
-            observed = self._feed.current()
+            observed = self._feed.current(self._deadline)
             match self._admission_step(version, observed, since):
                 case Admitted(rank):
                     return rank
@@ -196,11 +196,11 @@ class BatchJoin:
         """
         me = self._require_member(version).entry
         version_dir = self._layout.version_dir(version)
-        self._feed.follow_hints(self._layout.progress_key(version))
+        self._feed.follow_hints(self._layout.progress_key(version), self._deadline)
         since = time.monotonic()
         while True:
             self.act_on_report(version)
-            observed = self._feed.current()
+            observed = self._feed.current(self._deadline)
             feed = self._feed
             unheard = feed.silence - feed.silent_for
             quiet = self._quiet(since)
@@ -240,7 +240,7 @@ class BatchJoin:
     def freeze(self, version: str) -> bool:
         """Freeze the joinable ``version`` at the end of the last call, our live members
         confirmed. Returns whether our write won (if not, the state changed: decide again)."""
-        observed = self._feed.current()
+        observed = self._feed.current(self._deadline)
         if observed.status_in(version) != "joinable" or observed.state is None:
             return False
         listed_at, entries = self._list(version)
@@ -263,14 +263,15 @@ class BatchJoin:
             return
         report, written_at = found
         me = self._member.entry
-        observed = self._feed.current()
+        observed = self._feed.current(self._deadline)
         verdict = refusal_verdict(report, written_at, observed, version, me, min_workers=self._min)
         if verdict is Verdict.IGNORE or report.refused is None:
             return
         key = self._layout.progress_key(version)
         if verdict is Verdict.VERIFY:
             try:
-                self._conn.check_size(self._layout.version_dir(version), report.refused.size)
+                version_dir = self._layout.version_dir(version)
+                self._conn.check_size(version_dir, report.refused.size, deadline=self._deadline)
             except RequestTooLargeError:
                 self._rewrite_report(key, report, written_at, report)
             else:
@@ -287,7 +288,10 @@ class BatchJoin:
         the key changed since (a failure is only logged)."""
         try:
             self._conn.advance(
-                key, hint.encode(), holds_newer=lambda stored: stored.modified_index != written_at
+                key,
+                hint.encode(),
+                holds_newer=lambda stored: stored.modified_index != written_at,
+                deadline=self._deadline,
             )
         except RendezvousError as exc:
             logger.info("Could not rewrite the report in %s: %s", key, exc)
@@ -297,7 +301,7 @@ class BatchJoin:
         (see :meth:`act_on_report`): for a worker that follows the state itself (the
         last-call worker)."""
         try:
-            node = self._conn.try_get(self._layout.progress_key(version))
+            node = self._conn.try_get(self._layout.progress_key(version), deadline=self._deadline)
         except RendezvousError as exc:
             logger.info("Could not read the hint of version %s: %s", version, exc)
             return
@@ -325,7 +329,7 @@ class BatchJoin:
             return
         member.keeper.stop()
         try:
-            self._conn.delete(member.entry.key)
+            self._conn.delete(member.entry.key, deadline=self._deadline)
         except RendezvousError as exc:
             logger.info("Could not delete our member key %s (it lapses): %s", member.entry.key, exc)
 
@@ -342,7 +346,7 @@ class BatchJoin:
         # The value says who we are, for operators (``etcd-rendezvous status -v``); no
         # worker reads it.
         who = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})
-        node = self._conn.set(key, who, ttl=CONST_WORKER_KEEPALIVE_TTL)
+        node = self._conn.set(key, who, ttl=CONST_WORKER_KEEPALIVE_TTL, deadline=self._deadline)
         entry = Announced(node.created_index, key.rsplit("/", 1)[1], normalize_key(key))
         self._member = _Member(version, entry, self._keep_alive(key, node.lease))
         logger.info("Announced ourselves in rendezvous version %s as %s", version, key)
@@ -356,7 +360,7 @@ class BatchJoin:
     def _list(self, version: str) -> tuple[int, list[Announced]]:
         """The member keys of ``version`` and the store index at which they were listed
         (every key created at or before it is among them)."""
-        listing = self._conn.list_dir(self._layout.version_dir(version))
+        listing = self._conn.list_dir(self._layout.version_dir(version), deadline=self._deadline)
         progress_key = normalize_key(self._layout.progress_key(version))
         hint = next((c for c in listing.children if normalize_key(c.key) == progress_key), None)
         self._note_report(hint)
@@ -387,7 +391,7 @@ class BatchJoin:
         ``rendezvous.silence_reads``)."""
         if silence:
             record_metric("rendezvous.silence_reads", backend="etcd")
-        observed = self._feed.refresh()
+        observed = self._feed.refresh(self._deadline)
         hint = self._feed.hint
         if (
             relay
@@ -424,7 +428,11 @@ class BatchJoin:
         state = {**write.state, "tag": secrets.token_hex(8)}
         try:
             node = self._conn.compare_and_swap(
-                self._layout.state_key, json.dumps(state), observed.node, ttl=write.ttl
+                self._layout.state_key,
+                json.dumps(state),
+                observed.node,
+                ttl=write.ttl,
+                deadline=self._deadline,
             )
         except (CompareFailedError, KeyNotFoundError):
             logger.debug("Rendezvous state CAS unsuccessful; deciding again")
@@ -434,7 +442,7 @@ class BatchJoin:
             self._report(version, observed, write, listed_at, exc)
             raise
         self._decided = max(self._decided, listed_at)
-        self._feed.note(node)
+        self._feed.note(node, self._deadline)
         self._hint(version, describe(write.state, node.modified_index, self._decided))
         return True
 
@@ -469,7 +477,12 @@ class BatchJoin:
 
         key = self._layout.progress_key(version)
         try:
-            self._conn.advance(key, hint.encode(), holds_newer=lambda node: supersedes(node, hint))
+            self._conn.advance(
+                key,
+                hint.encode(),
+                holds_newer=lambda node: supersedes(node, hint),
+                deadline=self._deadline,
+            )
         except RendezvousError as exc:
             logger.info("Could not write the progress hint of version %s: %s", version, exc)
 
@@ -483,7 +496,7 @@ class BatchJoin:
         remaining = self._deadline.remaining()
         if remaining <= 0:
             raise self._timeout_error()  # (not even a stream opened past the deadline)
-        changed = self._feed.wait(remaining if timeout is None else min(timeout, remaining))
+        changed = self._feed.wait(remaining if timeout is None else timeout, self._deadline)
         if self._deadline.expired():
             raise self._timeout_error()
         return changed

@@ -19,7 +19,7 @@ from .._transport.interface import (
     Transport,
     TransportClosedError,
 )
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from .state import LOGGER_NAME
 
 __all__ = ["LeaseKeeper", "stop_keepers"]
@@ -84,9 +84,9 @@ class LeaseKeeper:
         stop)."""
         interval = self.ttl / 2
         sent = time.monotonic()
-        budget = max(self._alive_until - sent - _LAPSE_MARGIN, _LEAST_ATTEMPT)
+        deadline = Deadline(max(self._alive_until - sent - _LAPSE_MARGIN, _LEAST_ATTEMPT))
         try:
-            node = self._conn.refresh(self.key, self.ttl, timeout=budget, lease=self._lease)
+            node = self._conn.refresh(self.key, self.ttl, lease=self._lease, deadline=deadline)
             self._alive_until = sent + self.ttl
             if self._lease:
                 self._lease = node.lease or self._lease

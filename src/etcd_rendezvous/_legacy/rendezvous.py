@@ -30,8 +30,9 @@ from .._transport.interface import (
     Node,
     Transport,
 )
-from .._transport.retry import CONNECTION, CONTENTION, Deadline, Retry
+from .._transport.retry import CONNECTION, CONTENTION, Retry
 from ..api import (
+    Deadline,
     RendezvousClosedError,
     RendezvousConnectionError,
     RendezvousStateError,
@@ -137,6 +138,8 @@ class EtcdRendezvous:
             and hands it over, as :func:`create_rdzv_handler` does). A connection the
             rendezvous converted from an ``etcd.Client`` is always its own. An owned
             connection is also closed if the constructor raises.
+        deadline: when the constructor's own requests (creating the run's keys, if
+            missing) give up; ``timeout`` from now if not given. Not in PyTorch's class.
 
     The rendezvous is a context manager: leaving the block calls :meth:`close`.
 
@@ -160,6 +163,7 @@ class EtcdRendezvous:
         last_call_timeout: float,
         *,
         owns_connection: bool = False,
+        deadline: Deadline | None = None,
     ) -> None:
         self.client = client
         self._conn = as_transport(client, param="client")
@@ -185,7 +189,7 @@ class EtcdRendezvous:
             self._num_max_workers = num_max_workers
             self._timeout = float(timeout)
             self._last_call_timeout = float(last_call_timeout)
-            self._rendezvous_deadline = Deadline(self._timeout)
+            self._rendezvous_deadline = deadline or Deadline(self._timeout)
             self._feed = StateFeed(self._conn, self._layout.state_key, parse_state)
             # num_workers_waiting()'s own: a stream on the state, kept open between calls
             # while no rendezvous is in progress.
@@ -201,8 +205,7 @@ class EtcdRendezvous:
                 timeout_error=lambda: RendezvousTimeoutError(self._timeout_message()),
             )
             logger.info("etcd endpoints: %s", ", ".join(self._conn.endpoints))
-            with self._conn.bounded_by(self._rendezvous_deadline):
-                self._create_run_keys()
+            self._create_run_keys(self._rendezvous_deadline)
         except BaseException:
             self.close()
             raise
@@ -215,46 +218,47 @@ class EtcdRendezvous:
 
     # -- set-up and tear-down ---------------------------------------------------------
 
-    def _create_run_keys(self) -> None:
-        """Create the run's directories and version counter, if missing.
+    def _create_run_keys(self, deadline: Deadline) -> None:
+        """Create the run's directories and version counter, if missing, by ``deadline``.
 
         Only keys of the run are written: not the prefix's own directory, which v2
         creates with the run's and v3 does not need, so that a user whose role covers
         the run's keys alone can run the job.
         """
         layout = self._layout
-        self._setup_run_dir()
-        self.create_path_if_not_exists(layout.rdzv_dir)
+        self._setup_run_dir(deadline)
+        self.create_path_if_not_exists(layout.rdzv_dir, deadline=deadline)
         # PyTorch's "0" has no room for a tag, and needs none: whoever created it, the
         # counter exists (a create whose answer was lost is recognised by its value).
         with contextlib.suppress(KeyExistsError):
-            self._conn.create(layout.counter_key, "0")
+            self._conn.create(layout.counter_key, "0", deadline=deadline)
 
-    def _setup_run_dir(self) -> None:
+    def _setup_run_dir(self, deadline: Deadline) -> None:
         # Spelled with a trailing "/", as PyTorch's get_path("") spells it.
         run_dir = self._layout.path("")
-        if self._conn.can_refresh_directory_ttl():
-            self.create_path_if_not_exists(run_dir, ttl=CONST_RUNID_SUBROOT_TTL)
+        conn = self._conn
+        if conn.can_refresh_directory_ttl(deadline=deadline):
+            self.create_path_if_not_exists(run_dir, ttl=CONST_RUNID_SUBROOT_TTL, deadline=deadline)
             self.setup_lease_renewal(run_dir, ttl=CONST_RUNID_SUBROOT_TTL)
             return
         # etcd >= 3.5 cannot refresh a directory's TTL: a TTL would delete the whole run
         # (state and store) after two hours, whatever the workers do.
-        if self._conn.mkdir(run_dir):
+        if conn.mkdir(run_dir, deadline=deadline):
             logger.info(
                 "etcd %s cannot refresh directory TTLs; created %s without a TTL "
                 "(delete it once the job is over)",
-                self._conn.server_version(),
+                conn.server_version(deadline=deadline),
                 run_dir,
             )
             return
-        existing = self._conn.get(run_dir)
+        existing = conn.get(run_dir, deadline=deadline)
         if existing.ttl is not None:
             logger.warning(
                 "The run directory %s was created with a TTL (by a PyTorch worker?) and "
                 "this etcd (%s) cannot refresh it: the run's rendezvous state and store "
                 "will be deleted in %d s, when the TTL expires",
                 run_dir,
-                self._conn.server_version(),
+                conn.server_version(deadline=deadline),
                 existing.ttl,
             )
 
@@ -352,11 +356,6 @@ class EtcdRendezvous:
             ),
         )
 
-    def bounded(self) -> contextlib.AbstractContextManager[None]:
-        """A block in which every etcd request ends within the rendezvous ``timeout``
-        from now (see :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by`)."""
-        return self._conn.bounded_by(Deadline(self._timeout))
-
     # -- the barrier ------------------------------------------------------------------
 
     @_records_failure
@@ -401,7 +400,7 @@ class EtcdRendezvous:
             run_id=self._run_id,
             log=logger,
         )
-        with progress, self._conn.bounded_by(self._rendezvous_deadline):
+        with progress:
             try:
                 with timed("rendezvous.time_to_form", backend="etcd"):
                     version, rank, world_size = self._barrier()
@@ -494,7 +493,7 @@ class EtcdRendezvous:
             EtcdRendezvousRetryImmediately: the state changed in a way that calls for a
                 new attempt.
         """
-        observed = self._feed.current()
+        observed = self._feed.current(self._rendezvous_deadline)
         if observed.state is None:
             created = self._create_or_follow()
             if created is None:
@@ -528,21 +527,22 @@ class EtcdRendezvous:
             The version we created (we are admitted to it), or ``None`` if another
             worker created the state.
         """
-        if self._feed.wait(create_spread(self._num_max_workers, self._feed.read_seconds)):
+        spread = create_spread(self._num_max_workers, self._feed.read_seconds)
+        if self._feed.wait(spread, self._rendezvous_deadline):
             return None
         try:
             active_version = self.try_create_rendezvous()
         except KeyExistsError:
             self._await_change()
             return None
-        state = self._feed.note(active_version).state or {}
+        state = self._feed.note(active_version, self._rendezvous_deadline).state or {}
         logger.info("New rendezvous state created: %s", state)
         self._join.publish(str(state["version"]), active_version, state)
         return str(state["version"])
 
     def _await_change(self) -> None:
         """Wait for the state to change, until the rendezvous deadline."""
-        self._feed.wait(self._rendezvous_deadline.remaining())
+        self._feed.wait(self._rendezvous_deadline.remaining(), self._rendezvous_deadline)
         self._check_deadline()
 
     def join_phase(self, expected_version: str) -> tuple[str, int, int]:
@@ -564,7 +564,8 @@ class EtcdRendezvous:
         # and everyone starts over.
         if (
             this_rank == self._num_min_workers - 1
-            and self._feed.current().status_in(expected_version) == "joinable"
+            and self._feed.current(self._rendezvous_deadline).status_in(expected_version)
+            == "joinable"
         ):
             # It keeps the state alive and freezes it: it follows the state itself.
             self._feed.follow_state()
@@ -604,7 +605,7 @@ class EtcdRendezvous:
             self._waiting_as = (expected_version, new_waiter_name(secrets.randbits(64)))
         waiter = self._waiting_as[1]
         key = self._layout.waiter_key(expected_version, waiter)
-        self._conn.set(key, None, ttl=WAITER_TTL)
+        self._conn.set(key, None, ttl=WAITER_TTL, deadline=self._rendezvous_deadline)
         logger.info("Waiting on rendezvous version %s as %s", expected_version, key)
         self._record(
             f"The worker waits for the next rendezvous of run '{self._run_id}': version "
@@ -626,22 +627,29 @@ class EtcdRendezvous:
         # The state is ephemeral until joinable, in case we die half-way through.
         # Its "tag" (which PyTorch's workers ignore) makes the state ours alone: a create
         # whose answer was lost recognises itself, never another worker's setup.
+        deadline = self._rendezvous_deadline
         setup = {"status": "setup", "tag": secrets.token_hex(8)}
         active_version = self._conn.create(
-            self._layout.state_key, json.dumps(setup), ttl=CONST_ETCD_SETUP_TTL
+            self._layout.state_key, json.dumps(setup), ttl=CONST_ETCD_SETUP_TTL, deadline=deadline
         )
-        version, counted = self._next_version()
+        version, counted = self._next_version(deadline)
         version_dir = self._layout.version_dir(version)
-        if not self._conn.mkdir(version_dir):
-            self._check_version_dir(active_version, version, counted)
-        self.create_path_if_not_exists(self._layout.store_dir(version))
+        if not self._conn.mkdir(version_dir, deadline=deadline):
+            self._check_version_dir(active_version, version, counted, deadline)
+        self.create_path_if_not_exists(self._layout.store_dir(version), deadline=deadline)
         opening = self._join.opening_state(version)
         # No tag needed: only the holder of our tagged setup state swaps it for this.
         return self._conn.compare_and_swap(
-            self._layout.state_key, json.dumps(opening.state), active_version, ttl=opening.ttl
+            self._layout.state_key,
+            json.dumps(opening.state),
+            active_version,
+            ttl=opening.ttl,
+            deadline=deadline,
         )
 
-    def _check_version_dir(self, setup: Node, version: str, counted: Node) -> None:
+    def _check_version_dir(
+        self, setup: Node, version: str, counted: Node, deadline: Deadline
+    ) -> None:
         """Tell why the directory of the ``version`` we just counted (``counted``, the
         counter's write) exists already, and raise unless it is ours to use.
 
@@ -657,14 +665,14 @@ class EtcdRendezvous:
                 counter went backwards.
         """
         state_key = self._layout.state_key
-        current = self._conn.try_get(state_key)
+        current = self._conn.try_get(state_key, deadline=deadline)
         if current is None or current.value != setup.value:
             raise EtcdRendezvousRetryableFailure(
                 f"Lost the right to set up version {version}: the setup state {state_key!r} "
                 "lapsed and another worker took over."
             )
         version_dir = self._layout.version_dir(version)
-        made = self._conn.try_get(version_dir)
+        made = self._conn.try_get(version_dir, deadline=deadline)
         if made is not None and made.created_index < counted.modified_index:
             raise RendezvousStateError(
                 f"{version_dir!r} already exists although the version counter "
@@ -674,7 +682,7 @@ class EtcdRendezvous:
         # Our setup state holds: the directory is our own mkdir's, its answer lost.
         logger.info("%s was created by an earlier attempt", version_dir)
 
-    def _next_version(self) -> tuple[str, Node]:
+    def _next_version(self, deadline: Deadline) -> tuple[str, Node]:
         """Increment the version counter; return the new version and the counter's write.
 
         Raises:
@@ -683,7 +691,7 @@ class EtcdRendezvous:
         """
         counter_key = self._layout.counter_key
         try:
-            counter = self._conn.get(counter_key)
+            counter = self._conn.get(counter_key, deadline=deadline)
         except KeyNotFoundError:
             raise RendezvousStateError(
                 f"The rendezvous version counter {counter_key!r} is missing: the run's etcd "
@@ -700,7 +708,7 @@ class EtcdRendezvous:
             # PyTorch's counter has no room for a tag. Only the holder of the setup
             # state (ours, tagged) writes it, so the same value after a lost answer is
             # ours unless our setup state lapsed meanwhile: see _check_version_dir.
-            counted = self._conn.compare_and_swap(counter_key, version, counter)
+            counted = self._conn.compare_and_swap(counter_key, version, counter, deadline=deadline)
         except (CompareFailedError, KeyNotFoundError):
             # Our setup state expired and another worker took over.
             raise EtcdRendezvousRetryableFailure("Lost the right to set up a rendezvous.") from None
@@ -719,7 +727,7 @@ class EtcdRendezvous:
         retry = self._contention_retry()
         while True:
             self._check_deadline()
-            active_version, state = self.get_rdzv_state()
+            active_version, state = self.get_rdzv_state(deadline=self._rendezvous_deadline)
             if state["status"] != "final" or state["version"] != expected_version:
                 raise EtcdRendezvousRetryImmediately
             state["num_workers_waiting"] += 1
@@ -728,7 +736,10 @@ class EtcdRendezvous:
             state["tag"] = secrets.token_hex(8)
             try:
                 return self._conn.compare_and_swap(
-                    active_version.key, json.dumps(state), active_version
+                    active_version.key,
+                    json.dumps(state),
+                    active_version,
+                    deadline=self._rendezvous_deadline,
                 )
             except CompareFailedError:
                 logger.debug("Announce self as waiting CAS unsuccessful, retrying")
@@ -786,7 +797,7 @@ class EtcdRendezvous:
         refreshed_at = float("-inf")
         looked_at = time.monotonic()
         while True:
-            observed = self._feed.current()
+            observed = self._feed.current(self._rendezvous_deadline)
             status = observed.status_in(expected_version)
             if status in ("frozen", "final"):
                 return
@@ -810,7 +821,8 @@ class EtcdRendezvous:
                 looked_at = time.monotonic()
                 self._join.check_reports(expected_version)
                 continue
-            self._feed.wait(min(half_ttl - age, deadline.remaining() + 0.01, SILENCE - looked))
+            wait = min(half_ttl - age, deadline.remaining() + 0.01, SILENCE - looked)
+            self._feed.wait(wait, self._rendezvous_deadline)
             self._check_deadline()
 
     def _refresh_state_ttl(self, active_version: Node) -> None:
@@ -822,24 +834,27 @@ class EtcdRendezvous:
                 active_version.value or "",
                 active_version,
                 ttl=CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
+                deadline=self._rendezvous_deadline,
             )  # the same value: another worker's identical refresh serves as well
         except CompareFailedError:
             logger.debug("Join last-call TTL refresh CAS unsuccessful; the state changed")
             return
-        observed = self._feed.note(node)
+        observed = self._feed.note(node, self._rendezvous_deadline)
         if observed.state is not None and observed.state.get("version") is not None:
             self._join.publish(str(observed.state["version"]), node, observed.state)
 
     # -- the state --------------------------------------------------------------------
 
-    def get_rdzv_state(self) -> tuple[Node, dict[str, Any]]:
-        """Read and validate the current state.
+    def get_rdzv_state(self, *, deadline: Deadline | None = None) -> tuple[Node, dict[str, Any]]:
+        """Read and validate the current state, by ``deadline`` (default: the rendezvous
+        ``timeout`` from now).
 
         Raises:
             KeyNotFoundError: there is no rendezvous state.
             RendezvousStateError: the state is corrupt.
         """
-        active_version = read_state(self._conn, self._layout.state_key)
+        deadline = deadline or Deadline(self._timeout)
+        active_version = read_state(self._conn, self._layout.state_key, deadline)
         state = parse_state(active_version)
         self._last_state = state
         return active_version, state
@@ -852,12 +867,15 @@ class EtcdRendezvous:
         :meth:`rendezvous_barrier` closes the stream (see docs/how-it-works.rst, "Waiting
         in a few requests").
 
+        Its requests end within the rendezvous ``timeout``.
+
         Raises:
             RendezvousStateError: the state is corrupt.
         """
+        deadline = Deadline(self._timeout)
         with self._waiting_lock:
-            self._waiting_feed.wait(0.0)  # (reads the state the first time)
-            state = self._waiting_feed.current().state
+            self._waiting_feed.wait(0.0, deadline)  # (reads the state the first time)
+            state = self._waiting_feed.current(deadline).state
         if state is None or state["status"] != "final":
             return 0
         return int(state["num_workers_waiting"])
@@ -873,7 +891,7 @@ class EtcdRendezvous:
             RendezvousTimeoutError: the rendezvous deadline passed.
         """
         overall = self._rendezvous_deadline.remaining() + 1.0
-        wait = overall if timeout is None else min(timeout, overall)
+        wait = Deadline(overall if timeout is None else min(timeout, overall))
         change = self._conn.watch(self._layout.state_key, etcd_index, wait)
         self._check_deadline()
         if change is not None and change.value is not None and change.action in WRITE_ACTIONS:
@@ -883,7 +901,7 @@ class EtcdRendezvous:
             state = parse_state(node)
             self._last_state = state
             return node, state
-        return self.get_rdzv_state()
+        return self.get_rdzv_state(deadline=self._rendezvous_deadline)
 
     # -- closing the run --------------------------------------------------------------
 
@@ -900,20 +918,16 @@ class EtcdRendezvous:
             RendezvousConnectionError: etcd was unreachable until ``timeout``.
         """
         seconds = self._timeout if timeout is None else timeout
-        with self._conn.bounded_by(Deadline(seconds)):
-            self._close_state(seconds)
-
-    def _close_state(self, timeout: float) -> None:
-        """The compare-and-swap loop of :meth:`set_closed`."""
         key = self._layout.state_key
-        retry = self._race_retry(key, f"close the rendezvous of run {self._run_id!r}", timeout)
+        retry = self._race_retry(key, f"close the rendezvous of run {self._run_id!r}", seconds)
+        deadline = retry.deadline
         while True:
             try:
-                active_version, state = self.get_rdzv_state()
+                active_version, state = self.get_rdzv_state(deadline=deadline)
             except KeyNotFoundError:
                 try:
                     # No tag needed: a closed state means the same whoever wrote it.
-                    self._conn.create(key, json.dumps({"status": "closed"}))
+                    self._conn.create(key, json.dumps({"status": "closed"}), deadline=deadline)
                     self._record_closed()
                     return
                 except KeyExistsError:
@@ -924,7 +938,9 @@ class EtcdRendezvous:
             state["status"] = "closed"
             try:
                 # No tag needed: a closed state is closed whoever closed it.
-                self._conn.compare_and_swap(key, json.dumps(state), active_version)
+                self._conn.compare_and_swap(
+                    key, json.dumps(state), active_version, deadline=deadline
+                )
                 self._record_closed()
                 return
             except (CompareFailedError, KeyNotFoundError):
@@ -950,9 +966,12 @@ class EtcdRendezvous:
         method of the same name: :meth:`~etcd_rendezvous.layout.LegacyLayout.path`)."""
         return self._layout.path(path)
 
-    def create_path_if_not_exists(self, full_path: str, ttl: int | None = None) -> None:
-        """Create directory ``full_path`` (with ``ttl``) unless it exists."""
-        self._conn.mkdir(full_path, ttl=ttl)
+    def create_path_if_not_exists(
+        self, full_path: str, ttl: int | None = None, *, deadline: Deadline | None = None
+    ) -> None:
+        """Create directory ``full_path`` (with ``ttl``) unless it exists, by ``deadline``
+        (default: the rendezvous ``timeout`` from now)."""
+        self._conn.mkdir(full_path, ttl=ttl, deadline=deadline or Deadline(self._timeout))
 
     def store_extra_data(
         self, rdzv_version: str, key: str, value: Any, timeout: float | None = None
@@ -961,43 +980,49 @@ class EtcdRendezvous:
 
         Args:
             timeout: seconds to go on retrying when other workers keep changing the
-                key first; the rendezvous ``timeout`` if ``None``.
+                key first, and etcd failures; the rendezvous ``timeout`` if ``None``.
 
         Raises:
             RendezvousTimeoutError: the key could not be written within ``timeout``.
         """
         node = self._layout.extra_data_key(rdzv_version)
         encoded = json.dumps({key: value})
+        retry = self._race_retry(node, f"store {key!r}", timeout)
+        deadline = retry.deadline
         try:
             # No tag needed: a value holding our key and value is what we want stored.
-            self._conn.create(node, encoded)
+            self._conn.create(node, encoded, deadline=deadline)
             return
         except KeyExistsError:
             pass
-        retry = self._race_retry(node, f"store {key!r}", timeout)
         while True:
-            extra_data = self._conn.get(node)
+            extra_data = self._conn.get(node, deadline=deadline)
             data = self._decode_extra_data(extra_data)
             data[key] = value
             try:
                 # No tag needed, as for the create: a value holding our key is ours.
-                self._conn.compare_and_swap(node, json.dumps(data), extra_data)
+                self._conn.compare_and_swap(node, json.dumps(data), extra_data, deadline=deadline)
                 return
             except CompareFailedError:
                 logger.debug("Store extra_data CAS unsuccessful, retrying")
                 retry.wait()
 
     def load_extra_data(self, rdzv_version: str, key: str, timeout: float | None = None) -> Any:
-        """Return ``key`` from the version's ``extra_data``, waiting until it is stored.
+        """Return ``key`` from the version's ``extra_data``, waiting until it is stored
+        (for ever if ``timeout`` is ``None``). Each read gives up after the connection's
+        ``read_timeout`` of etcd failures.
 
         Raises:
             RendezvousTimeoutError: ``key`` was not stored within ``timeout`` seconds.
+            RendezvousConnectionError: etcd was unreachable for ``read_timeout``.
         """
         node = self._layout.extra_data_key(rdzv_version)
         deadline = Deadline.never() if timeout is None else Deadline(timeout)
         while True:
             try:
-                extra_data = self._conn.get(node)
+                extra_data = self._conn.get(
+                    node, deadline=deadline.earliest(self._conn.read_timeout)
+                )
             except KeyNotFoundError as exc:
                 index = (exc.etcd_index or self._conn.last_index) + 1
             else:
@@ -1009,7 +1034,7 @@ class EtcdRendezvous:
                 raise RendezvousTimeoutError(
                     f"Key {key!r} was not stored in {node!r} within {timeout} s."
                 )
-            self._conn.watch(node, index, min(deadline.remaining(), 60.0))
+            self._conn.watch(node, index, deadline.earliest(60.0))
 
     @staticmethod
     def _decode_extra_data(node: Node) -> dict[str, Any]:

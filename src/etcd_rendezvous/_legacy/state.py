@@ -16,7 +16,7 @@ from typing import Any
 
 from .._transport.interface import Node, Transport
 from .._transport.limits import Refusal
-from ..api import RendezvousStateError
+from ..api import Deadline, RendezvousStateError
 from ..metrics import record_metric
 
 __all__ = [
@@ -103,14 +103,15 @@ def _state_problem(state: Any) -> str | None:
     return None
 
 
-def read_state(conn: Transport, key: str) -> Node:
-    """Read the state key ``key`` (one request, counted as ``rendezvous.state_reads``).
+def read_state(conn: Transport, key: str, deadline: Deadline) -> Node:
+    """Read the state key ``key`` by ``deadline`` (one request, counted as
+    ``rendezvous.state_reads``).
 
     Raises:
         KeyNotFoundError: there is no state (``etcd_index`` tells when).
     """
     record_metric("rendezvous.state_reads", backend="etcd")
-    return conn.get(key)
+    return conn.get(key, deadline=deadline)
 
 
 def parse_state(node: Node) -> dict[str, Any]:

@@ -33,8 +33,7 @@ from .._transport.interface import (
     WatchStream,
 )
 from .._transport.limits import Refusal
-from .._transport.retry import Deadline
-from ..api import RendezvousError, RequestTooLargeError
+from ..api import Deadline, RendezvousError, RequestTooLargeError
 from ..layout import LegacyLayout, normalize_key, waiter_name
 from .admission import grace
 from .state import (
@@ -127,7 +126,8 @@ class _FinalVersion:
 
 
 class _Wait:
-    """One worker's wait on a final version (see :func:`await_end_of_final`)."""
+    """One worker's wait on a final version (see :func:`await_end_of_final`), whose
+    requests end by ``deadline``."""
 
     def __init__(
         self,
@@ -137,8 +137,10 @@ class _Wait:
         parse: Callable[[Node], dict[str, Any]],
         on_lapse: Callable[[str], None],
         me: str | None,
+        deadline: Deadline,
     ) -> None:
         self._conn = conn
+        self._deadline = deadline
         self._layout = layout
         self._version = version
         self._parse = parse
@@ -161,13 +163,14 @@ class _Wait:
         Raises:
             KeyNotFoundError: there is no state.
         """
-        node = read_state(self._conn, self._layout.state_key)
+        node = read_state(self._conn, self._layout.state_key, self._deadline)
         final = _FinalVersion(node, self._parse(node), self._version)
         if not final.ongoing:
             return False
         self.final = final
         try:
-            listing = self._conn.list_dir(self._layout.version_dir(self._version)).children
+            version_dir = self._layout.version_dir(self._version)
+            listing = self._conn.list_dir(version_dir, deadline=self._deadline).children
         except KeyNotFoundError:
             listing = ()
         for child in listing:
@@ -178,9 +181,10 @@ class _Wait:
             return False
         return True
 
-    def follow(self, stream: WatchStream, deadline: Deadline) -> bool:
+    def follow(self, stream: WatchStream) -> bool:
         """Count and take in the changes below ``rdzv/`` until the version ended
-        (``True``) or ``deadline`` passed (``False``)."""
+        (``True``) or the deadline passed (``False``)."""
+        deadline = self._deadline
         while not deadline.expired():
             final = self.final
             if final is None:  # pragma: no cover (observe() set it)
@@ -194,8 +198,7 @@ class _Wait:
             if due == 0.0:
                 self._count(final)
                 due = None
-            wait = deadline.remaining() if due is None else min(due, deadline.remaining())
-            event = stream.next(wait)
+            event = stream.next(deadline if due is None else deadline.earliest(due))
             if event is not None and self._take(event):
                 return True
         return False
@@ -237,7 +240,9 @@ class _Wait:
         # count write different values, so a retry takes only its own swap as applied.
         counting = {**counting, "tag": secrets.token_hex(8)}
         try:
-            node = self._conn.compare_and_swap(final.node.key, json.dumps(counting), final.node)
+            node = self._conn.compare_and_swap(
+                final.node.key, json.dumps(counting), final.node, deadline=self._deadline
+            )
         except (CompareFailedError, KeyNotFoundError):
             logger.debug("Counting the waiting workers lost a race; deciding again")
             self._lost_at = final.node.modified_index
@@ -270,6 +275,7 @@ class _Wait:
                 self._layout.progress_key(self._version),
                 report.encode(),
                 holds_newer=lambda node: supersedes(node, report),
+                deadline=self._deadline,
             )
         except RendezvousError as exc:
             logger.info("Could not report the refused count of version %s: %s", self._version, exc)
@@ -293,7 +299,7 @@ class _Wait:
         if final is None:  # pragma: no cover
             return
         self._on_lapse(lapsed)
-        if self._conn.compare_and_delete(final.node.key, final.node):
+        if self._conn.compare_and_delete(final.node.key, final.node, deadline=self._deadline):
             logger.info("Destroyed rendezvous version %s successfully.", self._version)
 
 
@@ -319,18 +325,19 @@ def await_end_of_final(
         the error of ``timeout_error``: ``deadline`` passed first.
     """
     while True:
-        wait = _Wait(conn, layout, version, parse, on_lapse, waiter)
+        wait = _Wait(conn, layout, version, parse, on_lapse, waiter, deadline)
         # The stream first, from now, then the reads: a stream opened from the index of
         # a read would, on v2, cost a request per change made since (many workers are
         # announcing themselves just then). Changes between the two are in both.
         try:
-            with conn.watch_stream(layout.rdzv_dir, 0, recursive=True) as stream:
+            stream = conn.watch_stream(layout.rdzv_dir, 0, recursive=True, deadline=deadline)
+            with stream:
                 try:
                     if not wait.observe():
                         return
                 except KeyNotFoundError:
                     return  # the state is gone: the version ended
-                if wait.follow(stream, deadline):
+                if wait.follow(stream):
                     return
         except WatchHistoryLostError:
             logger.info("etcd no longer holds the changes below %s; reading again", layout.rdzv_dir)

@@ -1,6 +1,7 @@
 """One request and what became of it: the :class:`Outcome` and :class:`Attempt` that the
 failover loop (:meth:`~etcd_rendezvous._transport.endpoints.Endpoints.operate`) reads,
-:func:`try_once`, which makes them, and the classification of etcd's transient answers.
+:func:`try_once`, which makes them, the classification of etcd's transient answers, and
+:func:`settled`, what a conditional write whose answer was lost became.
 See docs/etcd-v3.rst, section "Inside the transport".
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from ..api import RequestTooLargeError
-from .interface import ConditionError
+from .interface import ConditionError, Node
 
 __all__ = [
     "ELECTION_MARKERS",
@@ -20,6 +21,7 @@ __all__ = [
     "Attempt",
     "Outcome",
     "UnsentError",
+    "settled",
     "transient_answer",
     "try_once",
 ]
@@ -130,3 +132,26 @@ def transient_answer(endpoint: str, text: str) -> Exception:
     if any(marker in text.lower() for marker in _REJECTED_MARKERS):
         return UnsentError(f"{endpoint}: {text}")
     return AmbiguousError(f"{endpoint}: {text}")
+
+
+def settled(
+    refusal: ConditionError | RequestTooLargeError, value: str, change: Node | None, lost: str
+) -> Node:
+    """What became of a conditional write of ``value`` whose answer was lost and whose
+    last copy etcd refused (``refusal``), given ``change``: the first change after the
+    state every copy compared against, as etcd's history tells (``None``: it could not
+    tell, for the reason ``lost``, a clause).
+
+    Returns ``change`` if it is the lost copy: it carries ``value`` (callers make a
+    conditional write's value its own, a tag, or one that means the same whoever wrote
+    it) and is a write, not an expiry. Otherwise raises ``refusal``: the write was not
+    applied, or, if nothing was found, it is marked ``outcome_unknown`` with ``lost``
+    as :attr:`~etcd_rendezvous._transport.interface.ConditionError.unknown_because` (a
+    refusal for the request's size carries no such flags).
+    """
+    if change is not None and change.value == value and change.action != "expire":
+        return change
+    if change is None and isinstance(refusal, ConditionError):
+        refusal.outcome_unknown = True
+        refusal.unknown_because = lost
+    raise refusal

@@ -1,19 +1,18 @@
 """What the v2 and v3 transports share: their options and :class:`Endpoints`, their
-lifetime, the thread's deadline, and the settling of a conditional write whose answer
-was lost (from the key's history). See docs/etcd-v3.rst, section "Inside the transport".
+lifetime, and the settling of a conditional write whose answer was lost (from the key's
+history). See docs/etcd-v3.rst, section "Inside the transport".
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from ..metrics import record_metric
-from .attempt import Attempt, Outcome
+from .attempt import Attempt, Outcome, settled
 from .clock import ServerClock
 from .endpoints import Access, Endpoints, Timeouts
 from .interface import (
@@ -21,7 +20,6 @@ from .interface import (
     DEFAULT_READ_TIMEOUT,
     DEFAULT_REQUEST_TIMEOUT,
     DEFAULT_SILENCE_TIMEOUT,
-    ConditionError,
     KeyNotFoundError,
     Node,
     Transport,
@@ -29,7 +27,6 @@ from .interface import (
     WatchStream,
 )
 from .metering import op_name
-from .retry import Deadline
 
 __all__ = ["Connection"]
 
@@ -92,8 +89,8 @@ class Connection(Transport):
 
     @property
     def read_timeout(self) -> float:
-        """The retry budget of an operation outside :meth:`bounded_by`, and the longest
-        any request may wait for an answer."""
+        """The deadline, from the call, of an operation given none (and the longest any
+        request may wait for an answer)."""
         return self._endpoints.timeouts.read
 
     @property
@@ -150,40 +147,31 @@ class Connection(Transport):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(endpoints={self._endpoints.urls!r})"
 
-    @contextlib.contextmanager
-    def bounded_by(self, deadline: Deadline) -> Iterator[None]:
-        """Bound every operation this thread starts inside the block by ``deadline``
-        (see :meth:`Transport.bounded_by
-        <etcd_rendezvous._transport.interface.Transport.bounded_by>`)."""
-        with self._endpoints.bounded_by(deadline):
-            yield
-
-    def bound(self, deadline: Deadline) -> Deadline:
-        """``deadline``, or this thread's :meth:`bounded_by` deadline if earlier."""
-        return self._endpoints.bound(deadline)
+    def _deadline(self, deadline: Deadline | None) -> Deadline:
+        """The deadline of an operation: the caller's, or else ``read_timeout`` from now."""
+        return self._endpoints.deadline(deadline)
 
     # -- waiting ----------------------------------------------------------------------
 
     def watch(
-        self, key: str, index: int, timeout: float, *, recursive: bool = False
+        self, key: str, index: int, deadline: Deadline, *, recursive: bool = False
     ) -> Node | None:
         """Wait for the first change of ``key`` (or below it) at or after ``index`` (see
         :meth:`Transport.watch <etcd_rendezvous._transport.interface.Transport.watch>`)."""
         try:
-            return self._wait_for_change(key, index, timeout, recursive=recursive)
+            return self._wait_for_change(key, index, deadline, recursive=recursive)
         except WatchHistoryLostError:
             return None
 
     @abc.abstractmethod
     def _wait_for_change(
-        self, key: str, index: int, wait: float | Deadline, *, recursive: bool
+        self, key: str, index: int, deadline: Deadline, *, recursive: bool
     ) -> Node | None:
-        """:meth:`watch` for ``wait`` seconds, except that lost history raises
-        :class:`WatchHistoryLostError`; or until ``wait``, a deadline of its own, which
-        the thread's :meth:`bounded_by` deadline does not cap (see :meth:`_lookup_change`).
-        """
+        """:meth:`watch`, except that lost history raises :class:`WatchHistoryLostError`."""
 
-    def first_change_after(self, key: str, index: int) -> Node | None:
+    def first_change_after(
+        self, key: str, index: int, *, deadline: Deadline | None = None
+    ) -> Node | None:
         """The first recorded change of ``key`` after ``index``; ``None`` if etcd no
         longer holds it or did not answer within :meth:`_lookup_deadline`.
 
@@ -191,27 +179,29 @@ class Connection(Transport):
             RendezvousConnectionError: etcd was unreachable.
         """
         try:
-            return self._lookup_change(key, index)
+            return self._lookup_change(key, index, deadline)
         except WatchHistoryLostError:
             return None
 
-    def _lookup_change(self, key: str, index: int) -> Node | None:
+    def _lookup_change(self, key: str, index: int, deadline: Deadline | None) -> Node | None:
         """:meth:`first_change_after`, except that lost history raises
         :class:`WatchHistoryLostError` and an unreachable etcd
         :class:`RendezvousConnectionError`.
 
-        Runs after the thread's :meth:`bounded_by` deadline if need be: it finds out
-        the fate of a write that the failover loop sent after the deadline.
+        Runs past ``deadline`` if need be (see :meth:`_lookup_deadline`): it finds out
+        the fate of a write that the failover loop sent at that deadline.
         """
-        deadline = self._lookup_deadline()
-        return self._wait_for_change(key, index + 1, deadline, recursive=False)
+        lookup = self._lookup_deadline(deadline)
+        return self._wait_for_change(key, index + 1, lookup, recursive=False)
 
-    def _lookup_deadline(self) -> Deadline:
-        """The deadline of a look into a key's history: ``request_timeout`` (within the
-        thread's :meth:`bounded_by` deadline), and never less than
-        :meth:`Endpoints.last_chance
+    def _lookup_deadline(self, deadline: Deadline | None) -> Deadline:
+        """The deadline of a look into a key's history for an operation ending at
+        ``deadline``: ``request_timeout`` at most, by ``deadline`` if it leaves time, and
+        never less than :meth:`Endpoints.last_chance
         <etcd_rendezvous._transport.endpoints.Endpoints.last_chance>`."""
-        within = self.bound(Deadline(self._endpoints.timeouts.request)).remaining()
+        within = self._endpoints.timeouts.request
+        if deadline is not None:
+            within = min(within, deadline.remaining())
         return Deadline(max(within, self._endpoints.last_chance()))
 
     # -- what a write answers ---------------------------------------------------------
@@ -224,24 +214,23 @@ class Connection(Transport):
         self._last_index = max(self._last_index, revision)
 
     def _settle(
-        self, what: str, key: str, value: str, since: int | None, done: Attempt[Node]
+        self,
+        what: str,
+        key: str,
+        value: str,
+        since: int | None,
+        done: Attempt[Node],
+        deadline: Deadline,
     ) -> Node:
-        """The result of a conditional write whose last copy etcd answered (``done``).
+        """The result of a conditional write whose last copy etcd answered (``done``),
+        sent until ``deadline``.
 
-        If an earlier copy's answer was lost and the last copy was refused, the earlier
-        copy may be the reason: every copy compared against the same state (``since``,
-        the modification index compared against; ``None`` for a create), so the first
-        change after that state is decisive. It is ours if it carries ``value``: callers
-        make each conditional write's value its own (a tag), or write values whose
-        meaning is the same whoever wrote them (see :doc:`how-it-works`). If etcd no
-        longer holds that change, or it could not be read in time (even past the
-        thread's deadline, see :meth:`_lookup_change`), the refusal is raised with
-        ``outcome_unknown`` set and ``unknown_because`` saying which.
-
-        A refusal for the request's size (a
-        :class:`~etcd_rendezvous.api.RequestTooLargeError`) is settled the same way: a
-        member whose ``--max-request-bytes`` is larger (during a rolling change of the
-        flag) may have applied the lost copy.
+        If an earlier copy's answer was lost and the last copy was refused (for its
+        state, or its size), the earlier copy may be the reason: every copy compared
+        against the same state (``since``, the modification index compared against;
+        ``None`` for a create), so the first change after that state, looked up even
+        past ``deadline`` (see :meth:`_lookup_change`), decides (see
+        :func:`~etcd_rendezvous._transport.attempt.settled`).
         """
         if not done.after_unknown:
             return self._note_index(done.unwrap())
@@ -253,7 +242,7 @@ class Connection(Transport):
             return self._note_index(done.unwrap())
         refusal = done.unwrap_refusal()
         try:
-            change = self._change_to_examine(key, since)
+            change = self._change_to_examine(key, since, deadline)
             lost = "its history could not be checked in time (etcd slow or unreachable)"
         except WatchHistoryLostError:
             change = None
@@ -264,17 +253,16 @@ class Connection(Transport):
         except RendezvousConnectionError as exc:
             change = None
             lost = f"its history could not be checked ({str(exc).rstrip('.')})"
-        if change is not None and change.value == value and change.action != "expire":
-            logger.info("%s of %s was applied by an earlier attempt", what, key)
-            record_metric("transport.outcome_resolved", op=op, result="applied")
-            return self._note_index(change)
-        record_metric("transport.outcome_resolved", op=op, result="not_applied")
-        if change is None and isinstance(refusal, ConditionError):
-            refusal.outcome_unknown = True
-            refusal.unknown_because = lost
-        raise refusal
+        try:
+            ours = settled(refusal, value, change, lost)
+        except BaseException:
+            record_metric("transport.outcome_resolved", op=op, result="not_applied")
+            raise
+        logger.info("%s of %s was applied by an earlier attempt", what, key)
+        record_metric("transport.outcome_resolved", op=op, result="applied")
+        return self._note_index(ours)
 
-    def _change_to_examine(self, key: str, since: int | None) -> Node | None:
+    def _change_to_examine(self, key: str, since: int | None, deadline: Deadline) -> Node | None:
         """The first change after ``since`` (for a create: the one that made the key's
         current version); ``None`` if etcd did not answer in time.
 
@@ -284,9 +272,9 @@ class Connection(Transport):
             RendezvousConnectionError: etcd was unreachable.
         """
         if since is not None:
-            return self._lookup_change(key, since)
+            return self._lookup_change(key, since, deadline)
         # A create: look at how the key's current version came to be.
-        current = self.get(key)
+        current = self.get(key, deadline=deadline)
         if current.created_index == current.modified_index:
             return current  # not changed since it was created
-        return self._lookup_change(key, current.created_index - 1)
+        return self._lookup_change(key, current.created_index - 1, deadline)

@@ -16,9 +16,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from .interface import ETCD_APIS, ConnectionOptions, Transport
-from .retry import Deadline
 from .v2 import EtcdConnection
 from .v3 import EtcdV3Connection
 
@@ -84,9 +83,9 @@ def open_transport(
     api = check_etcd_api(etcd_api)
     probe = EtcdV3Connection(endpoints, **options)
     try:
-        budget = deadline if deadline is not None else Deadline(probe.connect_timeout)
-        version, serves_v2 = probe.probe(budget)
-        _check_served(probe, api, version, serves_v2, budget)
+        deadline = deadline if deadline is not None else Deadline(probe.connect_timeout)
+        version, serves_v2 = probe.probe(deadline)
+        _check_served(probe, api, version, serves_v2, deadline)
         chosen = api if api != "auto" else "v2" if serves_v2 else "v3"
     except BaseException:
         probe.close()
@@ -105,7 +104,7 @@ def open_transport(
 
 
 def _check_served(
-    probe: EtcdV3Connection, api: str, version: str, serves_v2: bool, budget: Deadline
+    probe: EtcdV3Connection, api: str, version: str, serves_v2: bool, deadline: Deadline
 ) -> None:
     """Refuse an ``etcd_api`` the server does not serve, naming the option and version."""
     endpoint = ", ".join(probe.endpoints)
@@ -115,7 +114,7 @@ def _check_served(
             "(etcd 3.6 removed it; 3.4/3.5 serve it only with --enable-v2). Use "
             "etcd_api=v3 or auto."
         )
-    if api == "v3" and not probe.gateway_available(budget):
+    if api == "v3" and not probe.gateway_available(deadline):
         raise RendezvousConnectionError(
             f"etcd_api=v3, but etcd {version} at {endpoint} does not serve the v3 API's "
             "JSON gateway (etcd 3.4 or later does, unless started with "

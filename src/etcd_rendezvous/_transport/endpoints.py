@@ -1,6 +1,6 @@
 """The endpoints of one connection and its failover state: which endpoint requests go
-to, when each last answered, the deadline of the calling thread, and the failover loop
-that sends one request after another until etcd answers or the deadline passes.
+to, when each last answered, and the failover loop that sends one request after another
+until etcd answers or the operation's deadline passes.
 
 A connection owns one :class:`Endpoints` and hands it to its watch streams, which
 re-arm on the endpoint it picks. See docs/etcd-v3.rst, section "Inside the transport".
@@ -8,22 +8,23 @@ re-arm on the endpoint it picks. See docs/etcd-v3.rst, section "Inside the trans
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from ..api import RendezvousConnectionError
+import urllib3
+
+from ..api import Deadline, RendezvousConnectionError
 from ..metrics import MetricKind, record_metric
 from .attempt import Attempt, Outcome, try_once
 from .interface import TransportClosedError, WatchStream
 from .metering import op_name
-from .retry import CONNECTION, Deadline
+from .retry import CONNECTION
 
 __all__ = ["Access", "Endpoints", "Timeouts", "format_host"]
 
@@ -52,6 +53,17 @@ class Access:
     cacert: str | None = None
     username: str | None = None
     password: str | None = None
+
+    def pool(self, endpoints: int, per_endpoint: int) -> urllib3.PoolManager:
+        """A connection's pool of HTTP connections to its ``endpoints`` (keeping
+        ``per_endpoint`` idle connections to each), verifying the server and presenting
+        the client certificate over https, and never re-sending a request."""
+        options: dict[str, Any] = {"retries": False, "maxsize": per_endpoint}
+        if self.protocol == "https":
+            options.update(cert_reqs="CERT_REQUIRED", ca_certs=self.cacert)
+            if self.cert:
+                options.update(cert_file=self.cert, key_file=self.key)
+        return urllib3.PoolManager(num_pools=endpoints, **options)
 
 
 @dataclass(frozen=True)
@@ -99,7 +111,6 @@ class Endpoints:
         #: When each endpoint last answered (``time.monotonic()``; 0: never).
         self._heard = [0.0] * len(self._urls)
         self._closed = False
-        self._scope = threading.local()
         self._streams: weakref.WeakSet[WatchStream] = weakref.WeakSet()
 
     # -- what the connection was given ------------------------------------------------
@@ -153,38 +164,10 @@ class Endpoints:
 
     # -- deadlines --------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def bounded_by(self, deadline: Deadline) -> Iterator[None]:
-        """See :meth:`Transport.bounded_by
-        <etcd_rendezvous._transport.interface.Transport.bounded_by>`."""
-        outer: Deadline | None = getattr(self._scope, "deadline", None)
-        self._scope.deadline = deadline if outer is None else outer.earlier(deadline)
-        try:
-            yield
-        finally:
-            self._scope.deadline = outer
-
-    def bound(self, deadline: Deadline) -> Deadline:
-        """See :meth:`Transport.bound
-        <etcd_rendezvous._transport.interface.Transport.bound>`."""
-        scope: Deadline | None = getattr(self._scope, "deadline", None)
-        return deadline if scope is None else scope.earlier(deadline)
-
-    def budget(self, budget: Deadline | None = None) -> Deadline:
-        """The deadline of one operation: its own budget, capped by the thread's scope;
-        without a budget of its own, the scope's deadline, or else ``read_timeout``."""
-        if budget is not None:
-            return self.bound(budget)
-        scope: Deadline | None = getattr(self._scope, "deadline", None)
-        return scope if scope is not None else Deadline(self._timeouts.read)
-
-    def watch_budget(self, deadline: Deadline) -> Deadline:
-        """How long a watch ending at ``deadline`` retries connection failures: until
-        then inside a :meth:`bounded_by` block (the caller's deadline governs), else
-        ``read_timeout`` at most, so that a watcher learns that etcd is gone."""
-        if getattr(self._scope, "deadline", None) is not None:
-            return deadline
-        return deadline.earliest(self._timeouts.read)
+    def deadline(self, deadline: Deadline | None) -> Deadline:
+        """The deadline of an operation: the caller's, or else ``read_timeout`` from now
+        (the connection's own timeout, for callers that pass none)."""
+        return deadline if deadline is not None else Deadline(self._timeouts.read)
 
     def last_chance(self) -> float:
         """Seconds one attempt may wait for an answer once the deadline is (nearly) past.
@@ -253,13 +236,12 @@ class Endpoints:
         key: str,
         send: Callable[[int, float | None], _T],
         *,
-        budget: Deadline | None = None,
+        deadline: Deadline,
         cap_requests: bool = True,
         pause_first: bool = False,
-        within_scope: bool = True,
     ) -> Attempt[_T]:
-        """Send one request after another, failing over, until etcd answers it or the
-        operation's deadline passes; return the last :class:`Attempt` (applied or refused).
+        """Send one request after another, failing over, until etcd answers it or
+        ``deadline`` passes; return the last :class:`Attempt` (applied or refused).
 
         ``send(endpoint, cap)`` sends one request to endpoint ``endpoint`` (an index into
         :attr:`urls`), waiting at most ``cap`` seconds for its answer (``None``: no
@@ -273,17 +255,13 @@ class Endpoints:
         second round, and so on: etcd members that answer slowly, all of them, get more
         patience rather than copies of requests they still work on (which a member
         executes all the same). ``pause_first``: back off before the first
-        attempt (a watch reopened after its answer broke). ``within_scope=False``: the
-        operation's ``budget`` alone bounds it, even past the thread's
-        :meth:`bounded_by` deadline (a look into a key's history, to find out the fate
-        of a write sent after that deadline).
+        attempt (a watch reopened after its answer broke).
         """
         if self._closed:
             raise TransportClosedError(
                 f"Could not {what} {key!r}: the etcd connection to "
                 f"{', '.join(self._urls)} is closed."
             )
-        deadline = budget if budget is not None and not within_scope else self.budget(budget)
         retry = dataclasses.replace(CONNECTION, sleep=self._sleep).start(deadline)
         if pause_first:
             retry.pause()

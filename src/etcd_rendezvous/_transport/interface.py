@@ -13,16 +13,14 @@ transport".
 from __future__ import annotations
 
 import abc
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypedDict, TypeVar
 
-from ..api import RendezvousError
+from ..api import Deadline, RendezvousError
 from .clock import ServerClock
-from .retry import Deadline
 
 __all__ = [
     "ADVANCE_TRIES",
@@ -205,22 +203,18 @@ class WatchStream(_Closing):
         return self._closed
 
     @abc.abstractmethod
-    def next(self, timeout: float) -> Node | None:
-        """The next change, or ``None`` if none came within ``timeout`` seconds.
+    def next(self, deadline: Deadline) -> Node | None:
+        """The next change, or ``None`` if none came by ``deadline``.
 
         The change is a :class:`Node` whose ``action``, ``value`` (the new value;
         ``None`` for a delete or an expiry), ``modified_index`` and ``etcd_index``
-        describe it. ``timeout`` is also bounded by the calling thread's
-        :meth:`Transport.bounded_by` deadline, as :meth:`Transport.watch` is.
+        describe it. Failures to reach etcd are retried until ``deadline`` too.
 
         Raises:
             WatchHistoryLostError: etcd no longer holds the changes from
                 :attr:`next_index` on; re-read the key and open a new stream.
             TransportClosedError: the stream or its transport was closed (before or
                 during the wait).
-            RendezvousConnectionError: etcd stayed unreachable for longer than the
-                transport's ``read_timeout`` (outside a ``bounded_by`` block), and
-                ``timeout`` has not passed yet.
         """
 
     def close(self) -> None:
@@ -265,12 +259,15 @@ class ConnectionOptions(TypedDict, total=False):
 class Transport(_Closing):
     """A connection to an etcd cluster over one or more endpoints.
 
-    A write etcd refuses as larger than it accepts raises
+    Every operation takes its deadline as an argument, ``deadline``: a
+    :class:`~etcd_rendezvous.api.Deadline` made once from the caller's timeout and passed
+    down to each request and wait made on its behalf (without one, ``read_timeout``
+    seconds from the call: the connection's own timeout, as a python-etcd client's). It
+    retries failures that are worth retrying (unreachable endpoint, leader election, a
+    lost answer) on the same or the next endpoint until then, and returns or raises
+    within about a second of it. A write etcd refuses as larger than it accepts raises
     :class:`~etcd_rendezvous.api.RequestTooLargeError` at once (it is never sent again).
-    Every operation retries failures that are worth retrying (unreachable endpoint,
-    leader election, a lost answer) on the same or the next endpoint until its deadline:
-    the innermost :meth:`bounded_by` deadline of the calling thread, or else
-    ``read_timeout`` seconds. ``request_timeout`` bounds each single request, and
+    ``request_timeout`` bounds each single request, and
     ``silence_timeout`` how long a wait may hear nothing from its member: a member that
     stops answering without closing its connections costs seconds, not the deadline. A
     transport is closed by its owner with :meth:`close` (or by using it as a context
@@ -285,9 +282,9 @@ class Transport(_Closing):
         username: etcd user (needs ``password``); on v3 authenticated through
             ``/v3/auth/authenticate``, and again whenever the token expires.
         password: password for ``username``.
-        read_timeout: the time budget for retrying a failed operation across endpoints
-            before giving up with :class:`~etcd_rendezvous.api.RendezvousConnectionError`
-            (unless the caller set a deadline with :meth:`bounded_by`).
+        read_timeout: the deadline of an operation given none: how long a failed
+            operation is retried across endpoints before it gives up with
+            :class:`~etcd_rendezvous.api.RendezvousConnectionError`.
         connect_timeout: seconds to wait for a TCP/TLS connection to one endpoint.
         request_timeout: seconds one request waits for an answer before the next
             endpoint is tried.
@@ -307,8 +304,8 @@ class Transport(_Closing):
     @property
     @abc.abstractmethod
     def read_timeout(self) -> float:
-        """The retry budget of an operation outside :meth:`bounded_by`, and the longest
-        any request may wait for an answer."""
+        """The deadline, from the call, of an operation given none (and the longest any
+        request may wait for an answer)."""
 
     @property
     @abc.abstractmethod
@@ -350,33 +347,18 @@ class Transport(_Closing):
     def close(self) -> None:
         """Close the watch streams and release pooled connections. Idempotent."""
 
-    @abc.abstractmethod
-    def bounded_by(self, deadline: Deadline) -> contextlib.AbstractContextManager[None]:
-        """Bound every operation this thread starts inside the block by ``deadline``.
-
-        Blocks nest; the earliest deadline wins. Used by the handlers so that an etcd
-        call made on behalf of ``next_rendezvous()`` (or a store call) never outlives
-        the caller's timeout, whatever ``read_timeout`` says.
-        """
-
-    @abc.abstractmethod
-    def bound(self, deadline: Deadline) -> Deadline:
-        """``deadline``, or the deadline of this thread's innermost :meth:`bounded_by`
-        block if that is earlier: for callers that loop over operations (waiting for a
-        key, say) and must stop looping when the block's deadline passes."""
-
     # -- the interface --------------------------------------------------------------
 
     @abc.abstractmethod
-    def server_version(self) -> str:
+    def server_version(self, *, deadline: Deadline | None = None) -> str:
         """The etcd server version (``etcdserver`` field of ``/version``)."""
 
     @abc.abstractmethod
-    def can_refresh_directory_ttl(self) -> bool:
+    def can_refresh_directory_ttl(self, *, deadline: Deadline | None = None) -> bool:
         """Whether a directory created with a TTL can have that TTL refreshed."""
 
     @abc.abstractmethod
-    def get(self, key: str) -> Node:
+    def get(self, key: str, *, deadline: Deadline | None = None) -> Node:
         """Read the value of ``key``.
 
         Raises:
@@ -384,7 +366,9 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
-    def list_dir(self, key: str, *, recursive: bool = False) -> Node:
+    def list_dir(
+        self, key: str, *, recursive: bool = False, deadline: Deadline | None = None
+    ) -> Node:
         """Read directory ``key``: a node with ``is_dir`` and its immediate children (all
         levels with ``recursive``; subdirectories are nodes with ``is_dir``).
 
@@ -392,31 +376,33 @@ class Transport(_Closing):
             KeyNotFoundError: nothing exists at or below ``key``.
         """
 
-    def try_get(self, key: str) -> Node | None:
+    def try_get(self, key: str, *, deadline: Deadline | None = None) -> Node | None:
         """Like :meth:`get`, but ``None`` for a missing key."""
         try:
-            return self.get(key)
+            return self.get(key, deadline=deadline)
         except KeyNotFoundError:
             return None
 
     @abc.abstractmethod
     def watch(
-        self, key: str, index: int, timeout: float, *, recursive: bool = False
+        self, key: str, index: int, deadline: Deadline, *, recursive: bool = False
     ) -> Node | None:
         """Wait for the first change of ``key`` (or below it) at or after ``index``.
 
-        Returns the change, or ``None`` when ``timeout`` passed or etcd no longer holds
+        Returns the change, or ``None`` when ``deadline`` passed or etcd no longer holds
         history that old (callers re-read in both cases; :meth:`watch_stream` tells the
-        two apart).
-
-        Raises:
-            RendezvousConnectionError: etcd stayed unreachable for longer than
-                ``read_timeout`` (outside a :meth:`bounded_by` block, in which the watch
-                retries until ``timeout`` instead), and ``timeout`` has not passed yet.
+        two apart). Failures to reach etcd are retried until ``deadline`` too.
         """
 
     @abc.abstractmethod
-    def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
+    def watch_stream(
+        self,
+        key: str,
+        start_index: int,
+        *,
+        recursive: bool = False,
+        deadline: Deadline | None = None,
+    ) -> WatchStream:
         """The changes of ``key`` (or of every key below it, with ``recursive``) with an
         index of ``start_index`` or later, in order, as a :class:`WatchStream`.
 
@@ -425,12 +411,13 @@ class Transport(_Closing):
         the way to follow a key that is changing fast: a v2 stream opened from an index
         in etcd's history costs one request per change until it catches up.
 
-        The caller closes the stream (or uses it as a context manager); closing the
-        transport ends it too.
+        The stream is opened by ``deadline``; each :meth:`WatchStream.next` has a
+        deadline of its own. The caller closes the stream (or uses it as a context
+        manager); closing the transport ends it too.
         """
 
     @abc.abstractmethod
-    def check_writable(self, prefix: str) -> None:
+    def check_writable(self, prefix: str, *, deadline: Deadline | None = None) -> None:
         """Ask etcd whether this connection's user may write below ``prefix``, with a
         conditional write that cannot apply: nothing is written either way.
 
@@ -440,7 +427,7 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
-    def check_size(self, prefix: str, size: int) -> None:
+    def check_size(self, prefix: str, size: int, *, deadline: Deadline | None = None) -> None:
         """Ask etcd whether it accepts a write of about ``size`` bytes below ``prefix``
         (a value of that many bytes, in a conditional write that cannot apply): nothing
         is written either way.
@@ -450,25 +437,37 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
-    def first_change_after(self, key: str, index: int) -> Node | None:
+    def first_change_after(
+        self, key: str, index: int, *, deadline: Deadline | None = None
+    ) -> Node | None:
         """The first recorded change of ``key`` after ``index``; ``None`` if etcd no
-        longer holds it or did not answer within ``request_timeout`` (at least a
-        moment, even past the thread's :meth:`bounded_by` deadline).
+        longer holds it or did not answer within ``request_timeout`` (and by
+        ``deadline``, but at least a moment even past it: the look into a key's history
+        that finds out the fate of a write sent at its deadline).
 
         Raises:
             RendezvousConnectionError: etcd was unreachable.
         """
 
     @abc.abstractmethod
-    def time_to_live(self, node: Node) -> int | None:
+    def time_to_live(self, node: Node, *, deadline: Deadline | None = None) -> int | None:
         """Seconds until ``node`` expires, or ``None`` if it has no TTL (or is gone)."""
 
     @abc.abstractmethod
-    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
+    def set(
+        self,
+        key: str,
+        value: str | None,
+        *,
+        ttl: int | None = None,
+        deadline: Deadline | None = None,
+    ) -> Node:
         """Unconditionally write ``key`` (with a TTL, or none)."""
 
     @abc.abstractmethod
-    def update(self, key: str, value: str, *, ttl: int, lease: int = 0) -> Node:
+    def update(
+        self, key: str, value: str, *, ttl: int, lease: int = 0, deadline: Deadline | None = None
+    ) -> Node:
         """Rewrite the existing ``key`` with ``value``, keeping its creation index (its
         place among keys in created order); v2 restarts its TTL of ``ttl``.
 
@@ -481,10 +480,11 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
-    def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
+    def refresh(
+        self, key: str, ttl: int, *, lease: int = 0, deadline: Deadline | None = None
+    ) -> Node:
         """Reset the TTL of an existing key without changing its value or waking watchers.
 
-        ``timeout`` bounds the time spent retrying failures (default: the read timeout).
         ``lease`` (v3): the lease of the caller's own last write of the key (the
         ``lease`` of the :class:`Node` that write returned, or of the last refresh), for
         a key no one else writes: it is kept alive without reading the key first. The
@@ -495,7 +495,9 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
-    def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
+    def compare_and_refresh(
+        self, key: str, value: str, ttl: int, *, deadline: Deadline | None = None
+    ) -> Node:
         """Like :meth:`refresh` (a TTL of ``ttl``), only if ``key`` holds ``value``: a
         lock's holder renewing it.
 
@@ -505,11 +507,13 @@ class Transport(_Closing):
         """
 
     @abc.abstractmethod
-    def mkdir(self, key: str, *, ttl: int | None = None) -> bool:
+    def mkdir(self, key: str, *, ttl: int | None = None, deadline: Deadline | None = None) -> bool:
         """Create directory ``key`` unless it exists. Returns whether it was created."""
 
     @abc.abstractmethod
-    def create(self, key: str, value: str, *, ttl: int | None = None) -> Node:
+    def create(
+        self, key: str, value: str, *, ttl: int | None = None, deadline: Deadline | None = None
+    ) -> Node:
         """Create ``key`` with ``value``.
 
         A create whose answer was lost is recognised as applied if the key's first
@@ -523,7 +527,13 @@ class Transport(_Closing):
 
     @abc.abstractmethod
     def compare_and_swap(
-        self, key: str, value: str, prev: Node | int, *, ttl: int | None = None
+        self,
+        key: str,
+        value: str,
+        prev: Node | int,
+        *,
+        ttl: int | None = None,
+        deadline: Deadline | None = None,
     ) -> Node:
         """Replace ``prev`` (as read) with ``value``, only if ``key`` is still ``prev``.
 
@@ -550,6 +560,7 @@ class Transport(_Closing):
         holds_newer: Callable[[Node], bool],
         ttl: int | None = None,
         tries: int = ADVANCE_TRIES,
+        deadline: Deadline | None = None,
     ) -> Node | None:
         """Write ``value`` into ``key`` unless it holds something at least as new
         (``holds_newer`` of the node read), and never over a write made since that read.
@@ -561,39 +572,45 @@ class Transport(_Closing):
         on without a read by the first try.
 
         Returns the node written, or ``None`` if the key holds something at least as new
-        or every try lost its race.
+        or every try lost its race. Every request ends by ``deadline`` (without one,
+        ``read_timeout`` from the call).
         """
+        deadline = deadline if deadline is not None else Deadline(self.read_timeout)
         held: Node | int | None = expected or None
         read = expected is None
         for _ in range(tries):
             if read:
-                held = self.try_get(key)
+                held = self.try_get(key, deadline=deadline)
                 if held is not None and holds_newer(held):
                     return None
             try:
-                return self._swap_in(key, value, held, ttl)
+                return self._swap_in(key, value, held, ttl, deadline)
             except (CompareFailedError, KeyExistsError):
                 read = True  # another write came first: read it, then decide again
         logger.debug("Gave up writing %r: another write came first %d times", key, tries)
         return None
 
-    def _swap_in(self, key: str, value: str, held: Node | int | None, ttl: int | None) -> Node:
+    def _swap_in(
+        self, key: str, value: str, held: Node | int | None, ttl: int | None, deadline: Deadline
+    ) -> Node:
         """Write ``value`` in place of ``held`` (compare-and-swap on the node read, or on
         a modification index), or create ``key`` if it was absent (``held`` is ``None``)
         or is gone since."""
         if held is not None:
             try:
-                return self.compare_and_swap(key, value, held, ttl=ttl)
+                return self.compare_and_swap(key, value, held, ttl=ttl, deadline=deadline)
             except KeyNotFoundError:
                 pass  # expired or deleted since the read: create it
-        return self.create(key, value, ttl=ttl)
+        return self.create(key, value, ttl=ttl, deadline=deadline)
 
     @abc.abstractmethod
-    def compare_and_delete(self, key: str, prev: Node) -> bool:
+    def compare_and_delete(self, key: str, prev: Node, *, deadline: Deadline | None = None) -> bool:
         """Delete ``key`` only if it is still ``prev``. Returns whether it did."""
 
     @abc.abstractmethod
-    def delete(self, key: str, *, recursive: bool = False) -> bool:
+    def delete(
+        self, key: str, *, recursive: bool = False, deadline: Deadline | None = None
+    ) -> bool:
         """Delete ``key`` (a directory and all below it with ``recursive``).
 
         Returns whether anything existed.

@@ -10,7 +10,7 @@ import logging
 import math
 import os
 
-from ..api import RendezvousParameters
+from ..api import Deadline, RendezvousParameters
 from ..utils import parse_rendezvous_endpoints
 from .connect import check_etcd_api, open_transport
 from .interface import (
@@ -20,7 +20,6 @@ from .interface import (
     DEFAULT_SILENCE_TIMEOUT,
     Transport,
 )
-from .retry import Deadline
 
 __all__ = [
     "DEFAULT_PORT",

@@ -16,8 +16,9 @@ names what timed out, and gets a :class:`Retry`, the state of that one loop::
         except CompareFailedError:
             retry.wait()  # sleeps, or raises the error once the deadline has passed
 
-Deadlines are :class:`Deadline` objects: a point in monotonic time, computed once and
-passed down, of which each wait uses the remaining part.
+Deadlines are :class:`~etcd_rendezvous.api.Deadline` objects (the public class, which
+this module re-exports): a point in monotonic time, computed once and passed down, of
+which each wait uses the remaining part.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..api import RendezvousTimeoutError
+from ..api import Deadline, RendezvousTimeoutError
 
 __all__ = ["CONNECTION", "CONTENTION", "REWATCH", "Deadline", "Retry", "RetryPolicy"]
 
@@ -39,61 +40,6 @@ _MAX_EXPONENT = 64
 def _window(initial: float, multiplier: float, cap: float, failures: int) -> float:
     """Upper bound of the delay after ``failures + 1`` consecutive failures."""
     return min(cap, initial * multiplier ** min(failures, _MAX_EXPONENT))
-
-
-class Deadline:
-    """A point in monotonic time, computed once and passed down as remaining time.
-
-    Args:
-        seconds: how far from now the deadline is.
-        clock: the monotonic clock, replaceable in tests.
-    """
-
-    __slots__ = ("_at", "_clock", "_seconds")
-
-    def __init__(self, seconds: float, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._seconds = seconds
-        self._at = clock() + seconds
-
-    @classmethod
-    def at(cls, when: float, *, clock: Callable[[], float] = time.monotonic) -> Deadline:
-        """The deadline at ``when``, a reading of ``clock`` (``time.monotonic()`` seconds).
-
-        For code that keeps deadlines as raw monotonic times, as the dynamic
-        rendezvous's operations do (PyTorch's interface).
-        """
-        deadline = cls(0.0, clock=clock)
-        deadline._seconds = when - deadline._at
-        deadline._at = when
-        return deadline
-
-    @classmethod
-    def never(cls) -> Deadline:
-        """A deadline far enough in the future to mean 'no deadline'."""
-        return cls(10.0 * 365 * 24 * 3600)
-
-    @property
-    def seconds(self) -> float:
-        """The time the deadline was set to from its creation, in seconds."""
-        return self._seconds
-
-    def remaining(self) -> float:
-        """Seconds left, never negative."""
-        return max(0.0, self._at - self._clock())
-
-    def expired(self) -> bool:
-        """Whether the deadline has passed."""
-        return self._clock() >= self._at
-
-    def earlier(self, other: Deadline) -> Deadline:
-        """The earlier of this deadline and ``other``."""
-        return self if self.remaining() <= other.remaining() else other
-
-    def earliest(self, seconds: float) -> Deadline:
-        """The earlier of this deadline and ``seconds`` from now."""
-        other = Deadline(seconds, clock=self._clock)
-        return self if self._at <= other._at else other
 
 
 @dataclass(frozen=True)

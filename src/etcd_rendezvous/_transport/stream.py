@@ -22,13 +22,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..api import RendezvousConnectionError, RendezvousError
+from ..api import Deadline, RendezvousConnectionError, RendezvousError
 from ..metrics import record_metric
 from .attempt import AmbiguousError
 from .endpoints import Endpoints
 from .interface import Node, WatchHistoryLostError, WatchStream
 from .metering import count_bytes
-from .retry import REWATCH, Deadline
+from .retry import REWATCH
 
 __all__ = [
     "Changes",
@@ -138,27 +138,24 @@ class StreamingWatch(WatchStream):
         with self._cond:
             return self._events[0].modified_index if self._events else self._resume
 
-    def start(self) -> None:
+    def start(self, deadline: Deadline) -> None:
         """Open the stream now (so that later writes stream at once), retrying like any
-        operation of the transport. A lost history is raised by :meth:`next`.
+        operation of the transport until ``deadline``. A lost history is raised by
+        :meth:`next`.
 
         Raises:
-            RendezvousConnectionError: etcd stayed unreachable for the operation's
-                deadline (``read_timeout``, or the thread's ``bounded_by`` deadline).
+            RendezvousConnectionError: etcd stayed unreachable until ``deadline``.
         """
         try:
-            self._reopen(
-                None, self._endpoints.budget(), give_up_at_deadline=False, within_scope=True
-            )
+            self._reopen(None, deadline, give_up_at_deadline=False)
         except WatchHistoryLostError:
             pass
         except BaseException:
             self.close()
             raise
 
-    def next(self, timeout: float) -> Node | None:
-        """The next change, or ``None`` after ``timeout`` seconds (see
-        :meth:`WatchStream.next`).
+    def next(self, deadline: Deadline) -> Node | None:
+        """The next change, or ``None`` at ``deadline`` (see :meth:`WatchStream.next`).
 
         A wait that heard nothing from its member for the transport's
         ``silence_timeout`` (neither on this stream nor in answer to any other request
@@ -167,15 +164,6 @@ class StreamingWatch(WatchStream):
         change received. A frozen member cannot be told from an idle one, and any
         member serves a watch as well as another.
         """
-        return self._next(self._endpoints.budget(Deadline(timeout)), within_scope=True)
-
-    def next_until(self, deadline: Deadline) -> Node | None:
-        """The next change, or ``None`` at ``deadline``, which the thread's
-        :meth:`~etcd_rendezvous._transport.interface.Transport.bounded_by` deadline does
-        not cap (a look into a key's history, after that deadline)."""
-        return self._next(deadline, within_scope=False)
-
-    def _next(self, deadline: Deadline, *, within_scope: bool) -> Node | None:
         while True:
             silent: _Feed | None = None
             with self._cond:
@@ -202,9 +190,7 @@ class StreamingWatch(WatchStream):
                 self._abandon(silent)
             if deadline.expired():
                 return None
-            if not self._reopen(
-                feed, deadline, give_up_at_deadline=True, within_scope=within_scope
-            ):
+            if not self._reopen(feed, deadline, give_up_at_deadline=True):
                 return None
 
     def wake(self) -> None:
@@ -244,20 +230,11 @@ class StreamingWatch(WatchStream):
         logger.debug("Watch of %s re-armed from index %d", self._key, self._resume)
         feed.stop()
 
-    def _reopen(
-        self,
-        feed: _Feed | None,
-        deadline: Deadline,
-        *,
-        give_up_at_deadline: bool,
-        within_scope: bool,
-    ) -> bool:
+    def _reopen(self, feed: _Feed | None, deadline: Deadline, *, give_up_at_deadline: bool) -> bool:
         """Open a new answer from :attr:`_resume` in place of ``feed`` (ended, or
-        ``None``), retrying within ``deadline`` (and, ``within_scope``, as a watch does
-        inside the thread's deadline: see :meth:`Endpoints.watch_budget
-        <etcd_rendezvous._transport.endpoints.Endpoints.watch_budget>`). Returns whether
-        it did: with ``give_up_at_deadline``, ``False`` when etcd was unreachable until
-        the deadline (else that raises :class:`RendezvousConnectionError`)."""
+        ``None``), retrying until ``deadline``. Returns whether it did: with
+        ``give_up_at_deadline``, ``False`` when etcd was unreachable until the deadline
+        (else that raises :class:`RendezvousConnectionError`)."""
         failed = feed is not None and self._retire(feed, deadline)
         if feed is not None:
             record_metric("transport.watch_restarts", api=self._endpoints.api)
@@ -267,10 +244,9 @@ class StreamingWatch(WatchStream):
                 "watch",
                 self._key,
                 lambda endpoint, _cap: self._open(endpoint, deadline),
-                budget=endpoints.watch_budget(deadline) if within_scope else deadline,
+                deadline=deadline,
                 cap_requests=False,
                 pause_first=failed,
-                within_scope=within_scope,
             ).unwrap()
         except WatchHistoryLostError as exc:
             with self._cond:

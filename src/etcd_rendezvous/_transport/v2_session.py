@@ -1,20 +1,35 @@
-"""One request of the v2 API: the python-etcd client of each endpoint, and the
-classification of what python-etcd and urllib3 raise (which never leave this module
-and the watch's). The v2 connection and its watch stream both send through a
+"""One request of the v2 API: the connection's urllib3 pool, its credentials, and what
+etcd's answers mean. The v2 connection and its watch stream both send through a
 :class:`V2Session`. See docs/etcd-v3.rst, section "Inside the transport".
+
+A request is sent as python-etcd (and PyTorch) sends it: the key in the path of
+``/v2/keys``, its options in the query (GET, DELETE) or as a form (PUT), with the same
+headers, so that the bytes on the wire and etcd's answers are those PyTorch's workers
+get. An answer is read as python-etcd reads it: its errorCode (404 and 401 count as key
+not found and no permission), its ``X-Etcd-Index`` and ``X-Etcd-Cluster-Id`` headers,
+and a redirection is an answer, not followed. What urllib3 raises and what etcd answers
+become this package's errors here, and never leave this module and the watch's.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import ssl
-import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from http.client import HTTPException
+from typing import Any
+from urllib.parse import urlencode
 
-import etcd
 import urllib3
-from urllib3.exceptions import ConnectTimeoutError, MaxRetryError, NewConnectionError, SSLError
+from urllib3.exceptions import (
+    ConnectTimeoutError,
+    HTTPError,
+    NewConnectionError,
+    ReadTimeoutError,
+    SSLError,
+)
 
 from ..api import RendezvousConnectionError, RendezvousStateError
 from . import limits
@@ -30,72 +45,104 @@ from .interface import (
 )
 from .metering import count_bytes, op_name
 
-__all__ = ["V2Session"]
+__all__ = ["KEYS", "ErrorAnswer", "HistoryClearedError", "PollEndedError", "V2Session", "transient"]
 
-_T = TypeVar("_T")
+logger = logging.getLogger(__name__)
 
-Endpoint = tuple[str, int]
-_Cert = str | tuple[str, str] | None
+#: The path of the v2 keys below an endpoint's URL.
+KEYS = "/v2/keys"
+
+#: What the requests that only read are for (``what`` of :meth:`V2Session.request`):
+#: a refusal of one of them is for want of read permission, of any other, write.
+_READS = frozenset({"read", "list", "watch", "query the version of"})
+
+#: etcd's v2 errorCodes (see etcd's Documentation/v2/errorcode.md) that this module acts on.
+_KEY_NOT_FOUND = 100
+_COMPARE_FAILED = 101
+_NOT_A_FILE = 102
+_NOT_A_DIRECTORY = 104
+_NODE_EXISTS = 105
+_NO_PERMISSION = 110
+_RAFT_INTERNAL = 300
+_LEADER_ELECTION = 301
+_WATCHER_CLEARED = 400
+_EVENT_INDEX_CLEARED = 401
+#: Every errorCode python-etcd gives a class of its own: an answer with any other code
+#: (or none) is a plain error, which may be an election's (see :func:`transient`).
+_NAMED_CODES = frozenset({100, 101, 102, 104, 105, 107, 108, 110, *range(200, 211), 301, 400, 401})
+#: The refusals on a key's state, as the interface's condition errors.
+_REFUSALS: dict[int, type[ConditionError]] = {
+    _KEY_NOT_FOUND: KeyNotFoundError,
+    _NODE_EXISTS: KeyExistsError,
+    _COMPARE_FAILED: CompareFailedError,
+}
 
 
-class _NoRetryPoolManager(urllib3.PoolManager):
-    """A pool manager that never re-sends a request and bounds connection set-up.
+class PollEndedError(Exception):
+    """A long poll (``wait=true``) heard no answer within its time: nothing changed."""
 
-    python-etcd passes one number as the request timeout; we split it into a connect
-    timeout (bounded by ``connect_timeout``) and the read timeout it asked for. Every
-    answer's ``Date`` dates etcd's ``clock``.
-    """
 
-    def __init__(self, connect_timeout: float, clock: ServerClock, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._connect_timeout = connect_timeout
-        self._clock = clock
-        #: Per-thread upper bound for the read timeout of the next requests (seconds).
-        self.read_cap = threading.local()
-        #: Per-thread ``op`` label (:func:`~etcd_rendezvous._transport.metering.op_name`)
-        #: of the bytes of the next requests.
-        self.op = threading.local()
-        #: Per-thread bytes of the body of the last request sent.
-        self.sent = threading.local()
+class HistoryClearedError(Exception):
+    """etcd answered a watch "event index cleared" (errorCode 401): it no longer holds
+    the history asked for. The message is etcd's."""
 
-    def urlopen(  # type: ignore[override]
-        self, method: str, url: str, redirect: bool = True, **kw: Any
-    ) -> Any:
-        kw["retries"] = urllib3.Retry(total=False)
-        timeout = kw.get("timeout")
-        cap: float | None = getattr(self.read_cap, "value", None)
-        if cap is not None and isinstance(timeout, (int, float)):
-            timeout = min(float(timeout), cap)
-        if timeout is None or isinstance(timeout, (int, float)):
-            connect = (
-                self._connect_timeout
-                if timeout is None
-                else min(self._connect_timeout, float(timeout))
-            )
-            kw["timeout"] = urllib3.Timeout(connect=connect, read=timeout)
-        op: str = getattr(self.op, "value", None) or "other"
-        body = kw.get("body")
-        size = len(body) if isinstance(body, (bytes, str)) else 0
-        self.sent.value = size
-        sent = time.monotonic()
-        response = super().urlopen(method, url, redirect=redirect, **kw)
-        self._clock.sample(response.headers.get("Date"), sent, time.monotonic())
-        if "stream=true" in url.partition("?")[2].split("&"):
-            # A streaming watch's answer is read, and counted, as a stream (stream.py).
-            count_bytes(size, 0, api="v2", op=op)
+
+@dataclass(frozen=True)
+class ErrorAnswer:
+    """An error answer of etcd: its HTTP ``status`` (``None``: its body was not JSON),
+    errorCode (404 and 401 count as 100 and 110), ``index`` and ``text`` ("message :
+    cause"), and the decoded ``payload``."""
+
+    status: int | None
+    code: int | None
+    index: int | None
+    text: str
+    payload: dict[str, Any]
+
+    @classmethod
+    def read(cls, status: int, body: bytes) -> ErrorAnswer:
+        """The refusal an answer of ``status`` with ``body`` says, as python-etcd reads it."""
+        text = body.decode("utf-8", errors="replace")
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict):
+            payload["status"] = status
+            code = payload.get("errorCode")
+            answered: int | None = status
         else:
-            # python-etcd asks for the body unread (to check the headers first), then
-            # reads it whole at once: reading it here fails the same way, and it stays
-            # cached for python-etcd.
-            count_bytes(size, len(response.data or b""), api="v2", op=op)
-        return response
+            payload, code, answered = {"message": "Bad response", "cause": text}, None, None
+        if answered == 404:
+            code = _KEY_NOT_FOUND
+        elif answered == 401:
+            code = _NO_PERMISSION
+        index = payload.get("index")
+        return cls(
+            answered,
+            code if isinstance(code, int) else None,
+            index if isinstance(index, int) else None,
+            f"{payload.get('message')} : {payload.get('cause')}",
+            payload,
+        )
 
 
-def _transport_cause(exc: BaseException) -> BaseException:
-    cause: BaseException = getattr(exc, "cause", None) or exc.__cause__ or exc
-    if isinstance(cause, MaxRetryError) and cause.reason is not None:
-        return cause.reason
-    return cause
+def transient(refusal: ErrorAnswer) -> bool:
+    """Whether ``refusal`` is a server-side failure worth retrying: a leader election, a
+    raft request that timed out."""
+    if refusal.code in (_LEADER_ELECTION, _WATCHER_CLEARED):
+        return True
+    if refusal.code in _NAMED_CODES:
+        return False
+    # errorCode 300 ("Raft Internal Error") is a permanent refusal such as updating a
+    # directory's TTL on etcd 3.5 ("Not a file") -- or a proposal that timed out during
+    # a leader election, whose outcome is unknown. Plain 5xx answers without a code
+    # are "etcdserver: request timed out" and friends, also seen during elections.
+    if refusal.code == _RAFT_INTERNAL:
+        payload = refusal.payload
+        said = f"{payload.get('cause', '')} {payload.get('message', '')} {refusal.text}"
+        return any(marker in said.lower() for marker in ELECTION_MARKERS)
+    return refusal.status is not None and refusal.status >= 500
 
 
 def _was_not_sent(cause: BaseException) -> bool:
@@ -103,115 +150,150 @@ def _was_not_sent(cause: BaseException) -> bool:
     return isinstance(cause, (NewConnectionError, ConnectTimeoutError, ConnectionRefusedError))
 
 
-def _is_transient_server_error(exc: etcd.EtcdException) -> bool:
-    """Server-side failures worth retrying: leader election, raft request timeouts."""
-    if isinstance(exc, (etcd.EtcdLeaderElectionInProgress, etcd.EtcdWatcherCleared)):
-        return True
-    if type(exc) is not etcd.EtcdException:
-        return False
-    payload = exc.payload if isinstance(exc.payload, dict) else {}
-    # errorCode 300 ("Raft Internal Error") is a permanent refusal such as updating a
-    # directory's TTL on etcd 3.5 ("Not a file") -- or a proposal that timed out during
-    # a leader election, whose outcome is unknown. Plain 5xx answers without a code
-    # are "etcdserver: request timed out" and friends, also seen during elections.
-    if payload.get("errorCode") == 300:
-        cause = f"{payload.get('cause', '')} {payload.get('message', '')} {exc}".lower()
-        return any(marker in cause for marker in ELECTION_MARKERS)
-    status = payload.get("status")
-    return isinstance(status, int) and status >= 500
-
-
-#: What the requests that only read are for (``what`` of :meth:`V2Session.once`):
-#: a refusal of one of them is for want of read permission, of any other, write.
-_READS = frozenset({"read", "list", "watch", "query the version of"})
-
-
 class V2Session:
-    """The python-etcd clients of a v2 connection (one per ``(host, port)`` of
-    ``addresses``, the connection's ``endpoints``, with its ``access``), and one request
-    at a time through them; the ``Date`` of every answer dates the connection's
-    ``clock``."""
+    """The urllib3 pool of a v2 connection to ``endpoints`` (the connection's, reached
+    with its ``access``), and one request at a time; the ``Date`` of every answer dates
+    the connection's ``clock``."""
 
-    def __init__(
-        self,
-        addresses: Sequence[Endpoint],
-        endpoints: Endpoints,
-        access: Access,
-        clock: ServerClock,
-    ) -> None:
+    def __init__(self, endpoints: Endpoints, access: Access, clock: ServerClock) -> None:
         self._endpoints = endpoints
-        self._access = access
         self._clock = clock
-        self._clients = [self._make_client(host, port) for host, port in addresses]
-
-    def _make_client(self, host: str, port: int) -> Any:
-        access = self._access
-        cert: _Cert = (access.cert, access.key) if access.cert and access.key else access.cert
-        client = etcd.Client(
-            host=host,
-            port=port,
-            protocol=access.protocol,
-            cert=cert,
-            ca_cert=access.cacert,
-            username=access.username,
-            password=access.password,
-            read_timeout=self._endpoints.timeouts.read,
-            allow_reconnect=False,
+        #: The connections to every endpoint (ten each, as python-etcd keeps).
+        self.pool = access.pool(max(10, len(endpoints.urls)), 10)
+        self.username = access.username
+        #: What every request carries: etcd's v2 auth is HTTP basic auth.
+        self._headers: dict[str, str] = (
+            urllib3.make_headers(basic_auth=f"{access.username}:{access.password}")
+            if access.username and access.password
+            else {}
         )
-        pool_kw = dict(client.http.connection_pool_kw)
-        client.http.clear()
-        client.http = _NoRetryPoolManager(
-            self._endpoints.timeouts.connect, self._clock, num_pools=10, **pool_kw
-        )
-        return client
+        #: The cluster id each endpoint answered with first (``None``: none yet).
+        self._cluster_ids: list[str | None] = [None] * len(endpoints.urls)
 
     def release(self) -> None:
-        """Release the clients' pooled connections."""
-        for client in self._clients:
-            client.http.clear()
+        """Release the pooled connections."""
+        self.pool.clear()
 
-    def once(
-        self, idx: int, what: str, key: str, call: Callable[[Any], _T], cap: float | None
-    ) -> _T:
-        """Send one request to endpoint ``idx`` and classify any failure.
+    # -- one request ------------------------------------------------------------------
 
-        Returns the result, or raises: a condition error, :class:`UnsentError` (safe to
-        send again anywhere), :class:`AmbiguousError` (may have been applied), or a
-        library error for permanent failures.
+    def request(
+        self,
+        idx: int,
+        method: str,
+        path: str,
+        fields: dict[str, Any] | None,
+        *,
+        what: str,
+        key: str,
+        wait: float,
+    ) -> tuple[dict[str, Any], int]:
+        """Send ``method`` ``path`` with ``fields`` to endpoint ``idx``, waiting at most
+        ``wait`` seconds for the answer, to ``what`` ``key`` (for messages and metrics).
+
+        Returns the answer's JSON object and its ``X-Etcd-Index`` (1 if it has none), or
+        raises: a condition error, :class:`UnsentError` (safe to send again anywhere),
+        :class:`AmbiguousError` (may have been applied), :class:`PollEndedError` or
+        :class:`HistoryClearedError` (a watch's own answers), or a library error for
+        permanent failures.
         """
-        client = self._clients[idx]
-        client.http.read_cap.value = cap
-        client.http.op.value = op_name(what)
-        client.http.sent.value = 0
+        endpoint = self._endpoints.url(idx)
+        timeout = urllib3.Timeout(connect=min(self._endpoints.timeouts.connect, wait), read=wait)
+        form = method in ("PUT", "POST")
+        size = len(urlencode(fields)) if form and fields else 0
+        sent = time.monotonic()
         try:
-            result = call(client)
-        except (etcd.EtcdWatchTimedOut, etcd.EtcdEventIndexCleared):
-            raise  # the watch's own answers: v2_watch reads them
-        except etcd.EtcdConnectionFailed as exc:
+            response = self._send(endpoint, method, path, fields, timeout)
+            self._clock.sample(response.headers.get("Date"), sent, time.monotonic())
+            self._check_cluster(idx, response.headers)
+            body = response.data or b""
+        except (HTTPError, HTTPException, OSError) as exc:
+            if isinstance(exc, ReadTimeoutError) and (fields or {}).get("wait") == "true":
+                raise PollEndedError(f"{endpoint}: no change within {wait:g} s") from None
             raise self._connection_failure(idx, what, key, exc) from None
-        except etcd.EtcdException as exc:
-            refusal = _refusal(key, exc)
-            if refusal is not None:
-                self._endpoints.heard_from(idx)
-                raise refusal from None
-            raise self._server_failure(idx, what, key, exc) from None
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            # python-etcd wraps most of these; anything that slips through is a
-            # transport failure of unknown outcome.
-            raise AmbiguousError(f"{self._endpoints.url(idx)}: {exc}") from None
-        finally:
-            client.http.read_cap.value = None
-            client.http.op.value = None
+        count_bytes(size, len(body), api="v2", op=op_name(what))
+        if response.status not in (200, 201):
+            refusal = ErrorAnswer.read(response.status, body)
+            raise self._refused(idx, what, key, refusal, size) from None
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise OperationRefusedError(
+                f"etcd endpoint {endpoint} failed to {what} {key!r}: its answer is not "
+                f"a JSON object ({body[:100]!r})."
+            )
         self._endpoints.heard_from(idx)
-        return result
+        return data, int(response.headers.get("X-Etcd-Index", 1))
 
-    def _connection_failure(
-        self, idx: int, what: str, key: str, exc: etcd.EtcdConnectionFailed
-    ) -> Exception:
+    def open_stream(
+        self, idx: int, path: str, fields: dict[str, str], timeout: urllib3.Timeout, key: str
+    ) -> Any:
+        """Open a streaming watch (``GET path`` with ``fields``) on endpoint ``idx``:
+        the answer (status 200, body unread), or raises as :meth:`request` does."""
+        endpoint = self._endpoints.url(idx)
+        sent = time.monotonic()
+        try:
+            response = self._send(endpoint, "GET", path, fields, timeout)
+        except (HTTPError, HTTPException, OSError) as exc:
+            raise self._connection_failure(idx, "watch", key, exc) from None
+        self._clock.sample(response.headers.get("Date"), sent, time.monotonic())
+        # A streaming watch's answer is read, and counted, as a stream (stream.py).
+        if response.status != 200:
+            try:
+                body = response.data or b""
+            except (HTTPError, HTTPException, OSError) as exc:
+                raise self._connection_failure(idx, "watch", key, exc) from None
+            raise self._refused(idx, "watch", key, ErrorAnswer.read(response.status, body), 0)
+        self._check_cluster(idx, response.headers)
+        self._endpoints.heard_from(idx)
+        return response
+
+    def _send(
+        self,
+        endpoint: str,
+        method: str,
+        path: str,
+        fields: dict[str, Any] | None,
+        timeout: urllib3.Timeout,
+    ) -> Any:
+        """One request as python-etcd sends it (the form of a PUT in its body, any other
+        request's in the URL; a redirection not followed), body unread."""
+        url = endpoint + path
+        options: dict[str, Any] = {
+            "headers": self._headers,
+            "timeout": timeout,
+            "retries": False,
+            "redirect": False,
+            "preload_content": False,
+        }
+        if method in ("PUT", "POST"):
+            return self.pool.request_encode_body(
+                method, url, fields=fields, encode_multipart=False, **options
+            )
+        return self.pool.request_encode_url(method, url, fields=fields, **options)
+
+    def _check_cluster(self, idx: int, headers: Any) -> None:
+        """Refuse an answer from another cluster than endpoint ``idx`` answered from
+        before (its ``X-Etcd-Cluster-Id``)."""
+        cluster = headers.get("X-Etcd-Cluster-Id")
+        if not cluster:
+            logger.debug("etcd endpoint %s answered without a cluster id", self._endpoints.url(idx))
+            return
+        known, self._cluster_ids[idx] = self._cluster_ids[idx], cluster
+        if known is not None and known != cluster:
+            self.pool.clear()  # connect afresh next time
+            raise RendezvousConnectionError(
+                f"etcd endpoint {self._endpoints.url(idx)} belongs to another cluster than "
+                f"before: the UUID of the cluster changed from {known} to {cluster}."
+            )
+
+    # -- what failures mean -----------------------------------------------------------
+
+    def _connection_failure(self, idx: int, what: str, key: str, cause: BaseException) -> Exception:
         """The error for a request that failed on the connection: TLS is permanent; the
         rest is retried, as unsent if it never reached the server."""
         endpoint = self._endpoints.url(idx)
-        cause = _transport_cause(exc)
         if isinstance(cause, (SSLError, ssl.SSLError)):
             return RendezvousConnectionError(
                 f"TLS connection to etcd endpoint {endpoint} failed while trying to {what} "
@@ -220,76 +302,57 @@ class V2Session:
         message = f"{endpoint}: {cause}"
         return UnsentError(message) if _was_not_sent(cause) else AmbiguousError(message)
 
-    def _server_failure(self, idx: int, what: str, key: str, exc: etcd.EtcdException) -> Exception:
-        """The error for an error answer of etcd other than a refusal on the key: an
-        election is retried; anything else is permanent (a request too large for etcd
-        included), and the message says what to check."""
+    def _refused(self, idx: int, what: str, key: str, refusal: ErrorAnswer, size: int) -> Exception:
+        """The error for etcd's error answer ``refusal`` to a request of ``size`` bytes
+        of form: a refusal on the key's state, an election (retried), or a permanent
+        failure (a request too large for etcd included), whose message says what to
+        check."""
         endpoint = self._endpoints.url(idx)
-        if limits.v2_too_large(exc.payload):
+        condition = _REFUSALS.get(refusal.code or 0)
+        if condition is not None:
+            self._endpoints.heard_from(idx)
+            return condition(key, refusal.index)
+        if refusal.code == _EVENT_INDEX_CLEARED:
+            return HistoryClearedError(refusal.text)
+        if limits.v2_too_large(refusal.payload):
             # A refusal, never sent again.
-            sent = int(getattr(self._clients[idx].http.sent, "value", 0) or 0)
             where = f"{what} {key!r}"
-            return limits.refused_for_size("v2", endpoint, where, key, sent, str(exc))
-        if isinstance(exc, etcd.EtcdInsufficientPermissions):
-            return self._permission_failure(idx, what, key, exc)
-        if isinstance(exc, etcd.EtcdClusterIdChanged):
-            return RendezvousConnectionError(
-                f"etcd endpoint {endpoint} belongs to another cluster than before: {exc}"
-            )
-        if isinstance(exc, (etcd.EtcdNotFile, etcd.EtcdNotDir)):
+            return limits.refused_for_size("v2", endpoint, where, key, size, refusal.text)
+        if refusal.code == _NO_PERMISSION:
+            return self._permission_failure(idx, what, key, refusal.text)
+        if refusal.code in (_NOT_A_FILE, _NOT_A_DIRECTORY):
             return RendezvousStateError(
-                f"etcd refused to {what} {key!r}: {exc}. Another program may have written "
-                "a key where a directory belongs (or the reverse)."
+                f"etcd refused to {what} {key!r}: {refusal.text}. Another program may have "
+                "written a key where a directory belongs (or the reverse)."
             )
-        if _is_transient_server_error(exc):
+        if transient(refusal):
             # An election: the next member may already have a leader.
-            return transient_answer(endpoint, str(exc))
-        if "404 page not found" in str(exc):
+            return transient_answer(endpoint, refusal.text)
+        if "404 page not found" in refusal.text:
             return RendezvousConnectionError(
                 f"etcd endpoint {endpoint} does not serve the v2 API (it answered 404 "
                 f"when asked to {what} {key!r}). Start etcd with --enable-v2, or use "
                 "etcd_api=v3 (or auto)."
             )
-        return OperationRefusedError(f"etcd endpoint {endpoint} failed to {what} {key!r}: {exc}")
+        return OperationRefusedError(
+            f"etcd endpoint {endpoint} failed to {what} {key!r}: {refusal.text}"
+        )
 
     def _permission_failure(
-        self, idx: int, what: str, key: str, exc: etcd.EtcdInsufficientPermissions
+        self, idx: int, what: str, key: str, text: str
     ) -> RendezvousConnectionError:
         """The error for a refusal by etcd's v2 auth, naming the permission missing."""
         endpoint = self._endpoints.url(idx)
-        username = self._clients[idx].username
-        if username is None:
+        if self.username is None:
             return RendezvousConnectionError(
-                f"etcd endpoint {endpoint} refused to {what} {key!r}: {exc}. "
+                f"etcd endpoint {endpoint} refused to {what} {key!r}: {text}. "
                 "Check username and password."
             )
         permission = "read" if what in _READS else "write"
         return RendezvousConnectionError(
             f"etcd endpoint {endpoint} refused to {what} {key!r}: user "
-            f"{username!r} has no {permission} permission on it ({exc}), "
+            f"{self.username!r} has no {permission} permission on it ({text}), "
             "or a wrong password. Grant it to one of the user's roles (etcd's v2 "
             f"auth: a {permission} pattern of the role's kv permissions; '<key>*' for "
             "every key below a prefix)."
         )
-
-
-#: python-etcd's refusals on a key's state, as the interface's condition errors.
-_REFUSALS: tuple[tuple[type[etcd.EtcdException], type[ConditionError]], ...] = (
-    (etcd.EtcdKeyNotFound, KeyNotFoundError),
-    (etcd.EtcdAlreadyExist, KeyExistsError),
-    (etcd.EtcdCompareFailed, CompareFailedError),
-)
-
-
-def _refusal(key: str, exc: etcd.EtcdException) -> ConditionError | None:
-    """The condition error for ``exc`` if it is a refusal on ``key``'s state."""
-    for refused, error in _REFUSALS:
-        if isinstance(exc, refused):
-            return error(key, _payload_index(exc))
-    return None
-
-
-def _payload_index(exc: etcd.EtcdException) -> int | None:
-    payload = exc.payload if isinstance(exc.payload, dict) else {}
-    index = payload.get("index")
-    return int(index) if isinstance(index, int) else None

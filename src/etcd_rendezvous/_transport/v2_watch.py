@@ -1,9 +1,8 @@
 """The v2 watch stream: ``GET /v2/keys/<key>?wait=true&stream=true&waitIndex=N``.
 
-python-etcd has no streaming watch, so this speaks the wire with the connection's own
-clients (TLS, basic auth, no silent re-sends), through its
-:class:`~etcd_rendezvous._transport.v2_session.V2Session`: failures are classified as for
-every v2 request. etcd answers with ``X-Etcd-Index``, then one JSON object per change. A change
+python-etcd has no streaming watch; this one is sent through the connection's
+:class:`~etcd_rendezvous._transport.v2_session.V2Session`, whose answers it reads as any
+v2 request's. etcd answers with ``X-Etcd-Index``, then one JSON object per change. A change
 found in etcd's history ends the answer (the stream reopens at once); "event index
 cleared" (401) raises :class:`~etcd_rendezvous._transport.interface.WatchHistoryLostError`.
 See docs/etcd-v3.rst, section "Inside the transport".
@@ -14,16 +13,15 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import quote
 
-import etcd
 import urllib3
 from urllib3.exceptions import HTTPError
 
+from ..api import Deadline
 from .attempt import AmbiguousError
 from .endpoints import Endpoints
 from .interface import KeyNotFoundError, Node, WatchHistoryLostError
-from .retry import Deadline
 from .stream import Changes, Messages, StreamingWatch, hold_socket_open, iter_objects
-from .v2_session import V2Session
+from .v2_session import KEYS, HistoryClearedError, V2Session
 
 __all__ = ["V2WatchStream"]
 
@@ -55,30 +53,9 @@ class V2WatchStream(StreamingWatch):
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
         wait = min(endpoints.timeouts.request, max(deadline.remaining(), endpoints.last_chance()))
         timeout = urllib3.Timeout(connect=min(endpoints.timeouts.connect, wait), read=wait)
-
-        def call(client: Any) -> Any:
-            url = f"{client.base_uri}{client.key_endpoint}{quote(key)}"
-            try:
-                response = client.http.request(
-                    "GET",
-                    url,
-                    fields=fields,
-                    headers=client._get_headers(),
-                    timeout=timeout,
-                    redirect=False,
-                    preload_content=False,
-                )
-            except (HTTPError, OSError) as exc:
-                raise etcd.EtcdConnectionFailed(f"watch failed: {exc}", cause=exc) from exc
-            if response.status != 200:
-                # Reads the error and raises python-etcd's exception for it.
-                client._handle_server_response(response)
-            client._check_cluster_id(response)
-            return response
-
         try:
-            response = self._session.once(endpoint, "watch", key, call, None)
-        except etcd.EtcdEventIndexCleared as exc:
+            response = self._session.open_stream(endpoint, KEYS + quote(key), fields, timeout, key)
+        except HistoryClearedError as exc:
             raise WatchHistoryLostError(self._key, from_index, str(exc)) from None
         except KeyNotFoundError:
             # Some etcd versions refuse to watch below a missing directory: nothing

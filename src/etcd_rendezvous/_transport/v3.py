@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from . import v3_wire as wire
 from .attempt import Attempt
 from .base import Connection
@@ -32,7 +32,6 @@ from .interface import (
     WatchStream,
 )
 from .metering import op_name
-from .retry import Deadline
 from .v3_session import LeaseGoneError, V3Session
 from .v3_watch import V3WatchStream
 
@@ -106,28 +105,27 @@ class EtcdV3Connection(Connection):
         key: str,
         path: str,
         body: dict[str, Any] | None,
-        *,
-        budget: Deadline | None = None,
+        deadline: Deadline,
     ) -> dict[str, Any]:
-        """One operation: the request, sent until etcd answers it within the deadline."""
+        """One operation: the request, sent until etcd answers it by ``deadline``."""
         done = self._endpoints.operate(
             what,
             key,
             lambda idx, cap: self._attempt(idx, path, body, what, key, cap),
-            budget=budget,
+            deadline=deadline,
         )
         return done.unwrap()
 
     # -- leases -----------------------------------------------------------------------
 
-    def _grant(self, ttl: int, key: str) -> int:
+    def _grant(self, ttl: int, key: str, deadline: Deadline) -> int:
         if ttl >= _SHARED_LEASE_MIN_TTL:
             with self._lease_lock:
                 shared = self._shared_leases.get(ttl)
             fresh_until = ttl * (1 - _SHARED_LEASE_FRESHNESS)
             if shared is not None and time.monotonic() - shared[1] < fresh_until:
                 return shared[0]
-        data = self._call("grant a lease for", key, "/v3/lease/grant", {"TTL": int(ttl)})
+        data = self._call("grant a lease for", key, "/v3/lease/grant", {"TTL": int(ttl)}, deadline)
         lease = int(data.get("ID", 0))
         if not lease:
             raise OperationRefusedError(f"etcd granted no lease for {key!r}: {data!r:.200}")
@@ -152,19 +150,27 @@ class EtcdV3Connection(Connection):
                     best, lease = directory, dir_lease
             return lease
 
-    def _lease_for(self, key: str, ttl: int | None) -> int:
-        return self._grant(ttl, key) if ttl else self._inherited_lease(key)
+    def _lease_for(self, key: str, ttl: int | None, deadline: Deadline) -> int:
+        return self._grant(ttl, key, deadline) if ttl else self._inherited_lease(key)
 
     def _leased(
-        self, what: str, key: str, ttl: int | None, send: _LeasedSend, known: int = 0
+        self,
+        what: str,
+        key: str,
+        ttl: int | None,
+        send: _LeasedSend,
+        deadline: Deadline,
+        known: int = 0,
     ) -> Attempt[Node]:
         """Send a write that attaches ``key`` to a lease until etcd answers it:
         ``send(lease, endpoint, cap)`` is one request. The lease is ``known`` (the
         caller's own, see :meth:`update`), a new one for ``ttl``, or the directory's; one
-        that vanished meanwhile is replaced (twice at most)."""
-        lease = known or self._lease_for(key, ttl)
+        that vanished meanwhile is replaced (twice at most). Sent until ``deadline``."""
+        lease = known or self._lease_for(key, ttl, deadline)
         for replacements_left in (2, 1, 0) if known else (1, 0):
-            done = self._endpoints.operate(what, key, functools.partial(send, lease))
+            done = self._endpoints.operate(
+                what, key, functools.partial(send, lease), deadline=deadline
+            )
             if not isinstance(done.refusal, LeaseGoneError):
                 return done
             # Refused for a gone lease: sent again with another. The next operate()
@@ -181,37 +187,42 @@ class EtcdV3Connection(Connection):
                     "was deleted); writing the key without it",
                     key,
                 )
-            lease = self._lease_for(key, ttl)
+            lease = self._lease_for(key, ttl, deadline)
         raise AssertionError("unreachable")  # pragma: no cover
 
     # -- reads ------------------------------------------------------------------------
 
-    def server_version(self) -> str:
+    def server_version(self, *, deadline: Deadline | None = None) -> str:
         """The etcd server version (``etcdserver`` field of ``/version``)."""
         if self._version is None:
-            data = self._call("query the version of", "/version", "/version", None)
+            data = self._call(
+                "query the version of", "/version", "/version", None, self._deadline(deadline)
+            )
             self._version = str(data.get("etcdserver", ""))
         return self._version
 
-    def can_refresh_directory_ttl(self) -> bool:
+    def can_refresh_directory_ttl(self, *, deadline: Deadline | None = None) -> bool:
         """Always: a directory's TTL is a lease, and leases are kept alive."""
         return True
 
-    def get(self, key: str) -> Node:
+    def get(self, key: str, *, deadline: Deadline | None = None) -> Node:
         """Read ``key`` (one range request).
 
         Raises:
             KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
         """
         key = wire.norm(key)
-        data = self._call("read", key, "/v3/kv/range", {"key": wire.b64(key)})
+        body = {"key": wire.b64(key)}
+        data = self._call("read", key, "/v3/kv/range", body, self._deadline(deadline))
         revision = wire.revision(data)
         kvs = wire.kvs(data)
         if not kvs:
             raise KeyNotFoundError(key, revision)
         return wire.kv_node(kvs[0], revision)
 
-    def list_dir(self, key: str, *, recursive: bool = False) -> Node:
+    def list_dir(
+        self, key: str, *, recursive: bool = False, deadline: Deadline | None = None
+    ) -> Node:
         """Read directory ``key``: its marker and the keys below, in one range request
         (a read: a transaction would count as a write in etcd's metrics).
 
@@ -224,7 +235,7 @@ class EtcdV3Connection(Connection):
         """
         key = wire.norm(key)
         body = {"key": wire.b64(key), "range_end": wire.prefix_end(key + "/")}
-        data = self._call("list", key, "/v3/kv/range", body)
+        data = self._call("list", key, "/v3/kv/range", body, self._deadline(deadline))
         revision = wire.revision(data)
         own: list[dict[str, Any]] = []
         below: list[dict[str, Any]] = []
@@ -239,26 +250,28 @@ class EtcdV3Connection(Connection):
         marker = wire.kv_node(own[0], revision) if own else None
         return wire.directory(key, marker, below, revision, recursive)
 
-    def time_to_live(self, node: Node) -> int | None:
+    def time_to_live(self, node: Node, *, deadline: Deadline | None = None) -> int | None:
         """Seconds left on ``node``'s lease (``None``: no lease, or the lease is gone)."""
         if not node.lease:
             return None
         data = self._call(
-            "read the lease of", node.key, "/v3/lease/timetolive", {"ID": str(node.lease)}
+            "read the lease of",
+            node.key,
+            "/v3/lease/timetolive",
+            {"ID": str(node.lease)},
+            self._deadline(deadline),
         )
         # An expired lease answers TTL -1; 0 seconds left is a default, so left out.
         ttl = int(data.get("TTL", 0))
         return ttl if ttl >= 0 else None
 
     def _wait_for_change(
-        self, key: str, index: int, wait: float | Deadline, *, recursive: bool
+        self, key: str, index: int, deadline: Deadline, *, recursive: bool
     ) -> Node | None:
         """Wait for the first change of ``key`` (or below it) at or after revision ``index``:
         a watch stream, closed after its first change.
 
-        Returns the change, or ``None`` when ``wait`` passed: ``wait`` seconds (within
-        the thread's deadline), or a deadline of its own (which the thread's does not
-        cap).
+        Returns the change, or ``None`` when ``deadline`` passed.
 
         Raises:
             WatchHistoryLostError: the revision was compacted.
@@ -266,26 +279,39 @@ class EtcdV3Connection(Connection):
         stream = V3WatchStream(self._session, self._endpoints, key, index, recursive)
         self._adopt(stream)
         with stream:
-            node = stream.next_until(wait) if isinstance(wait, Deadline) else stream.next(wait)
+            node = stream.next(deadline)
         return None if node is None else self._note_index(node)
 
-    def watch_stream(self, key: str, start_index: int, *, recursive: bool = False) -> WatchStream:
+    def watch_stream(
+        self,
+        key: str,
+        start_index: int,
+        *,
+        recursive: bool = False,
+        deadline: Deadline | None = None,
+    ) -> WatchStream:
         """The changes of ``key`` (or below it) from revision ``start_index`` on, over one
         ``POST /v3/watch`` answer kept open (reopened from where it broke, on the next
         endpoint, if it breaks). Opened before returning, retrying like any operation.
 
         Raises:
-            RendezvousConnectionError: etcd stayed unreachable for the operation's
-                deadline.
+            RendezvousConnectionError: etcd stayed unreachable until ``deadline``.
         """
         stream = V3WatchStream(self._session, self._endpoints, key, start_index, recursive)
         self._adopt(stream)
-        stream.start()
+        stream.start(self._deadline(deadline))
         return stream
 
     # -- writes -----------------------------------------------------------------------
 
-    def set(self, key: str, value: str | None, *, ttl: int | None = None) -> Node:
+    def set(
+        self,
+        key: str,
+        value: str | None,
+        *,
+        ttl: int | None = None,
+        deadline: Deadline | None = None,
+    ) -> Node:
         """Write ``key`` (idempotent, so re-sent freely); ``ttl`` attaches a new lease."""
         text = "" if value is None else value
 
@@ -297,9 +323,11 @@ class EtcdV3Connection(Connection):
             revision = wire.revision(data)
             return wire.written(key, text, revision, revision, "set", lease)
 
-        return self._leased("write", key, ttl, send).unwrap()
+        return self._leased("write", key, ttl, send, self._deadline(deadline)).unwrap()
 
-    def update(self, key: str, value: str, *, ttl: int, lease: int = 0) -> Node:
+    def update(
+        self, key: str, value: str, *, ttl: int, lease: int = 0, deadline: Deadline | None = None
+    ) -> Node:
         """Rewrite the existing ``key`` (a transaction on ``create_revision > 0``: a put
         keeps the creation revision); a new lease of ``ttl`` unless ``lease`` (the
         caller's own) is alive. Idempotent, so re-sent freely.
@@ -316,9 +344,11 @@ class EtcdV3Connection(Connection):
                 raise KeyNotFoundError(key, revision)
             return wire.written(key, value, revision, revision, "update", lease)
 
-        return self._leased("update", key, ttl, send, lease).unwrap()
+        return self._leased("update", key, ttl, send, self._deadline(deadline), lease).unwrap()
 
-    def refresh(self, key: str, ttl: int, *, timeout: float | None = None, lease: int = 0) -> Node:
+    def refresh(
+        self, key: str, ttl: int, *, lease: int = 0, deadline: Deadline | None = None
+    ) -> Node:
         """Keep ``key``'s lease alive (its TTL starts again), without waking watchers.
 
         The key's current lease is read first: another worker's write may have moved
@@ -336,21 +366,20 @@ class EtcdV3Connection(Connection):
             KeyNotFoundError: the key is gone, or its lease lapsed.
         """
         key = wire.norm(key)
-        budget = Deadline(self.read_timeout if timeout is None else timeout)
+        deadline = self._deadline(deadline)
         if lease:
-            with self.bounded_by(budget):
-                data = self._call(
-                    "refresh the TTL of", key, "/v3/lease/keepalive", {"ID": str(lease)}
-                )
+            body = {"ID": str(lease)}
+            data = self._call("refresh the TTL of", key, "/v3/lease/keepalive", body, deadline)
             result = data.get("result", data)
             if int(result.get("TTL", 0) or 0) >= ttl:
                 return wire.written(key, None, wire.revision(data), 0, "refresh", lease)
             # Lapsed (the key with it), or shorter than asked: do as without a lease.
-        with self.bounded_by(budget):
-            node = self.get(key)
-        return self._keep_alive(key, node, ttl, budget)
+        node = self.get(key, deadline=deadline)
+        return self._keep_alive(key, node, ttl, deadline)
 
-    def compare_and_refresh(self, key: str, value: str, ttl: int) -> Node:
+    def compare_and_refresh(
+        self, key: str, value: str, ttl: int, *, deadline: Deadline | None = None
+    ) -> Node:
         """:meth:`refresh` after comparing the value read, as a keep-alive takes no
         condition: between the read and the keep-alive, the key can change hands only if
         its lease lapses (then the keep-alive fails too) or its holder deletes it (a
@@ -358,25 +387,23 @@ class EtcdV3Connection(Connection):
         that out). A new lease is attached only if the key is still as read. Two
         requests, as :meth:`refresh` without ``lease``."""
         key = wire.norm(key)
-        budget = Deadline(self.read_timeout)
-        with self.bounded_by(budget):
-            node = self.get(key)
+        deadline = self._deadline(deadline)
+        node = self.get(key, deadline=deadline)
         if node.value != value:
             raise CompareFailedError(key, node.etcd_index)
-        return self._keep_alive(key, node, ttl, budget, node.modified_index)
+        return self._keep_alive(key, node, ttl, deadline, node.modified_index)
 
     def _keep_alive(
-        self, key: str, node: Node, ttl: int, budget: Deadline, unless_changed: int = 0
+        self, key: str, node: Node, ttl: int, deadline: Deadline, unless_changed: int = 0
     ) -> Node:
         """Keep alive the lease of ``node`` (``key`` as read), or attach a new one of
         ``ttl`` if it has none or a shorter one (only if its modification revision is
         still ``unless_changed``, unless that is 0)."""
-        with self.bounded_by(budget):
-            if not node.lease:
-                # The key has no TTL: give it one, keeping its value (a v2 refresh would).
-                return self._attach_new_lease(key, ttl, unless_changed)
-            body = {"ID": str(node.lease)}
-            data = self._call("refresh the TTL of", key, "/v3/lease/keepalive", body)
+        if not node.lease:
+            # The key has no TTL: give it one, keeping its value (a v2 refresh would).
+            return self._attach_new_lease(key, ttl, deadline, unless_changed)
+        body = {"ID": str(node.lease)}
+        data = self._call("refresh the TTL of", key, "/v3/lease/keepalive", body, deadline)
         result = data.get("result", data)
         if "TTL" not in result or int(result.get("TTL", 0)) <= 0:
             self._forget_lease(node.lease)
@@ -384,24 +411,25 @@ class EtcdV3Connection(Connection):
         with self._lease_lock:
             directory = self._dir_leases.get(key) == node.lease
         if int(result["TTL"]) < ttl and not directory:
-            with self.bounded_by(budget):
-                return self._attach_new_lease(key, ttl, unless_changed)
+            return self._attach_new_lease(key, ttl, deadline, unless_changed)
         return node
 
-    def _attach_new_lease(self, key: str, ttl: int, unless_changed: int = 0) -> Node:
-        lease = self._grant(ttl, key)
+    def _attach_new_lease(
+        self, key: str, ttl: int, deadline: Deadline, unless_changed: int = 0
+    ) -> Node:
+        lease = self._grant(ttl, key, deadline)
         body = {"key": wire.b64(key), "lease": str(lease), "ignore_value": True}
         if unless_changed:
             txn = wire.guarded_txn(key, unless_changed, {"request_put": body})
-            data = self._call("refresh the TTL of", key, "/v3/kv/txn", txn)
+            data = self._call("refresh the TTL of", key, "/v3/kv/txn", txn, deadline)
             if not data.get("succeeded"):
                 raise wire.compare_failure(key, data, wire.revision(data))
         else:
-            data = self._call("refresh the TTL of", key, "/v3/kv/put", body)
+            data = self._call("refresh the TTL of", key, "/v3/kv/put", body, deadline)
         revision = wire.revision(data)
         return wire.written(key, None, revision, 0, "refresh", lease)
 
-    def mkdir(self, key: str, *, ttl: int | None = None) -> bool:
+    def mkdir(self, key: str, *, ttl: int | None = None, deadline: Deadline | None = None) -> bool:
         """Create the marker key of directory ``key`` unless it exists.
 
         With ``ttl``, the directory gets a lease that every key written below it through
@@ -419,13 +447,17 @@ class EtcdV3Connection(Connection):
             found = int(existing[0].get("lease", 0)) if existing else 0
             return wire.written(key, "", revision, 0, "get", found)
 
-        node = self._leased("create the directory", key, ttl, send).unwrap()
+        node = self._leased(
+            "create the directory", key, ttl, send, self._deadline(deadline)
+        ).unwrap()
         if node.lease:
             with self._lease_lock:
                 self._dir_leases[key] = node.lease
         return node.action == "create"
 
-    def create(self, key: str, value: str, *, ttl: int | None = None) -> Node:
+    def create(
+        self, key: str, value: str, *, ttl: int | None = None, deadline: Deadline | None = None
+    ) -> Node:
         """Create ``key`` with ``value`` (a transaction on ``create_revision == 0``; see
         :meth:`Transport.create <etcd_rendezvous._transport.interface.Transport.create>`)."""
 
@@ -437,10 +469,18 @@ class EtcdV3Connection(Connection):
                 raise KeyExistsError(key, revision)
             return wire.written(key, value, revision, revision, "create", lease)
 
-        return self._settle("create", key, value, None, self._leased("create", key, ttl, send))
+        deadline = self._deadline(deadline)
+        done = self._leased("create", key, ttl, send, deadline)
+        return self._settle("create", key, value, None, done, deadline)
 
     def compare_and_swap(
-        self, key: str, value: str, prev: Node | int, *, ttl: int | None = None
+        self,
+        key: str,
+        value: str,
+        prev: Node | int,
+        *,
+        ttl: int | None = None,
+        deadline: Deadline | None = None,
     ) -> Node:
         """Replace ``prev`` with ``value`` if ``key``'s ``mod_revision`` is still ``prev``'s
         (or is ``prev``, an index); see :meth:`Transport.compare_and_swap
@@ -463,28 +503,33 @@ class EtcdV3Connection(Connection):
                 raise wire.compare_failure(key, data, revision)
             return wire.written(key, value, revision, created, "compareAndSwap", lease)
 
-        done = self._leased("compare-and-swap", key, ttl, send)
-        return self._settle("compare-and-swap", key, value, since, done)
+        deadline = self._deadline(deadline)
+        done = self._leased("compare-and-swap", key, ttl, send, deadline)
+        return self._settle("compare-and-swap", key, value, since, done, deadline)
 
-    def compare_and_delete(self, key: str, prev: Node) -> bool:
+    def compare_and_delete(self, key: str, prev: Node, *, deadline: Deadline | None = None) -> bool:
         """Delete ``key`` if its ``mod_revision`` is still ``prev``'s. Returns whether it
         did; a delete whose answer was lost counts as ours if the key's next change after
         ``prev`` was a deletion (v3 cannot tell whose)."""
         delete = {"request_delete_range": {"key": wire.b64(key)}}
         body = wire.guarded_txn(key, prev.modified_index, delete)
+        deadline = self._deadline(deadline)
         done = self._endpoints.operate(
             "compare-and-delete",
             key,
             lambda idx, cap: self._attempt(idx, "/v3/kv/txn", body, "compare-and-delete", key, cap),
+            deadline=deadline,
         )
         if done.unwrap().get("succeeded"):
             return True
         if done.after_unknown:
-            change = self.first_change_after(key, prev.modified_index)
+            change = self.first_change_after(key, prev.modified_index, deadline=deadline)
             return change is not None and change.action == "delete"
         return False
 
-    def delete(self, key: str, *, recursive: bool = False) -> bool:
+    def delete(
+        self, key: str, *, recursive: bool = False, deadline: Deadline | None = None
+    ) -> bool:
         """Delete ``key`` (and every key below it with ``recursive``). Returns whether any
         existed."""
         key = wire.norm(key)
@@ -492,7 +537,7 @@ class EtcdV3Connection(Connection):
         if recursive:
             below = {"key": wire.b64(key + "/"), "range_end": wire.prefix_end(key + "/")}
             ops.append({"request_delete_range": below})
-        data = self._call("delete", key, "/v3/kv/txn", {"success": ops})
+        data = self._call("delete", key, "/v3/kv/txn", {"success": ops}, self._deadline(deadline))
         with self._lease_lock:
             for name in [k for k in self._dir_leases if k == key or k.startswith(key + "/")]:
                 del self._dir_leases[name]
@@ -502,32 +547,34 @@ class EtcdV3Connection(Connection):
         )
         return deleted > 0
 
-    def check_writable(self, prefix: str) -> None:
+    def check_writable(self, prefix: str, *, deadline: Deadline | None = None) -> None:
         """A transaction whose put below ``prefix`` cannot apply (its key's version is
         compared with "less than 0"): etcd checks the permissions of every operation
         of a transaction, applied or not."""
-        self._never_applied("write below", prefix, "")
+        self._never_applied("write below", prefix, "", self._deadline(deadline))
 
-    def check_size(self, prefix: str, size: int) -> None:
+    def check_size(self, prefix: str, size: int, *, deadline: Deadline | None = None) -> None:
         """A transaction whose put of ``size`` bytes below ``prefix`` cannot apply (as
         :meth:`check_writable`'s): etcd refuses a request too large before looking at it."""
-        self._never_applied("check the size limit below", prefix, "x" * max(size, 0))
+        value = "x" * max(size, 0)
+        self._never_applied("check the size limit below", prefix, value, self._deadline(deadline))
 
-    def _never_applied(self, what: str, prefix: str, value: str) -> None:
+    def _never_applied(self, what: str, prefix: str, value: str, deadline: Deadline) -> None:
         """A transaction putting ``value`` below ``prefix`` whose condition never holds
         (the probe key's version compared with "less than 0")."""
         probe = f"{prefix.rstrip('/')}/{_PROBE_NAME}"
         never = {"key": wire.b64(probe), "target": "VERSION", "result": "LESS", "version": "0"}
         put = {"request_put": {"key": wire.b64(probe), "value": wire.b64(value)}}
-        self._call(what, prefix, "/v3/kv/txn", {"compare": [never], "success": [put]})
+        body = {"compare": [never], "success": [put]}
+        self._call(what, prefix, "/v3/kv/txn", body, deadline)
 
     # -- discovery --------------------------------------------------------------------
 
-    def probe(self, budget: Deadline) -> tuple[str, bool]:
+    def probe(self, deadline: Deadline) -> tuple[str, bool]:
         """The server's version, and whether it serves the v2 API (``GET /v2/keys``).
 
         Raises:
-            RendezvousConnectionError: no endpoint answered before ``budget`` passed.
+            RendezvousConnectionError: no endpoint answered before ``deadline`` passed.
         """
         endpoints = self._endpoints
         version = endpoints.operate(
@@ -536,11 +583,11 @@ class EtcdV3Connection(Connection):
             lambda idx, cap: self._session.request(
                 idx, "/version", None, cap, "query the version", "version"
             ),
-            budget=budget,
+            deadline=deadline,
         ).unwrap()
         self._version = str(version.get("etcdserver", ""))
         idx = endpoints.pick()
-        read = min(endpoints.timeouts.request, max(budget.remaining(), endpoints.last_chance()))
+        read = min(endpoints.timeouts.request, max(deadline.remaining(), endpoints.last_chance()))
         try:
             response = self._session.pool.request(
                 "GET",
@@ -555,7 +602,7 @@ class EtcdV3Connection(Connection):
         # 404 "page not found": no v2 API. 200, or 401 with auth enabled: v2 is served.
         return self._version, response.status != 404
 
-    def gateway_available(self, budget: Deadline) -> bool:
+    def gateway_available(self, deadline: Deadline) -> bool:
         """Whether the current endpoint serves the v3 JSON gateway."""
         try:
             self._call(
@@ -563,7 +610,7 @@ class EtcdV3Connection(Connection):
                 "/v3/maintenance/status",
                 "/v3/maintenance/status",
                 {},
-                budget=budget,
+                deadline,
             )
         except RendezvousConnectionError as exc:
             if "JSON gateway" in str(exc):

@@ -66,13 +66,8 @@ class V3Session:
     def __init__(self, endpoints: Endpoints, access: Access, clock: ServerClock) -> None:
         self._endpoints = endpoints
         self._clock = clock
-        pool_kw: dict[str, Any] = {"retries": False, "maxsize": 8}
-        if access.protocol == "https":
-            pool_kw.update(cert_reqs="CERT_REQUIRED", ca_certs=access.cacert)
-            if access.cert:
-                pool_kw.update(cert_file=access.cert, key_file=access.key)
         #: The connections to every endpoint (discovery reads ``/v2/keys/`` with it too).
-        self.pool = urllib3.PoolManager(num_pools=max(4, len(endpoints.urls)), **pool_kw)
+        self.pool = access.pool(max(4, len(endpoints.urls)), 8)
         self._username = access.username
         self._password = access.password
         self._token: str | None = None

@@ -14,13 +14,12 @@ from typing import Any
 import urllib3
 from urllib3.exceptions import HTTPError
 
-from ..api import RendezvousConnectionError
+from ..api import Deadline, RendezvousConnectionError
 from . import v3_wire as wire
 from .attempt import AmbiguousError
 from .endpoints import Endpoints
 from .interface import Node, WatchHistoryLostError
 from .metering import count_bytes
-from .retry import Deadline
 from .stream import (
     Changes,
     Messages,

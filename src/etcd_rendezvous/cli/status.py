@@ -21,7 +21,7 @@ import time
 from datetime import datetime
 from typing import Any, TextIO
 
-from ..api import RendezvousStateError
+from ..api import Deadline, RendezvousStateError
 from ..dynamic_rendezvous import NodeDesc, RendezvousState
 from ..etcd_rendezvous import member_ranks, parse_state
 from ..etcd_rendezvous_backend import EtcdRendezvousBackend
@@ -143,7 +143,7 @@ def _wait_for_change(args: argparse.Namespace, conn: Transport, report: dict[str
     on the run's directory or state key from the last index read)."""
     key = report["run_dir"] if report["backend"] == "etcd" else report["key"]
     started = time.monotonic()
-    conn.watch(key, conn.last_index + 1, timeout=args.interval, recursive=True)
+    conn.watch(key, conn.last_index + 1, Deadline(args.interval), recursive=True)
     # A burst of changes (a rendezvous forming) is shown at most once a second.
     pause = min(1.0, args.interval) - (time.monotonic() - started)
     if pause > 0:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ...api import RendezvousError
+from ...api import Deadline, RendezvousError
 from ...etcd_rendezvous_backend import EtcdRendezvousBackend
 from ...layout import DEFAULT_PREFIX, ETCD_V2_STATE_PREFIX, EtcdV2NodesLayout, normalize_key
 from .._common import Transport, WatchStream
@@ -288,7 +288,7 @@ class Follower:
         """Note the run of each change ``stream`` delivers, until it is closed or fails."""
         try:
             while not stream.closed:
-                change = stream.next(_WAIT_SECONDS)
+                change = stream.next(Deadline(_WAIT_SECONDS))
                 run_id = None if change is None else source.run_of(change.key)
                 if run_id is not None:
                     with self._lock:
