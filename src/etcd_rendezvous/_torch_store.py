@@ -20,11 +20,12 @@ import importlib.util
 import sys
 from typing import Any
 
-from .api import RendezvousParameters, Store
+from .api import Deadline, RendezvousParameters, Store
 
 __all__ = [
     "TORCH_STORE_OPTION",
     "adapt_store",
+    "bounded_store",
     "load_torch_store",
     "torch_available",
     "torch_store_wanted",
@@ -93,3 +94,22 @@ def adapt_store(store: Store, wanted: bool) -> Store:
     module = importlib.import_module("etcd_rendezvous.torch_store")
     adapted: Store = module.TorchEtcdStore(store)
     return adapted
+
+
+def bounded_store(store: Store, deadline: Deadline) -> Store | None:
+    """The :class:`~etcd_rendezvous.etcd_store.EtcdStore` that ``store`` is (or that a
+    :class:`~etcd_rendezvous.torch_store.TorchEtcdStore` ``store`` wraps) as seen by a
+    caller whose every call also ends by ``deadline`` (its
+    :meth:`~etcd_rendezvous.etcd_store.EtcdStore.with_deadline` view, which costs no
+    request); ``None`` for any other store."""
+    # Looked up, not imported, as in adapt_store.
+    etcd_store = sys.modules.get("etcd_rendezvous.etcd_store")
+    if etcd_store is None:
+        return None
+    torch_store = sys.modules.get("etcd_rendezvous.torch_store")
+    if torch_store is not None and isinstance(store, torch_store.TorchEtcdStore):
+        store = store.etcd_store
+    if not isinstance(store, etcd_store.EtcdStore):
+        return None
+    view: Store = store.with_deadline(deadline)
+    return view

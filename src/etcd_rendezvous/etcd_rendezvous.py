@@ -37,6 +37,7 @@ from ._transport.interface import KeyNotFoundError
 from ._transport.options import create_etcd_connection as _create_etcd_connection
 from ._transport.options import seconds as _seconds
 from .api import (
+    EXCHANGE_GRACE,
     Deadline,
     RendezvousHandler,
     RendezvousInfo,
@@ -62,10 +63,6 @@ logger = logging.getLogger(__name__)
 _DEFAULT_TIMEOUT: int = 600
 #: Default extra wait for more workers once ``min_workers`` joined, in seconds.
 _DEFAULT_LAST_CALL_TIMEOUT: int = 30
-
-#: Least time given to the exchange of the master address after the barrier, in seconds
-#: (rank 0 publishes it at once; see :meth:`EtcdRendezvousHandler.next_rendezvous`).
-_EXCHANGE_GRACE = 0.5
 
 
 class EtcdRendezvousHandler(RendezvousHandler):
@@ -140,7 +137,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
         # Rank 0 publishes its address just after the barrier, so the exchange gets a
         # moment even if the barrier completed right at the deadline.
         remaining = rdzv._rendezvous_deadline.remaining()
-        exchange = Deadline(max(remaining, _EXCHANGE_GRACE))
+        exchange = Deadline(max(remaining, EXCHANGE_GRACE))
         store = rdzv.setup_kv_store(rdzv_version, create_dir=False)
         bootstrap_store_info = RendezvousStoreInfo.build(
             rank, store.with_deadline(exchange), local_addr=self._local_addr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -25,17 +26,20 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous._transport.connect import open_transport
+from etcd_rendezvous._transport.interface import KeyNotFoundError
 from etcd_rendezvous.api import (
+    Deadline,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
     RendezvousParameters,
+    RendezvousTimeoutError,
 )
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 from etcd_rendezvous.registry import get_rendezvous_handler
-from support.rdzv import state_key
-from support.wait import wait_for_value
+from support.rdzv import Worker, state_key
+from support.wait import wait_for_value, wait_until
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,8 @@ BACKENDS = ("etcd", "etcd-v2")
 
 
 def _params(backend: str, endpoint: str, run_id: str, nodes: int, **config: Any) -> Any:
-    """Parameters with every timeout of the backend set to ``T``."""
+    """Parameters with every timeout of the backend set to ``T`` (the node's address
+    127.0.0.1 unless ``config`` gives ``local_addr``)."""
     if backend == "etcd":
         timeouts: dict[str, Any] = {"timeout": T, "last_call_timeout": 0}
     else:
@@ -60,8 +65,7 @@ def _params(backend: str, endpoint: str, run_id: str, nodes: int, **config: Any)
         run_id=run_id,
         min_nodes=nodes,
         max_nodes=nodes,
-        local_addr="127.0.0.1",
-        **{**timeouts, **config},
+        **{"local_addr": "127.0.0.1", **timeouts, **config},
     )
 
 
@@ -257,3 +261,65 @@ def test_a_handler_handing_out_a_torch_store_imports_pytorch_when_created(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True"], done.stderr[-2000:]
+
+
+# -- the exchange of rank 0's address ---------------------------------------------------
+
+
+@pytest.mark.parametrize("torch_store", ["false", "true"])
+def test_a_frozen_rank_0_fails_the_address_exchange_within_the_join_timeout(
+    torch_store: str, etcd_server: EtcdServer, run_id: str
+) -> None:
+    """``etcd-v2``: rank 0 of a round that completes is frozen (SIGSTOP) before it can
+    publish its address; the other node fails with a named error within ``join_timeout``
+    plus the documented bound, not the store's timeout (300 s)."""
+    if torch_store == "true" and importlib.util.find_spec("torch") is None:
+        pytest.skip("PyTorch is not installed")
+    endpoint = etcd_server.get_endpoint()
+    # The worker's node (address 127.0.0.1) sorts before ours (127.0.0.2): it is rank 0.
+    # Its key lives 15 s, longer than the test: it is admitted, and not dropped.
+    rank_0 = Worker(
+        endpoint, run_id, 2, 2, extra_args=["--backend=etcd-v2", "--keep-alive-interval=5"]
+    )
+    params = _params(
+        "etcd-v2", endpoint, run_id, 2, torch_store=torch_store, local_addr="127.0.0.2"
+    )
+    try:
+        rank_0.wait_ready()
+        rank_0.send("join")
+        nodes = f"/torch/elastic/rendezvous_nodes/{run_id}"
+        with open_transport([(etcd_server.get_host(), etcd_server.get_port())]) as conn:
+            wait_until(
+                lambda: any(
+                    f"_{rank_0.proc.pid}_" in child.key for child in _children(conn, nodes)
+                ),
+                what="the worker's node key",
+            )
+        rank_0.proc.send_signal(signal.SIGSTOP)
+        handler = get_rendezvous_handler(params)
+        with handler:
+            outcome: list[tuple[BaseException | None, float]] = []
+            joiner = threading.Thread(
+                target=lambda: outcome.append(_timed(handler.next_rendezvous)), daemon=True
+            )
+            joiner.start()
+            joiner.join(T + BOUND + SLACK + 30)
+            assert outcome, "next_rendezvous() is still waiting for rank 0's address"
+            error, elapsed = outcome[0]
+            _assert_bounded("the address exchange with a frozen rank 0", error, elapsed)
+            assert isinstance(error, RendezvousTimeoutError), error
+            message = str(error)
+            assert f"round 0 of the rendezvous '{run_id}'" in message, message
+            assert f"the node '127.0.0.1_{rank_0.proc.pid}_" in message, message
+            assert f"'torch.rendezvous.{run_id}.0/MASTER_ADDR'" in message, message
+    finally:
+        rank_0.proc.send_signal(signal.SIGCONT)
+        rank_0.kill()
+
+
+def _children(conn: Any, path: str) -> list[Any]:
+    """The keys under the etcd directory ``path`` (none if it does not exist yet)."""
+    try:
+        return list(conn.list_dir(path, deadline=Deadline(5)).children)
+    except KeyNotFoundError:
+        return []

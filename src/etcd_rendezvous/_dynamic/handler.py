@@ -20,9 +20,10 @@ from datetime import timedelta
 from typing import Any
 
 from .._progress_log import ProgressLog, progress_interval, seconds_left
-from .._torch_store import adapt_store, torch_available, torch_store_wanted
+from .._torch_store import adapt_store, bounded_store, torch_available, torch_store_wanted
 from .._transport.retry import Deadline
 from ..api import (
+    EXCHANGE_GRACE,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
@@ -324,20 +325,31 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Joins within ``join_timeout`` (plus about a second), whatever the ``etcd-v2``
         backend does: every call to it is given the join deadline, and retries failures
         such as an etcd election until then. Only a node on the redundancy list waits on
-        past it. The exchange of rank 0's address that follows is bounded by the store's
-        timeout, as in PyTorch.
+        past it (it then has a whole ``join_timeout`` again from leaving the list). The
+        exchange of rank 0's address that follows is bounded by what is left of that
+        deadline (at least half a second, ``EXCHANGE_GRACE``) when the store is an
+        :class:`~etcd_rendezvous.etcd_store.EtcdStore`, by the store's timeout otherwise,
+        and raises :class:`~etcd_rendezvous.api.RendezvousTimeoutError` naming the round,
+        its rank 0 and the key (PyTorch waits for the store's timeout, 300 s by default,
+        and raises the store's error).
 
         A state write that etcd refuses as larger than its ``--max-request-bytes``
         raises :class:`~etcd_rendezvous.api.RequestTooLargeError`, in every node that
         waited for it too, within seconds (see the documentation, "etcd's limits").
         """
         join = self._settings.timeout.join
-        deadline = self._get_deadline(join)
-        self._begin_attempt(deadline)
+        deadlines = [self._get_deadline(join)]
+
+        def renew() -> Deadline:
+            # Leaving the redundancy list starts a new join_timeout (as in PyTorch).
+            deadlines.append(self._get_deadline(join))
+            return deadlines[-1]
+
+        self._begin_attempt(deadlines[0])
         started = time.monotonic()
-        with self._joining(deadline):
-            self._op_executor.run(ExitOp(), deadline)
-            self._op_executor.run(JoinOp(), deadline, lambda: self._get_deadline(join))
+        with self._joining(deadlines[0]):
+            self._op_executor.run(ExitOp(), deadlines[0])
+            self._op_executor.run(JoinOp(), deadlines[0], renew)
         self._start_heartbeats()
 
         rank, world_size = self._get_world()
@@ -346,21 +358,47 @@ class DynamicRendezvousHandler(RendezvousHandler):
         joined = self._state_holder.state
         round_ = joined.round
         rank_0 = min(joined.participants, key=joined.participants.__getitem__)
+        # Rank 0 publishes its address as soon as it sees the round complete, so the
+        # exchange gets a moment even if the round completed right at the deadline.
+        exchange = Deadline(max(deadlines[-1].remaining(), EXCHANGE_GRACE))
         try:
-            return self._bootstrap(rank, world_size, store)
-        except LookupError as exc:  # the store's timeout: rank 0 never published
-            self._explain_exchange_failure(exc, round_, rank_0)
-            raise
+            return self._bootstrap(rank, world_size, store, self._exchange_store(exchange))
+        except LookupError as exc:  # the exchange's bound passed: rank 0 never published
+            raise RendezvousTimeoutError(self._exchange_failure(exc, round_, rank_0)) from exc
 
-    def _explain_exchange_failure(self, exc: LookupError, round_: int, rank_0: _NodeDesc) -> None:
-        """Complete the message of ``exc``, the store's timeout in the exchange of rank
-        0's address after round ``round_`` completed, with why rank 0's address never
-        came, if the state as it is now tells: this node or rank 0 (``rank_0``) is no
-        longer a participant of the round."""
-        if len(exc.args) != 1 or not isinstance(exc.args[0], str):
-            return
+    def _exchange_store(self, exchange: Deadline) -> Store:
+        """The store of the round for the exchange of rank 0's address: the round's, each
+        of its calls bounded by ``exchange`` too when it is an
+        :class:`~etcd_rendezvous.etcd_store.EtcdStore` (also inside a
+        :class:`~etcd_rendezvous.torch_store.TorchEtcdStore`): a view of it, which costs
+        no request. Another store bounds the exchange by its own timeout.
+
+        Invariants: liveness: a node whose round's rank 0 died, froze or was dropped
+        before it published fails within ``join_timeout`` (plus ``EXCHANGE_GRACE``),
+        not the store's timeout; the exchange sends exactly the requests it sends
+        without a bound (the same reads and watches: the scale tests count them); the
+        workers get the round's store, unbounded. Interleavings: rank 0 publishes after
+        another rank's bound passed (that rank fails with the error below; rank 0 and
+        the others go on, and the failed node's next attempt takes them all to a new
+        round, as any member's failure does); a round completed right at the deadline
+        (the grace); a node admitted from the redundancy list (its renewed deadline).
+        """
+        bounded = bounded_store(self._store, exchange)
+        return self._get_store() if bounded is None else self._wrap_store(bounded)
+
+    def _exchange_failure(self, exc: LookupError, round_: int, rank_0: _NodeDesc) -> str:
+        """The message of a failed exchange of rank 0's address after round ``round_``
+        completed (``exc``, the store's error), with why the address never came, if the
+        state as it is now tells: this node or rank 0 (``rank_0``) is no longer a
+        participant of the round."""
         run_id = self._settings.run_id
-        notes = [f"Rank 0 of round {round_} publishes its address once the round completed."]
+        key = f"{dynamic_store_prefix(run_id, round_)}/{RendezvousStoreInfo.MASTER_ADDR_KEY}"
+        notes = [
+            f"The node '{self._this_node}' did not get the address of rank 0 of round "
+            f"{round_} of the rendezvous '{run_id}', the node '{rank_0}' (store key "
+            f"'{key}'): {exc}",
+            f"Rank 0 of round {round_} publishes its address once the round completed.",
+        ]
         holder = self._state_holder
         deadline = Deadline(_WITHDRAW_TIMEOUT)
         try:
@@ -382,7 +420,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 "participants: it was dropped (its heartbeat lapsed), or left, before it "
                 "published its address."
             )
-        exc.args = (" ".join([exc.args[0], *notes]),)
+        return " ".join(notes)
 
     def _begin_attempt(self, deadline: Deadline) -> None:
         """Report the attempt, stop the heartbeats and take the handler's lock (all by
@@ -479,9 +517,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
             f"{wants}; {left}"
         )
 
-    def _bootstrap(self, rank: int, world_size: int, store: Store) -> RendezvousInfo:
-        """The end of :meth:`next_rendezvous`: exchange the master address in the store
-        (within the store's timeout, as in PyTorch)."""
+    def _bootstrap(
+        self, rank: int, world_size: int, store: Store, exchange_store: Store
+    ) -> RendezvousInfo:
+        """The end of :meth:`next_rendezvous`: exchange the master address through
+        ``exchange_store`` (see :meth:`_exchange_store`); the workers get ``store``."""
         msg = (
             f"The node '{self._this_node}' has joined round {self._state_holder.state.round} of "
             f"the rendezvous '{self._settings.run_id}' as rank {rank} in a world of size "
@@ -493,7 +533,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         if not self.use_agent_store:
             # Opted out of TCPStore sharing (or no PyTorch): rank 0 publishes a free port.
             bootstrap_store_info = RendezvousStoreInfo.build(
-                rank, store, local_addr=self._this_node.addr
+                rank, exchange_store, local_addr=self._this_node.addr
             )
             return RendezvousInfo(store, rank, world_size, bootstrap_store_info)
 
@@ -512,13 +552,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
             self._start_tcp_store_server(self._this_node.addr, same_port=port_free)
             self._bootstrap_store_info = RendezvousStoreInfo.build(
                 rank,
-                store,
+                exchange_store,
                 local_addr=self._this_node.addr,
                 server_port=self._shared_tcp_store_server.port,
             )
         else:
             self._bootstrap_store_info = RendezvousStoreInfo.build(
-                rank, store, local_addr=self._this_node.addr
+                rank, exchange_store, local_addr=self._this_node.addr
             )
 
         return RendezvousInfo(store, rank, world_size, self._bootstrap_store_info)
