@@ -2,7 +2,8 @@
 every invariant (``docs/testing.rst``, "The fault harness").
 
 Marked ``chaos``: selected only by ``pytest -m chaos tests/chaos`` (see
-``tests/chaos/conftest.py``). A scenario whose etcd binary is missing here is skipped.
+``tests/chaos/conftest.py``). A scenario whose etcd binary is missing here is skipped
+(an error where ``ETCD_RENDEZVOUS_REQUIRE_ETCD`` is set, as in CI).
 A failure lists the violations and the one-line command that replays the scenario.
 """
 
@@ -16,6 +17,7 @@ import pytest
 
 from chaos.runner import run_scenario
 from chaos.scenario import FLAVORS, generate
+from support.tools import missing_tool
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]
 
@@ -58,7 +60,7 @@ def _binary_missing(flavor: str) -> str | None:
 def test_scenario_keeps_every_invariant(seed: int, flavor: str, family: str, tmp_path: Path):
     missing = _binary_missing(flavor)
     if missing:
-        pytest.skip(missing)
+        missing_tool(missing)
     scenario = generate(seed, flavor, family)
     verdict = run_scenario(scenario, tmp_path / "records", log=lambda _: None)
     assert verdict.ok, (
