@@ -179,7 +179,8 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return self._rdzv_impl.layout.run_id
 
     def shutdown(self) -> bool:
-        """Close the rendezvous and stop this worker's keep-alive threads.
+        """Close the rendezvous and stop this worker's threads (keep-alive, and the
+        watch stream of :meth:`num_nodes_waiting`).
 
         Returns:
             Whether the rendezvous could be marked closed. The threads are stopped
@@ -192,7 +193,7 @@ class EtcdRendezvousHandler(RendezvousHandler):
             logger.warning("Shutdown failed", exc_info=True)
             return False
         finally:
-            self._rdzv_impl.stop_lease_renewals()
+            self._rdzv_impl.stop_threads()
 
     def close(self) -> None:
         """Stop the keep-alive threads and release the connection the rendezvous owns,
