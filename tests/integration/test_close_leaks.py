@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import pytest
 
 from etcd_rendezvous.api import RendezvousParameters
 from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.layout import DEFAULT_PREFIX, LegacyLayout, member_name
 from etcd_rendezvous.registry import get_rendezvous_handler
 from support import v3_gateway
 from support.wait import wait_until
@@ -164,3 +166,33 @@ def test_a_run_leaves_no_shared_lease_holding_nothing(
     assert [ttl for ttl, keys in leases if ttl > _SHARED_TTL and keys], "the run's keys' lease"
     orphans = [ttl for ttl, keys in leases if ttl > _SHARED_TTL and not keys]
     assert not orphans, f"long leases holding no key after the nodes closed: {orphans}"
+
+
+def test_a_legacy_worker_that_shuts_down_deletes_its_own_keys(
+    etcd_server: EtcdServer, api: str, run_id: str
+) -> None:
+    """``shutdown()`` closes the run, then deletes the worker's member key at once (it
+    would otherwise live on for its TTL, 10 s); another worker's key is not touched."""
+    handlers = [get_rendezvous_handler(_params(etcd_server, "etcd", api, run_id, 2)) for _ in "ab"]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda h: h.next_rendezvous(), handlers))
+        conn = handlers[0].rendezvous.connection
+        layout = LegacyLayout(DEFAULT_PREFIX, run_id)
+        version = json.loads(conn.get(layout.state_key).value or "{}")["version"]
+
+        def members() -> list[str]:
+            listing = conn.list_dir(layout.version_dir(version))
+            return sorted(c.key for c in listing.children if member_name(c.key) is not None)
+
+        before = members()
+        assert len(before) == 2, before
+        assert handlers[0].shutdown()
+        after = members()  # at once: shutdown() returned
+        assert len(after) == 1, (before, after)
+        assert after[0] in before, (before, after)
+        assert handlers[1].shutdown()
+        assert members() == []
+    finally:
+        for handler in handlers:
+            handler.close()

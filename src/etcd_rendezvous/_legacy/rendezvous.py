@@ -35,6 +35,7 @@ from ..api import (
     Deadline,
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -287,6 +288,20 @@ class EtcdRendezvous:
             keeper.stop()
         self._keepers.clear()
         self._lease_this_rank = None
+
+    def withdraw(self, deadline: Deadline) -> None:
+        """Stop keeping this worker's keys alive and delete them (its member key, its
+        wait key), each request by ``deadline``; a key that cannot be deleted lapses
+        by its TTL. Only for a rendezvous this worker has just closed: once the run is
+        closed, every other worker leaves it, and none reads those keys again (a worker
+        waiting on a version ends with the closed state, not with a member key gone)."""
+        keys = [keeper.key for keeper in self._keepers]
+        self.stop_lease_renewals()
+        for key in keys:
+            try:
+                self._conn.delete(key, deadline=deadline)
+            except RendezvousError as exc:
+                logger.info("Could not delete our key %s (it lapses): %s", key, exc)
 
     def stop_threads(self) -> None:
         """Stop every thread of this rendezvous: the keep-alive threads (waited for
