@@ -176,20 +176,23 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return self._rdzv_impl.layout.run_id
 
     def shutdown(self) -> bool:
-        """Close the rendezvous and stop this worker's keep-alive threads.
+        """Close the rendezvous, delete this worker's own keys (which would otherwise
+        lapse by their TTL, as PyTorch's do) and stop this worker's threads
+        (keep-alive, and the watch stream of :meth:`num_nodes_waiting`).
 
         Returns:
             Whether the rendezvous could be marked closed. The threads are stopped
-            either way.
+            either way; the keys are deleted only once the run is closed.
         """
         try:
             self.set_closed()
-            return True
         except Exception:
             logger.warning("Shutdown failed", exc_info=True)
+            self._rdzv_impl.stop_threads()
             return False
-        finally:
-            self._rdzv_impl.stop_lease_renewals()
+        self._rdzv_impl.withdraw(Deadline(self._rdzv_impl.connection.request_timeout))
+        self._rdzv_impl.stop_threads()
+        return True
 
     def close(self) -> None:
         """Stop the keep-alive threads and release the connection the rendezvous owns,

@@ -35,6 +35,7 @@ from ..api import (
     Deadline,
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -288,19 +289,40 @@ class EtcdRendezvous:
         self._keepers.clear()
         self._lease_this_rank = None
 
-    def close(self) -> None:
-        """Stop the keep-alive threads and release the etcd connection if the rendezvous
-        owns it (see ``owns_connection``). The rendezvous stays open for the other
-        workers. Idempotent."""
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
+    def withdraw(self, deadline: Deadline) -> None:
+        """Stop keeping this worker's keys alive and delete them (its member key, its
+        wait key), each request by ``deadline``; a key that cannot be deleted lapses
+        by its TTL. Only for a rendezvous this worker has just closed: once the run is
+        closed, every other worker leaves it, and none reads those keys again (a worker
+        waiting on a version ends with the closed state, not with a member key gone)."""
+        keys = [keeper.key for keeper in self._keepers]
+        self.stop_lease_renewals()
+        for key in keys:
+            try:
+                self._conn.delete(key, deadline=deadline)
+            except RendezvousError as exc:
+                logger.info("Could not delete our key %s (it lapses): %s", key, exc)
+
+    def stop_threads(self) -> None:
+        """Stop every thread of this rendezvous: the keep-alive threads (waited for
+        briefly) and the watch stream that :meth:`num_workers_waiting` keeps open (its
+        reader ends once its socket is shut down). A later :meth:`num_workers_waiting`
+        opens the stream again."""
         self.stop_lease_renewals()
         waiting_feed = getattr(self, "_waiting_feed", None)  # (absent if __init__ raised)
         if waiting_feed is not None:
             with self._waiting_lock:
                 waiting_feed.close()
+
+    def close(self) -> None:
+        """Stop the threads (:meth:`stop_threads`) and release the etcd connection if
+        the rendezvous owns it (see ``owns_connection``). The rendezvous stays open for
+        the other workers. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.stop_threads()
         if self._owns_conn:
             self._conn.close()
 

@@ -26,7 +26,7 @@ from .interface import TransportClosedError, WatchStream
 from .metering import op_name
 from .retry import CONNECTION
 
-__all__ = ["Access", "Endpoints", "Timeouts", "format_host"]
+__all__ = ["Access", "Endpoints", "Timeouts", "close_pool", "format_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +64,23 @@ class Access:
             if self.cert:
                 options.update(cert_file=self.cert, key_file=self.key)
         return urllib3.PoolManager(num_pools=endpoints, **options)
+
+
+def close_pool(manager: urllib3.PoolManager) -> None:
+    """Close every connection of ``manager``, a pool made by :meth:`Access.pool`, and
+    forget them: the next request connects afresh.
+
+    ``PoolManager.clear()`` alone only forgets its per-host pools: urllib3 2 closes
+    their idle connections when the garbage collector collects them, which leaves them
+    open to etcd long after the connection was closed. A connection in use by a request
+    is closed when that request gives it back (its pool is closed by then).
+    """
+    pools = manager.pools
+    for key in pools.keys():  # noqa: SIM118 (urllib3 refuses to iterate it)
+        pool = pools.get(key)
+        if pool is not None:
+            pool.close()
+    manager.clear()
 
 
 @dataclass(frozen=True)

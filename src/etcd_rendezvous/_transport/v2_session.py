@@ -35,7 +35,7 @@ from ..api import RendezvousConnectionError, RendezvousStateError
 from . import limits
 from .attempt import ELECTION_MARKERS, AmbiguousError, UnsentError, transient_answer
 from .clock import ServerClock
-from .endpoints import Access, Endpoints
+from .endpoints import Access, Endpoints, close_pool
 from .interface import (
     CompareFailedError,
     ConditionError,
@@ -171,8 +171,8 @@ class V2Session:
         self._cluster_ids: list[str | None] = [None] * len(endpoints.urls)
 
     def release(self) -> None:
-        """Release the pooled connections."""
-        self.pool.clear()
+        """Close the pooled connections."""
+        close_pool(self.pool)
 
     # -- one request ------------------------------------------------------------------
 
@@ -282,7 +282,7 @@ class V2Session:
             return
         known, self._cluster_ids[idx] = self._cluster_ids[idx], cluster
         if known is not None and known != cluster:
-            self.pool.clear()  # connect afresh next time
+            close_pool(self.pool)  # connect afresh next time
             raise RendezvousConnectionError(
                 f"etcd endpoint {self._endpoints.url(idx)} belongs to another cluster than "
                 f"before: the UUID of the cluster changed from {known} to {cluster}."

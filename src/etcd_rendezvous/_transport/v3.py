@@ -76,7 +76,46 @@ class EtcdV3Connection(Connection):
         # clean-up leases (ttl -> (lease, monotonic time of the grant)).
         self._dir_leases: dict[str, int] = {}
         self._shared_leases: dict[int, tuple[int, float]] = {}
+        #: Every shared lease this connection granted (see :meth:`close`).
+        self._granted_shared: set[int] = set()
         self._lease_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Revoke the shared leases this connection granted that hold no key, close the
+        watch streams and release the pooled connections. Idempotent.
+
+        A shared lease (a TTL of a minute or more: the two-hour clean-up TTL of a run's
+        keys) is owned by the connection that granted it: only its writes attach keys
+        to it, and the writes of another connection below a directory whose marker
+        holds it (see :meth:`mkdir`). So a shared lease that holds no key when its owner
+        closes gets no key any more (the owner writes no more; a directory adopted
+        elsewhere is gone with its marker, and a write that finds the lease gone is sent
+        without it), and nothing but this connection would ever revoke it: it is
+        revoked here, rather than left for its two hours. A lease that still holds a
+        key (the state of a live run, a run directory's marker) is left to lapse, as
+        v2 leaves a TTL: other nodes' runs rely on those keys. Each revocation is
+        asked for within ``request_timeout`` in all; one that fails is logged, and the
+        lease lapses by itself.
+        """
+        if not self.closed:
+            self._revoke_unused_leases(Deadline(self._endpoints.timeouts.request))
+        super().close()
+
+    def _revoke_unused_leases(self, deadline: Deadline) -> None:
+        """Revoke each shared lease granted here that holds no key (see :meth:`close`)."""
+        with self._lease_lock:
+            granted, self._granted_shared = sorted(self._granted_shared), set()
+        for lease in granted:
+            try:
+                body = {"ID": str(lease), "keys": True}
+                data = self._call("read the lease of", "", "/v3/lease/timetolive", body, deadline)
+                if int(data.get("TTL", -1)) <= 0 or data.get("keys"):
+                    continue  # lapsed already, or holds keys: left to lapse
+                self._call(
+                    "revoke the lease of", "", "/v3/lease/revoke", {"ID": str(lease)}, deadline
+                )
+            except (RendezvousConnectionError, OperationRefusedError, LeaseGoneError) as exc:
+                logger.info("Could not revoke the unused lease %d (it lapses): %s", lease, exc)
 
     def _release(self) -> None:
         self._session.release()
@@ -132,6 +171,7 @@ class EtcdV3Connection(Connection):
         if ttl >= _SHARED_LEASE_MIN_TTL:
             with self._lease_lock:
                 self._shared_leases[ttl] = (lease, time.monotonic())
+                self._granted_shared.add(lease)
         return lease
 
     def _forget_lease(self, lease: int) -> None:

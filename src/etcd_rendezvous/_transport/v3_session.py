@@ -26,7 +26,7 @@ from . import limits
 from . import v3_wire as wire
 from .attempt import AmbiguousError, UnsentError, transient_answer
 from .clock import ServerClock
-from .endpoints import Access, Endpoints
+from .endpoints import Access, Endpoints, close_pool
 from .interface import ConditionError, OperationRefusedError
 from .metering import count_bytes
 
@@ -79,8 +79,8 @@ class V3Session:
         return self._username
 
     def release(self) -> None:
-        """Release the pooled connections."""
-        self.pool.clear()
+        """Close the pooled connections."""
+        close_pool(self.pool)
 
     def headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
