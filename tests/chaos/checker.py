@@ -21,8 +21,11 @@ invariants (``docs/testing.rst``, section "The fault harness"):
     more than ``max_nodes``, keep trying, within the bound B
     (:meth:`Scenario.liveness_bound`): a round whose world is exactly the healthy
     nodes (``max_nodes`` of them where there are more) passes two barriers, or every
-    healthy node fails with a named error. A node blocked in one call for the whole
-    window is the silent hang this rules out.
+    healthy node fails with a named error. Under etcd's request limit (the ``limit``
+    family, a fault that lasts), a round of some healthy nodes may pass its barriers
+    while every other healthy node fails with a named ``RequestTooLargeError``: the
+    state of all of them is larger than etcd takes. A node blocked in one call for the
+    whole window is the silent hang this rules out.
 ``named-errors``
     Every failure of our nodes is a ``RendezvousError`` (or the store's
     ``LookupError``), within the caller's timeout + 2 s (longer by the time the node
@@ -484,6 +487,10 @@ def liveness(
     failed = _failed_at(healthy, nodes, tl.t_f, deadline)
     if failed is not None:
         return Liveness(True, "", failed, "failed", [])
+    if scenario.get("max_request_bytes"):
+        split = _split_by_limit_at(healthy, nodes, tl.t_f, deadline)
+        if split is not None:
+            return Liveness(True, "", split, "progress", [])
     if now is not None and now < deadline:
         return Liveness(True, "", None, "", [])  # not yet
     return Liveness(
@@ -539,20 +546,55 @@ def _progress_at(
 
 
 def _failed_at(
-    healthy: list[str], nodes: dict[str, list[Record]], t_f: float, deadline: float
+    healthy: list[str],
+    nodes: dict[str, list[Record]],
+    t_f: float,
+    deadline: float,
+    error: str | None = None,
 ) -> float | None:
-    """When every healthy node had failed with a named error in ``[t_f, deadline]``."""
+    """When every healthy node had failed with a named error (``error``, if given) in
+    ``[t_f, deadline]``."""
     times = []
     for name in healthy:
         errors = [
             r["t"]
             for r in nodes.get(name, [])
-            if r["ev"] == "join_error" and r.get("named") and t_f <= r["t"] <= deadline
+            if r["ev"] == "join_error"
+            and r.get("named")
+            and t_f <= r["t"] <= deadline
+            and (error is None or r.get("error") == error)
         ]
         if not errors:
             return None
         times.append(min(errors))
     return max(times) if times else None
+
+
+def _split_by_limit_at(
+    healthy: list[str], nodes: dict[str, list[Record]], t_f: float, deadline: float
+) -> float | None:
+    """When a round whose world is some of the healthy nodes had passed its barriers
+    (as :func:`_progress_at` has it) and every other healthy node had failed with a
+    named ``RequestTooLargeError``, in ``[t_f, deadline]``; ``None`` if that never held.
+    """
+    worlds = {
+        tuple(r["members"])
+        for name in healthy
+        for r in nodes.get(name, [])
+        if r["ev"] == "world" and None not in r["members"]
+    }
+    best = None
+    for world in worlds:
+        members = set(world)
+        if not members < set(healthy):
+            continue
+        progressed = _progress_at(sorted(members), len(members), nodes, t_f, deadline)
+        others = [name for name in healthy if name not in members]
+        refused = _failed_at(others, nodes, t_f, deadline, "RequestTooLargeError")
+        if progressed is not None and refused is not None:
+            at = max(progressed, refused)
+            best = at if best is None else min(best, at)
+    return best
 
 
 def _doing(records: list[Record], at: float, tl: Timeline) -> str:

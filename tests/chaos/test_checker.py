@@ -314,6 +314,61 @@ def test_every_healthy_node_failing_with_a_named_error_satisfies_liveness():
     assert h.check() == []
 
 
+def _refused(h: History, name: str, at: float) -> None:
+    h.node(name, at - 1.0, "join_start", call=1)
+    h.node(
+        name,
+        at,
+        "join_error",
+        call=1,
+        error="RequestTooLargeError",
+        named=True,
+        closed=False,
+        message="request too large",
+        elapsed=1.0,
+    )
+
+
+def test_under_a_request_limit_a_round_of_some_and_the_others_refused_is_liveness():
+    h = History(nodes=4)
+    h.scenario["max_request_bytes"] = 900
+    h.faults_over(5.0)
+    h.round(["n0", "n1"], 0, at=6.0, steps=3)
+    _refused(h, "n2", 8.0)
+    _refused(h, "n3", 9.0)
+    h.finish(30.0)
+    assert checker.liveness(h.scenario, h.runner, h.nodes).how == "progress"
+    assert h.check() == []
+
+
+def test_the_split_needs_the_limit_and_every_other_node_refused_for_its_size():
+    def history(limit: int | None, error: str) -> History:
+        h = History(nodes=4)
+        h.scenario["max_request_bytes"] = limit
+        h.faults_over(5.0)
+        h.round(["n0", "n1"], 0, at=6.0, steps=3)
+        _refused(h, "n2", 8.0)
+        h.node("n3", 8.0, "join_start", call=1)  # blocked for good
+        if error:
+            h.node(
+                "n3",
+                9.0,
+                "join_error",
+                call=1,
+                error=error,
+                named=True,
+                closed=False,
+                message="x",
+                elapsed=1.0,
+            )
+        h.finish(60.0)
+        return h
+
+    assert history(900, "").invariants() == ["liveness"]  # n3 hangs
+    assert history(900, "RendezvousTimeoutError").invariants() == ["liveness"]
+    assert history(None, "RequestTooLargeError").invariants() == ["liveness"]  # no limit
+
+
 def test_liveness_does_not_apply_below_min_nodes():
     h = History(min_nodes=3)
     h.fault("kill", 3.0, None, "n2")
