@@ -176,13 +176,13 @@ class EtcdRendezvousHandler(RendezvousHandler):
         return self._rdzv_impl.layout.run_id
 
     def shutdown(self) -> bool:
-        """Close the rendezvous, delete this worker's own keys (which would otherwise
-        lapse by their TTL, as PyTorch's do) and stop this worker's threads
+        """Close the rendezvous, delete this worker's member key (which would otherwise
+        lapse by its TTL, as PyTorch's do) and stop this worker's threads
         (keep-alive, and the watch stream of :meth:`num_nodes_waiting`).
 
         Returns:
             Whether the rendezvous could be marked closed. The threads are stopped
-            either way; the keys are deleted only once the run is closed.
+            either way; the key is deleted only once the run is closed.
         """
         try:
             self.set_closed()

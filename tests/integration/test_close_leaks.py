@@ -172,7 +172,8 @@ def test_a_legacy_worker_that_shuts_down_deletes_its_own_keys(
     etcd_server: EtcdServer, api: str, run_id: str
 ) -> None:
     """``shutdown()`` closes the run, then deletes the worker's member key at once (it
-    would otherwise live on for its TTL, 10 s); another worker's key is not touched."""
+    would otherwise live on for its TTL, 10 s); another worker's key, and the run's
+    directory (on v3 a key of its own, kept alive like a member key), are not touched."""
     handlers = [get_rendezvous_handler(_params(etcd_server, "etcd", api, run_id, 2)) for _ in "ab"]
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -193,6 +194,7 @@ def test_a_legacy_worker_that_shuts_down_deletes_its_own_keys(
         assert after[0] in before, (before, after)
         assert handlers[1].shutdown()
         assert members() == []
+        assert conn.try_get(layout.run_dir) is not None
     finally:
         for handler in handlers:
             handler.close()

@@ -103,6 +103,28 @@ def test_late_torch_worker_makes_our_members_rerendezvous(etcd_server, run_id, w
     assert {j["version"] for j in second} == {"2"}
 
 
+def test_a_late_torch_worker_gets_into_the_next_version_despite_a_short_last_call(
+    etcd_server, run_id, workers, conn
+):
+    """PyTorch's workers pause a second after the version they waited on ends, then try
+    again; ours, when PyTorch's workers were among those waiting, pause as long, so that
+    a last call shorter than that pause (1 s here, with min_workers 1) does not close
+    the next version before PyTorch's worker comes."""
+    members = _spawn(workers, ["ours", "ours"], etcd_server, run_id, 1, 3, last_call=1)
+    first = join_all(members)
+    assert {j["version"] for j in first} == {"1"}
+
+    (late,) = _spawn(workers, ["torch"], etcd_server, run_id, 1, 3, last_call=1)
+    late.send("join")
+    key = f"/torchelastic/p2p/run_{run_id}/rdzv/active_version"
+    wait_for_state(conn, key, lambda s: s is not None and s.get("num_workers_waiting") == 1)
+    for worker in members:
+        worker.send("join")
+    second = [expect_joined(w.next_event(), w) for w in [*members, late]]
+    assert sorted(j["rank"] for j in second) == [0, 1, 2]
+    assert {j["world_size"] for j in second} == {3}
+
+
 def test_late_workers_of_both_kinds_are_counted_exactly_and_admitted(
     etcd_server, run_id, workers, conn
 ):

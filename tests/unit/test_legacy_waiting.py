@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from etcd_rendezvous._legacy.admission import ADMISSION_GRACE, grace
-from etcd_rendezvous._legacy.state import WAITING, waiters_of
+from etcd_rendezvous._legacy.state import WAITING, torch_waiting, waiters_of
 from etcd_rendezvous._legacy.waiting import GATHER, count_step, plan_count
 from etcd_rendezvous.layout import new_waiter_name
 
@@ -71,3 +73,18 @@ def test_a_counted_waiter_or_one_without_a_key_has_nothing_to_do() -> None:
     assert count_step(final(1, [A]), {A: 10}, A, quiet_for=0.0, waited_for=1.0) is None
     assert count_step(final(), {A: 10}, None, quiet_for=0.0, waited_for=1.0) is None
     assert count_step(final(), {A: 10}, B, quiet_for=0.0, waited_for=1.0) is None
+
+
+@pytest.mark.parametrize(
+    ("state", "torch"),
+    [
+        ({"num_workers_waiting": 0}, 0),
+        ({"num_workers_waiting": 2, "waiting": ["wait_a", "wait_b"]}, 0),  # ours alone
+        ({"num_workers_waiting": 3, "waiting": ["wait_a", "wait_b"]}, 1),
+        ({"num_workers_waiting": 1}, 1),  # PyTorch's alone: no names
+        ({"num_workers_waiting": "garbage"}, 0),
+        ({}, 0),
+    ],
+)
+def test_the_waiting_workers_that_are_pytorchs(state, torch):
+    assert torch_waiting(state) == torch

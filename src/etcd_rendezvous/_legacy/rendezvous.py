@@ -55,6 +55,7 @@ from .state import (
     parse_state,
     preview,
     read_state,
+    torch_waiting,
 )
 from .waiting import WAITER_TTL, await_end_of_final
 
@@ -66,6 +67,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(LOGGER_NAME)
+
+#: Seconds PyTorch's workers pause after an attempt that failed, the end of the version
+#: they waited on included, before they try again (``time.sleep(1)`` in PyTorch's
+#: ``rendezvous_barrier``).
+TORCH_RETRY_PAUSE = 1.0
 
 #: The module users import these classes from, and whose name they are documented and
 #: pickled under.
@@ -290,18 +296,20 @@ class EtcdRendezvous:
         self._lease_this_rank = None
 
     def withdraw(self, deadline: Deadline) -> None:
-        """Stop keeping this worker's keys alive and delete them (its member key, its
-        wait key), each request by ``deadline``; a key that cannot be deleted lapses
-        by its TTL. Only for a rendezvous this worker has just closed: once the run is
-        closed, every other worker leaves it, and none reads those keys again (a worker
-        waiting on a version ends with the closed state, not with a member key gone)."""
-        keys = [keeper.key for keeper in self._keepers]
+        """Stop the keep-alive threads and delete this worker's member key (by
+        ``deadline``; one that cannot be deleted lapses by its TTL). Only for a
+        rendezvous this worker has just closed: once the run is closed, every other
+        worker leaves it, and none reads that key again (a worker waiting on a version
+        ends with the closed state, not with a member key gone). The run directory,
+        which a keep-alive thread refreshes too, is the run's: it stays."""
+        member = self._lease_this_rank
         self.stop_lease_renewals()
-        for key in keys:
-            try:
-                self._conn.delete(key, deadline=deadline)
-            except RendezvousError as exc:
-                logger.info("Could not delete our key %s (it lapses): %s", key, exc)
+        if member is None:
+            return
+        try:
+            self._conn.delete(member.key, deadline=deadline)
+        except RendezvousError as exc:
+            logger.info("Could not delete our member key %s (it lapses): %s", member.key, exc)
 
     def stop_threads(self) -> None:
         """Stop every thread of this rendezvous: the keep-alive threads (waited for
@@ -634,8 +642,13 @@ class EtcdRendezvous:
             f"{expected_version} is complete.",
             method="handle_existing_rendezvous",
         )
-        self._await_free(expected_version, waiter)
+        final = self._await_free(expected_version, waiter)
         logger.info("Previously existing rendezvous state changed. Will re-try joining.")
+        if final is not None and torch_waiting(final):
+            # PyTorch's workers waited too, and come back TORCH_RETRY_PAUSE after the
+            # version ended: so do we, so that the next version's last call (which may be
+            # shorter) does not close before they are back. Ours alone go on at once.
+            time.sleep(min(TORCH_RETRY_PAUSE, self._rendezvous_deadline.remaining()))
 
     def try_create_rendezvous(self) -> Node:
         """Create a new joinable rendezvous version, with us admitted to it.
@@ -777,9 +790,9 @@ class EtcdRendezvous:
         """
         self._await_free(expected_version, None)
 
-    def _await_free(self, expected_version: str, waiter: str | None) -> None:
+    def _await_free(self, expected_version: str, waiter: str | None) -> dict[str, Any] | None:
         """:meth:`wait_for_rendezvous_to_free`, counting the wait keys when our wait
-        key ``waiter`` calls for it."""
+        key ``waiter`` calls for it; the last final state seen."""
 
         def lapsed(key: str) -> None:
             logger.info("Keep-alive key %s is not renewed.", key)
@@ -792,7 +805,7 @@ class EtcdRendezvous:
                 method="wait_for_rendezvous_to_free",
             )
 
-        await_end_of_final(
+        return await_end_of_final(
             self._conn,
             self._layout,
             expected_version,

@@ -175,6 +175,17 @@ def waiters_of(state: dict[str, Any]) -> set[str]:
     return set(state.get(WAITING) or ())
 
 
+def torch_waiting(state: dict[str, Any]) -> int:
+    """How many of the workers counted in ``state``'s ``num_workers_waiting`` are
+    PyTorch's: each of them adds 1, where ours are counted by their wait keys' names
+    (:func:`waiters_of`)."""
+    try:
+        counted = int(state.get("num_workers_waiting") or 0)
+    except (TypeError, ValueError):
+        return 0
+    return max(0, counted - len(waiters_of(state)))
+
+
 @dataclass(frozen=True)
 class Hint:
     """The version's ``progress`` key (:meth:`~etcd_rendezvous.layout.LegacyLayout.progress_key`):

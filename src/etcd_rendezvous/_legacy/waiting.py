@@ -225,6 +225,11 @@ class _Wait:
             self._note_waiter(event)
         return False
 
+    @property
+    def final_state(self) -> dict[str, Any] | None:
+        """The last state of the final version seen (``None``: none seen)."""
+        return None if self.final is None else self.final.state
+
     def _note_waiter(self, node: Node) -> None:
         name = waiter_name(node.key)
         if name is not None and not node.is_dir:
@@ -313,9 +318,10 @@ def await_end_of_final(
     deadline: Deadline,
     timeout_error: Callable[[], Exception],
     waiter: str | None = None,
-) -> None:
+) -> dict[str, Any] | None:
     """Return once the final ``version`` ended (see docs/how-it-works.rst), counting the
-    wait keys if ``waiter`` (the name of ours, already written) calls for it.
+    wait keys if ``waiter`` (the name of ours, already written) calls for it. Returns the
+    last final state seen (``None``: the version had ended before the first read).
 
     When a member's keep-alive key lapsed, ``on_lapse(key)`` is called, then the state is
     deleted if it is still the one that named the key.
@@ -334,11 +340,11 @@ def await_end_of_final(
             with stream:
                 try:
                     if not wait.observe():
-                        return
+                        return wait.final_state
                 except KeyNotFoundError:
-                    return  # the state is gone: the version ended
+                    return wait.final_state  # the state is gone: the version ended
                 if wait.follow(stream):
-                    return
+                    return wait.final_state
         except WatchHistoryLostError:
             logger.info("etcd no longer holds the changes below %s; reading again", layout.rdzv_dir)
             continue
