@@ -223,14 +223,6 @@ def _get_free_port() -> int:
     raise RuntimeError("Failed to create a socket")
 
 
-#: Least time, in seconds, a rendezvous gives the exchange of rank 0's address that
-#: follows it, even when it completed right at its deadline: rank 0 publishes the
-#: address as soon as it sees the rendezvous complete. Both backends bound the exchange
-#: by what is left of their deadline, at least this (through
-#: :meth:`~etcd_rendezvous.etcd_store.EtcdStore.with_deadline`).
-EXCHANGE_GRACE = 0.5
-
-
 @dataclass
 class RendezvousStoreInfo:
     """Store address and port that can be used to bootstrap trainer distributed comms.

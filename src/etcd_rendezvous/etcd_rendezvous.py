@@ -27,7 +27,7 @@ from ._legacy.state import (
     CONST_ETCD_FROZEN_TTL,  # noqa: F401
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,  # noqa: F401
     CONST_ETCD_SETUP_TTL,  # noqa: F401
-    CONST_WORKER_KEEPALIVE_TTL,  # noqa: F401
+    CONST_WORKER_KEEPALIVE_TTL,
     member_ranks,
     parse_state,
 )
@@ -37,7 +37,6 @@ from ._transport.interface import KeyNotFoundError
 from ._transport.options import create_etcd_connection as _create_etcd_connection
 from ._transport.options import seconds as _seconds
 from .api import (
-    EXCHANGE_GRACE,
     Deadline,
     RendezvousHandler,
     RendezvousInfo,
@@ -134,10 +133,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
         rdzv = self._rdzv_impl
         rdzv_version, rank, world_size = rdzv.rendezvous_barrier()
         logger.info("Creating EtcdStore as the c10d::Store implementation")
-        # Rank 0 publishes its address just after the barrier, so the exchange gets a
-        # moment even if the barrier completed right at the deadline.
-        remaining = rdzv._rendezvous_deadline.remaining()
-        exchange = Deadline(max(remaining, EXCHANGE_GRACE))
+        # Rank 0 publishes its address just after the barrier: the exchange gets at
+        # least a member key's TTL (a rank 0 silent for longer is taken for dead) even
+        # if the barrier completed right at the deadline.
+        remaining = rdzv.deadline.remaining()
+        exchange = Deadline(max(remaining, CONST_WORKER_KEEPALIVE_TTL))
         store = rdzv.setup_kv_store(rdzv_version, create_dir=False)
         bootstrap_store_info = RendezvousStoreInfo.build(
             rank, store.with_deadline(exchange), local_addr=self._local_addr

@@ -96,6 +96,7 @@ class _FakePool:
     def __init__(self, answer: bytes) -> None:
         self.answer = answer
         self.sent: list[bytes] = []
+        self.pools: dict[Any, Any] = {}  # no per-host pool: nothing to close
 
     def request(self, method: str, url: str, body: bytes | None = None, **kw: Any) -> Any:
         self.sent.append(body or b"")

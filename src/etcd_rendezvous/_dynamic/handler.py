@@ -23,7 +23,6 @@ from .._progress_log import ProgressLog, progress_interval, seconds_left
 from .._torch_store import adapt_store, bounded_store, torch_available, torch_store_wanted
 from .._transport.retry import Deadline
 from ..api import (
-    EXCHANGE_GRACE,
     RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
@@ -327,7 +326,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         such as an etcd election until then. Only a node on the redundancy list waits on
         past it (it then has a whole ``join_timeout`` again from leaving the list). The
         exchange of rank 0's address that follows is bounded by what is left of that
-        deadline (at least half a second, ``EXCHANGE_GRACE``) when the store is an
+        deadline (at least the heartbeat lifetime, ``keep_alive_interval x
+        keep_alive_max_attempt``, after which a silent rank 0 counts as dead) when the
+        store is an
         :class:`~etcd_rendezvous.etcd_store.EtcdStore`, by the store's timeout otherwise,
         and raises :class:`~etcd_rendezvous.api.RendezvousTimeoutError` naming the round,
         its rank 0 and the key (PyTorch waits for the store's timeout, 300 s by default,
@@ -358,9 +359,11 @@ class DynamicRendezvousHandler(RendezvousHandler):
         joined = self._state_holder.state
         round_ = joined.round
         rank_0 = min(joined.participants, key=joined.participants.__getitem__)
-        # Rank 0 publishes its address as soon as it sees the round complete, so the
-        # exchange gets a moment even if the round completed right at the deadline.
-        exchange = Deadline(max(deadlines[-1].remaining(), EXCHANGE_GRACE))
+        # Rank 0 publishes its address as soon as it sees the round complete: the
+        # exchange gets at least a heartbeat lifetime (a rank 0 silent for longer is
+        # taken for dead) even if the round completed right at the deadline.
+        lifetime = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
+        exchange = Deadline(max(deadlines[-1].remaining(), lifetime.total_seconds()))
         try:
             return self._bootstrap(rank, world_size, store, self._exchange_store(exchange))
         except LookupError as exc:  # the exchange's bound passed: rank 0 never published
@@ -374,14 +377,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         no request. Another store bounds the exchange by its own timeout.
 
         Invariants: liveness: a node whose round's rank 0 died, froze or was dropped
-        before it published fails within ``join_timeout`` (plus ``EXCHANGE_GRACE``),
-        not the store's timeout; the exchange sends exactly the requests it sends
-        without a bound (the same reads and watches: the scale tests count them); the
-        workers get the round's store, unbounded. Interleavings: rank 0 publishes after
+        before it published fails within ``join_timeout`` (or a heartbeat lifetime
+        after the round completed, if later), not the store's timeout; the exchange
+        sends exactly the requests it sends without a bound (the same reads and
+        watches: the scale tests count them); the workers get the round's store,
+        unbounded. Interleavings: rank 0 publishes after
         another rank's bound passed (that rank fails with the error below; rank 0 and
         the others go on, and the failed node's next attempt takes them all to a new
         round, as any member's failure does); a round completed right at the deadline
-        (the grace); a node admitted from the redundancy list (its renewed deadline).
+        (the heartbeat lifetime); a node admitted from the redundancy list (its renewed deadline).
         """
         bounded = bounded_store(self._store, exchange)
         return self._get_store() if bounded is None else self._wrap_store(bounded)

@@ -339,6 +339,11 @@ class EtcdRendezvous:
         """The etcd connection this rendezvous uses."""
         return self._conn
 
+    @property
+    def deadline(self) -> Deadline:
+        """The deadline of the current (or last) :meth:`rendezvous_barrier`."""
+        return self._rendezvous_deadline
+
     def _record(
         self,
         message: str,
