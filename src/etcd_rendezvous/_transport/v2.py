@@ -173,12 +173,18 @@ class EtcdConnection(Connection):
         after another until etcd answers it or ``deadline`` passes (see
         :meth:`~etcd_rendezvous._transport.endpoints.Endpoints.operate`). Each request
         waits ``read_timeout`` for its answer at most, as the failover loop caps it, or
-        ``poll`` seconds exactly (a long poll, which etcd answers only on a change)."""
+        ``poll`` seconds (a long poll, which etcd answers only on a change; no longer
+        than ``deadline``)."""
         read = self._endpoints.timeouts.read
         where = _path(key) if path is None else path
 
         def send(idx: int, cap: float | None) -> _Answer:
-            wait = poll if poll is not None else read if cap is None else min(read, cap)
+            if poll is not None:
+                # A poll sent again (its connection broke) waits no longer than the
+                # caller's deadline: at least a moment, as a wait of 0 s would not wait.
+                wait = max(min(poll, deadline.remaining()), 0.001)
+            else:
+                wait = read if cap is None else min(read, cap)
             return self._session.request(idx, method, where, fields, what=what, key=key, wait=wait)
 
         return self._endpoints.operate(
