@@ -31,7 +31,6 @@ import gc
 import json
 import logging
 import os
-import socket
 import sys
 import threading
 import time
@@ -368,44 +367,13 @@ class Node:
             self.stop.wait(0.1)
 
     def etcd_sockets(self) -> list[str]:
-        """``host:port`` of each open TCP connection of this process to an etcd endpoint
-        it was given (from ``/proc``: its socket fds, matched by inode)."""
-        inodes = set()
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                target = os.readlink(f"/proc/self/fd/{fd}")
-                if target.startswith("socket:["):
-                    inodes.add(target[len("socket:[") : -1])
-        found = []
-        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-            with contextlib.suppress(OSError), open(table) as fh:
-                for line in list(fh)[1:]:
-                    fields = line.split()
-                    remote, state, inode = fields[2], fields[3], fields[9]
-                    port = int(remote.rsplit(":", 1)[1], 16)
-                    if inode in inodes and port in self.ports:
-                        where = f"{_address(remote.rsplit(':', 1)[0])}:{port}"
-                        found.append(f"{where} {_TCP_STATES.get(state, state)}")
-        return found
+        """``host:port state`` of each open TCP connection of this process to an etcd
+        endpoint it was given."""
+        from support.net import own_tcp_connections
 
-
-_TCP_STATES = {
-    "01": "ESTABLISHED",
-    "02": "SYN_SENT",
-    "04": "FIN_WAIT1",
-    "05": "FIN_WAIT2",
-    "06": "TIME_WAIT",
-    "07": "CLOSE",
-    "08": "CLOSE_WAIT",
-    "09": "LAST_ACK",
-    "0B": "CLOSING",
-}
-
-
-def _address(hexaddr: str) -> str:
-    if len(hexaddr) == 8:
-        return socket.inet_ntop(socket.AF_INET, bytes.fromhex(hexaddr)[::-1])
-    return hexaddr
+        return [
+            f"{c.remote}:{c.port} {c.state}" for c in own_tcp_connections() if c.port in self.ports
+        ]
 
 
 def main() -> None:

@@ -9,10 +9,8 @@ close what the library forgot to.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
-import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +23,7 @@ from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.layout import DEFAULT_PREFIX, LegacyLayout, member_name
 from etcd_rendezvous.registry import get_rendezvous_handler
 from support import v3_gateway
+from support.net import own_tcp_connections
 from support.wait import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -55,21 +54,7 @@ def _params(server: EtcdServer, backend: str, api: str, run_id: str, nodes: int)
 
 def _established(port: int) -> set[str]:
     """The inodes of this process's ESTABLISHED TCP connections to ``port``."""
-    mine = set()
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith("socket:["):
-                mine.add(target[len("socket:[") : -1])
-    found = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as fh:
-            for line in list(fh)[1:]:
-                fields = line.split()
-                remote, state, inode = fields[2], fields[3], fields[9]
-                if inode in mine and state == "01" and int(remote.rsplit(":", 1)[1], 16) == port:
-                    found.add(inode)
-    return found
+    return {c.inode for c in own_tcp_connections() if c.state == "ESTABLISHED" and c.port == port}
 
 
 @pytest.fixture
