@@ -1825,3 +1825,43 @@ def test_a_failed_address_exchange_says_who_left_the_round(
         r"participants",
         errors[False],
     ), errors
+
+
+class LosingStateHolder(FakeStateHolder):
+    """Every write loses its race (another node wrote first), as under a flood of
+    PyTorch's nodes' own heartbeats."""
+
+    def sync(self, deadline: Deadline) -> bool | None:
+        self.calls.append("sync")
+        self._dirty, dirty = None, self._dirty
+        return None if dirty is None else False
+
+
+def test_the_aggregators_fold_ends_at_the_operations_deadline() -> None:
+    """A fold whose writes keep losing their race is tried again at once on the newer
+    state, but not past the deadline: the operation then decides (here: finishes)."""
+    other = _NodeDesc("other", 1, 1)
+    registry, monotonic = MemoryRegistry(), Clock()
+    settings = make_settings(1, 3, interval=timedelta(seconds=5))
+    state = _RendezvousState()
+    holder = LosingStateHolder(state)
+    keys = Admission(
+        registry, ME, settings, monotonic, state_clock=holder.clock, progress_key=False
+    )
+    assert keys.join(Action.ADD_TO_PARTICIPANTS, state, None, Deadline(10)) is CHANGED
+    registry.announce_node(other, 15)
+    state.complete = True
+    state.participants = {other: 0, ME: 1}
+    state.last_heartbeats = {other: NOW, ME: NOW}
+    monotonic.now += 5  # the next tick is due
+    done = threading.Event()
+    thread = threading.Thread(
+        target=lambda: (
+            OpExecutor(ME, holder, settings, keys).run(lambda c, d: Action.FINISH, Deadline(0.2)),
+            done.set(),
+        ),
+        daemon=True,
+    )
+    thread.start()
+    assert done.wait(5), f"the fold still retries: {holder.calls.count('sync')} syncs"
+    assert holder.calls.count("mark") >= 2  # it did retry on the newer state

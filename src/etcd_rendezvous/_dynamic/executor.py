@@ -115,8 +115,12 @@ class OpExecutor:
         while action != Action.FINISH:
             synced = self._sync(deadline, retry)
             lost_race = synced is _Synced.LOST_RACE
-            if admission is not None and admission.fold(
-                self._state, lost_race, self._step(deadline)
+            # The fold retries a lost race at once, on the newer state, but not past the
+            # deadline: then the operation decides, as after any other step.
+            if (
+                admission is not None
+                and not (lost_race and deadline.expired())
+                and admission.fold(self._state, lost_race, self._step(deadline))
             ):
                 self._holder.mark_dirty()  # The aggregator refreshed heartbeats: write them.
                 continue
