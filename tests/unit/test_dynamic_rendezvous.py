@@ -1865,3 +1865,23 @@ def test_the_aggregators_fold_ends_at_the_operations_deadline() -> None:
     thread.start()
     assert done.wait(5), f"the fold still retries: {holder.calls.count('sync')} syncs"
     assert holder.calls.count("mark") >= 2  # it did retry on the newer state
+
+
+def test_a_node_not_in_the_state_it_holds_does_not_take_the_aggregator_lock() -> None:
+    """A joiner waiting for another node's batch holds a state without itself (an empty
+    one, before its first read): at its tick it refreshes its key, but does not take the
+    free lock, whose fold would refresh nobody while keeping the others from taking it."""
+    older = _NodeDesc("older", 1, 1)
+    registry, monotonic = MemoryRegistry(), Clock()
+    settings = make_settings(2, 3, interval=timedelta(seconds=5))
+    registry.announce_node(older, 15)  # announced first: its batch admits us
+    keys = Admission(
+        registry, ME, settings, monotonic, state_clock=FixedClock(), progress_key=False
+    )
+    keys.begin()  # next_rendezvous() started
+    outcome = keys.join(Action.ADD_TO_PARTICIPANTS, _RendezvousState(), None, Deadline(10))
+    assert outcome is not CHANGED  # waits for the older node's batch
+    monotonic.now += 5  # the tick is due
+    assert not keys.fold(_RendezvousState(), False, Deadline(10))
+    assert "claim" not in registry.calls
+    assert registry.calls.get("refresh", 0) >= 1

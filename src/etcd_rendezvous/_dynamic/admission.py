@@ -818,7 +818,8 @@ class Admission:
 
         A node that does not hold the lock looks at it only when its own heartbeat in
         the state is late (:data:`_LATE` intervals old): while an aggregator folds the
-        heartbeats, nobody else reads or tries to take the lock.
+        heartbeats, nobody else reads or tries to take the lock. Nor does a node whose
+        held state has no heartbeat of its own.
         """
         if self._leading:
             # Our lock, unless it lapsed: only then can another node have taken it.
@@ -826,7 +827,9 @@ class Admission:
                 return True
             self._leading = False
         beat = state.last_heartbeats.get(self._node)
-        if beat is not None and now - beat < self._late:
+        if beat is None or now - beat < self._late:
+            # (None: the state held is not one we are in, a joiner's empty state for
+            # instance: folding it would refresh nobody while holding the lock.)
             return False
         holder = self._keys.aggregator(deadline)
         lock_ttl = self._lock_ttl
