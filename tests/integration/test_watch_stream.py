@@ -21,7 +21,7 @@ from etcd_rendezvous._transport.interface import (
     WatchHistoryLostError,
     WatchStream,
 )
-from etcd_rendezvous.api import Deadline
+from etcd_rendezvous.api import Deadline, RendezvousConnectionError
 from etcd_rendezvous.etcd_cluster import EtcdCluster
 from etcd_rendezvous.etcd_server import EtcdServer
 from support.etcd_requests import counter, read_metrics
@@ -243,6 +243,29 @@ def test_a_stream_that_breaks_after_its_history_was_lost_raises_history_lost(
     assert info.value.index == stream.next_index
     with pytest.raises(WatchHistoryLostError):
         stream.next(Deadline(1))
+    stream.close()
+
+
+def test_a_watcher_that_gives_up_learns_that_etcd_is_gone(
+    connect: Callable[..., Transport],
+    writer: Transport,
+    etcd_server: EtcdServer,
+    fault_proxy_factory: Callable[..., FaultProxy],
+    key: str,
+) -> None:
+    """etcd unreachable: a wait returns ``None`` at its deadline, retrying until then; with
+    ``give_up_after`` (an operator's tool with a long deadline), it raises once etcd has
+    been unreachable that long, well before its deadline."""
+    proxy = fault_proxy_factory(etcd_server.get_host(), etcd_server.get_port())
+    conn = connect(proxy.endpoint, read_timeout=2)
+    start = writer.set(key, "0")
+    stream = conn.watch_stream(key, start.modified_index + 1)
+    proxy.refuse()
+    assert stream.next(Deadline(2)) is None
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError):
+        stream.next(Deadline(120), give_up_after=2)
+    assert time.monotonic() - started < 60  # (its deadline: 120 s)
     stream.close()
 
 

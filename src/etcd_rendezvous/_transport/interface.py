@@ -203,14 +203,18 @@ class WatchStream(_Closing):
         return self._closed
 
     @abc.abstractmethod
-    def next(self, deadline: Deadline) -> Node | None:
+    def next(self, deadline: Deadline, *, give_up_after: float | None = None) -> Node | None:
         """The next change, or ``None`` if none came by ``deadline``.
 
         The change is a :class:`Node` whose ``action``, ``value`` (the new value;
         ``None`` for a delete or an expiry), ``modified_index`` and ``etcd_index``
-        describe it. Failures to reach etcd are retried until ``deadline`` too.
+        describe it. Failures to reach etcd are retried until ``deadline`` too, or, with
+        ``give_up_after``, for that many seconds at most (a watcher with a long
+        deadline that must learn that etcd is gone: an operator's tool).
 
         Raises:
+            RendezvousConnectionError: with ``give_up_after``, etcd stayed unreachable
+                that long before ``deadline``.
             WatchHistoryLostError: etcd no longer holds the changes from
                 :attr:`next_index` on; re-read the key and open a new stream.
             TransportClosedError: the stream or its transport was closed (before or

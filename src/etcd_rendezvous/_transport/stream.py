@@ -154,7 +154,7 @@ class StreamingWatch(WatchStream):
             self.close()
             raise
 
-    def next(self, deadline: Deadline) -> Node | None:
+    def next(self, deadline: Deadline, *, give_up_after: float | None = None) -> Node | None:
         """The next change, or ``None`` at ``deadline`` (see :meth:`WatchStream.next`).
 
         A wait that heard nothing from its member for the transport's
@@ -190,7 +190,10 @@ class StreamingWatch(WatchStream):
                 self._abandon(silent)
             if deadline.expired():
                 return None
-            if not self._reopen(feed, deadline, give_up_at_deadline=True):
+            # Reopened by the caller's deadline, or within give_up_after (then a failure
+            # that lasts is raised: the caller must learn that etcd is gone).
+            retry = deadline if give_up_after is None else deadline.earliest(give_up_after)
+            if not self._reopen(feed, retry, give_up_at_deadline=retry is deadline):
                 return None
 
     def wake(self) -> None:

@@ -45,8 +45,7 @@ SETTLE_SECONDS = 0.5
 #: How long the follower waits before starting again after etcd failed it.
 RETRY_SECONDS = 2.0
 #: How long a stream thread waits for a change at a time. Closing the stream wakes it;
-#: etcd unreachable for the connection's read timeout fails it (and so is reported) only
-#: while it waits, so it waits long.
+#: etcd unreachable for the connection's read timeout fails it (and so is reported).
 _WAIT_SECONDS = 3600.0
 
 RunKey = tuple[str, str]  # (backend, run id)
@@ -288,7 +287,7 @@ class Follower:
         """Note the run of each change ``stream`` delivers, until it is closed or fails."""
         try:
             while not stream.closed:
-                change = stream.next(Deadline(_WAIT_SECONDS))
+                change = stream.next(Deadline(_WAIT_SECONDS), give_up_after=self._conn.read_timeout)
                 run_id = None if change is None else source.run_of(change.key)
                 if run_id is not None:
                     with self._lock:
