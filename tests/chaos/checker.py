@@ -820,7 +820,13 @@ def _healthy_kept(
                 if name is None:
                     continue
                 why = _dropped_unfairly(
-                    name, nodes, state["t"], previous["round"], tl, lifetime + interval, tolerated
+                    name,
+                    nodes,
+                    (previous["t"], state["t"]),
+                    previous["round"],
+                    tl,
+                    lifetime + interval,
+                    tolerated,
                 )
                 if why:
                     found.append(
@@ -846,14 +852,19 @@ def _pid_of(desc: str) -> int | None:
 def _dropped_unfairly(
     name: str,
     nodes: dict[str, list[Record]],
-    seen: float,
+    between: tuple[float, float],
     round_: int,
     tl: Timeline,
     horizon: float,
     tolerated: float,
 ) -> str | None:
-    """Why taking ``name`` out at ``seen`` was unfair, or ``None`` if it may have left
-    on its own, was disturbed, or a clock ahead of its own may have judged it."""
+    """Why taking ``name`` out was unfair, or ``None`` if it may have left on its own,
+    was disturbed, or a clock ahead of its own may have judged it. ``between``: the
+    runner's last look at the state with ``name`` in it, and its first without; the
+    node was taken out at some moment in between (the runner may have been unable to
+    look for a while: during an etcd fault, for instance), so a disturbance within
+    ``horizon`` before any of it counts."""
+    last_in, seen = between
     records = nodes.get(name, [])
     joined = [r for r in records if r["ev"] == "joined" and r["round"] == round_ and r["t"] < seen]
     if not joined:
@@ -861,7 +872,7 @@ def _dropped_unfairly(
     since = joined[-1]["t"]
     if any(r["ev"] in ("join_start", "stop", "exit") and since < r["t"] <= seen for r in records):
         return None  # it asked to leave (re-rendezvous or shutdown)
-    if tl.disturbed(name, seen - horizon, seen):
+    if tl.disturbed(name, last_in - horizon, seen):
         return None
     mine = tl.clock_offset(name, seen)
     ahead = max((tl.clock_offset(other, seen) for other in nodes), default=0.0) - mine

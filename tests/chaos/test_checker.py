@@ -514,6 +514,22 @@ def test_a_healthy_node_taken_out_of_its_round_is_reported():
     assert found[0].nodes == ["n1"]
 
 
+def test_a_drop_seen_late_counts_the_faults_since_the_node_was_last_seen_in():
+    """The runner could not read the state during an etcd pause: the drop it sees 6 s
+    after the pause ended may have been made right after it (a newcomer reading the
+    heartbeats the pause made stale), so the pause counts."""
+    h = clean()
+    h.run("state", 3.0, round=0, complete=True, participants=everyone(), wait_list=[])
+    h.fault("etcd_pause", 3.5, 6.0, "leader")
+    dropped = {"127.0.0.1_100_0": 0, "127.0.0.1_102_0": 2}
+    h.run("state", 12.0, round=0, complete=True, participants=dropped, wait_list=[])
+    assert "healthy-kept" not in h.invariants()
+    # Seen in until just before: the pause is then more than the horizon (4 s) away.
+    h.run("state", 11.5, round=0, complete=True, participants=everyone(), wait_list=[])
+    h.runner.sort(key=lambda r: r["t"])
+    assert "healthy-kept" in h.invariants()
+
+
 def test_a_node_that_left_its_round_itself_was_not_dropped():
     h = clean()
     h.node("n1", 7.8, "join_start", call=2)
