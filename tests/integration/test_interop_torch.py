@@ -107,9 +107,9 @@ def test_a_late_torch_worker_gets_into_the_next_version_despite_a_short_last_cal
     etcd_server, run_id, workers, conn
 ):
     """PyTorch's workers pause a second after the version they waited on ends, then try
-    again; ours, when PyTorch's workers were among those waiting, pause as long, so that
-    a last call shorter than that pause (1 s here, with min_workers 1) does not close
-    the next version before PyTorch's worker comes."""
+    again; when PyTorch's workers were among those waiting, the next version's last call
+    lasts a few seconds at least, so that a shorter one (1 s here, with min_workers 1)
+    does not close it before PyTorch's worker comes."""
     members = _spawn(workers, ["ours", "ours"], etcd_server, run_id, 1, 3, last_call=1)
     first = join_all(members)
     assert {j["version"] for j in first} == {"1"}

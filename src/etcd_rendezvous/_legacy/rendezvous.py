@@ -68,10 +68,12 @@ __all__ = [
 
 logger = logging.getLogger(LOGGER_NAME)
 
-#: Seconds PyTorch's workers pause after an attempt that failed, the end of the version
-#: they waited on included, before they try again (``time.sleep(1)`` in PyTorch's
-#: ``rendezvous_barrier``).
-TORCH_RETRY_PAUSE = 1.0
+#: The least last call, in seconds, of a version that follows one on which PyTorch's
+#: workers waited: they pause a second after an attempt fails, the end of the version
+#: they waited on included (``time.sleep(1)`` in PyTorch's ``rendezvous_barrier``),
+#: then may wait for the new version to become joinable and pause again when their join
+#: races a change: a shorter last call can close every next version before they join.
+TORCH_LAST_CALL = 3.0
 
 #: The module users import these classes from, and whose name they are documented and
 #: pickled under.
@@ -183,6 +185,9 @@ class EtcdRendezvous:
         #: The final version we announced ourselves waiting on, and our wait key's name:
         #: an attempt repeated after an etcd failure reuses it, and is counted once.
         self._waiting_as: tuple[str, str] | None = None
+        #: Whether PyTorch's workers waited on the final version this barrier waited on
+        #: (then its next version's last call lasts TORCH_LAST_CALL at least).
+        self._torch_waited = False
         self._finalizer = weakref.finalize(self, stop_keepers, self._keepers)
         try:
             _check_arguments(
@@ -415,6 +420,7 @@ class EtcdRendezvous:
             RendezvousError: other non-retryable errors.
         """
         self._rendezvous_deadline = Deadline(self._timeout)
+        self._torch_waited = False
         self._record(
             f"The worker attempts to join the next rendezvous of run '{self._run_id}'.",
             method="rendezvous_barrier",
@@ -605,7 +611,10 @@ class EtcdRendezvous:
             # It keeps the state alive and freezes it: it follows the state itself.
             self._feed.follow_state()
             logger.info("Rank %s is responsible for join last call.", this_rank)
-            self.handle_join_last_call(expected_version, Deadline(self._last_call_timeout))
+            last_call = self._last_call_timeout
+            if self._torch_waited:
+                last_call = max(last_call, TORCH_LAST_CALL)
+            self.handle_join_last_call(expected_version, Deadline(last_call))
             logger.info("Rank %s finished join last call.", this_rank)
         return self.confirm_phase(expected_version, this_rank)
 
@@ -649,11 +658,9 @@ class EtcdRendezvous:
         )
         final = self._await_free(expected_version, waiter)
         logger.info("Previously existing rendezvous state changed. Will re-try joining.")
-        if final is not None and torch_waiting(final):
-            # PyTorch's workers waited too, and come back TORCH_RETRY_PAUSE after the
-            # version ended: so do we, so that the next version's last call (which may be
-            # shorter) does not close before they are back. Ours alone go on at once.
-            time.sleep(min(TORCH_RETRY_PAUSE, self._rendezvous_deadline.remaining()))
+        # PyTorch's workers waited too: they come back a second or two after the version
+        # ended, and the next version's last call, should we make it, waits for them.
+        self._torch_waited = final is not None and torch_waiting(final) > 0
 
     def try_create_rendezvous(self) -> Node:
         """Create a new joinable rendezvous version, with us admitted to it.
