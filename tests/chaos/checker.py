@@ -51,11 +51,14 @@ invariants (``docs/testing.rst``, section "The fault harness"):
 ``operator-commands``
     Every command ends with status 0 or 1 (a clear one-line error), never a traceback.
 ``node-crashed``
-    No node process ends by itself with an error (a crash of the library or harness).
+    No node process ends by itself with an error (a crash of the library or harness);
+    a torchrun agent that fails with a named rendezvous error, or that was asked to
+    leave (SIGTERM), ends as torchrun does (status 1).
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -906,16 +909,30 @@ def _operator_commands(tl: Timeline, runner: list[Record]) -> list[Violation]:
     return found
 
 
+#: The last line of a traceback that names a rendezvous error: a torchrun agent fails
+#: with it (its exit status is 1), as ``named-errors`` asks of a failure.
+_NAMED_EXIT = re.compile(r"(?:^|\.)Rendezvous\w*Error: [^\n]*\s*$")
+#: torchrun's exit when it is asked to leave (SIGTERM).
+_TERMINATED = re.compile(r"SignalException: Process \d+ got signal: 15\s*$")
+
+
 def _node_crashed(tl: Timeline, runner: list[Record]) -> list[Violation]:
+    """A node that exited with an error of its own: not one killed, not a torchrun agent
+    that failed with a named rendezvous error, nor one asked to leave (SIGTERM)."""
+    left = {f["target"] for f in tl.faults if f["kind"] == "leave"}
     found = []
     for r in runner:
-        if r["ev"] == "proc_end" and not r.get("killed") and r.get("rc") not in (0, None):
-            found.append(
-                Violation(
-                    "node-crashed",
-                    f"{r['node']} exited with status {r['rc']}: {r.get('stderr', '')[-600:]}",
-                    [r["node"]],
-                    tl.rel(r["t"]),
-                )
+        if r["ev"] != "proc_end" or r.get("killed") or r.get("rc") in (0, None):
+            continue
+        stderr = r.get("stderr", "")
+        if _NAMED_EXIT.search(stderr) or (r["node"] in left and _TERMINATED.search(stderr)):
+            continue
+        found.append(
+            Violation(
+                "node-crashed",
+                f"{r['node']} exited with status {r['rc']}: {stderr[-600:]}",
+                [r["node"]],
+                tl.rel(r["t"]),
             )
+        )
     return found

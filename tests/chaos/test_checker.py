@@ -494,6 +494,21 @@ def test_a_node_that_crashes_is_reported():
     assert h.invariants() == ["node-crashed"]
 
 
+def test_a_torchrun_agent_failing_with_a_named_error_or_told_to_leave_did_not_crash():
+    named = "Traceback ...\netcd_rendezvous.api.RendezvousTimeoutError: could not join\n"
+    left = "Traceback ...\ntorch...api.SignalException: Process 7 got signal: 15\n"
+    h = clean()
+    h.run("proc_end", 21.0, node="n1", rc=1, killed=False, stderr=named)
+    assert h.invariants() == []
+    h = clean()
+    h.run("proc_end", 21.0, node="n1", rc=1, killed=False, stderr=left)
+    assert h.invariants() == ["node-crashed"]  # nobody asked it to leave
+    h = clean()
+    h.fault("leave", 10.0, None, "n1")
+    h.run("proc_end", 21.0, node="n1", rc=1, killed=False, stderr=left)
+    assert "node-crashed" not in h.invariants()
+
+
 # -- healthy nodes kept ---------------------------------------------------------------------
 
 
