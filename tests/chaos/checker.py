@@ -496,7 +496,7 @@ def liveness(
     held = _progress_at(healthy, target, nodes, tl.t_f, deadline)
     if held is not None:
         return Liveness(True, "", held, "progress", [])
-    failed = _failed_at(healthy, nodes, tl.t_f, deadline)
+    failed = _failed_at(healthy, _with_agent_exits(nodes, runner), tl.t_f, deadline)
     if failed is not None:
         return Liveness(True, "", failed, "failed", [])
     if scenario.get("max_request_bytes"):
@@ -555,6 +555,20 @@ def _progress_at(
             at = max(times)
             best = at if best is None else min(best, at)
     return best
+
+
+def _with_agent_exits(
+    nodes: dict[str, list[Record]], runner: list[Record]
+) -> dict[str, list[Record]]:
+    """``nodes``, with a ``join_error`` for each torchrun agent that ended with a named
+    rendezvous error (its workers record nothing of it: torchrun exits with it)."""
+    found = {name: list(records) for name, records in nodes.items()}
+    for r in runner:
+        if r["ev"] == "proc_end" and r.get("rc") not in (0, None) and not r.get("killed"):
+            if _NAMED_EXIT.search(r.get("stderr", "")):
+                error = {"t": r["t"], "ev": "join_error", "named": True, "error": "exit"}
+                found.setdefault(r["node"], []).append(error)
+    return found
 
 
 def _failed_at(

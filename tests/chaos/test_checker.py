@@ -509,6 +509,22 @@ def test_a_torchrun_agent_failing_with_a_named_error_or_told_to_leave_did_not_cr
     assert "node-crashed" not in h.invariants()
 
 
+def test_torchrun_agents_that_all_exit_with_a_named_error_satisfy_liveness():
+    named = "Traceback ...\netcd_rendezvous.api.RendezvousConnectionError: unreachable\n"
+    h = History()
+    h.faults_over(5.0)
+    for name in ("n0", "n1", "n2"):
+        h.run("proc_end", 6.0, node=name, rc=1, killed=False, stderr=named)
+    h.finish(50.0)
+    assert checker.liveness(h.scenario, h.runner, h.nodes).how == "failed"
+    h = History()
+    h.faults_over(5.0)
+    for name in ("n0", "n1", "n2"):  # a crash is no named failure
+        h.run("proc_end", 6.0, node=name, rc=1, killed=False, stderr="Traceback ...\nKeyError")
+    h.finish(50.0)
+    assert "liveness" in h.invariants()
+
+
 # -- healthy nodes kept ---------------------------------------------------------------------
 
 
