@@ -564,10 +564,10 @@ def _with_agent_exits(
     rendezvous error (its workers record nothing of it: torchrun exits with it)."""
     found = {name: list(records) for name, records in nodes.items()}
     for r in runner:
-        if r["ev"] == "proc_end" and r.get("rc") not in (0, None) and not r.get("killed"):
-            if _NAMED_EXIT.search(r.get("stderr", "")):
-                error = {"t": r["t"], "ev": "join_error", "named": True, "error": "exit"}
-                found.setdefault(r["node"], []).append(error)
+        ended = r["ev"] == "proc_end" and r.get("rc") not in (0, None) and not r.get("killed")
+        if ended and _NAMED_EXIT.search(r.get("stderr", "")):
+            error = {"t": r["t"], "ev": "join_error", "named": True, "error": "exit"}
+            found.setdefault(r["node"], []).append(error)
     return found
 
 
