@@ -939,7 +939,8 @@ def _node_crashed(tl: Timeline, runner: list[Record]) -> list[Violation]:
         if r["ev"] != "proc_end" or r.get("killed") or r.get("rc") in (0, None):
             continue
         stderr = r.get("stderr", "")
-        if _NAMED_EXIT.search(stderr) or (r["node"] in left and _TERMINATED.search(stderr)):
+        terminated = r.get("rc") == -15 or _TERMINATED.search(stderr)
+        if _NAMED_EXIT.search(stderr) or (r["node"] in left and terminated):
             continue
         found.append(
             Violation(

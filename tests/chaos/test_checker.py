@@ -507,6 +507,10 @@ def test_a_torchrun_agent_failing_with_a_named_error_or_told_to_leave_did_not_cr
     h.fault("leave", 10.0, None, "n1")
     h.run("proc_end", 21.0, node="n1", rc=1, killed=False, stderr=left)
     assert "node-crashed" not in h.invariants()
+    h = clean()
+    h.fault("leave", 10.0, None, "n1")
+    h.run("proc_end", 21.0, node="n1", rc=-15, killed=False, stderr="")  # ended by SIGTERM
+    assert "node-crashed" not in h.invariants()
 
 
 def test_torchrun_agents_that_all_exit_with_a_named_error_satisfy_liveness():
