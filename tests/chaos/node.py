@@ -258,28 +258,21 @@ class Node:
         store, rank, world = info.store, int(info.rank), int(info.world_size)
         step_timeout = float(c["step_timeout"])
         token = f"{self.name}#{self.call}"
+
+        def joined(round_: Any) -> None:
+            elapsed = time.monotonic() - started
+            self.record(
+                "joined", call=self.call, round=round_, rank=rank, world_size=world, elapsed=elapsed
+            )
+
         round_ = self.round_of(info)
         if round_ is not None:
-            self.record(
-                "joined",
-                call=self.call,
-                round=round_,
-                rank=rank,
-                world_size=world,
-                elapsed=time.monotonic() - started,
-            )
+            joined(round_)
         claims = self.op("store.add", round_, lambda: store.add(f"chaos/fpc/{rank}", 1), 30)
         self.op("store.set", round_, lambda: store.set(f"chaos/fp/{rank}", token), 30)
         if round_ is None:
             round_ = self.op("probe", None, lambda: self.probe_round(info, token), 30)
-            self.record(
-                "joined",
-                call=self.call,
-                round=round_,
-                rank=rank,
-                world_size=world,
-                elapsed=time.monotonic() - started,
-            )
+            joined(round_)
         members: list[str | None] = []
         for other in range(world):
             key = f"chaos/fp/{other}"
