@@ -16,11 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from etcd_rendezvous._dynamic.state import _encode_state
 from etcd_rendezvous.api import RendezvousParameters, RendezvousStateError
 from etcd_rendezvous.dynamic_rendezvous import decode_state
 from etcd_rendezvous.etcd_server import EtcdServer
-from support.handlers import backend_of, join_in
 from support.rdzv import Worker, check_shared_store, expect_joined, join_all, started
 from support.wait import each_version, wait_until
 
@@ -334,26 +332,3 @@ def test_killed_heartbeat_aggregator_is_replaced_and_nobody_else_is_dropped(
     wait_until(survivor_aggregates, timeout=15, what="a surviving aggregator")
     regrouped = join_all(survivors)
     _check_group(regrouped, 2)
-
-
-def test_a_node_dropped_from_its_round_sees_nodes_waiting(handlers, pool):
-    """Another node (a PyTorch node reading stale heartbeats after an etcd pause, say)
-    drops our two participants and starts the next round: each of ours then reports a
-    node waiting, so that its agent starts a new rendezvous, instead of training on in a
-    world that the rendezvous no longer has (PyTorch's handler reports the wait list's
-    length alone: 0 here)."""
-    group = handlers(2, 2, 2, keep_alive_interval=1, keep_alive_max_attempt=30)
-    for future in join_in(pool, group):
-        assert future.result(timeout=60).world_size == 2
-    assert [handler.num_nodes_waiting() for handler in group] == [0, 0]
-    backend = backend_of(group[0])
-    data, token = backend.get_state()
-    state = decode_state(data, "the test")
-    state.participants.clear()
-    state.last_heartbeats.clear()
-    state.round, state.complete = state.round + 1, False
-    written = backend.set_state(_encode_state(state), token)
-    assert written is not None
-    assert written[2]
-    for handler in group:
-        wait_until(lambda h=handler: h.num_nodes_waiting() >= 1, timeout=30, what="a node waiting")

@@ -197,8 +197,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._admission = admission
         # When num_nodes_waiting() last read the whole state.
         self._waiting_read_at = -math.inf
-        # The round the last next_rendezvous() joined (None: none, or one in progress).
-        self._round_joined: int | None = None
         # When the progress key was last read for it, and whether it said none waits.
         self._waiting_hint: tuple[float, bool] = (-math.inf, False)
         self._op_executor = OpExecutor(self._this_node, state_holder, settings, admission)
@@ -348,7 +346,6 @@ class DynamicRendezvousHandler(RendezvousHandler):
             deadlines.append(self._get_deadline(join))
             return deadlines[-1]
 
-        self._round_joined = None
         self._begin_attempt(deadlines[0])
         started = time.monotonic()
         with self._joining(deadlines[0]):
@@ -360,7 +357,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         self._record_round_metrics(time.monotonic() - started, world_size)
         store = self._get_store()
         joined = self._state_holder.state
-        round_ = self._round_joined = joined.round
+        round_ = joined.round
         rank_0 = min(joined.participants, key=joined.participants.__getitem__)
         # Rank 0 publishes its address as soon as it sees the round complete: the
         # exchange gets at least a heartbeat lifetime (a rank 0 silent for longer is
@@ -585,37 +582,12 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     @_records_failure
     def num_nodes_waiting(self) -> int:
-        """See base class. Ends within ``join_timeout`` (plus about a second).
-
-        Also at least 1 once the state shows that this node's round is over for it (it
-        was dropped from the round, its heartbeat having lapsed in another node's eyes,
-        or the round moved on without it), so that the agent starts a new rendezvous,
-        as it does for a waiting node: the others no longer count this node in the
-        world. PyTorch's handler returns the wait list's length alone, and such a node
-        trains on in a world the rendezvous no longer has. Seen when the whole state is
-        read: at once, or within 10 s while the progress key says that nobody waits.
-        """
+        """See base class. Ends within ``join_timeout`` (plus about a second)."""
         if self._progress_says_none_waiting():
             return 0  # No need to read the whole state.
         with self._synced(self._settings.timeout.join, "read the state of") as state:
             self._waiting_read_at = time.monotonic()
-            waiting = len(state.wait_list)
-            joined = self._round_joined
-            dropped = (
-                joined is not None
-                and not state.closed
-                and (state.round != joined or self._this_node not in state.participants)
-            )
-            if dropped:
-                logger.info(
-                    "The node '%s' is no longer in round %s of the rendezvous '%s': a new "
-                    "rendezvous is needed.",
-                    self._this_node,
-                    joined,
-                    self._settings.run_id,
-                )
-                return max(1, waiting)
-            return waiting
+            return len(state.wait_list)
 
     def _progress_says_none_waiting(self) -> bool:
         """Whether the progress key says that no node waits, trusted for
