@@ -359,7 +359,7 @@ def _child(plan: Plan, index: int, signals: tuple[Event, Event, Event], out: Any
         logging.basicConfig(
             filename=os.path.join(os.environ["BENCH_LOG_DIR"], f"{os.getpid()}.log"),
             level=logging.INFO,
-            format="%(relativeCreated)8.0f %(threadName)s %(name)s %(message)s",
+            format="%(created).3f %(relativeCreated)8.0f %(threadName)s %(name)s %(message)s",
             force=True,
         )
         if os.environ.get("BENCH_LOG_DEBUG"):  # the library's own DEBUG messages too

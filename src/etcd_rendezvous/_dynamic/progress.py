@@ -318,6 +318,11 @@ class ProgressKey:
         read the key itself (our watch may lag behind it), then the state unless the key
         names a change that does not concern us (the key may miss a state write)."""
         record_metric("rendezvous.silence_reads", backend="etcd-v2")
+        logger.debug(
+            "The node '%s' heard of no change for %.1f s; reading the progress key.",
+            self.node,
+            self.clock() - self._heard_at,
+        )
         self._heard_at = self.clock()
         self._silence = PROGRESS_SILENCE * (1.0 + random.random())
         progress, version, index = board.read_progress(deadline)
