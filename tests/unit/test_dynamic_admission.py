@@ -15,6 +15,7 @@ import pytest
 from etcd_rendezvous._dynamic.admission import (
     _REAP_STEP,
     _STAGGER_CAP,
+    _STEP_MAX,
     _STEP_SYNCS,
     _TAIL_JITTER,
     ADMISSION_GRACE,
@@ -682,6 +683,9 @@ def test_a_step_lasts_as_long_as_a_batch_takes_to_be_heard() -> None:
     assert stagger_wait(created=12, decided_upto=10, idle=0.0, sync=0.5) == pytest.approx(
         ADMIT_GATHER
     )
+    # A sync that waited out an election does not hold the candidates back for minutes.
+    stalled = stagger_wait(created=14, decided_upto=10, idle=0.0, sync=7.0)
+    assert stalled == pytest.approx(ADMIT_GATHER + 2 * _STEP_MAX)
 
 
 def test_a_node_far_behind_never_lists_while_batches_are_made() -> None:

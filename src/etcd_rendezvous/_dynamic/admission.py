@@ -80,6 +80,9 @@ ADMIT_STAGGER = 0.25
 #: a batch of its own, which loses its write and takes the CPU and etcd time the first
 #: one needs (a large state, a busy etcd or client).
 _STEP_SYNCS = 3.0
+#: ... but at most this long: a sync that waited out an election (seconds) says nothing
+#: of how long a batch takes, and the last candidates wait eight steps.
+_STEP_MAX = 1.0
 #: Seconds the first candidate waits after it asks, unless a batch decides its key first:
 #: the nodes that arrive meanwhile are admitted in the same write (fewer state writes,
 #: each a change every waiting node hears of).
@@ -158,10 +161,10 @@ def stagger_wait(
     undecided keys are ahead (see docs/how-it-works.rst, "Our nodes: node keys, batched
     admission, one heartbeat writer", candidate admitters). A step is
     :data:`ADMIT_STAGGER`, or :data:`_STEP_SYNCS` times ``sync`` (the seconds the node's
-    last sync of the state took) if that is longer.
+    last sync of the state took) if that is longer, up to :data:`_STEP_MAX`.
     """
     ahead = max(created - decided_upto - 2, 0)
-    step = max(ADMIT_STAGGER, _STEP_SYNCS * sync)
+    step = min(max(ADMIT_STAGGER, _STEP_SYNCS * sync), _STEP_MAX)
     steps = ADMIT_GATHER + min(ahead, _STAGGER_CAP) * step
     if ahead >= _STAGGER_CAP:
         steps += jitter * _TAIL_JITTER
