@@ -678,8 +678,8 @@ def test_a_step_lasts_as_long_as_a_batch_takes_to_be_heard() -> None:
     never the first candidate's gathering moment."""
     quick = stagger_wait(created=14, decided_upto=10, idle=0.0, sync=0.01)
     assert quick == pytest.approx(ADMIT_GATHER + 2 * ADMIT_STAGGER)
-    slow = stagger_wait(created=14, decided_upto=10, idle=0.0, sync=0.5)
-    assert slow == pytest.approx(ADMIT_GATHER + 2 * _STEP_SYNCS * 0.5)
+    slow = stagger_wait(created=14, decided_upto=10, idle=0.0, sync=0.3)
+    assert slow == pytest.approx(ADMIT_GATHER + 2 * _STEP_SYNCS * 0.3)
     assert stagger_wait(created=12, decided_upto=10, idle=0.0, sync=0.5) == pytest.approx(
         ADMIT_GATHER
     )
