@@ -15,8 +15,6 @@ import pytest
 from etcd_rendezvous._dynamic.admission import (
     _REAP_STEP,
     _STAGGER_CAP,
-    _STEP_MAX,
-    _STEP_SYNCS,
     _TAIL_JITTER,
     ADMISSION_GRACE,
     ADMIT_GATHER,
@@ -237,12 +235,12 @@ def hear(keys: Admission, timeout: float, token: int) -> Heard:
 
 def wrote(keys: Admission, token: int, state: RendezvousState) -> None:
     """The node of ``keys`` wrote ``state``, its token ``token``."""
-    keys.synced(state, token, True, False, 0.0, deadline())
+    keys.synced(state, token, True, False, deadline())
 
 
 def read(keys: Admission, token: int, state: RendezvousState) -> None:
     """The node of ``keys`` read ``state``, its token ``token``."""
-    keys.synced(state, token, None, True, 0.0, deadline())
+    keys.synced(state, token, None, True, deadline())
 
 
 def waits(outcome: object) -> float:
@@ -669,23 +667,6 @@ def test_the_stagger_grows_with_the_distance_and_is_capped() -> None:
     assert stagger_wait(created=13, decided_upto=10, idle=ADMIT_GATHER + ADMIT_STAGGER) == 0.0
     far = stagger_wait(created=10_000, decided_upto=10, idle=0.0, jitter=0.5)
     assert far == pytest.approx(ADMIT_GATHER + _STAGGER_CAP * ADMIT_STAGGER + 0.5 * _TAIL_JITTER)
-
-
-def test_a_step_lasts_as_long_as_a_batch_takes_to_be_heard() -> None:
-    """A step shorter than a batch (its listing and its state write) makes the next
-    candidate start a batch of its own while the first is being written: a lost write
-    and the CPU and etcd time the first batch needs. A slow sync lengthens the steps,
-    never the first candidate's gathering moment."""
-    quick = stagger_wait(created=14, decided_upto=10, idle=0.0, sync=0.01)
-    assert quick == pytest.approx(ADMIT_GATHER + 2 * ADMIT_STAGGER)
-    slow = stagger_wait(created=14, decided_upto=10, idle=0.0, sync=0.3)
-    assert slow == pytest.approx(ADMIT_GATHER + 2 * _STEP_SYNCS * 0.3)
-    assert stagger_wait(created=12, decided_upto=10, idle=0.0, sync=0.5) == pytest.approx(
-        ADMIT_GATHER
-    )
-    # A sync that waited out an election does not hold the candidates back for minutes.
-    stalled = stagger_wait(created=14, decided_upto=10, idle=0.0, sync=7.0)
-    assert stalled == pytest.approx(ADMIT_GATHER + 2 * _STEP_MAX)
 
 
 def test_a_node_far_behind_never_lists_while_batches_are_made() -> None:

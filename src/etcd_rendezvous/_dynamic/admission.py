@@ -74,15 +74,6 @@ ADMISSION_GRACE = 2.0
 #: is the k-th after the last decided index makes the batch after ``k`` steps without
 #: progress.
 ADMIT_STAGGER = 0.25
-#: A step lasts at least this many times as long as the node's last sync of the state
-#: took: a batch lists the keys and writes the state (about two such transfers) before
-#: its summary can be heard, and a step shorter than that makes the next candidate start
-#: a batch of its own, which loses its write and takes the CPU and etcd time the first
-#: one needs (a large state, a busy etcd or client).
-_STEP_SYNCS = 3.0
-#: ... but at most this long: a sync that waited out an election (seconds) says nothing
-#: of how long a batch takes, and the last candidates wait eight steps.
-_STEP_MAX = 1.0
 #: Seconds the first candidate waits after it asks, unless a batch decides its key first:
 #: the nodes that arrive meanwhile are admitted in the same write (fewer state writes,
 #: each a change every waiting node hears of).
@@ -151,21 +142,16 @@ class _Batch:
     nodes: list[NodeDesc]
 
 
-def stagger_wait(
-    created: int, decided_upto: int, idle: float, jitter: float = 0.0, sync: float = 0.0
-) -> float:
+def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0.0) -> float:
     """Seconds until the node whose key was created at ``created`` makes the batch, when
     every key up to ``decided_upto`` was decided and nobody made progress for ``idle``
     seconds (0: now); ``jitter`` in [0, 1) spreads the nodes beyond
     :data:`_STAGGER_CAP` steps. The distance of the indexes bounds from above how many
     undecided keys are ahead (see docs/how-it-works.rst, "Our nodes: node keys, batched
-    admission, one heartbeat writer", candidate admitters). A step is
-    :data:`ADMIT_STAGGER`, or :data:`_STEP_SYNCS` times ``sync`` (the seconds the node's
-    last sync of the state took) if that is longer, up to :data:`_STEP_MAX`.
+    admission, one heartbeat writer", candidate admitters).
     """
     ahead = max(created - decided_upto - 2, 0)
-    step = min(max(ADMIT_STAGGER, _STEP_SYNCS * sync), _STEP_MAX)
-    steps = ADMIT_GATHER + min(ahead, _STAGGER_CAP) * step
+    steps = ADMIT_GATHER + min(ahead, _STAGGER_CAP) * ADMIT_STAGGER
     if ahead >= _STAGGER_CAP:
         steps += jitter * _TAIL_JITTER
     return max(steps - idle, 0.0)
@@ -280,8 +266,6 @@ class Admission:
         self._dead: dict[NodeDesc, int] = {}
         self._reap_round: int | None = None
         self._reap_at = -math.inf
-        # Seconds the node's last read or write of the state took (see stagger_wait).
-        self._sync_seconds = 0.0
         board = keys if progress_key else None
         self._progress = ProgressKey(board, node, settings.min_nodes, clock, self._ttl)
 
@@ -336,17 +320,12 @@ class Admission:
         token: Token,
         written: bool | None,
         fetched: bool,
-        seconds: float,
         deadline: Deadline,
     ) -> None:
-        """The node synced ``state`` (read with ``token``) in ``seconds``: ``written`` as
-        the holder's sync says (``True``: ours written, ``False``: lost the race,
-        ``None``: read), ``fetched`` whether it read the backend. Summarise our write in
-        the progress key, or relay a write it misses (see
-        :meth:`.ProgressKey.state_read`). A sync that read or wrote the state sets the
-        length of the node's steps as a candidate admitter (see :func:`stagger_wait`)."""
-        if fetched or written is not None:
-            self._sync_seconds = seconds
+        """The node synced ``state`` (read with ``token``): ``written`` as the holder's
+        sync says (``True``: ours written, ``False``: lost the race, ``None``: read),
+        ``fetched`` whether it read the backend. Summarise our write in the progress key,
+        or relay a write it misses (see :meth:`.ProgressKey.state_read`)."""
         if isinstance(token, int) and (fetched or written is not None):
             self._progress.state_read(token, state, written is True, self._joining, deadline)
 
@@ -629,9 +608,7 @@ class Admission:
         heartbeat folds), on the state the progress key describes."""
         progress = self._progress
         idle = now - max(attempt.progress_at, progress.decided_at)
-        wait = stagger_wait(
-            created, progress.decided_upto, idle, attempt.jitter, self._sync_seconds
-        )
+        wait = stagger_wait(created, progress.decided_upto, idle, attempt.jitter)
         if wait > 0:
             return Wait(wait)
         if stale:

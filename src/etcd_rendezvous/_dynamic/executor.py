@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -160,7 +159,7 @@ class OpExecutor:
         another node synced its changes first). The backend retries etcd failures (an
         election) until the step's deadline, then raises."""
         holder, admission, step = self._holder, self._admission, self._step(deadline)
-        fetches, started = holder.fetches, time.monotonic()
+        fetches = holder.fetches
         try:
             synced = _Synced(holder.sync(step))
         except RequestTooLargeError as exc:
@@ -172,8 +171,8 @@ class OpExecutor:
         self._state = holder.state
         if admission is not None:
             # Summarise our write in the progress key, or relay a write it misses.
-            fetched, seconds = holder.fetches != fetches, time.monotonic() - started
-            admission.synced(self._state, holder.token, synced.value, fetched, seconds, step)
+            fetched = holder.fetches != fetches
+            admission.synced(self._state, holder.token, synced.value, fetched, step)
         if synced is _Synced.READ:
             return synced
         if synced is _Synced.WRITTEN:
