@@ -1885,3 +1885,26 @@ def test_a_node_not_in_the_state_it_holds_does_not_take_the_aggregator_lock() ->
     assert not keys.fold(_RendezvousState(), False, Deadline(10))
     assert "claim" not in registry.calls
     assert registry.calls.get("refresh", 0) >= 1
+
+
+def test_the_progress_line_says_what_the_node_waits_for() -> None:
+    """The line a waiting node logs describes its own place: a complete round it is in
+    is its call returning (nothing to say), not a round "without this node"."""
+    me, other = _NodeDesc("a", 1, 0), _NodeDesc("b", 1, 0)
+    settings = RendezvousSettings("run", 2, 3, RendezvousTimeout(), timedelta(seconds=5), 3)
+    line = _dynamic_handler.progress_line
+    state = _RendezvousState()
+    state.participants = {other: 0}
+    assert line(state, me, settings, 12.4) == (
+        "Rendezvous 'run' round 0: 1 of 2 nodes joined (max 3), waiting for 1 more; 12 s left"
+    )
+    state.participants = {me: 0, other: 1}
+    assert "in its last call" in (line(state, me, settings, 5.0) or "")
+    state.complete = True
+    assert line(state, me, settings, 5.0) is None
+    state.participants = {other: 0, _NodeDesc("c", 1, 0): 1}
+    assert "complete with 2 nodes without this node" in (line(state, me, settings, 5.0) or "")
+    state.redundancy_list = {me}
+    assert "this node is on the redundancy list" in (line(state, me, settings, 5.0) or "")
+    state.closed = True
+    assert line(state, me, settings, 5.0) is None

@@ -53,7 +53,7 @@ from .settings import (
 )
 from .state import _NodeDesc, _NodeDescGenerator, _RendezvousState
 
-__all__ = ["DynamicRendezvousHandler", "create_handler"]
+__all__ = ["DynamicRendezvousHandler", "create_handler", "progress_line"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -496,30 +496,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         """The progress line of a waiting :meth:`next_rendezvous`, from the state last
         read (see :mod:`etcd_rendezvous._progress_log`)."""
         state = self._state_holder.state
-        settings = self._settings
-        head = f"Rendezvous '{settings.run_id}' round {state.round}"
-        joined = len(state.participants)
-        left = seconds_left(deadline.remaining())
-        if state.closed:
-            return None
-        if self._this_node in state.redundancy_list:
-            return (
-                f"{head}: complete with {joined} nodes, the most it takes; this node is on "
-                "the redundancy list, waiting for a place"
-            )
-        if state.complete:
-            return (
-                f"{head}: complete with {joined} nodes without this node; waiting for the "
-                f"next round ({len(state.wait_list)} nodes waiting); {left}"
-            )
-        if joined < settings.min_nodes:
-            wants = f"waiting for {settings.min_nodes - joined} more"
-        else:
-            wants = "in its last call for more nodes"
-        return (
-            f"{head}: {joined} of {settings.min_nodes} nodes joined (max {settings.max_nodes}), "
-            f"{wants}; {left}"
-        )
+        return progress_line(state, self._this_node, self._settings, deadline.remaining())
 
     def _bootstrap(
         self, rank: int, world_size: int, store: Store, exchange_store: Store
@@ -906,4 +883,35 @@ def _handler_from_params(
         keep_alive_max_attempt=keep_alive_max_attempt,
         backend_name=backend_name,
         owns_backend=owns_backend,
+    )
+
+
+def progress_line(
+    state: _RendezvousState, node: _NodeDesc, settings: RendezvousSettings, remaining: float
+) -> str | None:
+    """The progress line of ``node`` waiting in ``next_rendezvous()`` with ``remaining``
+    seconds left, from ``state`` as it last read it; ``None``: nothing to say (the round
+    is closed, or complete with the node, whose call is returning)."""
+    head = f"Rendezvous '{settings.run_id}' round {state.round}"
+    joined = len(state.participants)
+    left = seconds_left(remaining)
+    if state.closed or (state.complete and node in state.participants):
+        return None
+    if node in state.redundancy_list:
+        return (
+            f"{head}: complete with {joined} nodes, the most it takes; this node is on "
+            "the redundancy list, waiting for a place"
+        )
+    if state.complete:
+        return (
+            f"{head}: complete with {joined} nodes without this node; waiting for the "
+            f"next round ({len(state.wait_list)} nodes waiting); {left}"
+        )
+    if joined < settings.min_nodes:
+        wants = f"waiting for {settings.min_nodes - joined} more"
+    else:
+        wants = "in its last call for more nodes"
+    return (
+        f"{head}: {joined} of {settings.min_nodes} nodes joined (max {settings.max_nodes}), "
+        f"{wants}; {left}"
     )
