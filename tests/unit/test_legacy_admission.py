@@ -36,6 +36,7 @@ from etcd_rendezvous._legacy.admission import (
     refusal_verdict,
 )
 from etcd_rendezvous._legacy.feed import SILENCE, SILENCE_MAX, Observed, StateFeed
+from etcd_rendezvous._legacy.rendezvous import progress_line
 from etcd_rendezvous._legacy.state import (
     CONST_ETCD_FROZEN_TTL,
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
@@ -752,3 +753,22 @@ def test_a_report_reads_back_as_written_and_comes_after_its_state_s_hint() -> No
     assert isinstance(error, RequestTooLargeError)
     assert "--max-request-bytes" in str(error)
     assert (error.key, error.size, error.api) == ("/state", 5000, "v3")
+
+
+def test_the_progress_line_of_a_worker_in_a_final_version_says_nothing() -> None:
+    """A final version with this worker in it is its call returning, not a version
+    "complete without us"; one without it is."""
+    mine, other = "/run/rdzv/v_2/node_a", "/run/rdzv/v_2/node_b"
+    final = {"status": "final", "version": "2", "participants": [0, 1]}
+    final["keep_alives"] = [mine, other]
+    assert progress_line(final, mine, "run", (2, 3), 9.0) is None
+    final["keep_alives"] = [other, "/run/rdzv/v_2/node_c"]
+    assert "complete with 2 workers without us" in (
+        progress_line(final, mine, "run", (2, 3), 9.0) or ""
+    )
+    assert "without us" in (progress_line(final, None, "run", (2, 3), 9.0) or "")
+    joinable = {"status": "joinable", "version": "2", "participants": [0]}
+    assert progress_line(joinable, mine, "run", (2, 3), 9.4) == (
+        "Rendezvous of run 'run': 1 of 2 workers joined version 2 (max 3), "
+        "waiting for 1 more; 9 s left"
+    )

@@ -64,6 +64,7 @@ __all__ = [
     "EtcdRendezvous",
     "EtcdRendezvousRetryImmediately",
     "EtcdRendezvousRetryableFailure",
+    "progress_line",
 ]
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -457,37 +458,13 @@ class EtcdRendezvous:
     def _describe_progress(self) -> str | None:
         """The progress line of a waiting :meth:`rendezvous_barrier`, from the state last
         read (see :mod:`etcd_rendezvous._progress_log`)."""
-        state = self._feed.last_state
-        left = seconds_left(self._rendezvous_deadline.remaining())
-        head = f"Rendezvous of run '{self._run_id}'"
-        if state is None:
-            return f"{head}: waiting for a worker to create the rendezvous state; {left}"
-        status, version = state.get("status"), state.get("version")
-        joined = len(state.get("participants", []))
-        if status == "joinable":
-            if joined < self._num_min_workers:
-                wants = f"waiting for {self._num_min_workers - joined} more"
-            else:
-                wants = "in its last call for more workers"
-            return (
-                f"{head}: {joined} of {self._num_min_workers} workers joined version {version} "
-                f"(max {self._num_max_workers}), {wants}; {left}"
-            )
-        if status == "frozen":
-            confirmed = len(state.get("keep_alives", []))
-            return (
-                f"{head}: version {version} is frozen with {joined} workers, {confirmed} "
-                f"confirmed; waiting for the others to confirm; {left}"
-            )
-        if status == "final":
-            return (
-                f"{head}: version {version} is complete with {joined} workers without us; "
-                f"waiting for it to end (a member leaving, or the job restarting), "
-                f"{state.get('num_workers_waiting', 0)} workers waiting; {left}"
-            )
-        if status == "setup":
-            return f"{head}: a worker is setting up a new version; {left}"
-        return None
+        return progress_line(
+            self._feed.last_state,
+            self._join.member_key,
+            self._run_id,
+            (self._num_min_workers, self._num_max_workers),
+            self._rendezvous_deadline.remaining(),
+        )
 
     def _barrier(self) -> tuple[str, int, int]:
         """The loop of :meth:`rendezvous_barrier`: attempts until one succeeds."""
@@ -1109,3 +1086,50 @@ class EtcdRendezvous:
         if create_dir:
             self.create_path_if_not_exists(store_path)
         return EtcdStore(etcd_client=self._conn, etcd_store_prefix=store_path)
+
+
+def progress_line(
+    state: dict[str, Any] | None,
+    member_key: str | None,
+    run_id: str,
+    workers: tuple[int, int],
+    remaining: float,
+) -> str | None:
+    """The progress line of a worker waiting in ``rendezvous_barrier()`` with
+    ``remaining`` seconds left, from ``state`` as it last saw it (``None``: none) and its
+    own ``member_key`` (``None``: none yet); ``workers`` are the minimum and maximum
+    number of workers. ``None``: nothing to say (a final version with this worker in it:
+    its call is returning)."""
+    min_workers, max_workers = workers
+    left = seconds_left(remaining)
+    head = f"Rendezvous of run '{run_id}'"
+    if state is None:
+        return f"{head}: waiting for a worker to create the rendezvous state; {left}"
+    status, version = state.get("status"), state.get("version")
+    joined = len(state.get("participants", []))
+    if status == "joinable":
+        if joined < min_workers:
+            wants = f"waiting for {min_workers - joined} more"
+        else:
+            wants = "in its last call for more workers"
+        return (
+            f"{head}: {joined} of {min_workers} workers joined version {version} "
+            f"(max {max_workers}), {wants}; {left}"
+        )
+    if status == "frozen":
+        confirmed = len(state.get("keep_alives", []))
+        return (
+            f"{head}: version {version} is frozen with {joined} workers, {confirmed} "
+            f"confirmed; waiting for the others to confirm; {left}"
+        )
+    if status == "final":
+        if member_key is not None and member_key in state.get("keep_alives", []):
+            return None
+        return (
+            f"{head}: version {version} is complete with {joined} workers without us; "
+            f"waiting for it to end (a member leaving, or the job restarting), "
+            f"{state.get('num_workers_waiting', 0)} workers waiting; {left}"
+        )
+    if status == "setup":
+        return f"{head}: a worker is setting up a new version; {left}"
+    return None
