@@ -24,7 +24,8 @@ nodes, and handlers made as a launcher makes them::
 install py-spy``) from the start signal until its nodes are done: the thread holding the
 GIL, that is where the process's CPU goes, into ``<dir>/<pid>.txt`` (collapsed stacks,
 for ``flamegraph.pl`` or a ``sort | uniq``).
-``BENCH_LOG_DIR=<dir>`` logs each node process to ``<dir>/<pid>.log`` (INFO;
+``BENCH_LOG_DIR=<dir>`` logs each node process to ``<dir>/<pid>.log``, each line with
+its wall-clock time, so that the processes' logs merge into one timeline (INFO;
 ``BENCH_LOG_DEBUG=1`` adds the library's DEBUG messages, which slow a row down).
 
 One etcd 3.5 is started with the v2 API enabled, so it serves both APIs (bundled etcd
