@@ -633,7 +633,7 @@ def _measure(
             # The counts of a row that failed tell why: kept, with the problem.
             delta = changes(before, read_metrics(url))
             seconds = max(r.finished for r in first.results) - started
-            called = max((r.called for r in first.results), default=started)
+            called = max((r.called for r in first.results if r.called), default=started)
             outcome = _counted(first, delta, seconds=seconds, last_called=called - started)
             try:
                 _check(first.results, nodes, timeout, started)
