@@ -632,7 +632,8 @@ def _measure(
         if plan.mode == FIRST:
             # The counts of a row that failed tell why: kept, with the problem.
             delta = changes(before, read_metrics(url))
-            seconds = max(r.finished for r in first.results) - started
+            seconds = max((r.finished for r in first.results if r.finished), default=started)
+            seconds -= started
             called = max((r.called for r in first.results if r.called), default=started)
             outcome = _counted(first, delta, seconds=seconds, last_called=called - started)
             try:

@@ -757,18 +757,22 @@ def test_a_report_reads_back_as_written_and_comes_after_its_state_s_hint() -> No
 
 def test_the_progress_line_of_a_worker_in_a_final_version_says_nothing() -> None:
     """A final version with this worker in it is its call returning, not a version
-    "complete without us"; one without it is."""
-    mine, other = "/run/rdzv/v_2/node_a", "/run/rdzv/v_2/node_b"
-    final = {"status": "final", "version": "2", "participants": [0, 1]}
-    final["keep_alives"] = [mine, other]
-    assert progress_line(final, mine, "run", (2, 3), 9.0) is None
-    final["keep_alives"] = [other, "/run/rdzv/v_2/node_c"]
-    assert "complete with 2 workers without us" in (
-        progress_line(final, mine, "run", (2, 3), 9.0) or ""
+    "complete without us"; one without it is. The final state is the one our
+    confirmation writes, after a PyTorch worker's."""
+    torch_key = LAYOUT.keep_alive_key("1", 0)
+    frozen_state = frozen([torch_key], {A.name: 2, B.name: 1}, 3)
+    write = plan_confirmation(frozen_state, [A, B], min_workers=1)
+    assert write is not None
+    assert write.state["status"] == "final"
+    final = write.state
+    assert progress_line(final, A.key, "r", (2, 3), 9.0) is None
+    assert progress_line(final, B.key.lstrip("/"), "r", (2, 3), 9.0) is None  # (as spelled)
+    assert "complete with 3 workers without us" in (
+        progress_line(final, C.key, "r", (2, 3), 9.0) or ""
     )
-    assert "without us" in (progress_line(final, None, "run", (2, 3), 9.0) or "")
+    assert "without us" in (progress_line(final, None, "r", (2, 3), 9.0) or "")
     joinable = {"status": "joinable", "version": "2", "participants": [0]}
-    assert progress_line(joinable, mine, "run", (2, 3), 9.4) == (
-        "Rendezvous of run 'run': 1 of 2 workers joined version 2 (max 3), "
+    assert progress_line(joinable, A.key, "r", (2, 3), 9.4) == (
+        "Rendezvous of run 'r': 1 of 2 workers joined version 2 (max 3), "
         "waiting for 1 more; 9 s left"
     )

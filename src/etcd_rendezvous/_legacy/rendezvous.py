@@ -41,7 +41,7 @@ from ..api import (
 )
 from ..etcd_store import EtcdStore
 from ..events import EventSource, NodeState, _records_failure
-from ..layout import LegacyLayout, new_waiter_name
+from ..layout import LegacyLayout, new_waiter_name, normalize_key
 from ..metrics import MetricKind, record_metric, timed
 from .admission import create_spread
 from .feed import SILENCE, StateFeed
@@ -1123,7 +1123,8 @@ def progress_line(
             f"confirmed; waiting for the others to confirm; {left}"
         )
     if status == "final":
-        if member_key is not None and member_key in state.get("keep_alives", []):
+        ours = None if member_key is None else normalize_key(member_key)
+        if ours in {normalize_key(str(key)) for key in state.get("keep_alives", [])}:
             return None
         return (
             f"{head}: version {version} is complete with {joined} workers without us; "
