@@ -207,6 +207,12 @@ def test_late_workers_are_counted_together_with_a_dead_waiter_after_the_grace(
 #: The rendezvous timeout of the starved workers below, and the documented bound past it.
 _STARVED_TIMEOUT = 6
 _BOUND = 2.0
+#: The documented bound past the timeout of a worker whose process is busy (see
+#: docs/scale.rst): sixteen spinning threads leave the rendezvous thread a seventeenth of
+#: the interpreter, and each request owed after the deadline takes several turns of it.
+#: Measured: 6.1 to 7.3 s for a 6 s timeout alone or beside two busy processes, 8.6 s
+#: beside the other tests of a CI pass on two CPUs.
+_BUSY_BOUND = 3.0
 
 
 def test_a_worker_whose_process_is_busy_ends_within_its_timeout(etcd_server, run_id, workers):
@@ -229,7 +235,7 @@ def test_a_worker_whose_process_is_busy_ends_within_its_timeout(etcd_server, run
     assert run_id in str(event["message"])
     # next_rendezvous() as the worker timed it (the worker takes its time to read the
     # command and to answer too: it is starved).
-    assert float(event["elapsed"]) < _STARVED_TIMEOUT + _BOUND, event["elapsed"]
+    assert float(event["elapsed"]) < _STARVED_TIMEOUT + _BUSY_BOUND, event["elapsed"]
 
 
 def test_busy_workers_complete_and_exchange_the_master_address(etcd_server, run_id, workers):
