@@ -33,6 +33,7 @@ from .state import (
     CONST_ETCD_JOINABLE_EPHEMERAL_TTL,
     MEMBERS,
     Hint,
+    confirmed_keys,
     members_of,
 )
 
@@ -236,7 +237,7 @@ def plan_confirmation(
     """
     members = members_of(state)
     keep_alives = list(state["keep_alives"])
-    confirmed = {normalize_key(key) for key in keep_alives}
+    confirmed = confirmed_keys(state)
     floor = -1 if skip_below_rank is None else skip_below_rank
     live = sorted(
         (members[e.name], e.key)

@@ -52,6 +52,7 @@ from .state import (
     CONST_ETCD_SETUP_TTL,
     CONST_WORKER_KEEPALIVE_TTL,
     LOGGER_NAME,
+    confirmed_keys,
     parse_state,
     preview,
     read_state,
@@ -1123,8 +1124,7 @@ def progress_line(
             f"confirmed; waiting for the others to confirm; {left}"
         )
     if status == "final":
-        ours = None if member_key is None else normalize_key(member_key)
-        if ours in {normalize_key(str(key)) for key in state.get("keep_alives", [])}:
+        if member_key is not None and normalize_key(member_key) in confirmed_keys(state):
             return None
         return (
             f"{head}: version {version} is complete with {joined} workers without us; "

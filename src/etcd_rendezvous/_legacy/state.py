@@ -17,6 +17,7 @@ from typing import Any
 from .._transport.interface import Node, Transport
 from .._transport.limits import Refusal
 from ..api import Deadline, RendezvousStateError
+from ..layout import normalize_key
 from ..metrics import record_metric
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "MEMBERS",
     "WAITING",
     "Hint",
+    "confirmed_keys",
     "describe",
     "member_ranks",
     "members_of",
@@ -162,6 +164,11 @@ def status_in(state: dict[str, Any] | None, version: str) -> str | None:
     if state is None or state.get("version") != version:
         return None
     return str(state["status"])
+
+
+def confirmed_keys(state: dict[str, Any]) -> set[str]:
+    """The keep-alive keys of ``state`` (its confirmed members), as etcd spells them."""
+    return {normalize_key(key) for key in state.get("keep_alives", [])}
 
 
 def members_of(state: dict[str, Any]) -> dict[str, int]:

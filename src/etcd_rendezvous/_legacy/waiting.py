@@ -40,6 +40,7 @@ from .state import (
     LOGGER_NAME,
     WAITING,
     Hint,
+    confirmed_keys,
     describe,
     read_state,
     status_in,
@@ -117,7 +118,7 @@ class _FinalVersion:
         self.node = node
         self.state = state
         self.version = version
-        self.keep_alives = {normalize_key(key) for key in state.get("keep_alives", [])}
+        self.keep_alives = confirmed_keys(state)
         self.changed_at = time.monotonic()
 
     @property
