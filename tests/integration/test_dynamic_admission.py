@@ -263,6 +263,58 @@ def test_the_aggregator_keeps_everyone_alive_and_a_killed_one_is_replaced(
     _check_ranks(survivors, regrouped)
 
 
+def test_when_the_aggregator_dies_no_heartbeat_gets_older_than_pytorchs_would(
+    handlers: Handlers, pool: ThreadPoolExecutor
+):
+    # A PyTorch node looks at its heartbeat every interval and writes it once it is an
+    # interval old, so it is at most two intervals old when written: the margin to the
+    # expiry (keep_alive_max_attempt intervals) that a node whose clock is ahead, or an
+    # etcd election, eats into. Ours must keep at least that margin when nobody folds.
+    interval = 2.0
+    group = handlers(4, 4, 4, keep_alive_interval=int(interval), keep_alive_max_attempt=3)
+    _check_ranks(group, [future.result(60) for future in join_in(pool, group)])
+    wait_until(lambda: _aggregator(group[0]) is not None, timeout=20, what="an aggregator")
+    holder = _aggregator(group[0])
+    (victim,) = [h for h in group if h._this_node == holder]
+    survivors = [h for h in group if h is not victim]
+    backend = backend_of(group[0])
+    # The aggregator dies right after a fold (a version with every heartbeat the same).
+    for seen, node in enumerate(each_version(backend.connection, backend.key, 20)):
+        state = decode_state(b64decode(node.value or ""), "the test")
+        if seen and len(set(state.last_heartbeats.values())) == 1:
+            break
+    folded = time.monotonic()
+    victim._stop_heartbeats()  # Killed: the lock stays until it lapses (two intervals).
+    # The survivors' keep-alive threads start over 0.375 intervals after that fold: a
+    # node that looked at its heartbeat only every interval would find it late but not
+    # due (1.5 intervals in PyTorch's terms) one interval later, and write it only the
+    # interval after (2.375 intervals old). A deliberate phase, not a wait.
+    for handler in survivors:
+        handler._stop_heartbeats()
+    time.sleep(max(folded + 0.375 * interval - time.monotonic(), 0.0))
+    for handler in survivors:
+        handler._start_heartbeats()
+    beats: dict[NodeDesc, list[float]] = {h._this_node: [] for h in survivors}
+    replaced_at = None
+    for node in each_version(backend.connection, node.key, 30):
+        state = decode_state(b64decode(node.value or ""), "the test")
+        assert set(beats) <= set(state.participants), state.participants
+        for survivor, written in beats.items():
+            beat = state.last_heartbeats[survivor].timestamp()
+            if not written or written[-1] != beat:
+                written.append(beat)
+        if replaced_at is None and _aggregator(group[0]) not in (None, holder):
+            replaced_at = time.monotonic()
+        if replaced_at is not None and time.monotonic() - replaced_at > 2 * interval:
+            break
+    # The times are etcd's, as the nodes estimate it: within a round trip or so.
+    slack = 0.3
+    for survivor, written in beats.items():
+        gaps = [later - earlier for earlier, later in itertools.pairwise(written)]
+        assert gaps, f"{survivor}: no heartbeat written after the aggregator died"
+        assert max(gaps) <= 2 * interval + slack, f"{survivor}: heartbeats {written}"
+
+
 def test_steady_heartbeats_do_not_write_the_state_per_node(
     handlers: Handlers, pool: ThreadPoolExecutor
 ):

@@ -340,3 +340,23 @@ def test_timer_cancel_waits_no_longer_than_asked() -> None:
     timer.thread.join(10)
     assert not timer.thread.is_alive()
     timer.cancel()  # idempotent
+
+
+def test_a_timer_run_may_ask_for_the_next_run_sooner_than_the_interval() -> None:
+    starts: list[float] = []
+    three = threading.Event()
+
+    def beat() -> float | None:
+        starts.append(time.monotonic())
+        if len(starts) == 3:
+            three.set()
+        return 0.05 if len(starts) == 1 else None  # once sooner, then the interval
+
+    timer = _PeriodicTimer(timedelta(seconds=1.0), beat)
+    timer.start()
+    try:
+        assert three.wait(20)
+    finally:
+        timer.cancel()
+    assert starts[1] - starts[0] < 0.5  # asked for 0.05 s, not the interval
+    assert starts[2] - starts[1] >= 0.9  # then the interval again

@@ -101,10 +101,15 @@ _REAP_STEP = 0.3
 #: How many keep-alive intervals old a node's heartbeat in the state is when the node
 #: takes it that nobody aggregates (and looks at the lock, to take it if it is free).
 _LATE = 1.25
-#: How many keep-alive intervals before its heartbeat in the state expires a node with a
-#: key writes it itself, at the latest: the aggregator failed. The node looks once per
-#: interval, so it writes between this and one interval less before the expiry.
-_FALLBACK_MARGIN = 1.5
+#: How many keep-alive intervals old a node with a key lets its heartbeat in the state
+#: get before it writes it itself (the aggregator failed to fold it): a point drawn once
+#: per node in this range, so that the nodes do not all write at once when the
+#: aggregator dies. The node looks at its heartbeat when it reaches that age (see
+#: :meth:`Admission.heartbeat_due`), not only every interval, so it writes it by two
+#: intervals old at the latest: the latest a PyTorch node does (it looks every interval
+#: and writes one interval old). With ``keep_alive_max_attempt < 3`` the node follows
+#: PyTorch's rule instead.
+_FALLBACK_AGE = (1.5, 2.0)
 #: The TTL of the aggregator lock, in keep-alive intervals: the holder renews it every
 #: interval; if it dies, another node takes over within this time.
 _LOCK_INTERVALS = 2
@@ -235,8 +240,10 @@ class Admission:
         self._ttl = max(1, math.ceil(interval * attempts))
         self._lock_ttl = max(1, math.ceil(interval * _LOCK_INTERVALS))
         # A node with a live key compare-and-swaps its own heartbeat only this late
-        # (never earlier than PyTorch's interval).
-        self._period = settings.keep_alive_interval * max(1.0, attempts - _FALLBACK_MARGIN)
+        # (never later than PyTorch's nodes, see _FALLBACK_AGE).
+        self._period = settings.keep_alive_interval
+        if attempts >= 3:
+            self._period *= random.uniform(*_FALLBACK_AGE)
         self._late = settings.keep_alive_interval * _LATE
         self._clock = clock
         self._lock = threading.RLock()
@@ -278,6 +285,19 @@ class Admission:
         """How old the node's heartbeat in the state may get before the node writes it
         itself: ``default`` without a key, later with one (the aggregator's job)."""
         return self._period if self._created is not None else default
+
+    def heartbeat_due(self, state: RendezvousState, now: datetime) -> float | None:
+        """Seconds from ``now`` (the state's clock) until the node's heartbeat in
+        ``state`` reaches the age at which the node writes it itself, if that comes
+        within the next keep-alive interval: the keep-alive timer runs again then,
+        rather than up to an interval later. ``None`` without a key, when the node
+        follows PyTorch's rule (it writes at one interval old, looking every interval),
+        or when ``state`` has no heartbeat of the node."""
+        beat = state.last_heartbeats.get(self._node)
+        if self._created is None or beat is None or self._period.total_seconds() <= self._interval:
+            return None
+        due = (beat + self._period - now).total_seconds()
+        return due if 0.0 < due < self._interval else None
 
     # -- the handler's calls --------------------------------------------------------------
 

@@ -299,6 +299,15 @@ class OpExecutor:
             waits.append(tick)
         return min((wait for wait in waits if wait > 0), default=POLL_INTERVAL) + _WAKE_UP_MARGIN
 
+    def heartbeat_due(self) -> float | None:
+        """Seconds until the node must look at its heartbeat in the state held, if
+        sooner than the keep-alive interval (see :meth:`.Admission.heartbeat_due`);
+        ``None``: at the interval, as in PyTorch."""
+        if self._admission is None:
+            return None
+        due = self._admission.heartbeat_due(self._holder.state, self._holder.clock.now())
+        return None if due is None else due + _WAKE_UP_MARGIN
+
     def _keep_alive_period(self) -> timedelta:
         """How old our heartbeat in the state may get before we write it ourselves."""
         interval = self._settings.keep_alive_interval

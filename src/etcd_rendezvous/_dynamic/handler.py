@@ -683,12 +683,14 @@ class DynamicRendezvousHandler(RendezvousHandler):
         logger.info(msg)
 
     @staticmethod
-    def _keep_alive_weak(weak_self: weakref.ref[DynamicRendezvousHandler]) -> None:
+    def _keep_alive_weak(weak_self: weakref.ref[DynamicRendezvousHandler]) -> float | None:
         self = weak_self()
-        if self is not None:
-            self._keep_alive()
+        return None if self is None else self._keep_alive()
 
-    def _keep_alive(self) -> None:
+    def _keep_alive(self) -> float | None:
+        """One heartbeat; returns the seconds within which the next one is due, if
+        sooner than the interval (a node with a key whose heartbeat in the state will be
+        due for its own write before then, see :meth:`.OpExecutor.heartbeat_due`)."""
         with self._heartbeat_lock:
             deadline = self._get_deadline(self._settings.timeout.heartbeat)
             try:
@@ -723,6 +725,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
                     self._this_node,
                     self._settings.run_id,
                 )
+                return self._op_executor.heartbeat_due()
+            return None
 
     def _record_heartbeat_failure(self, ex: Exception) -> None:
         self._record(

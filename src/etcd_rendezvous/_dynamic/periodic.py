@@ -27,18 +27,20 @@ class _PeriodicTimer:
     can be garbage collected (which stops the thread through ``weakref.finalize``). Unlike
     PyTorch's, an exception raised by the function is logged and the timer keeps going,
     and the runs start every ``interval`` (not ``interval`` after the previous one
-    ended), right away after a run that took longer.
+    ended), right away after a run that took longer; a run that returns a number of
+    seconds asks for the next run within that many seconds, if that is sooner.
 
     Args:
         interval: The interval between runs.
-        function: The function to run.
+        function: The function to run; it returns ``None``, or the seconds within which
+            it must run again (sooner than the interval).
         *args: Positional arguments for ``function``.
         **kwargs: Keyword arguments for ``function``.
     """
 
     class _Context:
         interval: float
-        function: Callable[..., None]
+        function: Callable[..., float | None]
         args: tuple[Any, ...]
         kwargs: dict[str, Any]
         stop_event: threading.Event
@@ -49,7 +51,11 @@ class _PeriodicTimer:
     _ctx: _Context
 
     def __init__(
-        self, interval: timedelta, function: Callable[..., None], *args: Any, **kwargs: Any
+        self,
+        interval: timedelta,
+        function: Callable[..., float | None],
+        *args: Any,
+        **kwargs: Any,
     ) -> None:
         self._name = None
         self._ctx = self._Context()
@@ -122,11 +128,14 @@ class _PeriodicTimer:
         wait = ctx.interval
         while not ctx.stop_event.wait(wait):
             started = time.monotonic()
+            sooner = None
             try:
-                ctx.function(*ctx.args, **ctx.kwargs)
+                sooner = ctx.function(*ctx.args, **ctx.kwargs)
             except Exception:
                 logger.exception("The periodic function %r failed; will run it again", ctx.function)
             wait = max(ctx.interval - (time.monotonic() - started), 0.0)
+            if sooner is not None:
+                wait = min(wait, max(sooner, 0.0))
 
     @staticmethod
     def _stop_thread(thread: threading.Thread, stop_event: threading.Event) -> None:
