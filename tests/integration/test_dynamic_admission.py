@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
+from etcd_rendezvous._dynamic import admission
 from etcd_rendezvous._dynamic.admission import ADMISSION_GRACE
-from etcd_rendezvous.api import Deadline, RendezvousGracefulExitError
+from etcd_rendezvous.api import Deadline, RendezvousGracefulExitError, RendezvousTimeoutError
 from etcd_rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     NodeDesc,
@@ -225,6 +226,68 @@ def test_a_slow_oldest_node_is_admitted_by_the_next_one(
         release.set()
     infos = [future.result(60) for future in futures]
     _check_ranks(group, infos)
+
+
+def test_a_batch_in_flight_does_not_admit_a_node_whose_join_timed_out(
+    handlers: Handlers, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+):
+    """A batch listed the keys while a node's key was alive, and its state write lands
+    after that node's join timed out: the node deleted its key, then wrote the state, so
+    the batch's compare-and-swap fails and its maker lists the keys again. No round
+    completes with a node that gave up (a phantom participant)."""
+    (maker,) = handlers(1, 2, 2)
+    (late,) = handlers(1, 2, 2, join_timeout=1)
+    (third,) = handlers(1, 2, 2)
+    # The late node waits for the maker's batch rather than making one itself (the
+    # maker is stuck, as a node starved of CPU is): its turn as a candidate admitter, or
+    # its grace for an older node, would come after its join timed out.
+    stagger_wait = admission.stagger_wait
+
+    def patient_late_node(created: int, *args: Any) -> float:
+        if created == late._admission._created:
+            return 60.0
+        return stagger_wait(created, *args)
+
+    monkeypatch.setattr(admission, "stagger_wait", patient_late_node)
+    monkeypatch.setattr(admission, "ADMISSION_GRACE", 60.0)
+    backend = backend_of(maker)
+    entered, listed, release = threading.Event(), threading.Event(), threading.Event()
+    list_nodes, set_state = backend.list_nodes, backend.set_state
+
+    def listing(deadline: Any = None) -> list[Any]:
+        # The maker's first listing (its batch's) has the late node's key.
+        if not listed.is_set():
+            entered.set()
+            wait_until(
+                lambda: late._this_node in {e.node for e in list_nodes()},
+                timeout=30,
+                what="the late node's key",
+            )
+            entries = list_nodes(deadline)
+            listed.set()
+            return entries
+        return list_nodes(deadline)
+
+    def held_write(state: bytes, token: Any = None, *, deadline: Any = None) -> Any:
+        # The batch's write is held until the late node gave up.
+        if listed.is_set():
+            release.wait(60)
+        return set_state(state, token, deadline=deadline)
+
+    backend.list_nodes = listing  # type: ignore[method-assign]
+    backend.set_state = held_write  # type: ignore[method-assign]
+    futures = join_in(pool, [maker])
+    wait_until(entered.is_set, timeout=30, what="the maker's batch")
+    (failed,) = join_in(pool, [late])
+    wait_until(listed.is_set, timeout=30, what="a listing with the late node's key")
+    with pytest.raises(RendezvousTimeoutError):
+        failed.result(60)
+    release.set()
+    futures += join_in(pool, [third])
+    infos = [futures[0].result(60)]
+    assert late._this_node not in _state(maker).participants
+    infos.append(futures[1].result(60))
+    _check_ranks([maker, third], infos)
 
 
 def _aggregator(handler: DynamicRendezvousHandler) -> NodeDesc | None:

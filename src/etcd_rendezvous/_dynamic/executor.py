@@ -20,13 +20,27 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from .._transport.retry import CONTENTION, Deadline, Retry
-from ..api import RendezvousClosedError, RendezvousTimeoutError, RequestTooLargeError
+from ..api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+    RequestTooLargeError,
+)
 from ..events import NodeState
 from .admission import Admission, Changed, Refresh, Wait
 from .backend import POLL_INTERVAL
 from .changes import Changes
 from .holder import StateHolder
-from .ops import Action, CloseOp, Context, ExitOp, JoinOp, KeepAliveOp, StateHandler
+from .ops import (
+    ROLLBACK_PERIOD,
+    Action,
+    CloseOp,
+    Context,
+    ExitOp,
+    JoinOp,
+    KeepAliveOp,
+    StateHandler,
+)
 from .progress import Heard
 from .settings import (
     EXECUTOR_EVENTS,
@@ -112,8 +126,13 @@ class OpExecutor:
         retry = CONTENTION.start(deadline)
         admission = self._admission
         action = None
+        # A join that timed out with a node key: until when it may fence (see
+        # _withdraw_on_timeout), and whether a write of ours landed since the key went.
+        withdrawn: Deadline | None = None
+        fenced = False
         while action != Action.FINISH:
             synced = self._sync(deadline, retry)
+            fenced = fenced or (withdrawn is not None and synced is _Synced.WRITTEN)
             lost_race = synced is _Synced.LOST_RACE
             # The fold retries a lost race at once, on the newer state, but not past the
             # deadline: then the operation decides, as after any other step.
@@ -135,6 +154,13 @@ class OpExecutor:
                     f"'{self._node}' cannot join a new round of it."
                 )
             if action == Action.ERROR_TIMEOUT:
+                if withdrawn is None and isinstance(op, JoinOp):
+                    withdrawn = self._withdraw_on_timeout()
+                    if withdrawn is not None:
+                        continue
+                if withdrawn is not None and not fenced and not withdrawn.expired():
+                    self._holder.mark_dirty()  # The state as it is: the fence.
+                    continue
                 raise RendezvousTimeoutError(self._timeout_message(op))
             if action == Action.REMOVE_FROM_REDUNDANCY_LIST and renew is not None:
                 # The node may participate in the rendezvous: a deadline of its own.
@@ -153,6 +179,35 @@ class OpExecutor:
             if changed:
                 # Attempt to sync our changes back to other nodes.
                 self._holder.mark_dirty()
+
+    def _withdraw_on_timeout(self) -> Deadline | None:
+        """A join timed out: with a node key, delete it and read the state afresh, and
+        return until when the node may write the state (``None``: no key, or it could
+        not be deleted; the join just times out).
+
+        The node then rolls back as PyTorch's does on what it reads (it takes itself
+        out of the round or the wait list it was admitted to; it returns if the round
+        completed with it), or else writes the state as it is. Either write fences off
+        a batch made from a listing taken while the key still existed: that batch's
+        compare-and-swap, on an older state, fails, and its maker lists the keys again.
+        Without it, a batch landing just after the node gave up would admit it, a
+        phantom participant that a round could complete with.
+        """
+        admission = self._admission
+        if admission is None or not admission.announced:
+            return None
+        rollback = Deadline(ROLLBACK_PERIOD)
+        try:
+            admission.withdraw(rollback)
+        except RendezvousError as exc:
+            logger.info(
+                "The node '%s' could not delete its key after its join timed out (%s).",
+                self._node,
+                exc,
+            )
+            return None
+        self._holder.invalidate()
+        return rollback
 
     def _sync(self, deadline: Deadline, retry: Retry) -> _Synced:
         """Read the latest state shared by all nodes, or write ours back (which fails if
