@@ -341,28 +341,31 @@ def test_when_the_aggregator_dies_no_heartbeat_gets_older_than_pytorchs_would(
     (victim,) = [h for h in group if h._this_node == holder]
     survivors = [h for h in group if h is not victim]
     backend = backend_of(group[0])
-    # The aggregator dies right after a fold (a version with every heartbeat the same).
-    for seen, node in enumerate(each_version(backend.connection, backend.key, 20)):
+    # The aggregator dies right after a fold (a version with every heartbeat the same),
+    # one seen early enough to place the survivors' phase after it.
+    clock = survivors[0]._state_holder.clock  # etcd's, as the node estimates it
+    phase = 0.375 * interval
+    for seen, node in enumerate(each_version(backend.connection, backend.key, 30)):
         state = decode_state(b64decode(node.value or ""), "the test")
-        if seen and len(set(state.last_heartbeats.values())) == 1:
+        beats = set(state.last_heartbeats.values())
+        if seen and len(beats) == 1 and (clock.now() - min(beats)).total_seconds() < phase:
             break
-    folded = time.monotonic()
-    victim._stop_heartbeats()  # Killed: the lock stays until it lapses (two intervals).
+    victim._stop_heartbeats()  # Killed: its lock stays until it lapses.
     # The survivors' keep-alive threads start over 0.375 intervals after that fold: a
     # node that looked at its heartbeat only every interval would find it late but not
-    # due (1.5 intervals in PyTorch's terms) one interval later, and write it only the
-    # interval after (2.375 intervals old). A deliberate phase, not a wait.
+    # due (1.5 intervals) one interval later, and write it only the interval after
+    # (2.375 intervals old). A deliberate phase, not a wait.
     for handler in survivors:
         handler._stop_heartbeats()
-    time.sleep(max(folded + 0.375 * interval - time.monotonic(), 0.0))
+    time.sleep(max(phase - (clock.now() - min(beats)).total_seconds(), 0.0))
     for handler in survivors:
         handler._start_heartbeats()
-    beats: dict[NodeDesc, list[float]] = {h._this_node: [] for h in survivors}
+    written_by: dict[NodeDesc, list[float]] = {h._this_node: [] for h in survivors}
     replaced_at = None
     for node in each_version(backend.connection, node.key, 30):
         state = decode_state(b64decode(node.value or ""), "the test")
-        assert set(beats) <= set(state.participants), state.participants
-        for survivor, written in beats.items():
+        assert set(written_by) <= set(state.participants), state.participants
+        for survivor, written in written_by.items():
             beat = state.last_heartbeats[survivor].timestamp()
             if not written or written[-1] != beat:
                 written.append(beat)
@@ -372,7 +375,7 @@ def test_when_the_aggregator_dies_no_heartbeat_gets_older_than_pytorchs_would(
             break
     # The times are etcd's, as the nodes estimate it: within a round trip or so.
     slack = 0.3
-    for survivor, written in beats.items():
+    for survivor, written in written_by.items():
         gaps = [later - earlier for earlier, later in itertools.pairwise(written)]
         assert gaps, f"{survivor}: no heartbeat written after the aggregator died"
         assert max(gaps) <= 2 * interval + slack, f"{survivor}: heartbeats {written}"

@@ -57,6 +57,7 @@ class MemoryRegistry:
         self.keys: dict[NodeDesc, int] = {}
         self.leaving: dict[NodeDesc, int] = {}
         self.lock: NodeDesc | None = None
+        self.lock_ttl: int | None = None
         #: What ``expires_in`` answers for a node (unknown if absent).
         self.lifetimes: dict[NodeDesc, int | None] = {}
         self.index = 0
@@ -110,6 +111,7 @@ class MemoryRegistry:
 
     def claim_aggregator(self, node: NodeDesc, ttl: int, deadline: Deadline | None = None) -> bool:
         self._count("claim")
+        self.lock_ttl = ttl
         if self.lock is None:
             self.lock = node
             return True
@@ -402,6 +404,30 @@ def test_ticks_refresh_the_key_and_the_aggregator_folds_live_keys() -> None:
     assert registry.calls["renew"] == 2
 
 
+def test_a_node_whose_heartbeat_falls_due_between_ticks_takes_over_a_lapsed_lock() -> None:
+    registry, clock = MemoryRegistry(), Clock()
+    registry.announce_node(A, 15)
+    registry.lock = A
+    b = keys_of(B, registry, clock)
+    admit(b, A)
+    assert tick(b, state_with(A, B, age=4), clock) == set()  # A folds.
+    clock.now += 1
+    assert not b.tick_due()
+    period = b.heartbeat_period(timedelta(seconds=5)).total_seconds()
+    # Not due yet: nothing until the next tick.
+    assert not b.fold(state_with(A, B, age=period - 0.5), False, deadline())
+    # A died: its lock lapses before B's heartbeat falls due (the lock lives 7 s of the
+    # 7.5 s at which the earliest node writes its own), so B, looking at the lock first,
+    # takes over and folds everyone instead of writing its own heartbeat.
+    registry.lock = None
+    state = state_with(A, B, age=period)
+    assert b.fold(state, False, deadline())
+    assert registry.lock == B
+    assert registry.lock_ttl is not None
+    assert 5 < registry.lock_ttl < 1.5 * 5
+    assert {n for n, beat in state.last_heartbeats.items() if beat == STATE_NOW} == {A, B}
+
+
 def test_nobody_looks_at_the_lock_while_its_heartbeat_is_fresh() -> None:
     registry, clock = MemoryRegistry(), Clock()
     registry.announce_node(A, 15)
@@ -480,11 +506,12 @@ def test_a_node_with_a_key_looks_at_its_heartbeat_when_it_falls_due() -> None:
     age = period - 2.0
     due = a.heartbeat_due(state_with(A, age=age), NOW)
     assert due == pytest.approx(2.0)
-    # Due later than the next interval, or already due (the run just looked), or not in
-    # the state: the timer keeps its interval.
+    # Due later than the next interval, or not in the state: the timer keeps its
+    # interval.
     assert a.heartbeat_due(state_with(A, age=period - 6.0), NOW) is None
-    assert a.heartbeat_due(state_with(A, age=period + 1.0), NOW) is None
     assert a.heartbeat_due(state_with(B, age=age), NOW) is None
+    # Already due (it fell due since the run looked): at once.
+    assert a.heartbeat_due(state_with(A, age=period + 1.0), NOW) == 0.0
     # With keep_alive_max_attempt < 3, PyTorch's rule: one interval, every interval.
     b = keys_of(B, registry, clock, interval=5, attempts=2)
     admit(b)

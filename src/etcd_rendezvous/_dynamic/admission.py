@@ -110,9 +110,11 @@ _LATE = 1.25
 #: and writes one interval old). With ``keep_alive_max_attempt < 3`` the node follows
 #: PyTorch's rule instead.
 _FALLBACK_AGE = (1.5, 2.0)
-#: The TTL of the aggregator lock, in keep-alive intervals: the holder renews it every
-#: interval; if it dies, another node takes over within this time.
-_LOCK_INTERVALS = 2
+#: The TTL of the aggregator lock, in keep-alive intervals (whole seconds, at least one
+#: more than an interval): the holder renews it every interval; if it dies, the lock
+#: lapses before the first node's fallback age (1.5 intervals) comes, and that node,
+#: which looks at the lock first, takes over and folds everyone's heartbeats.
+_LOCK_INTERVALS = 1.4
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,7 @@ class Admission:
         attempts = settings.keep_alive_max_attempt
         self._interval = interval
         self._ttl = max(1, math.ceil(interval * attempts))
-        self._lock_ttl = max(1, math.ceil(interval * _LOCK_INTERVALS))
+        self._lock_ttl = max(math.floor(interval) + 1, math.floor(interval * _LOCK_INTERVALS))
         # A node with a live key compare-and-swaps its own heartbeat only this late
         # (never later than PyTorch's nodes, see _FALLBACK_AGE).
         self._period = settings.keep_alive_interval
@@ -288,16 +290,23 @@ class Admission:
 
     def heartbeat_due(self, state: RendezvousState, now: datetime) -> float | None:
         """Seconds from ``now`` (the state's clock) until the node's heartbeat in
-        ``state`` reaches the age at which the node writes it itself, if that comes
-        within the next keep-alive interval: the keep-alive timer runs again then,
-        rather than up to an interval later. ``None`` without a key, when the node
+        ``state`` reaches the age at which the node writes it itself (0: it has), if
+        that comes within the next keep-alive interval: the keep-alive timer runs again
+        then, rather than up to an interval later. ``None`` without a key, when the node
         follows PyTorch's rule (it writes at one interval old, looking every interval),
         or when ``state`` has no heartbeat of the node."""
         beat = state.last_heartbeats.get(self._node)
         if self._created is None or beat is None or self._period.total_seconds() <= self._interval:
             return None
         due = (beat + self._period - now).total_seconds()
-        return due if 0.0 < due < self._interval else None
+        return max(due, 0.0) if due < self._interval else None
+
+    def _fallback_due(self, state: RendezvousState, now: datetime) -> bool:
+        """Whether the node's heartbeat in ``state`` reached the age at which the node
+        writes it itself: first it looks at the aggregator lock (see :meth:`_tick`), to
+        take it over, and fold everyone's, if it lapsed."""
+        beat = state.last_heartbeats.get(self._node)
+        return self._created is not None and beat is not None and now - beat >= self._period
 
     # -- the handler's calls --------------------------------------------------------------
 
@@ -371,8 +380,9 @@ class Admission:
         alive = self._fold
         if alive is None or not lost_race:
             self._fold = alive = None
-            if self.tick_due():
-                alive = self._tick(state, self._state_clock.now(), deadline) or None
+            now = self._state_clock.now()
+            if self.tick_due() or self._fallback_due(state, now):
+                alive = self._tick(state, now, deadline) or None
         if alive is None:
             return False
         self._fold = alive

@@ -357,11 +357,15 @@ class OpExecutor:
     def heartbeat_due(self) -> float | None:
         """Seconds until the node must look at its heartbeat in the state held, if
         sooner than the keep-alive interval (see :meth:`.Admission.heartbeat_due`);
-        ``None``: at the interval, as in PyTorch."""
+        ``None``: at the interval, as in PyTorch. A look that comes sooner reads the
+        state afresh (a state read within a second would be served from the cache)."""
         if self._admission is None:
             return None
         due = self._admission.heartbeat_due(self._holder.state, self._holder.clock.now())
-        return None if due is None else due + _WAKE_UP_MARGIN
+        if due is None:
+            return None
+        self._holder.invalidate()
+        return due + _WAKE_UP_MARGIN
 
     def _keep_alive_period(self) -> timedelta:
         """How old our heartbeat in the state may get before we write it ourselves."""

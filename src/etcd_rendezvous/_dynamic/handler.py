@@ -745,7 +745,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
                 self._settings.keep_alive_interval, self._keep_alive_weak, weakref.ref(self)
             )
             self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
-            self._keep_alive_timer.start()
+            # Sooner than an interval if the node's heartbeat in the state it joined
+            # with falls due before then (see OpExecutor.heartbeat_due).
+            self._keep_alive_timer.start(first=self._op_executor.heartbeat_due())
 
     def _stop_heartbeats(self, deadline: Deadline | None = None) -> None:
         """Stop the keep-alive timer, waiting for a heartbeat in progress to end (no

@@ -40,6 +40,7 @@ class _PeriodicTimer:
 
     class _Context:
         interval: float
+        first: float
         function: Callable[..., float | None]
         args: tuple[Any, ...]
         kwargs: dict[str, Any]
@@ -87,14 +88,16 @@ class _PeriodicTimer:
             raise RuntimeError("The timer has already started.")
         self._name = name
 
-    def start(self) -> None:
-        """Start the timer.
+    def start(self, *, first: float | None = None) -> None:
+        """Start the timer: the first run comes after an interval, or after ``first``
+        seconds if that is sooner.
 
         Raises:
             RuntimeError: The timer has already started.
         """
         if self._thread:
             raise RuntimeError("The timer has already started.")
+        self._ctx.first = self._ctx.interval if first is None else min(first, self._ctx.interval)
 
         self._thread = threading.Thread(
             target=self._run, name=self._name or "PeriodicTimer", args=(self._ctx,), daemon=True
@@ -125,7 +128,7 @@ class _PeriodicTimer:
     def _run(ctx: _PeriodicTimer._Context) -> None:
         # Every interval from the start of the previous run (PyTorch waits an interval
         # after each run, so that heartbeats drift by the time they take).
-        wait = ctx.interval
+        wait = max(ctx.first, 0.0)
         while not ctx.stop_event.wait(wait):
             started = time.monotonic()
             sooner = None
