@@ -228,16 +228,20 @@ def test_a_slow_oldest_node_is_admitted_by_the_next_one(
     _check_ranks(group, infos)
 
 
+@pytest.mark.parametrize("state_exists", [False, True], ids=["no-state-yet", "state"])
 def test_a_batch_in_flight_does_not_admit_a_node_whose_join_timed_out(
-    handlers: Handlers, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+    handlers: Handlers, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch, state_exists
 ):
     """A batch listed the keys while a node's key was alive, and its state write lands
-    after that node's join timed out: the node deleted its key, then wrote the state, so
-    the batch's compare-and-swap fails and its maker lists the keys again. No round
-    completes with a node that gave up (a phantom participant)."""
-    (maker,) = handlers(1, 2, 2)
-    (late,) = handlers(1, 2, 2, join_timeout=1)
-    (third,) = handlers(1, 2, 2)
+    after that node's join timed out: the node deleted its key, then wrote the state (a
+    create, or a compare-and-swap once a node was admitted before), so the batch's write
+    fails and its maker lists the keys again. No round completes with a node that gave
+    up (a phantom participant)."""
+    size = 3 if state_exists else 2
+    early = handlers(1, size, size) if state_exists else []
+    (maker,) = handlers(1, size, size)
+    (late,) = handlers(1, size, size, join_timeout=1)
+    (third,) = handlers(1, size, size)
     # The late node waits for the maker's batch rather than making one itself (the
     # maker is stuck, as a node starved of CPU is): its turn as a candidate admitter, or
     # its grace for an older node, would come after its join timed out.
@@ -252,7 +256,7 @@ def test_a_batch_in_flight_does_not_admit_a_node_whose_join_timed_out(
     monkeypatch.setattr(admission, "ADMISSION_GRACE", 60.0)
     backend = backend_of(maker)
     entered, listed, release = threading.Event(), threading.Event(), threading.Event()
-    list_nodes, set_state = backend.list_nodes, backend.set_state
+    list_nodes = backend.list_nodes
 
     def listing(deadline: Any = None) -> list[Any]:
         # The maker's first listing (its batch's) has the late node's key.
@@ -268,15 +272,33 @@ def test_a_batch_in_flight_does_not_admit_a_node_whose_join_timed_out(
             return entries
         return list_nodes(deadline)
 
-    def held_write(state: bytes, token: Any = None, *, deadline: Any = None) -> Any:
-        # The batch's write is held until the late node gave up.
-        if listed.is_set():
-            release.wait(60)
-        return set_state(state, token, deadline=deadline)
+    def held(set_state: Callable[..., Any], after: threading.Event) -> Callable[..., Any]:
+        def write(state: bytes, token: Any = None, *, deadline: Any = None) -> Any:
+            if after.is_set():
+                release.wait(60)
+            return set_state(state, token, deadline=deadline)
 
+        return write
+
+    futures = join_in(pool, early)
+    if early:
+        wait_until(
+            lambda: (
+                backend.get_state() is not None
+                and early[0]._this_node in _state(early[0]).participants
+            ),
+            timeout=30,
+            what="a node admitted before",
+        )
+    # The batch's write is held until the late node gave up; so are the early node's
+    # heartbeat folds, lest they fence off the batch instead.
     backend.list_nodes = listing  # type: ignore[method-assign]
-    backend.set_state = held_write  # type: ignore[method-assign]
-    futures = join_in(pool, [maker])
+    backend.set_state = held(backend.set_state, listed)  # type: ignore[method-assign]
+    always = threading.Event()
+    always.set()
+    for node in early:
+        backend_of(node).set_state = held(backend_of(node).set_state, always)  # type: ignore[method-assign]
+    futures += join_in(pool, [maker])
     wait_until(entered.is_set, timeout=30, what="the maker's batch")
     (failed,) = join_in(pool, [late])
     wait_until(listed.is_set, timeout=30, what="a listing with the late node's key")
@@ -284,10 +306,9 @@ def test_a_batch_in_flight_does_not_admit_a_node_whose_join_timed_out(
         failed.result(60)
     release.set()
     futures += join_in(pool, [third])
-    infos = [futures[0].result(60)]
+    assert futures[-2].result(60) is not None  # the maker's round
     assert late._this_node not in _state(maker).participants
-    infos.append(futures[1].result(60))
-    _check_ranks([maker, third], infos)
+    _check_ranks([*early, maker, third], [future.result(60) for future in futures])
 
 
 def _aggregator(handler: DynamicRendezvousHandler) -> NodeDesc | None:

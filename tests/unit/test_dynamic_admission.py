@@ -27,7 +27,7 @@ from etcd_rendezvous._dynamic.admission import (
     stagger_wait,
 )
 from etcd_rendezvous._dynamic.keys import AnnouncedNode, Progress
-from etcd_rendezvous._dynamic.ops import Action
+from etcd_rendezvous._dynamic.ops import Action, rollback_action
 from etcd_rendezvous._dynamic.progress import (
     PROGRESS_SILENCE,
     Heard,
@@ -1139,3 +1139,19 @@ def test_a_report_claiming_a_listing_after_its_own_write_is_never_heard() -> Non
     registry.progress, registry.progress_index = lie, registry.index
     registry.changes.append((lie, registry.index))
     assert hear(keys, 1.0, 0) is Heard.KEEP
+
+
+def test_a_node_whose_join_timed_out_takes_itself_out_wherever_a_batch_put_it() -> None:
+    state = RendezvousState()
+    assert rollback_action(state, A) == Action.ERROR_TIMEOUT  # In none: the fence.
+    state.participants[A] = 0
+    assert rollback_action(state, A) == Action.REMOVE_FROM_PARTICIPANTS
+    state.complete = True
+    assert rollback_action(state, A) == Action.FINISH  # As PyTorch's join past its deadline.
+    state.wait_list.add(B)
+    assert rollback_action(state, B) == Action.REMOVE_FROM_WAIT_LIST
+    state.redundancy_list.add(C)
+    # Not left waiting for a place with no deadline: the join is over.
+    assert rollback_action(state, C) == Action.REMOVE_FROM_REDUNDANCY_LIST
+    state.closed = True
+    assert rollback_action(state, A) == Action.ERROR_CLOSED

@@ -254,6 +254,9 @@ class Admission:
         self._joining = False
         self._attempt: _Attempt | None = None
         self._leading = False
+        # The heartbeat of ours that the last tick between ticks was for (see
+        # _fallback_tick).
+        self._fallback_beat: datetime | None = None
         self._listed: set[NodeDesc] = set()
         # Whether the node waits for a batch to admit it (or to take it out of the round
         # it leaves: which one, then); the nodes whose heartbeats the aggregator's fold
@@ -301,12 +304,19 @@ class Admission:
         due = (beat + self._period - now).total_seconds()
         return max(due, 0.0) if due < self._interval else None
 
-    def _fallback_due(self, state: RendezvousState, now: datetime) -> bool:
-        """Whether the node's heartbeat in ``state`` reached the age at which the node
-        writes it itself: first it looks at the aggregator lock (see :meth:`_tick`), to
-        take it over, and fold everyone's, if it lapsed."""
+    def _fallback_tick(self, state: RendezvousState, now: datetime) -> bool:
+        """Whether the node ticks now, between its ticks, because its heartbeat in
+        ``state`` reached the age at which the node writes it itself: first it looks at
+        the aggregator lock (see :meth:`_tick`), to take it over and fold everyone's if
+        it lapsed. Once per heartbeat seen (a state held, not read again, shows the same
+        one: no look at the lock at each step of a wait)."""
         beat = state.last_heartbeats.get(self._node)
-        return self._created is not None and beat is not None and now - beat >= self._period
+        if self._created is None or beat is None or now - beat < self._period:
+            return False
+        if beat == self._fallback_beat:
+            return False
+        self._fallback_beat = beat
+        return True
 
     # -- the handler's calls --------------------------------------------------------------
 
@@ -334,7 +344,18 @@ class Admission:
             if leading:
                 self._keys.release_aggregator(self._node, deadline)
             if created is not None:
-                self._keys.withdraw_node(self._node, deadline)
+                try:
+                    self._keys.withdraw_node(self._node, deadline)
+                except BaseException:
+                    self._created = created  # Still there: a later withdraw tries again.
+                    raise
+
+    def announce(self, deadline: Deadline) -> None:
+        """Write the node's key if it has none (a node whose join finished after it
+        withdrew: the round completed with it after all)."""
+        with self._lock:
+            if self._created is None:
+                self._announce(deadline)
 
     def waiting_hint(self, token: Token, deadline: Deadline) -> Progress | None:
         """The progress key's summary (one small read), if it describes the state of
@@ -381,7 +402,7 @@ class Admission:
         if alive is None or not lost_race:
             self._fold = alive = None
             now = self._state_clock.now()
-            if self.tick_due() or self._fallback_due(state, now):
+            if self.tick_due() or self._fallback_tick(state, now):
                 alive = self._tick(state, now, deadline) or None
         if alive is None:
             return False
@@ -851,13 +872,16 @@ class Admission:
         heartbeats, nobody else reads or tries to take the lock. Nor does a node whose
         held state has no heartbeat of its own.
         """
+        lapsed = False
         if self._leading:
             # Our lock, unless it lapsed: only then can another node have taken it.
             if self._keys.renew_aggregator(self._node, self._lock_ttl, deadline):
                 return True
-            self._leading = False
+            self._leading, lapsed = False, True
         beat = state.last_heartbeats.get(self._node)
-        if beat is None or now - beat < self._late:
+        # (An aggregator whose lock lapsed, a renewal late, looks at it once: it takes it
+        # again if nobody did, rather than leave everyone to their fallback.)
+        if beat is None or (now - beat < self._late and not lapsed):
             # (None: the state held is not one we are in, a joiner's empty state for
             # instance: folding it would refresh nobody while holding the lock.)
             return False

@@ -40,6 +40,7 @@ from .ops import (
     JoinOp,
     KeepAliveOp,
     StateHandler,
+    rollback_action,
 )
 from .progress import Heard
 from .settings import (
@@ -126,13 +127,8 @@ class OpExecutor:
         retry = CONTENTION.start(deadline)
         admission = self._admission
         action = None
-        # A join that timed out with a node key: until when it may fence (see
-        # _withdraw_on_timeout), and whether a write of ours landed since the key went.
-        withdrawn: Deadline | None = None
-        fenced = False
         while action != Action.FINISH:
             synced = self._sync(deadline, retry)
-            fenced = fenced or (withdrawn is not None and synced is _Synced.WRITTEN)
             lost_race = synced is _Synced.LOST_RACE
             # The fold retries a lost race at once, on the newer state, but not past the
             # deadline: then the operation decides, as after any other step.
@@ -154,13 +150,8 @@ class OpExecutor:
                     f"'{self._node}' cannot join a new round of it."
                 )
             if action == Action.ERROR_TIMEOUT:
-                if withdrawn is None and isinstance(op, JoinOp):
-                    withdrawn = self._withdraw_on_timeout()
-                    if withdrawn is not None:
-                        continue
-                if withdrawn is not None and not fenced and not withdrawn.expired():
-                    self._holder.mark_dirty()  # The state as it is: the fence.
-                    continue
+                if isinstance(op, JoinOp) and self._withdraw_after_timeout():
+                    return  # The round completed with the node after all, as in PyTorch.
                 raise RendezvousTimeoutError(self._timeout_message(op))
             if action == Action.REMOVE_FROM_REDUNDANCY_LIST and renew is not None:
                 # The node may participate in the rendezvous: a deadline of its own.
@@ -180,34 +171,54 @@ class OpExecutor:
                 # Attempt to sync our changes back to other nodes.
                 self._holder.mark_dirty()
 
-    def _withdraw_on_timeout(self) -> Deadline | None:
-        """A join timed out: with a node key, delete it and read the state afresh, and
-        return until when the node may write the state (``None``: no key, or it could
-        not be deleted; the join just times out).
+    def _withdraw_after_timeout(self) -> bool:
+        """A join timed out: with a node key, delete it, then read the state and write
+        it, for at most :data:`ROLLBACK_PERIOD` seconds. Whether the round completed
+        with the node (the join finishes, as PyTorch's does past its deadline); else
+        the caller times out.
 
-        The node then rolls back as PyTorch's does on what it reads (it takes itself
-        out of the round or the wait list it was admitted to; it returns if the round
-        completed with it), or else writes the state as it is. Either write fences off
-        a batch made from a listing taken while the key still existed: that batch's
-        compare-and-swap, on an older state, fails, and its maker lists the keys again.
-        Without it, a batch landing just after the node gave up would admit it, a
-        phantom participant that a round could complete with.
+        The write is PyTorch's roll back if a batch admitted the node (it takes itself
+        out of the participants, the wait list or the redundancy list), else the state
+        as it is. Any state write that lands after the key's deletion, ours or another
+        node's (our write lost its race), fences off the batches made from a listing
+        that still had the key: each read the state before it listed the keys, and its
+        compare-and-swap on that older state fails; its maker lists the keys again.
+        Without it, a batch landing just after the node gave up would admit it: a
+        participant that gave up, which a round could complete with.
         """
         admission = self._admission
         if admission is None or not admission.announced:
-            return None
-        rollback = Deadline(ROLLBACK_PERIOD)
+            return False
+        until = Deadline(ROLLBACK_PERIOD)
         try:
-            admission.withdraw(rollback)
+            admission.withdraw(until)
+            self._holder.invalidate()
+            retry = CONTENTION.start(until)
+            fenced = False
+            while True:
+                fenced = fenced or self._sync(until, retry) is not _Synced.READ
+                action = rollback_action(self._state, self._node)
+                if action == Action.FINISH:
+                    # A participant of ours has a key: lest a node waiting for the
+                    # next round take it for dead.
+                    admission.announce(until)
+                    return True
+                if action == Action.ERROR_CLOSED or until.expired():
+                    return False  # (A closed rendezvous admits nobody.)
+                if action != Action.ERROR_TIMEOUT:
+                    self._changes.apply(self._state, action)  # PyTorch's roll back.
+                elif fenced:
+                    return False
+                self._holder.mark_dirty()  # Our roll back, or the state as it is.
         except RendezvousError as exc:
             logger.info(
-                "The node '%s' could not delete its key after its join timed out (%s).",
+                "The node '%s' could not withdraw from the rendezvous '%s' after its join "
+                "timed out (%s); its key expires on its own.",
                 self._node,
+                self._settings.run_id,
                 exc,
             )
-            return None
-        self._holder.invalidate()
-        return rollback
+        return False
 
     def _sync(self, deadline: Deadline, retry: Retry) -> _Synced:
         """Read the latest state shared by all nodes, or write ours back (which fails if
@@ -355,14 +366,22 @@ class OpExecutor:
         return min((wait for wait in waits if wait > 0), default=POLL_INTERVAL) + _WAKE_UP_MARGIN
 
     def heartbeat_due(self) -> float | None:
-        """Seconds until the node must look at its heartbeat in the state held, if
-        sooner than the keep-alive interval (see :meth:`.Admission.heartbeat_due`);
-        ``None``: at the interval, as in PyTorch. A look that comes sooner reads the
-        state afresh (a state read within a second would be served from the cache)."""
-        if self._admission is None:
+        """Seconds until the node's next heartbeat is due, if sooner than the
+        keep-alive interval: its tick (the key's refresh, the aggregator's fold and lock
+        renewal), or the age of its heartbeat in the state held at which it must look at
+        it (see :meth:`.Admission.heartbeat_due`). ``None``: at the interval, as in
+        PyTorch. A heartbeat that comes sooner reads the state afresh (a state read
+        within a second would be served from the cache)."""
+        admission = self._admission
+        if admission is None:
             return None
-        due = self._admission.heartbeat_due(self._holder.state, self._holder.clock.now())
-        if due is None:
+        dues = [
+            admission.heartbeat_due(self._holder.state, self._holder.clock.now()),
+            admission.seconds_to_tick(),
+        ]
+        interval = self._settings.keep_alive_interval.total_seconds()
+        due = min((d for d in dues if d is not None), default=interval)
+        if due >= interval:
             return None
         self._holder.invalidate()
         return due + _WAKE_UP_MARGIN

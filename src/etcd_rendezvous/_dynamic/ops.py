@@ -33,6 +33,7 @@ __all__ = [
     "KeepAliveOp",
     "StateHandler",
     "admission_action",
+    "rollback_action",
 ]
 
 #: Seconds after its deadline during which a joining node that could not complete may
@@ -160,6 +161,24 @@ class ExitOp:
                 return Action.ERROR_TIMEOUT
             return Action.REMOVE_FROM_PARTICIPANTS
         return Action.FINISH
+
+
+def rollback_action(state: _RendezvousState, node: _NodeDesc) -> Action:
+    """The next action of ``node`` whose join timed out and which deleted its node key
+    (see :meth:`.OpExecutor.run`), on ``state`` read since: FINISH if the round
+    completed with it (as PyTorch's join does past its deadline), else take itself out
+    of where a batch put it, wherever that is (the redundancy list too: the join is
+    over); ``ERROR_TIMEOUT`` if it is in none, ``ERROR_CLOSED`` if the rendezvous is
+    closed."""
+    if state.closed:
+        return Action.ERROR_CLOSED
+    if node in state.participants:
+        return Action.FINISH if state.complete else Action.REMOVE_FROM_PARTICIPANTS
+    if node in state.wait_list:
+        return Action.REMOVE_FROM_WAIT_LIST
+    if node in state.redundancy_list:
+        return Action.REMOVE_FROM_REDUNDANCY_LIST
+    return Action.ERROR_TIMEOUT
 
 
 class JoinOp:
