@@ -32,7 +32,6 @@ from .backend import POLL_INTERVAL
 from .changes import Changes
 from .holder import StateHolder
 from .ops import (
-    ROLLBACK_PERIOD,
     Action,
     CloseOp,
     Context,
@@ -55,6 +54,11 @@ from .state import _NodeDesc
 __all__ = ["OpExecutor"]
 
 logger = logging.getLogger(LOGGER_NAME)
+
+#: Seconds a node whose join timed out spends withdrawing (see
+#: ``OpExecutor._withdraw_after_timeout``), past its deadline: a few round trips are
+#: enough, and the handler's calls end within their timeout plus 2 s.
+WITHDRAW_PERIOD = 1.0
 
 #: Margin added to a wake-up time so that a strict comparison (``deadline < now``) holds
 #: when the node wakes up, instead of waking it a few microseconds too early.
@@ -173,7 +177,7 @@ class OpExecutor:
 
     def _withdraw_after_timeout(self) -> bool:
         """A join timed out: with a node key, delete it, then read the state and write
-        it, for at most :data:`ROLLBACK_PERIOD` seconds. Whether the round completed
+        it, for at most :data:`WITHDRAW_PERIOD` seconds. Whether the round completed
         with the node (the join finishes, as PyTorch's does past its deadline); else
         the caller times out.
 
@@ -189,7 +193,7 @@ class OpExecutor:
         admission = self._admission
         if admission is None or not admission.announced:
             return False
-        until = Deadline(ROLLBACK_PERIOD)
+        until = Deadline(WITHDRAW_PERIOD)
         try:
             admission.withdraw(until)
             self._holder.invalidate()

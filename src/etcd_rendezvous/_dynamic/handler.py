@@ -324,8 +324,8 @@ class DynamicRendezvousHandler(RendezvousHandler):
         Joins within ``join_timeout`` (plus about a second), whatever the ``etcd-v2``
         backend does: every call to it is given the join deadline, and retries failures
         such as an etcd election until then. A node of ours that times out then takes
-        up to 5 s more (PyTorch's roll-back period) to withdraw, lest a batch admit it
-        after it gave up (see the documentation, "A node whose join timed out"). Only a node on the redundancy list waits on
+        up to a second more to withdraw, lest a batch admit it after it gave up (see the
+        documentation, "A node whose join timed out"). Only a node on the redundancy list waits on
         past it (it then has a whole ``join_timeout`` again from leaving the list). The
         exchange of rank 0's address that follows is bounded by what is left of that
         deadline (at least the heartbeat lifetime, ``keep_alive_interval x
