@@ -203,9 +203,7 @@ class OpExecutor:
                 fenced = fenced or self._sync(until, retry) is not _Synced.READ
                 action = rollback_action(self._state, self._node)
                 if action == Action.FINISH:
-                    # A participant of ours has a key: lest a node waiting for the
-                    # next round take it for dead.
-                    admission.announce(until)
+                    self._announce_again(admission, until)
                     return True
                 if action == Action.ERROR_CLOSED or until.expired():
                     return False  # (A closed rendezvous admits nobody.)
@@ -223,6 +221,15 @@ class OpExecutor:
                 exc,
             )
         return False
+
+    def _announce_again(self, admission: Admission, deadline: Deadline) -> None:
+        """Write the node's key again (it joined after it withdrew): a participant of
+        ours has a key, lest a node waiting for the next round take it for dead. A
+        failure is only logged: the node keeps writing its own heartbeat."""
+        try:
+            admission.announce(deadline)
+        except RendezvousError as exc:
+            logger.info("The node '%s' could not write its key again (%s).", self._node, exc)
 
     def _sync(self, deadline: Deadline, retry: Retry) -> _Synced:
         """Read the latest state shared by all nodes, or write ours back (which fails if
