@@ -1908,3 +1908,70 @@ def test_the_progress_line_says_what_the_node_waits_for() -> None:
     assert "this node is on the redundancy list" in (line(state, me, settings, 5.0) or "")
     state.closed = True
     assert line(state, me, settings, 5.0) is None
+
+
+class _ReadAfresh(FakeStateHolder):
+    """A holder whose next sync after :meth:`invalidate` reads ``fresh`` (what a batch
+    wrote meanwhile)."""
+
+    def __init__(self, fresh: _RendezvousState) -> None:
+        super().__init__(_RendezvousState())
+        self._fresh = fresh
+
+    def invalidate(self) -> None:
+        self.calls.append("invalidate")
+        self._state = self._fresh
+
+
+def _timing_out_with_a_key(
+    fresh: _RendezvousState,
+) -> tuple[_ReadAfresh, MemoryRegistry, Callable[[], None]]:
+    """Our node, announced (its key written), about to time out waiting for a batch:
+    the returned call runs PyTorch's join past its deadline on a held state without it;
+    the state read afresh after the key's deletion is ``fresh``."""
+    registry = MemoryRegistry()
+    holder = _ReadAfresh(fresh)
+    settings = make_settings(2, 2, interval=timedelta(seconds=5))
+    keys = Admission(registry, ME, settings, state_clock=holder.clock, progress_key=False)
+    keys.announce(Deadline(10))
+    assert ME in registry.keys
+    executor = OpExecutor(ME, holder, settings, keys)
+    return holder, registry, lambda: executor.run(JoinOp(), Deadline(0))
+
+
+def test_a_timed_out_join_deletes_its_key_then_writes_the_state_as_a_fence() -> None:
+    """Not admitted: it writes the state as it is (a batch listed before the deletion
+    then fails its compare-and-swap), and times out."""
+    holder, registry, join = _timing_out_with_a_key(_RendezvousState())
+    with pytest.raises(RendezvousTimeoutError):
+        join()
+    assert ME not in registry.keys
+    assert holder.calls.index("invalidate") < holder.calls.index("mark")
+    assert holder.calls[-1] == "sync"  # the write
+
+
+def test_a_timed_out_join_finds_itself_admitted_and_returns_with_its_key() -> None:
+    """A batch completed the round with the node meanwhile: it returns, as PyTorch's join
+    does past its deadline, and writes its key again (a participant of ours has one)."""
+    fresh = _RendezvousState()
+    fresh.participants.update({ME: 0, _NodeDesc("other", 1, 1): 1})
+    fresh.last_heartbeats.update(dict.fromkeys(fresh.participants, NOW))
+    fresh.complete = True
+    holder, registry, join = _timing_out_with_a_key(fresh)
+    join()
+    assert "invalidate" in holder.calls
+    assert "mark" not in holder.calls  # nothing to write
+    assert registry.calls["withdraw"] == 1
+    assert ME in registry.keys  # written again
+
+
+def test_a_timed_out_join_takes_itself_out_of_a_batch_that_admitted_it() -> None:
+    fresh = _RendezvousState()
+    fresh.participants.update({ME: 0})
+    fresh.last_heartbeats[ME] = NOW
+    holder, registry, join = _timing_out_with_a_key(fresh)
+    with pytest.raises(RendezvousTimeoutError):
+        join()
+    assert ME not in registry.keys
+    assert ME not in holder.state.participants  # PyTorch's roll back, written
+    assert "mark" in holder.calls

@@ -341,14 +341,16 @@ class Admission:
             self._created, self._leading, self._leaving = None, False, None
             self._next_tick = math.inf
             self._attempt = None
-            if leading:
-                self._keys.release_aggregator(self._node, deadline)
             if created is not None:
+                # The key first: it is what admits the node.
                 try:
                     self._keys.withdraw_node(self._node, deadline)
                 except BaseException:
-                    self._created = created  # Still there: a later withdraw tries again.
+                    # Still there: a later withdraw tries again (the lock too).
+                    self._created, self._leading = created, leading
                     raise
+            if leading:
+                self._keys.release_aggregator(self._node, deadline)
 
     def announce(self, deadline: Deadline) -> None:
         """Write the node's key if it has none (a node whose join finished after it

@@ -183,12 +183,14 @@ class OpExecutor:
 
         The write is PyTorch's roll back if a batch admitted the node (it takes itself
         out of the participants, the wait list or the redundancy list), else the state
-        as it is. Any state write that lands after the key's deletion, ours or another
-        node's (our write lost its race), fences off the batches made from a listing
-        that still had the key: each read the state before it listed the keys, and its
-        compare-and-swap on that older state fails; its maker lists the keys again.
+        as it is. Our compare-and-swap that succeeds lands after the key's deletion, so
+        it fences off the batches made from a listing that still had the key: each read
+        the state before it listed the keys, and its compare-and-swap on that older
+        state fails; its maker lists the keys again. (A race we lose proves nothing:
+        the state we held may have been older than the deletion, the winner too.)
         Without it, a batch landing just after the node gave up would admit it: a
-        participant that gave up, which a round could complete with.
+        participant that gave up, which a round could complete with. Best effort
+        within the period, as PyTorch's roll back is.
         """
         admission = self._admission
         if admission is None or not admission.announced:
@@ -200,7 +202,7 @@ class OpExecutor:
             retry = CONTENTION.start(until)
             fenced = False
             while True:
-                fenced = fenced or self._sync(until, retry) is not _Synced.READ
+                fenced = fenced or self._sync(until, retry) is _Synced.WRITTEN
                 action = rollback_action(self._state, self._node)
                 if action == Action.FINISH:
                     self._announce_again(admission, until)
