@@ -298,8 +298,8 @@ class Admission:
         then, rather than up to an interval later. ``None`` without a key, when the node
         follows PyTorch's rule (it writes at one interval old, looking every interval),
         or when ``state`` has no heartbeat of the node."""
-        beat = state.last_heartbeats.get(self._node)
-        if self._created is None or beat is None or self._period.total_seconds() <= self._interval:
+        beat = self._own_beat(state)
+        if beat is None or self._period.total_seconds() <= self._interval:
             return None
         due = (beat + self._period - now).total_seconds()
         return max(due, 0.0) if due < self._interval else None
@@ -310,13 +310,17 @@ class Admission:
         the aggregator lock (see :meth:`_tick`), to take it over and fold everyone's if
         it lapsed. Once per heartbeat seen (a state held, not read again, shows the same
         one: no look at the lock at each step of a wait)."""
-        beat = state.last_heartbeats.get(self._node)
-        if self._created is None or beat is None or now - beat < self._period:
-            return False
-        if beat == self._fallback_beat:
+        beat = self._own_beat(state)
+        if beat is None or now - beat < self._period or beat == self._fallback_beat:
             return False
         self._fallback_beat = beat
         return True
+
+    def _own_beat(self, state: RendezvousState) -> datetime | None:
+        """The node's heartbeat in ``state`` while it has a key (``None``: no key, or
+        not in ``state``): the one the aggregator folds, and the node's fallback
+        watches."""
+        return None if self._created is None else state.last_heartbeats.get(self._node)
 
     # -- the handler's calls --------------------------------------------------------------
 

@@ -325,8 +325,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
         backend does: every call to it is given the join deadline, and retries failures
         such as an etcd election until then. A node of ours that times out then takes
         up to a second more to withdraw, lest a batch admit it after it gave up (see the
-        documentation, "A node whose join timed out"). Only a node on the redundancy list waits on
-        past it (it then has a whole ``join_timeout`` again from leaving the list). The
+        documentation, "A node whose join timed out"). Only a node on the redundancy
+        list waits on past it (it then has a whole ``join_timeout`` again from leaving
+        the list). The
         exchange of rank 0's address that follows is bounded by what is left of that
         deadline (at least the heartbeat lifetime, ``keep_alive_interval x
         keep_alive_max_attempt``, after which a silent rank 0 counts as dead) when the
