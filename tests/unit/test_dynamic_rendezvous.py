@@ -1975,3 +1975,13 @@ def test_a_timed_out_join_takes_itself_out_of_a_batch_that_admitted_it() -> None
     assert ME not in registry.keys
     assert ME not in holder.state.participants  # PyTorch's roll back, written
     assert "mark" in holder.calls
+
+
+def test_a_timed_out_join_that_finds_the_rendezvous_closed_says_so() -> None:
+    fresh = _RendezvousState()
+    fresh.closed = True
+    holder, registry, join = _timing_out_with_a_key(fresh)
+    with pytest.raises(RendezvousClosedError):
+        join()
+    assert ME not in registry.keys
+    assert "mark" not in holder.calls  # a closed rendezvous admits nobody: no fence

@@ -112,8 +112,11 @@ _LATE = 1.25
 _FALLBACK_AGE = (1.5, 2.0)
 #: The TTL of the aggregator lock, in keep-alive intervals (whole seconds, at least one
 #: more than an interval): the holder renews it every interval; if it dies, the lock
-#: lapses before the first node's fallback age (1.5 intervals) comes, and that node,
-#: which looks at the lock first, takes over and folds everyone's heartbeats.
+#: lapses before the first node's fallback age (1.5 intervals) comes (with a
+#: ``keep_alive_interval`` of 3 s or more, give or take etcd's half-second sweep of
+#: expired keys), and that node, which looks at the lock first, takes over and folds
+#: everyone's heartbeats. With shorter intervals the whole seconds outlast it: the
+#: first nodes write their own heartbeats, and a later one takes over.
 _LOCK_INTERVALS = 1.4
 
 

@@ -330,8 +330,8 @@ class EtcdRendezvousBackend(RendezvousBackend):
     def withdraw_node(self, node: NodeDesc, deadline: Deadline | None = None) -> None:
         """Delete the key of ``node`` (nothing if it is gone)."""
         key = self._node_key(node)
-        self._node_leases.pop(key, None)
         self._conn.delete(key, deadline=deadline)
+        self._node_leases.pop(key, None)  # (kept if the deletion failed: a retry uses it)
 
     def mark_leaving(
         self, node: NodeDesc, round_: int, ttl: int, deadline: Deadline | None = None

@@ -148,14 +148,16 @@ class OpExecutor:
             batched = admission is not None and admission.decided(action, self._state)
             if action == Action.FINISH:
                 continue
+            if action == Action.ERROR_TIMEOUT and isinstance(op, JoinOp):
+                action = self._withdraw_after_timeout()
+                if action == Action.FINISH:
+                    return  # The round completed with the node after all, as in PyTorch.
             if action == Action.ERROR_CLOSED:
                 raise RendezvousClosedError(
                     f"The rendezvous '{self._settings.run_id}' is closed: the node "
                     f"'{self._node}' cannot join a new round of it."
                 )
             if action == Action.ERROR_TIMEOUT:
-                if isinstance(op, JoinOp) and self._withdraw_after_timeout():
-                    return  # The round completed with the node after all, as in PyTorch.
                 raise RendezvousTimeoutError(self._timeout_message(op))
             if action == Action.REMOVE_FROM_REDUNDANCY_LIST and renew is not None:
                 # The node may participate in the rendezvous: a deadline of its own.
@@ -175,11 +177,12 @@ class OpExecutor:
                 # Attempt to sync our changes back to other nodes.
                 self._holder.mark_dirty()
 
-    def _withdraw_after_timeout(self) -> bool:
+    def _withdraw_after_timeout(self) -> Action:
         """A join timed out: with a node key, delete it, then read the state and write
-        it, for at most :data:`WITHDRAW_PERIOD` seconds. Whether the round completed
-        with the node (the join finishes, as PyTorch's does past its deadline); else
-        the caller times out.
+        it, for at most :data:`WITHDRAW_PERIOD` seconds. Returns FINISH if the round
+        completed with the node (the join finishes, as PyTorch's does past its
+        deadline), ``ERROR_CLOSED`` if the rendezvous was closed meanwhile, else
+        ``ERROR_TIMEOUT``.
 
         The write is PyTorch's roll back if a batch admitted the node (it takes itself
         out of the participants, the wait list or the redundancy list), else the state
@@ -194,7 +197,7 @@ class OpExecutor:
         """
         admission = self._admission
         if admission is None or not admission.announced:
-            return False
+            return Action.ERROR_TIMEOUT
         until = Deadline(WITHDRAW_PERIOD)
         try:
             admission.withdraw(until)
@@ -206,13 +209,15 @@ class OpExecutor:
                 action = rollback_action(self._state, self._node)
                 if action == Action.FINISH:
                     self._announce_again(admission, until)
-                    return True
-                if action == Action.ERROR_CLOSED or until.expired():
-                    return False  # (A closed rendezvous admits nobody.)
+                    return action
+                if action == Action.ERROR_CLOSED:
+                    return action  # (A closed rendezvous admits nobody.)
+                if until.expired():
+                    break
                 if action != Action.ERROR_TIMEOUT:
                     self._changes.apply(self._state, action)  # PyTorch's roll back.
                 elif fenced:
-                    return False
+                    break
                 self._holder.mark_dirty()  # Our roll back, or the state as it is.
         except RendezvousError as exc:
             logger.info(
@@ -222,7 +227,7 @@ class OpExecutor:
                 self._settings.run_id,
                 exc,
             )
-        return False
+        return Action.ERROR_TIMEOUT
 
     def _announce_again(self, admission: Admission, deadline: Deadline) -> None:
         """Write the node's key again (it joined after it withdrew): a participant of
