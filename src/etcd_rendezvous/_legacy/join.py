@@ -221,7 +221,7 @@ class BatchJoin:
     def _confirm(self, version: str, me: Announced, skip_below_rank: int | None) -> None:
         """Our turn to confirm the members of the frozen ``version`` (see
         :func:`plan_confirmation`), on the state read now (unless it is no longer
-        frozen: decide again).
+        frozen, or another member confirmed ours meanwhile: decide again).
 
         Raises:
             RestartAttempt: our member key ``me`` is gone.
@@ -229,12 +229,15 @@ class BatchJoin:
         observed = self._read(version, relay=False)
         if observed.status_in(version) != "frozen" or observed.state is None:
             return
-        listed_at, entries = self._list(version)
+        listed_at, entries = self._list(version)  # (raises if our key is gone)
         write = plan_confirmation(
             observed.state, entries, min_workers=self._min, skip_below_rank=skip_below_rank
         )
         if write is None:
-            raise RestartAttempt(f"Our member key {me.key} is gone; must re-enter.")
+            # Our key is listed, so it is confirmed already (by a lower member whose
+            # write came after our decision, its hint later still): nothing to do.
+            logger.debug("Our member key %s was confirmed meanwhile", me.key)
+            return
         self._swap(version, observed, write, listed_at)
 
     def freeze(self, version: str) -> bool:
