@@ -10,6 +10,7 @@ import json
 import re
 import socket
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -557,3 +558,60 @@ def test_status_watch_of_an_etcd_v2_run_wakes_on_its_change(
         _, err = watch.communicate(timeout=30)
         assert watch.returncode == 1, err
         assert f"{etcd_prefix}/{run_id}" in err, err
+
+
+@pytest.mark.v2_only(reason="the v2 API carries a key in the URL's path")
+@pytest.mark.parametrize(
+    "alias",
+    [
+        pytest.param(lambda run_id: run_id + "?", id="query"),
+        pytest.param(lambda run_id: run_id + "#x", id="fragment"),
+        pytest.param(lambda run_id: run_id.replace("-", "%2D"), id="escape"),
+    ],
+)
+def test_a_run_id_that_a_v2_url_spells_as_another_run_is_refused(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    conn: Transport,
+    alias: Callable[[str], str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Over the v2 API a key is the path of a URL: ``<run id>?`` names the state key of
+    run ``<run id>`` (the rest is a query; ``%2D`` would be decoded to ``-``), so
+    ``delete`` would judge that run by the node keys of another (none) and delete its
+    state while a node of it is live. The run id is refused, naming ``--run-id``, and
+    nothing is deleted."""
+    victim = f"victim-{uuid.uuid4().hex[:8]}"
+    args = [*_endpoint(etcd_server), "--backend", "etcd-v2", "--prefix", etcd_prefix]
+    code, _, err = run_main(capsys, "close", *args, "--run-id", victim, "--create")
+    assert code == 0, err
+    node_key = EtcdV2NodesLayout(victim, etcd_prefix).node_key("10.0.0.9", 1, 0)
+    conn.set(node_key, json.dumps({"addr": "10.0.0.9", "pid": 1, "local_id": 0}), ttl=120)
+    code, _, err = run_main(capsys, "delete", *args, "--run-id", victim, "--yes")
+    assert code == 1, err  # the run itself: live, kept
+    assert "1 node key(s)" in err, err
+    for command in ("delete", "status", "close"):
+        extra = ["--yes"] if command == "delete" else []
+        code, out, err = run_main(capsys, command, *args, "--run-id", alias(victim), *extra)
+        assert code == 2, (command, out, err)
+        assert f"--run-id {alias(victim)!r}" in err, err
+    assert conn.try_get(f"{etcd_prefix}/{victim}") is not None
+    assert conn.try_get(node_key) is not None
+
+
+@pytest.mark.v2_only(reason="the v2 API carries a key in the URL's path")
+@pytest.mark.parametrize("run_id", [".", "..", "%2E%2E", "50%"])
+def test_a_run_id_that_a_v2_url_resolves_to_a_directory_is_refused(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    run_id: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``.`` and ``..`` are path segments of a v2 URL (``%2E%2E`` too, once decoded):
+    the state key of run ``..`` is the directory above the prefix, its nodes directory
+    the one above that prefix's nodes directories; a ``%`` starts an escape. Refused,
+    naming ``--run-id``, before anything is read."""
+    args = [*_endpoint(etcd_server), "--backend", "etcd-v2", "--prefix", etcd_prefix]
+    code, out, err = run_main(capsys, "delete", *args, "--run-id", run_id, "--force", "--yes")
+    assert code == 2, (out, err)
+    assert f"--run-id {run_id!r}" in err, err
