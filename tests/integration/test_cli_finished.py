@@ -19,11 +19,14 @@ from etcd_rendezvous._transport.interface import Node, Transport
 from etcd_rendezvous.cli._runs import RunSummary, read_run
 from etcd_rendezvous.cli.delete import delete_runs
 from etcd_rendezvous.etcd_server import EtcdServer
+from etcd_rendezvous.etcd_store import EtcdStore
 from etcd_rendezvous.layout import (
     DEFAULT_PREFIX,
     ETCD_V2_STATE_PREFIX,
+    ETCD_V2_STORE_PREFIX,
     EtcdV2NodesLayout,
     LegacyLayout,
+    dynamic_store_prefix,
 )
 from support.cli import run_cli, run_main
 from support.rdzv import Worker, join_all, started
@@ -278,6 +281,44 @@ def test_a_job_taking_the_run_id_during_the_deletion_keeps_its_keys(
     assert "took the run id" in skipped["reason"], skipped
     for new_key in new_keys:
         assert conn.try_get(new_key) is not None, new_key
+
+
+def test_a_job_taking_the_run_id_during_the_deletion_keeps_its_store_keys(
+    etcd_server: EtcdServer,
+    conn: Transport,
+    run_id: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run id is reused after ``delete``'s last look, while it deletes the old run's
+    keys in the shared store one request each (a large job leaves thousands): the new
+    job's first round writes keys of the same names as the old job's first round. The
+    key the new job wrote is kept: a store key is deleted only if it is still the one
+    listed."""
+    store = EtcdStore(conn, ETCD_V2_STORE_PREFIX)
+    name = f"{dynamic_store_prefix(run_id, 0)}/MASTER_ADDR"
+    store.set(name, "old-job")
+    judged = _closed_in_advance(capsys, etcd_server, conn, "etcd-v2", run_id)
+    (listed,) = [key for key, _ in judged.keys if key.startswith(ETCD_V2_STORE_PREFIX)]
+    delete, compare_and_delete = conn.delete, conn.compare_and_delete
+
+    def new_job_writes(key: str) -> None:
+        if key == listed:
+            store.set(name, "new-job")
+
+    def deleted(key: str, **kwargs: Any) -> bool:
+        new_job_writes(key)
+        return delete(key, **kwargs)
+
+    def compared_and_deleted(key: str, prev: Node, **kwargs: Any) -> bool:
+        new_job_writes(key)
+        return compare_and_delete(key, prev, **kwargs)
+
+    monkeypatch.setattr(conn, "delete", deleted)
+    monkeypatch.setattr(conn, "compare_and_delete", compared_and_deleted)
+    report = _deleted(conn, judged)
+    assert listed not in report["deleted"], report
+    assert store.get(name) == b"new-job"
 
 
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])

@@ -270,6 +270,10 @@ class RunSummary:
     #: ``delete`` deletes first, only if it is unchanged.
     state_key: str = ""
     state: Node | None = field(default=None, repr=False)
+    #: The keys among :attr:`keys` that ``delete`` deletes only if they are still as
+    #: listed (by key): an ``etcd-v2`` run's keys in the shared store, whose names a job
+    #: that takes the run id writes again (round 0's) while the rest is deleted.
+    listed: dict[str, Node] = field(default_factory=dict, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -467,17 +471,18 @@ def _leaves(node: Node) -> list[Node]:
     return [leaf for child in node.children for leaf in _leaves(child)]
 
 
-def etcd_v2_store_keys(conn: Transport) -> dict[str, list[str]]:
-    """The keys of the shared ``etcd-v2`` store by the run they belong to: a key whose
-    decoded name starts with ``torch.rendezvous.<run_id>.<round>/`` is ``run_id``'s
-    (:func:`~etcd_rendezvous.layout.dynamic_store_round`). One recursive read."""
+def etcd_v2_store_keys(conn: Transport) -> dict[str, list[Node]]:
+    """The keys of the shared ``etcd-v2`` store (as read) by the run they belong to: a
+    key whose decoded name starts with ``torch.rendezvous.<run_id>.<round>/`` is
+    ``run_id``'s (:func:`~etcd_rendezvous.layout.dynamic_store_round`). One recursive
+    read."""
     store = normalize_key(ETCD_V2_STORE_PREFIX)
     try:
         listing = conn.list_dir(store, recursive=True)
     except KeyNotFoundError:
         return {}
     scope = dynamic_store_prefix("", 0).rsplit(".", 2)[0] + "."  # "torch.rendezvous."
-    found: dict[str, list[str]] = {}
+    found: dict[str, list[Node]] = {}
     for leaf in _leaves(listing):
         encoded = normalize_key(leaf.key)[len(store) + 1 :]
         try:
@@ -487,7 +492,7 @@ def etcd_v2_store_keys(conn: Transport) -> dict[str, list[str]]:
         head = name.partition("/")[0]
         run_id = head[len(scope) :].rpartition(".")[0]
         if head.startswith(scope) and dynamic_store_round(head, run_id) is not None:
-            found.setdefault(run_id, []).append(leaf.key)
+            found.setdefault(run_id, []).append(leaf)
     return found
 
 
@@ -600,13 +605,15 @@ def _etcd_v2_run(
     conn: Transport,
     prefix: str | None,
     run_id: str,
-    store_keys: dict[str, list[str]],
+    store_keys: dict[str, list[Node]],
     stated_lifetime: float | None,
 ) -> RunSummary:
     state_prefix = _v2_state_prefix(prefix)
     backend = EtcdRendezvousBackend(conn, run_id, key_prefix=state_prefix or None)
     summary = summarize_etcd_v2(run_id, backend, conn, conn.api, stated_lifetime)
-    summary.keys.extend((key, False) for key in store_keys.get(run_id, ()))
+    for node in store_keys.get(run_id, ()):
+        summary.keys.append((node.key, False))
+        summary.listed[node.key] = node
     return summary
 
 

@@ -138,8 +138,10 @@ def _delete_run(
     """Delete the keys of ``judged`` (those the user was shown): the state first, only
     if it is still the one read ``now`` (a compare-and-delete: a state written since is
     kept); then, unless ``force``, only if the run holds no new state and no worker key
-    (a job that took the run id the moment its closed state went), the rest. Returns
-    the keys deleted, and why the rest was kept (``None``: it was not)."""
+    (a job that took the run id the moment its closed state went), the rest, each store
+    key only if it is still as listed (a job that took the run id since writes keys of
+    the same names). Returns the keys deleted, and why the rest was kept (``None``: it
+    was not)."""
     deleted: list[str] = []
     if now.state is not None:
         refused = not conn.compare_and_delete(now.state_key, now.state)
@@ -166,7 +168,15 @@ def _delete_run(
                 f"{after.live} live key(s)): its keys were left"
             )
     for key, recursive in judged.keys:
-        if key != now.state_key and conn.delete(key, recursive=recursive):
+        if key == now.state_key:
+            continue
+        listed = judged.listed.get(key)
+        if listed is None:
+            gone = conn.delete(key, recursive=recursive)
+        else:
+            # A store key of the same name written since it was listed is a new job's.
+            gone = conn.compare_and_delete(key, listed)
+        if gone:
             deleted.append(key)
     return deleted, None
 
