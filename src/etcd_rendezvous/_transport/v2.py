@@ -34,7 +34,7 @@ from .interface import (
     WatchHistoryLostError,
     WatchStream,
 )
-from .v2_session import KEYS, HistoryClearedError, PollEndedError, V2Session
+from .v2_session import HistoryClearedError, PollEndedError, V2Session, key_path
 from .v2_watch import V2WatchStream
 
 if TYPE_CHECKING:
@@ -54,12 +54,6 @@ logger = logging.getLogger(__name__)
 Endpoint = tuple[str, int]
 #: What a v2 request answers: its JSON object and its ``X-Etcd-Index``.
 _Answer = tuple[dict[str, Any], int]
-
-
-def _path(key: str) -> str:
-    """The path of ``key`` below an endpoint, as python-etcd spells it (the key as it is,
-    after a leading ``/``)."""
-    return KEYS + (key if key.startswith("/") else f"/{key}")
 
 
 def _flag(value: bool) -> str:
@@ -176,7 +170,7 @@ class EtcdConnection(Connection):
         ``poll`` seconds (a long poll, which etcd answers only on a change; no longer
         than ``deadline``)."""
         read = self._endpoints.timeouts.read
-        where = _path(key) if path is None else path
+        where = key_path(key) if path is None else path
 
         def send(idx: int, cap: float | None) -> _Answer:
             if poll is not None:
@@ -435,7 +429,7 @@ class EtcdConnection(Connection):
         fields = _form("", None, prevIndex=1)
         what, deadline = "write below", self._deadline(deadline)
         try:
-            self._v2(what, prefix, "PUT", fields, deadline, path=_path(probe)).unwrap()
+            self._v2(what, prefix, "PUT", fields, deadline, path=key_path(probe)).unwrap()
         except (KeyNotFoundError, CompareFailedError):
             return
 
@@ -447,7 +441,7 @@ class EtcdConnection(Connection):
         fields = _form("x" * max(size, 0), None, prevIndex=1)
         what, deadline = "check the size limit below", self._deadline(deadline)
         try:
-            self._v2(what, prefix, "PUT", fields, deadline, path=_path(probe)).unwrap()
+            self._v2(what, prefix, "PUT", fields, deadline, path=key_path(probe)).unwrap()
         except (KeyNotFoundError, CompareFailedError):
             return
 

@@ -45,12 +45,48 @@ from .interface import (
 )
 from .metering import count_bytes, op_name
 
-__all__ = ["KEYS", "ErrorAnswer", "HistoryClearedError", "PollEndedError", "V2Session", "transient"]
+__all__ = [
+    "KEYS",
+    "ErrorAnswer",
+    "HistoryClearedError",
+    "PollEndedError",
+    "V2Session",
+    "key_path",
+    "transient",
+]
 
 logger = logging.getLogger(__name__)
 
 #: The path of the v2 keys below an endpoint's URL.
 KEYS = "/v2/keys"
+
+#: Characters that a URL's path does not carry as they are: etcd would read another key.
+_URL_SPECIALS = {"?": "starts a query", "#": "starts a fragment", "%": "starts an escape"}
+
+
+def key_path(key: str) -> str:
+    """The path of ``key`` below an endpoint, as python-etcd spells it: the key as it
+    is, after a leading ``/`` (so that PyTorch's workers and ours name the same keys).
+
+    Raises:
+        ValueError: etcd would read the path as another key: ``key`` holds ``?``, ``#``
+            or ``%`` (from a run id or a prefix), or a ``.`` or ``..`` segment.
+    """
+    path = key if key.startswith("/") else f"/{key}"
+    for char, meaning in _URL_SPECIALS.items():
+        if char in path:
+            raise ValueError(
+                f"key {key!r}: holds {char!r}, which {meaning} in a URL of etcd's v2 API, "
+                "so etcd would read another key; use a run id and prefix without '?', "
+                "'#' or '%' (or the v3 API)."
+            )
+    if any(segment in (".", "..") for segment in path.split("/")):
+        raise ValueError(
+            f"key {key!r}: a '.' or '..' segment names a directory above it in a URL of "
+            "etcd's v2 API; use a run id and prefix without them."
+        )
+    return KEYS + path
+
 
 #: What the requests that only read are for (``what`` of :meth:`V2Session.request`):
 #: a refusal of one of them is for want of read permission, of any other, write.

@@ -21,7 +21,7 @@ from .attempt import AmbiguousError
 from .endpoints import Endpoints
 from .interface import KeyNotFoundError, Node, WatchHistoryLostError
 from .stream import Changes, Messages, StreamingWatch, hold_socket_open, iter_objects
-from .v2_session import KEYS, HistoryClearedError, V2Session
+from .v2_session import HistoryClearedError, V2Session, key_path
 
 __all__ = ["V2WatchStream"]
 
@@ -38,6 +38,7 @@ class V2WatchStream(StreamingWatch):
         start_index: int,
         recursive: bool,
     ) -> None:
+        key_path(key)  # a key that no URL names raises here, not on each attempt
         super().__init__(endpoints, key, start_index, recursive)
         self._session = session
 
@@ -53,8 +54,9 @@ class V2WatchStream(StreamingWatch):
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
         wait = min(endpoints.timeouts.request, max(deadline.remaining(), endpoints.last_chance()))
         timeout = urllib3.Timeout(connect=min(endpoints.timeouts.connect, wait), read=wait)
+        path = quote(key_path(key))
         try:
-            response = self._session.open_stream(endpoint, KEYS + quote(key), fields, timeout, key)
+            response = self._session.open_stream(endpoint, path, fields, timeout, key)
         except HistoryClearedError as exc:
             raise WatchHistoryLostError(self._key, from_index, str(exc)) from None
         except KeyNotFoundError:

@@ -25,6 +25,7 @@ from .._transport.interface import (
     WatchStream,
 )
 from .._transport.options import create_etcd_connection
+from .._transport.v2_session import key_path
 from ..api import RendezvousConnectionError, RendezvousParameters
 from ..dynamic_rendezvous import RendezvousState, decode_state
 from ..etcd_rendezvous_backend import EtcdRendezvousBackend
@@ -283,36 +284,12 @@ def open_connection(args: argparse.Namespace) -> Transport:
     except ValueError as exc:
         raise UsageError(f"invalid connection option: {exc}") from None
     if run_id is not None and conn.api == "v2":
-        problem = _v2_run_id_problem(run_id)
-        if problem is not None:
+        try:
+            key_path(run_id)
+        except ValueError as exc:
             conn.close()
-            raise UsageError(f"--run-id {run_id!r} {problem}")
+            raise UsageError(f"--run-id {run_id!r}: {exc}") from None
     return conn
-
-
-#: Characters that a URL's path does not carry as they are: they start a query, a
-#: fragment and an escape.
-_URL_SPECIALS = {"?": "a query", "#": "a fragment", "%": "an escape"}
-
-
-def _v2_run_id_problem(run_id: str) -> str | None:
-    """Why ``run_id`` cannot name a run over etcd's v2 API, whose requests carry the key
-    in the URL's path as it is (as PyTorch's client sends it), or ``None``: a ``.`` or
-    ``..`` segment names the directory itself or the one above, a ``?``, ``#`` or ``%``
-    cuts or changes the key. The commands would read, and delete, another key (another
-    run's state) in its place."""
-    if run_id in (".", ".."):
-        return (
-            "is a path segment in a URL of etcd's v2 API: its keys would be the "
-            "directories above the run's"
-        )
-    for char, meaning in _URL_SPECIALS.items():
-        if char in run_id:
-            return (
-                f"holds {char!r}, which starts {meaning} in a URL of etcd's v2 API: its "
-                "keys would be another run's"
-            )
-    return None
 
 
 @contextlib.contextmanager
