@@ -1033,6 +1033,7 @@ def make_handler(
     attempts: int = 3,
     join_timeout: float = 10.0,
     last_call: float = 0.2,
+    close: float = 5.0,
     addr: str = "127.0.0.1",
 ) -> DynamicRendezvousHandler:
     settings = make_settings(
@@ -1044,7 +1045,7 @@ def make_handler(
         timeout=RendezvousTimeout(
             join=timedelta(seconds=join_timeout),
             last_call=timedelta(seconds=last_call),
-            close=timedelta(seconds=5),
+            close=timedelta(seconds=close),
             heartbeat=timedelta(seconds=5),
         ),
     )
@@ -1273,6 +1274,46 @@ def test_heartbeats_run_and_stop_on_shutdown(handlers: list[DynamicRendezvousHan
     assert not thread.is_alive()
     assert keep_alive_threads(handler) == []  # the only heartbeat writer is gone
     handler.close()  # Stopping them again is harmless.
+
+
+class HeldHeartbeatBackend(MemoryBackend):
+    """Holds a keep-alive thread's write of the state while :attr:`gate` is clear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.held = threading.Event()
+
+    def set_state(self, state: bytes, token: Any = None) -> tuple[bytes, Any, bool] | None:
+        keep_alive = threading.current_thread().name.startswith("RendezvousKeepAliveTimer")
+        if keep_alive and not self.gate.is_set():
+            self.held.set()
+            self.gate.wait()
+        return super().set_state(state, token)
+
+
+def test_close_waits_for_a_heartbeat_that_outlived_shutdown(
+    handlers: list[DynamicRendezvousHandler],
+) -> None:
+    """A heartbeat still writing when shutdown() gives up on it is waited for by close():
+    otherwise it could write the state after close() released the backend (on etcd's v3
+    API, a write on a lease the connection then revokes, taking the state with it)."""
+    backend, store = HeldHeartbeatBackend(), DictStore()
+    handler = make_handler(backend, store, 1, 1, interval=timedelta(milliseconds=50), close=0.2)
+    handlers.append(handler)
+    Joiner(handler).join()
+    (thread,) = keep_alive_threads(handler)
+    backend.gate.clear()
+    wait_until(backend.held.is_set, what="a heartbeat to be held")
+    assert handler.shutdown() is False  # the heartbeat holds the backend past its deadline
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (handler.close(), closed.set()), daemon=True)
+    closer.start()
+    assert not closed.wait(0.5), "close() returned while a heartbeat was still writing"
+    backend.gate.set()
+    assert closed.wait(10)
+    assert not thread.is_alive()
 
 
 def test_heartbeats_survive_transient_errors(handlers: list[DynamicRendezvousHandler]) -> None:

@@ -754,13 +754,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
 
     def _stop_heartbeats(self, deadline: Deadline | None = None) -> None:
         """Stop the keep-alive timer, waiting for a heartbeat in progress to end (no
-        later than ``deadline``, if given)."""
+        later than ``deadline``, if given). A heartbeat still in progress at the
+        deadline keeps its timer, so that the next stop (:meth:`close`'s, before the
+        backend's connection revokes its leases) or start waits for it."""
         with self._timer_lock:
             if self._keep_alive_timer is None:
                 return
             timeout = None if deadline is None else deadline.remaining()
-            self._keep_alive_timer.cancel(timeout)
-            self._keep_alive_timer = None
+            if self._keep_alive_timer.cancel(timeout):
+                self._keep_alive_timer = None
 
     def _get_world(self) -> tuple[int, int]:
         state = self._state_holder.state

@@ -111,18 +111,19 @@ class _PeriodicTimer:
         self._finalizer.atexit = False
         self._thread.start()
 
-    def cancel(self, timeout: float | None = None) -> None:
+    def cancel(self, timeout: float | None = None) -> bool:
         """Stop the timer and wait for a run in progress to end, for at most ``timeout``
-        seconds (``None``: as long as it takes). Idempotent."""
-        if not self._finalizer:
-            return
-        if timeout is None or self._thread is None:
-            self._finalizer()
-            return
-        self._finalizer.detach()
+        seconds (``None``: as long as it takes). Returns whether no run is in progress
+        any more (a run of the timer's own thread counts as ended). Idempotent: a second
+        call waits again."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        thread = self._thread
         self._ctx.stop_event.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(max(timeout, 0.0))
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(None if timeout is None else max(timeout, 0.0))
+        return not thread.is_alive()
 
     @staticmethod
     def _run(ctx: _PeriodicTimer._Context) -> None:
