@@ -54,6 +54,7 @@ class Connection(Transport):
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         silence_timeout: float = DEFAULT_SILENCE_TIMEOUT,
+        quorum_reads: bool = False,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """Check and keep the options; an implementation then opens its clients."""
@@ -79,6 +80,8 @@ class Connection(Transport):
         self._endpoints = Endpoints(endpoints, protocol, self.api, timeouts, sleep)
         self._clock = ServerClock()
         self._last_index = 0
+        #: Whether v2 reads go through the cluster's consensus (``quorum=true``).
+        self._quorum_reads = quorum_reads
 
     # -- properties and lifetime --------------------------------------------------
 

@@ -257,6 +257,7 @@ class ConnectionOptions(TypedDict, total=False):
     connect_timeout: float
     request_timeout: float
     silence_timeout: float
+    quorum_reads: bool
     sleep: Callable[[float], None]
 
 
@@ -294,6 +295,12 @@ class Transport(_Closing):
             endpoint is tried.
         silence_timeout: seconds a wait may hear nothing from its member before it is
             re-armed on the next endpoint (see :attr:`silence_timeout`).
+        quorum_reads: on the v2 API, read through the cluster's consensus
+            (``quorum=true``): a member that fell behind the others, or is cut off from
+            them, answers no read rather than old values. For callers that decide from
+            a read alone, as the operators' commands do; a rendezvous decides by
+            compare-and-swap, which no stale read can fool. The v3 API's reads are
+            linearizable already.
         sleep: how the retry loop sleeps between attempts (a test may replace it).
     """
 

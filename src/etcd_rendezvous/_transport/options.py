@@ -110,6 +110,7 @@ def create_etcd_connection(
     key_option: str = "key",
     cacert_option: str = "cacert",
     deadline: Deadline | None = None,
+    quorum_reads: bool = False,
 ) -> Transport:
     """Open the etcd connection described by ``params``, over the API it chooses.
 
@@ -120,7 +121,8 @@ def create_etcd_connection(
     ``connect_timeout``, ``request_timeout``, ``silence_timeout`` and the TLS files, whose
     option names differ between backends (``cert``/``key``/``cacert`` for ``etcd``,
     ``ssl_cert``/``ssl_cert_key``/``ca_cert`` for ``etcd-v2``) and are given by the
-    ``*_option`` arguments.
+    ``*_option`` arguments. ``quorum_reads``: see
+    :class:`~etcd_rendezvous._transport.interface.Transport`.
 
     The server is asked once which API it serves, for at most ``connect_timeout``
     seconds and never past ``deadline`` (the caller's, e.g. the rendezvous timeout):
@@ -153,6 +155,7 @@ def create_etcd_connection(
         connect_timeout=connect_timeout,
         request_timeout=request_timeout,
         silence_timeout=silence_timeout,
+        quorum_reads=quorum_reads,
         deadline=probe,
     )
 

@@ -193,7 +193,8 @@ class EtcdConnection(Connection):
         Raises:
             KeyNotFoundError: the key does not exist (``etcd_index`` tells when).
         """
-        answer = self._v2("read", key, "GET", {"recursive": "false"}, self._deadline(deadline))
+        fields = self._read_fields(recursive=False)
+        answer = self._v2("read", key, "GET", fields, self._deadline(deadline))
         return self._note_index(_node(answer.unwrap(), "read", key))
 
     def list_dir(
@@ -205,9 +206,15 @@ class EtcdConnection(Connection):
             KeyNotFoundError: the directory does not exist (``etcd_index`` tells when).
         """
         # Its own op ("list"), as on v3, so that the metrics tell listings from reads.
-        fields = {"recursive": _flag(recursive)}
+        fields = self._read_fields(recursive=recursive)
         answer = self._v2("list", key, "GET", fields, self._deadline(deadline))
         return self._note_index(_node(answer.unwrap(), "list", key))
+
+    def _read_fields(self, *, recursive: bool) -> dict[str, str]:
+        fields = {"recursive": _flag(recursive)}
+        if self._quorum_reads:
+            fields["quorum"] = "true"
+        return fields
 
     def _wait_for_change(
         self, key: str, index: int, deadline: Deadline, *, recursive: bool

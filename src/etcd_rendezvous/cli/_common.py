@@ -280,7 +280,9 @@ def open_connection(args: argparse.Namespace) -> Transport:
         **{name: value for name, value in options.items() if value is not None},
     )
     try:
-        conn = create_etcd_connection(params)
+        # The commands decide from what they read (whether a run is finished, what to
+        # delete): no member behind the others may answer them.
+        conn = create_etcd_connection(params, quorum_reads=True)
     except ValueError as exc:
         raise UsageError(f"invalid connection option: {exc}") from None
     if run_id is not None and conn.api == "v2":
