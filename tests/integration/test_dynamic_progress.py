@@ -279,3 +279,25 @@ def test_a_batch_summary_replaces_a_relay_of_the_same_state_that_knew_less(
     assert Progress.decode(conn.get(key).value) == summary(69)
     assert backend.write_progress(summary(3), relayed) is None  # never back again
     assert Progress.decode(conn.get(key).value) == summary(69)
+
+
+def test_a_summary_of_a_state_deleted_since_does_not_stall_a_new_job(
+    handlers: Handlers, pool: ThreadPoolExecutor
+) -> None:
+    """A job's state key is deleted while its progress key stays (an operator removes
+    the state, or ``etcd-rendezvous delete`` leaves the rest of the run to a job that
+    took the run id meanwhile). The summary describes a state that no longer exists:
+    the nodes of the next job must not wait for it (they read the absent state as fast
+    as etcd answered, thousands of times a second, until their timeout), but make the
+    first state and complete."""
+    old = handlers(2, 2, 2)
+    assert sorted(f.result(60).rank for f in join_in(pool, old)) == [0, 1]
+    for handler in old:
+        handler.close()  # (not shutdown: the run is not closed; its agents are gone)
+    (operator,) = handlers(1, 1, 1)
+    backend_of(operator).connection.delete(backend_of(operator).key)
+    assert Progress.decode(backend_of(operator).connection.get(_progress_key(operator)).value)
+    new = handlers(2, 2, 2, join_timeout=20)
+    infos = [future.result(60) for future in join_in(pool, new)]
+    assert sorted(info.rank for info in infos) == [0, 1]
+    assert {info.world_size for info in infos} == {2}

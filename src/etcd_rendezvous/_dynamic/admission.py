@@ -384,8 +384,16 @@ class Admission:
         """The node synced ``state`` (read with ``token``): ``written`` as the holder's
         sync says (``True``: ours written, ``False``: lost the race, ``None``: read),
         ``fetched`` whether it read the backend. Summarise our write in the progress key,
-        or relay a write it misses (see :meth:`.ProgressKey.state_read`)."""
-        if isinstance(token, int) and (fetched or written is not None):
+        or relay a write it misses (see :meth:`.ProgressKey.state_read`). A read that
+        found no state (``token`` ``None``) counts as one of token 0, older than any
+        summary: a summary of a state deleted since is forgotten, lest the node wait for
+        that state for ever (a candidate would read the absent state as fast as etcd
+        answers)."""
+        if not (fetched or written is not None):
+            return
+        if token is None:
+            token = 0
+        if isinstance(token, int):
             self._progress.state_read(token, state, written is True, self._joining, deadline)
 
     def refused(
