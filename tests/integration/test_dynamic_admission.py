@@ -153,6 +153,42 @@ def test_nodes_leaving_a_round_are_taken_out_in_batches(
     assert leaving == {**{h._this_node: 0 for h in members}, late._this_node: None}
 
 
+def test_nodes_waiting_beyond_max_nodes_do_not_restart_the_job_for_ever(
+    handlers: Handlers, pool: ThreadPoolExecutor
+):
+    """A round of 2 (max 3) completes; two late nodes wait for the next round. The
+    members re-rendezvous, as their agents do when a node waits: the next round takes 3
+    of the 4, and no node may be left on the wait list, or the agents (which restart
+    whenever ``num_nodes_waiting()`` is positive, without counting it as a failure)
+    re-rendezvous again, and again. A batch admitted the keys in created order, the
+    members' first, so the youngest late node stayed on the wait list of every round:
+    the job restarted for ever. The nodes that waited go first; a member left over goes
+    to the redundancy list, as a node beyond ``max_nodes`` does."""
+    members = handlers(2, 2, 3)
+    _check_ranks(members, [future.result(60) for future in join_in(pool, members)])
+    late = handlers(2, 2, 3)
+    waiting = join_in(pool, late)
+    wait_until(lambda: members[0].num_nodes_waiting() == 2, timeout=30, what="2 waiting nodes")
+    group = [*members, *late]
+    futures = [*join_in(pool, members), *waiting]
+    wait_until(
+        lambda: _state(members[0]).complete and len(_state(members[0]).participants) == 3,
+        timeout=30,
+        what="the next round complete with 3 nodes",
+    )
+    state = _state(members[0])
+    assert not state.wait_list, "a node left waiting: the agents re-rendezvous again"
+    assert len(state.redundancy_list) == 1
+    assert set(late) <= {h for h in group if h._this_node in state.participants}
+    joined = {h for h in group if h._this_node in state.participants}
+    assert {f.result(60).world_size for h, f in zip(group, futures) if h in joined} == {3}
+    assert all(h.num_nodes_waiting() == 0 for h in joined)
+    members[0].set_closed()
+    (spare,) = (f for h, f in zip(group, futures) if h not in joined)
+    with pytest.raises(RendezvousGracefulExitError):
+        spare.result(60)
+
+
 def test_a_node_beyond_max_nodes_is_redundant_until_closed(
     handlers: Handlers, pool: ThreadPoolExecutor
 ):

@@ -368,10 +368,11 @@ def test_an_older_node_asking_to_leave_after_our_listing_makes_the_batch() -> No
     a = keys_of(A, registry, clock)
     assert waits(leave(a, 3, A, B, waiting=[D])) == pytest.approx(EXIT_GATHER)
     clock.now += EXIT_GATHER
-    # A and B leave: the round ends, and the batch admits everyone to the next one.
+    # A and B leave: the round ends, and the batch admits everyone to the next one, D
+    # (which waited) first.
     state = leave(a, 3, A, B, waiting=[D])
     assert isinstance(state, RendezvousState)
-    assert (state.round, list(state.participants)) == (4, [A, D, B])
+    assert (state.round, list(state.participants)) == (4, [D, A, B])
 
 
 def state_with(*nodes: NodeDesc, age: float = 0.0) -> RendezvousState:

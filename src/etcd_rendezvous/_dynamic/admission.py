@@ -569,11 +569,18 @@ class Admission:
         round, and the join decisions then admit everyone to the next one's
         participants), then each node's join decision on the state as that left it; the
         heartbeats of the nodes of the listing (their keys were alive) are refreshed as
-        the aggregator does, so a round completes with fresh heartbeats."""
+        the aggregator does, so a round completes with fresh heartbeats.
+
+        The nodes on the wait list are admitted first (then the others, oldest first): a
+        round that fills up at ``max_nodes`` leaves the members of the last round beyond
+        it, which go to the redundancy list (``num_nodes_waiting()`` does not count them),
+        rather than a node of the wait list, which the members' agents would see and
+        re-rendezvous again for, to the same outcome, for ever."""
         changes = self._changes
         for node in [node for node in batch.nodes if self._leaves(state, node)]:
             changes.remove_from_participants(state, node)
-        for node in batch.nodes:
+        waiting = state.wait_list
+        for node in sorted(batch.nodes, key=lambda node: node not in waiting):
             action = admission_action(state, node, self._settings)
             if action is not None:
                 changes.admit(state, node, action)
