@@ -354,13 +354,15 @@ class DynamicRendezvousHandler(RendezvousHandler):
         with self._joining(deadlines[0]):
             self._op_executor.run(ExitOp(), deadlines[0])
             self._op_executor.run(JoinOp(), deadlines[0], renew)
+        # The round joined, read before the first heartbeat, which may come at once and
+        # replace the state held.
+        joined = self._state_holder.state
         self._start_heartbeats()
 
-        rank, world_size = self._get_world()
+        rank, world_size = joined.participants[self._this_node], len(joined.participants)
         self._record_round_metrics(time.monotonic() - started, world_size)
-        store = self._get_store()
-        joined = self._state_holder.state
         round_ = joined.round
+        store = self._round_store(self._store, round_)
         rank_0 = min(joined.participants, key=joined.participants.__getitem__)
         # Rank 0 publishes its address as soon as it sees the round complete: the
         # exchange gets at least a heartbeat lifetime (a rank 0 silent for longer is
@@ -368,12 +370,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         lifetime = self._settings.keep_alive_interval * self._settings.keep_alive_max_attempt
         exchange = Deadline(max(deadlines[-1].remaining(), lifetime.total_seconds()))
         try:
-            return self._bootstrap(rank, world_size, store, self._exchange_store(exchange))
+            exchange_store = self._exchange_store(exchange, round_)
+            return self._bootstrap(rank, world_size, store, exchange_store)
         except LookupError as exc:  # the exchange's bound passed: rank 0 never published
             raise RendezvousTimeoutError(self._exchange_failure(exc, round_, rank_0)) from exc
 
-    def _exchange_store(self, exchange: Deadline) -> Store:
-        """The store of the round for the exchange of rank 0's address: the round's, each
+    def _exchange_store(self, exchange: Deadline, round_: int) -> Store:
+        """The store of round ``round_`` for the exchange of rank 0's address: the round's, each
         of its calls bounded by ``exchange`` too when it is an
         :class:`~etcd_rendezvous.etcd_store.EtcdStore` (also inside a
         :class:`~etcd_rendezvous.torch_store.TorchEtcdStore`): a view of it, which costs
@@ -391,7 +394,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         (the heartbeat lifetime); a node admitted from the redundancy list (its renewed deadline).
         """
         bounded = bounded_store(self._store, exchange)
-        return self._get_store() if bounded is None else self._wrap_store(bounded)
+        return self._round_store(self._store if bounded is None else bounded, round_)
 
     def _exchange_failure(self, exc: LookupError, round_: int, rank_0: _NodeDesc) -> str:
         """The message of a failed exchange of rank 0's address after round ``round_``
@@ -764,16 +767,9 @@ class DynamicRendezvousHandler(RendezvousHandler):
             if self._keep_alive_timer.cancel(timeout):
                 self._keep_alive_timer = None
 
-    def _get_world(self) -> tuple[int, int]:
-        state = self._state_holder.state
-        return state.participants[self._this_node], len(state.participants)
-
-    def _wrap_store(self, store: Store) -> Store:
-        key_prefix = dynamic_store_prefix(self._settings.run_id, self._state_holder.state.round)
-        return prefix_store(key_prefix, store)
-
-    def _get_store(self) -> Store:
-        return self._wrap_store(self._store)
+    def _round_store(self, store: Store, round_: int) -> Store:
+        """``store`` as round ``round_`` sees it (below the round's prefix)."""
+        return prefix_store(dynamic_store_prefix(self._settings.run_id, round_), store)
 
     def _get_deadline(self, timeout: timedelta) -> Deadline:
         return Deadline(timeout.total_seconds())
