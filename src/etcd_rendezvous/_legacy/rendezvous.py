@@ -627,14 +627,14 @@ class EtcdRendezvous:
             self._waiting_as = (expected_version, new_waiter_name(secrets.randbits(64)))
         waiter = self._waiting_as[1]
         key = self._layout.waiter_key(expected_version, waiter)
-        self._conn.set(key, None, ttl=WAITER_TTL, deadline=self._rendezvous_deadline)
+        written = self._conn.set(key, None, ttl=WAITER_TTL, deadline=self._rendezvous_deadline)
         logger.info("Waiting on rendezvous version %s as %s", expected_version, key)
         self._record(
             f"The worker waits for the next rendezvous of run '{self._run_id}': version "
             f"{expected_version} is complete.",
             method="handle_existing_rendezvous",
         )
-        final = self._await_free(expected_version, waiter)
+        final = self._await_free(expected_version, (waiter, written.created_index))
         logger.info("Previously existing rendezvous state changed. Will re-try joining.")
         # PyTorch's workers waited too: they come back a second or two after the version
         # ended, and the next version's last call, should we make it, waits for them.
@@ -780,9 +780,12 @@ class EtcdRendezvous:
         """
         self._await_free(expected_version, None)
 
-    def _await_free(self, expected_version: str, waiter: str | None) -> dict[str, Any] | None:
+    def _await_free(
+        self, expected_version: str, waiter: tuple[str, int] | None
+    ) -> dict[str, Any] | None:
         """:meth:`wait_for_rendezvous_to_free`, counting the wait keys when our wait
-        key ``waiter`` calls for it; the last final state seen."""
+        key (``waiter``: its name and creation index) calls for it; the last final state
+        seen."""
 
         def lapsed(key: str) -> None:
             logger.info("Keep-alive key %s is not renewed.", key)

@@ -137,7 +137,7 @@ class _Wait:
         version: str,
         parse: Callable[[Node], dict[str, Any]],
         on_lapse: Callable[[str], None],
-        me: str | None,
+        me: tuple[str, int] | None,
         deadline: Deadline,
     ) -> None:
         self._conn = conn
@@ -146,12 +146,13 @@ class _Wait:
         self._version = version
         self._parse = parse
         self._on_lapse = on_lapse
-        self._me = me
+        self._me = None if me is None else me[0]
         self._state_key = normalize_key(layout.state_key)
         self._version_dir = normalize_key(layout.version_dir(version))
         self._hint_key = normalize_key(layout.progress_key(version))
-        #: Wait keys seen (name -> created index).
-        self.waiting: dict[str, int] = {}
+        #: Wait keys seen (name -> created index); ours from the answer to its write,
+        #: as a listing from a member behind the others may lack it.
+        self.waiting: dict[str, int] = {} if me is None else {me[0]: me[1]}
         self.final: _FinalVersion | None = None
         #: The index of the state our count lost against: wait for a newer one.
         self._lost_at: int | None = None
@@ -318,10 +319,11 @@ def await_end_of_final(
     on_lapse: Callable[[str], None],
     deadline: Deadline,
     timeout_error: Callable[[], Exception],
-    waiter: str | None = None,
+    waiter: tuple[str, int] | None = None,
 ) -> dict[str, Any] | None:
     """Return once the final ``version`` ended (see docs/how-it-works.rst), counting the
-    wait keys if ``waiter`` (the name of ours, already written) calls for it. Returns the
+    wait keys if ``waiter`` (the name and creation index of ours, already written) calls
+    for it. Returns the
     last final state seen (``None``: the version had ended before the first read).
 
     When a member's keep-alive key lapsed, ``on_lapse(key)`` is called, then the state is
