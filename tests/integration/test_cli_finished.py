@@ -11,6 +11,7 @@ import argparse
 import io
 import json
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -345,3 +346,42 @@ def test_a_deletion_whose_answer_is_lost_deletes_the_run(
     assert report["skipped"] == [], report
     assert report["deleted"] == [key for key, _ in judged.keys], report
     assert read_run(conn, backend, None, run_id) is None
+
+
+@pytest.mark.v2_only(reason="over v3 every node keeps a node key; no state age is needed")
+def test_a_closed_run_whose_state_looks_old_by_a_member_clock_ahead_is_not_deleted_while_written(
+    etcd_server: EtcdServer, conn: Transport, run_id: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PyTorch's nodes of a closed run still write heartbeats (they keep no key), but
+    the member that answers reads the state's TTL with a clock 100 s ahead of the one
+    that took the write: the state always looks 100 s old, above the heartbeat
+    lifetime. ``delete`` must see for itself that the state stays unchanged for a
+    lifetime before it deletes; here it does not, so the run is kept."""
+    select = ["--endpoint", etcd_server.get_endpoint(), "--backend", "etcd-v2"]
+    code, _, err = run_main(capsys, "close", *select, "--run-id", run_id, "--create")
+    assert code == 0, err
+    state_key = f"{ETCD_V2_STATE_PREFIX}/{run_id}"
+    closed = conn.get(state_key).value
+    skewed_ttl = 7200 - 100  # what a member 100 s ahead reports of a fresh two hours
+    stop = threading.Event()
+
+    def heartbeats() -> None:  # as a PyTorch node's, every half second
+        while not stop.is_set():
+            conn.set(state_key, closed, ttl=skewed_ttl)
+            stop.wait(0.5)
+
+    conn.set(state_key, closed, ttl=skewed_ttl)
+    writer = threading.Thread(target=heartbeats, daemon=True)
+    writer.start()
+    try:
+        lifetime = ["--heartbeat-lifetime", "2"]
+        code, out, err = run_main(
+            capsys, "delete", *select, *lifetime, "--run-id", run_id, "--yes", "--json"
+        )
+    finally:
+        stop.set()
+        writer.join()
+    assert code == 0, err
+    skipped = json.loads(out)["skipped"]
+    assert [s["run_id"] for s in skipped] == [run_id], out
+    assert conn.try_get(state_key) is not None

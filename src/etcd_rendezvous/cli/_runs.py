@@ -37,6 +37,7 @@ from __future__ import annotations
 import binascii
 import dataclasses
 import json
+import time
 from base64 import b64decode
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +134,11 @@ class Verdict:
     #: Seconds the run has been idle by etcd's clock, at least (0: a key shows a live
     #: worker); ``None`` where etcd keeps no time of it.
     idle_seconds: float | None
+    #: Seconds a command that deletes the run must see its state unchanged, by its own
+    #: clock, first: quiet was judged from the state's TTL, which etcd's v2 API counts
+    #: on the clock of the member that took the write and of the one that answers, and
+    #: a member whose clock is ahead makes every state look older (0: not needed).
+    confirm_quiet: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -204,9 +210,10 @@ def judge_etcd_v2(
     else:
         quiet = False
         clause = f"a state of unknown age (its TTL, {state_ttl} s, is above {granted_ttl} s)"
+    confirm = lifetime.seconds if quiet and age is not None else 0.0
     if not over:
-        return Verdict(False, quiet, f"not closed ({status})", age)
-    return Verdict(True, quiet, f"closed, {clause}" if quiet else clause, age)
+        return Verdict(False, quiet, f"not closed ({status})", age, confirm)
+    return Verdict(True, quiet, f"closed, {clause}" if quiet else clause, age, confirm)
 
 
 # -- the summary of a run --------------------------------------------------------------
@@ -274,6 +281,8 @@ class RunSummary:
     #: listed (by key): an ``etcd-v2`` run's keys in the shared store, whose names a job
     #: that takes the run id writes again (round 0's) while the rest is deleted.
     listed: dict[str, Node] = field(default_factory=dict, repr=False)
+    #: When the run was read, by this process's monotonic clock.
+    read_at: float = field(default_factory=time.monotonic, repr=False)
 
     @property
     def finished(self) -> bool:

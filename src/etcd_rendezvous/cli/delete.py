@@ -7,15 +7,18 @@ run that is not finished (closed and quiet, see :mod:`etcd_rendezvous.cli._runs`
 refused unless ``--force``, with what to do instead; ``--dry-run`` lists the keys and
 deletes nothing; otherwise the command asks before deleting (``--yes`` does not ask),
 then reads the run again and keeps it if it is no longer finished or its state changed
-(a job reusing the run id meanwhile). It deletes the state key first, by a
-compare-and-delete on the state judged, then looks for worker keys and a new state
-once more, and only then deletes the rest.
+(a job reusing the run id meanwhile, a node writing a heartbeat): an ``etcd-v2`` run
+judged quiet by its state's age, which etcd's members' clocks tell, is read again no
+sooner than a heartbeat lifetime after it was judged, by this process's clock. It
+deletes the state key first, by a compare-and-delete on the state judged, then looks
+for worker keys and a new state once more, and only then deletes the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Any, TextIO
 
 from ..layout import DEFAULT_PREFIX
@@ -127,6 +130,25 @@ def _changed_since(judged: RunSummary, now: RunSummary | None, force: bool) -> s
     return None
 
 
+def _confirm_quiet(runs: list[RunSummary], out: TextIO | None) -> None:
+    """Wait until every run judged quiet by its state's TTL was read its
+    :attr:`~etcd_rendezvous.cli._runs.Verdict.confirm_quiet` seconds ago, by this
+    process's clock: the runs are read again after, and a state written meanwhile keeps
+    its run. No etcd member's clock decides that a run is quiet."""
+    due = max((s.read_at + s.verdict.confirm_quiet for s in runs if s.finished), default=0.0)
+    wait = due - time.monotonic()
+    if wait <= 0:
+        return
+    if out is not None:
+        print(
+            f"waiting {wait:.0f} s to see the state unchanged for a heartbeat lifetime (its "
+            "age is told by etcd members' clocks)",
+            file=out,
+            flush=True,
+        )
+    time.sleep(wait)
+
+
 def _delete_run(
     conn: Transport,
     judged: RunSummary,
@@ -193,11 +215,12 @@ def delete_runs(
     """Delete the keys of ``runs`` after the confirmation ``args`` asks for (none with
     ``--dry-run``); report what was (or would be) deleted; return the exit status.
 
-    After the confirmation each run is read again (judged by ``stated_lifetime``, the
-    operator's ``--heartbeat-lifetime``) and kept (and reported as skipped) if it is no
-    longer finished or its state changed since it was judged (unless ``force``); its
-    state key is then deleted only if it is still the one read last, and the rest only
-    if no state nor worker key appeared since (unless ``force``).
+    After the confirmation (and :func:`_confirm_quiet`) each run is read again (judged
+    by ``stated_lifetime``, the operator's ``--heartbeat-lifetime``) and kept (and
+    reported as skipped) if it is no longer finished or its state changed since it was
+    judged (unless ``force``); its state key is then deleted only if it is still the one
+    read last, and the rest only if no state nor worker key appeared since (unless
+    ``force``).
     """
     keys = [key for summary in runs for key, _ in summary.keys]
     report: dict[str, Any] = {
@@ -230,6 +253,8 @@ def delete_runs(
     if not confirm(f"Delete {len(keys)} key(s) of {len(runs)} run(s)?", args):
         print("nothing deleted", file=out)
         return 1
+    if not force:
+        _confirm_quiet(runs, out if not args.json else None)
     deleted: list[str] = []
     deleted_runs = 0
     for judged in runs:
