@@ -9,7 +9,9 @@ before anything is sent.
 
 from __future__ import annotations
 
+import json
 import re
+import urllib.request
 import uuid
 from collections.abc import Callable
 
@@ -21,6 +23,7 @@ from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 from etcd_rendezvous.layout import ETCD_V2_STATE_PREFIX, LegacyLayout, etcd_v2_state_key
 from etcd_rendezvous.registry import get_rendezvous_handler
+from support.cli import run_main
 
 pytestmark = pytest.mark.v2_only(reason="the v2 API carries a key in the URL's path")
 
@@ -75,3 +78,42 @@ def test_a_store_whose_prefix_no_v2_url_names_is_refused(conn: Transport, prefix
     store = EtcdStore(conn, prefix)
     with pytest.raises(ValueError, match=r"key '/a"):
         store.set("k", b"v")
+
+
+@pytest.mark.parametrize(
+    ("backend", "run_key", "foreign"),
+    [
+        pytest.param(
+            "etcd", "run_{}/rdzv/active_version", "run_a%3Fb/rdzv/active_version", id="etcd"
+        ),
+        pytest.param("etcd-v2", "{}", "a%2541b", id="etcd-v2"),
+    ],
+)
+def test_a_run_whose_key_no_v2_url_names_is_left_out_of_the_listing(
+    etcd_server: EtcdServer,
+    etcd_prefix: str,
+    conn: Transport,
+    backend: str,
+    run_key: str,
+    foreign: str,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another client (etcdctl, a Go program, PyTorch's worker with an escape in its run
+    id) wrote a key below the runs' prefix whose name holds a ``?`` or a ``%`` (escaped
+    in its URL): no request of ours can name it over v2. ``list`` (``gc`` and the
+    dashboard list the same way) leaves that run out, with a warning naming its key, and
+    lists the others; it raised a ``ValueError`` and listed nothing."""
+    run_id = f"named-{uuid.uuid4().hex[:8]}"
+    conn.set(f"{etcd_prefix}/{run_key.format(run_id)}", "{}")
+    url = f"{etcd_server.client_url}/v2/keys{etcd_prefix}/{foreign}"
+    request = urllib.request.Request(url, data=b"value=x", method="PUT")
+    request.add_header("Content-Type", "application/x-www-form-urlencoded")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        written = json.load(answer)["node"]["key"]
+    assert "%" in written or "?" in written, written
+    args = ["--endpoint", etcd_server.get_endpoint(), "--backend", backend]
+    code, out, err = run_main(capsys, "list", *args, "--prefix", etcd_prefix, "--json")
+    assert code == 0, err
+    assert [run["run_id"] for run in json.loads(out)] == [run_id]
+    assert written.rsplit("/rdzv/", 1)[0] in caplog.text

@@ -37,11 +37,13 @@ from __future__ import annotations
 import binascii
 import dataclasses
 import json
+import logging
 import time
 from base64 import b64decode
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._transport.v2_session import key_path
 from ..api import RendezvousStateError
 from ..dynamic_rendezvous import RendezvousState, decode_state
 from ..etcd_rendezvous import parse_state
@@ -54,6 +56,7 @@ from ..layout import (
     LegacyLayout,
     dynamic_store_prefix,
     dynamic_store_round,
+    etcd_v2_state_key,
     keep_alive_rank,
     member_name,
     normalize_key,
@@ -84,6 +87,8 @@ __all__ = [
     "summarize_etcd",
     "summarize_etcd_v2",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: The heartbeat lifetime of PyTorch's dynamic rendezvous with its defaults
 #: (``keep_alive_interval`` 5 s times ``keep_alive_max_attempt`` 3): what a run whose nodes
@@ -406,13 +411,33 @@ def is_worker_key(key: str) -> bool:
 
 
 def list_etcd_runs(conn: Transport, prefix: str) -> list[str]:
-    """The run ids of the ``etcd`` backend under ``prefix`` (``run_<id>`` directories)."""
+    """The run ids of the ``etcd`` backend under ``prefix`` (``run_<id>`` directories)
+    whose keys ``conn`` can name (see :func:`_nameable`)."""
     names = (_last_segment(child) for child in _children(conn, prefix))
-    return sorted(
+    run_ids = (
         name[len(_RUN_DIR_PREFIX) :]
         for name in names
         if name.startswith(_RUN_DIR_PREFIX) and len(name) > len(_RUN_DIR_PREFIX)
     )
+    return sorted(
+        run_id for run_id in run_ids if _nameable(conn, LegacyLayout(prefix, run_id).run_dir)
+    )
+
+
+def _nameable(conn: Transport, key: str) -> bool:
+    """Whether ``conn`` can name ``key`` in a request: over etcd's v2 API not a key that
+    holds ``?``, ``#`` or ``%`` (written by another client), which a URL spells as another
+    key (see :func:`~etcd_rendezvous._transport.v2_session.key_path`). Such a run is left
+    out, with a warning naming its key: it can be neither read nor deleted over v2, and
+    the others are listed."""
+    if conn.api != "v2":
+        return True
+    try:
+        key_path(key)
+    except ValueError as exc:
+        logger.warning("Leaving out a run whose key the v2 API cannot name: %s", exc)
+        return False
+    return True
 
 
 def summarize_etcd(run: EtcdRun, api: str) -> RunSummary:
@@ -455,12 +480,15 @@ def list_etcd_v2_run_ids(conn: Transport, state_prefix: str) -> list[str]:
     state prefix, and the runs with a nodes directory (node keys, the aggregator lock,
     the progress key) but no state key left."""
     run_ids = {_last_segment(child) for child in _children(conn, state_prefix) if not child.is_dir}
-    runs_dir = EtcdV2NodesLayout.runs_dir(None if state_prefix == "/" else state_prefix)
+    key_prefix = None if state_prefix == "/" else state_prefix
+    runs_dir = EtcdV2NodesLayout.runs_dir(key_prefix)
     for child in _children(conn, runs_dir):
         run_id = EtcdV2NodesLayout.run_id_of(_last_segment(child)) if child.is_dir else None
         if run_id is not None:
             run_ids.add(run_id)
-    return sorted(run_ids)
+    return sorted(
+        run_id for run_id in run_ids if _nameable(conn, etcd_v2_state_key(run_id, key_prefix))
+    )
 
 
 def _children(conn: Transport, directory: str) -> tuple[Node, ...]:
