@@ -615,3 +615,19 @@ def test_a_run_id_that_a_v2_url_resolves_to_a_directory_is_refused(
     code, out, err = run_main(capsys, "delete", *args, "--run-id", run_id, "--force", "--yes")
     assert code == 2, (out, err)
     assert f"--run-id {run_id!r}" in err, err
+
+
+@pytest.mark.v2_only(reason="the v2 API carries a key in the URL's path")
+@pytest.mark.parametrize("command", ["list", "status", "delete"])
+@pytest.mark.parametrize("prefix", ["/a?b", "/a#b", "/a%2Fb", "/a/../b"])
+def test_a_prefix_that_a_v2_url_spells_as_another_key_is_refused(
+    etcd_server: EtcdServer, command: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``--prefix`` that a URL of the v2 API turns into another key is refused as a
+    usage error naming ``--prefix``, as a ``--run-id`` is; it raised the transport's
+    ``ValueError`` (a traceback, exit status 1)."""
+    args = [*_endpoint(etcd_server), "--backend", "etcd-v2", "--prefix", prefix]
+    extra = {"list": [], "status": ["--run-id", "r"], "delete": ["--run-id", "r", "--yes"]}
+    code, out, err = run_main(capsys, command, *args, *extra[command])
+    assert code == 2, (out, err)
+    assert f"--prefix {prefix!r}" in err, err

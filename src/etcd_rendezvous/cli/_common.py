@@ -285,12 +285,15 @@ def open_connection(args: argparse.Namespace) -> Transport:
         conn = create_etcd_connection(params, quorum_reads=True)
     except ValueError as exc:
         raise UsageError(f"invalid connection option: {exc}") from None
-    if run_id is not None and conn.api == "v2":
-        try:
-            key_path(run_id)
-        except ValueError as exc:
-            conn.close()
-            raise UsageError(f"--run-id {run_id!r}: {exc}") from None
+    if conn.api == "v2":
+        named = {"--run-id": run_id, "--prefix": getattr(args, "prefix", None)}
+        for option, value in named.items():
+            try:
+                if value:
+                    key_path(value)
+            except ValueError as exc:
+                conn.close()
+                raise UsageError(f"{option} {value!r}: {exc}") from None
     return conn
 
 
