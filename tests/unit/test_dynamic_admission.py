@@ -641,6 +641,8 @@ class BoardRegistry(MemoryRegistry):
         self.changes: list[tuple[Progress | None, int]] = []
         self.written: list[Progress] = []
         self.listed_at = 0
+        #: The index at which the last read of the state found none (``None``: found one).
+        self.absent_at: int | None = None
         #: etcd's request limit, in bytes (``None``: none).
         self.limit: int | None = None
 
@@ -943,6 +945,32 @@ def test_a_summary_of_a_state_no_read_finds_is_dropped_after_a_read() -> None:
     # The read replaced the lie with a summary of the state it found.
     assert registry.progress is not None
     assert registry.progress.token == 3
+
+
+def test_a_summary_is_forgotten_for_a_state_found_absent_only_by_a_member_that_is_not_behind() -> (
+    None
+):
+    """A read that finds no state drops the summary of a state (that state was deleted
+    since), unless the read was served at an index older than the summary's state: a
+    member behind the others, which has not seen the state yet, proves nothing, and
+    dropping the summary would write one of no state over it, for every node to
+    relay back."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    keys = joining(A, registry, clock)
+    assert isinstance(admit(keys, token=0), Wait)
+    held = summary(40, 30)
+    registry.publish(held)
+    hear(keys, 1.0, 0)
+    written = len(registry.written)
+    registry.absent_at = 12  # a member behind: it has not seen the state of 40 yet
+    keys.synced(RendezvousState(), None, None, True, deadline())
+    assert registry.progress == held
+    assert len(registry.written) == written
+    registry.absent_at = registry.index + 1  # the state was deleted after that write
+    keys.synced(RendezvousState(), None, None, True, deadline())
+    assert registry.progress is not None
+    assert registry.progress.token == 0
 
 
 # -- reports of a batch refused for its size -------------------------------------------------

@@ -388,10 +388,13 @@ class Admission:
         found no state (``token`` ``None``) counts as one of token 0, older than any
         summary: a summary of a state deleted since is forgotten, lest the node wait for
         that state for ever (a candidate would read the absent state as fast as etcd
-        answers)."""
+        answers); unless the read came from a member behind that summary
+        (:meth:`.ProgressKey.absence_is_news`)."""
         if not (fetched or written is not None):
             return
         if token is None:
+            if not self._progress.absence_is_news():
+                return
             token = 0
         if isinstance(token, int):
             self._progress.state_read(token, state, written is True, self._joining, deadline)

@@ -426,6 +426,13 @@ class EtcdRendezvousBackend(RendezvousBackend):
         """The etcd index at which the last :meth:`list_nodes` was served."""
         return self._listed_at
 
+    @property
+    def absent_at(self) -> int | None:
+        """The etcd index at which the last read of the state found none (``None``:
+        the last read found one, or none was made)."""
+        observed = self._observed
+        return observed[1] if observed is not None and observed[0] is None else None
+
     def read_progress(
         self, deadline: Deadline | None = None
     ) -> tuple[Progress | None, int | None, int]:

@@ -183,6 +183,11 @@ class KeyedBackend(Protocol):
     def listed_at(self) -> int:
         """The etcd index at which the last :meth:`list_nodes` was served."""
 
+    @property
+    def absent_at(self) -> int | None:
+        """The etcd index at which the last read of the state found none (``None``:
+        the last read found one, or none was made)."""
+
     def expires_in(self, node: NodeDesc, deadline: Deadline) -> int | None:
         """Whole seconds until the key of ``node`` expires, as far as the last listing
         tells (on v3: one request for its lease); ``0`` or ``None`` if its time is up

@@ -437,6 +437,18 @@ class ProgressKey:
             # Only a node that follows the key knows what it misses.
             self._summarise(board, token, state, board.replace_progress, deadline)
 
+    def absence_is_news(self) -> bool:
+        """Whether a read that found no state tells of a state deleted since the
+        summary held was written: it was served at an etcd index no older than that
+        write (a member behind the others, which has not seen the state yet, answers
+        from an older one: that proves nothing, and forgetting the summary would roll
+        the key back for everyone)."""
+        hint, board = self.hint, self.board
+        if hint is None or board is None:
+            return True
+        absent_at = board.absent_at
+        return absent_at is None or absent_at >= hint.token
+
     def _forget_hint(self, hint: Progress, token: int) -> None:
         """The state read with ``token`` is older than ``hint`` describes: the state is
         the authority, so forget the hint (a candidate would wait for it for ever) and
