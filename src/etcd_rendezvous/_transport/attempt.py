@@ -8,6 +8,7 @@ See docs/etcd-v3.rst, section "Inside the transport".
 from __future__ import annotations
 
 import enum
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -21,6 +22,7 @@ __all__ = [
     "Attempt",
     "Outcome",
     "UnsentError",
+    "dropped_during_tls",
     "settled",
     "transient_answer",
     "try_once",
@@ -132,6 +134,16 @@ def transient_answer(endpoint: str, text: str) -> Exception:
     if any(marker in text.lower() for marker in _REJECTED_MARKERS):
         return UnsentError(f"{endpoint}: {text}")
     return AmbiguousError(f"{endpoint}: {text}")
+
+
+def dropped_during_tls(exc: BaseException) -> bool:
+    """Whether the TLS failure ``exc`` (urllib3's ``SSLError`` or :mod:`ssl`'s) is the
+    peer closing the connection mid-handshake, without a TLS alert: what a member going
+    down, or a TCP load balancer whose backend is down, does -- and a plain-http etcd
+    too. The caller retries it (on the next endpoint) where an endpoint of the cluster
+    answered over TLS before; otherwise it is the protocol that is wrong."""
+    causes = [exc, *exc.args, exc.__cause__, exc.__context__]
+    return any(isinstance(c, (ssl.SSLEOFError, ssl.SSLZeroReturnError)) for c in causes)
 
 
 def settled(

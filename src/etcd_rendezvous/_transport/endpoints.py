@@ -208,6 +208,10 @@ class Endpoints:
         """Endpoint ``idx`` answered (a request, or a message on a watch stream)."""
         self._heard[idx] = time.monotonic()
 
+    def answered_before(self) -> bool:
+        """Whether any endpoint has answered this connection yet."""
+        return any(self._heard)
+
     def silent_for(self, idx: int) -> float:
         """Seconds since endpoint ``idx`` last answered anything on this connection."""
         return time.monotonic() - self._heard[idx]

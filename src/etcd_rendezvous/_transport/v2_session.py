@@ -33,7 +33,13 @@ from urllib3.exceptions import (
 
 from ..api import RendezvousConnectionError, RendezvousStateError
 from . import limits
-from .attempt import ELECTION_MARKERS, AmbiguousError, UnsentError, transient_answer
+from .attempt import (
+    ELECTION_MARKERS,
+    AmbiguousError,
+    UnsentError,
+    dropped_during_tls,
+    transient_answer,
+)
 from .clock import ServerClock
 from .endpoints import Access, Endpoints, close_pool
 from .interface import (
@@ -327,10 +333,13 @@ class V2Session:
     # -- what failures mean -----------------------------------------------------------
 
     def _connection_failure(self, idx: int, what: str, key: str, cause: BaseException) -> Exception:
-        """The error for a request that failed on the connection: TLS is permanent; the
+        """The error for a request that failed on the connection: a TLS failure is permanent
+        (unless the peer dropped the handshake after the cluster answered over TLS, see
+        :func:`~etcd_rendezvous._transport.attempt.dropped_during_tls`); the
         rest is retried, as unsent if it never reached the server."""
         endpoint = self._endpoints.url(idx)
-        if isinstance(cause, (SSLError, ssl.SSLError)):
+        dropped = dropped_during_tls(cause) and self._endpoints.answered_before()
+        if isinstance(cause, (SSLError, ssl.SSLError)) and not dropped:
             return RendezvousConnectionError(
                 f"TLS connection to etcd endpoint {endpoint} failed while trying to {what} "
                 f"{key!r}: {cause}. Check protocol, cacert, cert and key."

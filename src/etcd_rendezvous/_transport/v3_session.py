@@ -24,7 +24,7 @@ from urllib3.exceptions import (
 from ..api import RendezvousConnectionError
 from . import limits
 from . import v3_wire as wire
-from .attempt import AmbiguousError, UnsentError, transient_answer
+from .attempt import AmbiguousError, UnsentError, dropped_during_tls, transient_answer
 from .clock import ServerClock
 from .endpoints import Access, Endpoints, close_pool
 from .interface import ConditionError, OperationRefusedError
@@ -158,7 +158,8 @@ class V3Session:
         endpoint = self._endpoints.url(idx)
         if not isinstance(exc, (HTTPError, OSError)):
             return exc
-        if isinstance(exc, (SSLError, ssl.SSLError)):
+        dropped = dropped_during_tls(exc) and self._endpoints.answered_before()
+        if isinstance(exc, (SSLError, ssl.SSLError)) and not dropped:
             self._endpoints.rotate(idx)
             return RendezvousConnectionError(
                 f"TLS connection to etcd endpoint {endpoint} failed while trying to {where}: "
