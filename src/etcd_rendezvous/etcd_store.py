@@ -146,7 +146,6 @@ class EtcdStore:
         self.prefix = (
             etcd_store_prefix if etcd_store_prefix.endswith("/") else etcd_store_prefix + "/"
         )
-        self._dir = normalize_key(self.prefix)
         self._timeout = DEFAULT_TIMEOUT
         if timeout is not None:
             self.set_timeout(timeout)
@@ -430,7 +429,9 @@ class EtcdStore:
             RendezvousStateError: the store prefix is a key, not a directory.
         """
         try:
-            node = self._conn.list_dir(self._dir, recursive=True, deadline=self._deadline())
+            # The keys below the prefix (with its "/"): a user granted --prefix on the
+            # store's directory with its "/" may not read the directory's own key.
+            node = self._conn.list_dir(self.prefix, recursive=True, deadline=self._deadline())
         except KeyNotFoundError:
             return 0
         if not node.is_dir:
@@ -515,7 +516,7 @@ class EtcdStore:
             if len(missing) == 1:
                 watched, recursive = next(iter(missing)), False
             else:
-                watched, recursive = self._dir, True
+                watched, recursive = self.prefix, True  # the keys below it (see num_keys)
             change = self._conn.watch(watched, since + 1, deadline, recursive=recursive)
             if change is None:
                 if deadline.expired():

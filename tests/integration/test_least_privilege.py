@@ -406,3 +406,27 @@ def test_a_store_without_write_permission_says_so_and_writes_nothing(
     assert prefix in message, message
     assert took < REFUSAL_BOUND, f"{took:.2f} s: {message}"
     assert root.keys_below(prefix) == []
+
+
+def test_the_etcd_v2_backends_store_works_with_its_documented_grant(
+    auth_server: tuple[EtcdServer, str], root: Admin
+) -> None:
+    # The etcd-v2 backend's store is shared by every run (PyTorch's layout): its grant
+    # is the store directory's keys, ``--prefix /torch/elastic/store/``, with the ``/``
+    # (docs/operations.rst). torchrun's agent of rank 0 waits for the other agents' keys
+    # with multi_get (several missing keys: one watch of the store directory) and
+    # counts keys with num_keys.
+    server, _ = auth_server
+    user = root.user_with_grants([(ETCD_V2_STORE_PREFIX + "/", True)])
+    endpoint = (server.get_host(), server.get_port())
+    run = uuid.uuid4().hex[:8]
+    keys = [f"torch.rendezvous.{run}.0/torchelastic/role_info/{i}" for i in range(3)]
+    with open_transport([endpoint], username=user, password=JOB_PASSWORD) as conn:
+        store = EtcdStore(conn, ETCD_V2_STORE_PREFIX, timeout=timedelta(seconds=20))
+        store.set(keys[0], b"0")
+        with pytest.raises(LookupError, match=r"not set within 0\.5 s"):
+            store.wait(keys, timedelta(seconds=0.5))  # two missing: the directory's watch
+        store.set(keys[1], b"1")
+        store.set(keys[2], b"2")
+        assert store.multi_get(keys) == [b"0", b"1", b"2"]
+        assert store.num_keys() >= 3

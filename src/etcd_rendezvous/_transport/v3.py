@@ -270,11 +270,16 @@ class EtcdV3Connection(Connection):
         merely extend ``key`` with a character sorting before ``/`` (``key-x``, ``key.x``);
         they are left out.
 
+        Given with its trailing ``/``, ``key``'s own marker is not read (a user granted
+        ``--prefix key/`` may not read it): the directory node has no index or lease.
+
         Raises:
             KeyNotFoundError: neither ``key`` nor any key below it exists.
         """
+        start = key
         key = wire.norm(key)
-        body = {"key": wire.b64(key), "range_end": wire.prefix_end(key + "/")}
+        first = key + "/" if wire.below_only(start) else key
+        body = {"key": wire.b64(first), "range_end": wire.prefix_end(key + "/")}
         data = self._call("list", key, "/v3/kv/range", body, self._deadline(deadline))
         revision = wire.revision(data)
         own: list[dict[str, Any]] = []

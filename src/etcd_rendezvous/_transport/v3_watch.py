@@ -49,6 +49,10 @@ class V3WatchStream(StreamingWatch):
     ) -> None:
         super().__init__(endpoints, wire.norm(key), start_index, recursive)
         self._session = session
+        #: The range watched: ``key`` and every key starting with it, or, for ``key``
+        #: given with its trailing ``/``, only the keys below it (a user whose grant is
+        #: ``--prefix key/`` may watch those, not ``key`` itself).
+        self._range = wire.watched_range(key, recursive)
 
     def _open(self, endpoint: int, deadline: Deadline) -> None:
         """One attempt, authenticating first; a watch refused for an expired token is
@@ -69,11 +73,12 @@ class V3WatchStream(StreamingWatch):
     def _send(self, endpoint: int, from_index: int, deadline: Deadline) -> tuple[Any, Messages]:
         endpoints, session = self._endpoints, self._session
         where = f"watch {self._key!r}"
-        request: dict[str, Any] = {"key": wire.b64(self._key)}
+        start, end = self._range
+        request: dict[str, Any] = {"key": wire.b64(start)}
         if from_index > 0:  # else from now: the created message says where that is
             request["start_revision"] = str(from_index)
-        if self._recursive:
-            request["range_end"] = wire.prefix_end(self._key)
+        if end is not None:
+            request["range_end"] = end
         # A live member starts its answer at once; then the reader waits for as long
         # as nothing changes (StreamingWatch.next re-arms a wait that stays silent).
         wait = min(endpoints.timeouts.request, max(deadline.remaining(), endpoints.last_chance()))

@@ -176,6 +176,24 @@ def prefix_end(prefix: str) -> str:
 # -- building requests and reading answers ------------------------------------------------
 
 
+def below_only(key: str) -> bool:
+    """Whether directory ``key`` is given with its trailing ``/`` (and is not the root):
+    a recursive watch or a listing of it then covers the keys below it, not ``key``
+    itself, which a user granted ``--prefix key/`` may not read."""
+    return key.endswith("/") and bool(key.strip("/"))
+
+
+def watched_range(key: str, recursive: bool) -> tuple[str, str | None]:
+    """The first key and the ``range_end`` (base64; ``None``: the one key) of a watch of
+    ``key``: the key itself, or, ``recursive``, it and every key starting with it (or,
+    see :func:`below_only`, the keys below it)."""
+    if not recursive:
+        return norm(key), None
+    if below_only(key):
+        return norm(key) + "/", prefix_end(norm(key) + "/")
+    return norm(key), prefix_end(norm(key))
+
+
 def norm(key: str) -> str:
     """``key`` without a trailing ``/``: v2 ignores it, and v3 directories are prefixes."""
     stripped = key.rstrip("/")
