@@ -146,6 +146,9 @@ class EtcdStore:
         self.prefix = (
             etcd_store_prefix if etcd_store_prefix.endswith("/") else etcd_store_prefix + "/"
         )
+        #: The store's directory as etcd stores its keys (see :func:`store_value_key`),
+        #: with its ``/``: what the listings and watches of the whole store name.
+        self._below = normalize_key(self.prefix).rstrip("/") + "/"
         self._timeout = DEFAULT_TIMEOUT
         if timeout is not None:
             self.set_timeout(timeout)
@@ -431,7 +434,7 @@ class EtcdStore:
         try:
             # The keys below the prefix (with its "/"): a user granted --prefix on the
             # store's directory with its "/" may not read the directory's own key.
-            node = self._conn.list_dir(self.prefix, recursive=True, deadline=self._deadline())
+            node = self._conn.list_dir(self._below, recursive=True, deadline=self._deadline())
         except KeyNotFoundError:
             return 0
         if not node.is_dir:
@@ -516,7 +519,7 @@ class EtcdStore:
             if len(missing) == 1:
                 watched, recursive = next(iter(missing)), False
             else:
-                watched, recursive = self.prefix, True  # the keys below it (see num_keys)
+                watched, recursive = self._below, True  # the keys below it (see num_keys)
             change = self._conn.watch(watched, since + 1, deadline, recursive=recursive)
             if change is None:
                 if deadline.expired():

@@ -755,3 +755,24 @@ def test_append_whose_outcome_etcd_cannot_tell_raises_without_writing_again(
     with pytest.raises(RendezvousConnectionError, match="may or may not have been applied"):
         store.append("k", "b")
     assert store.get("k") == b"ab"  # the lost copy applied; not a second time
+
+
+@pytest.mark.parametrize("spelling", ["no-leading-slash", "double-slash"])
+def test_a_store_prefix_spelled_otherwise_than_etcd_stores_it_counts_and_waits(
+    conn: Transport, etcd_prefix: str, spelling: str
+) -> None:
+    """The store's keys are the prefix normalised as etcd stores it (one leading ``/``,
+    no empty segment): listing and watching the directory must use that same form, or
+    over v3 (whose keys are literal) ``num_keys`` finds nothing and a wait for several
+    keys watches a range no key is written to, until its timeout."""
+    prefix = etcd_prefix.lstrip("/") if spelling == "no-leading-slash" else etcd_prefix + "//s"
+    store = EtcdStore(conn, prefix, timeout=timedelta(seconds=5))
+    store.set("a", "1")
+    store.set("b", "2")
+    assert store.num_keys() == 2
+    call = InThread(lambda: store.wait(["c", "d"]))
+    writer = EtcdStore(conn, prefix, timeout=LONG)
+    writer.set("c", "3")
+    writer.set("d", "4")
+    call.result(LONG.total_seconds())
+    assert store.multi_get(["c", "d"]) == [b"3", b"4"]
