@@ -1821,17 +1821,23 @@ def test_the_state_holders_clock_is_the_one_every_part_reads() -> None:
 
 class DroppingStore(DictStore):
     """A store whose wait for rank 0's address gives up, as :class:`EtcdStore`'s does at
-    its timeout, after another node took rank 0 out of the round meanwhile."""
+    its timeout, after another node took rank 0 out of the round meanwhile: once both
+    nodes wait for the address (each saw the round complete; a node dropped before it
+    did would wait for the next round instead)."""
 
     def __init__(self, backend: MemoryBackend) -> None:
         super().__init__()
         self._backend = backend
         self._dropped = False
+        self._waiting = 0
 
     def get(self, key: str) -> bytes:
         if not key.endswith("MASTER_ADDR"):
             return super().get(key)
         with self._cond:
+            self._waiting += 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._waiting >= 2 or self._dropped, 10)
             if not self._dropped:
                 state = self._backend.load()
                 rank_0 = min(state.participants, key=state.participants.__getitem__)
@@ -1839,6 +1845,7 @@ class DroppingStore(DictStore):
                 del state.last_heartbeats[rank_0]
                 self._backend.store(state)
                 self._dropped = True
+                self._cond.notify_all()
         raise LookupError(f"Key {key!r} not found in EtcdStore '/store/' within 1.2 s.")
 
 
