@@ -371,7 +371,7 @@ class DynamicRendezvousHandler(RendezvousHandler):
         exchange = Deadline(max(deadlines[-1].remaining(), lifetime.total_seconds()))
         try:
             exchange_store = self._exchange_store(exchange, round_)
-            return self._bootstrap(rank, world_size, store, exchange_store)
+            return self._bootstrap(round_, rank, world_size, store, exchange_store)
         except LookupError as exc:  # the exchange's bound passed: rank 0 never published
             raise RendezvousTimeoutError(self._exchange_failure(exc, round_, rank_0)) from exc
 
@@ -505,12 +505,13 @@ class DynamicRendezvousHandler(RendezvousHandler):
         return progress_line(state, self._this_node, self._settings, deadline.remaining())
 
     def _bootstrap(
-        self, rank: int, world_size: int, store: Store, exchange_store: Store
+        self, round_: int, rank: int, world_size: int, store: Store, exchange_store: Store
     ) -> RendezvousInfo:
-        """The end of :meth:`next_rendezvous`: exchange the master address through
-        ``exchange_store`` (see :meth:`_exchange_store`); the workers get ``store``."""
+        """The end of :meth:`next_rendezvous` for round ``round_``: exchange the master
+        address through ``exchange_store`` (see :meth:`_exchange_store`); the workers get
+        ``store``."""
         msg = (
-            f"The node '{self._this_node}' has joined round {self._state_holder.state.round} of "
+            f"The node '{self._this_node}' has joined round {round_} of "
             f"the rendezvous '{self._settings.run_id}' as rank {rank} in a world of size "
             f"{world_size}."
         )
