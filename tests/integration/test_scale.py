@@ -155,13 +155,23 @@ def test_rendezvous_of_64_nodes_costs_at_most_4_writes_and_8_reads_per_node(
 MAX_RE_WRITES_PER_NODE = 6
 MAX_RE_READS_PER_NODE = 16
 #: etcd-v2 in a re-rendezvous: reads that do not depend on how long it takes, and reads
-#: per second of it. Two polls run on a clock while the round waits for the dead node's
-#: heartbeats to lapse: num_nodes_waiting() reads the progress key at most every
-#: ``_WAITING_POLL`` seconds, and each node looks at the aggregator lock once per
-#: keep-alive interval. On a loaded machine the re-rendezvous takes longer and these
-#: grow with the seconds, never with the number of nodes. Measured on an idle machine:
-#: 12.4 (v2) and 12.9 (v3) reads per node in 7.5 s.
-MAX_RE_READS_FIXED_ETCD_V2 = 7
+#: per second of it. Per node: the state when it leaves its round, once a batch took it
+#: out (or another's batch landed while it waited for that one), when the next round
+#: completes, and after a silence; a listing of the keys; the watches of the progress
+#: key; and the store's bootstrap (the master's address and port: two reads and a
+#: watch). Two polls run on a clock while the round waits for the dead node's heartbeats
+#: to lapse: num_nodes_waiting() reads the progress key at most every ``_WAITING_POLL``
+#: seconds, and each node's keep-alive reads the state once per interval. On a loaded
+#: machine the re-rendezvous takes longer and these grow with the seconds, never with
+#: the number of nodes. Measured on an idle machine (etcd 3.5.1, v2): 13.7 to 16.3 reads
+#: per node in 7.7 to 9.7 s, 6 to 7.6 of them fixed.
+MAX_RE_READS_FIXED_ETCD_V2 = 9
+#: etcd-v2 in a re-rendezvous: writes of the state (or the progress key) lost to another
+#: write, per node. A few batches and heartbeat folds serve every node, and the nodes
+#: wait for their turn to make one (measured: 0.0 to 0.1 per node); one per node means
+#: that they made batches of their own at once, each a large state write, all but one
+#: lost.
+MAX_RE_LOST_WRITES_PER_NODE_ETCD_V2 = 0.5
 #: Seconds between two polls of num_nodes_waiting(), as torchrun's agent does.
 MONITOR_INTERVAL = 0.1
 
@@ -210,7 +220,10 @@ def test_replacing_a_node_of_64_costs_a_constant_number_of_requests_per_node(
 
     before = read_metrics(private_etcd_server.client_url)
     started = time.monotonic()
-    with ThreadPoolExecutor(NODES, thread_name_prefix="node") as pool:
+    with (
+        MetricsCollector() as collected,
+        ThreadPoolExecutor(NODES, thread_name_prefix="node") as pool,
+    ):
         futures = [pool.submit(_agent, handler) for handler in stays]
         futures.append(pool.submit(newcomer.next_rendezvous))
         infos = [future.result(timeout=RENDEZVOUS_TIMEOUT + 30) for future in futures]
@@ -219,8 +232,10 @@ def test_replacing_a_node_of_64_costs_a_constant_number_of_requests_per_node(
 
     assert sorted(info.rank for info in infos) == list(range(NODES - 1))
     assert {info.world_size for info in infos} == {NODES - 1}
+    lost = collected.counter("transport.refusals", op="compare_and_swap") / NODES
     if isinstance(newcomer, DynamicRendezvousHandler):
         max_reads = MAX_RE_READS_FIXED_ETCD_V2 + _TIMED_READS_PER_SECOND * seconds
+        assert lost <= MAX_RE_LOST_WRITES_PER_NODE_ETCD_V2, f"{lost:.2f} lost writes/node"
     else:
         max_reads = MAX_RE_READS_PER_NODE
     _assert_per_node(requests, MAX_RE_WRITES_PER_NODE, round(max_reads, 1))

@@ -1184,3 +1184,77 @@ def test_a_node_whose_join_timed_out_takes_itself_out_wherever_a_batch_put_it() 
     assert rollback_action(state, C) == Action.REMOVE_FROM_REDUNDANCY_LIST
     state.closed = True
     assert rollback_action(state, A) == Action.ERROR_CLOSED
+
+
+def round_3(*participants: NodeDesc, waiting: Iterable[NodeDesc] = ()) -> RendezvousState:
+    """The complete round 3 of ``participants``; ``waiting`` wait for the next."""
+    state = RendezvousState()
+    state.round, state.complete = 3, True
+    for node in participants:
+        state.participants[node] = 0
+        state.last_heartbeats[node] = NOW
+    state.wait_list.update(waiting)
+    return state
+
+
+def test_a_node_blocked_by_a_batch_that_missed_it_reads_the_state_when_that_batch_lands() -> None:
+    """A, the oldest, asks to leave and lists before B and C ask: its batch takes out only
+    A. B and C, whose listings show A leaving, wait for A's batch. When the progress key
+    tells of a state with other admissions, B reads it and makes the next batch, instead
+    of waiting out the grace (after which every waiting node made a batch of its own at
+    once: each a state write, all but one lost)."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    a, b, c = (keys_of(node, registry, clock) for node in (A, B, C))
+    for node in (A, B, C):
+        registry.announce_node(node, 15)
+    registry.publish(Progress(10, 3, True, False, registry.index, 3, 0))  # all decided
+    for keys in (a, b, c):
+        assert keys.waiting_hint(10, deadline()) is not None  # its agent's poll
+    held = round_3(A, B, C)
+    assert waits(a.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    clock.now += EXIT_GATHER
+    batch_of_a = round_3(A, B, C)
+    assert a.join(Action.REMOVE_FROM_PARTICIPANTS, batch_of_a, 10, deadline()) is CHANGED
+    assert (list(batch_of_a.participants), batch_of_a.wait_list) == ([B, C], {A})
+    for keys in (b, c):  # B and C ask now; their listings show A leaving
+        assert waits(keys.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    clock.now += EXIT_GATHER
+    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
+        pytest.approx(ADMISSION_GRACE)
+    )
+    # A's batch lands: its summary tells of one participant fewer and one more waiting.
+    registry.publish(Progress.of(11, batch_of_a, 3))
+    assert b.wait(held, 10, ADMISSION_GRACE, deadline()) is Heard.KEEP
+    waited_from = clock.now
+    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline()) == Refresh()
+    # On the state A wrote, nobody older than B leaves: B takes out B and C, which ends
+    # the round, and everyone is admitted to the next one, A (which waited) first.
+    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, batch_of_a, 11, deadline()) is CHANGED
+    assert (batch_of_a.round, list(batch_of_a.participants)) == (4, [A, B, C])
+    assert clock.now == waited_from
+
+
+def test_a_blocked_node_does_not_read_the_state_for_a_fold_of_heartbeats() -> None:
+    """A summary of a newer state with the same admissions (the aggregator's fold) tells
+    a node blocked by an older leaving node nothing: it keeps waiting for the batch."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    b = keys_of(B, registry, clock)
+    for node in (A, B, C):
+        registry.announce_node(node, 15)
+    registry.publish(Progress(10, 3, True, False, registry.index, 3, 0))  # all decided
+    assert b.waiting_hint(10, deadline()) is not None  # its agent's poll
+    registry.mark_leaving(A, 3, 15)
+    held = round_3(A, B, C)
+    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    clock.now += EXIT_GATHER
+    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
+        pytest.approx(ADMISSION_GRACE)
+    )
+    clock.now += 0.5
+    registry.publish(Progress.of(11, round_3(A, B, C), 3))
+    assert b.wait(held, 10, ADMISSION_GRACE, deadline()) is Heard.KEEP
+    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
+        pytest.approx(ADMISSION_GRACE - 0.5)
+    )

@@ -472,7 +472,8 @@ class Admission:
                 self._progress.read(deadline)
                 self._announce(deadline)
             held = token if isinstance(token, int) else None
-            outcome = self._admission(wants, (state.round, *counts), held, deadline)
+            moved = self._progress.admitted_since(held or 0, state)
+            outcome = self._admission(wants, (state.round, *counts), held, moved, deadline)
         if isinstance(outcome, _Batch):
             self._awaiting_admission, self._awaiting_exit = False, None
             self._make_batch(state, outcome)
@@ -624,7 +625,12 @@ class Admission:
     # -- admission --------------------------------------------------------------------
 
     def _admission(
-        self, wants: WantsAdmission, mark: object, token: int | None, deadline: Deadline
+        self,
+        wants: WantsAdmission,
+        mark: object,
+        token: int | None,
+        moved: bool,
+        deadline: Deadline,
     ) -> _Batch | Wait | Refresh:
         """The batch this node must make now, or else how long to wait (at most) for
         another node to make it; :class:`Refresh` if it must read the state first.
@@ -632,9 +638,11 @@ class Admission:
         ``wants`` tells whether a batch would do something for a node on the current
         state (take it out, or admit it); ``mark`` sums up the state's admissions: while
         it changes, the nodes ahead are making progress. ``token`` is the token of the
-        state held. Only keys that are gone (or expired) are left out of a batch; a slow
-        node is admitted by the next one. See docs/how-it-works.rst, "Our nodes: node keys,
-        batched admission, one heartbeat writer" (candidate admitters, batch exits).
+        state held; ``moved``: the progress key tells of a newer state with other
+        admissions (see :meth:`.ProgressKey.admitted_since`). Only keys that are gone (or
+        expired) are left out of a batch; a slow node is admitted by the next one. See
+        docs/how-it-works.rst, "Our nodes: node keys, batched admission, one heartbeat
+        writer" (candidate admitters, batch exits).
         """
         with self._lock:
             gathering = self._left_at + EXIT_GATHER - self._clock()
@@ -664,7 +672,7 @@ class Admission:
                 attempt.mark = mark
             if attempt.staggered:
                 return self._candidate_turn(attempt, created, wants, now, stale, deadline)
-            return self._predecessors_turn(attempt, listing, wants, now, deadline)
+            return self._predecessors_turn(attempt, listing, wants, now, moved, deadline)
 
     def _is_candidate(self, created: int) -> bool:
         """Whether the node, whose key was created at ``created``, is a candidate
@@ -699,13 +707,23 @@ class Admission:
         listing: list[AnnouncedNode] | None,
         wants: WantsAdmission,
         now: float,
+        moved: bool,
         deadline: Deadline,
-    ) -> _Batch | Wait:
+    ) -> _Batch | Wait | Refresh:
         """A node with a listed attempt makes the batch once its predecessors were
         admitted, or after :data:`ADMISSION_GRACE` without progress (admitting them too).
-        ``listing`` is the one taken on this look, if any."""
+        ``listing`` is the one taken on this look, if any.
+
+        A predecessor is judged on the state held. While the progress key tells of a
+        newer state with other admissions (``moved``), a blocked node reads it first:
+        a batch may have decided its predecessors (a leaving node whose listing came
+        before the others asked takes out only itself). Without that read the younger
+        nodes would wait out the grace and then all make batches at once, every one a
+        large state write and all but one lost."""
         waited = now - attempt.progress_at
         if attempt.blocked(wants):
+            if moved:
+                return Refresh()
             if waited < ADMISSION_GRACE:
                 return Wait(ADMISSION_GRACE - waited)
             listing = self._list(deadline)

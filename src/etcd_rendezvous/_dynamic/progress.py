@@ -189,6 +189,18 @@ class ProgressKey:
         """Whether the summary heard describes a newer state than the one of ``token``."""
         return self.hint is not None and self.hint.token > token
 
+    def admitted_since(self, token: int, state: RendezvousState) -> bool:
+        """Whether the summary heard describes a newer state than ``state`` (read with
+        ``token``) with other admissions: a batch took nodes out of the round or admitted
+        some since. A fold of heartbeats changes neither count."""
+        hint = self.hint
+        if hint is None or hint.token <= token:
+            return False
+        held = (state.round, state.complete, state.closed, len(state.participants))
+        return (hint.round, hint.complete, hint.closed, hint.participants) != held or (
+            hint.waiting != len(state.wait_list)
+        )
+
     def batch_listed(self) -> None:
         """The node makes a batch from the listing just taken: its write decides the keys
         up to that listing's index."""
