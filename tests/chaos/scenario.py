@@ -101,9 +101,11 @@ LEGACY_ADMISSION_WAIT = 4.0
 #: itself (SILENCE_MAX).
 LEGACY_SILENCE_MAX = 8.0
 #: Dynamic: the longest a waiting node waits for its batch (a node more than 8 steps
-#: behind: 2 s plus a random part of 2 s), ADMISSION_GRACE, PROGRESS_SILENCE.
+#: behind: 2 s plus a random part of 2 s); the longest it waits for the older nodes
+#: ahead of it (ADMISSION_GRACE, then 8 steps of 0.25 s at most and a random part of
+#: 2 s, see grace_wait); PROGRESS_SILENCE.
 DYNAMIC_ADMISSION_WAIT = 4.0
-DYNAMIC_ADMISSION_GRACE = 2.0
+DYNAMIC_ADMISSION_GRACE = 6.0
 DYNAMIC_PROGRESS_SILENCE = 4.0
 #: The most node processes a scenario starts.
 MAX_PROCESSES = 8

@@ -24,6 +24,7 @@ from etcd_rendezvous._dynamic.admission import (
     Admission,
     Refresh,
     Wait,
+    grace_wait,
     stagger_wait,
 )
 from etcd_rendezvous._dynamic.keys import AnnouncedNode, Progress
@@ -1258,3 +1259,46 @@ def test_a_blocked_node_does_not_read_the_state_for_a_fold_of_heartbeats() -> No
     assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
         pytest.approx(ADMISSION_GRACE - 0.5)
     )
+
+
+def test_the_grace_grows_with_the_nodes_still_waiting_ahead_and_is_capped() -> None:
+    assert grace_wait(1, 0.0) == ADMISSION_GRACE
+    assert grace_wait(0, 0.0) == ADMISSION_GRACE  # listed before they all left
+    assert grace_wait(3, 0.0) == pytest.approx(ADMISSION_GRACE + 2 * ADMIT_STAGGER)
+    assert grace_wait(3, ADMISSION_GRACE) == pytest.approx(2 * ADMIT_STAGGER)
+    assert grace_wait(3, 10.0) == 0.0
+    capped = ADMISSION_GRACE + _STAGGER_CAP * ADMIT_STAGGER
+    assert grace_wait(100, 0.0) == pytest.approx(capped)
+    assert grace_wait(100, 0.0, jitter=0.5) == pytest.approx(capped + 0.5 * _TAIL_JITTER)
+
+
+def test_of_the_nodes_behind_a_frozen_leaving_node_the_next_one_makes_the_batch() -> None:
+    """A, the oldest, asked to leave and froze before its batch. After the grace, B (held
+    up by A alone) takes out everyone who asked; C and D, held up by more nodes, wait a
+    step more each, and hear of B's batch before their turn: one state write, not one per
+    node."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    nodes = (A, B, C, D)
+    b, c, d = (keys_of(node, registry, clock) for node in (B, C, D))
+    for node in nodes:
+        registry.announce_node(node, 15)
+    registry.publish(Progress(10, 3, True, False, registry.index, 4, 0))  # all decided
+    registry.mark_leaving(A, 3, 15)  # and then A froze
+    held = round_3(*nodes)
+    for keys in (b, c, d):
+        assert keys.waiting_hint(10, deadline()) is not None  # its agent's poll
+        assert waits(keys.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    clock.now += EXIT_GATHER
+    for keys in (b, c, d):  # each lists the keys: the older ones ask to leave too
+        assert waits(keys.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
+            pytest.approx(ADMISSION_GRACE)
+        )
+    clock.now += ADMISSION_GRACE
+    turns = [keys.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline()) for keys in (c, d)]
+    assert [waits(turn) for turn in turns] == pytest.approx([ADMIT_STAGGER, 2 * ADMIT_STAGGER])
+    batch_of_b = round_3(*nodes)
+    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, batch_of_b, 10, deadline()) is CHANGED
+    assert (batch_of_b.round, list(batch_of_b.participants)) == (4, [A, B, C, D])
+    registry.publish(Progress.of(11, batch_of_b, 3))
+    assert c.wait(held, 10, ADMIT_STAGGER, deadline()) is Heard.READ  # the round ended

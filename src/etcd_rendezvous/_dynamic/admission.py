@@ -60,6 +60,7 @@ __all__ = [
     "Changed",
     "Refresh",
     "Wait",
+    "grace_wait",
     "stagger_wait",
 ]
 
@@ -165,6 +166,20 @@ def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0
     if ahead >= _STAGGER_CAP:
         steps += jitter * _TAIL_JITTER
     return max(steps - idle, 0.0)
+
+
+def grace_wait(blockers: int, waited: float, jitter: float = 0.0) -> float:
+    """Seconds until a node held up by ``blockers`` older nodes that still wait for
+    admission (or to leave), after ``waited`` seconds without progress, makes the batch of
+    them all: :data:`ADMISSION_GRACE`, and a step of :data:`ADMIT_STAGGER` more for each
+    blocker but the first (capped as in :func:`stagger_wait`; ``jitter`` in [0, 1)
+    spreads the nodes beyond the cap). Of the nodes stuck behind the same slow node, the
+    next one makes the batch, and the others hear of it before their turn."""
+    ahead = max(blockers - 1, 0)
+    steps = min(ahead, _STAGGER_CAP) * ADMIT_STAGGER
+    if ahead >= _STAGGER_CAP:
+        steps += jitter * _TAIL_JITTER
+    return max(ADMISSION_GRACE + steps - waited, 0.0)
 
 
 #: Tells whether a batch would do something for a node on the state at hand: take it
@@ -711,8 +726,9 @@ class Admission:
         deadline: Deadline,
     ) -> _Batch | Wait | Refresh:
         """A node with a listed attempt makes the batch once its predecessors were
-        admitted, or after :data:`ADMISSION_GRACE` without progress (admitting them too).
-        ``listing`` is the one taken on this look, if any.
+        admitted, or after :data:`ADMISSION_GRACE` without progress, staggered by how
+        many of them still wait (see :func:`grace_wait`), admitting them too. ``listing``
+        is the one taken on this look, if any.
 
         A predecessor is judged on the state held. While the progress key tells of a
         newer state with other admissions (``moved``), a blocked node reads it first:
@@ -726,6 +742,9 @@ class Admission:
                 return Refresh()
             if waited < ADMISSION_GRACE:
                 return Wait(ADMISSION_GRACE - waited)
+            wait = grace_wait(len(attempt.blockers(wants)), waited, attempt.jitter)
+            if wait > 0:
+                return Wait(wait)
             listing = self._list(deadline)
             self._admit_the_slow(attempt, listing, wants, now)
             return self._batch(listing, wants, deadline)
