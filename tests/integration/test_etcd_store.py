@@ -26,9 +26,11 @@ from etcd_rendezvous.api import Deadline, RendezvousConnectionError, RendezvousS
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import DEFAULT_TIMEOUT, EtcdStore, cas_delay
 from etcd_rendezvous.layout import store_value_key
+from etcd_rendezvous.pytest_plugin import etcd_api_under_test
 from support.faultproxy import FaultProxy
 from support.history import forget_history
 from support.threads import InThread
+from support.transports import TRANSPORTS
 from support.v3_gateway import b64
 
 SHORT = timedelta(seconds=0.3)
@@ -755,6 +757,28 @@ def test_append_whose_outcome_etcd_cannot_tell_raises_without_writing_again(
     with pytest.raises(RendezvousConnectionError, match="may or may not have been applied"):
         store.append("k", "b")
     assert store.get("k") == b"ab"  # the lost copy applied; not a second time
+
+
+@pytest.mark.parametrize("prefix", ["/", ""])
+def test_a_store_at_the_root_counts_and_waits(private_etcd_server: EtcdServer, prefix: str) -> None:
+    """A store whose prefix is etcd's root keeps its keys right below it (``/<base64>``):
+    its listing and its watches cover them, on both APIs (over v3, whose directories are
+    prefixes, the root's keys start with ``/``, not ``//``). A server of its own: the
+    root holds every key."""
+    address = [(private_etcd_server.get_host(), private_etcd_server.get_port())]
+    with TRANSPORTS[etcd_api_under_test()](address) as conn:
+        store = EtcdStore(conn, prefix, timeout=timedelta(seconds=5))
+        assert store.num_keys() == 0
+        store.set("a", "1")
+        store.set("b", "2")
+        assert store.num_keys() == 2
+        call = InThread(lambda: store.wait(["c", "d"]))
+        writer = EtcdStore(conn, prefix, timeout=LONG)
+        writer.set("c", "3")
+        writer.set("d", "4")
+        call.result(LONG.total_seconds())
+        assert store.multi_get(["c", "d"]) == [b"3", b"4"]
+        assert store.num_keys() == 4
 
 
 @pytest.mark.parametrize("spelling", ["no-leading-slash", "double-slash"])

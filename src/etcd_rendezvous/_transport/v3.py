@@ -278,8 +278,9 @@ class EtcdV3Connection(Connection):
         """
         start = key
         key = wire.norm(key)
-        first = key + "/" if wire.below_only(start) else key
-        body = {"key": wire.b64(first), "range_end": wire.prefix_end(key + "/")}
+        below_key = wire.prefix_below(key)
+        first = below_key if wire.below_only(start) else key
+        body = {"key": wire.b64(first), "range_end": wire.prefix_end(below_key)}
         data = self._call("list", key, "/v3/kv/range", body, self._deadline(deadline))
         revision = wire.revision(data)
         own: list[dict[str, Any]] = []
@@ -288,7 +289,7 @@ class EtcdV3Connection(Connection):
             name = wire.unb64(kv.get("key"))
             if name == key:
                 own.append(kv)
-            elif name.startswith(key + "/"):
+            elif name.startswith(below_key):
                 below.append(kv)
         if not own and not below:
             raise KeyNotFoundError(key, revision)

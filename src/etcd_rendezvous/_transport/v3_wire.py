@@ -200,6 +200,12 @@ def norm(key: str) -> str:
     return stripped or key
 
 
+def prefix_below(key: str) -> str:
+    """The prefix of the keys below directory ``key``: ``key/``, and ``/`` for the root
+    (whose keys are ``/a``, not ``//a``)."""
+    return norm(key).rstrip("/") + "/"
+
+
 def create_txn(key: str, value: str, lease: int) -> dict[str, Any]:
     """Put ``value`` if ``key`` does not exist; else read it."""
     txn = _put_if_created(key, value, lease, "EQUAL")
@@ -327,7 +333,7 @@ def directory(
     root: dict[str, Any] = {}
     for kv in below:
         node = kv_node(kv, revision)
-        parts = node.key[len(key) + 1 :].split("/")
+        parts = node.key[len(prefix_below(key)) :].split("/")
         level = root
         for part in parts[:-1]:
             entry = level.get(part)
@@ -340,7 +346,7 @@ def directory(
     def build(path: str, tree: dict[str, Any], depth: int) -> tuple[Node, ...]:
         children: list[Node] = []
         for name, entry in sorted(tree.items()):
-            child_key = f"{path}/{name}"
+            child_key = prefix_below(path) + name
             if isinstance(entry, Node):
                 children.append(entry)
                 continue
