@@ -1302,3 +1302,31 @@ def test_of_the_nodes_behind_a_frozen_leaving_node_the_next_one_makes_the_batch(
     assert (batch_of_b.round, list(batch_of_b.participants)) == (4, [A, B, C, D])
     registry.publish(Progress.of(11, batch_of_b, 3))
     assert c.wait(held, 10, ADMIT_STAGGER, deadline()) is Heard.READ  # the round ended
+
+
+def test_a_blocked_node_that_found_no_state_on_a_member_behind_the_summary_waits() -> None:
+    """A read served by a member behind the others finds no state: it proves nothing, so
+    the node keeps the summary it heard (see
+    ``test_a_summary_is_forgotten_for_a_state_found_absent_only_by_a_member_that_is_not_behind``).
+    A node blocked by an older leaving node does not take that summary for a batch it
+    missed (it has no state to compare it with): it waits for its grace, instead of
+    reading the state again at once, for as long as that member lags."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    b = keys_of(B, registry, clock)
+    for node in (A, B, C):
+        registry.announce_node(node, 15)
+    registry.publish(Progress(10, 3, True, False, registry.index, 3, 0))  # all decided
+    assert b.waiting_hint(10, deadline()) is not None  # its agent's poll
+    registry.mark_leaving(A, 3, 15)  # and then A froze
+    held = round_3(A, B, C)
+    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    clock.now += EXIT_GATHER
+    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
+        pytest.approx(ADMISSION_GRACE)
+    )
+    registry.absent_at = 5  # a member behind: it has not seen the state of 10 yet
+    b.synced(RendezvousState(), None, None, True, deadline())
+    assert waits(b.join(Action.ADD_TO_PARTICIPANTS, RendezvousState(), None, deadline())) == (
+        pytest.approx(ADMISSION_GRACE)  # the state it holds changed: the grace starts again
+    )

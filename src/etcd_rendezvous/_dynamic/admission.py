@@ -487,7 +487,9 @@ class Admission:
                 self._progress.read(deadline)
                 self._announce(deadline)
             held = token if isinstance(token, int) else None
-            moved = self._progress.admitted_since(held or 0, state)
+            # No state held (a read that found none, served by a member behind the
+            # summary, keeps it): nothing to compare the summary with.
+            moved = held is not None and self._progress.admitted_since(held, state)
             outcome = self._admission(wants, (state.round, *counts), held, moved, deadline)
         if isinstance(outcome, _Batch):
             self._awaiting_admission, self._awaiting_exit = False, None
