@@ -1347,3 +1347,25 @@ def test_a_candidate_that_found_no_state_on_a_member_behind_the_summary_waits() 
     clock.now += 2 * ADMIT_GATHER
     assert admit(keys, token=None) == Wait(PROGRESS_SILENCE)
     assert admit(keys, token=7) == [A]  # the state, read from a member that caught up
+
+
+def test_a_leaving_node_reads_a_newer_state_before_it_makes_the_batch() -> None:
+    """B, the oldest that asks to leave, makes the batch; a heartbeat fold wrote the state
+    since B read it (the progress key says so): B reads it first, as a candidate does,
+    rather than make a large write bound to lose."""
+    clock = Clock()
+    registry = BoardRegistry(clock)
+    b = keys_of(B, registry, clock)
+    for node in (A, B, C):
+        registry.announce_node(node, 15)
+    registry.publish(Progress(10, 3, True, False, registry.index, 3, 0))  # all decided
+    assert b.waiting_hint(10, deadline()) is not None  # its agent's poll
+    held = round_3(A, B, C)
+    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    registry.publish(Progress.of(11, round_3(A, B, C), 3))  # the aggregator's fold
+    assert b.wait(held, 10, EXIT_GATHER, deadline()) is Heard.KEEP
+    clock.now += EXIT_GATHER
+    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline()) == Refresh()
+    folded = round_3(A, B, C)
+    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, folded, 11, deadline()) is CHANGED
+    assert (list(folded.participants), folded.wait_list) == ([A, C], {B})

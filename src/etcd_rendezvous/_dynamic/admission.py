@@ -687,10 +687,11 @@ class Admission:
                 listing = self._list(deadline)
                 self._attempt = attempt = self._new_attempt(listing)
                 attempt.mark = mark
+            held = token is not None
             if attempt.staggered:
-                held = token is not None
                 return self._candidate_turn(attempt, created, wants, now, stale, held, deadline)
-            return self._predecessors_turn(attempt, listing, wants, now, moved, deadline)
+            behind = stale and held
+            return self._predecessors_turn(attempt, listing, wants, now, moved, behind, deadline)
 
     def _is_candidate(self, created: int) -> bool:
         """Whether the node, whose key was created at ``created``, is a candidate
@@ -729,6 +730,7 @@ class Admission:
         wants: WantsAdmission,
         now: float,
         moved: bool,
+        behind: bool,
         deadline: Deadline,
     ) -> _Batch | Wait | Refresh:
         """A node with a listed attempt makes the batch once its predecessors were
@@ -741,7 +743,9 @@ class Admission:
         a batch may have decided its predecessors (a leaving node whose listing came
         before the others asked takes out only itself). Without that read the younger
         nodes would wait out the grace and then all make batches at once, every one a
-        large state write and all but one lost."""
+        large state write and all but one lost. A node about to make the batch on a state
+        older than the summary heard (``behind``: a fold, say) reads it first, as a
+        candidate does: its write would be lost."""
         waited = now - attempt.progress_at
         if attempt.blocked(wants):
             if moved:
@@ -751,9 +755,13 @@ class Admission:
             wait = grace_wait(len(attempt.blockers(wants)), waited, attempt.jitter)
             if wait > 0:
                 return Wait(wait)
+            if behind:
+                return Refresh()
             listing = self._list(deadline)
             self._admit_the_slow(attempt, listing, wants, now)
             return self._batch(listing, wants, deadline)
+        if behind:
+            return Refresh()
         if listing is None:
             listing = self._list(deadline)
             # An older node that asked to leave since our last listing makes the batch
