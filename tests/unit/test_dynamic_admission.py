@@ -1332,23 +1332,6 @@ def test_a_blocked_node_that_found_no_state_on_a_member_behind_the_summary_waits
     )
 
 
-def test_a_candidate_that_found_no_state_on_a_member_behind_the_summary_waits() -> None:
-    """A candidate whose read of the state found none, served by a member behind the
-    summary it heard (which it keeps), does not ask to read again at once, a read after
-    read for as long as that member lags: it waits for a silence, after which it reads
-    the key and then the state."""
-    clock = Clock()
-    registry = BoardRegistry(clock)
-    registry.publish(summary(7, 7))
-    keys = joining(A, registry, clock)
-    assert isinstance(admit(keys, token=None), Wait)
-    registry.absent_at = 5  # a member behind: it has not seen the state of 7 yet
-    keys.synced(RendezvousState(), None, None, True, deadline())
-    clock.now += 2 * ADMIT_GATHER
-    assert admit(keys, token=None) == Wait(PROGRESS_SILENCE)
-    assert admit(keys, token=7) == [A]  # the state, read from a member that caught up
-
-
 def test_a_leaving_node_reads_a_newer_state_before_it_makes_the_batch() -> None:
     """B, the oldest that asks to leave, makes the batch; a heartbeat fold wrote the state
     since B read it (the progress key says so): B reads it first, as a candidate does,

@@ -689,7 +689,7 @@ class Admission:
                 attempt.mark = mark
             held = token is not None
             if attempt.staggered:
-                return self._candidate_turn(attempt, created, wants, now, stale, held, deadline)
+                return self._candidate_turn(attempt, created, wants, now, stale, deadline)
             behind = stale and held
             return self._predecessors_turn(attempt, listing, wants, now, moved, behind, deadline)
 
@@ -706,21 +706,18 @@ class Admission:
         wants: WantsAdmission,
         now: float,
         stale: bool,
-        held: bool,
         deadline: Deadline,
     ) -> _Batch | Wait | Refresh:
         """A candidate admitter makes the batch of every listed key, older ones included,
         once its turn came without progress (a batch deciding more keys, not any write:
-        heartbeat folds), on the state the progress key describes. ``held``: the node
-        holds a state (else its last read found none, from a member behind the summary,
-        which a read at once would ask again: it waits for a silence, and then reads)."""
+        heartbeat folds), on the state the progress key describes."""
         progress = self._progress
         idle = now - max(attempt.progress_at, progress.decided_at)
         wait = stagger_wait(created, progress.decided_upto, idle, attempt.jitter)
         if wait > 0:
             return Wait(wait)
         if stale:
-            return Refresh() if held else Wait(PROGRESS_SILENCE)
+            return Refresh()
         return self._batch(self._list(deadline), wants, deadline)
 
     def _predecessors_turn(
