@@ -629,7 +629,7 @@ def test_the_bound_adds_up_its_terms():
     )
     bound = sc.liveness_bound()
     assert bound.failover == 2.0 + 5.0  # request_timeout + silence_timeout: a member stays frozen
-    assert bound.cycle == 2 * 3 + 4 + 2 + 4 + 1 + 2 + 2
+    assert bound.cycle == 2 * 3 + 4 + 6 + 4 + 1 + 2 + 2
     assert bound.total == bound.detect + 2 * bound.cycle + bound.failover + bound.margin
 
 
