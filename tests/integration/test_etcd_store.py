@@ -767,18 +767,24 @@ def test_a_store_at_the_root_counts_and_waits(private_etcd_server: EtcdServer, p
     root holds every key."""
     address = [(private_etcd_server.get_host(), private_etcd_server.get_port())]
     with TRANSPORTS[etcd_api_under_test()](address) as conn:
-        store = EtcdStore(conn, prefix, timeout=timedelta(seconds=5))
-        assert store.num_keys() == 0
-        store.set("a", "1")
-        store.set("b", "2")
-        assert store.num_keys() == 2
-        call = InThread(lambda: store.wait(["c", "d"]))
-        writer = EtcdStore(conn, prefix, timeout=LONG)
-        writer.set("c", "3")
-        writer.set("d", "4")
-        call.result(LONG.total_seconds())
-        assert store.multi_get(["c", "d"]) == [b"3", b"4"]
-        assert store.num_keys() == 4
+        assert EtcdStore(conn, prefix).num_keys() == 0
+        _counts_and_waits(conn, prefix)
+        assert EtcdStore(conn, prefix).num_keys() == 4
+
+
+def _counts_and_waits(conn: Transport, prefix: str) -> None:
+    """A store at ``prefix`` counts the two keys it sets, and a wait for two more ends
+    when another store at ``prefix`` sets them."""
+    store = EtcdStore(conn, prefix, timeout=timedelta(seconds=5))
+    store.set("a", "1")
+    store.set("b", "2")
+    assert store.num_keys() == 2
+    call = InThread(lambda: store.wait(["c", "d"]))
+    writer = EtcdStore(conn, prefix, timeout=LONG)
+    writer.set("c", "3")
+    writer.set("d", "4")
+    call.result(LONG.total_seconds())
+    assert store.multi_get(["c", "d"]) == [b"3", b"4"]
 
 
 @pytest.mark.parametrize("spelling", ["no-leading-slash", "double-slash"])
@@ -790,13 +796,4 @@ def test_a_store_prefix_spelled_otherwise_than_etcd_stores_it_counts_and_waits(
     over v3 (whose keys are literal) ``num_keys`` finds nothing and a wait for several
     keys watches a range no key is written to, until its timeout."""
     prefix = etcd_prefix.lstrip("/") if spelling == "no-leading-slash" else etcd_prefix + "//s"
-    store = EtcdStore(conn, prefix, timeout=timedelta(seconds=5))
-    store.set("a", "1")
-    store.set("b", "2")
-    assert store.num_keys() == 2
-    call = InThread(lambda: store.wait(["c", "d"]))
-    writer = EtcdStore(conn, prefix, timeout=LONG)
-    writer.set("c", "3")
-    writer.set("d", "4")
-    call.result(LONG.total_seconds())
-    assert store.multi_get(["c", "d"]) == [b"3", b"4"]
+    _counts_and_waits(conn, prefix)

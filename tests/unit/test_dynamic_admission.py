@@ -22,6 +22,7 @@ from etcd_rendezvous._dynamic.admission import (
     CHANGED,
     EXIT_GATHER,
     Admission,
+    Changed,
     Refresh,
     Wait,
     grace_wait,
@@ -1187,6 +1188,29 @@ def test_a_node_whose_join_timed_out_takes_itself_out_wherever_a_batch_put_it() 
     assert rollback_action(state, A) == Action.ERROR_CLOSED
 
 
+def round_3_keys(clock: Clock, *nodes: NodeDesc) -> BoardRegistry:
+    """A registry in which ``nodes``, the participants of the complete round 3, have keys
+    that were all decided, and the progress key describes that state, written at 10."""
+    registry = BoardRegistry(clock)
+    for node in nodes:
+        registry.announce_node(node, 15)
+    registry.publish(Progress(10, 3, True, False, registry.index, len(nodes), 0))
+    return registry
+
+
+def member(node: NodeDesc, registry: BoardRegistry, clock: Clock) -> Admission:
+    """``node``'s admission, a participant of round 3 (see :func:`round_3_keys`) whose
+    agent polled ``num_nodes_waiting()`` (which read the progress key)."""
+    keys = keys_of(node, registry, clock)
+    assert keys.waiting_hint(10, deadline()) is not None
+    return keys
+
+
+def ask_to_leave(keys: Admission, state: RendezvousState, token: int) -> Changed | Wait | Refresh:
+    """The node of ``keys`` asks to leave the round of ``state`` (read with ``token``)."""
+    return keys.join(Action.REMOVE_FROM_PARTICIPANTS, state, token, deadline())
+
+
 def round_3(*participants: NodeDesc, waiting: Iterable[NodeDesc] = ()) -> RendezvousState:
     """The complete round 3 of ``participants``; ``waiting`` wait for the next."""
     state = RendezvousState()
@@ -1205,33 +1229,26 @@ def test_a_node_blocked_by_a_batch_that_missed_it_reads_the_state_when_that_batc
     of waiting out the grace (after which every waiting node made a batch of its own at
     once: each a state write, all but one lost)."""
     clock = Clock()
-    registry = BoardRegistry(clock)
-    a, b, c = (keys_of(node, registry, clock) for node in (A, B, C))
-    for node in (A, B, C):
-        registry.announce_node(node, 15)
-    registry.publish(Progress(10, 3, True, False, registry.index, 3, 0))  # all decided
-    for keys in (a, b, c):
-        assert keys.waiting_hint(10, deadline()) is not None  # its agent's poll
+    registry = round_3_keys(clock, A, B, C)
+    a, b, c = (member(node, registry, clock) for node in (A, B, C))
     held = round_3(A, B, C)
-    assert waits(a.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    assert waits(ask_to_leave(a, held, 10)) > 0
     clock.now += EXIT_GATHER
     batch_of_a = round_3(A, B, C)
-    assert a.join(Action.REMOVE_FROM_PARTICIPANTS, batch_of_a, 10, deadline()) is CHANGED
+    assert ask_to_leave(a, batch_of_a, 10) is CHANGED
     assert (list(batch_of_a.participants), batch_of_a.wait_list) == ([B, C], {A})
     for keys in (b, c):  # B and C ask now; their listings show A leaving
-        assert waits(keys.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+        assert waits(ask_to_leave(keys, held, 10)) > 0
     clock.now += EXIT_GATHER
-    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
-        pytest.approx(ADMISSION_GRACE)
-    )
+    assert waits(ask_to_leave(b, held, 10)) == (pytest.approx(ADMISSION_GRACE))
     # A's batch lands: its summary tells of one participant fewer and one more waiting.
     registry.publish(Progress.of(11, batch_of_a, 3))
     assert b.wait(held, 10, ADMISSION_GRACE, deadline()) is Heard.KEEP
     waited_from = clock.now
-    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline()) == Refresh()
+    assert ask_to_leave(b, held, 10) == Refresh()
     # On the state A wrote, nobody older than B leaves: B takes out B and C, which ends
     # the round, and everyone is admitted to the next one, A (which waited) first.
-    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, batch_of_a, 11, deadline()) is CHANGED
+    assert ask_to_leave(b, batch_of_a, 11) is CHANGED
     assert (batch_of_a.round, list(batch_of_a.participants)) == (4, [A, B, C])
     assert clock.now == waited_from
 
@@ -1240,25 +1257,17 @@ def test_a_blocked_node_does_not_read_the_state_for_a_fold_of_heartbeats() -> No
     """A summary of a newer state with the same admissions (the aggregator's fold) tells
     a node blocked by an older leaving node nothing: it keeps waiting for the batch."""
     clock = Clock()
-    registry = BoardRegistry(clock)
-    b = keys_of(B, registry, clock)
-    for node in (A, B, C):
-        registry.announce_node(node, 15)
-    registry.publish(Progress(10, 3, True, False, registry.index, 3, 0))  # all decided
-    assert b.waiting_hint(10, deadline()) is not None  # its agent's poll
+    registry = round_3_keys(clock, A, B, C)
+    b = member(B, registry, clock)
     registry.mark_leaving(A, 3, 15)
     held = round_3(A, B, C)
-    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    assert waits(ask_to_leave(b, held, 10)) > 0
     clock.now += EXIT_GATHER
-    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
-        pytest.approx(ADMISSION_GRACE)
-    )
+    assert waits(ask_to_leave(b, held, 10)) == (pytest.approx(ADMISSION_GRACE))
     clock.now += 0.5
     registry.publish(Progress.of(11, round_3(A, B, C), 3))
     assert b.wait(held, 10, ADMISSION_GRACE, deadline()) is Heard.KEEP
-    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
-        pytest.approx(ADMISSION_GRACE - 0.5)
-    )
+    assert waits(ask_to_leave(b, held, 10)) == (pytest.approx(ADMISSION_GRACE - 0.5))
 
 
 def test_the_grace_grows_with_the_nodes_still_waiting_ahead_and_is_capped() -> None:
@@ -1278,27 +1287,21 @@ def test_of_the_nodes_behind_a_frozen_leaving_node_the_next_one_makes_the_batch(
     step more each, and hear of B's batch before their turn: one state write, not one per
     node."""
     clock = Clock()
-    registry = BoardRegistry(clock)
     nodes = (A, B, C, D)
-    b, c, d = (keys_of(node, registry, clock) for node in (B, C, D))
-    for node in nodes:
-        registry.announce_node(node, 15)
-    registry.publish(Progress(10, 3, True, False, registry.index, 4, 0))  # all decided
+    registry = round_3_keys(clock, *nodes)
+    b, c, d = (member(node, registry, clock) for node in (B, C, D))
     registry.mark_leaving(A, 3, 15)  # and then A froze
     held = round_3(*nodes)
     for keys in (b, c, d):
-        assert keys.waiting_hint(10, deadline()) is not None  # its agent's poll
-        assert waits(keys.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+        assert waits(ask_to_leave(keys, held, 10)) > 0
     clock.now += EXIT_GATHER
     for keys in (b, c, d):  # each lists the keys: the older ones ask to leave too
-        assert waits(keys.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
-            pytest.approx(ADMISSION_GRACE)
-        )
+        assert waits(ask_to_leave(keys, held, 10)) == (pytest.approx(ADMISSION_GRACE))
     clock.now += ADMISSION_GRACE
-    turns = [keys.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline()) for keys in (c, d)]
+    turns = [ask_to_leave(keys, held, 10) for keys in (c, d)]
     assert [waits(turn) for turn in turns] == pytest.approx([ADMIT_STAGGER, 2 * ADMIT_STAGGER])
     batch_of_b = round_3(*nodes)
-    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, batch_of_b, 10, deadline()) is CHANGED
+    assert ask_to_leave(b, batch_of_b, 10) is CHANGED
     assert (batch_of_b.round, list(batch_of_b.participants)) == (4, [A, B, C, D])
     registry.publish(Progress.of(11, batch_of_b, 3))
     assert c.wait(held, 10, ADMIT_STAGGER, deadline()) is Heard.READ  # the round ended
@@ -1312,19 +1315,13 @@ def test_a_blocked_node_that_found_no_state_on_a_member_behind_the_summary_waits
     missed (it has no state to compare it with): it waits for its grace, instead of
     reading the state again at once, for as long as that member lags."""
     clock = Clock()
-    registry = BoardRegistry(clock)
-    b = keys_of(B, registry, clock)
-    for node in (A, B, C):
-        registry.announce_node(node, 15)
-    registry.publish(Progress(10, 3, True, False, registry.index, 3, 0))  # all decided
-    assert b.waiting_hint(10, deadline()) is not None  # its agent's poll
+    registry = round_3_keys(clock, A, B, C)
+    b = member(B, registry, clock)
     registry.mark_leaving(A, 3, 15)  # and then A froze
     held = round_3(A, B, C)
-    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    assert waits(ask_to_leave(b, held, 10)) > 0
     clock.now += EXIT_GATHER
-    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) == (
-        pytest.approx(ADMISSION_GRACE)
-    )
+    assert waits(ask_to_leave(b, held, 10)) == (pytest.approx(ADMISSION_GRACE))
     registry.absent_at = 5  # a member behind: it has not seen the state of 10 yet
     b.synced(RendezvousState(), None, None, True, deadline())
     assert waits(b.join(Action.ADD_TO_PARTICIPANTS, RendezvousState(), None, deadline())) == (
@@ -1337,18 +1334,14 @@ def test_a_leaving_node_reads_a_newer_state_before_it_makes_the_batch() -> None:
     since B read it (the progress key says so): B reads it first, as a candidate does,
     rather than make a large write bound to lose."""
     clock = Clock()
-    registry = BoardRegistry(clock)
-    b = keys_of(B, registry, clock)
-    for node in (A, B, C):
-        registry.announce_node(node, 15)
-    registry.publish(Progress(10, 3, True, False, registry.index, 3, 0))  # all decided
-    assert b.waiting_hint(10, deadline()) is not None  # its agent's poll
+    registry = round_3_keys(clock, A, B, C)
+    b = member(B, registry, clock)
     held = round_3(A, B, C)
-    assert waits(b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline())) > 0
+    assert waits(ask_to_leave(b, held, 10)) > 0
     registry.publish(Progress.of(11, round_3(A, B, C), 3))  # the aggregator's fold
     assert b.wait(held, 10, EXIT_GATHER, deadline()) is Heard.KEEP
     clock.now += EXIT_GATHER
-    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, held, 10, deadline()) == Refresh()
+    assert ask_to_leave(b, held, 10) == Refresh()
     folded = round_3(A, B, C)
-    assert b.join(Action.REMOVE_FROM_PARTICIPANTS, folded, 11, deadline()) is CHANGED
+    assert ask_to_leave(b, folded, 11) is CHANGED
     assert (list(folded.participants), folded.wait_list) == ([A, C], {B})
