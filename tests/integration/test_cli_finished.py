@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 
 from etcd_rendezvous._transport.interface import Node, Transport
-from etcd_rendezvous.cli._runs import RunSummary, read_run
+from etcd_rendezvous.cli._runs import RunSummary, find_runs, read_run
 from etcd_rendezvous.cli.delete import delete_runs
+from etcd_rendezvous.dynamic_rendezvous import NodeDesc
+from etcd_rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 from etcd_rendezvous.etcd_server import EtcdServer
 from etcd_rendezvous.etcd_store import EtcdStore
 from etcd_rendezvous.layout import (
@@ -30,7 +32,9 @@ from etcd_rendezvous.layout import (
     dynamic_store_prefix,
 )
 from support.cli import run_cli, run_main
+from support.net import endpoint_of
 from support.rdzv import Worker, join_all, started
+from support.transports import Connect
 from support.wait import wait_until
 
 _TORCH_LEGACY = "torch.distributed.elastic.rendezvous.etcd_rendezvous"
@@ -385,3 +389,28 @@ def test_a_closed_run_whose_state_looks_old_by_a_member_clock_ahead_is_not_delet
     skipped = json.loads(out)["skipped"]
     assert [s["run_id"] for s in skipped] == [run_id], out
     assert conn.try_get(state_key) is not None
+
+
+def test_another_programs_key_at_the_root_is_no_finished_run(
+    private_etcd_server: EtcdServer, connect: Connect
+) -> None:
+    """Under the root prefix an ``etcd-v2`` run's state key is its run id alone, as
+    PyTorch spells it: etcd's v2 API stores it right below the root (``/<run_id>``), its
+    v3 API as it is (``<run_id>``, no ``/``). A key right below the root may thus be a
+    run's state over v2 (judged by its value: one that does not decode is no finished
+    run), never over v3: there it is another program's, neither listed as a run nor
+    taken for a finished one that ``gc`` would collect. A server of its own: the root
+    holds every key."""
+    conn = connect(endpoint_of(private_etcd_server))
+    conn.set("/not-a-run", "another program's value")
+    EtcdRendezvousBackend(conn, "root-run", key_prefix=None).announce_node(
+        NodeDesc("host", 1, 0), 60
+    )
+    runs = {summary.run_id: summary for summary in find_runs(conn, ["etcd-v2"], "/")}
+    assert "root-run" in runs
+    assert not runs["root-run"].finished
+    if conn.api == "v2":
+        assert runs["not-a-run"].status == "invalid"
+        assert not runs["not-a-run"].finished
+    else:
+        assert "not-a-run" not in runs

@@ -479,8 +479,12 @@ def list_etcd_v2_run_ids(conn: Transport, state_prefix: str) -> list[str]:
     """The run ids of ``etcd-v2`` runs: the keys (not directories) directly below the
     state prefix, and the runs with a nodes directory (node keys, the aggregator lock,
     the progress key) but no state key left."""
-    run_ids = {_last_segment(child) for child in _children(conn, state_prefix) if not child.is_dir}
     key_prefix = None if state_prefix == "/" else state_prefix
+    run_ids = {
+        _last_segment(child)
+        for child in _children(conn, state_prefix)
+        if not child.is_dir and _names_state_key(conn, child, key_prefix)
+    }
     runs_dir = EtcdV2NodesLayout.runs_dir(key_prefix)
     for child in _children(conn, runs_dir):
         run_id = EtcdV2NodesLayout.run_id_of(_last_segment(child)) if child.is_dir else None
@@ -489,6 +493,16 @@ def list_etcd_v2_run_ids(conn: Transport, state_prefix: str) -> list[str]:
     return sorted(
         run_id for run_id in run_ids if _nameable(conn, etcd_v2_state_key(run_id, key_prefix))
     )
+
+
+def _names_state_key(conn: Transport, child: Node, key_prefix: str | None) -> bool:
+    """Whether ``child``, a key right below the state prefix ``key_prefix``, is where
+    the run named by its last segment keeps its state. Under the root the state key is
+    the run id alone (PyTorch's spelling): etcd's v2 API stores it right below the root,
+    its v3 API as it is, without a ``/``, so over v3 a key right below the root is
+    another program's."""
+    key = etcd_v2_state_key(_last_segment(child), key_prefix)
+    return (normalize_key(key) if conn.api == "v2" else key) == child.key
 
 
 def _children(conn: Transport, directory: str) -> tuple[Node, ...]:
