@@ -162,10 +162,7 @@ def stagger_wait(created: int, decided_upto: int, idle: float, jitter: float = 0
     admission, one heartbeat writer", candidate admitters).
     """
     ahead = max(created - decided_upto - 2, 0)
-    steps = ADMIT_GATHER + min(ahead, _STAGGER_CAP) * ADMIT_STAGGER
-    if ahead >= _STAGGER_CAP:
-        steps += jitter * _TAIL_JITTER
-    return max(steps - idle, 0.0)
+    return max(ADMIT_GATHER + _stagger(ahead, jitter) - idle, 0.0)
 
 
 def grace_wait(blockers: int, waited: float, jitter: float = 0.0) -> float:
@@ -175,11 +172,17 @@ def grace_wait(blockers: int, waited: float, jitter: float = 0.0) -> float:
     blocker but the first (capped as in :func:`stagger_wait`; ``jitter`` in [0, 1)
     spreads the nodes beyond the cap). Of the nodes stuck behind the same slow node, the
     next one makes the batch, and the others hear of it before their turn."""
-    ahead = max(blockers - 1, 0)
+    return max(ADMISSION_GRACE + _stagger(max(blockers - 1, 0), jitter) - waited, 0.0)
+
+
+def _stagger(ahead: int, jitter: float) -> float:
+    """Seconds of stagger for a node with ``ahead`` nodes before it: a step of
+    :data:`ADMIT_STAGGER` each, up to :data:`_STAGGER_CAP`, and beyond that a random
+    part (``jitter`` in [0, 1)) of :data:`_TAIL_JITTER`."""
     steps = min(ahead, _STAGGER_CAP) * ADMIT_STAGGER
     if ahead >= _STAGGER_CAP:
         steps += jitter * _TAIL_JITTER
-    return max(ADMISSION_GRACE + steps - waited, 0.0)
+    return steps
 
 
 #: Tells whether a batch would do something for a node on the state at hand: take it
@@ -687,10 +690,9 @@ class Admission:
                 listing = self._list(deadline)
                 self._attempt = attempt = self._new_attempt(listing)
                 attempt.mark = mark
-            held = token is not None
             if attempt.staggered:
                 return self._candidate_turn(attempt, created, wants, now, stale, deadline)
-            behind = stale and held
+            behind = stale and token is not None
             return self._predecessors_turn(attempt, listing, wants, now, moved, behind, deadline)
 
     def _is_candidate(self, created: int) -> bool:

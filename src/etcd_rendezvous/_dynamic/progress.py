@@ -196,10 +196,10 @@ class ProgressKey:
         hint = self.hint
         if hint is None or hint.token <= token:
             return False
-        held = (state.round, state.complete, state.closed, len(state.participants))
-        return (hint.round, hint.complete, hint.closed, hint.participants) != held or (
-            hint.waiting != len(state.wait_list)
-        )
+        held = (state.round, state.complete, state.closed)
+        heard = (hint.round, hint.complete, hint.closed)
+        counts = (len(state.participants), len(state.wait_list))
+        return heard != held or (hint.participants, hint.waiting) != counts
 
     def batch_listed(self) -> None:
         """The node makes a batch from the listing just taken: its write decides the keys
